@@ -1,0 +1,42 @@
+// Benchmark support: the named shapes of BENCHMARKS.md, CUDA-event timing (median/min/max over
+// repeats after warm-up), and the device-to-device copy bandwidth measured in the same run.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+namespace moe::bench {
+
+struct Shape {
+  const char* name;
+  int64_t T, H, F;
+  int E, k;
+};
+
+// Every named shape, in the order of BENCHMARKS.md.
+const std::vector<Shape>& named_shapes();
+// Throws moe::Error listing the known names when `name` is unknown.
+const Shape& shape_by_name(const std::string& name);
+
+struct Timing {
+  double median_ms = 0, min_ms = 0, max_ms = 0;
+};
+
+// Times fn() (which enqueues work on `stream`) with CUDA events: `warmup` untimed runs, then
+// `repeats` timed runs, each bracketed by its own events.
+Timing time_cuda(const std::function<void()>& fn, cudaStream_t stream, int warmup = 5, int repeats = 20);
+
+// Captures fn() into a CUDA graph once and times its replays the same way.
+Timing time_cuda_graph(const std::function<void()>& fn, cudaStream_t stream, int warmup = 5, int repeats = 20);
+
+// Device-to-device copy bandwidth (bytes read + written per second, GB/s) of a `bytes` buffer.
+double copy_bandwidth_gbs(cudaStream_t stream, size_t bytes = size_t(2) << 30);
+
+// "NVIDIA H100 80GB HBM3 (132 SMs)".
+std::string device_description();
+
+}  // namespace moe::bench

@@ -1,0 +1,57 @@
+// Configuration of the expert layer (SPEC sections 2-5, 7): everything that fixes buffer sizes is
+// here, so that all device memory can be planned at construction and nothing is allocated per call.
+#pragma once
+
+#include <cstdint>
+
+#include "moe/activation.h"
+#include "moe/dtype.h"
+#include "moe/routing.h"
+
+namespace moe {
+
+enum class ProbsPlacement : uint8_t {
+  kInActivation,  // act * p inside the experts (and the fc2 bias scaled by p); combine weights 1
+  kAtCombine,     // experts unscaled; combine merges with the probs
+};
+
+enum class WeightLayout : uint8_t {
+  kSingleGrouped,  // fc1.weight [E, fc1_out, H], fc2.weight [E, H, F], fc1.bias [E, fc1_out], ...
+  kPerExpert,      // E separate tensors fc1.weight0 .. fc1.weight{E-1}, ...
+};
+
+enum class WgradMode : uint8_t {
+  kWrite,       // gradients written to grad tensors (bf16 or fp32)
+  kAccumulate,  // main_grad (fp32) += dW   ("gradient accumulation fusion")
+};
+
+// The four parameters of the expert MLP, in the order their gradients become final in a
+// non-delayed backward (fc2 first).
+enum class Param : uint8_t { kFc2Weight, kFc2Bias, kFc1Weight, kFc1Bias };
+const char* param_name(Param p);  // "fc1.weight", ...
+
+struct GroupedMlpConfig {
+  int64_t hidden = 0;      // H
+  int64_t ffn = 0;         // F
+  int experts = 0;         // E (held by this GPU)
+  int topk = 0;            // k (top-k form; the bound on experts per token in map form)
+  int64_t max_tokens = 0;  // T_max
+  RoutingForm routing_form = RoutingForm::kTopK;
+  DispatchOptions dispatch;  // alignment, pre-padded input, row bound R
+
+  ActivationParams activation;
+  bool bias = false;
+  ProbsPlacement probs = ProbsPlacement::kInActivation;
+
+  WeightLayout layout = WeightLayout::kSingleGrouped;
+  WgradMode wgrad = WgradMode::kWrite;
+  DType wgrad_dtype = DType::kBF16;  // kWrite: bf16 or fp32
+  bool delay_wgrad = false;
+  DType dtype = DType::kBF16;  // activations and weights
+
+  int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
+  int64_t row_bound() const;  // R resolved from dispatch options
+  void validate() const;      // throws moe::Error naming the bad field
+};
+
+}  // namespace moe

@@ -1,0 +1,37 @@
+#include "moe/grouped_mlp_config.h"
+
+#include "moe/error.h"
+
+namespace moe {
+
+const char* param_name(Param p) {
+  switch (p) {
+    case Param::kFc1Weight: return "fc1.weight";
+    case Param::kFc1Bias: return "fc1.bias";
+    case Param::kFc2Weight: return "fc2.weight";
+    case Param::kFc2Bias: return "fc2.bias";
+  }
+  return "unknown";
+}
+
+int64_t GroupedMlpConfig::row_bound() const {
+  return resolve_row_bound(dispatch, routing_form, max_tokens, topk, experts);
+}
+
+void GroupedMlpConfig::validate() const {
+  // BF16 GEMM operands need 16-byte aligned rows: K and N multiples of 8.
+  MOE_CHECK(hidden > 0 && hidden % 8 == 0, "config 'hidden': expected a positive multiple of 8, got ", hidden);
+  MOE_CHECK(ffn > 0 && ffn % 8 == 0, "config 'ffn': expected a positive multiple of 8, got ", ffn);
+  MOE_CHECK(experts > 0, "config 'experts': expected > 0, got ", experts);
+  MOE_CHECK(topk > 0 && (routing_form == RoutingForm::kMap || topk <= experts),
+            "config 'topk': expected 1..experts (", experts, "), got ", topk);
+  MOE_CHECK(max_tokens >= 0, "config 'max_tokens': expected >= 0, got ", max_tokens);
+  validate_activation(activation, ffn);
+  validate_dispatch_options(dispatch);
+  MOE_CHECK(dtype == DType::kBF16, "config 'dtype': expected bf16, got ", dtype_name(dtype));
+  MOE_CHECK(wgrad_dtype == DType::kBF16 || wgrad_dtype == DType::kFP32,
+            "config 'wgrad_dtype': expected bf16 or fp32, got ", dtype_name(wgrad_dtype));
+  (void)row_bound();  // throws for map form without an explicit bound
+}
+
+}  // namespace moe

@@ -1,0 +1,90 @@
+#include "moe/tensor.h"
+
+#include <cstdint>
+#include <sstream>
+
+#include "moe/error.h"
+
+namespace moe {
+
+TensorView::TensorView(void* data_, DType dtype_, std::initializer_list<int64_t> shape_, Device device_)
+    : data(data_), dtype(dtype_), device(device_), ndim(static_cast<int>(shape_.size())) {
+  MOE_CHECK(ndim <= kMaxDims, "TensorView: at most ", kMaxDims, " dimensions, got ", ndim);
+  int i = 0;
+  for (int64_t s : shape_) {
+    MOE_CHECK(s >= 0, "TensorView: negative size ", s, " in dimension ", i);
+    shape[i++] = s;
+  }
+  int64_t stride = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    strides[d] = stride;
+    stride *= shape[d];
+  }
+}
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  return n;
+}
+
+int64_t TensorView::size(int dim) const {
+  int d = dim < 0 ? dim + ndim : dim;
+  MOE_CHECK(d >= 0 && d < ndim, "TensorView::size: dimension ", dim, " out of range for ", ndim, " dims");
+  return shape[d];
+}
+
+bool TensorView::is_contiguous() const {
+  int64_t stride = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    if (shape[d] != 1 && strides[d] != stride) return false;
+    stride *= shape[d];
+  }
+  return true;
+}
+
+std::string TensorView::shape_string() const {
+  std::ostringstream os;
+  os << "[";
+  for (int d = 0; d < ndim; ++d) os << (d ? ", " : "") << shape[d];
+  os << "]";
+  return os.str();
+}
+
+void check_dtype(const TensorView& t, const char* name, DType expected) {
+  MOE_CHECK(t.dtype == expected, "argument '", name, "': expected dtype ", dtype_name(expected), ", got ",
+            dtype_name(t.dtype));
+}
+
+void check_device(const TensorView& t, const char* name, Device expected) {
+  MOE_CHECK(t.device == expected, "argument '", name, "': expected a ",
+            expected == Device::kCUDA ? "CUDA" : "CPU", " tensor");
+}
+
+void check_contiguous(const TensorView& t, const char* name) {
+  MOE_CHECK(t.is_contiguous(), "argument '", name, "': expected a contiguous tensor, got shape ",
+            t.shape_string(), " with non-row-major strides");
+}
+
+void check_shape(const TensorView& t, const char* name, std::initializer_list<int64_t> expected) {
+  bool ok = t.ndim == static_cast<int>(expected.size());
+  int d = 0;
+  std::ostringstream want;
+  want << "[";
+  for (int64_t e : expected) {
+    want << (d ? ", " : "") << (e < 0 ? std::string("*") : std::to_string(e));
+    if (ok && e >= 0 && t.shape[d] != e) ok = false;
+    ++d;
+  }
+  want << "]";
+  MOE_CHECK(ok, "argument '", name, "': expected shape ", want.str(), ", got ", t.shape_string());
+}
+
+void check_pointer(const TensorView& t, const char* name, int alignment) {
+  if (t.empty()) return;
+  MOE_CHECK(t.data != nullptr, "argument '", name, "': null data pointer for a non-empty tensor");
+  MOE_CHECK(reinterpret_cast<uintptr_t>(t.data) % alignment == 0, "argument '", name, "': expected a ",
+            alignment, "-byte aligned pointer");
+}
+
+}  // namespace moe

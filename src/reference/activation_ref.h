@@ -1,0 +1,20 @@
+// CPU reference of the gated activations with prob scaling (SPEC 4), forward and backward.
+// All arithmetic in fp32 (as the kernels do), on logical columns mapped through the GLU interleave.
+#pragma once
+
+#include <cstdint>
+
+#include "moe/activation.h"
+
+namespace moe::ref {
+
+// h [rows, fc1_out] -> out [rows, F] = act(h) * p[row] (p may be null: 1).
+void activation_forward(const ActivationParams& params, const float* h, const float* p, int64_t rows, int64_t F,
+                        float* out);
+
+// d_out [rows, F] -> dh [rows, fc1_out] and, when dp is non-null, dp[row] = sum_j d_out * act_unscaled
+// (the prob's gradient through the activation).
+void activation_backward(const ActivationParams& params, const float* h, const float* p, const float* d_out,
+                         int64_t rows, int64_t F, float* dh, float* dp);
+
+}  // namespace moe::ref

@@ -1,0 +1,159 @@
+// Core types: dtypes, tensor views and their argument checks, float conversions, options.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "moe/activation.h"
+#include "moe/device_errors.h"
+#include "moe/error.h"
+#include "moe/float_convert.h"
+#include "moe/grouped_mlp_config.h"
+#include "moe/routing.h"
+#include "moe/tensor.h"
+
+namespace moe {
+namespace {
+
+// Expects a moe::Error whose message contains `needle` (the argument's name).
+template <typename F>
+void expect_error_naming(F&& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected moe::Error mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(DType, SizesAndNames) {
+  EXPECT_EQ(dtype_bits(DType::kBF16), 16);
+  EXPECT_EQ(dtype_bits(DType::kFP4E2M1), 4);
+  EXPECT_EQ(dtype_bytes(DType::kFP4E2M1, 3), 2);  // packed, rounded up
+  EXPECT_EQ(dtype_bytes(DType::kFP32, 5), 20);
+  for (DType t : {DType::kBF16, DType::kFP16, DType::kFP32, DType::kFP64, DType::kInt32, DType::kInt64,
+                  DType::kUInt8, DType::kBool, DType::kFP8E4M3, DType::kFP8E5M2, DType::kE8M0, DType::kFP4E2M1})
+    EXPECT_EQ(dtype_from_name(dtype_name(t)), t);
+  expect_error_naming([] { dtype_from_name("bf17", "weight_dtype"); }, "weight_dtype");
+}
+
+TEST(TensorView, ShapeStridesAndChecks) {
+  float buf[24];
+  TensorView v(buf, DType::kFP32, {2, 3, 4}, Device::kCPU);
+  EXPECT_EQ(v.numel(), 24);
+  EXPECT_EQ(v.strides[0], 12);
+  EXPECT_EQ(v.strides[2], 1);
+  EXPECT_EQ(v.size(-1), 4);
+  EXPECT_TRUE(v.is_contiguous());
+  EXPECT_EQ(v.shape_string(), "[2, 3, 4]");
+  check_shape(v, "x", {2, -1, 4});
+  expect_error_naming([&] { check_shape(v, "x", {2, 3, 5}); }, "'x'");
+  expect_error_naming([&] { check_dtype(v, "probs", DType::kBF16); }, "'probs'");
+  expect_error_naming([&] { check_device(v, "y", Device::kCUDA); }, "'y'");
+  TensorView t = v;
+  std::swap(t.strides[1], t.strides[2]);
+  expect_error_naming([&] { check_contiguous(t, "w"); }, "'w'");
+  TensorView null_view(nullptr, DType::kFP32, {3});
+  expect_error_naming([&] { check_pointer(null_view, "dy"); }, "'dy'");
+  TensorView misaligned(reinterpret_cast<char*>(buf) + 4, DType::kFP32, {3});
+  expect_error_naming([&] { check_pointer(misaligned, "x_perm", 16); }, "'x_perm'");
+  TensorView empty(nullptr, DType::kFP32, {0, 4});
+  check_pointer(empty, "empty");  // empty tensors may be null
+  EXPECT_THROW(TensorView(buf, DType::kFP32, {1, 1, 1, 1, 1}), Error);
+}
+
+TEST(FloatConvert, Bf16RoundsToNearestEven) {
+  EXPECT_EQ(float_to_bf16_bits(1.0f), 0x3F80);
+  // 1 + 2^-8 is exactly half-way between two bf16 values: ties to even (down to 1.0).
+  EXPECT_EQ(float_to_bf16_bits(1.0f + std::ldexp(1.0f, -8)), 0x3F80);
+  // 1 + 3*2^-8 is half-way between 1+2^-7 (odd) and 1+2^-6 (even): up.
+  EXPECT_EQ(float_to_bf16_bits(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3F82);
+  EXPECT_TRUE(std::isnan(bf16_bits_to_float(float_to_bf16_bits(std::nanf("")))));
+  EXPECT_EQ(bf16_bits_to_float(float_to_bf16_bits(-2.5f)), -2.5f);
+  EXPECT_TRUE(std::isinf(round_to_bf16(std::numeric_limits<float>::max())));  // overflow rounds to inf
+}
+
+TEST(FloatConvert, Fp16RoundTripsAndRounds) {
+  for (float x : {0.0f, 1.0f, -1.5f, 65504.0f, 6.103515625e-05f, 5.960464477539063e-08f})
+    EXPECT_EQ(fp16_bits_to_float(float_to_fp16_bits(x)), x) << x;
+  EXPECT_EQ(float_to_fp16_bits(1.0f), 0x3C00);
+  EXPECT_EQ(float_to_fp16_bits(1.0f + std::ldexp(1.0f, -11)), 0x3C00);       // tie -> even
+  EXPECT_EQ(float_to_fp16_bits(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3C02);   // tie -> even (up)
+  EXPECT_EQ(float_to_fp16_bits(70000.0f), 0x7C00);                           // overflow -> inf
+  EXPECT_EQ(float_to_fp16_bits(std::ldexp(1.0f, -26)), 0x0000);              // below half the smallest
+  // Every fp16 bit pattern that is not NaN survives a round trip through fp32.
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    if ((h & 0x7C00) == 0x7C00 && (h & 0x3FF)) continue;
+    ASSERT_EQ(float_to_fp16_bits(fp16_bits_to_float(static_cast<uint16_t>(h))), h) << h;
+  }
+}
+
+TEST(DeviceErrors, DescribesBits) {
+  EXPECT_EQ(describe_error_bits(0), "");
+  std::string s = describe_error_bits(kErrExpertOutOfRange | kErrRowOverflow);
+  EXPECT_NE(s.find("expert id out of range"), std::string::npos);
+  EXPECT_NE(s.find("row bound"), std::string::npos);
+  EXPECT_NE(describe_error_bits(1u << 31).find("unknown"), std::string::npos);
+}
+
+TEST(Routing, RowBoundsAndOptions) {
+  EXPECT_EQ(default_row_bound(100, 2, 8, 0, false), 200);
+  EXPECT_EQ(default_row_bound(100, 2, 8, 16, false), 200 + 8 * 15);
+  EXPECT_EQ(default_row_bound(100, 2, 8, 16, true), 200);
+  DispatchOptions o;
+  o.align = 16;
+  EXPECT_EQ(resolve_row_bound(o, RoutingForm::kTopK, 10, 2, 4), 20 + 60);
+  expect_error_naming([&] { resolve_row_bound(o, RoutingForm::kMap, 10, 2, 4); }, "row_bound");
+  o.row_bound = 77;
+  EXPECT_EQ(resolve_row_bound(o, RoutingForm::kMap, 10, 2, 4), 77);
+  o.align = 48;
+  expect_error_naming([&] { validate_dispatch_options(o); }, "align");
+}
+
+TEST(Activation, LayoutAndValidation) {
+  EXPECT_EQ(fc1_out_features(Activation::kSwiGLU, 64), 128);
+  EXPECT_EQ(fc1_out_features(Activation::kSquaredReLU, 64), 64);
+  EXPECT_EQ(gate_column(5, 64, 0), 5);
+  EXPECT_EQ(linear_column(5, 64, 0), 69);
+  // s = 32: [g0:32 | l0:32 | g32:64 | l32:64]
+  EXPECT_EQ(gate_column(33, 64, 32), 65);
+  EXPECT_EQ(linear_column(33, 64, 32), 97);
+  EXPECT_EQ(linear_column(0, 64, 32), 32);
+  ActivationParams p;
+  p.glu_interleave = 24;
+  expect_error_naming([&] { validate_activation(p, 64); }, "glu_interleave");
+  p.glu_interleave = 32;
+  validate_activation(p, 64);
+  p.kind = Activation::kSquaredReLU;
+  expect_error_naming([&] { validate_activation(p, 64); }, "glu_interleave");
+  EXPECT_EQ(activation_from_name("clamped-swiglu"), Activation::kClampedSwiGLU);
+  expect_error_naming([] { activation_from_name("relu6"); }, "activation");
+}
+
+TEST(GroupedMlpConfig, ValidatesFields) {
+  GroupedMlpConfig c;
+  c.hidden = 128;
+  c.ffn = 64;
+  c.experts = 4;
+  c.topk = 2;
+  c.max_tokens = 32;
+  c.validate();
+  EXPECT_EQ(c.fc1_out(), 128);
+  EXPECT_EQ(c.row_bound(), 64);
+  auto bad = c;
+  bad.hidden = 100;
+  expect_error_naming([&] { bad.validate(); }, "hidden");
+  bad = c;
+  bad.topk = 5;
+  expect_error_naming([&] { bad.validate(); }, "topk");
+  bad = c;
+  bad.wgrad_dtype = DType::kFP16;
+  expect_error_naming([&] { bad.validate(); }, "wgrad_dtype");
+  bad = c;
+  bad.routing_form = RoutingForm::kMap;
+  expect_error_naming([&] { bad.validate(); }, "row_bound");
+}
+
+}  // namespace
+}  // namespace moe
