@@ -1,5 +1,5 @@
 // CPU reference of dispatch (permute + pad) and combine (unpermute + unpad), forward and backward
-// (SPEC 2-3). Values are fp32 on the host; data movement is exact, sums accumulate in fp64.
+// (SPEC 2-3). Values are fp64 on the host (exact for every bf16/fp16/fp32 input); sums in fp64.
 #pragma once
 
 #include <cstdint>
@@ -9,20 +9,20 @@
 namespace moe::ref {
 
 // x [T, H] -> x_perm [R, H] (pad and unused rows zero), probs_perm [R] (zero on pad rows).
-void permute(const DispatchPlan& plan, const float* x, int64_t H, float* x_perm, float* probs_perm);
+void permute(const DispatchPlan& plan, const double* x, int64_t H, double* x_perm, double* probs_perm);
 
 // d_x_perm [R, H], d_probs_perm [R] (may be null) -> dx [T, H] = sum over the token's rows;
 // dprobs [T, slots] = d_probs_perm at the slot's row, zero for unused slots (skipped if null).
-void permute_backward(const DispatchPlan& plan, const float* d_x_perm, const float* d_probs_perm, int64_t H,
-                      float* dx, float* dprobs);
+void permute_backward(const DispatchPlan& plan, const double* d_x_perm, const double* d_probs_perm, int64_t H,
+                      double* dx, double* dprobs);
 
 // Y [R, H] -> y [T, H] = sum over the token's rows of w * Y[row], w = the slot prob when
 // merge_probs, else 1. Tokens routed nowhere get a zero row; pad rows are never read.
-void unpermute(const DispatchPlan& plan, const float* Y, int64_t H, bool merge_probs, float* y);
+void unpermute(const DispatchPlan& plan, const double* Y, int64_t H, bool merge_probs, double* y);
 
 // dy [T, H] -> dY [R, H] = w * dy[token] (pad / unused rows zero); when merge_probs also
 // dprobs [T, slots] = <Y[row], dy[t]> (zero for unused slots; skipped if null).
-void unpermute_backward(const DispatchPlan& plan, const float* Y, const float* dy, int64_t H, bool merge_probs,
-                        float* dY, float* dprobs);
+void unpermute_backward(const DispatchPlan& plan, const double* Y, const double* dy, int64_t H, bool merge_probs,
+                        double* dY, double* dprobs);
 
 }  // namespace moe::ref

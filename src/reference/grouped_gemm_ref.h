@@ -15,14 +15,14 @@ struct Groups {
 };
 
 // fprop: Y_e [rows, N] = X_e [rows, K] * W_e^T,  W_e [N, K].  Rows outside every group untouched.
-void grouped_fprop(const Groups& g, const float* X, const float* const* W, int64_t N, int64_t K, float* Y);
+void grouped_fprop(const Groups& g, const double* X, const double* const* W, int64_t N, int64_t K, double* Y);
 
 // dgrad: dX_e [rows, K] = dY_e [rows, N] * W_e,  W_e [N, K].
-void grouped_dgrad(const Groups& g, const float* dY, const float* const* W, int64_t N, int64_t K, float* dX);
+void grouped_dgrad(const Groups& g, const double* dY, const double* const* W, int64_t N, int64_t K, double* dX);
 
 // wgrad: dW_e [N, K] = dY_e^T X_e (ragged K = rows). accumulate: dW_e += ...; an empty group writes
 // zeros (or leaves dW_e untouched when accumulating).
-void grouped_wgrad(const Groups& g, const float* dY, const float* X, int64_t N, int64_t K, float* const* dW,
+void grouped_wgrad(const Groups& g, const double* dY, const double* X, int64_t N, int64_t K, double* const* dW,
                    bool accumulate);
 
 }  // namespace moe::ref

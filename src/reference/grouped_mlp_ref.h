@@ -12,14 +12,14 @@
 
 namespace moe::ref {
 
-// Per-expert pointer tables of the four parameters, fp32 on the host, in the config's physical
-// layout (fc1 rows follow the GLU interleave). Single-grouped = pointers into one [E, ...] block,
+// Per-expert pointer tables of the four parameters, fp64 on the host, in the config's physical
+// layout (fc1 rows follow the GLU interleave). Values are fp64 (exact for bf16/fp32 data). Single-grouped = pointers into one [E, ...] block,
 // per-expert = E separate blocks; results must be bitwise identical either way.
 struct ExpertParams {
-  std::vector<float*> fc1_weight;  // E x [fc1_out, H]
-  std::vector<float*> fc1_bias;    // E x [fc1_out]   (config.bias only)
-  std::vector<float*> fc2_weight;  // E x [H, F]
-  std::vector<float*> fc2_bias;    // E x [H]         (config.bias only)
+  std::vector<double*> fc1_weight;  // E x [fc1_out, H]
+  std::vector<double*> fc1_bias;    // E x [fc1_out]   (config.bias only)
+  std::vector<double*> fc2_weight;  // E x [H, F]
+  std::vector<double*> fc2_bias;    // E x [H]         (config.bias only)
 };
 
 class GroupedMlpRef {
@@ -37,9 +37,9 @@ class GroupedMlpRef {
   void register_hook(Param param, Hook hook);
 
   // x [T, H] -> y [T, H].
-  void forward(const Routing& routing, const float* x, float* y);
+  void forward(const Routing& routing, const double* x, double* y);
   // dy [T, H] -> dx [T, H], dprobs [T, slots]; weight gradients too unless config.delay_wgrad.
-  void backward(const float* dy, float* dx, float* dprobs);
+  void backward(const double* dy, double* dx, double* dprobs);
   // Delayed mode: fc2's weight gradients, then fc1's, each parameter's hooks once it is final.
   void backward_dw();
 
@@ -57,8 +57,8 @@ class GroupedMlpRef {
   std::vector<std::vector<Hook>> hooks_;
   // Saved for backward.
   DispatchPlan plan_;
-  std::vector<float> x_perm_, probs_perm_, h_, act_, act_unscaled_, Y_;
-  std::vector<float> dY_, dh_;
+  std::vector<double> x_perm_, probs_perm_, h_, act_, act_unscaled_, Y_;
+  std::vector<double> dY_, dh_;
   bool wgrad_pending_ = false;
 };
 

@@ -17,7 +17,7 @@ struct Routing {
   int k = 0;                     // top-k form: slots per token
   std::vector<int32_t> indices;  // top-k: [T * k], -1 = empty slot
   std::vector<uint8_t> map;      // map form: [T * E], nonzero = routed
-  std::vector<float> probs;      // [T * k] or [T * E]
+  std::vector<double> probs;     // [T * k] or [T * E]; fp32-representable (the device takes fp32)
 
   int slots() const { return slots_per_token(form, k, E); }
 };
@@ -36,7 +36,7 @@ struct DispatchPlan {
   std::vector<int64_t> offset;     // [E] exclusive prefix sum of padded (may exceed R on overflow)
   std::vector<int32_t> slot_expert;  // [T * slots] expert of each valid slot, -1 if none/skipped
   std::vector<int64_t> slot_row;     // [T * slots] destination row dst(t, e), -1 if not written
-  std::vector<float> slot_prob;      // [T * slots] prob of each slot (0 where slot_expert = -1)
+  std::vector<double> slot_prob;      // [T * slots] prob of each slot (0 where slot_expert = -1)
   std::vector<int64_t> row_token;    // [R] source token of each row, -1 for pad / unused rows
   std::vector<int64_t> row_slot;     // [R] slot index t * slots + s of each row, -1 for pad / unused
   uint32_t error_bits = 0;
