@@ -20,8 +20,9 @@ void permute_backward(const DispatchPlan& plan, const double* d_x_perm, const do
 // merge_probs, else 1. Tokens routed nowhere get a zero row; pad rows are never read.
 void unpermute(const DispatchPlan& plan, const double* Y, int64_t H, bool merge_probs, double* y);
 
-// dy [T, H] -> dY [R, H] = w * dy[token] (pad / unused rows zero); when merge_probs also
-// dprobs [T, slots] = <Y[row], dy[t]> (zero for unused slots; skipped if null).
+// dy [T, H] -> dY [R, H] = w * dy[token] (pad / unused rows zero); dprobs [T, slots] (skipped if
+// null) = <Y[row], dy[t]> when merge_probs, zero for unused slots and everywhere without
+// merge_probs (y does not depend on the probs then). Y is only read when merge_probs.
 void unpermute_backward(const DispatchPlan& plan, const double* Y, const double* dy, int64_t H, bool merge_probs,
                         double* dY, double* dprobs);
 

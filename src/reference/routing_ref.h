@@ -22,9 +22,18 @@ struct Routing {
   int slots() const { return slots_per_token(form, k, E); }
 };
 
-// Where every routing slot goes. Bad entries (expert out of range, a repeat of an expert in a
-// top-k row, a non-finite prob) are skipped -- slot_row = -1 -- and flagged in error_bits; rows
-// that would land at or past R are not written (slot_row = -1) and flag kErrRowOverflow.
+// Where every routing slot goes. Bad entries are skipped (slot_expert = slot_row = -1) and flagged
+// in error_bits, checked in this order: an expert id outside [0, E) other than -1
+// (kErrExpertOutOfRange); an in-range id equal to the id of an earlier slot of the same top-k row
+// (kErrDuplicateExpert: the first occurrence stays, the repeat is skipped, whatever became of the
+// first); a non-finite prob of a routed entry (kErrNonFiniteProb). -1 in top-k form is an empty
+// slot, not an error; probs of empty slots and off-map entries are not looked at.
+// Map form: slot e of token t is expert e.
+// Padding: padded = ceil(count / A) * A; pre-padded input keeps padded = count and flags
+// kErrMisalignedPrepadded when a count is not a multiple of A (A > 0).
+// Overflow: when sum(padded) > R, kErrRowOverflow is raised and rows at or past R are not
+// written: such a slot keeps slot_expert and slot_prob but has slot_row = -1. count, padded and
+// offset keep their true values (offset may exceed R); rows_in_bound(e) clips to [0, R).
 struct DispatchPlan {
   int64_t T = 0;
   int E = 0;
