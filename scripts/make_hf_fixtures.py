@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Makes the Hugging Face checkpoint fixtures of tests/fixtures/hf/ with the real `transformers`.
+
+For each MoE family: a tiny random model (one decoder layer) is built from its own config class,
+saved with the model's OWN `save_pretrained` (so the file carries whatever key names and layouts
+that version of transformers writes: per-expert w1/w2/w3 or gate_proj/up_proj/down_proj for most
+families, the fused interleaved gate_up_proj with biases for GPT-OSS), and the layer's MoE block is
+run on random tokens. A hook on the block's `experts` module records exactly what the block hands
+its experts -- the tokens, the top-k expert indices and the routing weights after the family's own
+softmax / top-k renormalisation / scaling -- and what the experts return. Those are saved as
+`io.safetensors`:
+
+    x        F32 [T, H]   tokens fed to the experts
+    indices  I32 [T, k]   top-k expert of each slot
+    probs    F32 [T, k]   the weight HF multiplies each slot's expert output by
+    y        F32 [T, H]   the experts' output (shared experts, if any, are not included)
+
+The C++ tests load model.safetensors through our Hugging Face mapping and check that the CPU
+reference reproduces `y` (tests/cpu/test_hf_fixtures.cpp), and that `moe-engine convert` round-trips
+model.safetensors bit for bit (tests/cpu/test_convert_cli.cpp).
+
+Weights are drawn again after construction (normal, family-specific scale) so that the biases are
+not zero and GPT-OSS's clamps are actually reached. Everything runs on the CPU in fp32 with the
+"eager" experts implementation (the model's reference loop), so the outputs are deterministic.
+One family (qwen3_moe) is saved in bf16 to exercise bf16 loading; its outputs are computed by the
+same model in fp32 with those bf16 values, so the comparison stays tight.
+
+Usage: python3 scripts/make_hf_fixtures.py [--out tests/fixtures/hf] [--families mixtral,...]
+Needs torch and transformers (>= 5, made with 5.17 and torch 2.11).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+T = 16  # tokens
+H = 64  # hidden
+F = 32  # expert FFN size
+
+
+def family_specs():
+    """name -> (config class, model class, config kwargs, activation, experts attribute path)."""
+    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, GptOssConfig, GptOssForCausalLM,
+                              MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig,
+                              Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+    common = dict(vocab_size=16, hidden_size=H, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return {
+        # name: (config cls, model cls, kwargs, activation, weight scale, dtype)
+        "mixtral": (MixtralConfig, MixtralForCausalLM,
+                    dict(common, intermediate_size=F, num_local_experts=4, num_experts_per_tok=2, head_dim=32),
+                    "swiglu", 0.15, torch.float32),
+        # Qwen2-MoE does not renormalise the top-k probs by default: the saved probs do not sum to 1.
+        "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                      dict(common, intermediate_size=F, moe_intermediate_size=F, shared_expert_intermediate_size=F,
+                           num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[]),
+                      "swiglu", 0.15, torch.float32),
+        # E = 8, saved in bf16.
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                      dict(common, intermediate_size=F, moe_intermediate_size=F, num_experts=8, num_experts_per_tok=2,
+                           decoder_sparse_step=1, mlp_only_layers=[], head_dim=32, norm_topk_prob=True),
+                      "swiglu", 0.15, torch.bfloat16),
+        # top-1 routing.
+        "olmoe": (OlmoeConfig, OlmoeForCausalLM,
+                  dict(common, intermediate_size=F, num_experts=4, num_experts_per_tok=1),
+                  "swiglu", 0.15, torch.float32),
+        # Group-limited routing with a routed scaling factor; a shared expert the fixture leaves out.
+        "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM,
+                        dict(common, intermediate_size=F, moe_intermediate_size=F, n_routed_experts=4,
+                             num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=2,
+                             first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                             qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.5, norm_topk_prob=True),
+                        "swiglu", 0.15, torch.float32),
+        # Clamped SwiGLU (alpha 1.702, limit 7, +1 on the linear half) with biases; a large scale so that
+        # the clamps are reached.
+        "gpt_oss": (GptOssConfig, GptOssForCausalLM,
+                    dict(common, intermediate_size=F, num_local_experts=4, num_experts_per_tok=2, head_dim=32,
+                         layer_types=["full_attention"], sliding_window=8),
+                    "clamped_swiglu", 0.5, torch.float32),
+    }
+
+
+def find_moe_block(model):
+    """The (name, module) of the one module that owns an `experts` child."""
+    for name, module in model.named_modules():
+        if hasattr(module, "experts") and isinstance(module.experts, torch.nn.Module):
+            return name, module
+    raise RuntimeError(f"{type(model).__name__}: no module with an `experts` child")
+
+
+def make_family(name, spec, out_dir, seed):
+    cfg_cls, model_cls, kwargs, activation, scale, save_dtype = spec
+    torch.manual_seed(seed)
+    config = cfg_cls(**kwargs)
+    model = model_cls(config).eval()
+    model.set_experts_implementation("eager")
+    block_name, block = find_moe_block(model)
+    experts = block.experts
+
+    # Redraw every parameter: nonzero biases, activations of a useful size (see module docstring).
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            s = scale if pname.startswith(block_name + ".experts.") else 0.15
+            p.copy_(torch.randn_like(p) * s)
+        if save_dtype != torch.float32:
+            # The saved values, exactly: the fp32 run below uses the bf16-rounded weights.
+            for p in model.parameters():
+                p.copy_(p.to(save_dtype).to(torch.float32))
+
+    captured = {}
+
+    def hook(module, args, kwargs_, output):
+        a = list(args) + [kwargs_[k] for k in ("top_k_index", "top_k_weights", "router_indices", "routing_weights")
+                          if k in kwargs_]
+        captured["x"], captured["indices"], captured["probs"] = a[0], a[1], a[2]
+        captured["y"] = output
+
+    handle = experts.register_forward_hook(hook, with_kwargs=True)
+    x = torch.randn(1, T, H)
+    with torch.no_grad():
+        block(x)
+    handle.remove()
+
+    xs, idx, probs, y = (captured[k] for k in ("x", "indices", "probs", "y"))
+    assert xs.shape == (T, H), xs.shape
+    k = idx.shape[1]
+    assert probs.shape == (T, k), f"{name}: routing weights have shape {tuple(probs.shape)}, expected [T, k]"
+    assert y.shape == (T, H)
+
+    # Save with the model's own code, then keep its model.safetensors and config.json.
+    fam_dir = os.path.join(out_dir, name)
+    os.makedirs(fam_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp()
+    try:
+        model.to(save_dtype).save_pretrained(tmp)
+        for f in ("model.safetensors", "config.json"):
+            shutil.copyfile(os.path.join(tmp, f), os.path.join(fam_dir, f))
+    finally:
+        shutil.rmtree(tmp)
+
+    # Where the experts of the layer live in the saved file.
+    saved_keys = sorted(load_file(os.path.join(fam_dir, "model.safetensors")).keys())
+    expert_keys = [k_ for k_ in saved_keys if ".experts." in k_ and ".shared" not in k_]
+
+    meta = {
+        "family": name,
+        "activation": activation,
+        "hidden": str(H),
+        "ffn": str(F),
+        "experts": str(experts.num_experts),
+        "topk": str(k),
+        "tokens": str(T),
+        "weights_dtype": str(save_dtype).replace("torch.", ""),
+        "moe_block": block_name,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "seed": str(seed),
+    }
+    save_file({"x": xs.contiguous().float(), "indices": idx.to(torch.int32).contiguous(),
+               "probs": probs.contiguous().float(), "y": y.contiguous().float()},
+              os.path.join(fam_dir, "io.safetensors"), metadata=meta)
+
+    info = {"expert_keys_first": expert_keys[:6], "num_expert_keys": len(expert_keys),
+            "probs_row_sums": [round(v, 4) for v in probs.sum(-1)[:4].tolist()]}
+    if activation == "clamped_swiglu":
+        # How often the clamps bite (a fixture that never clamps would not test them).
+        with torch.no_grad():
+            gu = torch.einsum("th,ehc->etc", xs, experts.gate_up_proj.float()) + experts.gate_up_proj_bias.float()[:, None]
+            info["gate_clamped"] = round((gu[..., ::2] > 7).float().mean().item(), 3)
+            info["up_clamped"] = round((gu[..., 1::2].abs() > 7).float().mean().item(), 3)
+    print(f"{name}: block {block_name}, E={experts.num_experts} k={k}, {info}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf"))
+    ap.add_argument("--families", default=",".join(family_specs().keys()))
+    ap.add_argument("--seed", type=int, default=1234)
+    args = ap.parse_args()
+    specs = family_specs()
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+    torch.set_num_threads(1)  # deterministic CPU reductions
+    for name in args.families.split(","):
+        # A seed per family, independent of which families are made in this run.
+        make_family(name, specs[name], args.out, args.seed + list(specs).index(name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
