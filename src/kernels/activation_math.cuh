@@ -1,0 +1,136 @@
+// Device math of the activations (SPEC 4) in fp32, and 16-byte bf16 vector helpers. The value and
+// derivative formulas mirror src/reference/activation_ref.cpp (fp64), the executable spec.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "moe/activation.h"
+
+namespace moe::kernels {
+
+// Parameters of clamped-swiglu (unused by the others).
+struct ActConsts {
+  float alpha, limit, offset;
+};
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Unscaled activation of one logical column and its partial derivatives (gate g, linear l; the
+// non-gated squared-relu takes its input as g and has no linear half).
+template <Activation A>
+struct ActOp;
+
+template <>
+struct ActOp<Activation::kSwiGLU> {
+  static __device__ __forceinline__ float value(float g, float l, const ActConsts&) { return g * sigmoidf_(g) * l; }
+  static __device__ __forceinline__ void grad(float g, float l, const ActConsts&, float& act, float& dg, float& dl) {
+    float s = sigmoidf_(g);
+    float silu = g * s;
+    act = silu * l;
+    dg = s * (1.0f + g * (1.0f - s)) * l;
+    dl = silu;
+  }
+};
+
+template <>
+struct ActOp<Activation::kGeGLU> {
+  static constexpr float kC = 0.7978845608f, kA = 0.044715f;
+  static __device__ __forceinline__ float gelu(float g, float& t) {
+    t = tanhf(kC * (g + kA * g * g * g));
+    return 0.5f * g * (1.0f + t);
+  }
+  static __device__ __forceinline__ float value(float g, float l, const ActConsts&) {
+    float t;
+    return gelu(g, t) * l;
+  }
+  static __device__ __forceinline__ void grad(float g, float l, const ActConsts&, float& act, float& dg, float& dl) {
+    float t;
+    float ge = gelu(g, t);
+    float dge = 0.5f * (1.0f + t) + 0.5f * g * (1.0f - t * t) * kC * (1.0f + 3.0f * kA * g * g);
+    act = ge * l;
+    dg = dge * l;
+    dl = ge;
+  }
+};
+
+template <>
+struct ActOp<Activation::kClampedSwiGLU> {
+  static __device__ __forceinline__ float value(float g, float l, const ActConsts& c) {
+    float a = fminf(g, c.limit);
+    float lin = fminf(fmaxf(l, -c.limit), c.limit) + c.offset;
+    return a * sigmoidf_(c.alpha * a) * lin;
+  }
+  static __device__ __forceinline__ void grad(float g, float l, const ActConsts& c, float& act, float& dg,
+                                              float& dl) {
+    float a = fminf(g, c.limit);
+    float s = sigmoidf_(c.alpha * a);
+    float gate = a * s;
+    float lin = fminf(fmaxf(l, -c.limit), c.limit) + c.offset;
+    act = gate * lin;
+    // Masked where clamped: no gradient through min(g, L) for g > L, nor through clamp(l) for |l| > L.
+    dg = g > c.limit ? 0.0f : s * (1.0f + c.alpha * a * (1.0f - s)) * lin;
+    dl = fabsf(l) > c.limit ? 0.0f : gate;
+  }
+};
+
+template <>
+struct ActOp<Activation::kSquaredReLU> {
+  static __device__ __forceinline__ float value(float h, float, const ActConsts&) {
+    float r = fmaxf(h, 0.0f);
+    return r * r;
+  }
+  static __device__ __forceinline__ void grad(float h, float, const ActConsts&, float& act, float& dg, float& dl) {
+    float r = fmaxf(h, 0.0f);
+    act = r * r;
+    dg = 2.0f * r;
+    dl = 0.0f;
+  }
+};
+
+// 8 bf16 values = one 16-byte vector.
+constexpr int kVec = 8;
+
+__device__ __forceinline__ void load_bf16x8(const __nv_bfloat16* p, float (&v)[kVec]) {
+  uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < kVec / 2; ++i) {
+    float2 f = __bfloat1622float2(h2[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+
+// Round to nearest even, like moe::float_to_bf16_bits on the host.
+__device__ __forceinline__ void store_bf16x8(__nv_bfloat16* p, const float (&v)[kVec]) {
+  uint4 raw;
+  __nv_bfloat162* h2 = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < kVec / 2; ++i) h2[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+  *reinterpret_cast<uint4*>(p) = raw;
+}
+
+// Physical fc1 columns of the 8 logical columns [j, j + 8): with j and the interleave size both
+// multiples of 8 they are 8 contiguous gate columns and 8 contiguous linear columns.
+// 32-bit column math (F < 2^30 is checked on the host): 64-bit division is slow on the GPU.
+__device__ __forceinline__ int gate_col(int j, int F, int s) { return s == 0 ? j : (j / s) * 2 * s + (j % s); }
+__device__ __forceinline__ int linear_col(int j, int F, int s) {
+  return s == 0 ? F + j : (j / s) * 2 * s + s + (j % s);
+}
+
+// Rows to process: all R, or min(group_offsets[E], R) read on the device (graph-safe).
+__device__ __forceinline__ int64_t valid_rows(const int32_t* group_offsets, int groups, int64_t R) {
+  if (group_offsets == nullptr) return R;
+  int64_t v = group_offsets[groups];
+  return v < 0 ? 0 : (v > R ? R : v);
+}
+
+// Launch shape shared by forward and backward: one warp per row, 8 rows per 256-thread block.
+// A warp's lanes take the row's 16-byte vectors round-robin, so a row's dprobs is summed in a fixed
+// order (per lane, then a fixed shuffle tree): deterministic without atomics.
+constexpr int kActThreads = 256;
+constexpr int kActRowsPerBlock = kActThreads / 32;
+
+}  // namespace moe::kernels

@@ -1,0 +1,45 @@
+// Device helpers of the bias kernels: expert groups of a permuted [R, N] buffer read from the
+// device offsets (graph-safe), and row e of a per-expert parameter in either weight layout.
+// Offsets are clamped to [0, R] so that bad offsets can never cause an out-of-bounds access.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace moe::kernels {
+
+struct DeviceGroups {
+  const int32_t* offsets;  // [E + 1]
+  int E;
+  int64_t R;
+
+  __device__ __forceinline__ int64_t begin(int e) const {
+    int64_t v = offsets[e];
+    return v < 0 ? 0 : (v > R ? R : v);
+  }
+  // Rows at or past this are skipped.
+  __device__ __forceinline__ int64_t valid() const { return begin(E); }
+  // The e in [0, E) whose rows [begin(e), begin(e + 1)) hold r (r < valid()); E if none (only for
+  // non-monotonic, i.e. invalid, offsets).
+  __device__ __forceinline__ int expert_of(int64_t r) const {
+    int lo = 0, hi = E;
+    while (lo < hi) {
+      int mid = (lo + hi) / 2;
+      if (begin(mid + 1) <= r) lo = mid + 1;
+      else hi = mid;
+    }
+    return lo;
+  }
+};
+
+// Row e of a per-expert parameter: one [E, cols] block or a table of E row pointers.
+template <typename T>
+struct DeviceRows {
+  T* stacked;
+  T* const* table;
+  int64_t cols;
+  __device__ __forceinline__ T* row(int e) const { return table != nullptr ? table[e] : stacked + e * cols; }
+};
+
+}  // namespace moe::kernels
