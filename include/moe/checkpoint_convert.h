@@ -1,0 +1,47 @@
+// Checkpoint conversion between per-expert, single-grouped and Hugging Face files (the engine of
+// `moe-engine convert`). Only the experts' tensors change; every other tensor and the file's
+// __metadata__ are carried over byte for byte.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "moe/checkpoint_hf.h"
+#include "moe/safetensors.h"
+#include "moe/state_dict.h"
+
+namespace moe {
+
+struct CheckpointFormat {
+  enum class Kind : uint8_t { kPerExpert, kGrouped, kHuggingFace };
+  Kind kind = Kind::kGrouped;
+  HfFamily family = HfFamily::kMixtral;  // kHuggingFace only
+
+  // "per-expert", "grouped" or "hf:<family>"; throws moe::Error naming `what` otherwise.
+  static CheckpointFormat parse(const std::string& text, const char* what = "format");
+  std::string name() const;
+  bool ours() const { return kind != Kind::kHuggingFace; }
+};
+
+struct ConvertOptions {
+  CheckpointFormat from;
+  CheckpointFormat to;
+  int experts = 0;            // 0: read from the keys (see find_expert_layers)
+  int from_glu_interleave = 0;  // fc1 row layout of the input, when it is ours
+  int to_glu_interleave = 0;    // fc1 row layout of the output, when it is ours
+  // Only these layers (prefixes as find_expert_layers / find_hf_expert_layers name them); all when empty.
+  std::vector<std::string> prefixes;
+};
+
+// Converts the expert layers of `sd` in place; returns their prefixes. No layer found is an error
+// (the input is probably not in the `from` format), as is an output key that collides with a
+// tensor that is not converted.
+std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions& options);
+
+// File to file: reads `in` (memory-mapped), converts, writes `out` (atomically), keeping the
+// input's __metadata__. `progress` sees the bytes written.
+std::vector<std::string> convert_checkpoint(const std::string& in, const std::string& out,
+                                            const ConvertOptions& options,
+                                            const safetensors::ProgressFn& progress = {});
+
+}  // namespace moe

@@ -1,0 +1,72 @@
+// Hugging Face expert naming <-> our layout (SPEC 5).
+//
+// What each family's save_pretrained writes (checked against transformers 5.17, which converts
+// the fused in-memory experts back to these names on save; fixtures in tests/fixtures/hf/):
+//
+//   mixtral              <P>experts.{e}.w1.weight [F, H] (gate), w3 (up = linear), w2 [H, F] (down)
+//                        with P = "model.layers.{l}.block_sparse_moe."
+//   qwen2_moe, qwen3_moe, olmoe, deepseek
+//                        <P>experts.{e}.gate_proj.weight [F, H], up_proj [F, H], down_proj [H, F]
+//                        with P = "model.layers.{l}.mlp." (shared experts are not routed experts
+//                        and are left alone)
+//   gpt_oss              <P>experts.gate_up_proj [E, H, 2F]: x @ W, gate = columns 0::2, up = 1::2;
+//                        gate_up_proj_bias [E, 2F] (same interleave); down_proj [E, F, H] (act @ W);
+//                        down_proj_bias [E, H]
+//
+// For the first five families the fused form transformers >= 5 holds in memory is read as well
+// (<P>experts.gate_up_proj [E, 2F, H] = [gate ; up] rows, <P>experts.down_proj [E, H, F]), e.g.
+// from a raw model.state_dict(); writing always produces what save_pretrained writes.
+//
+// Our side: the layer's keys are the experts module's path plus our names --
+// "model.layers.0.mlp.experts." + "fc1.weight" -- so that converting back restores every key.
+// fc1 of expert e is [2F, H] with the gate rows at gate_column(j) and the linear (up) rows at
+// linear_column(j) (GLU interleave s, include/moe/activation.h); fc2 is [H, F]. Every conversion
+// moves bytes only: values and dtype are preserved exactly, and HF -> ours -> HF is the identity.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "moe/activation.h"
+#include "moe/checkpoint.h"
+#include "moe/state_dict.h"
+
+namespace moe {
+
+enum class HfFamily : uint8_t { kMixtral, kQwen2Moe, kQwen3Moe, kOlmoe, kDeepseek, kGptOss };
+
+// "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek", "gpt_oss".
+const char* hf_family_name(HfFamily f);
+// Accepts the names above and the model_type aliases "deepseek_v2", "deepseek_v3";
+// throws moe::Error naming `what` otherwise.
+HfFamily hf_family_from_name(const std::string& name, const char* what = "family");
+std::vector<std::string> hf_family_names();
+// The family's expert activation: swiglu, or GPT-OSS's clamped swiglu (alpha 1.702, limit 7, +1).
+ActivationParams hf_activation(HfFamily f);
+// GPT-OSS's experts have biases; the others have none.
+bool hf_has_bias(HfFamily f);
+
+// One expert layer of a Hugging Face state dict.
+struct HfExpertLayer {
+  std::string prefix;  // the experts module with a trailing dot, e.g. "model.layers.0.mlp.experts."
+  int experts = 0;
+  int64_t hidden = 0;
+  int64_t ffn = 0;
+  DType dtype = DType::kBF16;
+  bool fused = false;  // mixtral/qwen/olmoe/deepseek: the fused in-memory form rather than per-expert keys
+};
+
+// Every expert layer of `sd` in the family's naming, sorted by prefix. Incomplete or
+// inconsistent layers (a missing expert or projection, shapes that disagree) are moe::Errors
+// naming the keys.
+std::vector<HfExpertLayer> find_hf_expert_layers(const StateDict& sd, HfFamily f);
+
+// One layer's experts in our layout, with GLU interleave `glu_interleave`.
+ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLayer& layer, WeightLayout layout,
+                              int glu_interleave = 0);
+// The tensors the family's save_pretrained writes for these experts, keyed under `prefix`.
+StateDict hf_expert_tensors(const ExpertWeights& w, HfFamily f, const std::string& prefix);
+// The HF keys of one layer (those load_hf_experts reads), to remove them from a dict.
+std::vector<std::string> hf_expert_keys(const HfExpertLayer& layer, HfFamily f);
+
+}  // namespace moe

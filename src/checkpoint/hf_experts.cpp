@@ -1,0 +1,312 @@
+// Hugging Face expert tensors <-> ExpertWeights (layouts in include/moe/checkpoint_hf.h).
+// Pure data movement: every element is copied as bytes, so values and dtype never change.
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <set>
+
+#include "moe/checkpoint_hf.h"
+#include "moe/error.h"
+
+namespace moe {
+
+namespace {
+
+// Projection names of the per-expert families: gate, up (our linear half), down.
+struct ProjNames {
+  const char* gate;
+  const char* up;
+  const char* down;
+};
+ProjNames proj_names(HfFamily f) {
+  if (f == HfFamily::kMixtral) return {"w1", "w3", "w2"};
+  return {"gate_proj", "up_proj", "down_proj"};
+}
+
+std::string per_expert_key(const std::string& prefix, int e, const char* proj) {
+  return prefix + std::to_string(e) + "." + proj + ".weight";
+}
+
+// "<prefix>experts.<rest>" with "experts." at the start of the key or after a '.': the prefix
+// (ending in "experts.") and the rest. The last such "experts." wins.
+bool split_experts_key(const std::string& key, std::string* prefix, std::string* rest) {
+  static const std::string kExperts = "experts.";
+  size_t pos = key.rfind("." + kExperts);
+  size_t start;
+  if (pos != std::string::npos) {
+    start = pos + 1;
+  } else if (key.compare(0, kExperts.size(), kExperts) == 0) {
+    start = 0;
+  } else {
+    return false;
+  }
+  *prefix = key.substr(0, start + kExperts.size());
+  *rest = key.substr(start + kExperts.size());
+  return true;
+}
+
+const HostTensor& need(const StateDict& sd, const std::string& key, const std::vector<int64_t>& shape, DType dtype) {
+  auto it = sd.find(key);
+  MOE_CHECK(it != sd.end(), "state dict: missing '", key, "'");
+  const HostTensor& t = it->second;
+  MOE_CHECK(t.shape() == shape, "state dict: '", key, "' has shape ", t.shape_string(), ", expected ",
+            shape_string(shape));
+  MOE_CHECK(t.dtype() == dtype, "state dict: '", key, "' has dtype ", dtype_name(t.dtype()), ", the layer's other ",
+            "expert tensors ", dtype_name(dtype));
+  return t;
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "'" : ", '") + x + "'";
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Finding layers
+
+void find_gpt_oss(const StateDict& sd, std::vector<HfExpertLayer>& layers) {
+  for (const auto& [key, t] : sd) {
+    std::string prefix, rest;
+    if (!split_experts_key(key, &prefix, &rest) || rest != "gate_up_proj") continue;
+    MOE_CHECK(t.ndim() == 3 && t.size(2) % 2 == 0, "state dict: '", key, "' has shape ", t.shape_string(),
+              ", expected [E, H, 2F]");
+    HfExpertLayer l;
+    l.prefix = prefix;
+    l.experts = static_cast<int>(t.size(0));
+    l.hidden = t.size(1);
+    l.ffn = t.size(2) / 2;
+    l.dtype = t.dtype();
+    need(sd, prefix + "gate_up_proj_bias", {l.experts, 2 * l.ffn}, l.dtype);
+    need(sd, prefix + "down_proj", {l.experts, l.ffn, l.hidden}, l.dtype);
+    need(sd, prefix + "down_proj_bias", {l.experts, l.hidden}, l.dtype);
+    layers.push_back(l);
+  }
+}
+
+void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>& layers) {
+  const ProjNames names = proj_names(f);
+  std::map<std::string, std::map<int, std::set<std::string>>> found;  // prefix -> expert -> projections
+  std::set<std::string> fused;
+  for (const auto& [key, t] : sd) {
+    std::string prefix, rest;
+    if (!split_experts_key(key, &prefix, &rest)) continue;
+    if (rest == "gate_up_proj") {
+      fused.insert(prefix);
+      continue;
+    }
+    const size_t dot = rest.find('.');
+    if (dot == std::string::npos || dot == 0 || dot > 6 || rest.find_first_not_of("0123456789") != dot) continue;
+    if (dot > 1 && rest[0] == '0') continue;  // "01": not an index the library writes
+    const std::string proj = rest.substr(dot + 1);
+    for (const char* n : {names.gate, names.up, names.down}) {
+      if (proj == std::string(n) + ".weight") found[prefix][std::stoi(rest.substr(0, dot))].insert(n);
+    }
+  }
+  for (const auto& [prefix, experts] : found) {
+    MOE_CHECK(!fused.count(prefix), "state dict: experts under '", prefix,
+              "' are stored both per expert and fused (gate_up_proj)");
+    const int E = experts.rbegin()->first + 1;
+    std::vector<std::string> missing;
+    for (int e = 0; e < E; ++e) {
+      auto it = experts.find(e);
+      for (const char* n : {names.gate, names.up, names.down})
+        if (it == experts.end() || !it->second.count(n)) missing.push_back(per_expert_key(prefix, e, n));
+    }
+    MOE_CHECK(missing.empty(), "state dict: the experts under '", prefix, "' are incomplete (", E,
+              " experts): missing ", join(missing));
+    const HostTensor& gate0 = sd.at(per_expert_key(prefix, 0, names.gate));
+    MOE_CHECK(gate0.ndim() == 2, "state dict: '", per_expert_key(prefix, 0, names.gate), "' has shape ",
+              gate0.shape_string(), ", expected [F, H]");
+    HfExpertLayer l;
+    l.prefix = prefix;
+    l.experts = E;
+    l.ffn = gate0.size(0);
+    l.hidden = gate0.size(1);
+    l.dtype = gate0.dtype();
+    for (int e = 0; e < E; ++e) {
+      need(sd, per_expert_key(prefix, e, names.gate), {l.ffn, l.hidden}, l.dtype);
+      need(sd, per_expert_key(prefix, e, names.up), {l.ffn, l.hidden}, l.dtype);
+      need(sd, per_expert_key(prefix, e, names.down), {l.hidden, l.ffn}, l.dtype);
+    }
+    layers.push_back(l);
+  }
+  for (const std::string& prefix : fused) {
+    const HostTensor& gu = sd.at(prefix + "gate_up_proj");
+    MOE_CHECK(gu.ndim() == 3 && gu.size(1) % 2 == 0, "state dict: '", prefix, "gate_up_proj' has shape ",
+              gu.shape_string(), ", expected [E, 2F, H]");
+    HfExpertLayer l;
+    l.prefix = prefix;
+    l.experts = static_cast<int>(gu.size(0));
+    l.ffn = gu.size(1) / 2;
+    l.hidden = gu.size(2);
+    l.dtype = gu.dtype();
+    l.fused = true;
+    need(sd, prefix + "down_proj", {l.experts, l.hidden, l.ffn}, l.dtype);
+    layers.push_back(l);
+  }
+}
+
+}  // namespace
+
+std::vector<HfExpertLayer> find_hf_expert_layers(const StateDict& sd, HfFamily f) {
+  std::vector<HfExpertLayer> layers;
+  if (f == HfFamily::kGptOss)
+    find_gpt_oss(sd, layers);
+  else
+    find_per_expert(sd, f, layers);
+  for (const HfExpertLayer& l : layers)
+    MOE_CHECK(l.experts > 0 && l.hidden > 0 && l.ffn > 0, "state dict: the experts under '", l.prefix,
+              "' have an empty dimension (E=", l.experts, ", H=", l.hidden, ", F=", l.ffn, ")");
+  std::sort(layers.begin(), layers.end(), [](const auto& a, const auto& b) { return a.prefix < b.prefix; });
+  return layers;
+}
+
+std::vector<std::string> hf_expert_keys(const HfExpertLayer& l, HfFamily f) {
+  const std::string& p = l.prefix;
+  if (f == HfFamily::kGptOss)
+    return {p + "gate_up_proj", p + "gate_up_proj_bias", p + "down_proj", p + "down_proj_bias"};
+  if (l.fused) return {p + "gate_up_proj", p + "down_proj"};
+  const ProjNames n = proj_names(f);
+  std::vector<std::string> keys;
+  for (int e = 0; e < l.experts; ++e)
+    for (const char* proj : {n.gate, n.up, n.down}) keys.push_back(per_expert_key(p, e, proj));
+  return keys;
+}
+
+// ---------------------------------------------------------------------------------------------
+// HF -> ours
+
+ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLayer& l, WeightLayout layout,
+                              int glu_interleave) {
+  ExpertWeightsSpec spec;
+  spec.hidden = l.hidden;
+  spec.ffn = l.ffn;
+  spec.experts = l.experts;
+  spec.activation = hf_activation(f);
+  spec.activation.glu_interleave = glu_interleave;
+  spec.bias = hf_has_bias(f);
+  spec.layout = layout;
+  ExpertWeights w(spec, l.dtype);
+  const int64_t H = l.hidden, F = l.ffn, E = l.experts;
+  const int s = glu_interleave;
+  const size_t el = static_cast<size_t>(dtype_bytes(l.dtype, 1));
+  const size_t row = H * el;  // one fc1 row
+
+  if (f == HfFamily::kGptOss) {
+    const uint8_t* gu = need(sd, l.prefix + "gate_up_proj", {E, H, 2 * F}, l.dtype).data();
+    const uint8_t* gub = need(sd, l.prefix + "gate_up_proj_bias", {E, 2 * F}, l.dtype).data();
+    const uint8_t* dn = need(sd, l.prefix + "down_proj", {E, F, H}, l.dtype).data();
+    const uint8_t* dnb = need(sd, l.prefix + "down_proj_bias", {E, H}, l.dtype).data();
+    for (int e = 0; e < E; ++e) {
+      uint8_t* fc1 = w.mutable_expert_data(Param::kFc1Weight, e);
+      uint8_t* b1 = w.mutable_expert_data(Param::kFc1Bias, e);
+      uint8_t* fc2 = w.mutable_expert_data(Param::kFc2Weight, e);
+      const uint8_t* gu_e = gu + e * H * 2 * F * el;
+      const uint8_t* dn_e = dn + e * F * H * el;
+      for (int64_t j = 0; j < F; ++j) {
+        const int64_t g = gate_column(j, F, s), u = linear_column(j, F, s);
+        // Our fc1 row = one column of x @ W: gate is column 2j, up column 2j + 1.
+        for (int64_t h = 0; h < H; ++h) {
+          std::memcpy(fc1 + (g * H + h) * el, gu_e + (h * 2 * F + 2 * j) * el, el);
+          std::memcpy(fc1 + (u * H + h) * el, gu_e + (h * 2 * F + 2 * j + 1) * el, el);
+        }
+        std::memcpy(b1 + g * el, gub + (e * 2 * F + 2 * j) * el, el);
+        std::memcpy(b1 + u * el, gub + (e * 2 * F + 2 * j + 1) * el, el);
+      }
+      // fc2 [H, F] is the transpose of down_proj [F, H].
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t j = 0; j < F; ++j) std::memcpy(fc2 + (h * F + j) * el, dn_e + (j * H + h) * el, el);
+      std::memcpy(w.mutable_expert_data(Param::kFc2Bias, e), dnb + e * H * el, H * el);
+    }
+    return w;
+  }
+
+  const ProjNames n = proj_names(f);
+  const uint8_t* fused_gu = l.fused ? need(sd, l.prefix + "gate_up_proj", {E, 2 * F, H}, l.dtype).data() : nullptr;
+  const uint8_t* fused_dn = l.fused ? need(sd, l.prefix + "down_proj", {E, H, F}, l.dtype).data() : nullptr;
+  for (int e = 0; e < E; ++e) {
+    const uint8_t *gate, *up, *down;
+    if (l.fused) {  // [gate ; up] rows, as chunk(2, dim=-1) of the product splits them
+      gate = fused_gu + e * 2 * F * row;
+      up = gate + F * row;
+      down = fused_dn + e * H * F * el;
+    } else {
+      gate = need(sd, per_expert_key(l.prefix, e, n.gate), {F, H}, l.dtype).data();
+      up = need(sd, per_expert_key(l.prefix, e, n.up), {F, H}, l.dtype).data();
+      down = need(sd, per_expert_key(l.prefix, e, n.down), {H, F}, l.dtype).data();
+    }
+    uint8_t* fc1 = w.mutable_expert_data(Param::kFc1Weight, e);
+    for (int64_t j = 0; j < F; ++j) {
+      std::memcpy(fc1 + gate_column(j, F, s) * row, gate + j * row, row);
+      std::memcpy(fc1 + linear_column(j, F, s) * row, up + j * row, row);
+    }
+    std::memcpy(w.mutable_expert_data(Param::kFc2Weight, e), down, H * F * el);
+  }
+  return w;
+}
+
+// ---------------------------------------------------------------------------------------------
+// ours -> HF
+
+StateDict hf_expert_tensors(const ExpertWeights& w, HfFamily f, const std::string& prefix) {
+  const ExpertWeightsSpec& spec = w.spec();
+  const ActivationParams act = hf_activation(f);
+  MOE_CHECK(spec.activation.kind == act.kind, "Hugging Face ", hf_family_name(f), ": its experts use ",
+            activation_name(act.kind), ", these weights are for ", activation_name(spec.activation.kind));
+  MOE_CHECK(spec.bias == hf_has_bias(f), "Hugging Face ", hf_family_name(f), ": its experts ",
+            hf_has_bias(f) ? "have" : "have no", " biases, these weights ", spec.bias ? "have" : "have none");
+  const int64_t H = spec.hidden, F = spec.ffn, E = spec.experts;
+  const int s = spec.activation.glu_interleave;
+  const DType dt = w.dtype();
+  const size_t el = static_cast<size_t>(dtype_bytes(dt, 1));
+  const size_t row = H * el;
+  StateDict sd;
+
+  if (f == HfFamily::kGptOss) {
+    HostTensor gu(dt, {E, H, 2 * F}), gub(dt, {E, 2 * F}), dn(dt, {E, F, H}), dnb(dt, {E, H});
+    uint8_t *pgu = gu.mutable_data(), *pgub = gub.mutable_data(), *pdn = dn.mutable_data(), *pdnb = dnb.mutable_data();
+    for (int e = 0; e < E; ++e) {
+      const uint8_t* fc1 = w.expert_data(Param::kFc1Weight, e);
+      const uint8_t* b1 = w.expert_data(Param::kFc1Bias, e);
+      const uint8_t* fc2 = w.expert_data(Param::kFc2Weight, e);
+      uint8_t* gu_e = pgu + e * H * 2 * F * el;
+      uint8_t* dn_e = pdn + e * F * H * el;
+      for (int64_t j = 0; j < F; ++j) {
+        const int64_t g = gate_column(j, F, s), u = linear_column(j, F, s);
+        for (int64_t h = 0; h < H; ++h) {
+          std::memcpy(gu_e + (h * 2 * F + 2 * j) * el, fc1 + (g * H + h) * el, el);
+          std::memcpy(gu_e + (h * 2 * F + 2 * j + 1) * el, fc1 + (u * H + h) * el, el);
+        }
+        std::memcpy(pgub + (e * 2 * F + 2 * j) * el, b1 + g * el, el);
+        std::memcpy(pgub + (e * 2 * F + 2 * j + 1) * el, b1 + u * el, el);
+      }
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t j = 0; j < F; ++j) std::memcpy(dn_e + (j * H + h) * el, fc2 + (h * F + j) * el, el);
+      std::memcpy(pdnb + e * H * el, w.expert_data(Param::kFc2Bias, e), H * el);
+    }
+    sd.emplace(prefix + "gate_up_proj", std::move(gu));
+    sd.emplace(prefix + "gate_up_proj_bias", std::move(gub));
+    sd.emplace(prefix + "down_proj", std::move(dn));
+    sd.emplace(prefix + "down_proj_bias", std::move(dnb));
+    return sd;
+  }
+
+  const ProjNames n = proj_names(f);
+  for (int e = 0; e < E; ++e) {
+    HostTensor gate(dt, {F, H}), up(dt, {F, H}), down(dt, {H, F});
+    const uint8_t* fc1 = w.expert_data(Param::kFc1Weight, e);
+    uint8_t *pg = gate.mutable_data(), *pu = up.mutable_data();
+    for (int64_t j = 0; j < F; ++j) {
+      std::memcpy(pg + j * row, fc1 + gate_column(j, F, s) * row, row);
+      std::memcpy(pu + j * row, fc1 + linear_column(j, F, s) * row, row);
+    }
+    std::memcpy(down.mutable_data(), w.expert_data(Param::kFc2Weight, e), H * F * el);
+    sd.emplace(per_expert_key(prefix, e, n.gate), std::move(gate));
+    sd.emplace(per_expert_key(prefix, e, n.up), std::move(up));
+    sd.emplace(per_expert_key(prefix, e, n.down), std::move(down));
+  }
+  return sd;
+}
+
+}  // namespace moe

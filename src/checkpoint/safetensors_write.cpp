@@ -1,0 +1,153 @@
+// Writing safetensors files in the exact byte layout of the safetensors library (so that a file
+// read here and written back is identical to the one the library wrote).
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "moe/error.h"
+#include "moe/safetensors.h"
+
+namespace moe::safetensors {
+
+namespace {
+
+// The library's dtype enum order (BOOL < F4 < U8 < F8_E5M2 < F8_E4M3 < F8_E8M0 < F16 < BF16 <
+// I32 < F32 < F64 < I64, leaving out dtypes we do not map); it writes larger ranks first.
+int library_rank(DType t) {
+  switch (t) {
+    case DType::kBool: return 0;
+    case DType::kFP4E2M1: return 1;
+    case DType::kUInt8: return 2;
+    case DType::kFP8E5M2: return 3;
+    case DType::kFP8E4M3: return 4;
+    case DType::kE8M0: return 5;
+    case DType::kFP16: return 6;
+    case DType::kBF16: return 7;
+    case DType::kInt32: return 8;
+    case DType::kFP32: return 9;
+    case DType::kFP64: return 10;
+    case DType::kInt64: return 11;
+  }
+  return -1;
+}
+
+uint64_t source_bytes(const TensorSource& t) {
+  int64_t numel = 1;
+  for (int64_t s : t.shape) {
+    MOE_CHECK(s >= 0, "tensor '", t.name, "': negative dimension ", s);
+    numel *= s;
+  }
+  const int64_t bits = numel * dtype_bits(t.dtype);
+  MOE_CHECK(bits % 8 == 0, "tensor '", t.name, "': ", numel, " elements of ", dtype_name(t.dtype),
+            " are not whole bytes");
+  return static_cast<uint64_t>(bits / 8);
+}
+
+void put_le64(std::string& out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+}  // namespace
+
+std::string make_header(std::vector<TensorSource>& tensors, const std::map<std::string, std::string>& metadata) {
+  std::set<std::string> names;
+  for (const TensorSource& t : tensors) {
+    MOE_CHECK(!t.name.empty(), "safetensors write: a tensor has an empty name");
+    MOE_CHECK(t.name != "__metadata__", "safetensors write: '__metadata__' is not a tensor name");
+    MOE_CHECK(names.insert(t.name).second, "safetensors write: tensor '", t.name, "' given twice");
+    dtype_to_string(t.dtype);  // throws for dtypes the format cannot name
+  }
+  std::stable_sort(tensors.begin(), tensors.end(), [](const TensorSource& a, const TensorSource& b) {
+    const int ra = library_rank(a.dtype), rb = library_rank(b.dtype);
+    return ra != rb ? ra > rb : a.name < b.name;
+  });
+
+  // ordered_json keeps insertion order: __metadata__ first, then the tensors in data order, and
+  // inside an entry dtype, shape, data_offsets -- the library's layout. dump() is compact.
+  nlohmann::ordered_json h = nlohmann::ordered_json::object();
+  if (!metadata.empty()) {
+    nlohmann::ordered_json m = nlohmann::ordered_json::object();
+    for (const auto& [k, v] : metadata) m[k] = v;  // std::map: sorted keys, as the library writes
+    h["__metadata__"] = std::move(m);
+  }
+  uint64_t offset = 0;
+  for (const TensorSource& t : tensors) {
+    const uint64_t n = source_bytes(t);
+    nlohmann::ordered_json e = nlohmann::ordered_json::object();
+    e["dtype"] = dtype_to_string(t.dtype);
+    e["shape"] = t.shape;
+    e["data_offsets"] = {offset, offset + n};
+    h[t.name] = std::move(e);
+    offset += n;
+  }
+  std::string json;
+  try {
+    json = h.dump();
+  } catch (const nlohmann::ordered_json::exception& e) {  // e.g. a name that is not UTF-8
+    detail::throw_error("safetensors write: cannot encode the header (", e.what(), ")");
+  }
+  json.append((8 - json.size() % 8) % 8, ' ');
+  std::string out;
+  put_le64(out, json.size());
+  out += json;
+  return out;
+}
+
+std::string serialize(std::vector<TensorSource> tensors, const std::map<std::string, std::string>& metadata) {
+  std::string out = make_header(tensors, metadata);
+  for (const TensorSource& t : tensors) out.append(static_cast<const char*>(t.data), source_bytes(t));
+  return out;
+}
+
+void write_file(const std::string& path, std::vector<TensorSource> tensors,
+                const std::map<std::string, std::string>& metadata, const ProgressFn& progress) {
+  const std::string header = make_header(tensors, metadata);
+  uint64_t total = 0;
+  for (const TensorSource& t : tensors) {
+    const uint64_t n = source_bytes(t);
+    MOE_CHECK(n == 0 || t.data != nullptr, "tensor '", t.name, "': null data");
+    total += n;
+  }
+
+  const std::string tmp = path + ".tmp";
+  std::FILE* f = std::fopen(tmp.c_str(), "wb");
+  MOE_CHECK(f != nullptr, tmp, ": cannot create (", std::strerror(errno), ")");
+  auto fail = [&](const char* what) {
+    const int err = errno;
+    std::fclose(f);
+    std::remove(tmp.c_str());
+    detail::throw_error(tmp, ": ", what, " (", std::strerror(err), ")");
+  };
+  if (std::fwrite(header.data(), 1, header.size(), f) != header.size()) fail("write failed");
+  // Chunks keep the progress callback lively on multi-GiB tensors.
+  constexpr uint64_t kChunk = 64ull << 20;
+  uint64_t done = 0;
+  if (progress) progress(0, total);
+  for (const TensorSource& t : tensors) {
+    const uint64_t n = source_bytes(t);
+    const char* p = static_cast<const char*>(t.data);
+    for (uint64_t at = 0; at < n; at += kChunk) {
+      const uint64_t len = std::min(kChunk, n - at);
+      if (std::fwrite(p + at, 1, len, f) != len) fail("write failed");
+      done += len;
+      if (progress) progress(done, total);
+    }
+  }
+  if (std::fflush(f) != 0 || std::ferror(f)) fail("write failed");
+  if (std::fclose(f) != 0) {
+    const int err = errno;
+    std::remove(tmp.c_str());
+    detail::throw_error(tmp, ": close failed (", std::strerror(err), ")");
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    std::remove(tmp.c_str());
+    detail::throw_error(path, ": cannot rename ", tmp, " into place (", std::strerror(err), ")");
+  }
+}
+
+}  // namespace moe::safetensors

@@ -1,0 +1,88 @@
+// moe-engine convert: expert checkpoints between per-expert, single-grouped and Hugging Face files.
+//
+//   moe-engine convert --from hf:mixtral --to grouped model.safetensors grouped.safetensors
+//   moe-engine convert --from grouped --to hf:mixtral grouped.safetensors model.safetensors
+//
+// Only the experts' tensors change (see include/moe/checkpoint_convert.h); the rest of the file
+// and its metadata are carried over byte for byte, so hf -> grouped -> hf reproduces the file.
+#include <iostream>
+#include <memory>
+
+#include "command.h"
+#include "moe/checkpoint_convert.h"
+#include "progress_bar.h"
+
+namespace moe::tools {
+
+namespace {
+
+struct ConvertArgs {
+  std::string from, to, in, out;
+  int experts = 0;
+  int glu_interleave = -1, from_glu = -1, to_glu = -1;
+  std::vector<std::string> layers;
+  bool progress = false, no_progress = false, quiet = false;
+};
+
+// Files at least this big get a progress bar on a terminal without asking.
+constexpr uint64_t kLargeFile = 64ull << 20;
+
+void run_convert(const ConvertArgs& a) {
+  ConvertOptions o;
+  o.from = CheckpointFormat::parse(a.from, "from");
+  o.to = CheckpointFormat::parse(a.to, "to");
+  o.experts = a.experts;
+  const int both = a.glu_interleave < 0 ? 0 : a.glu_interleave;
+  o.from_glu_interleave = o.from.ours() ? (a.from_glu >= 0 ? a.from_glu : both) : 0;
+  o.to_glu_interleave = o.to.ours() ? (a.to_glu >= 0 ? a.to_glu : both) : 0;
+  o.prefixes = a.layers;
+
+  std::unique_ptr<ProgressBar> shown;
+  auto progress = [&](uint64_t done, uint64_t total) {
+    if (!shown) {
+      const bool on = !a.no_progress && (a.progress || (stderr_is_terminal() && total >= kLargeFile));
+      shown = std::make_unique<ProgressBar>("writing " + a.out, on);
+    }
+    shown->update(done, total);
+  };
+  const std::vector<std::string> layers = convert_checkpoint(a.in, a.out, o, progress);
+  shown.reset();  // end the bar's line before the summary
+  if (!a.quiet) {
+    std::cout << "converted " << layers.size() << " expert layer" << (layers.size() == 1 ? "" : "s") << " ("
+              << o.from.name() << " -> " << o.to.name() << ") into " << a.out << "\n";
+    for (const std::string& l : layers) std::cout << "  " << (l.empty() ? "(no prefix)" : l) << "\n";
+  }
+}
+
+void setup_convert(CLI::App& app) {
+  auto args = std::make_shared<ConvertArgs>();
+  CLI::App* sub = app.add_subcommand(
+      "convert", "Convert expert weights between per-expert, single-grouped and Hugging Face safetensors files");
+  std::string formats = "per-expert, grouped or hf:{";
+  for (const auto& f : hf_family_names()) formats += f + (f == hf_family_names().back() ? "}" : "|");
+  sub->add_option("--from", args->from, "Input format: " + formats)->required();
+  sub->add_option("--to", args->to, "Output format: " + formats)->required();
+  sub->add_option("input", args->in, "Input .safetensors file")->required()->check(CLI::ExistingFile);
+  sub->add_option("output", args->out, "Output .safetensors file (written atomically)")->required();
+  sub->add_option("--experts", args->experts,
+                  "Experts per layer (default: read from the keys; needed for 2-D stacked tensors)")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--glu-interleave", args->glu_interleave,
+                  "GLU interleave size of fc1's rows on our side(s) (0 = [gate | linear])")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--from-glu-interleave", args->from_glu, "GLU interleave of an input in our naming")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--to-glu-interleave", args->to_glu, "GLU interleave of an output in our naming")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--layer", args->layers, "Convert only the layer with this key prefix (repeatable)");
+  sub->add_flag("--progress", args->progress, "Show a progress bar on stderr even when it is not a terminal");
+  sub->add_flag("--no-progress", args->no_progress, "Never show a progress bar");
+  sub->add_flag("-q,--quiet", args->quiet, "Print nothing on success");
+  sub->callback([args] { run_convert(*args); });
+}
+
+}  // namespace
+
+MOE_REGISTER_COMMAND(setup_convert);
+
+}  // namespace moe::tools
