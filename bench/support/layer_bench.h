@@ -1,0 +1,44 @@
+// The expert-layer benchmark behind `moe-engine bench` (the main job): builds a GroupedMlp for a
+// named shape with random bf16 data and softmax-top-k routing, checks a sample of tokens against the
+// CPU reference, then times forward and forward+backward, eager and CUDA-graph captured, and
+// measures the device memory the layer adds.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "moe/activation.h"
+#include "support/bench_util.h"
+
+namespace moe::bench {
+
+struct LayerBenchOptions {
+  double skew = 0.0;      // routing skew (0 = balanced on average; > 0 Zipf-like popularity)
+  int align = 0;          // per-expert row alignment A
+  Activation activation = Activation::kSwiGLU;
+  bool check = true;      // compare sampled tokens with the CPU reference first
+  int sample_tokens = 8;  // tokens checked
+  int warmup = 3;
+  int repeats = 10;
+  uint64_t seed = 1;
+};
+
+struct SampleCheck {
+  bool ran = false;
+  double y_rel_err = 0, dx_rel_err = 0, dprobs_rel_err = 0;  // worst relative L2 error over samples
+  double tolerance = 0;
+  bool passed() const { return !ran || (y_rel_err <= tolerance && dx_rel_err <= tolerance && dprobs_rel_err <= tolerance); }
+};
+
+struct LayerBenchResult {
+  Shape shape{};
+  double skew = 0;
+  Timing fwd_eager, fwd_bwd_eager, fwd_graph, fwd_bwd_graph;
+  double extra_gib = 0;      // device memory the layer, its outputs and weight gradients add
+  SampleCheck check;
+  double flops_fwd() const { return 6.0 * shape.T * shape.k * shape.H * shape.F; }
+};
+
+LayerBenchResult run_layer_bench(const Shape& shape, const LayerBenchOptions& options);
+
+}  // namespace moe::bench

@@ -1,0 +1,27 @@
+// One device allocation carved into 256-byte aligned pieces: the layer plans all of its memory at
+// construction (SPEC 7) and never allocates afterwards.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace moe::layer {
+
+class DeviceArena {
+ public:
+  // Two passes: first with base == nullptr to measure, then with the real allocation.
+  explicit DeviceArena(char* base) : base_(base) {}
+  template <typename T>
+  T* take(int64_t count) {
+    T* p = base_ ? reinterpret_cast<T*>(base_ + used_) : nullptr;
+    used_ += (static_cast<size_t>(count) * sizeof(T) + 255) / 256 * 256;
+    return p;
+  }
+  size_t used() const { return used_; }
+
+ private:
+  char* base_;
+  size_t used_ = 0;
+};
+
+}  // namespace moe::layer

@@ -1,0 +1,127 @@
+// `moe-engine bench`: the main job. Times the expert layer (forward, backward, total; eager and
+// CUDA-graph captured) on the named shapes of BENCHMARKS.md after checking a sample of tokens
+// against the CPU reference, and reports TFLOP/s (SPEC convention) and the extra device memory.
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+#include <nlohmann/json.hpp>
+
+#include "command.h"
+#include "moe/activation.h"
+#include "moe/error.h"
+#include "support/bench_util.h"
+#include "support/layer_bench.h"
+
+namespace moe::tools {
+namespace {
+
+struct BenchArgs {
+  std::vector<std::string> shapes;
+  bool all = false;
+  bool json = false;
+  bool no_check = false;
+  double skew = 0.0;
+  int align = 0;
+  int repeats = 10;
+  std::string activation = "swiglu";
+};
+
+double tflops(double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0; }
+
+void run_bench(const BenchArgs& a) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::cerr << "moe-engine bench: no CUDA GPU available (this command needs one)\n";
+    std::exit(2);
+  }
+  std::vector<bench::Shape> shapes;
+  if (a.all) {
+    shapes = bench::named_shapes();
+  } else if (a.shapes.empty()) {
+    shapes.push_back(bench::shape_by_name("qwen3-30b-a3b-ep8"));
+  } else {
+    for (const auto& n : a.shapes) shapes.push_back(bench::shape_by_name(n));
+  }
+  bench::LayerBenchOptions o;
+  o.skew = a.skew;
+  o.align = a.align;
+  o.check = !a.no_check;
+  o.repeats = a.repeats;
+  o.activation = activation_from_name(a.activation);
+
+  const std::string device = bench::device_description();
+  if (!a.json) {
+    std::printf("moe-engine bench on %s: bf16, %s, probs in the activation, A=%d, routing skew %.2f\n",
+                device.c_str(), a.activation.c_str(), a.align, a.skew);
+    std::printf("TFLOP/s: forward 6TkHF, backward 12TkHF, total 18TkHF (padding rows not counted); "
+                "times are medians of %d runs (min-max)\n\n", a.repeats);
+    std::printf("%-18s | %-26s | %-26s | %-26s | %-21s | %8s | %s\n", "shape", "graph fwd ms (TFLOP/s)",
+                "graph bwd ms (TFLOP/s)", "graph total ms (TFLOP/s)", "eager total ms (TF/s)", "extra GiB", "check");
+  }
+  bool all_ok = true;
+  for (const auto& s : shapes) {
+    bench::LayerBenchResult r = bench::run_layer_bench(s, o);
+    const double ff = r.flops_fwd();
+    const double g_bwd = r.fwd_bwd_graph.median_ms - r.fwd_graph.median_ms;
+    const double e_bwd = r.fwd_bwd_eager.median_ms - r.fwd_eager.median_ms;
+    all_ok = all_ok && r.check.passed();
+    if (a.json) {
+      nlohmann::json j = {
+          {"shape", s.name}, {"T", s.T}, {"H", s.H}, {"F", s.F}, {"E", s.E}, {"k", s.k}, {"device", device},
+          {"skew", r.skew}, {"align", a.align}, {"activation", a.activation},
+          {"graph", {{"fwd_ms", r.fwd_graph.median_ms}, {"bwd_ms", g_bwd}, {"total_ms", r.fwd_bwd_graph.median_ms},
+                     {"fwd_tflops", tflops(ff, r.fwd_graph.median_ms)}, {"bwd_tflops", tflops(2 * ff, g_bwd)},
+                     {"total_tflops", tflops(3 * ff, r.fwd_bwd_graph.median_ms)},
+                     {"total_ms_min", r.fwd_bwd_graph.min_ms}, {"total_ms_max", r.fwd_bwd_graph.max_ms}}},
+          {"eager", {{"fwd_ms", r.fwd_eager.median_ms}, {"bwd_ms", e_bwd}, {"total_ms", r.fwd_bwd_eager.median_ms},
+                     {"fwd_tflops", tflops(ff, r.fwd_eager.median_ms)}, {"bwd_tflops", tflops(2 * ff, e_bwd)},
+                     {"total_tflops", tflops(3 * ff, r.fwd_bwd_eager.median_ms)}}},
+          {"extra_gib", r.extra_gib},
+          {"check", {{"ran", r.check.ran}, {"passed", r.check.passed()}, {"y_rel_err", r.check.y_rel_err},
+                     {"dx_rel_err", r.check.dx_rel_err}, {"dprobs_rel_err", r.check.dprobs_rel_err},
+                     {"tolerance", r.check.tolerance}}}};
+      std::cout << j.dump() << std::endl;
+    } else {
+      char check[96];
+      if (r.check.ran)
+        std::snprintf(check, sizeof check, "%s (y %.1e, dx %.1e, dp %.1e)", r.check.passed() ? "ok" : "FAILED",
+                      r.check.y_rel_err, r.check.dx_rel_err, r.check.dprobs_rel_err);
+      else
+        std::snprintf(check, sizeof check, "skipped");
+      std::printf("%-18s | %7.3f (%5.0f) %5.3f-%5.3f | %7.3f (%5.0f)             | %7.3f (%5.0f) %5.3f-%5.3f | "
+                  "%8.3f (%5.0f)      | %8.2f | %s\n",
+                  s.name, r.fwd_graph.median_ms, tflops(ff, r.fwd_graph.median_ms), r.fwd_graph.min_ms,
+                  r.fwd_graph.max_ms, g_bwd, tflops(2 * ff, g_bwd), r.fwd_bwd_graph.median_ms,
+                  tflops(3 * ff, r.fwd_bwd_graph.median_ms), r.fwd_bwd_graph.min_ms, r.fwd_bwd_graph.max_ms,
+                  r.fwd_bwd_eager.median_ms, tflops(3 * ff, r.fwd_bwd_eager.median_ms), r.extra_gib, check);
+      std::fflush(stdout);
+    }
+  }
+  MOE_CHECK(all_ok, "moe-engine bench: a sampled result differs from the CPU reference (see the check column)");
+}
+
+void setup_bench(CLI::App& app) {
+  auto args = std::make_shared<BenchArgs>();
+  CLI::App* sub = app.add_subcommand("bench", "Benchmark the expert layer on named shapes (needs a GPU)");
+  sub->add_option("--shape", args->shapes, "Named shape(s) of BENCHMARKS.md (default: qwen3-30b-a3b-ep8)");
+  sub->add_flag("--all", args->all, "Every named shape");
+  sub->add_flag("--json", args->json, "One JSON line per shape instead of a table");
+  sub->add_option("--skew", args->skew, "Routing skew: 0 balanced, >0 Zipf-like expert popularity")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--align", args->align, "Per-expert row alignment A (0, 16, 32, 64, 128, 256)")
+      ->check(CLI::IsMember({0, 16, 32, 64, 128, 256}));
+  sub->add_option("--repeats", args->repeats, "Timed repeats per measurement (median reported)")
+      ->check(CLI::Range(3, 1000));
+  sub->add_option("--activation", args->activation, "swiglu, geglu, clamped-swiglu or squared-relu");
+  sub->add_flag("--no-check", args->no_check, "Skip the sampled comparison with the CPU reference");
+  sub->callback([args] { run_bench(*args); });
+}
+
+}  // namespace
+
+MOE_REGISTER_COMMAND(setup_bench);
+
+}  // namespace moe::tools
