@@ -1,0 +1,221 @@
+// Grouped GEMM benchmark: TFLOP/s of fprop, dgrad and wgrad for the fc1 (N = 2F, K = H) and fc2
+// (N = H, K = F) products of every named shape, balanced and skewed routing, beside a cuBLAS dense
+// GEMM of the same total size in the same run (the practical ceiling).
+//
+// Groups: tokens per expert from make_topk_routing (BENCHMARKS.md), padded to 128 rows as the layer
+// dispatches them. TFLOP/s = 2 * T*k * N * K / time: padding rows are computed but not counted
+// (SPEC 4), for ours and for the dense ceiling alike (whose M is the padded row count).
+//
+// --groups-json writes the group sizes so that bench/torch_grouped_mm.py times torch._grouped_mm on
+// exactly the same groups; --json writes our figures for that script's side-by-side table.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda_check.h"
+#include "moe/grouped_gemm.h"
+#include "reference/routing_gen.h"
+#include "support/bench_util.h"
+
+namespace {
+
+using moe::DType;
+using moe::ExpertMatrices;
+using moe::GemmOp;
+using moe::GroupedGemm;
+using moe::TensorView;
+using moe::bench::Timing;
+
+#define CUBLAS_CHECK(call)                                                              \
+  do {                                                                                  \
+    cublasStatus_t st_ = (call);                                                        \
+    MOE_CHECK(st_ == CUBLAS_STATUS_SUCCESS, "cuBLAS error ", int(st_), " in ", #call); \
+  } while (0)
+
+// Uniform values in [-1, 1) from a hash of the index: cheap, deterministic, no host transfer.
+__global__ void fill_bf16(__nv_bfloat16* p, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
+    p[i] = __float2bfloat16(float(h & 0xFFFF) / 32768.0f - 1.0f);
+  }
+}
+
+struct DeviceMem {
+  void* p = nullptr;
+  explicit DeviceMem(size_t bytes) { MOE_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 16))); }
+  ~DeviceMem() { cudaFree(p); }
+  template <typename T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
+void fill(const DeviceMem& m, int64_t n, uint32_t seed, cudaStream_t s) {
+  fill_bf16<<<1024, 256, 0, s>>>(m.as<__nv_bfloat16>(), n, seed);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+// Group sizes of a named shape: tokens per expert, padded to `align` rows.
+struct Groups {
+  std::vector<int32_t> padded;  // rows per expert in the buffer
+  int64_t useful = 0;           // T * k routed rows (FLOPs count only these)
+  int64_t rows = 0;             // sum of padded
+};
+
+Groups make_groups(const moe::bench::Shape& s, double skew, int align) {
+  const moe::ref::Routing r = moe::ref::make_topk_routing(s.T, s.E, s.k, /*seed=*/1234, skew);
+  std::vector<int64_t> count(s.E, 0);
+  for (int32_t e : r.indices)
+    if (e >= 0) ++count[e];
+  Groups g;
+  for (int64_t c : count) {
+    const int64_t p = (c + align - 1) / align * align;
+    g.padded.push_back(int32_t(p));
+    g.useful += c;
+    g.rows += p;
+  }
+  return g;
+}
+
+double tflops(double flops, const Timing& t) { return flops / (t.median_ms * 1e-3) / 1e12; }
+
+// Row-major C[m, n] = A[m, k] * op(B) through cuBLAS (column-major): computes C^T = op(B)^T A^T.
+// b_is_nk: B stored [n, k] (use its transpose) rather than [k, n].
+void dense_gemm(cublasHandle_t h, const void* A, const void* B, void* C, int64_t m, int64_t n, int64_t k,
+                bool a_is_km, bool b_is_nk) {
+  const float one = 1.0f, zero = 0.0f;
+  // Column-major view: C^T [n, m] = B' [n, k] * A' [k, m].
+  const cublasOperation_t opB = b_is_nk ? CUBLAS_OP_T : CUBLAS_OP_N;  // B [n,k] row-major = col-major k x n
+  const int64_t ldb = b_is_nk ? k : n;
+  const cublasOperation_t opA = a_is_km ? CUBLAS_OP_T : CUBLAS_OP_N;  // A stored [k, m] row-major
+  const int64_t lda = a_is_km ? m : k;
+  CUBLAS_CHECK(cublasGemmEx(h, opB, opA, int(n), int(m), int(k), &one, B, CUDA_R_16BF, int(ldb), A, CUDA_R_16BF,
+                            int(lda), &zero, C, CUDA_R_16BF, int(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Grouped GEMM (fprop/dgrad/wgrad) TFLOP/s on the named shapes, beside cuBLAS dense"};
+  std::vector<std::string> shapes;
+  std::string json_out, groups_out;
+  bool all_configs = false;
+  int repeats = 15;
+  double skew = 1.0;
+  app.add_option("--shape", shapes, "named shapes (default: all)");
+  app.add_option("--json", json_out, "write our figures to this JSON file");
+  app.add_option("--groups-json", groups_out, "write the group sizes (for torch_grouped_mm.py)");
+  app.add_flag("--all-configs", all_configs, "also time every compiled tile configuration and raster order");
+  app.add_option("--repeats", repeats, "timed repeats per measurement (median reported)");
+  app.add_option("--skew", skew, "Zipf-like skew of the skewed routing");
+  CLI11_PARSE(app, argc, argv);
+  if (shapes.empty())
+    for (const auto& s : moe::bench::named_shapes()) shapes.push_back(s.name);
+
+  cudaStream_t stream;
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cublasHandle_t blas;
+  CUBLAS_CHECK(cublasCreate(&blas));
+  CUBLAS_CHECK(cublasSetStream(blas, stream));
+  std::printf("device: %s\n", moe::bench::device_description().c_str());
+  std::printf("TFLOP/s = 2*T*k*N*K / median time (padding rows not counted); groups padded to 128 rows\n");
+  std::printf("%-18s %-8s %-3s %-9s %6s %6s %7s %8s %8s %8s  %s\n", "shape", "routing", "fc", "op", "N", "K",
+              "rows", "ours", "graph", "cublas", "config [alternatives]");
+
+  nlohmann::json results = nlohmann::json::array(), groups_json = nlohmann::json::array();
+  for (const std::string& name : shapes) {
+    const moe::bench::Shape& s = moe::bench::shape_by_name(name);
+    for (const auto& [routing, sk] : {std::pair<const char*, double>{"balanced", 0.0}, {"skewed", skew}}) {
+      const Groups g = make_groups(s, sk, 128);
+      groups_json.push_back({{"shape", s.name}, {"routing", routing}, {"T", s.T}, {"H", s.H}, {"F", s.F},
+                             {"E", s.E}, {"k", s.k}, {"useful_rows", g.useful}, {"sizes", g.padded}});
+      std::vector<int32_t> off{0};
+      for (int32_t p : g.padded) off.push_back(off.back() + p);
+      DeviceMem d_off(off.size() * sizeof(int32_t));
+      MOE_CUDA_CHECK(cudaMemcpy(d_off.p, off.data(), off.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+      const TensorView offs(d_off.p, DType::kInt32, {int64_t(s.E) + 1});
+      const int64_t R = g.rows;
+      GroupedGemm gg(s.E, R);
+
+      for (int fc = 1; fc <= 2; ++fc) {
+        const int64_t N = fc == 1 ? 2 * s.F : s.H, K = fc == 1 ? s.H : s.F;
+        DeviceMem x(R * K * 2), w(int64_t(s.E) * N * K * 2), y(R * N * 2), dy(R * N * 2), dx(R * K * 2);
+        DeviceMem dw(int64_t(s.E) * N * K * 2), mg(int64_t(s.E) * N * K * 4);
+        fill(x, R * K, 1, stream);
+        fill(w, int64_t(s.E) * N * K, 2, stream);
+        fill(dy, R * N, 3, stream);
+        MOE_CUDA_CHECK(cudaMemsetAsync(mg.p, 0, int64_t(s.E) * N * K * 4, stream));
+        const TensorView tx(x.p, DType::kBF16, {R, K}), ty(y.p, DType::kBF16, {R, N});
+        const TensorView tdy(dy.p, DType::kBF16, {R, N}), tdx(dx.p, DType::kBF16, {R, K});
+        const ExpertMatrices mw = ExpertMatrices::grouped(TensorView(w.p, DType::kBF16, {s.E, N, K}), "w");
+        const ExpertMatrices mdw = ExpertMatrices::grouped(TensorView(dw.p, DType::kBF16, {s.E, N, K}), "dw");
+        const ExpertMatrices mmg =
+            ExpertMatrices::grouped(TensorView(mg.p, DType::kFP32, {s.E, N, K}), "main_grad");
+        const double flops = 2.0 * double(g.useful) * double(N) * double(K);
+
+        struct OpRun {
+          const char* label;
+          GemmOp op;
+          DType out;
+          std::function<void()> ours, dense;
+        };
+        const std::vector<OpRun> runs = {
+            {"fprop", GemmOp::kFprop, DType::kBF16, [&] { gg.fprop(tx, mw, offs, ty, stream); },
+             [&] { dense_gemm(blas, x.p, w.p, y.p, R, N, K, false, true); }},
+            {"dgrad", GemmOp::kDgrad, DType::kBF16, [&] { gg.dgrad(tdy, mw, offs, tdx, stream); },
+             [&] { dense_gemm(blas, dy.p, w.p, dx.p, R, K, N, false, false); }},
+            {"wgrad", GemmOp::kWgrad, DType::kBF16, [&] { gg.wgrad(tdy, tx, offs, mdw, false, stream); },
+             [&] { dense_gemm(blas, dy.p, x.p, dw.p, N, K, R, true, false); }},
+            {"wgrad_acc", GemmOp::kWgrad, DType::kFP32, [&] { gg.wgrad(tdy, tx, offs, mmg, true, stream); }, nullptr},
+        };
+        for (const OpRun& r : runs) {
+          gg.force_config(r.op, "");
+          const std::string chosen = gg.chosen_config(r.op, s.E, N, K, r.out);
+          const Timing t = moe::bench::time_cuda(r.ours, stream, 3, repeats);
+          const Timing tg = moe::bench::time_cuda_graph(r.ours, stream, 3, repeats);
+          double dense = 0;
+          if (r.dense) dense = tflops(flops, moe::bench::time_cuda(r.dense, stream, 3, repeats));
+          nlohmann::json rec = {{"shape", s.name}, {"routing", routing}, {"fc", fc}, {"op", r.label}, {"N", N},
+                                {"K", K}, {"E", s.E}, {"rows", R}, {"useful_rows", g.useful},
+                                {"config", chosen}, {"ours_tflops", tflops(flops, t)},
+                                {"ours_graph_tflops", tflops(flops, tg)}, {"ours_ms", t.median_ms},
+                                {"ours_min_ms", t.min_ms}, {"ours_max_ms", t.max_ms}, {"cublas_tflops", dense}};
+          std::string alts;
+          if (all_configs) {
+            nlohmann::json alt = nlohmann::json::object();
+            for (const std::string& c : GroupedGemm::configs(r.op, r.out))
+              for (bool along_n : {false, true}) {
+                gg.force_config(r.op, c, along_n);
+                const double tf = tflops(flops, moe::bench::time_cuda(r.ours, stream, 2, repeats));
+                const std::string key = c + (along_n ? "/N" : "/M");
+                alt[key] = tf;
+                char buf[64];
+                std::snprintf(buf, sizeof buf, " %s=%.0f", key.c_str(), tf);
+                alts += buf;
+              }
+            gg.force_config(r.op, "");
+            rec["alternatives"] = alt;
+          }
+          results.push_back(rec);
+          std::printf("%-18s %-8s fc%d %-9s %6lld %6lld %7lld %8.1f %8.1f %8.1f  %s%s\n", s.name, routing, fc, r.label,
+                      (long long)N, (long long)K, (long long)R, tflops(flops, t), tflops(flops, tg), dense,
+                      chosen.c_str(), alts.c_str());
+          std::fflush(stdout);
+        }
+      }
+    }
+  }
+  if (!json_out.empty()) std::ofstream(json_out) << results.dump(1) << "\n";
+  if (!groups_out.empty()) std::ofstream(groups_out) << groups_json.dump(1) << "\n";
+  cublasDestroy(blas);
+  cudaStreamDestroy(stream);
+  return 0;
+}

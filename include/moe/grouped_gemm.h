@@ -1,0 +1,105 @@
+// moe::GroupedGemm -- the three products of the experts over ragged token groups (SPEC 4, 7):
+//
+//   fprop  Y_e  = X_e  W_e^T     X [R, K], W_e [N, K], Y [R, N]      (bf16, fp32 accumulation)
+//   dgrad  dX_e = dY_e W_e       dY [R, N], dX [R, K]
+//   wgrad  dW_e = dY_e^T X_e     dW_e [N, K] written in bf16/fp32, or main_grad (fp32) += dW_e
+//
+// Group e is rows [g[e], g[e+1]) of the token-side matrices, g = `group_offsets`, a device int32
+// [E + 1] array (g[0] = 0, non-decreasing). Rows past g[E] are not touched. Groups may be empty:
+// fprop/dgrad then write nothing for them, wgrad writes a zero dW_e (or leaves main_grad as is).
+//
+// Graph-safe: group shapes and operand pointers are computed on the device by a small prep kernel
+// into argument arrays allocated once at construction, like the CUTLASS workspace, so every call
+// makes no allocation, no synchronisation and no host read of device data; a captured CUDA graph
+// replayed with new group sizes gives the same bits as an eager call.
+//
+// Kernels: CUTLASS 4.2 sm90 grouped GEMMs, one tile configuration per .cu, chosen from the static
+// shape (E, max_rows, N, K) only -- never from device data -- so results never depend on routing
+// beyond the group sizes themselves, and eager/graph runs pick the same kernel.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "moe/tensor.h"
+
+namespace moe {
+
+// The E matrices [rows, cols] (row-major, contiguous) of one expert parameter or of its gradient,
+// in either weight layout of SPEC 5. Both layouts feed the same kernels through the same device
+// pointer array, so their results are bitwise identical.
+class ExpertMatrices {
+ public:
+  ExpertMatrices() = default;
+  // Single grouped layout: one contiguous [E, rows, cols] device view.
+  static ExpertMatrices grouped(const TensorView& t, const char* name = "weights");
+  // Per-expert layout: E contiguous [rows, cols] device views of one dtype. Their addresses are
+  // copied once into a device table owned by the result (a synchronous upload: do this when the
+  // parameters are bound, not inside a captured region).
+  static ExpertMatrices per_expert(const std::vector<TensorView>& ts, const char* name = "weights");
+
+  int experts() const { return experts_; }
+  int64_t rows() const { return rows_; }
+  int64_t cols() const { return cols_; }
+  DType dtype() const { return dtype_; }
+  bool is_grouped() const { return table_ == nullptr; }
+  // Single grouped: base address and distance between experts in bytes. Per expert: device table.
+  void* base() const { return base_; }
+  int64_t expert_stride_bytes() const { return stride_bytes_; }
+  const void* const* device_table() const { return table_; }
+
+ private:
+  int experts_ = 0;
+  int64_t rows_ = 0, cols_ = 0;
+  DType dtype_ = DType::kBF16;
+  void* base_ = nullptr;
+  int64_t stride_bytes_ = 0;
+  const void* const* table_ = nullptr;  // device [E] pointers (per-expert layout), owned below
+  std::shared_ptr<void> table_owner_;
+};
+
+enum class GemmOp : uint8_t { kFprop, kDgrad, kWgrad };
+const char* gemm_op_name(GemmOp op);  // "fprop", "dgrad", "wgrad"
+
+class GroupedGemm {
+ public:
+  // Static bounds: at most `max_experts` groups per call, token-side matrices of at most
+  // `max_rows` rows (R). Allocates the argument arrays and workspaces on the current device.
+  GroupedGemm(int max_experts, int64_t max_rows);
+  ~GroupedGemm();
+  GroupedGemm(const GroupedGemm&) = delete;
+  GroupedGemm& operator=(const GroupedGemm&) = delete;
+
+  // x bf16 [R, K], w bf16 experts [N, K] -> y bf16 [R, N]. group_offsets int32 [E + 1], E = w.experts().
+  void fprop(const TensorView& x, const ExpertMatrices& w, const TensorView& group_offsets, const TensorView& y,
+             cudaStream_t stream);
+  // dy bf16 [R, N], w bf16 experts [N, K] -> dx bf16 [R, K].
+  void dgrad(const TensorView& dy, const ExpertMatrices& w, const TensorView& group_offsets, const TensorView& dx,
+             cudaStream_t stream);
+  // dy bf16 [R, N], x bf16 [R, K] -> dw experts [N, K]: bf16 or fp32 written, or (accumulate) fp32
+  // main_grad += dY_e^T X_e.
+  void wgrad(const TensorView& dy, const TensorView& x, const TensorView& group_offsets, const ExpertMatrices& dw,
+             bool accumulate, cudaStream_t stream);
+
+  // The tile configuration the shape heuristic picks for this op and shape (wgrad: out_dtype of
+  // dw), and every compiled configuration of that op -- for benchmarks and tests.
+  std::string chosen_config(GemmOp op, int experts, int64_t N, int64_t K, DType out_dtype = DType::kBF16) const;
+  static std::vector<std::string> configs(GemmOp op, DType out_dtype = DType::kBF16);
+  // Forces a configuration by name ("" = heuristic) and the scheduler's tile order inside a group
+  // (false: along M, the default). For benchmarks and tests; throws on an unknown name.
+  void force_config(GemmOp op, const std::string& name, bool raster_along_n = false);
+
+  int max_experts() const;
+  int64_t max_rows() const;
+  size_t device_bytes() const;  // argument arrays + workspaces held
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moe

@@ -1,0 +1,8 @@
+// dgrad, ping-pong 128x128x64, cluster 2x1x1, bf16 output:
+// ping-pong for short reductions (dgrad reduces over N).
+#include "gemm/sm90_grouped_kernel.cuh"
+
+MOE_GROUPED_KERNEL(entry_dgrad_pong_128x128x64_c2x1, "pong_128x128x64_c2x1", Op::kDgrad, Out::kBF16,
+                   Sm90GroupedGemm<Op::kDgrad, cutlass::bfloat16_t, void,
+                                   cute::Shape<cute::_128, cute::_128, cute::_64>,
+                                   cute::Shape<cute::_2, cute::_1, cute::_1>, Pingpong>)

@@ -1,0 +1,93 @@
+// Device-side preparation of grouped launches (see grouped_gemm_prep.h).
+#include "gemm/grouped_gemm_prep.h"
+
+#include <algorithm>
+
+#include "kernels/cuda_check.h"
+
+namespace moe::gemm {
+namespace {
+
+// Rows [start, end) of group e, clamped into [0, rows]: offsets past the buffer (a dispatch that
+// overflowed its row bound, which it reports itself) shrink the group instead of reading or
+// writing outside the buffers; decreasing offsets give an empty group.
+__device__ inline void group_rows(const int32_t* offsets, int e, int64_t rows, int64_t* start, int64_t* end) {
+  const int64_t lo = min(max(int64_t(offsets[e]), int64_t(0)), rows);
+  const int64_t hi = min(max(int64_t(offsets[e + 1]), lo), rows);
+  *start = lo;
+  *end = hi;
+}
+
+__device__ inline const char* expert_ptr(const ExpertPtrs& w, int e) {
+  return w.table ? static_cast<const char*>(w.table[e]) : w.base + e * w.stride_bytes;
+}
+
+__global__ void prep_kernel(PrepParams p, ArgArrays out) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= p.groups) return;
+  int64_t start, end;
+  group_rows(p.offsets, e, p.rows, &start, &end);
+  const int32_t m = static_cast<int32_t>(end - start);
+  const int32_t N = static_cast<int32_t>(p.N), K = static_cast<int32_t>(p.K);
+  constexpr int64_t kBF16 = 2;  // bytes of the bf16 operands
+  const char* w = expert_ptr(p.weights, e);
+  int32_t* shape = out.shapes + 3 * e;
+  switch (p.op) {
+    case Op::kFprop:  // Y_e [m, N] = X_e [m, K] W_e^T
+      shape[0] = m, shape[1] = N, shape[2] = K;
+      out.ptr_a[e] = p.a + start * p.K * kBF16, out.ld_a[e] = p.K;
+      out.ptr_b[e] = w, out.ld_b[e] = p.K;
+      out.ptr_d[e] = p.d + start * p.N * kBF16, out.ld_d[e] = p.N;
+      break;
+    case Op::kDgrad:  // dX_e [m, K] = dY_e [m, N] W_e
+      shape[0] = m, shape[1] = K, shape[2] = N;
+      out.ptr_a[e] = p.a + start * p.N * kBF16, out.ld_a[e] = p.N;
+      out.ptr_b[e] = w, out.ld_b[e] = p.K;
+      out.ptr_d[e] = p.d + start * p.K * kBF16, out.ld_d[e] = p.K;
+      break;
+    case Op::kWgrad:  // dW_e [N, K] = dY_e^T X_e, reduction over the group's m rows.
+      // An empty group becomes a GEMM with no tiles (M = 0): a ragged-K GEMM with K = 0 is never
+      // launched (it has hung CUTLASS elsewhere), and dW_e is zero-filled separately in write mode
+      // or left untouched when accumulating.
+      shape[0] = m > 0 ? N : 0, shape[1] = m > 0 ? K : 0, shape[2] = m;
+      out.ptr_a[e] = p.a + start * p.N * kBF16, out.ld_a[e] = p.N;
+      out.ptr_b[e] = p.b_tokens + start * p.K * kBF16, out.ld_b[e] = p.K;
+      out.ptr_c[e] = w, out.ld_c[e] = p.K;  // read only when accumulating (beta = 1)
+      out.ptr_d[e] = const_cast<char*>(w), out.ld_d[e] = p.K;
+      break;
+  }
+}
+
+// grid (chunks, groups): each block zero-fills a slice of dW_e if group e is empty.
+__global__ void zero_empty_kernel(const int32_t* offsets, int64_t rows, ExpertPtrs dw, int64_t vecs) {
+  const int e = blockIdx.y;
+  int64_t start, end;
+  group_rows(offsets, e, rows, &start, &end);
+  if (end > start) return;
+  uint4* dst = reinterpret_cast<uint4*>(const_cast<char*>(expert_ptr(dw, e)));
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < vecs; i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = make_uint4(0, 0, 0, 0);
+}
+
+}  // namespace
+
+void launch_prep(const PrepParams& p, const ArgArrays& out, cudaStream_t stream) {
+  if (p.groups == 0) return;
+  constexpr int kThreads = 128;
+  prep_kernel<<<(p.groups + kThreads - 1) / kThreads, kThreads, 0, stream>>>(p, out);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_zero_empty_experts(const int32_t* offsets, int groups, int64_t rows, ExpertPtrs dw, int64_t matrix_bytes,
+                               cudaStream_t stream) {
+  if (groups == 0 || matrix_bytes == 0) return;
+  // matrix_bytes is a multiple of 16 (N, K multiples of 8) and every dW_e is 16-byte aligned
+  // (checked on the host), so 16-byte stores cover it exactly.
+  const int64_t vecs = matrix_bytes / 16;
+  constexpr int kThreads = 256;
+  const int chunks = static_cast<int>(std::min<int64_t>((vecs + kThreads * 4 - 1) / (kThreads * 4), 64));
+  zero_empty_kernel<<<dim3(chunks, groups), kThreads, 0, stream>>>(offsets, rows, dw, vecs);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moe::gemm

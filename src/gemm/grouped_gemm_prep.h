@@ -1,0 +1,59 @@
+// The device-side preparation of a grouped launch: per-group problem shapes, operand pointers and
+// leading dimensions computed on the device from the device group offsets (no host read, so a
+// captured graph replays correctly with new group sizes), and the zero-fill of the weight
+// gradients of empty experts.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "gemm/grouped_kernel.h"
+
+namespace moe::gemm {
+
+// The E matrices of a parameter on the device: table[e] when table is set (per-expert layout),
+// else base + e * stride_bytes (single grouped layout). Both give the same pointers to the kernel.
+struct ExpertPtrs {
+  const char* base = nullptr;
+  int64_t stride_bytes = 0;
+  const void* const* table = nullptr;
+};
+
+// Writable device argument arrays of one op (allocated once, fixed addresses).
+struct ArgArrays {
+  int32_t* shapes;  // [E][3]
+  const void** ptr_a;
+  const void** ptr_b;
+  const void** ptr_c;
+  void** ptr_d;
+  int64_t* ld_a;
+  int64_t* ld_b;
+  int64_t* ld_c;
+  int64_t* ld_d;
+};
+
+struct PrepParams {
+  Op op;
+  int groups;
+  int64_t rows;  // rows of the token-side matrices: offsets are clamped to [0, rows]
+  int64_t N, K;  // the expert matrices are [N, K]
+  const int32_t* offsets;  // device [groups + 1]
+  // fprop: a = X [rows, K], d = Y [rows, N]; dgrad: a = dY [rows, N], d = dX [rows, K];
+  // wgrad: a = dY [rows, N], b_tokens = X [rows, K], d = experts' dW.
+  const char* a = nullptr;
+  const char* b_tokens = nullptr;
+  char* d = nullptr;
+  ExpertPtrs weights;  // fprop/dgrad: W; wgrad: dW (also C when accumulating)
+};
+
+// One thread per group; enqueued on `stream`.
+void launch_prep(const PrepParams& p, const ArgArrays& out, cudaStream_t stream);
+
+// Write mode of wgrad: zero-fills dW_e of every expert whose (clamped) group is empty; the GEMM
+// skips those groups (problem shape M = 0), so nothing else writes them. Never hangs, and touches
+// nothing when every group has rows.
+void launch_zero_empty_experts(const int32_t* offsets, int groups, int64_t rows, ExpertPtrs dw, int64_t matrix_bytes,
+                               cudaStream_t stream);
+
+}  // namespace moe::gemm

@@ -1,0 +1,59 @@
+// Internal interface between the GroupedGemm front end and the CUTLASS kernel configurations.
+// Plain C++ only: every configuration lives in its own .cu (one CUTLASS instantiation per
+// translation unit keeps compile time and memory bounded) behind a KernelEntry.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace moe::gemm {
+
+// The three products of the experts. Their operand layouts (CUTLASS tags) are fixed per op:
+//   fprop  Y  = X  W^T : A = X  row-major (K-major), B = W  [N,K] K-major,  D row-major
+//   dgrad  dX = dY W   : A = dY row-major (K-major), B = W  [N,K] N-major,  D row-major
+//   wgrad  dW = dY^T X : A = dY M-major,             B = X  [m,K] N-major,  D row-major, K = m ragged
+enum class Op : uint8_t { kFprop, kDgrad, kWgrad };
+
+// Output element of a kernel; wgrad exists in bf16 (write) and fp32 (write, or accumulate with
+// C = D = main_grad and beta = 1).
+enum class Out : uint8_t { kBF16, kFP32 };
+
+// Device argument arrays of one grouped launch, filled by the prep kernel (grouped_gemm_prep.h).
+// Every stride type of the pointer-array kernels we instantiate has exactly one dynamic member, an
+// int64 leading dimension (checked by static_assert in each configuration), so stride arrays are
+// plain int64 arrays here.
+struct GroupedArgs {
+  int groups = 0;
+  const int32_t* problem_shapes = nullptr;  // [groups][3] (M, N, K) of each GEMM
+  const void* const* ptr_a = nullptr;
+  const int64_t* ld_a = nullptr;
+  const void* const* ptr_b = nullptr;
+  const int64_t* ld_b = nullptr;
+  const void* const* ptr_c = nullptr;  // fp32 kernels only (C = D for accumulation); may be unused when beta = 0
+  const int64_t* ld_c = nullptr;
+  void* const* ptr_d = nullptr;
+  const int64_t* ld_d = nullptr;
+  float alpha = 1.0f;
+  float beta = 0.0f;  // fp32 kernels: 1 accumulates into D
+  int sm_count = 0;
+  bool raster_along_n = false;  // tile order of the persistent scheduler inside each group
+  void* workspace = nullptr;    // fixed address, at least workspace_bytes(groups, sm_count)
+};
+
+struct KernelEntry {
+  Op op;
+  Out out;
+  const char* name;  // e.g. "coop_128x256x64_c2x1"
+  // Enqueues the grouped GEMM on `stream`; throws moe::Error if CUTLASS rejects the arguments.
+  void (*run)(const GroupedArgs& args, cudaStream_t stream);
+  size_t (*workspace_bytes)(int groups, int sm_count);
+};
+
+// Every compiled configuration (kernel_registry.cpp).
+const KernelEntry* const* kernel_registry(int* count);
+// The entry of (op, out) named `name`, or nullptr.
+const KernelEntry* find_kernel(Op op, Out out, const char* name);
+
+}  // namespace moe::gemm

@@ -1,0 +1,45 @@
+// The compiled kernel configurations. Each lives in its own .cu (one CUTLASS instantiation per
+// translation unit); this list is the only place that names them all.
+#include <cstring>
+
+#include "gemm/grouped_kernel.h"
+
+namespace moe::gemm {
+
+const KernelEntry& entry_fprop_coop_128x256x64_c2x1();
+const KernelEntry& entry_fprop_pong_128x128x64_c2x1();
+const KernelEntry& entry_fprop_pong_64x256x64_c2x1();
+const KernelEntry& entry_dgrad_coop_128x256x64_c2x1();
+const KernelEntry& entry_dgrad_pong_128x128x64_c2x1();
+const KernelEntry& entry_dgrad_pong_64x256x64_c2x1();
+const KernelEntry& entry_wgrad_coop_128x256x64_c2x1();
+const KernelEntry& entry_wgrad_pong_128x128x64_c2x1();
+const KernelEntry& entry_wgrad_coop_128x256x64_c2x1_f32();
+const KernelEntry& entry_wgrad_pong_128x128x64_c2x1_f32();
+
+const KernelEntry* const* kernel_registry(int* count) {
+  static const KernelEntry* const entries[] = {
+      &entry_fprop_coop_128x256x64_c2x1(),
+      &entry_fprop_pong_128x128x64_c2x1(),
+      &entry_fprop_pong_64x256x64_c2x1(),
+      &entry_dgrad_coop_128x256x64_c2x1(),
+      &entry_dgrad_pong_128x128x64_c2x1(),
+      &entry_dgrad_pong_64x256x64_c2x1(),
+      &entry_wgrad_coop_128x256x64_c2x1(),
+      &entry_wgrad_pong_128x128x64_c2x1(),
+      &entry_wgrad_coop_128x256x64_c2x1_f32(),
+      &entry_wgrad_pong_128x128x64_c2x1_f32(),
+  };
+  *count = static_cast<int>(sizeof(entries) / sizeof(entries[0]));
+  return entries;
+}
+
+const KernelEntry* find_kernel(Op op, Out out, const char* name) {
+  int n = 0;
+  const KernelEntry* const* all = kernel_registry(&n);
+  for (int i = 0; i < n; ++i)
+    if (all[i]->op == op && all[i]->out == out && std::strcmp(all[i]->name, name) == 0) return all[i];
+  return nullptr;
+}
+
+}  // namespace moe::gemm

@@ -1,0 +1,505 @@
+// GPU grouped GEMM (fprop, dgrad, wgrad) against the fp64 CPU reference: uneven and empty groups,
+// a single group, E = 256, the smallest aligned N and K, both weight layouts (bitwise identical),
+// main_grad accumulation, CUDA graph capture + replay with new group sizes (bitwise equal to eager),
+// clamping of offsets past the buffer, and argument errors.
+//
+// Tolerances (stated once, used by every comparison). Inputs are bf16, so products are exact in
+// fp32; the kernel accumulates in fp32 and rounds once to the output type:
+//   bf16 output: |gpu - ref| <= 2^-8 |ref| + red * 2^-22 * sum|a b|
+//   fp32 output: |gpu - ref| <= 2^-22 (|ref| + |c|) + red * 2^-22 * sum|a b|   (c = prior main_grad)
+// 2^-8 is one bf16 ulp (rounding costs half of one); red * 2^-23 * sum|a b| bounds fp32 summation of
+// `red` terms even with truncating adds, doubled for margin. An indexing or layout mistake gives
+// errors of the order of |ref| itself, orders of magnitude above these bounds.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "moe/error.h"
+#include "moe/float_convert.h"
+#include "moe/grouped_gemm.h"
+#include "reference/grouped_gemm_ref.h"
+#include "support/gpu.h"
+
+namespace moe {
+namespace {
+
+using testing::DeviceBuffer;
+using Bits = uint16_t;
+constexpr Bits kPoison = 0xFFFF;        // a bf16 NaN: any value written over it is visible
+constexpr uint32_t kPoison32 = 0xFFFFFFFFu;
+
+std::vector<Bits> random_bf16(size_t n, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<Bits> v(n);
+  for (Bits& b : v) b = float_to_bf16_bits(u(rng));
+  return v;
+}
+std::vector<float> random_f32(size_t n, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+  std::vector<float> v(n);
+  for (float& f : v) f = u(rng);
+  return v;
+}
+std::vector<double> to_double(const std::vector<Bits>& b) {
+  std::vector<double> d(b.size());
+  for (size_t i = 0; i < b.size(); ++i) d[i] = bf16_bits_to_float(b[i]);
+  return d;
+}
+std::vector<double> absolute(std::vector<double> v) {
+  for (double& x : v) x = std::fabs(x);
+  return v;
+}
+
+// Groups of the reference from device-style offsets, clamped into [0, rows] as the GPU does.
+ref::Groups groups_from(const std::vector<int32_t>& off, int64_t rows) {
+  ref::Groups g;
+  for (size_t e = 0; e + 1 < off.size(); ++e) {
+    const int64_t lo = std::min<int64_t>(std::max<int64_t>(off[e], 0), rows);
+    const int64_t hi = std::min<int64_t>(std::max<int64_t>(off[e + 1], lo), rows);
+    g.offset.push_back(lo);
+    g.rows.push_back(hi - lo);
+  }
+  return g;
+}
+std::vector<int32_t> offsets_from_sizes(const std::vector<int>& sizes) {
+  std::vector<int32_t> off{0};
+  for (int s : sizes) off.push_back(off.back() + s);
+  return off;
+}
+
+// One grouped problem: data on the host (bf16 bits) and on the device.
+struct Problem {
+  int E;
+  int64_t N, K, R;
+  std::vector<int32_t> off;
+  std::vector<Bits> x, w, dy;  // x [R, K], w [E, N, K], dy [R, N]
+  DeviceBuffer<Bits> d_x, d_w, d_dy;
+  DeviceBuffer<int32_t> d_off;
+
+  Problem(int E_, int64_t N_, int64_t K_, int64_t R_, std::vector<int32_t> off_, uint64_t seed)
+      : E(E_), N(N_), K(K_), R(R_), off(std::move(off_)) {
+    std::mt19937_64 rng(seed);
+    x = random_bf16(R * K, rng);
+    w = random_bf16(E * N * K, rng);
+    dy = random_bf16(R * N, rng);
+    d_x = DeviceBuffer<Bits>(x);
+    d_w = DeviceBuffer<Bits>(w);
+    d_dy = DeviceBuffer<Bits>(dy);
+    d_off = DeviceBuffer<int32_t>(off);
+  }
+  TensorView x_view() const { return TensorView(d_x.get(), DType::kBF16, {R, K}); }
+  TensorView dy_view() const { return TensorView(d_dy.get(), DType::kBF16, {R, N}); }
+  TensorView off_view() const { return TensorView(d_off.get(), DType::kInt32, {int64_t(E) + 1}); }
+  ExpertMatrices w_grouped() const {
+    return ExpertMatrices::grouped(TensorView(d_w.get(), DType::kBF16, {int64_t(E), N, K}), "w");
+  }
+  ref::Groups groups() const { return groups_from(off, R); }
+  std::vector<const double*> w_ptrs(const std::vector<double>& wd) const {
+    std::vector<const double*> p;
+    for (int e = 0; e < E; ++e) p.push_back(wd.data() + e * N * K);
+    return p;
+  }
+  int64_t used_rows() const {  // rows inside some group
+    const ref::Groups g = groups();
+    int64_t end = 0;
+    for (int e = 0; e < E; ++e) end = std::max(end, g.offset[e] + g.rows[e]);
+    return end;
+  }
+};
+
+// Expected token-side output (fprop: [R, N], dgrad: [R, K]) and its tolerance scale.
+struct Expected {
+  std::vector<double> value, abs_sum;
+  int64_t red = 0;  // length of the reduction
+};
+
+Expected expect_fprop(const Problem& p) {
+  Expected ex;
+  const auto xd = to_double(p.x), wd = to_double(p.w);
+  const auto xa = absolute(xd), wa = absolute(wd);
+  ex.value.assign(p.R * p.N, 0.0);
+  ex.abs_sum.assign(p.R * p.N, 0.0);
+  ref::grouped_fprop(p.groups(), xd.data(), p.w_ptrs(wd).data(), p.N, p.K, ex.value.data());
+  ref::grouped_fprop(p.groups(), xa.data(), p.w_ptrs(wa).data(), p.N, p.K, ex.abs_sum.data());
+  ex.red = p.K;
+  return ex;
+}
+
+Expected expect_dgrad(const Problem& p) {
+  Expected ex;
+  const auto dyd = to_double(p.dy), wd = to_double(p.w);
+  const auto dya = absolute(dyd), wa = absolute(wd);
+  ex.value.assign(p.R * p.K, 0.0);
+  ex.abs_sum.assign(p.R * p.K, 0.0);
+  ref::grouped_dgrad(p.groups(), dyd.data(), p.w_ptrs(wd).data(), p.N, p.K, ex.value.data());
+  ref::grouped_dgrad(p.groups(), dya.data(), p.w_ptrs(wa).data(), p.N, p.K, ex.abs_sum.data());
+  ex.red = p.N;
+  return ex;
+}
+
+// Weight gradient [E, N, K] (written, from zero).
+Expected expect_wgrad(const Problem& p) {
+  Expected ex;
+  const auto dyd = to_double(p.dy), xd = to_double(p.x);
+  const auto dya = absolute(dyd), xa = absolute(xd);
+  ex.value.assign(p.E * p.N * p.K, 0.0);
+  ex.abs_sum.assign(p.E * p.N * p.K, 0.0);
+  std::vector<double*> v, a;
+  for (int e = 0; e < p.E; ++e) {
+    v.push_back(ex.value.data() + e * p.N * p.K);
+    a.push_back(ex.abs_sum.data() + e * p.N * p.K);
+  }
+  ref::grouped_wgrad(p.groups(), dyd.data(), xd.data(), p.N, p.K, v.data(), false);
+  ref::grouped_wgrad(p.groups(), dya.data(), xa.data(), p.N, p.K, a.data(), false);
+  for (int64_t r : p.groups().rows) ex.red = std::max(ex.red, r);
+  return ex;
+}
+
+// Token-side bf16 output: rows inside groups within tolerance, rows past the groups untouched.
+void check_rows_bf16(const std::vector<Bits>& got, const Expected& ex, int64_t used_rows, int64_t cols,
+                     const std::string& what) {
+  int bad = 0;
+  for (int64_t i = 0; i < int64_t(got.size()) && bad < 10; ++i) {
+    if (i / cols >= used_rows) {
+      if (got[i] != kPoison) ++bad, ADD_FAILURE() << what << ": row " << i / cols << " past the groups was written";
+      continue;
+    }
+    const double g = bf16_bits_to_float(got[i]);
+    const double tol = std::ldexp(std::fabs(ex.value[i]), -8) + ex.red * std::ldexp(ex.abs_sum[i], -22);
+    if (!(std::fabs(g - ex.value[i]) <= tol))
+      ++bad, ADD_FAILURE() << what << ": element " << i << " (row " << i / cols << ", col " << i % cols
+                           << ") = " << g << ", expected " << ex.value[i] << " +- " << tol;
+  }
+}
+
+void check_wgrad_bf16(const std::vector<Bits>& got, const Expected& ex, const std::string& what) {
+  int bad = 0;
+  for (size_t i = 0; i < got.size() && bad < 10; ++i) {
+    const double g = bf16_bits_to_float(got[i]);
+    const double tol = std::ldexp(std::fabs(ex.value[i]), -8) + ex.red * std::ldexp(ex.abs_sum[i], -22);
+    if (!(std::fabs(g - ex.value[i]) <= tol))
+      ++bad, ADD_FAILURE() << what << ": dW element " << i << " = " << g << ", expected " << ex.value[i] << " +- " << tol;
+  }
+}
+
+// fp32 weight gradient; `prior` = main_grad before accumulation (empty: written from zero).
+void check_wgrad_f32(const std::vector<float>& got, const Expected& ex, const std::vector<float>& prior,
+                     const std::string& what) {
+  int bad = 0;
+  for (size_t i = 0; i < got.size() && bad < 10; ++i) {
+    const double c = prior.empty() ? 0.0 : prior[i];
+    const double want = c + ex.value[i];
+    const double tol = std::ldexp(std::fabs(want) + std::fabs(c), -22) + ex.red * std::ldexp(ex.abs_sum[i], -22);
+    if (!(std::fabs(got[i] - want) <= tol))
+      ++bad, ADD_FAILURE() << what << ": dW element " << i << " = " << got[i] << ", expected " << want << " +- " << tol;
+  }
+}
+
+// Runs every op on `p` with `gg` (current configuration choice) and checks all outputs.
+void run_and_check_all(GroupedGemm& gg, const Problem& p, const std::string& what) {
+  cudaStream_t stream = nullptr;
+  const int64_t used = p.used_rows();
+  {
+    DeviceBuffer<Bits> y(p.R * p.N);
+    y.fill_bytes(0xFF);
+    gg.fprop(p.x_view(), p.w_grouped(), p.off_view(), TensorView(y.get(), DType::kBF16, {p.R, p.N}), stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    check_rows_bf16(y.download(), expect_fprop(p), used, p.N, what + " fprop");
+  }
+  {
+    DeviceBuffer<Bits> dx(p.R * p.K);
+    dx.fill_bytes(0xFF);
+    gg.dgrad(p.dy_view(), p.w_grouped(), p.off_view(), TensorView(dx.get(), DType::kBF16, {p.R, p.K}), stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    check_rows_bf16(dx.download(), expect_dgrad(p), used, p.K, what + " dgrad");
+  }
+  const Expected ex = expect_wgrad(p);
+  const int64_t wn = p.E * p.N * p.K;
+  {
+    DeviceBuffer<Bits> dw(wn);
+    dw.fill_bytes(0xFF);  // empty experts must be zero-filled, not left poisoned
+    gg.wgrad(p.dy_view(), p.x_view(), p.off_view(),
+             ExpertMatrices::grouped(TensorView(dw.get(), DType::kBF16, {int64_t(p.E), p.N, p.K}), "dw"), false,
+             stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    check_wgrad_bf16(dw.download(), ex, what + " wgrad bf16");
+  }
+  {
+    DeviceBuffer<float> dw(wn);
+    dw.fill_bytes(0xFF);
+    gg.wgrad(p.dy_view(), p.x_view(), p.off_view(),
+             ExpertMatrices::grouped(TensorView(dw.get(), DType::kFP32, {int64_t(p.E), p.N, p.K}), "dw"), false,
+             stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    check_wgrad_f32(dw.download(), ex, {}, what + " wgrad fp32");
+  }
+  {
+    std::mt19937_64 rng(99);
+    std::vector<float> prior = random_f32(wn, rng);
+    DeviceBuffer<float> mg(prior);
+    gg.wgrad(p.dy_view(), p.x_view(), p.off_view(),
+             ExpertMatrices::grouped(TensorView(mg.get(), DType::kFP32, {int64_t(p.E), p.N, p.K}), "main_grad"), true,
+             stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<float> got = mg.download();
+    check_wgrad_f32(got, ex, prior, what + " wgrad accumulate");
+    // Empty experts leave main_grad bitwise untouched.
+    const ref::Groups g = p.groups();
+    for (int e = 0; e < p.E; ++e)
+      if (g.rows[e] == 0)
+        EXPECT_EQ(std::memcmp(got.data() + e * p.N * p.K, prior.data() + e * p.N * p.K, p.N * p.K * sizeof(float)), 0)
+            << what << ": main_grad of empty expert " << e << " changed";
+  }
+}
+
+TEST(GroupedGemm, EveryConfigurationUnevenAndEmptyGroups) {
+  MOE_REQUIRE_GPU();
+  // Uneven groups (not multiples of any tile), empty ones at both ends and inside, a group of one
+  // row, and 19 rows past the last group; N and K multiples of 8 but not of the tile sizes.
+  const std::vector<int> sizes = {0, 37, 0, 300, 1, 257, 0};
+  const auto off = offsets_from_sizes(sizes);
+  Problem p(int(sizes.size()), 264, 200, off.back() + 19, off, 1);
+  GroupedGemm gg(p.E, p.R);
+  for (GemmOp op : {GemmOp::kFprop, GemmOp::kDgrad, GemmOp::kWgrad}) {
+    std::vector<std::string> names = GroupedGemm::configs(op, DType::kBF16);
+    for (const std::string& n : GroupedGemm::configs(op, DType::kFP32))
+      if (std::find(names.begin(), names.end(), n) == names.end()) names.push_back(n);
+    ASSERT_FALSE(names.empty());
+    for (const std::string& name : names)
+      for (bool along_n : {false, true}) {
+        gg.force_config(GemmOp::kFprop, "");
+        gg.force_config(GemmOp::kDgrad, "");
+        gg.force_config(GemmOp::kWgrad, "");
+        gg.force_config(op, name, along_n);
+        SCOPED_TRACE(std::string(gemm_op_name(op)) + " " + name + (along_n ? " raster N" : " raster M"));
+        run_and_check_all(gg, p, name);
+      }
+  }
+}
+
+TEST(GroupedGemm, SingleGroupAndLargeReduction) {
+  MOE_REQUIRE_GPU();
+  Problem p(1, 136, 1032, 515, {0, 515}, 2);
+  GroupedGemm gg(1, p.R);
+  run_and_check_all(gg, p, "single group");
+}
+
+TEST(GroupedGemm, ManyExpertsSmallestAlignedSizes) {
+  MOE_REQUIRE_GPU();
+  // E = 256 experts, about a third empty, N = K = 8 (the smallest 16-byte aligned bf16 rows), then
+  // N = 8, K = 16 and N = 16, K = 8 so that N != K catches any transposed dimension.
+  std::mt19937_64 rng(5);
+  std::vector<int> sizes(256);
+  for (int& s : sizes) s = (rng() % 3 == 0) ? 0 : int(rng() % 40);
+  const auto off = offsets_from_sizes(sizes);
+  for (auto [N, K] : {std::pair<int64_t, int64_t>{8, 8}, {8, 16}, {16, 8}}) {
+    Problem p(256, N, K, off.back() + 3, off, 10 + N + K);
+    GroupedGemm gg(256, p.R);
+    run_and_check_all(gg, p, "E=256 N=" + std::to_string(N) + " K=" + std::to_string(K));
+  }
+}
+
+TEST(GroupedGemm, AllGroupsEmptyAndZeroRows) {
+  MOE_REQUIRE_GPU();
+  // Every expert empty (nothing may hang; wgrad writes zeros or leaves main_grad untouched)...
+  Problem p(4, 16, 24, 64, {0, 0, 0, 0, 0}, 3);
+  GroupedGemm gg(4, 64);
+  run_and_check_all(gg, p, "all empty");
+  // ... and a batch with zero rows (null token-side data).
+  Problem z(3, 16, 24, 0, {0, 0, 0, 0}, 4);
+  run_and_check_all(gg, z, "zero rows");
+}
+
+TEST(GroupedGemm, OffsetsPastTheBufferAreClamped) {
+  MOE_REQUIRE_GPU();
+  // A dispatch that overflowed its row bound hands offsets beyond R: groups are cut at R, nothing
+  // outside the buffers is read or written (compute-sanitizer memcheck runs this test too).
+  Problem p(3, 24, 32, 100, {0, 60, 130, 170}, 6);
+  GroupedGemm gg(3, 100);
+  run_and_check_all(gg, p, "clamped");
+}
+
+TEST(GroupedGemm, WeightLayoutsGiveBitwiseIdenticalResults) {
+  MOE_REQUIRE_GPU();
+  const std::vector<int> sizes = {130, 0, 77, 256, 9};
+  const auto off = offsets_from_sizes(sizes);
+  Problem p(5, 136, 264, off.back(), off, 7);
+  GroupedGemm gg(5, p.R);
+  cudaStream_t stream = nullptr;
+  const int64_t nk = p.N * p.K;
+
+  // The same weights as E separate allocations.
+  std::vector<DeviceBuffer<Bits>> w_sep;
+  std::vector<TensorView> w_views;
+  for (int e = 0; e < p.E; ++e) {
+    w_sep.emplace_back(std::vector<Bits>(p.w.begin() + e * nk, p.w.begin() + (e + 1) * nk));
+    w_views.emplace_back(w_sep.back().get(), DType::kBF16, std::initializer_list<int64_t>{p.N, p.K});
+  }
+  const ExpertMatrices w_per = ExpertMatrices::per_expert(w_views, "w");
+
+  DeviceBuffer<Bits> y1(p.R * p.N), y2(p.R * p.N), dx1(p.R * p.K), dx2(p.R * p.K);
+  gg.fprop(p.x_view(), p.w_grouped(), p.off_view(), TensorView(y1.get(), DType::kBF16, {p.R, p.N}), stream);
+  gg.fprop(p.x_view(), w_per, p.off_view(), TensorView(y2.get(), DType::kBF16, {p.R, p.N}), stream);
+  gg.dgrad(p.dy_view(), p.w_grouped(), p.off_view(), TensorView(dx1.get(), DType::kBF16, {p.R, p.K}), stream);
+  gg.dgrad(p.dy_view(), w_per, p.off_view(), TensorView(dx2.get(), DType::kBF16, {p.R, p.K}), stream);
+  EXPECT_EQ(y1.download(), y2.download());
+  EXPECT_EQ(dx1.download(), dx2.download());
+
+  for (DType dt : {DType::kBF16, DType::kFP32}) {
+    for (bool acc : {false, true}) {
+      if (acc && dt != DType::kFP32) continue;
+      const size_t eb = dt == DType::kFP32 ? 4 : 2;
+      std::vector<uint8_t> init(p.E * nk * eb);
+      std::mt19937_64 rng(8);
+      for (size_t i = 0; i < init.size(); i += 4) {  // finite fp32 / bf16 pairs
+        const float f = float(int(rng() % 2001) - 1000) / 256.0f;
+        if (dt == DType::kFP32) std::memcpy(&init[i], &f, 4);
+        else { const Bits b = float_to_bf16_bits(f); std::memcpy(&init[i], &b, 2); std::memcpy(&init[i + 2], &b, 2); }
+      }
+      DeviceBuffer<uint8_t> g1(init);
+      std::vector<DeviceBuffer<uint8_t>> g2;
+      std::vector<TensorView> g2_views;
+      for (int e = 0; e < p.E; ++e) {
+        g2.emplace_back(std::vector<uint8_t>(init.begin() + e * nk * eb, init.begin() + (e + 1) * nk * eb));
+        g2_views.emplace_back(g2.back().get(), dt, std::initializer_list<int64_t>{p.N, p.K});
+      }
+      gg.wgrad(p.dy_view(), p.x_view(), p.off_view(),
+               ExpertMatrices::grouped(TensorView(g1.get(), dt, {int64_t(p.E), p.N, p.K}), "dw"), acc, stream);
+      gg.wgrad(p.dy_view(), p.x_view(), p.off_view(), ExpertMatrices::per_expert(g2_views, "dw"), acc, stream);
+      MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const std::vector<uint8_t> a = g1.download();
+      for (int e = 0; e < p.E; ++e)
+        EXPECT_EQ(std::memcmp(a.data() + e * nk * eb, g2[e].download().data(), nk * eb), 0)
+            << "wgrad " << dtype_name(dt) << (acc ? " accumulate" : "") << ": expert " << e << " differs";
+    }
+  }
+}
+
+TEST(GroupedGemm, GraphReplayWithNewGroupSizesEqualsEager) {
+  MOE_REQUIRE_GPU();
+  const int E = 6;
+  const int64_t N = 72, K = 136, R = 800;
+  // Capture with one set of group sizes, replay with others (including empty experts) and new data.
+  const auto off_a = offsets_from_sizes({100, 100, 100, 100, 100, 100});
+  const auto off_b = offsets_from_sizes({0, 311, 5, 0, 290, 64});
+  Problem p(E, N, K, R, off_a, 11);
+  GroupedGemm gg(E, R);
+  cudaStream_t stream;
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  DeviceBuffer<Bits> y(R * N), dx(R * K), dw(E * N * K);
+  DeviceBuffer<float> mg(E * N * K);
+  const ExpertMatrices dw_m = ExpertMatrices::grouped(TensorView(dw.get(), DType::kBF16, {E, N, K}), "dw");
+  const ExpertMatrices mg_m = ExpertMatrices::grouped(TensorView(mg.get(), DType::kFP32, {E, N, K}), "main_grad");
+  auto step = [&] {
+    gg.fprop(p.x_view(), p.w_grouped(), p.off_view(), TensorView(y.get(), DType::kBF16, {R, N}), stream);
+    gg.dgrad(p.dy_view(), p.w_grouped(), p.off_view(), TensorView(dx.get(), DType::kBF16, {R, K}), stream);
+    gg.wgrad(p.dy_view(), p.x_view(), p.off_view(), dw_m, false, stream);
+    gg.wgrad(p.dy_view(), p.x_view(), p.off_view(), mg_m, true, stream);
+  };
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  step();
+  MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+  std::mt19937_64 rng(12);
+  const std::vector<float> mg0 = random_f32(E * N * K, rng);
+  auto reset_outputs = [&] {
+    y.fill_bytes(0xFF);
+    dx.fill_bytes(0xFF);
+    dw.fill_bytes(0xFF);
+    mg.upload(mg0);
+  };
+  // New routing and data in the same buffers (the graph holds their addresses).
+  p.off = off_b;
+  p.d_off.upload(off_b);
+  p.x = random_bf16(R * K, rng);
+  p.d_x.upload(p.x);
+  p.dy = random_bf16(R * N, rng);
+  p.d_dy.upload(p.dy);
+
+  reset_outputs();
+  MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const auto gy = y.download(), gdx = dx.download(), gdw = dw.download();
+  const auto gmg = mg.download();
+
+  reset_outputs();
+  step();
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_EQ(gy, y.download());
+  EXPECT_EQ(gdx, dx.download());
+  EXPECT_EQ(gdw, dw.download());
+  EXPECT_EQ(std::memcmp(gmg.data(), mg.download().data(), gmg.size() * sizeof(float)), 0);
+  // And the replay is right, not merely repeatable.
+  check_rows_bf16(gy, expect_fprop(p), p.used_rows(), N, "graph fprop");
+  check_rows_bf16(gdx, expect_dgrad(p), p.used_rows(), K, "graph dgrad");
+  check_wgrad_bf16(gdw, expect_wgrad(p), "graph wgrad");
+  check_wgrad_f32(gmg, expect_wgrad(p), mg0, "graph wgrad accumulate");
+
+  MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  MOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  MOE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// Expects a moe::Error whose message contains `needle`.
+template <typename F>
+void expect_error_naming(F&& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected moe::Error mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(GroupedGemm, RejectsUnsupportedArgumentsBeforeLaunch) {
+  MOE_REQUIRE_GPU();
+  const int E = 2;
+  DeviceBuffer<Bits> buf(64 * 64 * 4);
+  DeviceBuffer<float> fbuf(64 * 64 * 2);
+  DeviceBuffer<int32_t> off(std::vector<int32_t>{0, 10, 20});
+  Bits* b = buf.get();
+  const TensorView offs(off.get(), DType::kInt32, {E + 1});
+  const ExpertMatrices w = ExpertMatrices::grouped(TensorView(b, DType::kBF16, {E, 16, 32}), "w");
+  GroupedGemm gg(E, 64);
+  cudaStream_t s = nullptr;
+  // K not a multiple of 8 (TMA needs 16-byte rows).
+  expect_error_naming([&] { gg.fprop(TensorView(b, DType::kBF16, {64, 12}), w, offs, TensorView(b, DType::kBF16, {64, 16}), s); }, "'x'");
+  // Weight K differs from x's K.
+  expect_error_naming([&] { gg.fprop(TensorView(b, DType::kBF16, {64, 40}), w, offs, TensorView(b, DType::kBF16, {64, 16}), s); }, "'w'");
+  // Output of the wrong shape / dtype.
+  expect_error_naming([&] { gg.fprop(TensorView(b, DType::kBF16, {64, 32}), w, offs, TensorView(b, DType::kBF16, {64, 24}), s); }, "'y'");
+  expect_error_naming([&] { gg.fprop(TensorView(b, DType::kBF16, {64, 32}), w, offs, TensorView(fbuf.get(), DType::kFP32, {64, 16}), s); }, "'y'");
+  // Misaligned operand.
+  expect_error_naming([&] { gg.fprop(TensorView(b + 1, DType::kBF16, {64, 32}), w, offs, TensorView(b, DType::kBF16, {64, 16}), s); }, "'x'");
+  // More rows than the bound, offsets of the wrong length or dtype.
+  expect_error_naming([&] { gg.fprop(TensorView(b, DType::kBF16, {65, 32}), w, offs, TensorView(b, DType::kBF16, {65, 16}), s); }, "'x'");
+  expect_error_naming([&] { gg.fprop(TensorView(b, DType::kBF16, {64, 32}), w, TensorView(off.get(), DType::kInt32, {E}), TensorView(b, DType::kBF16, {64, 16}), s); }, "'group_offsets'");
+  expect_error_naming([&] { gg.fprop(TensorView(b, DType::kBF16, {64, 32}), w, TensorView(off.get(), DType::kInt64, {E + 1}), TensorView(b, DType::kBF16, {64, 16}), s); }, "'group_offsets'");
+  // More experts than the bound.
+  const ExpertMatrices w3 = ExpertMatrices::grouped(TensorView(b, DType::kBF16, {3, 16, 32}), "w");
+  expect_error_naming([&] { gg.fprop(TensorView(b, DType::kBF16, {64, 32}), w3, TensorView(off.get(), DType::kInt32, {4}), TensorView(b, DType::kBF16, {64, 16}), s); }, "'experts'");
+  // dgrad: dy's N must match the weights.
+  expect_error_naming([&] { gg.dgrad(TensorView(b, DType::kBF16, {64, 24}), w, offs, TensorView(b, DType::kBF16, {64, 32}), s); }, "'w'");
+  // wgrad: accumulation needs fp32; unsupported output dtype; x with other rows than dy.
+  const ExpertMatrices dw16 = ExpertMatrices::grouped(TensorView(b, DType::kBF16, {E, 16, 32}), "dw");
+  expect_error_naming([&] { gg.wgrad(TensorView(b, DType::kBF16, {64, 16}), TensorView(b, DType::kBF16, {64, 32}), offs, dw16, true, s); }, "'dw'");
+  const ExpertMatrices dw8 = ExpertMatrices::grouped(TensorView(b, DType::kFP8E4M3, {E, 16, 32}), "dw");
+  expect_error_naming([&] { gg.wgrad(TensorView(b, DType::kBF16, {64, 16}), TensorView(b, DType::kBF16, {64, 32}), offs, dw8, false, s); }, "'dw'");
+  expect_error_naming([&] { gg.wgrad(TensorView(b, DType::kBF16, {64, 16}), TensorView(b, DType::kBF16, {32, 32}), offs, dw16, false, s); }, "'x'");
+  // Per-expert tables check every tensor.
+  expect_error_naming([&] { ExpertMatrices::per_expert({TensorView(b, DType::kBF16, {16, 32}), TensorView(b, DType::kBF16, {16, 24})}, "w"); }, "'w1'");
+  expect_error_naming([&] { ExpertMatrices::per_expert({TensorView(b, DType::kBF16, {16, 32}), TensorView(b + 4, DType::kBF16, {16, 32})}, "w"); }, "'w1'");
+  expect_error_naming([&] { gg.force_config(GemmOp::kFprop, "no_such_tile"); }, "no_such_tile");
+}
+
+}  // namespace
+}  // namespace moe
