@@ -24,7 +24,8 @@ namespace moe {
 //   kSingleGrouped: one view each: fc1 [E, fc1_out, H], fc1_bias [E, fc1_out], fc2 [E, H, F], fc2_bias [E, H]
 //   kPerExpert:     E views each:  fc1 [fc1_out, H],    fc1_bias [fc1_out],    fc2 [H, F],    fc2_bias [H]
 // Biases are empty when config.bias is false. Gradients: dtype wgrad_dtype (kWrite) or fp32
-// main_grad (kAccumulate).
+// main_grad (kAccumulate), each parameter's in either layout (independent of the weights' layout:
+// one view with the leading E dimension is single grouped, E views are per expert).
 struct ExpertTensors {
   std::vector<TensorView> fc1_weight, fc1_bias, fc2_weight, fc2_bias;
 };

@@ -50,9 +50,9 @@ DispatcherConfig dispatcher_config(const GroupedMlpConfig& c) {
 
 // The views of one parameter in the config's layout, checked.
 void check_param_views(const std::vector<TensorView>& views, const char* name, const GroupedMlpConfig& c,
-                       std::initializer_list<int64_t> expert_shape, DType dtype) {
+                       WeightLayout layout, std::initializer_list<int64_t> expert_shape, DType dtype) {
   const int64_t E = c.experts;
-  if (c.layout == WeightLayout::kSingleGrouped) {
+  if (layout == WeightLayout::kSingleGrouped) {
     MOE_CHECK(views.size() == 1, "argument '", name, "': single-grouped layout expects 1 tensor, got ", views.size());
     std::vector<int64_t> s{E};
     s.insert(s.end(), expert_shape);
@@ -77,6 +77,15 @@ void check_param_views(const std::vector<TensorView>& views, const char* name, c
       check_pointer(v, name, 16);
     }
   }
+}
+
+// Gradients may be bound in either layout, independently of the weights' layout (e.g. one grouped
+// gradient buffer for per-expert weights): a single view with the extra leading E dimension is
+// single grouped.
+WeightLayout layout_of(const std::vector<TensorView>& views, size_t expert_ndim, int experts) {
+  return views.size() == 1 && experts >= 1 && views[0].ndim == static_cast<int>(expert_ndim) + 1
+             ? WeightLayout::kSingleGrouped
+             : WeightLayout::kPerExpert;
 }
 
 }  // namespace
@@ -146,14 +155,14 @@ struct GroupedMlp::Impl {
   TensorView group_offsets() const { return dispatcher.group_offsets(); }
   TensorView probs_perm_or_none() const { return probs_in_act() ? dispatcher.probs_perm() : TensorView(); }
 
-  ExpertMatrices matrices(const std::vector<TensorView>& views, const char* name) const {
-    return cfg.layout == WeightLayout::kSingleGrouped ? ExpertMatrices::grouped(views[0], name)
-                                                      : ExpertMatrices::per_expert(views, name);
+  static ExpertMatrices matrices(const std::vector<TensorView>& views, WeightLayout layout, const char* name) {
+    return layout == WeightLayout::kSingleGrouped ? ExpertMatrices::grouped(views[0], name)
+                                                  : ExpertMatrices::per_expert(views, name);
   }
   // Bias rows; per-expert layout uploads the E row pointers into table slot `slot` (synchronously:
   // this happens when parameters are bound, never inside forward/backward).
-  ExpertRows rows(const std::vector<TensorView>& views, int slot) {
-    if (cfg.layout == WeightLayout::kSingleGrouped) return ExpertRows::single_grouped(views[0]);
+  ExpertRows rows(const std::vector<TensorView>& views, WeightLayout layout, int slot) {
+    if (layout == WeightLayout::kSingleGrouped) return ExpertRows::single_grouped(views[0]);
     std::vector<void*> ptrs;
     for (const TensorView& t : views) ptrs.push_back(t.data);
     void** table = bias_tables + slot * cfg.experts;
@@ -161,12 +170,13 @@ struct GroupedMlp::Impl {
     return ExpertRows::per_expert(table, views[0].dtype, cfg.experts, views[0].shape[views[0].ndim - 1]);
   }
 
-  void check_bias_views(const std::vector<TensorView>& views, const char* name, int64_t n, DType dtype) const {
+  void check_bias_views(const std::vector<TensorView>& views, const char* name, WeightLayout layout, int64_t n,
+                        DType dtype) const {
     if (!cfg.bias) {
       MOE_CHECK(views.empty(), "argument '", name, "': the layer has no biases (config.bias = false)");
       return;
     }
-    check_param_views(views, name, cfg, {n}, dtype);
+    check_param_views(views, name, cfg, layout, {n}, dtype);
   }
 
   void fire_hooks(Param p) {
@@ -200,15 +210,16 @@ const GroupedMlpConfig& GroupedMlp::config() const { return impl_->cfg; }
 void GroupedMlp::set_weights(const ExpertTensors& w) {
   Impl& m = *impl_;
   const auto& c = m.cfg;
-  check_param_views(w.fc1_weight, "fc1.weight", c, {c.fc1_out(), c.hidden}, c.dtype);
-  check_param_views(w.fc2_weight, "fc2.weight", c, {c.hidden, c.ffn}, c.dtype);
-  m.check_bias_views(w.fc1_bias, "fc1.bias", c.fc1_out(), c.dtype);
-  m.check_bias_views(w.fc2_bias, "fc2.bias", c.hidden, c.dtype);
-  m.w1 = m.matrices(w.fc1_weight, "fc1.weight");
-  m.w2 = m.matrices(w.fc2_weight, "fc2.weight");
+  const WeightLayout L = c.layout;
+  check_param_views(w.fc1_weight, "fc1.weight", c, L, {c.fc1_out(), c.hidden}, c.dtype);
+  check_param_views(w.fc2_weight, "fc2.weight", c, L, {c.hidden, c.ffn}, c.dtype);
+  m.check_bias_views(w.fc1_bias, "fc1.bias", L, c.fc1_out(), c.dtype);
+  m.check_bias_views(w.fc2_bias, "fc2.bias", L, c.hidden, c.dtype);
+  m.w1 = Impl::matrices(w.fc1_weight, L, "fc1.weight");
+  m.w2 = Impl::matrices(w.fc2_weight, L, "fc2.weight");
   if (c.bias) {
-    m.b1 = m.rows(w.fc1_bias, 0);
-    m.b2 = m.rows(w.fc2_bias, 1);
+    m.b1 = m.rows(w.fc1_bias, L, 0);
+    m.b2 = m.rows(w.fc2_bias, L, 1);
   }
   m.have_weights = true;
 }
@@ -217,15 +228,18 @@ void GroupedMlp::set_grads(const ExpertTensors& g) {
   Impl& m = *impl_;
   const auto& c = m.cfg;
   const DType t = c.wgrad == WgradMode::kAccumulate ? DType::kFP32 : c.wgrad_dtype;
-  check_param_views(g.fc1_weight, "fc1.weight grad", c, {c.fc1_out(), c.hidden}, t);
-  check_param_views(g.fc2_weight, "fc2.weight grad", c, {c.hidden, c.ffn}, t);
-  m.check_bias_views(g.fc1_bias, "fc1.bias grad", c.fc1_out(), t);
-  m.check_bias_views(g.fc2_bias, "fc2.bias grad", c.hidden, t);
-  m.dw1 = m.matrices(g.fc1_weight, "fc1.weight grad");
-  m.dw2 = m.matrices(g.fc2_weight, "fc2.weight grad");
+  const int E = c.experts;
+  const WeightLayout L1 = layout_of(g.fc1_weight, 2, E), L2 = layout_of(g.fc2_weight, 2, E);
+  const WeightLayout Lb1 = layout_of(g.fc1_bias, 1, E), Lb2 = layout_of(g.fc2_bias, 1, E);
+  check_param_views(g.fc1_weight, "fc1.weight grad", c, L1, {c.fc1_out(), c.hidden}, t);
+  check_param_views(g.fc2_weight, "fc2.weight grad", c, L2, {c.hidden, c.ffn}, t);
+  m.check_bias_views(g.fc1_bias, "fc1.bias grad", Lb1, c.fc1_out(), t);
+  m.check_bias_views(g.fc2_bias, "fc2.bias grad", Lb2, c.hidden, t);
+  m.dw1 = Impl::matrices(g.fc1_weight, L1, "fc1.weight grad");
+  m.dw2 = Impl::matrices(g.fc2_weight, L2, "fc2.weight grad");
   if (c.bias) {
-    m.db1 = m.rows(g.fc1_bias, 2);
-    m.db2 = m.rows(g.fc2_bias, 3);
+    m.db1 = m.rows(g.fc1_bias, Lb1, 2);
+    m.db2 = m.rows(g.fc2_bias, Lb2, 3);
   }
   m.have_grads = true;
 }
