@@ -1,0 +1,104 @@
+// moe::Dispatcher -- token dispatch on the GPU (SPEC 2, 3, 7, 9): permute + pad, unpermute + unpad,
+// forward and backward, CUDA-graph-safe.
+//
+// A Dispatcher is built once from static bounds (T_max, E, k, H, routing form, options, row dtype)
+// and allocates all of its device workspace then. Its per-call methods only enqueue work on the
+// given stream: no allocation, no host synchronisation, no host read of device data. The routing
+// data may change from call to call (a captured graph replays with new routing); shapes (T) are
+// known on the host.
+//
+// Usage per step:  plan(routing) -> permute(x) -> [experts on x_perm, groups = group_offsets()]
+//                  -> unpermute(Y) ; backward: unpermute_backward(dy) -> ... -> permute_backward().
+// plan() keeps its results (counts, offsets, row maps, probs_perm) in the dispatcher until the next
+// plan(), so the backward of a step uses the plan of its forward.
+//
+// Layout (SPEC 2): expert e owns rows [offset[e], offset[e] + padded[e]) of the permuted buffer
+// x_perm [R, H]; token t's slot for e lands at offset[e] + #{t' < t routed to e} (stable token
+// order, deterministic). Pad rows, and rows from sum(padded) to R, are zero in x_perm and
+// probs_perm. Bad routing entries are skipped and flagged in the device error word (moe::ErrorBits);
+// rows at or past R are never written (kErrRowOverflow).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include <cuda_runtime_api.h>
+
+#include "moe/dtype.h"
+#include "moe/routing.h"
+#include "moe/tensor.h"
+
+namespace moe {
+
+struct DispatcherConfig {
+  int64_t max_tokens = 0;  // T_max: every plan has T <= T_max
+  int num_experts = 0;     // E, 1..1024
+  int topk = 0;            // k >= 1 for the top-k form; unused by the map form
+  int64_t hidden = 0;      // H, row width in elements; H * dtype bytes must be a multiple of 16
+  RoutingForm form = RoutingForm::kTopK;
+  DispatchOptions options;  // A, pre-padded input, R (R is required for the map form)
+  // bf16, fp16 or fp32 for every op; 1-byte FP8 rows (e4m3/e5m2) move through permute only.
+  DType row_dtype = DType::kBF16;
+  // > 0: permute carries a per-row block of this many bytes (e.g. FP8 block scales) alongside each
+  // row, from x_scale [T, *] to x_perm_scale [R, *]; pad rows get a zero block.
+  int64_t scale_bytes_per_row = 0;
+};
+
+class Dispatcher {
+ public:
+  explicit Dispatcher(const DispatcherConfig& config);  // throws moe::Error naming a bad field
+  ~Dispatcher();
+  Dispatcher(const Dispatcher&) = delete;
+  Dispatcher& operator=(const Dispatcher&) = delete;
+
+  const DispatcherConfig& config() const;
+  int64_t rows() const;             // R, the static row bound of x_perm
+  int slots_per_token() const;      // k (top-k form) or E (map form)
+  int64_t tokens() const;           // T of the last plan()
+  size_t workspace_bytes() const;   // device memory held
+
+  // Routing (device views, form per config: indices int32 [T, k] or map bool/uint8 [T, E], probs
+  // fp32 of the same shape) -> counts, offsets, group offsets, row maps and probs_perm, all on the
+  // device. error_word: the device word moe::ErrorBits are OR-ed into (see moe::ErrorWord).
+  void plan(const RoutingView& routing, uint32_t* error_word, cudaStream_t stream);
+
+  // x [T, H] -> x_perm [R, H] (pad rows and rows past sum(padded) zero). With a scale block:
+  // x_scale [T, *] -> x_perm_scale [R, *], scale_bytes_per_row bytes per row.
+  void permute(const TensorView& x, const TensorView& x_perm, cudaStream_t stream,
+               const TensorView* x_scale = nullptr, const TensorView* x_perm_scale = nullptr) const;
+
+  // Backward of permute: d_x_perm [R, H] -> dx [T, H] = fp32 sum over the token's rows, in slot
+  // order; with d_probs_perm fp32 [R]: dprobs fp32 [T, slots] = d_probs_perm at the slot's row
+  // (zero for slots not dispatched; dprobs without d_probs_perm is all zero).
+  void permute_backward(const TensorView& d_x_perm, const TensorView& dx, cudaStream_t stream,
+                        const TensorView* d_probs_perm = nullptr, const TensorView* dprobs = nullptr) const;
+
+  // Combine: Y [R, H] -> y [T, H] = sum over the token's rows, in slot order, of w * Y[row], fp32
+  // accumulation; w = the row's routing prob when merge_probs, else 1. Tokens routed nowhere get a
+  // zero row; pad rows are never read.
+  void unpermute(const TensorView& Y, const TensorView& y, bool merge_probs, cudaStream_t stream) const;
+
+  // Backward of combine: dy [T, H] -> dY [R, H] = w * dy[token] (pad rows zero). With dprobs fp32
+  // [T, slots]: <Y[row], dy[t]> in fp32 when merge_probs (Y [R, H] required then), zero for slots
+  // not dispatched and everywhere without merge_probs.
+  void unpermute_backward(const TensorView& dy, const TensorView& dY, bool merge_probs, cudaStream_t stream,
+                          const TensorView* Y = nullptr, const TensorView* dprobs = nullptr) const;
+
+  // Device results of the last plan() (views into the dispatcher's workspace, valid for its life):
+  TensorView counts(DType dtype = DType::kInt32) const;         // [E] tokens routed to e (int32/int64)
+  TensorView padded_counts(DType dtype = DType::kInt32) const;  // [E] rows of e incl. padding
+  TensorView offsets(DType dtype = DType::kInt32) const;        // [E] first row of e (may exceed R)
+  // int32 [E + 1]: g[0] = 0, g[e + 1] = min(offset[e] + padded[e], R); group e of a grouped GEMM
+  // is rows [g[e], g[e + 1]) of x_perm.
+  TensorView group_offsets() const;
+  TensorView probs_perm() const;  // fp32 [R]: prob of each row, zero on pad rows
+  TensorView slot_rows() const;   // int32 [T, slots]: row of each slot, -1 if not dispatched
+  TensorView row_slots() const;   // int32 [R]: slot t * slots + s of each row, -1 for pad/unused
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moe

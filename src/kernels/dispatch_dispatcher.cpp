@@ -1,0 +1,281 @@
+// moe::Dispatcher: argument checks, the one-time workspace, and the kernel launches (SPEC 2, 3, 7, 9).
+#include <limits>
+#include <tuple>
+
+#include "kernels/cuda_check.h"
+#include "kernels/dispatch_kernels.h"
+#include "moe/dispatch.h"
+#include "moe/error.h"
+
+namespace moe {
+
+namespace {
+
+constexpr int kMaxExperts = 1024;  // per-warp tables of E entries live in shared memory
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+bool is_arith_dtype(DType t) { return t == DType::kBF16 || t == DType::kFP16 || t == DType::kFP32; }
+bool is_row_dtype(DType t) { return is_arith_dtype(t) || t == DType::kFP8E4M3 || t == DType::kFP8E5M2; }
+
+void check_cuda_tensor(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape) {
+  check_device(t, name, Device::kCUDA);
+  check_dtype(t, name, dtype);
+  check_shape(t, name, shape);
+  check_contiguous(t, name);
+  check_pointer(t, name, 16);
+}
+
+// Carves one allocation into 256-byte aligned pieces.
+class Carver {
+ public:
+  explicit Carver(char* base) : base_(base) {}
+  template <typename T>
+  T* take(int64_t n) {
+    T* p = reinterpret_cast<T*>(base_ ? base_ + used_ : nullptr);
+    used_ += (static_cast<size_t>(n) * sizeof(T) + 255) / 256 * 256;
+    return p;
+  }
+  size_t used() const { return used_; }
+
+ private:
+  char* base_;
+  size_t used_ = 0;
+};
+
+}  // namespace
+
+struct Dispatcher::Impl {
+  DispatcherConfig cfg;
+  int slots = 0;
+  int64_t R = 0;
+  int64_t T = 0;  // of the last plan
+  bool planned = false;
+  char* block = nullptr;
+  size_t bytes = 0;
+  // Workspace pieces.
+  int32_t* chunk_count = nullptr;
+  int32_t *count32 = nullptr, *padded32 = nullptr, *offset32 = nullptr, *group_offsets = nullptr;
+  int64_t *count64 = nullptr, *padded64 = nullptr, *offset64 = nullptr;
+  int32_t *slot_row = nullptr, *row_slot = nullptr;
+  float* probs_perm = nullptr;
+
+  size_t carve(char* base) {
+    const int E = cfg.num_experts;
+    Carver c(base);
+    chunk_count = c.take<int32_t>(kernels::plan_num_chunks(cfg.form, cfg.max_tokens, slots, E) * E);
+    count32 = c.take<int32_t>(E);
+    padded32 = c.take<int32_t>(E);
+    offset32 = c.take<int32_t>(E);
+    group_offsets = c.take<int32_t>(E + 1);
+    count64 = c.take<int64_t>(E);
+    padded64 = c.take<int64_t>(E);
+    offset64 = c.take<int64_t>(E);
+    slot_row = c.take<int32_t>(cfg.max_tokens * slots);
+    row_slot = c.take<int32_t>(R);
+    probs_perm = c.take<float>(R);
+    return c.used();
+  }
+
+  int64_t row_elems() const { return cfg.hidden; }
+
+  void require_plan(const char* op) const {
+    MOE_CHECK(planned, "Dispatcher::", op, ": call plan() first (no routing has been planned)");
+  }
+  void check_rows(const TensorView& t, const char* name, int64_t rows) const {
+    check_cuda_tensor(t, name, cfg.row_dtype, {rows, cfg.hidden});
+  }
+  void require_arith(const char* op) const {
+    MOE_CHECK(is_arith_dtype(cfg.row_dtype), "Dispatcher::", op, ": row dtype ", dtype_name(cfg.row_dtype),
+              " moves through permute only; expected bf16, fp16 or fp32");
+  }
+};
+
+Dispatcher::Dispatcher(const DispatcherConfig& config) : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.cfg = config;
+  const DispatcherConfig& c = config;
+  MOE_CHECK(c.max_tokens >= 0, "argument 'max_tokens': expected >= 0, got ", c.max_tokens);
+  MOE_CHECK(c.num_experts >= 1 && c.num_experts <= kMaxExperts, "argument 'num_experts': expected 1..", kMaxExperts,
+            ", got ", c.num_experts);
+  if (c.form == RoutingForm::kTopK)
+    MOE_CHECK(c.topk >= 1 && c.topk <= kMaxExperts, "argument 'topk': expected 1..", kMaxExperts, ", got ", c.topk);
+  MOE_CHECK(is_row_dtype(c.row_dtype), "argument 'row_dtype': expected bf16, fp16, fp32, fp8_e4m3 or fp8_e5m2, got ",
+            dtype_name(c.row_dtype));
+  MOE_CHECK(c.hidden > 0 && dtype_bytes(c.row_dtype, c.hidden) % 16 == 0, "argument 'hidden': expected a row of ",
+            "a multiple of 16 bytes (H a multiple of ", 16 / (dtype_bits(c.row_dtype) / 8), " for ",
+            dtype_name(c.row_dtype), "), got H = ", c.hidden);
+  MOE_CHECK(c.scale_bytes_per_row >= 0, "argument 'scale_bytes_per_row': expected >= 0, got ",
+            c.scale_bytes_per_row);
+  m.slots = ::moe::slots_per_token(c.form, c.topk, c.num_experts);
+  // Row and slot indices are int32 on the device; offsets may run past R by up to E*(A-1).
+  const int64_t max_slots = c.max_tokens * m.slots;
+  MOE_CHECK(max_slots + kernels::plan_chunk_slots(c.form, c.num_experts) + int64_t{c.num_experts} * 256 <= kInt32Max,
+            "argument 'max_tokens': T_max * slots = ", max_slots, " does not fit the int32 row indices");
+  m.R = resolve_row_bound(c.options, c.form, c.max_tokens, c.topk, c.num_experts);
+  MOE_CHECK(m.R <= kInt32Max, "argument 'row_bound': expected R < 2^31, got ", m.R);
+
+  m.bytes = m.carve(nullptr);
+  MOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&m.block), m.bytes));
+  m.carve(m.block);
+  // Defined contents before the first plan: zero counts, no rows.
+  MOE_CUDA_CHECK(cudaMemset(m.block, 0, m.bytes));
+  if (m.R > 0) MOE_CUDA_CHECK(cudaMemset(m.row_slot, 0xff, sizeof(int32_t) * m.R));
+  if (max_slots > 0) MOE_CUDA_CHECK(cudaMemset(m.slot_row, 0xff, sizeof(int32_t) * max_slots));
+  // cudaMemset may still run when a call on another stream starts: finish it here, once.
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+Dispatcher::~Dispatcher() {
+  if (impl_ && impl_->block) cudaFree(impl_->block);
+}
+
+const DispatcherConfig& Dispatcher::config() const { return impl_->cfg; }
+int64_t Dispatcher::rows() const { return impl_->R; }
+int Dispatcher::slots_per_token() const { return impl_->slots; }
+int64_t Dispatcher::tokens() const { return impl_->T; }
+size_t Dispatcher::workspace_bytes() const { return impl_->bytes; }
+
+void Dispatcher::plan(const RoutingView& routing, uint32_t* error_word, cudaStream_t stream) {
+  Impl& m = *impl_;
+  const DispatcherConfig& c = m.cfg;
+  MOE_CHECK(routing.form == c.form, "argument 'routing.form': expected the dispatcher's form (",
+            c.form == RoutingForm::kTopK ? "top-k" : "map", ")");
+  MOE_CHECK(error_word != nullptr, "argument 'error_word': expected a device pointer, got null");
+  MOE_CHECK(routing.probs.ndim == 2, "argument 'routing.probs': expected shape [T, ", m.slots, "], got ",
+            routing.probs.shape_string());
+  const int64_t T = routing.probs.shape[0];
+  MOE_CHECK(T <= c.max_tokens, "argument 'routing.probs': T = ", T, " exceeds max_tokens = ", c.max_tokens);
+  check_cuda_tensor(routing.probs, "routing.probs", DType::kFP32, {T, m.slots});
+  kernels::PlanArgs a;
+  if (c.form == RoutingForm::kTopK) {
+    check_cuda_tensor(routing.indices, "routing.indices", DType::kInt32, {T, m.slots});
+    a.indices = routing.indices.ptr<int32_t>();
+  } else {
+    const DType md = routing.map.dtype;
+    check_cuda_tensor(routing.map, "routing.map", md == DType::kBool ? DType::kBool : DType::kUInt8, {T, m.slots});
+    a.map = routing.map.ptr<uint8_t>();
+  }
+  a.form = c.form;
+  a.T = static_cast<int32_t>(T);
+  a.E = c.num_experts;
+  a.slots = m.slots;
+  a.probs = routing.probs.ptr<float>();
+  a.R = static_cast<int32_t>(m.R);
+  a.align = c.options.align;
+  a.pre_padded = c.options.pre_padded;
+  a.chunk_count = m.chunk_count;
+  a.count32 = m.count32;
+  a.padded32 = m.padded32;
+  a.offset32 = m.offset32;
+  a.count64 = m.count64;
+  a.padded64 = m.padded64;
+  a.offset64 = m.offset64;
+  a.group_offsets = m.group_offsets;
+  a.slot_row = m.slot_row;
+  a.row_slot = m.row_slot;
+  a.probs_perm = m.probs_perm;
+  a.error_word = error_word;
+  kernels::launch_plan(a, stream);
+  m.T = T;
+  m.planned = true;
+}
+
+void Dispatcher::permute(const TensorView& x, const TensorView& x_perm, cudaStream_t stream, const TensorView* x_scale,
+                         const TensorView* x_perm_scale) const {
+  const Impl& m = *impl_;
+  m.require_plan("permute");
+  m.check_rows(x, "x", m.T);
+  m.check_rows(x_perm, "x_perm", m.R);
+  const int64_t S = m.cfg.scale_bytes_per_row;
+  MOE_CHECK((x_scale != nullptr) == (S > 0) && (x_perm_scale != nullptr) == (S > 0),
+            "argument 'x_scale': expected x_scale and x_perm_scale exactly when scale_bytes_per_row > 0 (it is ", S,
+            ")");
+  const void* xs = nullptr;
+  void* xps = nullptr;
+  if (S > 0) {
+    for (auto [t, name, rows] : {std::tuple{x_scale, "x_scale", m.T}, std::tuple{x_perm_scale, "x_perm_scale", m.R}}) {
+      check_device(*t, name, Device::kCUDA);
+      check_contiguous(*t, name);
+      check_pointer(*t, name, 16);
+      MOE_CHECK(t->ndim >= 1 && t->shape[0] == rows && t->nbytes() == rows * S, "argument '", name,
+                "': expected [", rows, ", *] holding ", S, " bytes per row, got ", t->shape_string(), " of ",
+                dtype_name(t->dtype));
+    }
+    xs = x_scale->data;
+    xps = x_perm_scale->data;
+  }
+  kernels::launch_permute_rows(x.data, x_perm.data, dtype_bytes(m.cfg.row_dtype, m.cfg.hidden), xs, xps, S,
+                               m.row_slot, m.slots, static_cast<int32_t>(m.R), stream);
+}
+
+void Dispatcher::permute_backward(const TensorView& d_x_perm, const TensorView& dx, cudaStream_t stream,
+                                  const TensorView* d_probs_perm, const TensorView* dprobs) const {
+  const Impl& m = *impl_;
+  m.require_plan("permute_backward");
+  m.require_arith("permute_backward");
+  m.check_rows(d_x_perm, "d_x_perm", m.R);
+  m.check_rows(dx, "dx", m.T);
+  if (d_probs_perm) check_cuda_tensor(*d_probs_perm, "d_probs_perm", DType::kFP32, {m.R});
+  if (dprobs) check_cuda_tensor(*dprobs, "dprobs", DType::kFP32, {m.T, m.slots});
+  kernels::launch_combine(m.cfg.row_dtype, d_x_perm.data, dx.data, m.cfg.hidden, m.slot_row, m.slots,
+                          static_cast<int32_t>(m.T), nullptr, d_probs_perm ? d_probs_perm->ptr<float>() : nullptr,
+                          dprobs ? dprobs->ptr<float>() : nullptr, stream);
+}
+
+void Dispatcher::unpermute(const TensorView& Y, const TensorView& y, bool merge_probs, cudaStream_t stream) const {
+  const Impl& m = *impl_;
+  m.require_plan("unpermute");
+  m.require_arith("unpermute");
+  m.check_rows(Y, "Y", m.R);
+  m.check_rows(y, "y", m.T);
+  kernels::launch_combine(m.cfg.row_dtype, Y.data, y.data, m.cfg.hidden, m.slot_row, m.slots,
+                          static_cast<int32_t>(m.T), merge_probs ? m.probs_perm : nullptr, nullptr, nullptr, stream);
+}
+
+void Dispatcher::unpermute_backward(const TensorView& dy, const TensorView& dY, bool merge_probs, cudaStream_t stream,
+                                    const TensorView* Y, const TensorView* dprobs) const {
+  const Impl& m = *impl_;
+  m.require_plan("unpermute_backward");
+  m.require_arith("unpermute_backward");
+  m.check_rows(dy, "dy", m.T);
+  m.check_rows(dY, "dY", m.R);
+  const bool want_dot = merge_probs && dprobs != nullptr;
+  MOE_CHECK(!want_dot || Y != nullptr, "argument 'Y': the combine's input is needed for dprobs when merging probs");
+  if (want_dot) m.check_rows(*Y, "Y", m.R);
+  if (dprobs) {
+    check_cuda_tensor(*dprobs, "dprobs", DType::kFP32, {m.T, m.slots});
+    // Slots without a row (and every slot without merged probs) have a zero gradient.
+    if (m.T > 0) MOE_CUDA_CHECK(cudaMemsetAsync(dprobs->data, 0, sizeof(float) * m.T * m.slots, stream));
+  }
+  kernels::launch_scale_rows_backward(m.cfg.row_dtype, dy.data, want_dot ? Y->data : nullptr, dY.data, m.cfg.hidden,
+                                      m.row_slot, m.slots, static_cast<int32_t>(m.R), m.probs_perm, merge_probs,
+                                      want_dot ? dprobs->ptr<float>() : nullptr, stream);
+}
+
+namespace {
+TensorView int_view(void* p32, void* p64, DType dtype, int64_t n, const char* what) {
+  MOE_CHECK(dtype == DType::kInt32 || dtype == DType::kInt64, "argument 'dtype' of ", what,
+            ": expected int32 or int64, got ", dtype_name(dtype));
+  return TensorView(dtype == DType::kInt32 ? p32 : p64, dtype, {n});
+}
+}  // namespace
+
+TensorView Dispatcher::counts(DType dtype) const {
+  return int_view(impl_->count32, impl_->count64, dtype, impl_->cfg.num_experts, "counts");
+}
+TensorView Dispatcher::padded_counts(DType dtype) const {
+  return int_view(impl_->padded32, impl_->padded64, dtype, impl_->cfg.num_experts, "padded_counts");
+}
+TensorView Dispatcher::offsets(DType dtype) const {
+  return int_view(impl_->offset32, impl_->offset64, dtype, impl_->cfg.num_experts, "offsets");
+}
+TensorView Dispatcher::group_offsets() const {
+  return TensorView(impl_->group_offsets, DType::kInt32, {impl_->cfg.num_experts + 1});
+}
+TensorView Dispatcher::probs_perm() const { return TensorView(impl_->probs_perm, DType::kFP32, {impl_->R}); }
+TensorView Dispatcher::slot_rows() const {
+  return TensorView(impl_->slot_row, DType::kInt32, {impl_->T, impl_->slots});
+}
+TensorView Dispatcher::row_slots() const { return TensorView(impl_->row_slot, DType::kInt32, {impl_->R}); }
+
+}  // namespace moe
