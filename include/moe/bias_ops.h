@@ -48,7 +48,8 @@ size_t bias_grad_workspace_bytes(int64_t R, int experts, int64_t N);
 // grad[e, :] = sum over rows r of expert e of (probs[r] *) dy[r, :]   (accumulate: grad[e, :] += ...)
 // dy bf16 [R, N]; grad rows fp32 (write or accumulate into main_grad) or bf16 (write only); an
 // expert without rows gets zeros (write) or is left untouched (accumulate). Sums in fp32, in a fixed
-// order: 128-row chunks of each expert summed row by row, then the chunks in order.
+// order: chunks of <= 128 rows of each expert summed row by row, then the chunks in order (the
+// chunk size depends only on R and N, so a given layer always sums in the same order).
 // workspace: uint8 [bias_grad_workspace_bytes(R, E, N)] on the device, 16-byte aligned.
 void bias_grad(const TensorView& dy, const TensorView& probs, const TensorView& group_offsets, const ExpertRows& grad,
                bool accumulate, const TensorView& workspace, cudaStream_t stream);

@@ -1,5 +1,5 @@
 // Forward activation x prob: out[r, :] = act(h[r, :]) * p[r], bf16 in/out, fp32 math.
-// Bandwidth-bound: one warp per row, 16-byte loads and stores, nothing stored but the output.
+// Bandwidth-bound: a warp per two rows, 16-byte loads and stores, nothing stored but the output.
 #include <cuda_bf16.h>
 
 #include "kernels/activation_args.h"
@@ -23,33 +23,50 @@ struct ForwardArgs {
   __nv_bfloat16* out;
 };
 
+// Each warp takes two adjacent rows and issues both rows' loads before computing: twice the bytes
+// in flight per warp and half the per-row overhead (the dependent group_offsets / probs reads), which
+// matters for small F (F = 256: one 16-byte vector per lane per row).
+constexpr int kRowsPerWarp = 2;
+constexpr int kRowsPerBlock = kActRowsPerBlock * kRowsPerWarp;
+
 template <Activation A, bool kProbs>
 __global__ void __launch_bounds__(kActThreads) activation_forward_kernel(const ForwardArgs a) {
   constexpr bool kGated = A != Activation::kSquaredReLU;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kActRowsPerBlock + threadIdx.x / 32;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kActRowsPerBlock + threadIdx.x / 32) * kRowsPerWarp;
   const int lane = threadIdx.x % 32;
-  if (row >= valid_rows(a.group_offsets, a.groups, a.R)) return;
-  const float p = kProbs ? a.probs[row] : 1.0f;
+  const int64_t valid = valid_rows(a.group_offsets, a.groups, a.R);
+  if (first >= valid) return;
+  const int rows = valid - first < kRowsPerWarp ? static_cast<int>(valid - first) : kRowsPerWarp;
   const int F = a.F;
-  const __nv_bfloat16* __restrict__ hr = a.h + row * (kGated ? 2 * F : F);
-  __nv_bfloat16* __restrict__ orow = a.out + row * F;
+  const int64_t in_cols = kGated ? 2 * F : F;
+  float p[kRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) p[r] = (kProbs && r < rows) ? a.probs[first + r] : 1.0f;
   for (int j = lane * kVec; j < F; j += 32 * kVec) {
-    float g[kVec], l[kVec], o[kVec];
-    if (kGated) {
-      load_bf16x8(hr + gate_col(j, F, a.interleave), g);
-      load_bf16x8(hr + linear_col(j, F, a.interleave), l);
-    } else {
-      load_bf16x8(hr + j, g);
+    const int cg = kGated ? gate_col(j, F, a.interleave) : j;
+    const int cl = kGated ? linear_col(j, F, a.interleave) : 0;
+    float g[kRowsPerWarp][kVec], l[kRowsPerWarp][kVec];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      if (r >= rows) break;
+      const __nv_bfloat16* __restrict__ hr = a.h + (first + r) * in_cols;
+      load_bf16x8(hr + cg, g[r]);
+      if (kGated) load_bf16x8(hr + cl, l[r]);
     }
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) o[i] = ActOp<A>::value(g[i], kGated ? l[i] : 0.0f, a.c) * p;
-    store_bf16x8(orow + j, o);
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      if (r >= rows) break;
+      float o[kVec];
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) o[i] = ActOp<A>::value(g[r][i], kGated ? l[r][i] : 0.0f, a.c) * p[r];
+      store_bf16x8(a.out + (first + r) * F + j, o);
+    }
   }
 }
 
 template <Activation A>
 void launch(const ForwardArgs& a, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((a.R + kActRowsPerBlock - 1) / kActRowsPerBlock));
+  const dim3 grid(static_cast<unsigned>((a.R + kRowsPerBlock - 1) / kRowsPerBlock));
   if (a.probs != nullptr)
     activation_forward_kernel<A, true><<<grid, kActThreads, 0, stream>>>(a);
   else

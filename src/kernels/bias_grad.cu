@@ -2,10 +2,12 @@
 //
 // Three small kernels, all sized from the static row bound R:
 //   1. layout:   chunk_start[e] = sum_{e' < e} ceil(rows(e') / C)  (one block, a block scan)
-//   2. partial:  each 128-row chunk of an expert sums its rows (fixed order) into partial[chunk, :]
+//   2. partial:  each C-row chunk of an expert sums its rows (fixed order) into partial[chunk, :]
 //   3. finish:   db_e = partial chunks of e summed in order, written or added to main_grad
 // Chunks never straddle two experts, and sum_e ceil(rows(e) / C) <= R / C + E bounds the workspace.
-// No float atomics: every sum has one fixed order, so results are bitwise reproducible.
+// C (16..128) and the block shape are functions of the static (R, N) only: enough blocks to fill the
+// GPU, and one fixed summation order for a given layer. No float atomics: every sum has one fixed
+// order, so results are bitwise reproducible.
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 
@@ -22,15 +24,46 @@ namespace moe {
 namespace kernels {
 namespace {
 
-constexpr int kChunk = 128;     // rows per chunk
 constexpr int kThreads = 256;
 
-int64_t max_chunks(int64_t R, int E) { return (R + kChunk - 1) / kChunk + E; }
+int next_pow2(int64_t v) {
+  int p = 1;
+  while (p < v) p *= 2;
+  return p;
+}
+
+// Static launch plan of one bias_grad call.
+struct GradPlan {
+  int vx = 1;          // threads across the columns (8 columns each); kThreads / vx row lanes
+  int64_t slices = 0;  // column slices of vx * 8 columns (grid.y)
+  int chunk = 128;     // rows per chunk
+  int64_t chunks = 0;  // workspace rows of partial sums: ceil(R / chunk) + E
+};
+
+GradPlan plan_grad(int64_t R, int E, int64_t N) {
+  GradPlan g;
+  const int64_t vecs = (N + kVec - 1) / kVec;
+  if (vecs < 32) {
+    g.vx = next_pow2(vecs);
+  } else {  // the widest of 256..32 threads that leaves the fewest idle
+    int64_t best = -1;
+    for (int vx : {256, 128, 64, 32}) {
+      const int64_t waste = (vecs + vx - 1) / vx * vx - vecs;
+      if (best < 0 || waste < best) best = waste, g.vx = vx;
+    }
+  }
+  g.slices = (vecs + g.vx - 1) / g.vx;
+  // Shorter chunks while there are fewer than ~8 blocks per SM of an H100 to share the rows.
+  while (g.chunk > 16 && (R + g.chunk - 1) / g.chunk * g.slices < 1024) g.chunk /= 2;
+  g.chunks = (R + g.chunk - 1) / g.chunk + E;
+  return g;
+}
 
 // Workspace: chunk_start int32 [E + 1] (padded to 16 bytes), then partial fp32 [max_chunks, N].
 size_t chunk_table_bytes(int E) { return (static_cast<size_t>(E + 1) * sizeof(int32_t) + 15) / 16 * 16; }
 
-__global__ void __launch_bounds__(kThreads) bias_grad_layout_kernel(const DeviceGroups groups, int32_t* chunk_start) {
+__global__ void __launch_bounds__(kThreads)
+    bias_grad_layout_kernel(const DeviceGroups groups, int chunk, int32_t* chunk_start) {
   using Scan = cub::BlockScan<int32_t, kThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int32_t carry;
@@ -41,7 +74,7 @@ __global__ void __launch_bounds__(kThreads) bias_grad_layout_kernel(const Device
     int32_t n = 0;
     if (e < groups.E) {
       int64_t rows = groups.begin(e + 1) - groups.begin(e);
-      n = rows > 0 ? static_cast<int32_t>((rows + kChunk - 1) / kChunk) : 0;
+      n = rows > 0 ? static_cast<int32_t>((rows + chunk - 1) / chunk) : 0;
     }
     int32_t excl, total;
     Scan(tmp).ExclusiveSum(n, excl, total);
@@ -57,8 +90,8 @@ __global__ void __launch_bounds__(kThreads) bias_grad_layout_kernel(const Device
 template <bool kProbs>
 __global__ void __launch_bounds__(kThreads)
     bias_grad_partial_kernel(const __nv_bfloat16* __restrict__ dy, const float* __restrict__ probs,
-                             const DeviceGroups groups, const int32_t* __restrict__ chunk_start, int N,
-                             float* __restrict__ partial) {
+                             const DeviceGroups groups, const int32_t* __restrict__ chunk_start, int chunk,
+                             int N, float* __restrict__ partial) {
   __shared__ float4 red[kThreads][2];
   const int64_t c = blockIdx.x;
   const int E = groups.E;
@@ -71,8 +104,8 @@ __global__ void __launch_bounds__(kThreads)
     else hi = mid - 1;
   }
   const int e = lo;
-  const int64_t r0 = groups.begin(e) + (c - chunk_start[e]) * kChunk;
-  const int64_t r1 = min(r0 + kChunk, groups.begin(e + 1));
+  const int64_t r0 = groups.begin(e) + (c - chunk_start[e]) * chunk;
+  const int64_t r1 = min(r0 + chunk, groups.begin(e + 1));
   const int tx = threadIdx.x, ty = threadIdx.y, vx = blockDim.x, ry = blockDim.y;
   const int j = (blockIdx.y * vx + tx) * kVec;
   float acc[kVec] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -136,12 +169,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-int next_pow2(int64_t v) {
-  int p = 1;
-  while (p < v) p *= 2;
-  return p;
-}
-
 }  // namespace
 }  // namespace kernels
 
@@ -150,7 +177,7 @@ size_t bias_grad_workspace_bytes(int64_t R, int experts, int64_t N) {
   MOE_CHECK(experts >= 0, "argument 'experts': expected >= 0, got ", experts);
   MOE_CHECK(N >= 0, "argument 'N': expected >= 0, got ", N);
   return kernels::chunk_table_bytes(experts) +
-         static_cast<size_t>(kernels::max_chunks(R, experts)) * static_cast<size_t>(N) * sizeof(float);
+         static_cast<size_t>(kernels::plan_grad(R, experts, N).chunks) * static_cast<size_t>(N) * sizeof(float);
 }
 
 void bias_grad(const TensorView& dy, const TensorView& probs, const TensorView& group_offsets, const ExpertRows& grad,
@@ -170,24 +197,24 @@ void bias_grad(const TensorView& dy, const TensorView& probs, const TensorView& 
   const DeviceGroups groups{group_offsets.ptr<const int32_t>(), d.E, d.R};
   auto* chunk_start = static_cast<int32_t*>(workspace.data);
   auto* partial = reinterpret_cast<float*>(static_cast<char*>(workspace.data) + chunk_table_bytes(d.E));
-  const int64_t chunks = max_chunks(d.R, d.E);
+  const GradPlan plan = plan_grad(d.R, d.E, d.N);
+  const int64_t chunks = plan.chunks;
   const int N = static_cast<int>(d.N);
   const int64_t vecs = d.N / kVec;
 
-  bias_grad_layout_kernel<<<1, kThreads, 0, stream>>>(groups, chunk_start);
+  bias_grad_layout_kernel<<<1, kThreads, 0, stream>>>(groups, plan.chunk, chunk_start);
   MOE_CUDA_CHECK_LAUNCH();
 
   if (d.R > 0) {
-    const int vx = static_cast<int>(std::min<int64_t>(kThreads, next_pow2(vecs)));
-    const dim3 block(vx, kThreads / vx);
-    const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>((vecs + vx - 1) / vx));
+    const dim3 block(plan.vx, kThreads / plan.vx);
+    const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(plan.slices));
     const float* pp = is_absent(probs) ? nullptr : probs.ptr<const float>();
     if (pp != nullptr)
       bias_grad_partial_kernel<true><<<grid, block, 0, stream>>>(dy.ptr<const __nv_bfloat16>(), pp, groups,
-                                                                 chunk_start, N, partial);
+                                                                 chunk_start, plan.chunk, N, partial);
     else
       bias_grad_partial_kernel<false><<<grid, block, 0, stream>>>(dy.ptr<const __nv_bfloat16>(), pp, groups,
-                                                                  chunk_start, N, partial);
+                                                                  chunk_start, plan.chunk, N, partial);
     MOE_CUDA_CHECK_LAUNCH();
   }
 

@@ -251,7 +251,10 @@ void check_grad(const Problem& P, bool scaled, const std::vector<float>& before,
 
 TEST(BiasOps, GradWriteAccumulateBf16BothLayouts) {
   MOE_REQUIRE_GPU();
-  for (const auto& counts : kGroupings) {
+  // Plus a large problem: with ~20k rows the chunks are 128 rows long (small R gets shorter chunks).
+  std::vector<std::vector<int>> groupings = kGroupings;
+  groupings.push_back({9000, 0, 11000});
+  for (const auto& counts : groupings) {
     for (int64_t N : {int64_t(40), int64_t(2056)}) {
       for (bool scaled : {true, false}) {
         SCOPED_TRACE("E=" + std::to_string(counts.size()) + " N=" + std::to_string(N) + (scaled ? " p*dy" : " dy"));
