@@ -1,0 +1,148 @@
+"""Side by side in one process: the plain PyTorch MoE expert pipeline (stable argsort permute,
+torch._grouped_mm, SwiGLU x prob, index_add_ combine) and moe_engine.GroupedMLP, forward+backward,
+eager and CUDA-graph captured, on the named shapes of BENCHMARKS.md.
+
+usage: python3 bench_compare.py [SHAPE ...] [--png chart.png]      (no names: all shapes)"""
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from moe_engine import GroupedMLP
+
+SHAPES = {  # name: (T, H, F, E, k)
+    "sonic-7b-fine": (24576, 1536, 256, 128, 8), "sonic-7b-coarse": (24576, 1536, 1024, 32, 2),
+    "sonic-30b-fine": (32768, 4096, 512, 128, 8), "sonic-30b-coarse": (32768, 4096, 1024, 64, 4),
+    "sonic-120b-coarse": (32768, 4096, 2048, 64, 4), "qwen3-30b-a3b-ep8": (16384, 2048, 768, 16, 8),
+    "deepseek-v3-ep32": (8192, 7168, 2048, 8, 8), "mixtral-8x7b": (8192, 4096, 14336, 8, 2),
+    "olmoe-1b-7b": (16384, 2048, 1024, 64, 8),
+}
+
+
+def torch_moe(x, idx, probs, w1, w2):
+    E = w1.shape[0]
+    k = idx.shape[1]
+    flat = idx.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    tok = order // k
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    h = torch._grouped_mm(x.index_select(0, tok), w1.transpose(-2, -1), offs=offs)
+    g, u = h.chunk(2, dim=-1)
+    a = (F.silu(g) * u) * probs.reshape(-1)[order].unsqueeze(-1).to(h.dtype)
+    y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
+    return torch.zeros_like(x).index_add_(0, tok, y)
+
+
+def median_ms(fn, iters=10, warm=3):
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return sorted(times)[len(times) // 2]
+
+
+def graphed(step):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    return g.replay
+
+
+def measure(name):
+    T, H, Fd, E, k = SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(T, H, device="cuda", generator=gen) * 0.5).bfloat16().requires_grad_()
+    probs, idx = torch.topk(torch.softmax(torch.randn(T, E, device="cuda", generator=gen), -1), k)
+    idx, probs = idx.to(torch.int32), probs.float()
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    mod = GroupedMLP(H, Fd, E, k, max_tokens=T)
+    w1 = mod.fc1.weight.detach().clone().requires_grad_()
+    w2 = mod.fc2.weight.detach().clone().requires_grad_()
+    flops = 18 * T * k * H * Fd
+    res = {"shape": name}
+
+    def torch_step():
+        torch_moe(x, idx, probs, w1, w2).backward(dy)
+
+    def ours_step():
+        mod(x, idx, probs).backward(dy)
+
+    for label, step in (("torch", torch_step), ("ours", ours_step)):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        ms = median_ms(step)
+        res[f"{label}_eager_ms"] = ms
+        res[f"{label}_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        x.grad = w1.grad = w2.grad = None
+        mod.zero_grad(set_to_none=True)
+        try:
+            res[f"{label}_graph_ms"] = median_ms(graphed(step))
+        except Exception as ex:  # report, don't hide
+            res[f"{label}_graph_ms"] = None
+            res[f"{label}_graph_error"] = str(ex)[:160]
+        x.grad = w1.grad = w2.grad = None
+        mod.zero_grad(set_to_none=True)
+    # The layer's own planned memory is allocated once outside PyTorch's allocator: count it too.
+    res["ours_extra_gib"] += mod.workspace_bytes() / 2**30
+    for label in ("torch", "ours"):
+        for mode in ("eager", "graph"):
+            ms = res.get(f"{label}_{mode}_ms")
+            res[f"{label}_{mode}_tflops"] = flops / (ms * 1e-3) / 1e12 if ms else None
+    best = lambda l: min(v for v in (res[f"{l}_eager_ms"], res.get(f"{l}_graph_ms")) if v)
+    res["speedup"] = best("torch") / best("ours")
+    del mod
+    torch.cuda.empty_cache()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shapes", nargs="*")
+    ap.add_argument("--png")
+    args = ap.parse_args()
+    names = args.shapes or list(SHAPES)
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}: forward+backward, bf16, swiglu x prob")
+    print(f"{'shape':<18} {'torch ms':>9} {'TF/s':>6} {'GiB':>6} | {'ours ms':>9} {'TF/s':>6} {'GiB':>6} | {'ratio':>5}")
+    rows = []
+    for n in names:
+        r = measure(n)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        t = r["torch_graph_ms"] or r["torch_eager_ms"]
+        o = r["ours_graph_ms"] or r["ours_eager_ms"]
+        print(f"{n:<18} {t:9.3f} {r['torch_graph_tflops'] or r['torch_eager_tflops']:6.0f} {r['torch_extra_gib']:6.2f} | "
+              f"{o:9.3f} {r['ours_graph_tflops'] or r['ours_eager_tflops']:6.0f} {r['ours_extra_gib']:6.2f} | "
+              f"{r['speedup']:5.2f}", flush=True)
+    if args.png:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(10, 4))
+        xs = range(len(rows))
+        ax.bar([i - 0.2 for i in xs], [r["torch_graph_tflops"] or r["torch_eager_tflops"] for r in rows], 0.4, label="PyTorch")
+        ax.bar([i + 0.2 for i in xs], [r["ours_graph_tflops"] or r["ours_eager_tflops"] for r in rows], 0.4, label="moe-engine")
+        ax.set_xticks(list(xs), [r["shape"] for r in rows], rotation=30, ha="right")
+        ax.set_ylabel("fwd+bwd TFLOP/s")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png)
+
+
+if __name__ == "__main__":
+    main()

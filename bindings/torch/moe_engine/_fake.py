@@ -1,0 +1,58 @@
+"""Fake (meta) implementations of the moe_engine operators: output shapes and dtypes only, so
+torch.compile / FakeTensor tracing can run through them without a GPU kernel. Every size a fake
+needs is an argument of its operator."""
+import torch
+
+lib = "moe_engine::"
+
+
+@torch.library.register_fake(lib + "mlp_forward")
+def _mlp_forward(handle, x, routing, probs, w1, b1, w2, b2):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake(lib + "mlp_backward")
+def _mlp_backward(handle, dy, slots, gw1, gb1, gw2, gb2):
+    return torch.empty_like(dy), dy.new_empty((dy.shape[0], slots), dtype=torch.float32)
+
+
+@torch.library.register_fake(lib + "mlp_backward_dw")
+def _mlp_backward_dw(handle, gw1, gb1, gw2, gb2):
+    return None
+
+
+@torch.library.register_fake(lib + "dispatch_permute")
+def _dispatch_permute(handle, x, routing, probs, rows, experts):
+    return (x.new_empty((rows, x.shape[1])), x.new_empty((rows,), dtype=torch.float32),
+            x.new_empty((experts + 1,), dtype=torch.int32), x.new_empty((experts,), dtype=torch.int64))
+
+
+@torch.library.register_fake(lib + "dispatch_permute_backward")
+def _dispatch_permute_backward(handle, d_x_perm, d_probs_perm, tokens, slots):
+    return (d_x_perm.new_empty((tokens, d_x_perm.shape[1])),
+            d_x_perm.new_empty((tokens, slots), dtype=torch.float32))
+
+
+@torch.library.register_fake(lib + "dispatch_unpermute")
+def _dispatch_unpermute(handle, Y, merge_probs, tokens):
+    return Y.new_empty((tokens, Y.shape[1]))
+
+
+@torch.library.register_fake(lib + "dispatch_unpermute_backward")
+def _dispatch_unpermute_backward(handle, dy, Y, merge_probs, slots):
+    return dy.new_empty((Y.shape[0], dy.shape[1])), dy.new_empty((dy.shape[0], slots), dtype=torch.float32)
+
+
+@torch.library.register_fake(lib + "grouped_mm")
+def _grouped_mm(x, w, group_offsets):
+    return x.new_empty((x.shape[0], w.shape[1]))
+
+
+@torch.library.register_fake(lib + "grouped_mm_dgrad")
+def _grouped_mm_dgrad(dy, w, group_offsets):
+    return dy.new_empty((dy.shape[0], w.shape[2]))
+
+
+@torch.library.register_fake(lib + "grouped_mm_wgrad")
+def _grouped_mm_wgrad(dy, x, group_offsets):
+    return dy.new_empty((group_offsets.shape[0] - 1, dy.shape[1], x.shape[1]))

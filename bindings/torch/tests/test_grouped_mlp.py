@@ -1,0 +1,220 @@
+"""GroupedMLP against the plain PyTorch reference: outputs and every gradient (x, probs, weights,
+biases), both weight layouts (bitwise equal), main_grad accumulation, delayed wgrad with hooks,
+state_dict across layouts, CUDA graph capture + replay, torch.compile, empty experts, bad input.
+
+Tolerance: the layer keeps bf16 intermediates (h, act, Y) where the reference keeps fp32, so
+results differ by a few bf16 roundings: relative L2 error <= 2e-2 (a wrong index, prob or bias
+gives O(1))."""
+import pytest
+import torch
+
+from moe_engine import GroupedMLP
+from reference import moe_reference
+
+DEV = "cuda"
+
+
+def rel_err(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def routing(T, E, k, seed, skew=0.0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    logits = torch.randn(T, E, device=DEV, generator=g) - skew * torch.log1p(torch.arange(E, device=DEV))
+    probs, idx = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    return idx.to(torch.int32), probs.float()
+
+
+def make(T=48, H=128, F=64, E=6, k=2, seed=0, **kw):
+    torch.manual_seed(seed)
+    mod = GroupedMLP(H, F, E, k, max_tokens=max(T, 1), **kw)
+    x = (torch.randn(T, H, device=DEV) * 0.5).bfloat16()
+    idx, probs = routing(T, E, k, seed)
+    return mod, x, idx, probs
+
+
+def grouped_params(mod):
+    """The module's parameters stacked as [E, ...] tensors (either layout)."""
+    out = {}
+    for p in ("fc1", "fc2"):
+        for s in ("weight", "bias"):
+            ps = mod.expert_params(p, s)
+            if ps:
+                out[f"{p}.{s}"] = torch.stack(ps) if mod.per_expert_weights else ps[0]
+    return out
+
+
+def run_both(mod, x, idx, probs, kind="swiglu", interleave=0, probs_at_combine=False):
+    dy = torch.randn_like(x)
+    xr = x.detach().clone().requires_grad_()
+    pr = probs.detach().clone().requires_grad_()
+    y = mod(xr, idx, pr)
+    y.backward(dy)
+    ours = {"y": y, "dx": xr.grad, "dprobs": pr.grad}
+    for p in ("fc1", "fc2"):
+        for s in ("weight", "bias"):
+            ps = mod.expert_params(p, s)
+            if ps:
+                ours[f"{p}.{s}"] = torch.stack([q.grad for q in ps]) if mod.per_expert_weights else ps[0].grad
+    params = {k: v.detach().clone().requires_grad_() for k, v in grouped_params(mod).items()}
+    xr2 = x.detach().clone().float().requires_grad_()
+    pr2 = probs.detach().clone().requires_grad_()
+    yr = moe_reference(xr2, idx, pr2, params["fc1.weight"], params["fc2.weight"], params.get("fc1.bias"),
+                       params.get("fc2.bias"), kind, interleave, probs_at_combine)
+    yr.backward(dy.float())
+    ref = {"y": yr, "dx": xr2.grad, "dprobs": pr2.grad}
+    ref.update({k: v.grad for k, v in params.items()})
+    return ours, ref
+
+
+@pytest.mark.parametrize("kind,bias,interleave,at_combine,per_expert", [
+    ("swiglu", False, 0, False, False),
+    ("swiglu", True, 32, False, True),
+    ("swiglu", True, 0, True, False),
+    ("geglu", True, 16, False, False),
+    ("clamped-swiglu", True, 32, False, True),
+    ("squared-relu", True, 0, True, False),
+])
+def test_matches_reference(kind, bias, interleave, at_combine, per_expert):
+    mod, x, idx, probs = make(activation=kind, bias=bias, glu_interleave=interleave, probs_at_combine=at_combine,
+                              per_expert_weights=per_expert)
+    with torch.no_grad():  # non-zero biases, so that adding them is tested too
+        for name, q in mod.named_parameters():
+            if ".bias" in name:
+                q.normal_(0, 0.5)
+    ours, ref = run_both(mod, x, idx, probs, kind, interleave, at_combine)
+    for name in ref:
+        assert ours[name] is not None, name
+        assert rel_err(ours[name], ref[name]) < 2e-2, (name, rel_err(ours[name], ref[name]))
+
+
+def test_layouts_bitwise_equal_and_state_dict_converts():
+    grouped, x, idx, probs = make(bias=True, seed=3)
+    with torch.no_grad():
+        grouped.fc1.bias.normal_(0, 0.5)
+        grouped.fc2.bias.normal_(0, 0.5)
+    per = GroupedMLP(128, 64, 6, 2, max_tokens=48, bias=True, per_expert_weights=True)
+    sd = grouped.state_dict()
+    assert "fc1.weight" in sd and "fc1.weight0" not in sd
+    per.load_state_dict(sd)  # split grouped -> per expert
+    assert torch.equal(per.fc1.weight3, grouped.fc1.weight[3])
+    a, _ = run_both(grouped, x, idx, probs)
+    b, _ = run_both(per, x, idx, probs)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    back = GroupedMLP(128, 64, 6, 2, max_tokens=48, bias=True)
+    back.load_state_dict(per.state_dict())  # fold per expert -> grouped
+    assert torch.equal(back.fc2.weight, grouped.fc2.weight)
+    incomplete = per.state_dict()
+    del incomplete["fc2.weight4"]
+    with pytest.raises(KeyError, match="fc2.weight4"):
+        back.load_state_dict(incomplete)
+
+
+def test_main_grad_accumulation_and_delayed_wgrad_with_hooks():
+    base, x, idx, probs = make(bias=True, seed=5)
+    want, _ = run_both(base, x, idx, probs)
+    for delay in (False, True):
+        mod = GroupedMLP(128, 64, 6, 2, max_tokens=48, bias=True, accumulate_into_main_grad=True,
+                         delay_wgrad=delay)
+        mod.load_state_dict(base.state_dict())
+        start = {}
+        for name, q in mod.named_parameters():
+            q.main_grad = torch.randn(q.shape, device=DEV, dtype=torch.float32)
+            start[name] = q.main_grad.clone()
+        fired = []
+        mod.register_wgrad_hook(lambda name, q: fired.append(name))
+        xr = x.detach().clone().requires_grad_()
+        y = mod(xr, idx, probs)
+        torch.manual_seed(0)
+        y.backward(torch.randn_like(x))
+        if delay:
+            assert fired == []
+            mod.backward_dw()
+        assert fired == ["fc2.weight", "fc2.bias", "fc1.weight", "fc1.bias"]
+        for name, q in mod.named_parameters():
+            assert q.grad is None
+            added = q.main_grad - start[name]
+            assert rel_err(added, want[name].float()) < 1e-2, name
+
+
+def test_cuda_graph_capture_and_replay_with_new_data():
+    mod, x, idx, probs = make(bias=True, align=16, seed=7)
+    sx = x.clone().requires_grad_()
+    sidx, sprobs = idx.clone(), probs.clone().requires_grad_()
+    sdy = torch.randn_like(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):  # warm-up binds parameters and gradients outside the capture
+            mod(sx, sidx, sprobs).backward(sdy)
+            sx.grad = sprobs.grad = None
+            mod.zero_grad(set_to_none=True)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        sy = mod(sx, sidx, sprobs)
+        sy.backward(sdy)
+    for seed in (11, 12):
+        new_x = (torch.randn_like(x.float()) * 0.5).bfloat16()
+        new_idx, new_probs = routing(x.shape[0], 6, 2, seed, skew=float(seed - 11))
+        new_dy = torch.randn_like(x)
+        with torch.no_grad():
+            sx.copy_(new_x), sidx.copy_(new_idx), sprobs.copy_(new_probs), sdy.copy_(new_dy)
+        g.replay()
+        got = (sy.clone(), sx.grad.clone(), sprobs.grad.clone())
+        ex = new_x.clone().requires_grad_()
+        ep = new_probs.clone().requires_grad_()
+        ey = mod(ex, new_idx, ep)
+        ey.backward(new_dy)
+        assert torch.equal(got[0], ey) and torch.equal(got[1], ex.grad) and torch.equal(got[2], ep.grad)
+
+
+def test_torch_compile_of_a_small_model():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = torch.nn.Linear(128, 6, device=DEV)
+            self.experts = GroupedMLP(128, 64, 6, 2, max_tokens=64)
+
+        def forward(self, x):
+            probs, idx = torch.topk(torch.softmax(self.router(x.float()), -1), 2)
+            return self.experts(x, idx.to(torch.int32), probs)
+
+    model = Model()
+    x = (torch.randn(64, 128, device=DEV) * 0.5).bfloat16()
+    eager = model(x)
+    compiled = torch.compile(model)
+    out = compiled(x)
+    assert torch.equal(out, eager)
+    out.float().sum().backward()
+    assert model.router.weight.grad is not None and model.experts.fc1.weight.grad is not None
+
+
+def test_experts_without_tokens_and_empty_batch():
+    mod, x, _, _ = make(T=5, E=8, k=1, seed=9)
+    idx = torch.tensor([[2], [2], [5], [2], [5]], dtype=torch.int32, device=DEV)
+    probs = torch.rand(5, 1, device=DEV)
+    ours, ref = run_both(mod, x, idx, probs)
+    for name in ref:
+        assert rel_err(ours[name], ref[name]) < 2e-2, name
+    assert torch.count_nonzero(ours["fc1.weight"][0]) == 0  # expert 0 got no token: zero gradient
+    empty = mod(x[:0], idx[:0], probs[:0])
+    assert empty.shape == (0, 128)
+
+
+def test_bad_input_raises_with_the_argument_name():
+    mod, x, idx, probs = make()
+    with pytest.raises(ValueError, match="x"):
+        mod(x.float(), idx, probs)
+    with pytest.raises(ValueError, match="max_tokens"):
+        mod(torch.cat([x, x]), torch.cat([idx, idx]), torch.cat([probs, probs]))
+    with pytest.raises(ValueError, match="ffn"):
+        GroupedMLP(128, 60, 6, 2, max_tokens=8)
+    bad = idx.clone()
+    bad[0, 0] = 99
+    mod(x, bad, probs)
+    with pytest.raises(ValueError, match="out of range"):
+        mod.check_errors()
+    mod.check_errors()  # cleared
