@@ -15,9 +15,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moe/dtype.h"
@@ -35,6 +35,12 @@ const char* dtype_to_string(DType t);
 // Throws moe::Error naming `what` (e.g. "tensor 'w'") for any other name (I8, U16, C64, ...).
 DType dtype_from_string(const std::string& name, const std::string& what);
 
+// __metadata__: string pairs in file order. The order is kept so that a file written back is
+// identical to the one read (the safetensors library writes them in hash-map order).
+using Metadata = std::vector<std::pair<std::string, std::string>>;
+// The value of `key`, or null.
+const std::string* find_metadata(const Metadata& metadata, const std::string& key);
+
 struct TensorEntry {
   std::string name;
   DType dtype = DType::kFP32;
@@ -48,7 +54,7 @@ struct TensorEntry {
 
 struct Header {
   std::vector<TensorEntry> tensors;  // in data order (ascending offsets)
-  std::map<std::string, std::string> metadata;
+  Metadata metadata;
   uint64_t data_start = 0;  // 8 + header length: file offset of the data section
   uint64_t data_size = 0;   // bytes of the data section
 
@@ -71,7 +77,7 @@ class File {
   const std::string& path() const { return path_; }
   const Header& header() const { return header_; }
   const std::vector<TensorEntry>& tensors() const { return header_.tensors; }
-  const std::map<std::string, std::string>& metadata() const { return header_.metadata; }
+  const Metadata& metadata() const { return header_.metadata; }
   // The entry named `name`; throws moe::Error naming the file and the tensor if absent.
   const TensorEntry& at(const std::string& name) const;
   const uint8_t* data(const TensorEntry& t) const { return base_ + header_.data_start + t.begin; }
@@ -98,17 +104,18 @@ using ProgressFn = std::function<void(uint64_t done, uint64_t total)>;
 
 // The header bytes (length prefix included) for these tensors, in the order the safetensors
 // library itself writes them -- larger dtype first (its dtype order), then by name -- compact JSON
-// with __metadata__ first and its keys sorted, padded with spaces to a multiple of 8. A file
-// written here from the tensors of a file the library wrote is therefore byte-identical to it.
-// Reorders `tensors` into that order. Throws moe::Error on duplicate or empty names.
-std::string make_header(std::vector<TensorSource>& tensors, const std::map<std::string, std::string>& metadata);
+// with __metadata__ first (in the given order), padded with spaces to a multiple of 8. A file
+// written here from the tensors and metadata of a file the library wrote is therefore
+// byte-identical to it. Reorders `tensors` into that order. Throws moe::Error on duplicate or
+// empty names and repeated metadata keys.
+std::string make_header(std::vector<TensorSource>& tensors, const Metadata& metadata);
 
 // Writes a safetensors file: to `path`.tmp first, renamed over `path` when complete (a failed or
 // interrupted write never leaves a truncated file under the final name).
 void write_file(const std::string& path, std::vector<TensorSource> tensors,
-                const std::map<std::string, std::string>& metadata = {}, const ProgressFn& progress = {});
+                const Metadata& metadata = {}, const ProgressFn& progress = {});
 
 // The whole file in memory (tests, fuzzing).
-std::string serialize(std::vector<TensorSource> tensors, const std::map<std::string, std::string>& metadata = {});
+std::string serialize(std::vector<TensorSource> tensors, const Metadata& metadata = {});
 
 }  // namespace moe::safetensors

@@ -62,7 +62,7 @@ std::string shape_string(const std::vector<int64_t>& shape);
 
 // Sorted by name.
 using StateDict = std::map<std::string, HostTensor>;
-using Metadata = std::map<std::string, std::string>;
+using Metadata = safetensors::Metadata;
 
 // Every tensor of a safetensors file, borrowed from its memory mapping (nothing is copied; the
 // mapping stays open while any tensor of the dict lives). `metadata` receives __metadata__.

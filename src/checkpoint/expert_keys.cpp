@@ -1,7 +1,7 @@
 // Layout normalisation of expert keys: single grouped <-> per expert (SPEC 5).
 #include <cstring>
-#include <sstream>
 
+#include "checkpoint/key_list.h"
 #include "moe/error.h"
 #include "moe/state_dict.h"
 
@@ -15,18 +15,20 @@ constexpr Param kParams[] = {Param::kFc1Weight, Param::kFc1Bias, Param::kFc2Weig
 void stack_experts(StateDict& sd, const std::string& prefix, Param p, int E) {
   const std::string key = expert_param_key(prefix, p);
   if (sd.count(key)) return;  // the target is present: never overwritten
-  std::vector<std::string> present, missing;
+  std::vector<std::string> present;
+  detail::KeyList missing;
   for (int e = 0; e < E; ++e) {
-    const std::string k = expert_param_key(prefix, p, e);
-    (sd.count(k) ? present : missing).push_back(k);
+    std::string k = expert_param_key(prefix, p, e);
+    if (sd.count(k))
+      present.push_back(std::move(k));
+    else if (missing.full())
+      missing.skip();
+    else
+      missing.add(k);
   }
   if (present.empty()) return;
-  if (!missing.empty()) {
-    std::ostringstream os;
-    for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << "'" << missing[i] << "'";
-    detail::throw_error("state dict: cannot stack '", key, "' for ", E, " experts: ", present.size(),
-                        " per-expert keys are present, missing ", os.str());
-  }
+  MOE_CHECK(missing.empty(), "state dict: cannot stack '", key, "' for ", E, " experts: ", present.size(),
+            " per-expert keys are present, missing ", missing.str());
   const HostTensor& first = sd.at(present[0]);
   for (int e = 1; e < E; ++e) {
     const HostTensor& t = sd.at(present[e]);

@@ -5,6 +5,7 @@
 #include <map>
 #include <set>
 
+#include "checkpoint/key_list.h"
 #include "moe/checkpoint_hf.h"
 #include "moe/error.h"
 
@@ -56,12 +57,6 @@ const HostTensor& need(const StateDict& sd, const std::string& key, const std::v
   return t;
 }
 
-std::string join(const std::vector<std::string>& v) {
-  std::string s;
-  for (const auto& x : v) s += (s.empty() ? "'" : ", '") + x + "'";
-  return s;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Finding layers
 
@@ -107,14 +102,19 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
     MOE_CHECK(!fused.count(prefix), "state dict: experts under '", prefix,
               "' are stored both per expert and fused (gate_up_proj)");
     const int E = experts.rbegin()->first + 1;
-    std::vector<std::string> missing;
+    detail::KeyList missing;
     for (int e = 0; e < E; ++e) {
       auto it = experts.find(e);
       for (const char* n : {names.gate, names.up, names.down})
-        if (it == experts.end() || !it->second.count(n)) missing.push_back(per_expert_key(prefix, e, n));
+        if (it == experts.end() || !it->second.count(n)) {
+          if (missing.full())
+            missing.skip();
+          else
+            missing.add(per_expert_key(prefix, e, n));
+        }
     }
     MOE_CHECK(missing.empty(), "state dict: the experts under '", prefix, "' are incomplete (", E,
-              " experts): missing ", join(missing));
+              " experts): missing ", missing.str());
     const HostTensor& gate0 = sd.at(per_expert_key(prefix, 0, names.gate));
     MOE_CHECK(gate0.ndim() == 2, "state dict: '", per_expert_key(prefix, 0, names.gate), "' has shape ",
               gate0.shape_string(), ", expected [F, H]");

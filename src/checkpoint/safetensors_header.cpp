@@ -131,6 +131,12 @@ int64_t TensorEntry::numel() const {
   return n;
 }
 
+const std::string* find_metadata(const Metadata& metadata, const std::string& key) {
+  for (const auto& [k, v] : metadata)
+    if (k == key) return &v;
+  return nullptr;
+}
+
 const TensorEntry* Header::find(const std::string& name) const {
   for (const TensorEntry& t : tensors)
     if (t.name == name) return &t;
@@ -151,6 +157,9 @@ Header parse_header(const uint8_t* data, size_t size, const std::string& source)
   const char* last = first + n;
   // Keys seen in each open object (at most kMaxContainerDepth + 1 deep).
   std::vector<std::set<std::string>> open_objects;
+  // The JSON object (std::map) forgets key order; __metadata__'s order is recorded here.
+  std::string root_key;
+  std::vector<std::string> metadata_order;
   // The callback sees every token as it is parsed: reject nesting a header never has (bounding
   // memory and recursion) and repeated keys (which a DOM would silently collapse to one).
   auto guard = [&](int depth, Json::parse_event_t event, Json& parsed) {
@@ -168,6 +177,8 @@ Header parse_header(const uint8_t* data, size_t size, const std::string& source)
         if (!open_objects.empty()) {
           const std::string& key = parsed.get_ref<const std::string&>();
           MOE_CHECK(open_objects.back().insert(key).second, where, ": header repeats the key '", key, "'");
+          if (depth == 1) root_key = key;
+          if (depth == 2 && open_objects.size() == 2 && root_key == "__metadata__") metadata_order.push_back(key);
         }
         break;
       default:
@@ -189,10 +200,13 @@ Header parse_header(const uint8_t* data, size_t size, const std::string& source)
   for (const auto& item : root.items()) {
     if (item.key() == "__metadata__") {
       MOE_CHECK(item.value().is_object(), where, ": __metadata__ must be an object of strings");
-      for (const auto& m : item.value().items()) {
-        MOE_CHECK(m.value().is_string(), where, ": __metadata__ '", m.key(), "' must be a string, got ",
-                  m.value().dump());
-        h.metadata[m.key()] = m.value().get<std::string>();
+      MOE_CHECK(metadata_order.size() == item.value().size(), where, ": __metadata__ could not be read in order");
+      for (const std::string& k : metadata_order) {
+        auto it = item.value().find(k);
+        MOE_CHECK(it != item.value().end(), where, ": __metadata__ could not be read in order");
+        const Json& v = *it;
+        MOE_CHECK(v.is_string(), where, ": __metadata__ '", k, "' must be a string, got ", v.dump());
+        h.metadata.emplace_back(k, v.get<std::string>());
       }
       continue;
     }

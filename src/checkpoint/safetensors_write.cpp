@@ -53,7 +53,7 @@ void put_le64(std::string& out, uint64_t v) {
 
 }  // namespace
 
-std::string make_header(std::vector<TensorSource>& tensors, const std::map<std::string, std::string>& metadata) {
+std::string make_header(std::vector<TensorSource>& tensors, const Metadata& metadata) {
   std::set<std::string> names;
   for (const TensorSource& t : tensors) {
     MOE_CHECK(!t.name.empty(), "safetensors write: a tensor has an empty name");
@@ -71,7 +71,10 @@ std::string make_header(std::vector<TensorSource>& tensors, const std::map<std::
   nlohmann::ordered_json h = nlohmann::ordered_json::object();
   if (!metadata.empty()) {
     nlohmann::ordered_json m = nlohmann::ordered_json::object();
-    for (const auto& [k, v] : metadata) m[k] = v;  // std::map: sorted keys, as the library writes
+    for (const auto& [k, v] : metadata) {
+      MOE_CHECK(!m.contains(k), "safetensors write: metadata key '", k, "' given twice");
+      m[k] = v;
+    }
     h["__metadata__"] = std::move(m);
   }
   uint64_t offset = 0;
@@ -97,14 +100,18 @@ std::string make_header(std::vector<TensorSource>& tensors, const std::map<std::
   return out;
 }
 
-std::string serialize(std::vector<TensorSource> tensors, const std::map<std::string, std::string>& metadata) {
+std::string serialize(std::vector<TensorSource> tensors, const Metadata& metadata) {
   std::string out = make_header(tensors, metadata);
-  for (const TensorSource& t : tensors) out.append(static_cast<const char*>(t.data), source_bytes(t));
+  for (const TensorSource& t : tensors) {
+    const uint64_t n = source_bytes(t);
+    MOE_CHECK(n == 0 || t.data != nullptr, "tensor '", t.name, "': null data");
+    if (n > 0) out.append(static_cast<const char*>(t.data), n);
+  }
   return out;
 }
 
 void write_file(const std::string& path, std::vector<TensorSource> tensors,
-                const std::map<std::string, std::string>& metadata, const ProgressFn& progress) {
+                const Metadata& metadata, const ProgressFn& progress) {
   const std::string header = make_header(tensors, metadata);
   uint64_t total = 0;
   for (const TensorSource& t : tensors) {
