@@ -1,5 +1,6 @@
 // Checkpoint conversion (include/moe/checkpoint_convert.h).
 #include <algorithm>
+#include <set>
 
 #include "moe/checkpoint_convert.h"
 #include "moe/error.h"
@@ -109,24 +110,29 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
     MOE_CHECK(o.to_glu_interleave == 0, "argument 'to_glu_interleave': a Hugging Face output has its own fc1 "
               "layout, got ", o.to_glu_interleave);
 
-  for (const Layer& l : layers)
-    for (const std::string& k : l.old_keys) sd.erase(k);
-  std::vector<std::string> prefixes;
+  // Every output is made before the dict is touched: a failed conversion leaves it as it was.
+  std::vector<StateDict> outputs;
+  std::set<std::string> removed;
   for (const Layer& l : layers) {
-    StateDict out;
+    removed.insert(l.old_keys.begin(), l.old_keys.end());
     if (o.to.ours()) {
       ExpertWeights w = l.weights;
       if (w.spec().activation.glu_interleave != o.to_glu_interleave) w = w.with_glu_interleave(o.to_glu_interleave);
       if (w.spec().layout != layout_of(o.to)) w = w.with_layout(layout_of(o.to));
-      out = w.to_state_dict(l.prefix);
+      outputs.push_back(w.to_state_dict(l.prefix));
     } else {
-      out = hf_expert_tensors(l.weights, o.to.family, l.prefix);
+      outputs.push_back(hf_expert_tensors(l.weights, o.to.family, l.prefix));
     }
-    for (auto& [key, t] : out) {
-      MOE_CHECK(!sd.count(key), "convert: output tensor '", key, "' collides with a tensor of the input");
-      sd.emplace(key, std::move(t));
-    }
-    prefixes.push_back(l.prefix);
+  }
+  for (const StateDict& out : outputs)
+    for (const auto& kv : out)
+      MOE_CHECK(!sd.count(kv.first) || removed.count(kv.first), "convert: output tensor '", kv.first,
+                "' collides with a tensor of the input");
+  for (const std::string& k : removed) sd.erase(k);
+  std::vector<std::string> prefixes;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    for (auto& kv : outputs[i]) sd[kv.first] = std::move(kv.second);
+    prefixes.push_back(layers[i].prefix);
   }
   return prefixes;
 }

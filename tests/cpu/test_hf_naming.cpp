@@ -1,0 +1,366 @@
+// Hugging Face expert naming <-> our layout on synthetic state dicts: every element lands where the
+// family's forward reads it (gate/up rows, GLU interleave, GPT-OSS's interleaved columns and
+// transposes, biases), conversion back is the identity, and broken layers are clear errors.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "moe/checkpoint_convert.h"
+#include "moe/checkpoint_hf.h"
+#include "moe/error.h"
+
+namespace moe {
+namespace {
+
+template <typename F>
+void expect_error_naming(F&& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected moe::Error mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+constexpr int64_t E = 3, H = 4, F = 16;
+
+// Element i of a tensor tagged `tag`: unique across tensors, exact in fp32.
+float code(int tag, int64_t i) { return static_cast<float>(tag * 10000 + i); }
+
+HostTensor tagged(std::vector<int64_t> shape, int tag, DType dtype = DType::kFP32) {
+  HostTensor t(dtype, std::move(shape));
+  uint8_t* p = t.mutable_data();
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    if (dtype == DType::kFP32) {
+      const float v = code(tag, i);
+      std::memcpy(p + 4 * i, &v, 4);
+    } else {  // 2-byte dtypes: a unique bit pattern
+      const uint16_t v = static_cast<uint16_t>(tag * 977 + i);
+      std::memcpy(p + 2 * i, &v, 2);
+    }
+  }
+  return t;
+}
+
+float f32(const uint8_t* p, int64_t i) {
+  float v;
+  std::memcpy(&v, p + 4 * i, 4);
+  return v;
+}
+
+// Per-expert dict of a Mixtral/Qwen-style family; tags: 100 e + {1 gate, 2 up, 3 down}.
+StateDict per_expert_dict(HfFamily f, const std::string& prefix, DType dtype = DType::kFP32) {
+  const bool mixtral = f == HfFamily::kMixtral;
+  StateDict sd;
+  for (int e = 0; e < E; ++e) {
+    const std::string p = prefix + std::to_string(e) + ".";
+    sd.emplace(p + (mixtral ? "w1" : "gate_proj") + ".weight", tagged({F, H}, 100 * e + 1, dtype));
+    sd.emplace(p + (mixtral ? "w3" : "up_proj") + ".weight", tagged({F, H}, 100 * e + 2, dtype));
+    sd.emplace(p + (mixtral ? "w2" : "down_proj") + ".weight", tagged({H, F}, 100 * e + 3, dtype));
+  }
+  return sd;
+}
+
+StateDict gpt_oss_dict(const std::string& prefix) {
+  StateDict sd;
+  sd.emplace(prefix + "gate_up_proj", tagged({E, H, 2 * F}, 1));
+  sd.emplace(prefix + "gate_up_proj_bias", tagged({E, 2 * F}, 2));
+  sd.emplace(prefix + "down_proj", tagged({E, F, H}, 3));
+  sd.emplace(prefix + "down_proj_bias", tagged({E, H}, 4));
+  return sd;
+}
+
+void expect_same(const StateDict& a, const StateDict& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [k, t] : a) {
+    auto it = b.find(k);
+    ASSERT_NE(it, b.end()) << k;
+    EXPECT_TRUE(t.equals(it->second)) << k;
+  }
+}
+
+TEST(HfFamily, NamesActivationsBiases) {
+  EXPECT_EQ(hf_family_from_name("mixtral"), HfFamily::kMixtral);
+  EXPECT_EQ(hf_family_from_name("deepseek_v3"), HfFamily::kDeepseek);
+  EXPECT_EQ(hf_family_from_name("deepseek_v2"), HfFamily::kDeepseek);
+  for (const std::string& n : hf_family_names()) EXPECT_EQ(hf_family_name(hf_family_from_name(n)), n);
+  expect_error_naming([] { hf_family_from_name("llama", "to"); }, "argument 'to': unknown Hugging Face family 'llama'");
+  EXPECT_EQ(hf_activation(HfFamily::kQwen3Moe).kind, Activation::kSwiGLU);
+  const ActivationParams g = hf_activation(HfFamily::kGptOss);
+  EXPECT_EQ(g.kind, Activation::kClampedSwiGLU);
+  EXPECT_FLOAT_EQ(g.alpha, 1.702f);
+  EXPECT_FLOAT_EQ(g.limit, 7.0f);
+  EXPECT_FLOAT_EQ(g.offset, 1.0f);
+  EXPECT_TRUE(hf_has_bias(HfFamily::kGptOss));
+  EXPECT_FALSE(hf_has_bias(HfFamily::kOlmoe));
+}
+
+TEST(HfNaming, PerExpertFamiliesPlaceGateAndUpRows) {
+  for (HfFamily f : {HfFamily::kMixtral, HfFamily::kQwen2Moe, HfFamily::kQwen3Moe, HfFamily::kOlmoe,
+                     HfFamily::kDeepseek}) {
+    SCOPED_TRACE(hf_family_name(f));
+    const std::string prefix =
+        f == HfFamily::kMixtral ? "model.layers.7.block_sparse_moe.experts." : "model.layers.7.mlp.experts.";
+    const StateDict sd = per_expert_dict(f, prefix);
+    const auto layers = find_hf_expert_layers(sd, f);
+    ASSERT_EQ(layers.size(), 1u);
+    EXPECT_EQ(layers[0].prefix, prefix);
+    EXPECT_EQ(layers[0].experts, E);
+    EXPECT_EQ(layers[0].hidden, H);
+    EXPECT_EQ(layers[0].ffn, F);
+    EXPECT_FALSE(layers[0].fused);
+    for (int s : {0, 8}) {
+      for (WeightLayout layout : {WeightLayout::kSingleGrouped, WeightLayout::kPerExpert}) {
+        const ExpertWeights w = load_hf_experts(sd, f, layers[0], layout, s);
+        EXPECT_EQ(w.spec().activation.kind, Activation::kSwiGLU);
+        EXPECT_FALSE(w.spec().bias);
+        for (int e = 0; e < E; ++e) {
+          const uint8_t* fc1 = w.expert_data(Param::kFc1Weight, e);
+          const uint8_t* fc2 = w.expert_data(Param::kFc2Weight, e);
+          for (int64_t j = 0; j < F; ++j)
+            for (int64_t h = 0; h < H; ++h) {
+              // Gate row j of the checkpoint is our row gate_column(j); up row j is linear_column(j).
+              ASSERT_EQ(f32(fc1, gate_column(j, F, s) * H + h), code(100 * e + 1, j * H + h));
+              ASSERT_EQ(f32(fc1, linear_column(j, F, s) * H + h), code(100 * e + 2, j * H + h));
+            }
+          for (int64_t i = 0; i < H * F; ++i) ASSERT_EQ(f32(fc2, i), code(100 * e + 3, i));
+        }
+        expect_same(hf_expert_tensors(w, f, prefix), sd);
+      }
+    }
+  }
+}
+
+TEST(HfNaming, GptOssInterleavedColumnsTransposesAndBiases) {
+  const std::string prefix = "model.layers.0.mlp.experts.";
+  const StateDict sd = gpt_oss_dict(prefix);
+  const auto layers = find_hf_expert_layers(sd, HfFamily::kGptOss);
+  ASSERT_EQ(layers.size(), 1u);
+  EXPECT_EQ(layers[0].experts, E);
+  EXPECT_EQ(layers[0].hidden, H);
+  EXPECT_EQ(layers[0].ffn, F);
+  for (int s : {0, 8, 16}) {
+    const ExpertWeights w = load_hf_experts(sd, HfFamily::kGptOss, layers[0], WeightLayout::kSingleGrouped, s);
+    EXPECT_EQ(w.spec().activation.kind, Activation::kClampedSwiGLU);
+    EXPECT_TRUE(w.spec().bias);
+    for (int e = 0; e < E; ++e) {
+      const uint8_t* fc1 = w.expert_data(Param::kFc1Weight, e);
+      const uint8_t* b1 = w.expert_data(Param::kFc1Bias, e);
+      const uint8_t* fc2 = w.expert_data(Param::kFc2Weight, e);
+      const uint8_t* b2 = w.expert_data(Param::kFc2Bias, e);
+      for (int64_t j = 0; j < F; ++j) {
+        // x @ gate_up_proj[e]: gate j is column 2j, up j is column 2j + 1 of the [H, 2F] matrix.
+        for (int64_t h = 0; h < H; ++h) {
+          ASSERT_EQ(f32(fc1, gate_column(j, F, s) * H + h), code(1, e * H * 2 * F + h * 2 * F + 2 * j));
+          ASSERT_EQ(f32(fc1, linear_column(j, F, s) * H + h), code(1, e * H * 2 * F + h * 2 * F + 2 * j + 1));
+        }
+        ASSERT_EQ(f32(b1, gate_column(j, F, s)), code(2, e * 2 * F + 2 * j));
+        ASSERT_EQ(f32(b1, linear_column(j, F, s)), code(2, e * 2 * F + 2 * j + 1));
+      }
+      // act @ down_proj[e] ([F, H]) == W2 act with W2 = down_proj[e]^T ([H, F]).
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t j = 0; j < F; ++j) ASSERT_EQ(f32(fc2, h * F + j), code(3, e * F * H + j * H + h));
+        ASSERT_EQ(f32(b2, h), code(4, e * H + h));
+      }
+    }
+    expect_same(hf_expert_tensors(w, HfFamily::kGptOss, prefix), sd);
+    expect_same(hf_expert_tensors(w.with_layout(WeightLayout::kPerExpert), HfFamily::kGptOss, prefix), sd);
+  }
+}
+
+TEST(HfNaming, FusedInMemoryFormIsRead) {
+  // transformers >= 5 holds gate_up_proj [E, 2F, H] = [gate ; up] and down_proj [E, H, F].
+  const std::string prefix = "model.layers.0.mlp.experts.";
+  const StateDict per = per_expert_dict(HfFamily::kQwen3Moe, prefix);
+  HostTensor gu(DType::kFP32, {E, 2 * F, H}), dn(DType::kFP32, {E, H, F});
+  for (int e = 0; e < E; ++e) {
+    const std::string p = prefix + std::to_string(e) + ".";
+    std::memcpy(gu.mutable_data() + e * 2 * F * H * 4, per.at(p + "gate_proj.weight").data(), F * H * 4);
+    std::memcpy(gu.mutable_data() + (e * 2 + 1) * F * H * 4, per.at(p + "up_proj.weight").data(), F * H * 4);
+    std::memcpy(dn.mutable_data() + e * H * F * 4, per.at(p + "down_proj.weight").data(), H * F * 4);
+  }
+  StateDict fused;
+  fused.emplace(prefix + "gate_up_proj", gu);
+  fused.emplace(prefix + "down_proj", dn);
+  const auto layers = find_hf_expert_layers(fused, HfFamily::kQwen3Moe);
+  ASSERT_EQ(layers.size(), 1u);
+  EXPECT_TRUE(layers[0].fused);
+  EXPECT_EQ(hf_expert_keys(layers[0], HfFamily::kQwen3Moe).size(), 2u);
+  const ExpertWeights w = load_hf_experts(fused, HfFamily::kQwen3Moe, layers[0], WeightLayout::kPerExpert, 8);
+  // Written back in the per-expert form save_pretrained writes.
+  expect_same(hf_expert_tensors(w, HfFamily::kQwen3Moe, prefix), per);
+  // Both forms under one prefix are ambiguous.
+  StateDict both = per;
+  both.emplace(prefix + "gate_up_proj", gu);
+  expect_error_naming([&] { find_hf_expert_layers(both, HfFamily::kQwen3Moe); }, "both per expert and fused");
+}
+
+TEST(HfNaming, FindsEveryLayerAndIgnoresOtherTensors) {
+  StateDict sd = per_expert_dict(HfFamily::kDeepseek, "model.layers.1.mlp.experts.");
+  for (auto& kv : per_expert_dict(HfFamily::kDeepseek, "model.layers.0.mlp.experts.")) sd.insert(kv);
+  // Shared experts, the router and dense MLPs are not routed experts.
+  sd.emplace("model.layers.0.mlp.shared_experts.gate_proj.weight", tagged({F, H}, 7));
+  sd.emplace("model.layers.0.mlp.shared_expert.up_proj.weight", tagged({F, H}, 7));
+  sd.emplace("model.layers.0.mlp.gate.weight", tagged({E, H}, 8));
+  sd.emplace("model.layers.2.mlp.gate_proj.weight", tagged({F, H}, 9));
+  const auto layers = find_hf_expert_layers(sd, HfFamily::kDeepseek);
+  ASSERT_EQ(layers.size(), 2u);
+  EXPECT_EQ(layers[0].prefix, "model.layers.0.mlp.experts.");
+  EXPECT_EQ(layers[1].prefix, "model.layers.1.mlp.experts.");
+  EXPECT_TRUE(find_hf_expert_layers(sd, HfFamily::kMixtral).empty());
+  EXPECT_TRUE(find_hf_expert_layers(sd, HfFamily::kGptOss).empty());
+}
+
+TEST(HfNaming, BrokenLayersAreErrorsNamingTheKeys) {
+  const std::string p = "m.experts.";
+  {
+    StateDict sd = per_expert_dict(HfFamily::kMixtral, p);
+    sd.erase(p + "1.w3.weight");
+    expect_error_naming([&] { find_hf_expert_layers(sd, HfFamily::kMixtral); }, "missing 'm.experts.1.w3.weight'");
+  }
+  {
+    StateDict sd = per_expert_dict(HfFamily::kMixtral, p);
+    for (const char* w : {"w1", "w2", "w3"}) sd.erase(p + "1." + w + ".weight");  // a whole expert
+    expect_error_naming([&] { find_hf_expert_layers(sd, HfFamily::kMixtral); }, "'m.experts.1.w1.weight'");
+  }
+  {
+    StateDict sd = per_expert_dict(HfFamily::kOlmoe, p);
+    sd[p + "2.down_proj.weight"] = tagged({H, F + 1}, 0);
+    expect_error_naming([&] { find_hf_expert_layers(sd, HfFamily::kOlmoe); },
+                        "'m.experts.2.down_proj.weight' has shape [4, 17], expected [4, 16]");
+  }
+  {
+    StateDict sd = per_expert_dict(HfFamily::kOlmoe, p);
+    sd[p + "1.up_proj.weight"] = tagged({F, H}, 0, DType::kBF16);
+    expect_error_naming([&] { find_hf_expert_layers(sd, HfFamily::kOlmoe); }, "'m.experts.1.up_proj.weight' has dtype bf16");
+  }
+  {
+    StateDict sd = gpt_oss_dict(p);
+    sd.erase(p + "down_proj_bias");
+    expect_error_naming([&] { find_hf_expert_layers(sd, HfFamily::kGptOss); }, "missing 'm.experts.down_proj_bias'");
+  }
+  {
+    StateDict sd = gpt_oss_dict(p);
+    sd[p + "gate_up_proj"] = tagged({E, H, 2 * F + 1}, 0);
+    expect_error_naming([&] { find_hf_expert_layers(sd, HfFamily::kGptOss); }, "expected [E, H, 2F]");
+  }
+  // Writing: the family's activation and biases must match the weights.
+  const StateDict sd = per_expert_dict(HfFamily::kMixtral, p);
+  const ExpertWeights w = load_hf_experts(sd, HfFamily::kMixtral, find_hf_expert_layers(sd, HfFamily::kMixtral)[0],
+                                          WeightLayout::kSingleGrouped);
+  expect_error_naming([&] { hf_expert_tensors(w, HfFamily::kGptOss, p); }, "clamped");
+  const StateDict g = gpt_oss_dict(p);
+  const ExpertWeights wg =
+      load_hf_experts(g, HfFamily::kGptOss, find_hf_expert_layers(g, HfFamily::kGptOss)[0], WeightLayout::kPerExpert);
+  ExpertWeightsSpec s = wg.spec();
+  s.activation = hf_activation(HfFamily::kMixtral);
+  const ExpertWeights biased = ExpertWeights::from_state_dict(wg.to_state_dict(), s);
+  expect_error_naming([&] { hf_expert_tensors(biased, HfFamily::kMixtral, p); }, "biases");
+}
+
+TEST(HfNaming, TwoByteDtypesMoveBitExactly) {
+  const std::string prefix = "model.layers.0.block_sparse_moe.experts.";
+  const StateDict sd = per_expert_dict(HfFamily::kMixtral, prefix, DType::kBF16);
+  const auto layers = find_hf_expert_layers(sd, HfFamily::kMixtral);
+  ASSERT_EQ(layers.size(), 1u);
+  EXPECT_EQ(layers[0].dtype, DType::kBF16);
+  const ExpertWeights w = load_hf_experts(sd, HfFamily::kMixtral, layers[0], WeightLayout::kSingleGrouped, 16);
+  EXPECT_EQ(w.dtype(), DType::kBF16);
+  expect_same(hf_expert_tensors(w, HfFamily::kMixtral, prefix), sd);
+}
+
+// ---------------------------------------------------------------------------------------------
+// convert_state_dict
+
+ConvertOptions opts(const std::string& from, const std::string& to) {
+  ConvertOptions o;
+  o.from = CheckpointFormat::parse(from, "from");
+  o.to = CheckpointFormat::parse(to, "to");
+  return o;
+}
+
+TEST(ConvertStateDict, FormatsParse) {
+  EXPECT_EQ(CheckpointFormat::parse("hf:gpt_oss").family, HfFamily::kGptOss);
+  EXPECT_EQ(CheckpointFormat::parse("hf:deepseek_v3").name(), "hf:deepseek");
+  EXPECT_EQ(CheckpointFormat::parse("per-expert").kind, CheckpointFormat::Kind::kPerExpert);
+  expect_error_naming([] { CheckpointFormat::parse("megatron", "from"); }, "argument 'from'");
+  expect_error_naming([] { CheckpointFormat::parse("hf:bert", "to"); }, "argument 'to'");
+}
+
+TEST(ConvertStateDict, HfToOursAndBackKeepsEverythingElse) {
+  StateDict sd = per_expert_dict(HfFamily::kMixtral, "model.layers.0.block_sparse_moe.experts.");
+  for (auto& kv : per_expert_dict(HfFamily::kMixtral, "model.layers.1.block_sparse_moe.experts.")) sd.insert(kv);
+  sd.emplace("model.layers.0.block_sparse_moe.gate.weight", tagged({E, H}, 50));
+  sd.emplace("lm_head.weight", tagged({8, H}, 51));
+  const StateDict original = sd;
+
+  StateDict g = sd;
+  ConvertOptions o = opts("hf:mixtral", "grouped");
+  o.to_glu_interleave = 8;
+  EXPECT_EQ(convert_state_dict(g, o).size(), 2u);
+  EXPECT_EQ(g.size(), 2u + 2u * 2u);  // two untouched tensors + fc1/fc2 of two layers
+  EXPECT_EQ(g.at("model.layers.1.block_sparse_moe.experts.fc1.weight").shape(), (std::vector<int64_t>{E, 2 * F, H}));
+  EXPECT_TRUE(g.at("lm_head.weight").equals(original.at("lm_head.weight")));
+
+  StateDict pe = g;
+  ConvertOptions o2 = opts("grouped", "per-expert");
+  o2.from_glu_interleave = 8;
+  o2.to_glu_interleave = 0;
+  convert_state_dict(pe, o2);
+  EXPECT_EQ(pe.size(), 2u + 2u * 2u * E);
+  EXPECT_TRUE(pe.count("model.layers.0.block_sparse_moe.experts.fc2.weight2"));
+
+  ConvertOptions o3 = opts("per-expert", "hf:mixtral");
+  convert_state_dict(pe, o3);
+  expect_same(pe, original);
+
+  // Straight back from grouped (interleave 8) too.
+  ConvertOptions o4 = opts("grouped", "hf:mixtral");
+  o4.from_glu_interleave = 8;
+  convert_state_dict(g, o4);
+  expect_same(g, original);
+}
+
+TEST(ConvertStateDict, LayerSelectionCollisionsAndMismatches) {
+  StateDict sd = per_expert_dict(HfFamily::kQwen2Moe, "a.experts.");
+  for (auto& kv : per_expert_dict(HfFamily::kQwen2Moe, "b.experts.")) sd.insert(kv);
+  {
+    StateDict one = sd;
+    ConvertOptions o = opts("hf:qwen2_moe", "grouped");
+    o.prefixes = {"b.experts."};
+    EXPECT_EQ(convert_state_dict(one, o), (std::vector<std::string>{"b.experts."}));
+    EXPECT_TRUE(one.count("a.experts.0.gate_proj.weight"));
+    EXPECT_TRUE(one.count("b.experts.fc1.weight"));
+    // Declared per-expert, stored grouped.
+    expect_error_naming([&] { convert_state_dict(one, opts("per-expert", "grouped")); },
+                        "input declared per-expert, but the experts under 'b.experts.' are stored single grouped");
+  }
+  {
+    StateDict clash = sd;
+    clash.emplace("a.experts.fc1.weight", tagged({1}, 0));
+    expect_error_naming([&] { convert_state_dict(clash, opts("hf:qwen2_moe", "grouped")); },
+                        "'a.experts.fc1.weight' collides");
+  }
+  {
+    StateDict none = sd;
+    expect_error_naming([&] { convert_state_dict(none, opts("hf:mixtral", "grouped")); },
+                        "no expert layers in hf:mixtral naming");
+    expect_error_naming([&] { convert_state_dict(none, opts("grouped", "per-expert")); }, "no expert layers");
+  }
+  {
+    StateDict g = sd;
+    convert_state_dict(g, opts("hf:qwen2_moe", "grouped"));
+    const StateDict before = g;
+    ConvertOptions o = opts("grouped", "hf:gpt_oss");
+    expect_error_naming([&] { convert_state_dict(g, o); }, "biases");
+    expect_same(g, before);  // a failed conversion leaves the dict as it was
+    ConvertOptions bad = opts("grouped", "hf:qwen2_moe");
+    bad.to_glu_interleave = 8;
+    expect_error_naming([&] { convert_state_dict(g, bad); }, "to_glu_interleave");
+  }
+}
+
+}  // namespace
+}  // namespace moe
