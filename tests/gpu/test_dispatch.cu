@@ -416,9 +416,8 @@ void check_against_reference(const Case& c, const Inputs& in, const Outputs& o) 
 }
 
 // Eager run of every op, twice (same bits), checked against the reference.
-void run_case(const Case& c) {
+void run_on(Dispatcher& d, const Case& c) {
   SCOPED_TRACE(c.name);
-  Dispatcher d(config_of(c));
   Inputs in = make_inputs(c, c.seed * 100);
   ASSERT_EQ(d.rows(), in.plan.R);
   DeviceState st(c, d.rows(), d.slots_per_token());
@@ -431,6 +430,11 @@ void run_case(const Case& c) {
   st.poison_outputs();
   st.enqueue_all(d, c.form, ew.device_ptr(), nullptr);
   EXPECT_TRUE(download(d, st, ew) == first) << "a second run gave different bits";
+}
+
+void run_case(const Case& c) {
+  Dispatcher d(config_of(c));
+  run_on(d, c);
 }
 
 // ---- shapes (issue 3): T in {0, 1, 7, 4096, 16384}, H in {128, 1536, 4096, 7168},
@@ -564,6 +568,24 @@ TEST(Dispatch, RowOverflowNeverWritesPastR) {
   Case mover = map_case("map overflow", 2000, 128, 32, 64);
   mover.R = 9000;
   run_case(mover);
+}
+
+// Calls with fewer tokens than T_max (the static bound R stays that of T_max).
+TEST(Dispatch, BatchesShorterThanMaxTokens) {
+  MOE_REQUIRE_GPU();
+  for (RoutingForm form : {RoutingForm::kTopK, RoutingForm::kMap}) {
+    Case big = form == RoutingForm::kTopK ? topk_case("T_max 512", 512, 256, 16, 4, 32)
+                                          : map_case("map T_max 512", 512, 256, 16, 32);
+    Dispatcher d(config_of(big));
+    for (int64_t T : {512, 100, 0, 37}) {
+      Case c = big;
+      c.name += " T=" + std::to_string(T);
+      c.T = T;
+      c.R = d.rows();  // the reference uses the dispatcher's bound
+      c.seed = 5 + T;
+      run_on(d, c);
+    }
+  }
 }
 
 // Graph capture once; replay with different routing and data in the same buffers == eager.
@@ -705,7 +727,9 @@ TEST(Dispatch, HostCheckedArguments) {
   RoutingView map = rv;
   map.form = RoutingForm::kMap;
   expect_error_naming([&] { d.plan(map, ew.device_ptr(), nullptr); }, "routing.form");
-  MOE_CUDA_CHECK(cudaMemset(idx.get(), 0, T * 2 * sizeof(int32_t)));
+  std::vector<int32_t> ids(T * 2);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i % 2);  // experts {0, 1}: valid
+  idx.upload(ids);
   MOE_CUDA_CHECK(cudaMemset(probs.get(), 0, T * 2 * sizeof(float)));
   d.plan(rv, ew.device_ptr(), nullptr);
   expect_error_naming([&] { d.permute(TensorView(xf.get(), DType::kFP32, {T, 128}), xpv, nullptr); }, "'x'");
