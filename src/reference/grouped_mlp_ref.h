@@ -1,6 +1,9 @@
 // CPU reference of the whole expert layer (SPEC 2-5): dispatch -> fc1 (+bias) -> activation x prob
 // -> fc2 (+bias, scaled by p) -> combine, forward and backward, weight gradients written or
-// accumulated into main_grad, delayed wgrad with per-parameter hooks.
+// accumulated into main_grad, delayed wgrad with per-parameter hooks. fp64 throughout (so finite
+// differences can check every gradient); built from the dispatch, grouped GEMM and activation
+// references. Probs are applied in the activation (fc2 bias scaled by p) or merged at combine,
+// never both (config.probs).
 #pragma once
 
 #include <cstdint>
@@ -8,6 +11,7 @@
 #include <vector>
 
 #include "moe/grouped_mlp_config.h"
+#include "reference/grouped_gemm_ref.h"
 #include "reference/routing_ref.h"
 
 namespace moe::ref {
@@ -26,14 +30,17 @@ class GroupedMlpRef {
  public:
   using Hook = std::function<void(Param)>;
 
-  // emulate_bf16: round every intermediate the GPU layer stores in bf16 (fc1 output, activation,
-  // fc2 output, y, and their gradients), so GPU results can be compared with tight tolerances.
+  // emulate_bf16: round every intermediate the GPU layer stores in bf16 (x_perm, fc1 output and again
+  // after its bias, activation, fc2 output and again after its bias, y; dY, dAct, dh, dx_perm, dx),
+  // round dprobs and fp32 gradients to fp32 and bf16-written gradients to bf16, so GPU results can
+  // be compared with tight tolerances. Off: pure fp64 (for finite differences).
   explicit GroupedMlpRef(const GroupedMlpConfig& config, bool emulate_bf16 = false);
 
   void set_weights(const ExpertParams& weights);  // read only
   // Gradient destinations: written (kWrite) or accumulated into (kAccumulate, main_grad).
   void set_grads(const ExpertParams& grads);
-  // Called once per backward (or backward_dw) when that parameter's gradient is final.
+  // Called once per backward (or backward_dw) when that parameter's gradient is final; bias hooks
+  // only when config.bias. Order: fc2.weight, fc2.bias, fc1.weight, fc1.bias.
   void register_hook(Param param, Hook hook);
 
   // x [T, H] -> y [T, H].
@@ -45,20 +52,35 @@ class GroupedMlpRef {
 
   const DispatchPlan& plan() const { return plan_; }
   const GroupedMlpConfig& config() const { return config_; }
+  // Saved intermediates of the last forward, [R, cols] in permuted row order (for layer tests).
+  const std::vector<double>& x_perm() const { return x_perm_; }
+  const std::vector<double>& fc1_out() const { return h_; }   // after its bias
+  const std::vector<double>& act() const { return act_; }     // scaled by p when probs are in the activation
+  const std::vector<double>& fc2_out() const { return Y_; }   // after its bias
 
  private:
+  bool probs_in_act() const { return config_.probs == ProbsPlacement::kInActivation; }
+  double round(double v) const;     // bf16 rounding when emulating
+  double round_f32(double v) const;  // fp32 rounding when emulating
+  void round_all(std::vector<double>& v) const;
   void compute_wgrad_fc2();
   void compute_wgrad_fc1();
+  // db_e (= or +=) sum over expert e's rows of (scale[r] *) d[r, :], scale may be null.
+  void bias_grad(const std::vector<double>& d, int64_t cols, const double* scale, const std::vector<double*>& db);
+  void round_grads(const std::vector<double*>& g, int64_t n);
   void fire(Param p);
 
   GroupedMlpConfig config_;
   bool emulate_bf16_;
   ExpertParams w_, g_;
+  bool have_weights_ = false, have_grads_ = false;
   std::vector<std::vector<Hook>> hooks_;
   // Saved for backward.
   DispatchPlan plan_;
-  std::vector<double> x_perm_, probs_perm_, h_, act_, act_unscaled_, Y_;
+  Groups groups_;
+  std::vector<double> x_perm_, probs_perm_, h_, act_, Y_;
   std::vector<double> dY_, dh_;
+  bool forward_done_ = false;
   bool wgrad_pending_ = false;
 };
 
