@@ -25,7 +25,7 @@ struct BenchArgs {
   bool no_check = false;
   double skew = 0.0;
   int align = 0;
-  int repeats = 10;
+  int repeats = 20;
   std::string activation = "swiglu";
 };
 

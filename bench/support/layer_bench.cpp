@@ -1,8 +1,10 @@
 #include "support/layer_bench.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "kernels/cuda_check.h"
@@ -184,11 +186,21 @@ LayerBenchResult run_layer_bench(const Shape& s, const LayerBenchOptions& o) {
       }
     }
     free_min = std::min(free_min, free_bytes());
+    // Graph-captured figures first (the headline), then eager; each measurement starts from an
+    // idle GPU so that the clock drop of a previous phase's sustained load does not carry over.
+    auto rest = [&] {
+      MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      std::this_thread::sleep_for(std::chrono::milliseconds(o.rest_ms));
+    };
+    rest();
+    res.fwd_graph = time_cuda_graph(fwd, stream, o.warmup, o.repeats);
+    rest();
+    res.fwd_bwd_graph = time_cuda_graph(fwd_bwd, stream, o.warmup, o.repeats);
+    rest();
     res.fwd_eager = time_cuda(fwd, stream, o.warmup, o.repeats);
+    rest();
     res.fwd_bwd_eager = time_cuda(fwd_bwd, stream, o.warmup, o.repeats);
     free_min = std::min(free_min, free_bytes());
-    res.fwd_graph = time_cuda_graph(fwd, stream, o.warmup, o.repeats);
-    res.fwd_bwd_graph = time_cuda_graph(fwd_bwd, stream, o.warmup, o.repeats);
     layer.check_errors(stream);
   }
   res.extra_gib = static_cast<double>(free_before - free_min) / (1024.0 * 1024.0 * 1024.0);

@@ -19,7 +19,8 @@ struct LayerBenchOptions {
   bool check = true;      // compare sampled tokens with the CPU reference first
   int sample_tokens = 8;  // tokens checked
   int warmup = 3;
-  int repeats = 10;
+  int repeats = 20;
+  int rest_ms = 1000;  // idle time before each timed phase
   uint64_t seed = 1;
 };
 
