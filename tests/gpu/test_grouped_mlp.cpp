@@ -1,0 +1,551 @@
+// The expert layer GroupedMlp on the GPU against the CPU reference GroupedMlpRef (SPEC 2-5, 7, 9).
+//
+// Tolerances: the reference runs in fp64 on the same bf16 inputs and rounds every intermediate the
+// layer stores in bf16 (emulate_bf16), so what remains is fp32 accumulation order and 1-ulp
+// rounding flips of bf16 intermediates (~1e-3 relative). Each tensor must be within a relative L2
+// error of 1e-2 and a max error of 5e-2 * max|ref| -- loose enough for rounding, far too tight for
+// a wrong index, a missing prob or a missing bias (each of which is O(1) relative).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "moe/error.h"
+#include "moe/float_convert.h"
+#include "moe/grouped_mlp.h"
+#include "reference/grouped_mlp_ref.h"
+#include "reference/routing_gen.h"
+#include "support/gpu.h"
+
+namespace moe {
+namespace {
+
+using testing::DeviceBuffer;
+
+std::vector<double> random_bf16_values(size_t n, double scale, std::mt19937_64& rng) {
+  std::normal_distribution<double> nd(0.0, scale);
+  std::vector<double> v(n);
+  for (auto& x : v) x = round_to_bf16(static_cast<float>(nd(rng)));
+  return v;
+}
+
+std::vector<uint16_t> to_bf16(const std::vector<double>& v) {
+  std::vector<uint16_t> b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) b[i] = float_to_bf16_bits(static_cast<float>(v[i]));
+  return b;
+}
+std::vector<double> from_bf16(const std::vector<uint16_t>& b) {
+  std::vector<double> v(b.size());
+  for (size_t i = 0; i < b.size(); ++i) v[i] = bf16_bits_to_float(b[i]);
+  return v;
+}
+std::vector<double> grad_to_double(const DeviceBuffer<uint8_t>& buf, DType t, size_t n) {
+  auto bytes = buf.download();
+  std::vector<double> v(n);
+  if (t == DType::kBF16) {
+    const auto* p = reinterpret_cast<const uint16_t*>(bytes.data());
+    for (size_t i = 0; i < n; ++i) v[i] = bf16_bits_to_float(p[i]);
+  } else {
+    const auto* p = reinterpret_cast<const float*>(bytes.data());
+    for (size_t i = 0; i < n; ++i) v[i] = p[i];
+  }
+  return v;
+}
+
+void expect_close(const std::vector<double>& got, const std::vector<double>& want, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double num = 0, den = 0, maxerr = 0, maxref = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(got[i])) << what << "[" << i << "]";
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+    maxerr = std::max(maxerr, std::abs(got[i] - want[i]));
+    maxref = std::max(maxref, std::abs(want[i]));
+  }
+  if (den == 0) {
+    EXPECT_EQ(maxerr, 0.0) << what << ": reference is zero";
+    return;
+  }
+  EXPECT_LE(std::sqrt(num / den), 1e-2) << what;
+  EXPECT_LE(maxerr, 5e-2 * maxref) << what;
+}
+
+// One parameter held on the device in the layout under test, and its host (fp64) copy.
+struct DeviceParam {
+  std::vector<double> host;              // [E, rows...] logical values
+  std::vector<DeviceBuffer<uint8_t>> bufs;  // one (grouped) or E (per expert)
+  std::vector<TensorView> views;
+};
+
+DeviceParam make_param(const std::vector<double>& host, int E, std::vector<int64_t> shape, DType t,
+                       WeightLayout layout) {
+  DeviceParam p;
+  p.host = host;
+  int64_t per = 1;
+  for (auto s : shape) per *= s;
+  const int esize = dtype_bits(t) / 8;
+  auto encode = [&](size_t begin, size_t n) {
+    std::vector<uint8_t> bytes(n * esize);
+    for (size_t i = 0; i < n; ++i) {
+      if (t == DType::kBF16) {
+        uint16_t b = float_to_bf16_bits(static_cast<float>(host[begin + i]));
+        std::memcpy(&bytes[i * 2], &b, 2);
+      } else {
+        float f = static_cast<float>(host[begin + i]);
+        std::memcpy(&bytes[i * 4], &f, 4);
+      }
+    }
+    return bytes;
+  };
+  if (layout == WeightLayout::kSingleGrouped) {
+    p.bufs.emplace_back(encode(0, host.size()));
+    TensorView v;
+    v.data = p.bufs[0].get();
+    v.dtype = t;
+    v.device = Device::kCUDA;
+    v.ndim = static_cast<int>(shape.size()) + 1;
+    v.shape[0] = E;
+    for (size_t d = 0; d < shape.size(); ++d) v.shape[d + 1] = shape[d];
+    int64_t st = 1;
+    for (int d = v.ndim - 1; d >= 0; --d) {
+      v.strides[d] = st;
+      st *= v.shape[d];
+    }
+    p.views.push_back(v);
+  } else {
+    for (int e = 0; e < E; ++e) {
+      p.bufs.emplace_back(encode(static_cast<size_t>(e) * per, per));
+      TensorView v;
+      v.data = p.bufs.back().get();
+      v.dtype = t;
+      v.device = Device::kCUDA;
+      v.ndim = static_cast<int>(shape.size());
+      for (size_t d = 0; d < shape.size(); ++d) v.shape[d] = shape[d];
+      int64_t st = 1;
+      for (int d = v.ndim - 1; d >= 0; --d) {
+        v.strides[d] = st;
+        st *= v.shape[d];
+      }
+      p.views.push_back(v);
+    }
+  }
+  return p;
+}
+
+std::vector<double> download_param(const DeviceParam& p, DType t) {
+  std::vector<double> out;
+  for (const auto& b : p.bufs) {
+    auto v = grad_to_double(b, t, b.size() / (dtype_bits(t) / 8));
+    out.insert(out.end(), v.begin(), v.end());
+  }
+  return out;
+}
+
+// Pointer table of a host [E, per] block for the reference.
+std::vector<double*> table(std::vector<double>& v, int E) {
+  std::vector<double*> t;
+  if (v.empty()) return t;
+  const size_t per = v.size() / E;
+  for (int e = 0; e < E; ++e) t.push_back(v.data() + e * per);
+  return t;
+}
+
+// Everything of one test case: config, data, both implementations, results.
+struct Case {
+  GroupedMlpConfig cfg;
+  int64_t T = 0;
+  uint64_t seed = 1;
+  double skew = 0.0;
+};
+
+struct Outputs {
+  std::vector<double> y, dx, dprobs, dw1, db1, dw2, db2;
+  std::vector<int> hook_order;
+};
+
+struct Runner {
+  Case c;
+  std::mt19937_64 rng;
+  ref::Routing routing;
+  std::vector<double> x, dy, w1, b1, w2, b2, g1, gb1, g2, gb2;  // g*: initial main_grad (accumulate)
+  DType gtype;
+
+  explicit Runner(const Case& cs) : c(cs), rng(cs.seed) {
+    const auto& k = c.cfg;
+    const int E = k.experts;
+    const int64_t H = k.hidden, F = k.ffn, F1 = k.fc1_out();
+    routing = k.routing_form == RoutingForm::kTopK ? ref::make_topk_routing(c.T, E, k.topk, c.seed, c.skew)
+                                                   : ref::make_map_routing(c.T, E, k.topk, c.seed);
+    x = random_bf16_values(c.T * H, 1.0, rng);
+    dy = random_bf16_values(c.T * H, 1.0, rng);
+    w1 = random_bf16_values(size_t(E) * F1 * H, 1.0 / std::sqrt(double(H)), rng);
+    w2 = random_bf16_values(size_t(E) * H * F, 1.0 / std::sqrt(double(F)), rng);
+    if (k.bias) {
+      b1 = random_bf16_values(size_t(E) * F1, 0.5, rng);
+      b2 = random_bf16_values(size_t(E) * H, 0.5, rng);
+    }
+    gtype = k.wgrad == WgradMode::kAccumulate ? DType::kFP32 : k.wgrad_dtype;
+    auto init = [&](size_t n) {
+      return k.wgrad == WgradMode::kAccumulate ? random_bf16_values(n, 1.0, rng) : std::vector<double>(n, 0.0);
+    };
+    g1 = init(size_t(E) * F1 * H);
+    g2 = init(size_t(E) * H * F);
+    if (k.bias) {
+      gb1 = init(size_t(E) * F1);
+      gb2 = init(size_t(E) * H);
+    }
+  }
+
+  Outputs run_reference() {
+    const auto& k = c.cfg;
+    Outputs o;
+    ref::GroupedMlpRef layer(k, /*emulate_bf16=*/true);
+    ref::ExpertParams w{table(w1, k.experts), table(b1, k.experts), table(w2, k.experts), table(b2, k.experts)};
+    o.dw1 = g1;
+    o.dw2 = g2;
+    o.db1 = gb1;
+    o.db2 = gb2;
+    ref::ExpertParams g{table(o.dw1, k.experts), table(o.db1, k.experts), table(o.dw2, k.experts),
+                        table(o.db2, k.experts)};
+    layer.set_weights(w);
+    layer.set_grads(g);
+    o.y.resize(c.T * k.hidden);
+    o.dx.resize(c.T * k.hidden);
+    o.dprobs.resize(c.T * routing.slots());
+    layer.forward(routing, x.data(), o.y.data());
+    layer.backward(dy.data(), o.dx.data(), o.dprobs.data());
+    if (k.delay_wgrad) layer.backward_dw();
+    return o;
+  }
+
+  Outputs run_gpu(WeightLayout layout) {
+    GroupedMlpConfig k = c.cfg;
+    k.layout = layout;
+    const int E = k.experts;
+    const int64_t H = k.hidden, F = k.ffn, F1 = k.fc1_out();
+    Outputs o;
+    GroupedMlp layer(k);
+    auto W1 = make_param(w1, E, {F1, H}, DType::kBF16, layout);
+    auto W2 = make_param(w2, E, {H, F}, DType::kBF16, layout);
+    auto G1 = make_param(g1, E, {F1, H}, gtype, layout);
+    auto G2 = make_param(g2, E, {H, F}, gtype, layout);
+    DeviceParam B1, B2, GB1, GB2;
+    if (k.bias) {
+      B1 = make_param(b1, E, {F1}, DType::kBF16, layout);
+      B2 = make_param(b2, E, {H}, DType::kBF16, layout);
+      GB1 = make_param(gb1, E, {F1}, gtype, layout);
+      GB2 = make_param(gb2, E, {H}, gtype, layout);
+    }
+    layer.set_weights({W1.views, B1.views, W2.views, B2.views});
+    layer.set_grads({G1.views, GB1.views, G2.views, GB2.views});
+    for (Param p : {Param::kFc1Weight, Param::kFc1Bias, Param::kFc2Weight, Param::kFc2Bias})
+      layer.register_hook(p, [&o](Param q) { o.hook_order.push_back(static_cast<int>(q)); });
+
+    const int slots = routing.slots();
+    DeviceBuffer<uint16_t> dx_(c.T * H), y_(c.T * H), x_(to_bf16(x)), dy_(to_bf16(dy));
+    DeviceBuffer<float> probs_(std::vector<float>(routing.probs.begin(), routing.probs.end())), dprobs_(c.T * slots);
+    DeviceBuffer<int32_t> idx_(routing.form == RoutingForm::kTopK ? routing.indices : std::vector<int32_t>());
+    DeviceBuffer<uint8_t> map_(routing.form == RoutingForm::kMap ? routing.map : std::vector<uint8_t>());
+    RoutingView rv;
+    rv.form = routing.form;
+    if (routing.form == RoutingForm::kTopK)
+      rv.indices = TensorView(idx_.get(), DType::kInt32, {c.T, slots});
+    else
+      rv.map = TensorView(map_.get(), DType::kUInt8, {c.T, E});
+    rv.probs = TensorView(probs_.get(), DType::kFP32, {c.T, slots});
+    y_.fill_bytes(0xFF);  // poison: every output element must be written
+    dx_.fill_bytes(0xFF);
+    dprobs_.fill_bytes(0xFF);
+    cudaStream_t s = nullptr;
+    layer.forward(TensorView(x_.get(), DType::kBF16, {c.T, H}), rv, TensorView(y_.get(), DType::kBF16, {c.T, H}), s);
+    layer.backward(TensorView(dy_.get(), DType::kBF16, {c.T, H}), TensorView(dx_.get(), DType::kBF16, {c.T, H}),
+                   TensorView(dprobs_.get(), DType::kFP32, {c.T, slots}), s);
+    if (k.delay_wgrad) {
+      EXPECT_TRUE(o.hook_order.empty()) << "delayed mode: no hook may fire before backward_dw";
+      layer.backward_dw(s);
+    }
+    layer.check_errors(s);
+    o.y = from_bf16(y_.download());
+    o.dx = from_bf16(dx_.download());
+    auto dp = dprobs_.download();
+    o.dprobs.assign(dp.begin(), dp.end());
+    o.dw1 = download_param(G1, gtype);
+    o.dw2 = download_param(G2, gtype);
+    if (k.bias) {
+      o.db1 = download_param(GB1, gtype);
+      o.db2 = download_param(GB2, gtype);
+    }
+    return o;
+  }
+};
+
+void compare(const Outputs& got, const Outputs& want, bool bias) {
+  expect_close(got.y, want.y, "y");
+  expect_close(got.dx, want.dx, "dx");
+  expect_close(got.dprobs, want.dprobs, "dprobs");
+  expect_close(got.dw1, want.dw1, "fc1.weight grad");
+  expect_close(got.dw2, want.dw2, "fc2.weight grad");
+  if (bias) {
+    expect_close(got.db1, want.db1, "fc1.bias grad");
+    expect_close(got.db2, want.db2, "fc2.bias grad");
+  }
+}
+
+void expect_bitwise(const Outputs& a, const Outputs& b) {
+  EXPECT_EQ(a.y, b.y);
+  EXPECT_EQ(a.dx, b.dx);
+  EXPECT_EQ(a.dprobs, b.dprobs);
+  EXPECT_EQ(a.dw1, b.dw1);
+  EXPECT_EQ(a.dw2, b.dw2);
+  EXPECT_EQ(a.db1, b.db1);
+  EXPECT_EQ(a.db2, b.db2);
+}
+
+GroupedMlpConfig small_config() {
+  GroupedMlpConfig c;
+  c.hidden = 128;
+  c.ffn = 64;
+  c.experts = 6;
+  c.topk = 2;
+  c.max_tokens = 64;
+  return c;
+}
+
+struct Variant {
+  Activation act;
+  bool bias;
+  ProbsPlacement probs;
+  int interleave;
+  int align;
+};
+
+class LayerVariants : public ::testing::TestWithParam<Variant> {};
+
+TEST_P(LayerVariants, MatchesReferenceInBothLayoutsBitwiseEqual) {
+  MOE_REQUIRE_GPU();
+  const Variant v = GetParam();
+  Case c;
+  c.cfg = small_config();
+  c.cfg.activation.kind = v.act;
+  c.cfg.activation.glu_interleave = v.interleave;
+  c.cfg.bias = v.bias;
+  c.cfg.probs = v.probs;
+  c.cfg.dispatch.align = v.align;
+  c.T = 53;
+  Runner r(c);
+  Outputs want = r.run_reference();
+  Outputs grouped = r.run_gpu(WeightLayout::kSingleGrouped);
+  compare(grouped, want, v.bias);
+  Outputs per_expert = r.run_gpu(WeightLayout::kPerExpert);
+  expect_bitwise(grouped, per_expert);
+  // Hooks fire once each at the end of backward, fc2 before fc1.
+  std::vector<int> expected;
+  for (Param p : {Param::kFc2Weight, Param::kFc2Bias, Param::kFc1Weight, Param::kFc1Bias})
+    if (v.bias || (p != Param::kFc2Bias && p != Param::kFc1Bias)) expected.push_back(static_cast<int>(p));
+  EXPECT_EQ(grouped.hook_order, expected);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Activations, LayerVariants,
+    ::testing::Values(Variant{Activation::kSwiGLU, false, ProbsPlacement::kInActivation, 0, 0},
+                      Variant{Activation::kSwiGLU, true, ProbsPlacement::kInActivation, 32, 16},
+                      Variant{Activation::kSwiGLU, true, ProbsPlacement::kAtCombine, 0, 0},
+                      Variant{Activation::kGeGLU, true, ProbsPlacement::kInActivation, 16, 0},
+                      Variant{Activation::kGeGLU, false, ProbsPlacement::kAtCombine, 0, 32},
+                      Variant{Activation::kClampedSwiGLU, true, ProbsPlacement::kInActivation, 32, 0},
+                      Variant{Activation::kClampedSwiGLU, false, ProbsPlacement::kAtCombine, 8, 16},
+                      Variant{Activation::kSquaredReLU, true, ProbsPlacement::kInActivation, 0, 0},
+                      Variant{Activation::kSquaredReLU, false, ProbsPlacement::kAtCombine, 0, 128}));
+
+TEST(GroupedMlp, AccumulateIntoMainGradAndFp32Grads) {
+  MOE_REQUIRE_GPU();
+  for (WgradMode mode : {WgradMode::kAccumulate, WgradMode::kWrite}) {
+    Case c;
+    c.cfg = small_config();
+    c.cfg.bias = true;
+    c.cfg.wgrad = mode;
+    c.cfg.wgrad_dtype = DType::kFP32;
+    c.T = 40;
+    c.seed = 7;
+    Runner r(c);
+    compare(r.run_gpu(WeightLayout::kSingleGrouped), r.run_reference(), true);
+  }
+}
+
+TEST(GroupedMlp, DelayedWgradEqualsImmediateAndHooksFireInOrder) {
+  MOE_REQUIRE_GPU();
+  Case c;
+  c.cfg = small_config();
+  c.cfg.bias = true;
+  c.T = 45;
+  Runner immediate(c);
+  Outputs a = immediate.run_gpu(WeightLayout::kSingleGrouped);
+  c.cfg.delay_wgrad = true;
+  Runner delayed(c);
+  Outputs b = delayed.run_gpu(WeightLayout::kSingleGrouped);
+  expect_bitwise(a, b);
+  EXPECT_EQ(b.hook_order, (std::vector<int>{static_cast<int>(Param::kFc2Weight), static_cast<int>(Param::kFc2Bias),
+                                            static_cast<int>(Param::kFc1Weight), static_cast<int>(Param::kFc1Bias)}));
+  compare(b, delayed.run_reference(), true);
+}
+
+TEST(GroupedMlp, EdgeCases) {
+  MOE_REQUIRE_GPU();
+  struct Edge {
+    int E, k;
+    int64_t T;
+    double skew;
+    RoutingForm form;
+  };
+  for (Edge e : {Edge{8, 1, 3, 0.0, RoutingForm::kTopK},      // most experts get no token
+                 Edge{6, 2, 0, 0.0, RoutingForm::kTopK},      // no token at all
+                 Edge{4, 1, 33, 50.0, RoutingForm::kTopK},    // one expert takes every token
+                 Edge{5, 5, 17, 0.0, RoutingForm::kTopK},     // k = E
+                 Edge{1, 1, 9, 0.0, RoutingForm::kTopK},      // a single expert
+                 Edge{6, 6, 21, 0.0, RoutingForm::kMap}}) {   // map form, 0..E experts per token
+    SCOPED_TRACE(::testing::Message() << "E=" << e.E << " k=" << e.k << " T=" << e.T);
+    Case c;
+    c.cfg = small_config();
+    c.cfg.experts = e.E;
+    c.cfg.topk = e.k;
+    c.cfg.routing_form = e.form;
+    if (e.form == RoutingForm::kMap) c.cfg.dispatch.row_bound = c.cfg.max_tokens * e.E;
+    c.T = e.T;
+    c.skew = e.skew;
+    Runner r(c);
+    compare(r.run_gpu(WeightLayout::kSingleGrouped), r.run_reference(), false);
+  }
+}
+
+TEST(GroupedMlp, GraphReplayWithNewDataEqualsEager) {
+  MOE_REQUIRE_GPU();
+  GroupedMlpConfig k = small_config();
+  k.bias = true;
+  k.dispatch.align = 16;
+  const int E = k.experts, K = k.topk;
+  const int64_t T = 50, H = k.hidden, F = k.ffn, F1 = k.fc1_out();
+  std::mt19937_64 rng(3);
+  auto W1 = make_param(random_bf16_values(E * F1 * H, 0.1, rng), E, {F1, H}, DType::kBF16, k.layout);
+  auto W2 = make_param(random_bf16_values(E * H * F, 0.1, rng), E, {H, F}, DType::kBF16, k.layout);
+  auto B1 = make_param(random_bf16_values(E * F1, 0.5, rng), E, {F1}, DType::kBF16, k.layout);
+  auto B2 = make_param(random_bf16_values(E * H, 0.5, rng), E, {H}, DType::kBF16, k.layout);
+  auto G1 = make_param(std::vector<double>(E * F1 * H), E, {F1, H}, DType::kBF16, k.layout);
+  auto G2 = make_param(std::vector<double>(E * H * F), E, {H, F}, DType::kBF16, k.layout);
+  auto GB1 = make_param(std::vector<double>(E * F1), E, {F1}, DType::kBF16, k.layout);
+  auto GB2 = make_param(std::vector<double>(E * H), E, {H}, DType::kBF16, k.layout);
+  DeviceBuffer<uint16_t> x(T * H), dy(T * H), y(T * H), dx(T * H);
+  DeviceBuffer<int32_t> idx(T * K);
+  DeviceBuffer<float> probs(T * K), dprobs(T * K);
+  RoutingView rv;
+  rv.indices = TensorView(idx.get(), DType::kInt32, {T, K});
+  rv.probs = TensorView(probs.get(), DType::kFP32, {T, K});
+  TensorView xv(x.get(), DType::kBF16, {T, H}), yv(y.get(), DType::kBF16, {T, H});
+  TensorView dyv(dy.get(), DType::kBF16, {T, H}), dxv(dx.get(), DType::kBF16, {T, H});
+  TensorView dpv(dprobs.get(), DType::kFP32, {T, K});
+
+  GroupedMlp layer(k);
+  layer.set_weights({W1.views, B1.views, W2.views, B2.views});
+  layer.set_grads({G1.views, GB1.views, G2.views, GB2.views});
+  cudaStream_t s;
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto load = [&](uint64_t seed, double skew) {
+    std::mt19937_64 g(seed);
+    auto rt = ref::make_topk_routing(T, E, K, seed, skew);
+    x.upload(to_bf16(random_bf16_values(T * H, 1.0, g)));
+    dy.upload(to_bf16(random_bf16_values(T * H, 1.0, g)));
+    idx.upload(rt.indices);
+    probs.upload(std::vector<float>(rt.probs.begin(), rt.probs.end()));
+  };
+  auto step = [&] {
+    layer.forward(xv, rv, yv, s);
+    layer.backward(dyv, dxv, dpv, s);
+  };
+  auto results = [&] {
+    MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+    std::vector<std::vector<double>> r;
+    r.push_back(from_bf16(y.download()));
+    r.push_back(from_bf16(dx.download()));
+    auto dp = dprobs.download();
+    r.emplace_back(dp.begin(), dp.end());
+    for (auto* p : {&G1, &G2, &GB1, &GB2}) r.push_back(download_param(*p, DType::kBF16));
+    return r;
+  };
+
+  load(11, 0.0);
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  step();
+  MOE_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  // Replays with different routing (balanced, skewed) and data, each compared with an eager run.
+  for (auto [seed, skew] : {std::pair<uint64_t, double>{21, 0.0}, {22, 2.0}, {23, 0.5}}) {
+    load(seed, skew);
+    MOE_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    auto replayed = results();
+    step();
+    auto eager = results();
+    ASSERT_EQ(replayed.size(), eager.size());
+    for (size_t i = 0; i < eager.size(); ++i) EXPECT_EQ(replayed[i], eager[i]) << "output " << i << " seed " << seed;
+  }
+  layer.check_errors(s);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+TEST(GroupedMlp, BadInputIsReported) {
+  MOE_REQUIRE_GPU();
+  GroupedMlpConfig k = small_config();
+  GroupedMlp layer(k);
+  const int64_t H = k.hidden, T = 8;
+  DeviceBuffer<uint16_t> x(T * H), y(T * H);
+  DeviceBuffer<int32_t> idx(std::vector<int32_t>(T * k.topk, 0));
+  DeviceBuffer<float> probs(std::vector<float>(T * k.topk, 0.5f));
+  RoutingView rv;
+  rv.indices = TensorView(idx.get(), DType::kInt32, {T, k.topk});
+  rv.probs = TensorView(probs.get(), DType::kFP32, {T, k.topk});
+  TensorView xv(x.get(), DType::kBF16, {T, H}), yv(y.get(), DType::kBF16, {T, H});
+  auto expect_error = [](auto&& f, const std::string& needle) {
+    try {
+      f();
+      ADD_FAILURE() << "expected moe::Error mentioning " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error([&] { layer.forward(xv, rv, yv, nullptr); }, "set_weights");
+  std::mt19937_64 rng(1);
+  auto W1 = make_param(random_bf16_values(k.experts * k.fc1_out() * H, 0.1, rng), k.experts, {k.fc1_out(), H},
+                       DType::kBF16, k.layout);
+  auto W2 = make_param(random_bf16_values(k.experts * H * k.ffn, 0.1, rng), k.experts, {H, k.ffn}, DType::kBF16,
+                       k.layout);
+  expect_error([&] { layer.set_weights({W2.views, {}, W1.views, {}}); }, "fc1.weight");
+  layer.set_weights({W1.views, {}, W2.views, {}});
+  expect_error([&] { layer.set_weights({W1.views, W1.views, W2.views, {}}); }, "fc1.bias");
+  TensorView wrong(x.get(), DType::kBF16, {T, H / 2});
+  expect_error([&] { layer.forward(wrong, rv, yv, nullptr); }, "'x'");
+  DeviceBuffer<uint16_t> big((k.max_tokens + 1) * H);
+  expect_error([&] { layer.forward(TensorView(big.get(), DType::kBF16, {k.max_tokens + 1, H}), rv, yv, nullptr); },
+               "max_tokens");
+  expect_error([&] { layer.backward(yv, yv, TensorView(probs.get(), DType::kFP32, {T, k.topk}), nullptr); },
+               "forward");
+  expect_error([&] { layer.backward_dw(nullptr); }, "delay_wgrad");
+  // Device-detected: an expert id out of range is skipped and reported by check_errors.
+  std::vector<int32_t> bad(T * k.topk, 1);
+  bad[3] = k.experts + 5;
+  idx.upload(bad);
+  layer.forward(xv, rv, yv, nullptr);
+  expect_error([&] { layer.check_errors(nullptr); }, "out of range");
+  layer.check_errors(nullptr);  // cleared
+  GroupedMlpConfig badcfg = k;
+  badcfg.ffn = 60;
+  expect_error([&] { GroupedMlp l(badcfg); }, "ffn");
+}
+
+}  // namespace
+}  // namespace moe
