@@ -6,8 +6,15 @@
 // dispatches them. TFLOP/s = 2 * T*k * N * K / time: padding rows are computed but not counted
 // (SPEC 4), for ours and for the dense ceiling alike (whose M is the padded row count).
 //
+// Timing: GPU clocks on the H100 depend on power draw, so back-to-back measurements of different
+// kernels drift by up to ~10%. Every measurement of one (shape, fc, op) -- ours eager, ours in a
+// CUDA graph, cuBLAS and, with --all-configs, every tile configuration -- is therefore interleaved:
+// after a warm-up, R rounds each time one batch (>= ~4 ms) of every candidate in rotating order, and
+// the median per-launch time over the rounds is reported.
+//
 // --groups-json writes the group sizes so that bench/torch_grouped_mm.py times torch._grouped_mm on
-// exactly the same groups; --json writes our figures for that script's side-by-side table.
+// exactly the same groups (the same way, beside torch's own cuBLAS); --json writes our figures for
+// that script's side-by-side table.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 
@@ -15,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
+#include <algorithm>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -33,7 +41,6 @@ using moe::ExpertMatrices;
 using moe::GemmOp;
 using moe::GroupedGemm;
 using moe::TensorView;
-using moe::bench::Timing;
 
 #define CUBLAS_CHECK(call)                                                              \
   do {                                                                                  \
@@ -85,7 +92,70 @@ Groups make_groups(const moe::bench::Shape& s, double skew, int align) {
   return g;
 }
 
-double tflops(double flops, const Timing& t) { return flops / (t.median_ms * 1e-3) / 1e12; }
+// One thing to time: a launch function, optionally replayed from a CUDA graph of one launch.
+struct Candidate {
+  std::string label;
+  std::function<void()> fn;
+  bool graph = false;
+};
+
+// Interleaved timing (see the header): median milliseconds per launch of each candidate.
+std::vector<double> interleaved_ms(const std::vector<Candidate>& cands, cudaStream_t stream, int rounds,
+                                   double batch_ms = 4.0, double warmup_ms = 60.0) {
+  const size_t n = cands.size();
+  std::vector<cudaGraphExec_t> execs(n, nullptr);
+  std::vector<std::function<void()>> launch(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (cands[i].graph) {
+      cudaGraph_t g;
+      MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      cands[i].fn();
+      MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+      MOE_CUDA_CHECK(cudaGraphInstantiate(&execs[i], g, 0));
+      MOE_CUDA_CHECK(cudaGraphDestroy(g));
+      launch[i] = [&, i] { MOE_CUDA_CHECK(cudaGraphLaunch(execs[i], stream)); };
+    } else {
+      launch[i] = cands[i].fn;
+    }
+  }
+  cudaEvent_t e0, e1;
+  MOE_CUDA_CHECK(cudaEventCreate(&e0));
+  MOE_CUDA_CHECK(cudaEventCreate(&e1));
+  auto time_batch = [&](size_t i, int b) {
+    MOE_CUDA_CHECK(cudaEventRecord(e0, stream));
+    for (int j = 0; j < b; ++j) launch[i]();
+    MOE_CUDA_CHECK(cudaEventRecord(e1, stream));
+    MOE_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    return double(ms) / b;
+  };
+  // Batch sizes from a first estimate, then a warm-up long enough for clocks to settle.
+  std::vector<int> batch(n);
+  for (size_t i = 0; i < n; ++i) {
+    time_batch(i, 2);
+    batch[i] = std::max(1, std::min(50, int(batch_ms / std::max(time_batch(i, 2), 1e-3) + 0.5)));
+  }
+  for (double spent = 0; spent < warmup_ms;)
+    for (size_t i = 0; i < n; ++i) spent += time_batch(i, batch[i]) * batch[i];
+  std::vector<std::vector<double>> samples(n);
+  for (int r = 0; r < rounds; ++r)
+    for (size_t j = 0; j < n; ++j) {
+      const size_t i = (j + r) % n;
+      samples[i].push_back(time_batch(i, batch[i]));
+    }
+  std::vector<double> med(n);
+  for (size_t i = 0; i < n; ++i) {
+    std::sort(samples[i].begin(), samples[i].end());
+    med[i] = samples[i][samples[i].size() / 2];
+    if (execs[i]) cudaGraphExecDestroy(execs[i]);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return med;
+}
+
+double tflops(double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0; }
 
 // Row-major C[m, n] = A[m, k] * op(B) through cuBLAS (column-major): computes C^T = op(B)^T A^T.
 // b_is_nk: B stored [n, k] (use its transpose) rather than [k, n].
@@ -108,13 +178,13 @@ int main(int argc, char** argv) {
   std::vector<std::string> shapes;
   std::string json_out, groups_out;
   bool all_configs = false;
-  int repeats = 15;
+  int rounds = 9;
   double skew = 1.0;
   app.add_option("--shape", shapes, "named shapes (default: all)");
   app.add_option("--json", json_out, "write our figures to this JSON file");
   app.add_option("--groups-json", groups_out, "write the group sizes (for torch_grouped_mm.py)");
   app.add_flag("--all-configs", all_configs, "also time every compiled tile configuration and raster order");
-  app.add_option("--repeats", repeats, "timed repeats per measurement (median reported)");
+  app.add_option("--rounds", rounds, "interleaved timing rounds per measurement (median reported)");
   app.add_option("--skew", skew, "Zipf-like skew of the skewed routing");
   CLI11_PARSE(app, argc, argv);
   if (shapes.empty())
@@ -178,35 +248,48 @@ int main(int argc, char** argv) {
         };
         for (const OpRun& r : runs) {
           gg.force_config(r.op, "");
-          const std::string chosen = gg.chosen_config(r.op, s.E, N, K, r.out);
-          const Timing t = moe::bench::time_cuda(r.ours, stream, 3, repeats);
-          const Timing tg = moe::bench::time_cuda_graph(r.ours, stream, 3, repeats);
-          double dense = 0;
-          if (r.dense) dense = tflops(flops, moe::bench::time_cuda(r.dense, stream, 3, repeats));
+          const std::string chosen = gg.chosen_config(r.op, N, K, r.out);
+          std::vector<Candidate> cands = {{"ours", r.ours, false}, {"graph", r.ours, true}};
+          if (r.dense) cands.push_back({"cublas", r.dense, false});
+          // Alternatives: every compiled configuration in both tile orders (force_config before each
+          // launch, since all candidates share one GroupedGemm).
+          std::vector<std::pair<std::string, bool>> alt_cfg;
+          if (all_configs)
+            for (const std::string& c : GroupedGemm::configs(r.op, r.out))
+              for (bool along_n : {false, true}) {
+                alt_cfg.push_back({c, along_n});
+                cands.push_back({c + (along_n ? "/N" : "/M"), [&, c, along_n] {
+                                   gg.force_config(r.op, c, along_n);
+                                   r.ours();
+                                 },
+                                 false});
+              }
+          // The heuristic candidates must not inherit a forced configuration.
+          cands[0].fn = cands[1].fn = [&] {
+            gg.force_config(r.op, "");
+            r.ours();
+          };
+          const std::vector<double> ms = interleaved_ms(cands, stream, rounds);
+          gg.force_config(r.op, "");
+          const double dense = r.dense ? tflops(flops, ms[2]) : 0.0;
           nlohmann::json rec = {{"shape", s.name}, {"routing", routing}, {"fc", fc}, {"op", r.label}, {"N", N},
                                 {"K", K}, {"E", s.E}, {"rows", R}, {"useful_rows", g.useful},
-                                {"config", chosen}, {"ours_tflops", tflops(flops, t)},
-                                {"ours_graph_tflops", tflops(flops, tg)}, {"ours_ms", t.median_ms},
-                                {"ours_min_ms", t.min_ms}, {"ours_max_ms", t.max_ms}, {"cublas_tflops", dense}};
+                                {"config", chosen}, {"ours_ms", ms[0]}, {"ours_tflops", tflops(flops, ms[0])},
+                                {"ours_graph_tflops", tflops(flops, ms[1])}, {"cublas_tflops", dense}};
           std::string alts;
           if (all_configs) {
             nlohmann::json alt = nlohmann::json::object();
-            for (const std::string& c : GroupedGemm::configs(r.op, r.out))
-              for (bool along_n : {false, true}) {
-                gg.force_config(r.op, c, along_n);
-                const double tf = tflops(flops, moe::bench::time_cuda(r.ours, stream, 2, repeats));
-                const std::string key = c + (along_n ? "/N" : "/M");
-                alt[key] = tf;
-                char buf[64];
-                std::snprintf(buf, sizeof buf, " %s=%.0f", key.c_str(), tf);
-                alts += buf;
-              }
-            gg.force_config(r.op, "");
+            for (size_t i = cands.size() - alt_cfg.size(); i < cands.size(); ++i) {
+              alt[cands[i].label] = tflops(flops, ms[i]);
+              char buf[96];
+              std::snprintf(buf, sizeof buf, " %s=%.0f", cands[i].label.c_str(), tflops(flops, ms[i]));
+              alts += buf;
+            }
             rec["alternatives"] = alt;
           }
           results.push_back(rec);
           std::printf("%-18s %-8s fc%d %-9s %6lld %6lld %7lld %8.1f %8.1f %8.1f  %s%s\n", s.name, routing, fc, r.label,
-                      (long long)N, (long long)K, (long long)R, tflops(flops, t), tflops(flops, tg), dense,
+                      (long long)N, (long long)K, (long long)R, tflops(flops, ms[0]), tflops(flops, ms[1]), dense,
                       chosen.c_str(), alts.c_str());
           std::fflush(stdout);
         }

@@ -14,8 +14,8 @@
 // replayed with new group sizes gives the same bits as an eager call.
 //
 // Kernels: CUTLASS 4.2 sm90 grouped GEMMs, one tile configuration per .cu, chosen from the static
-// shape (E, max_rows, N, K) only -- never from device data -- so results never depend on routing
-// beyond the group sizes themselves, and eager/graph runs pick the same kernel.
+// shape (N, K) only -- never from device data -- so eager and captured runs always pick the same
+// kernel and results never depend on anything but the inputs and the group sizes.
 #pragma once
 
 #include <cstdint>
@@ -85,12 +85,13 @@ class GroupedGemm {
   void wgrad(const TensorView& dy, const TensorView& x, const TensorView& group_offsets, const ExpertMatrices& dw,
              bool accumulate, cudaStream_t stream);
 
-  // The tile configuration the shape heuristic picks for this op and shape (wgrad: out_dtype of
-  // dw), and every compiled configuration of that op -- for benchmarks and tests.
-  std::string chosen_config(GemmOp op, int experts, int64_t N, int64_t K, DType out_dtype = DType::kBF16) const;
+  // The tile configuration used for this op and shape (wgrad: out_dtype of dw) -- the shape
+  // heuristic's unless forced -- as "name/M" or "name/N" (the scheduler's tile order inside a group),
+  // and the names of every compiled configuration of that op. For benchmarks and tests.
+  std::string chosen_config(GemmOp op, int64_t N, int64_t K, DType out_dtype = DType::kBF16) const;
   static std::vector<std::string> configs(GemmOp op, DType out_dtype = DType::kBF16);
-  // Forces a configuration by name ("" = heuristic) and the scheduler's tile order inside a group
-  // (false: along M, the default). For benchmarks and tests; throws on an unknown name.
+  // Forces a configuration by name ("" = back to the heuristic) and the tile order inside a group
+  // (false: along M). For benchmarks and tests; throws on an unknown name.
   void force_config(GemmOp op, const std::string& name, bool raster_along_n = false);
 
   int max_experts() const;

@@ -1,5 +1,5 @@
 // dgrad, cooperative 128x256x64, cluster 2x1x1, bf16 output:
-// cooperative 128x256 tile, weights read N-major.
+// the default for reductions (N) longer than 768: cooperative 128x256 tile, weights read N-major.
 #include "gemm/sm90_grouped_kernel.cuh"
 
 MOE_GROUPED_KERNEL(entry_dgrad_coop_128x256x64_c2x1, "coop_128x256x64_c2x1", Op::kDgrad, Out::kBF16,

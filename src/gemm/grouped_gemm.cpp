@@ -23,20 +23,25 @@ Out to_out(DType t) { return t == DType::kFP32 ? Out::kFP32 : Out::kBF16; }
 
 size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-// The tile configuration for a shape, from static quantities only (the expected rows per group is
-// the row bound over the experts): the same choice in eager and captured runs, whatever routing.
-// Each branch is backed by a measurement in docs/gemm.md.
-const char* heuristic_config(Op op, Out out, int experts, int64_t max_rows, int64_t N, int64_t K) {
-  (void)experts, (void)max_rows, (void)out;
+// A kernel configuration and the persistent scheduler's tile order inside each group.
+struct Choice {
+  const char* name;
+  bool raster_along_n;
+};
+
+// The tile configuration for a shape, from static quantities only (never from device data): the
+// same choice in eager and captured runs, whatever the routing. Measured on the named shapes
+// (docs/gemm.md): the cooperative 128x256 tile wins wherever the reduction is long; below ~768 the
+// epilogue no longer hides behind the main loop and ping-pong 128x128 (ordered along N) wins.
+Choice heuristic_config(Op op, int64_t N, int64_t K) {
+  constexpr int64_t kShortReduction = 768;
+  const Choice cooperative{"coop_128x256x64_c2x1", false}, pingpong{"pong_128x128x64_c2x1", true};
   switch (op) {
-    case Op::kFprop:  // reduction over K
-      return K <= 512 ? "pong_128x128x64_c2x1" : "coop_128x256x64_c2x1";
-    case Op::kDgrad:  // reduction over N
-      return N <= 512 ? "pong_128x128x64_c2x1" : "coop_128x256x64_c2x1";
-    case Op::kWgrad:  // reduction over the group's rows: long, the main loop dominates
-      return "coop_128x256x64_c2x1";
+    case Op::kFprop: return K <= kShortReduction ? pingpong : cooperative;  // reduces over K
+    case Op::kDgrad: return N <= kShortReduction ? pingpong : cooperative;  // reduces over N
+    case Op::kWgrad: return cooperative;  // reduces over the tokens of an expert: long
   }
-  return "";
+  return cooperative;
 }
 
 void check_matrix(const TensorView& t, const char* name, DType dtype) {
@@ -65,7 +70,7 @@ const char* gemm_op_name(GemmOp op) {
 
 struct GroupedGemm::Impl {
   int max_experts = 0;
-  int64_t max_rows = 0;
+  int64_t max_rows = 0;  // bound of every call's token-side rows
   int sm_count = 0;
   void* memory = nullptr;
   size_t bytes = 0;
@@ -80,18 +85,20 @@ struct GroupedGemm::Impl {
     if (memory) cudaFree(memory);
   }
 
-  const gemm::KernelEntry* kernel(Op op, Out out, int experts, int64_t N, int64_t K) const {
+  // The kernel for (op, out) and the scheduler order: the heuristic's, or the forced ones. A forced
+  // name compiled only for the other output dtype (wgrad) leaves this one on the heuristic.
+  const gemm::KernelEntry* kernel(Op op, Out out, int64_t N, int64_t K, bool* raster_along_n) const {
     const PerOp& s = ops[int(op)];
-    // A forced name compiled only for the other output dtype (wgrad) leaves this one on the heuristic.
-    const char* name = heuristic_config(op, out, experts, max_rows, N, K);
-    if (!s.forced.empty() && gemm::find_kernel(op, out, s.forced.c_str())) name = s.forced.c_str();
-    const gemm::KernelEntry* k = gemm::find_kernel(op, out, name);
-    MOE_CHECK(k != nullptr, "grouped GEMM: no ", gemm_op_name(GemmOp(op)), " kernel '", name, "' with ",
+    Choice c = heuristic_config(op, N, K);
+    if (!s.forced.empty() && gemm::find_kernel(op, out, s.forced.c_str())) c = {s.forced.c_str(), s.raster_along_n};
+    const gemm::KernelEntry* k = gemm::find_kernel(op, out, c.name);
+    MOE_CHECK(k != nullptr, "grouped GEMM: no ", gemm_op_name(GemmOp(op)), " kernel '", c.name, "' with ",
               out == Out::kFP32 ? "fp32" : "bf16", " output is compiled");
+    *raster_along_n = c.raster_along_n;
     return k;
   }
 
-  gemm::GroupedArgs args(Op op, int groups, const gemm::KernelEntry* k) const {
+  gemm::GroupedArgs args(Op op, int groups, bool raster_along_n) const {
     const PerOp& s = ops[int(op)];
     gemm::GroupedArgs a;
     a.groups = groups;
@@ -101,9 +108,8 @@ struct GroupedGemm::Impl {
     a.ptr_c = s.arrays.ptr_c, a.ld_c = s.arrays.ld_c;
     a.ptr_d = s.arrays.ptr_d, a.ld_d = s.arrays.ld_d;
     a.sm_count = sm_count;
-    a.raster_along_n = s.raster_along_n;
+    a.raster_along_n = raster_along_n;
     a.workspace = s.workspace;
-    (void)k;
     return a;
   }
 
@@ -172,10 +178,10 @@ int GroupedGemm::max_experts() const { return impl_->max_experts; }
 int64_t GroupedGemm::max_rows() const { return impl_->max_rows; }
 size_t GroupedGemm::device_bytes() const { return impl_->bytes; }
 
-std::string GroupedGemm::chosen_config(GemmOp op, int experts, int64_t N, int64_t K, DType out_dtype) const {
-  const Impl::PerOp& s = impl_->ops[int(op)];
-  if (!s.forced.empty()) return s.forced;
-  return heuristic_config(to_op(op), to_out(out_dtype), experts, impl_->max_rows, N, K);
+std::string GroupedGemm::chosen_config(GemmOp op, int64_t N, int64_t K, DType out_dtype) const {
+  bool along_n = false;
+  const gemm::KernelEntry* k = impl_->kernel(to_op(op), to_out(out_dtype), N, K, &along_n);
+  return std::string(k->name) + (along_n ? "/N" : "/M");
 }
 
 std::vector<std::string> GroupedGemm::configs(GemmOp op, DType out_dtype) {
@@ -214,7 +220,8 @@ void GroupedGemm::fprop(const TensorView& x, const ExpertMatrices& w, const Tens
   s.check_rows(rows, "x");
   s.check_groups(group_offsets, w.experts());
 
-  const gemm::KernelEntry* k = s.kernel(Op::kFprop, Out::kBF16, w.experts(), N, K);
+  bool along_n = false;
+  const gemm::KernelEntry* k = s.kernel(Op::kFprop, Out::kBF16, N, K, &along_n);
   gemm::PrepParams p{};
   p.op = Op::kFprop;
   p.groups = w.experts();
@@ -224,7 +231,7 @@ void GroupedGemm::fprop(const TensorView& x, const ExpertMatrices& w, const Tens
   p.d = static_cast<char*>(y.data);
   p.weights = {static_cast<const char*>(w.base()), w.expert_stride_bytes(), w.device_table()};
   gemm::launch_prep(p, s.ops[int(Op::kFprop)].arrays, stream);
-  k->run(s.args(Op::kFprop, w.experts(), k), stream);
+  k->run(s.args(Op::kFprop, w.experts(), along_n), stream);
 }
 
 void GroupedGemm::dgrad(const TensorView& dy, const ExpertMatrices& w, const TensorView& group_offsets,
@@ -243,7 +250,8 @@ void GroupedGemm::dgrad(const TensorView& dy, const ExpertMatrices& w, const Ten
   s.check_rows(rows, "dy");
   s.check_groups(group_offsets, w.experts());
 
-  const gemm::KernelEntry* k = s.kernel(Op::kDgrad, Out::kBF16, w.experts(), N, K);
+  bool along_n = false;
+  const gemm::KernelEntry* k = s.kernel(Op::kDgrad, Out::kBF16, N, K, &along_n);
   gemm::PrepParams p{};
   p.op = Op::kDgrad;
   p.groups = w.experts();
@@ -253,7 +261,7 @@ void GroupedGemm::dgrad(const TensorView& dy, const ExpertMatrices& w, const Ten
   p.d = static_cast<char*>(dx.data);
   p.weights = {static_cast<const char*>(w.base()), w.expert_stride_bytes(), w.device_table()};
   gemm::launch_prep(p, s.ops[int(Op::kDgrad)].arrays, stream);
-  k->run(s.args(Op::kDgrad, w.experts(), k), stream);
+  k->run(s.args(Op::kDgrad, w.experts(), along_n), stream);
 }
 
 void GroupedGemm::wgrad(const TensorView& dy, const TensorView& x, const TensorView& group_offsets,
@@ -278,7 +286,8 @@ void GroupedGemm::wgrad(const TensorView& dy, const TensorView& x, const TensorV
   s.check_groups(group_offsets, dw.experts());
 
   const Out out = to_out(dw.dtype());
-  const gemm::KernelEntry* k = s.kernel(Op::kWgrad, out, dw.experts(), N, K);
+  bool along_n = false;
+  const gemm::KernelEntry* k = s.kernel(Op::kWgrad, out, N, K, &along_n);
   const gemm::ExpertPtrs dw_ptrs{static_cast<const char*>(dw.base()), dw.expert_stride_bytes(), dw.device_table()};
   gemm::PrepParams p{};
   p.op = Op::kWgrad;
@@ -292,7 +301,7 @@ void GroupedGemm::wgrad(const TensorView& dy, const TensorView& x, const TensorV
   // Empty experts: the GEMM has no tiles for them; write mode needs their zero gradient.
   if (!accumulate)
     gemm::launch_zero_empty_experts(p.offsets, p.groups, rows, dw_ptrs, N * K * (out == Out::kFP32 ? 4 : 2), stream);
-  gemm::GroupedArgs a = s.args(Op::kWgrad, dw.experts(), k);
+  gemm::GroupedArgs a = s.args(Op::kWgrad, dw.experts(), along_n);
   a.beta = accumulate ? 1.0f : 0.0f;
   k->run(a, stream);
 }

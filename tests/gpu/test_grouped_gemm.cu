@@ -200,24 +200,24 @@ void check_wgrad_f32(const std::vector<float>& got, const Expected& ex, const st
   }
 }
 
-// Runs every op on `p` with `gg` (current configuration choice) and checks all outputs.
-void run_and_check_all(GroupedGemm& gg, const Problem& p, const std::string& what) {
-  cudaStream_t stream = nullptr;
-  const int64_t used = p.used_rows();
-  {
-    DeviceBuffer<Bits> y(p.R * p.N);
-    y.fill_bytes(0xFF);
-    gg.fprop(p.x_view(), p.w_grouped(), p.off_view(), TensorView(y.get(), DType::kBF16, {p.R, p.N}), stream);
-    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-    check_rows_bf16(y.download(), expect_fprop(p), used, p.N, what + " fprop");
-  }
-  {
-    DeviceBuffer<Bits> dx(p.R * p.K);
-    dx.fill_bytes(0xFF);
-    gg.dgrad(p.dy_view(), p.w_grouped(), p.off_view(), TensorView(dx.get(), DType::kBF16, {p.R, p.K}), stream);
-    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-    check_rows_bf16(dx.download(), expect_dgrad(p), used, p.K, what + " dgrad");
-  }
+void check_fprop(GroupedGemm& gg, const Problem& p, const std::string& what) {
+  DeviceBuffer<Bits> y(p.R * p.N);
+  y.fill_bytes(0xFF);
+  gg.fprop(p.x_view(), p.w_grouped(), p.off_view(), TensorView(y.get(), DType::kBF16, {p.R, p.N}), nullptr);
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  check_rows_bf16(y.download(), expect_fprop(p), p.used_rows(), p.N, what + " fprop");
+}
+
+void check_dgrad(GroupedGemm& gg, const Problem& p, const std::string& what) {
+  DeviceBuffer<Bits> dx(p.R * p.K);
+  dx.fill_bytes(0xFF);
+  gg.dgrad(p.dy_view(), p.w_grouped(), p.off_view(), TensorView(dx.get(), DType::kBF16, {p.R, p.K}), nullptr);
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  check_rows_bf16(dx.download(), expect_dgrad(p), p.used_rows(), p.K, what + " dgrad");
+}
+
+// wgrad written in bf16, written in fp32, and accumulated into an fp32 main_grad.
+void check_wgrad(GroupedGemm& gg, const Problem& p, const std::string& what) {
   const Expected ex = expect_wgrad(p);
   const int64_t wn = p.E * p.N * p.K;
   {
@@ -225,8 +225,8 @@ void run_and_check_all(GroupedGemm& gg, const Problem& p, const std::string& wha
     dw.fill_bytes(0xFF);  // empty experts must be zero-filled, not left poisoned
     gg.wgrad(p.dy_view(), p.x_view(), p.off_view(),
              ExpertMatrices::grouped(TensorView(dw.get(), DType::kBF16, {int64_t(p.E), p.N, p.K}), "dw"), false,
-             stream);
-    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+             nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
     check_wgrad_bf16(dw.download(), ex, what + " wgrad bf16");
   }
   {
@@ -234,8 +234,8 @@ void run_and_check_all(GroupedGemm& gg, const Problem& p, const std::string& wha
     dw.fill_bytes(0xFF);
     gg.wgrad(p.dy_view(), p.x_view(), p.off_view(),
              ExpertMatrices::grouped(TensorView(dw.get(), DType::kFP32, {int64_t(p.E), p.N, p.K}), "dw"), false,
-             stream);
-    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+             nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
     check_wgrad_f32(dw.download(), ex, {}, what + " wgrad fp32");
   }
   {
@@ -244,8 +244,8 @@ void run_and_check_all(GroupedGemm& gg, const Problem& p, const std::string& wha
     DeviceBuffer<float> mg(prior);
     gg.wgrad(p.dy_view(), p.x_view(), p.off_view(),
              ExpertMatrices::grouped(TensorView(mg.get(), DType::kFP32, {int64_t(p.E), p.N, p.K}), "main_grad"), true,
-             stream);
-    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+             nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
     const std::vector<float> got = mg.download();
     check_wgrad_f32(got, ex, prior, what + " wgrad accumulate");
     // Empty experts leave main_grad bitwise untouched.
@@ -255,6 +255,13 @@ void run_and_check_all(GroupedGemm& gg, const Problem& p, const std::string& wha
         EXPECT_EQ(std::memcmp(got.data() + e * p.N * p.K, prior.data() + e * p.N * p.K, p.N * p.K * sizeof(float)), 0)
             << what << ": main_grad of empty expert " << e << " changed";
   }
+}
+
+// Every op on `p` with the configurations `gg` chooses.
+void run_and_check_all(GroupedGemm& gg, const Problem& p, const std::string& what) {
+  check_fprop(gg, p, what);
+  check_dgrad(gg, p, what);
+  check_wgrad(gg, p, what);
 }
 
 TEST(GroupedGemm, EveryConfigurationUnevenAndEmptyGroups) {
@@ -272,14 +279,16 @@ TEST(GroupedGemm, EveryConfigurationUnevenAndEmptyGroups) {
     ASSERT_FALSE(names.empty());
     for (const std::string& name : names)
       for (bool along_n : {false, true}) {
-        gg.force_config(GemmOp::kFprop, "");
-        gg.force_config(GemmOp::kDgrad, "");
-        gg.force_config(GemmOp::kWgrad, "");
         gg.force_config(op, name, along_n);
-        SCOPED_TRACE(std::string(gemm_op_name(op)) + " " + name + (along_n ? " raster N" : " raster M"));
-        run_and_check_all(gg, p, name);
+        const std::string what = std::string(gemm_op_name(op)) + " " + name + (along_n ? "/N" : "/M");
+        if (op == GemmOp::kFprop) check_fprop(gg, p, what);
+        if (op == GemmOp::kDgrad) check_dgrad(gg, p, what);
+        if (op == GemmOp::kWgrad) check_wgrad(gg, p, what);
       }
+    gg.force_config(op, "");
   }
+  // The shape heuristic's choices (ping-pong for this short reduction of fprop) on the same problem.
+  run_and_check_all(gg, p, "heuristic");
 }
 
 TEST(GroupedGemm, SingleGroupAndLargeReduction) {

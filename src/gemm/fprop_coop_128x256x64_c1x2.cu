@@ -1,0 +1,8 @@
+// fprop, cooperative 128x256x64, cluster 1x2x1, bf16 output:
+// candidate: the 1x2 cluster multicasts each token tile to two N tiles instead.
+#include "gemm/sm90_grouped_kernel.cuh"
+
+MOE_GROUPED_KERNEL(entry_fprop_coop_128x256x64_c1x2, "coop_128x256x64_c1x2", Op::kFprop, Out::kBF16,
+                   Sm90GroupedGemm<Op::kFprop, cutlass::bfloat16_t, void,
+                                   cute::Shape<cute::_128, cute::_256, cute::_64>,
+                                   cute::Shape<cute::_1, cute::_2, cute::_1>, Cooperative>)

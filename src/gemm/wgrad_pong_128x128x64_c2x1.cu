@@ -1,8 +1,0 @@
-// wgrad, ping-pong 128x128x64, cluster 2x1x1, bf16 output:
-// ragged-K weight gradient written in bf16, ping-pong 128x128.
-#include "gemm/sm90_grouped_kernel.cuh"
-
-MOE_GROUPED_KERNEL(entry_wgrad_pong_128x128x64_c2x1, "pong_128x128x64_c2x1", Op::kWgrad, Out::kBF16,
-                   Sm90GroupedGemm<Op::kWgrad, cutlass::bfloat16_t, void,
-                                   cute::Shape<cute::_128, cute::_128, cute::_64>,
-                                   cute::Shape<cute::_2, cute::_1, cute::_1>, Pingpong>)
