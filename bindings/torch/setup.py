@@ -1,4 +1,4 @@
-"""pip install --no-build-isolation ./bindings/torch   (needs PyTorch with CUDA and nvcc)
+"""python3 -m pip install --no-build-isolation ./bindings/torch   (needs PyTorch with CUDA and nvcc)
 
 Builds the moe-engine C++/CUDA libraries with the project's CMake (or reuses a build folder given
 in MOE_CMAKE_BUILD_DIR), then the torch extension moe_engine._C that registers the TORCH_LIBRARY
