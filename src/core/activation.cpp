@@ -1,5 +1,7 @@
 #include "moe/activation.h"
 
+#include <cmath>
+
 #include "moe/error.h"
 
 namespace moe {
@@ -27,6 +29,11 @@ int64_t fc1_out_features(Activation a, int64_t ffn) { return is_gated(a) ? 2 * f
 
 void validate_activation(const ActivationParams& p, int64_t ffn) {
   MOE_CHECK(ffn > 0, "argument 'ffn': expected > 0, got ", ffn);
+  if (p.kind == Activation::kClampedSwiGLU) {
+    MOE_CHECK(std::isfinite(p.alpha), "argument 'alpha': expected a finite value, got ", p.alpha);
+    MOE_CHECK(std::isfinite(p.limit) && p.limit > 0, "argument 'limit': expected a finite value > 0, got ", p.limit);
+    MOE_CHECK(std::isfinite(p.offset), "argument 'offset': expected a finite value, got ", p.offset);
+  }
   int s = p.glu_interleave;
   MOE_CHECK(s >= 0, "argument 'glu_interleave': expected >= 0, got ", s);
   if (s == 0) return;

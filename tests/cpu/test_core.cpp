@@ -127,6 +127,13 @@ TEST(Activation, LayoutAndValidation) {
   validate_activation(p, 64);
   p.kind = Activation::kSquaredReLU;
   expect_error_naming([&] { validate_activation(p, 64); }, "glu_interleave");
+  ActivationParams clamped;
+  clamped.kind = Activation::kClampedSwiGLU;
+  clamped.limit = 0.0f;
+  expect_error_naming([&] { validate_activation(clamped, 64); }, "limit");
+  clamped.limit = 7.0f;
+  clamped.alpha = std::nanf("");
+  expect_error_naming([&] { validate_activation(clamped, 64); }, "alpha");
   EXPECT_EQ(activation_from_name("clamped-swiglu"), Activation::kClampedSwiGLU);
   expect_error_naming([] { activation_from_name("relu6"); }, "activation");
 }

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "moe/error.h"
@@ -358,7 +359,16 @@ INSTANTIATE_TEST_SUITE_P(
                       Variant{Activation::kClampedSwiGLU, true, ProbsPlacement::kInActivation, 32, 0},
                       Variant{Activation::kClampedSwiGLU, false, ProbsPlacement::kAtCombine, 8, 16},
                       Variant{Activation::kSquaredReLU, true, ProbsPlacement::kInActivation, 0, 0},
-                      Variant{Activation::kSquaredReLU, false, ProbsPlacement::kAtCombine, 0, 128}));
+                      Variant{Activation::kSquaredReLU, false, ProbsPlacement::kAtCombine, 0, 128}),
+    [](const ::testing::TestParamInfo<Variant>& info) {
+      std::string name = activation_name(info.param.act);
+      name += info.param.bias ? "_bias" : "_nobias";
+      name += info.param.probs == ProbsPlacement::kInActivation ? "_probsInAct" : "_probsAtCombine";
+      name += "_il" + std::to_string(info.param.interleave) + "_A" + std::to_string(info.param.align);
+      for (char& ch : name)
+        if (ch == '-') ch = '_';
+      return name;
+    });
 
 TEST(GroupedMlp, AccumulateIntoMainGradAndFp32Grads) {
   MOE_REQUIRE_GPU();
