@@ -1,6 +1,6 @@
-// dgrad, ping-pong 128x128x64, cluster 2x1x1, bf16 output:
+// dgrad, ping-pong 128x128x64, cluster 2x1x1, bf16 output. Used for
 // short reductions (N <= 768, e.g. fc1 of fine-grained experts): ping-pong overlaps the epilogue;
-// measured 7-17% faster at N = 512.
+// measured 1.07-1.17x the cooperative tile at N = 512.
 #include "gemm/sm90_grouped_kernel.cuh"
 
 MOE_GROUPED_KERNEL(entry_dgrad_pong_128x128x64_c2x1, "pong_128x128x64_c2x1", Op::kDgrad, Out::kBF16,

@@ -8,28 +8,22 @@ namespace moe::gemm {
 
 const KernelEntry& entry_fprop_coop_128x256x64_c2x1();
 const KernelEntry& entry_fprop_coop_128x256x64_c1x2();
-const KernelEntry& entry_fprop_coop_128x256x64_c1x1();
-const KernelEntry& entry_fprop_pong_128x128x64_c2x1();
 const KernelEntry& entry_fprop_pong_128x128x64_c1x2();
 const KernelEntry& entry_dgrad_coop_128x256x64_c2x1();
 const KernelEntry& entry_dgrad_coop_128x256x64_c1x2();
 const KernelEntry& entry_dgrad_pong_128x128x64_c2x1();
 const KernelEntry& entry_wgrad_coop_128x256x64_c2x1();
-const KernelEntry& entry_wgrad_coop_128x256x64_c1x2();
 const KernelEntry& entry_wgrad_coop_128x256x64_c2x1_f32();
 
 const KernelEntry* const* kernel_registry(int* count) {
   static const KernelEntry* const entries[] = {
       &entry_fprop_coop_128x256x64_c2x1(),
       &entry_fprop_coop_128x256x64_c1x2(),
-      &entry_fprop_coop_128x256x64_c1x1(),
-      &entry_fprop_pong_128x128x64_c2x1(),
       &entry_fprop_pong_128x128x64_c1x2(),
       &entry_dgrad_coop_128x256x64_c2x1(),
       &entry_dgrad_coop_128x256x64_c1x2(),
       &entry_dgrad_pong_128x128x64_c2x1(),
       &entry_wgrad_coop_128x256x64_c2x1(),
-      &entry_wgrad_coop_128x256x64_c1x2(),
       &entry_wgrad_coop_128x256x64_c2x1_f32(),
   };
   *count = static_cast<int>(sizeof(entries) / sizeof(entries[0]));

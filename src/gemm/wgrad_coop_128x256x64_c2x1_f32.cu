@@ -1,4 +1,4 @@
-// wgrad, cooperative 128x256x64, cluster 2x1x1, fp32 output:
+// wgrad, cooperative 128x256x64, cluster 2x1x1, fp32 output. Used for
 // ragged-K weight gradient in fp32: written (beta = 0) or accumulated into main_grad (C = D, beta
 // = 1); cooperative 128x256 as for bf16.
 #include "gemm/sm90_grouped_kernel.cuh"

@@ -1,8 +1,0 @@
-// fprop, cooperative 128x256x64, cluster 1x1x1, bf16 output:
-// candidate: no cluster (no multicast, no pairing constraint on the persistent CTAs).
-#include "gemm/sm90_grouped_kernel.cuh"
-
-MOE_GROUPED_KERNEL(entry_fprop_coop_128x256x64_c1x1, "coop_128x256x64_c1x1", Op::kFprop, Out::kBF16,
-                   Sm90GroupedGemm<Op::kFprop, cutlass::bfloat16_t, void,
-                                   cute::Shape<cute::_128, cute::_256, cute::_64>,
-                                   cute::Shape<cute::_1, cute::_1, cute::_1>, Cooperative>)
