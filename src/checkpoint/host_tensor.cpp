@@ -1,6 +1,5 @@
 // HostTensor and the safetensors <-> state dict glue.
 #include <cstring>
-#include <sstream>
 
 #include "moe/error.h"
 #include "moe/state_dict.h"
@@ -52,11 +51,9 @@ int64_t HostTensor::numel() const {
 }
 
 std::string shape_string(const std::vector<int64_t>& shape) {
-  std::ostringstream os;
-  os << '[';
-  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
-  os << ']';
-  return os.str();
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
 }
 
 std::string HostTensor::shape_string() const { return moe::shape_string(shape_); }

@@ -1,7 +1,7 @@
 #include "moe/tensor.h"
 
 #include <cstdint>
-#include <sstream>
+#include <string>
 
 #include "moe/error.h"
 
@@ -44,11 +44,9 @@ bool TensorView::is_contiguous() const {
 }
 
 std::string TensorView::shape_string() const {
-  std::ostringstream os;
-  os << "[";
-  for (int d = 0; d < ndim; ++d) os << (d ? ", " : "") << shape[d];
-  os << "]";
-  return os.str();
+  std::string s = "[";
+  for (int d = 0; d < ndim; ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
+  return s + "]";
 }
 
 void check_dtype(const TensorView& t, const char* name, DType expected) {
@@ -69,15 +67,14 @@ void check_contiguous(const TensorView& t, const char* name) {
 void check_shape(const TensorView& t, const char* name, std::initializer_list<int64_t> expected) {
   bool ok = t.ndim == static_cast<int>(expected.size());
   int d = 0;
-  std::ostringstream want;
-  want << "[";
+  std::string want = "[";
   for (int64_t e : expected) {
-    want << (d ? ", " : "") << (e < 0 ? std::string("*") : std::to_string(e));
+    want += (d ? ", " : "") + (e < 0 ? std::string("*") : std::to_string(e));
     if (ok && e >= 0 && t.shape[d] != e) ok = false;
     ++d;
   }
-  want << "]";
-  MOE_CHECK(ok, "argument '", name, "': expected shape ", want.str(), ", got ", t.shape_string());
+  want += "]";
+  MOE_CHECK(ok, "argument '", name, "': expected shape ", want, ", got ", t.shape_string());
 }
 
 void check_pointer(const TensorView& t, const char* name, int alignment) {

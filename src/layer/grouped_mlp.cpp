@@ -283,7 +283,7 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
   const auto& c = m.cfg;
   MOE_CHECK(m.forward_done, "GroupedMlp::backward: no forward to differentiate (call forward first)");
   MOE_CHECK(!m.wgrad_pending, "GroupedMlp::backward: the previous step's backward_dw() has not run");
-  MOE_CHECK(m.have_grads, "GroupedMlp::backward: no gradient tensors bound (call set_grads first)");
+  MOE_CHECK(c.delay_wgrad || m.have_grads, "GroupedMlp::backward: no gradient tensors bound (call set_grads first)");
   const int64_t T = m.T, H = c.hidden, F = c.ffn, F1 = c.fc1_out();
   const int slots = m.dispatcher.slots_per_token();
   check_shape(dy, "dy", {T, H});
@@ -327,6 +327,7 @@ void GroupedMlp::backward_dw(cudaStream_t s) {
   Impl& m = *impl_;
   MOE_CHECK(m.cfg.delay_wgrad, "GroupedMlp::backward_dw: only for config.delay_wgrad = true");
   MOE_CHECK(m.wgrad_pending, "GroupedMlp::backward_dw: no pending weight gradients (call backward first)");
+  MOE_CHECK(m.have_grads, "GroupedMlp::backward_dw: no gradient tensors bound (call set_grads first)");
   m.wgrad_fc2(s);
   m.fire_hooks(Param::kFc2Weight);
   m.fire_hooks(Param::kFc2Bias);
