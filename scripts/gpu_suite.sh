@@ -48,9 +48,10 @@ if [ $sanitize = 1 ]; then
   done
 fi
 
-passed=$(grep -c "Passed" ctest.log || true)
-failed=$(grep -cE "\*\*\*Failed|\*\*\*Exception|\*\*\*Timeout|Not Run" ctest.log || true)
-skipped=$(grep -c "Skipped" ctest.log || true)
+# Per-test status lines look like " 12/141 Test  #12: cpu.Name ....   Passed    0.01 sec".
+passed=$(grep -cE "Test +#[0-9]+: .* +Passed +[0-9.]+ sec" ctest.log || true)
+skipped=$(grep -cE "Test +#[0-9]+: .* +Skipped +[0-9.]+ sec|Test +#[0-9]+: .*\*\*\*Skipped" ctest.log || true)
+failed=$(grep -cE "Test +#[0-9]+: .*(\*\*\*Failed|\*\*\*Exception|\*\*\*Timeout|Not Run)" ctest.log || true)
 echo "==== GPU suite summary ===="
 echo "device: ${device:-none}"
 echo "tests: $passed passed, $failed failed, $skipped skipped"

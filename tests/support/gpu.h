@@ -40,9 +40,12 @@ class DeviceBuffer {
 
   T* get() const { return p_; }
   size_t size() const { return n_; }
+  // upload and fill_bytes complete before they return: cudaMemset (and a pageable cudaMemcpy's
+  // last DMA) are asynchronous on the legacy stream, which non-blocking streams do not wait for.
   void upload(const std::vector<T>& host) {
     MOE_CHECK(host.size() == n_, "DeviceBuffer::upload: size mismatch");
     if (n_) MOE_CUDA_CHECK(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
   }
   std::vector<T> download() const {
     std::vector<T> host(n_);
@@ -52,6 +55,7 @@ class DeviceBuffer {
   // Fills every byte with `byte` (poison before a run to catch unwritten outputs).
   void fill_bytes(int byte) {
     if (n_) MOE_CUDA_CHECK(cudaMemset(p_, byte, n_ * sizeof(T)));
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
  private:

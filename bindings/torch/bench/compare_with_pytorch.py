@@ -2,7 +2,7 @@
 torch._grouped_mm, SwiGLU x prob, index_add_ combine) and moe_engine.GroupedMLP, forward+backward,
 eager and CUDA-graph captured, on the named shapes of BENCHMARKS.md.
 
-usage: python3 bench_compare.py [SHAPE ...] [--png chart.png]      (no names: all shapes)"""
+usage: python3 bindings/torch/bench/compare_with_pytorch.py [SHAPE ...] [--png chart.png]      (no names: all shapes)"""
 import argparse
 import json
 
