@@ -11,19 +11,12 @@
 #include "moe/activation.h"
 #include "moe/error.h"
 #include "reference/activation_ref.h"
+#include "support/expect_error.h"
 
 namespace moe::ref {
 namespace {
 
-template <typename F>
-void expect_error_naming(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected moe::Error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using ::moe::testing::expect_error_naming;
 
 ActivationParams make(Activation kind, int interleave = 0) {
   ActivationParams p;

@@ -12,20 +12,12 @@
 #include "moe/grouped_mlp_config.h"
 #include "moe/routing.h"
 #include "moe/tensor.h"
+#include "support/expect_error.h"
 
 namespace moe {
 namespace {
 
-// Expects a moe::Error whose message contains `needle` (the argument's name).
-template <typename F>
-void expect_error_naming(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected moe::Error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using ::moe::testing::expect_error_naming;
 
 TEST(DType, SizesAndNames) {
   EXPECT_EQ(dtype_bits(DType::kBF16), 16);

@@ -16,21 +16,14 @@
 #include "reference/dispatch_ref.h"
 #include "reference/routing_gen.h"
 #include "reference/routing_ref.h"
+#include "support/expect_error.h"
 
 namespace moe::ref {
 namespace {
 
 using V64 = std::vector<int64_t>;
 
-template <typename F>
-void expect_error_naming(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected moe::Error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using ::moe::testing::expect_error_naming;
 
 Routing topk(int64_t T, int E, int k, std::vector<int32_t> idx, std::vector<double> probs = {}) {
   Routing r;

@@ -10,19 +10,12 @@
 #include "moe/checkpoint_convert.h"
 #include "moe/checkpoint_hf.h"
 #include "moe/error.h"
+#include "support/expect_error.h"
 
 namespace moe {
 namespace {
 
-template <typename F>
-void expect_error_naming(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected moe::Error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using ::moe::testing::expect_error_naming;
 
 constexpr int64_t E = 3, H = 4, F = 16;
 

@@ -14,21 +14,14 @@
 #include "moe/error.h"
 #include "moe/safetensors.h"
 #include "moe/state_dict.h"
+#include "support/expect_error.h"
 
 namespace moe {
 namespace {
 
 namespace st = safetensors;
 
-template <typename F>
-void expect_error_naming(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected moe::Error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using ::moe::testing::expect_error_naming;
 
 std::string source_dir() {
   std::string f = __FILE__;  // .../tests/cpu/test_safetensors.cpp

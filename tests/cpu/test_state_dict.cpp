@@ -10,19 +10,12 @@
 #include "moe/checkpoint.h"
 #include "moe/error.h"
 #include "moe/state_dict.h"
+#include "support/expect_error.h"
 
 namespace moe {
 namespace {
 
-template <typename F>
-void expect_error_naming(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected moe::Error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using ::moe::testing::expect_error_naming;
 
 // An fp32 tensor whose element i is base + i.
 HostTensor iota(std::vector<int64_t> shape, float base) {

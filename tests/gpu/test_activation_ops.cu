@@ -15,6 +15,7 @@
 #include "moe/float_convert.h"
 #include "reference/activation_ref.h"
 #include "support/gpu.h"
+#include "support/expect_error.h"
 
 namespace moe {
 namespace {
@@ -24,15 +25,7 @@ using testing::DeviceBuffer;
 constexpr uint16_t kPoisonBf16 = 0xFFFF;  // a NaN: memset(0xFF) of a bf16 buffer
 constexpr uint32_t kPoisonF32 = 0xFFFFFFFFu;
 
-template <typename F>
-void expect_error_naming(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected moe::Error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using ::moe::testing::expect_error_naming;
 
 uint32_t f32_bits(float x) {
   uint32_t b;

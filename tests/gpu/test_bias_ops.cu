@@ -15,21 +15,14 @@
 #include "moe/error.h"
 #include "moe/float_convert.h"
 #include "support/gpu.h"
+#include "support/expect_error.h"
 
 namespace moe {
 namespace {
 
 using testing::DeviceBuffer;
 
-template <typename F>
-void expect_error_naming(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected moe::Error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using ::moe::testing::expect_error_naming;
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;

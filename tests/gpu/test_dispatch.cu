@@ -28,6 +28,7 @@
 #include "reference/routing_gen.h"
 #include "reference/routing_ref.h"
 #include "support/gpu.h"
+#include "support/expect_error.h"
 
 namespace moe {
 namespace {
@@ -36,15 +37,7 @@ using testing::DeviceBuffer;
 using Bytes = std::vector<uint8_t>;
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-template <typename F>
-void expect_error_naming(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected moe::Error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using ::moe::testing::expect_error_naming;
 
 // ---- host encoding of rows ----
 

@@ -24,6 +24,7 @@
 #include "moe/grouped_gemm.h"
 #include "reference/grouped_gemm_ref.h"
 #include "support/gpu.h"
+#include "support/expect_error.h"
 
 namespace moe {
 namespace {
@@ -479,16 +480,7 @@ TEST(GroupedGemm, GraphReplayWithNewGroupSizesEqualsEager) {
   MOE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
-// Expects a moe::Error whose message contains `needle`.
-template <typename F>
-void expect_error_naming(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected moe::Error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using ::moe::testing::expect_error_naming;
 
 TEST(GroupedGemm, RejectsUnsupportedArgumentsBeforeLaunch) {
   MOE_REQUIRE_GPU();

@@ -19,6 +19,7 @@
 #include "moe/grouped_mlp.h"
 #include "reference/grouped_mlp_ref.h"
 #include "reference/routing_gen.h"
+#include "support/expect_error.h"
 #include "support/gpu.h"
 
 namespace moe {
@@ -520,14 +521,7 @@ TEST(GroupedMlp, BadInputIsReported) {
   rv.indices = TensorView(idx.get(), DType::kInt32, {T, k.topk});
   rv.probs = TensorView(probs.get(), DType::kFP32, {T, k.topk});
   TensorView xv(x.get(), DType::kBF16, {T, H}), yv(y.get(), DType::kBF16, {T, H});
-  auto expect_error = [](auto&& f, const std::string& needle) {
-    try {
-      f();
-      ADD_FAILURE() << "expected moe::Error mentioning " << needle;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
+  auto expect_error = [](auto&& f, const std::string& needle) { testing::expect_error_naming(f, needle); };
   expect_error([&] { layer.forward(xv, rv, yv, nullptr); }, "set_weights");
   std::mt19937_64 rng(1);
   auto W1 = make_param(random_bf16_values(k.experts * k.fc1_out() * H, 0.1, rng), k.experts, {k.fc1_out(), H},
