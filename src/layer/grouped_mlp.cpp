@@ -101,7 +101,9 @@ struct GroupedMlp::Impl {
   bool have_weights = false, have_grads = false;
   ExpertMatrices w1, w2, dw1, dw2;
   ExpertRows b1, b2, db1, db2;
-  void** bias_tables = nullptr;  // device [4 * E]: per-expert row pointers of b1, b2, db1, db2
+  // Device tables of per-expert bias row pointers (b1, b2, db1, db2): a new table per binding, the
+  // old one freed (cudaFree waits for kernels in flight), never rewritten in place.
+  std::shared_ptr<void> bias_tables[4];
 
   // Planned device memory.
   char* block = nullptr;
@@ -122,12 +124,8 @@ struct GroupedMlp::Impl {
     plan_memory(nullptr);
     MOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&block), block_bytes));
     plan_memory(block);
-    if (cfg.bias) MOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&bias_tables), 4 * cfg.experts * sizeof(void*)));
   }
-  ~Impl() {
-    cudaFree(block);
-    cudaFree(bias_tables);
-  }
+  ~Impl() { cudaFree(block); }
 
   bool probs_in_act() const { return cfg.probs == ProbsPlacement::kInActivation; }
 
@@ -165,9 +163,12 @@ struct GroupedMlp::Impl {
     if (layout == WeightLayout::kSingleGrouped) return ExpertRows::single_grouped(views[0]);
     std::vector<void*> ptrs;
     for (const TensorView& t : views) ptrs.push_back(t.data);
-    void** table = bias_tables + slot * cfg.experts;
+    void* table = nullptr;
+    MOE_CUDA_CHECK(cudaMalloc(&table, ptrs.size() * sizeof(void*)));
+    bias_tables[slot] = std::shared_ptr<void>(table, [](void* p) { cudaFree(p); });
     MOE_CUDA_CHECK(cudaMemcpy(table, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice));
-    return ExpertRows::per_expert(table, views[0].dtype, cfg.experts, views[0].shape[views[0].ndim - 1]);
+    return ExpertRows::per_expert(static_cast<void* const*>(table), views[0].dtype, cfg.experts,
+                                  views[0].shape[views[0].ndim - 1]);
   }
 
   void check_bias_views(const std::vector<TensorView>& views, const char* name, WeightLayout layout, int64_t n,
@@ -260,9 +261,20 @@ void GroupedMlp::forward(const TensorView& x, const RoutingView& routing, const 
             x.shape_string());
   const int64_t T = x.shape[0];
   MOE_CHECK(T <= c.max_tokens, "argument 'x': T = ", T, " exceeds config.max_tokens = ", c.max_tokens);
+  // Everything the dispatcher will read is checked before its plan is replaced, so a rejected call
+  // leaves the previous step's state intact.
+  check_device(x, "x", Device::kCUDA);
+  check_dtype(x, "x", c.dtype);
+  check_contiguous(x, "x");
+  check_pointer(x, "x", 16);
+  MOE_CHECK(routing.probs.ndim == 2 && routing.probs.shape[0] == T, "argument 'probs': expected ", T,
+            " rows (one per token of x), got shape ", routing.probs.shape_string());
+  check_device(y, "y", Device::kCUDA);
   check_shape(y, "y", {T, c.hidden});
   check_dtype(y, "y", c.dtype);
-  // Dispatcher checks x, routing; the kernels check the rest.
+  check_contiguous(y, "y");
+  check_pointer(y, "y", 16);
+  m.forward_done = false;  // the saved activations are about to be replaced
   const int64_t H = c.hidden, F = c.ffn, F1 = c.fc1_out();
   TensorView g = m.group_offsets();
 
@@ -281,7 +293,7 @@ void GroupedMlp::forward(const TensorView& x, const RoutingView& routing, const 
 void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const TensorView& dprobs, cudaStream_t s) {
   Impl& m = *impl_;
   const auto& c = m.cfg;
-  MOE_CHECK(m.forward_done, "GroupedMlp::backward: no forward to differentiate (call forward first)");
+  MOE_CHECK(m.forward_done, "GroupedMlp::backward: no forward to differentiate (call forward first; each forward has one backward)");
   MOE_CHECK(!m.wgrad_pending, "GroupedMlp::backward: the previous step's backward_dw() has not run");
   MOE_CHECK(c.delay_wgrad || m.have_grads, "GroupedMlp::backward: no gradient tensors bound (call set_grads first)");
   const int64_t T = m.T, H = c.hidden, F = c.ffn, F1 = c.fc1_out();
@@ -316,10 +328,11 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
     m.dispatcher.permute_backward(m.v(m.dx_perm, H), dx, s);
   }
   if (c.delay_wgrad) {
-    m.wgrad_pending = true;
+    m.wgrad_pending = true;  // backward_dw consumes the saved activations, then clears forward_done
     return;
   }
   m.wgrad_fc1(s);
+  m.forward_done = false;  // act now holds dact: a second backward of this forward would be wrong
   for (Param p : kHookOrder) m.fire_hooks(p);
 }
 
@@ -335,6 +348,7 @@ void GroupedMlp::backward_dw(cudaStream_t s) {
   m.fire_hooks(Param::kFc1Weight);
   m.fire_hooks(Param::kFc1Bias);
   m.wgrad_pending = false;
+  m.forward_done = false;
 }
 
 uint32_t* GroupedMlp::device_error_word() const { return impl_->errors.device_ptr(); }

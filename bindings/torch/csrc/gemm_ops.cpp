@@ -1,6 +1,8 @@
 // TORCH_LIBRARY operators of the grouped GEMM: fprop / dgrad / wgrad over device group offsets,
 // weights as one [E, N, K] tensor. One moe::GroupedGemm (argument arrays + workspace at fixed
-// addresses) per (device, E, rows) serves every call of that shape, in stream order.
+// addresses) per (device, E, rows) serves every call of that shape, in stream order: calls of one
+// shape on two concurrent streams (or parallel graph branches) would share those arrays -- use one
+// stream for these functional ops (the GroupedMLP module has its own engine).
 #include <torch/library.h>
 
 #include <map>

@@ -14,8 +14,12 @@ Weight gradients:
   - delay_wgrad=True: backward produces dx and dprobs only; `backward_dw()` later computes fc2's,
     then fc1's weight gradients (e.g. overlapped with communication).
 Hooks registered with `register_wgrad_hook(fn)` are called as fn(name, param) once per step when that
-parameter's gradient is final (fc2 before fc1): at the end of backward, or in backward_dw when
-delayed -- the place for a data-parallel reducer's reduce-scatter."""
+parameter's gradient is final -- the place for a data-parallel reducer's reduce-scatter: with
+main_grad, at the end of backward (fc2 before fc1); when delayed, in backward_dw (fc2 before fc1);
+otherwise once autograd has accumulated it into param.grad (autograd's order).
+
+Each forward has exactly one backward (the layer keeps one step's activations): a second forward
+before the first one's backward, or a second backward of one forward, raises RuntimeError."""
 import torch
 from torch import nn
 
@@ -35,6 +39,9 @@ class GroupedMLP(nn.Module):
         super().__init__()
         if wgrad_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"argument 'wgrad_dtype': expected torch.bfloat16 or torch.float32, got {wgrad_dtype}")
+        if wgrad_dtype == torch.float32 and not accumulate_into_main_grad:
+            raise ValueError("argument 'wgrad_dtype': fp32 weight gradients go to an fp32 main_grad "
+                             "(accumulate_into_main_grad=True); param.grad must match the bf16 parameters")
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_experts, self.topk = num_experts, topk
         self.per_expert_weights = per_expert_weights
@@ -65,7 +72,12 @@ class GroupedMLP(nn.Module):
                 owner.register_parameter(s, nn.Parameter(self._init((num_experts, *shape), std, device)))
         self._hooks = []
         self._pending_dw = None  # delayed mode: gradient buffers waiting for backward_dw
+        self._forward_id = 0     # the forward whose activations the layer holds
         self._register_load_state_dict_pre_hook(self._normalize_keys)
+        if not accumulate_into_main_grad and not delay_wgrad:
+            # Write mode: a gradient is final once autograd has accumulated it into param.grad.
+            for name, q in self.named_parameters():
+                q.register_post_accumulate_grad_hook(lambda q, name=name: self._fire_hook(name, q))
 
     @staticmethod
     def _init(shape, std, device):
@@ -98,12 +110,14 @@ class GroupedMLP(nn.Module):
         """fn(name, param) once per step for each parameter whose weight gradient is final."""
         self._hooks.append(fn)
 
+    def _fire_hook(self, name, param):
+        for fn in self._hooks:
+            fn(name, param)
+
     def _fire_hooks(self):
         for p, s in _ORDER:
             for i, param in enumerate(self.expert_params(p, s)):
-                name = f"{p}.{s}{i}" if self.per_expert_weights else f"{p}.{s}"
-                for fn in self._hooks:
-                    fn(name, param)
+                self._fire_hook(f"{p}.{s}{i}" if self.per_expert_weights else f"{p}.{s}", param)
 
     def _grad_buffers(self):
         """Where the layer writes weight gradients: main_grad (accumulate) or new grouped buffers."""
@@ -172,7 +186,8 @@ class GroupedMLP(nn.Module):
 class _MlpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mod, x, routing, probs, *params):
-        ctx.mod = mod
+        mod._forward_id += 1
+        ctx.mod, ctx.forward_id = mod, mod._forward_id
         ctx.n_params = len(params)
         return _ops.mlp_forward(mod._handle, x.contiguous(), routing.contiguous(), probs.contiguous(),
                                 *mod._param_lists())
@@ -180,6 +195,9 @@ class _MlpFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         mod = ctx.mod
+        if ctx.forward_id != mod._forward_id:
+            raise RuntimeError("GroupedMLP: this backward belongs to an earlier forward; the layer holds the "
+                               "activations of its latest forward only (one backward per forward)")
         dy = dy.contiguous()
         param_grads = [None] * ctx.n_params
         if mod.delay_wgrad:
@@ -190,7 +208,7 @@ class _MlpFunction(torch.autograd.Function):
             dx, dprobs = _ops.mlp_backward(mod._handle, dy, mod.slots, *lists)
             if mod.accumulate_into_main_grad:
                 mod._mark_main_grad()
+                mod._fire_hooks()
             else:
-                param_grads = mod._as_param_grads(lists)
-            mod._fire_hooks()
+                param_grads = mod._as_param_grads(lists)  # hooks fire after autograd accumulates them
         return (None, dx, None, dprobs, *param_grads)

@@ -223,3 +223,24 @@ def test_bad_input_raises_with_the_argument_name():
     with pytest.raises(ValueError, match="out of range"):
         mod.check_errors()
     mod.check_errors()  # cleared
+
+
+def test_write_mode_hooks_fire_once_gradients_are_accumulated():
+    mod, x, idx, probs = make(bias=True, seed=17)
+    seen = []
+    mod.register_wgrad_hook(lambda name, q: seen.append((name, q.grad is not None)))
+    mod(x, idx, probs).backward(output_grad(x))
+    assert sorted(n for n, _ in seen) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+    assert all(has_grad for _, has_grad in seen)
+
+
+def test_one_backward_per_forward():
+    mod, x, idx, probs = make(seed=13)
+    xr = x.clone().requires_grad_()
+    first = mod(xr, idx, probs)
+    second = mod(xr, idx, probs)  # replaces the activations the layer holds
+    with pytest.raises(RuntimeError, match="earlier forward"):
+        first.backward(output_grad(x))
+    second.backward(output_grad(x), retain_graph=True)
+    with pytest.raises(ValueError, match="one backward"):
+        second.backward(output_grad(x))  # the layer's activations were consumed
