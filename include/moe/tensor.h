@@ -46,5 +46,9 @@ void check_contiguous(const TensorView& t, const char* name);
 void check_shape(const TensorView& t, const char* name, std::initializer_list<int64_t> expected);
 // Non-null data unless the view is empty, and `alignment`-byte aligned.
 void check_pointer(const TensorView& t, const char* name, int alignment = 16);
+// The usual operand check of a kernel entry point: a CUDA tensor of this dtype and shape,
+// contiguous, its pointer `alignment`-byte aligned.
+void check_device_tensor(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape,
+                         int alignment = 16);
 
 }  // namespace moe

@@ -84,4 +84,13 @@ void check_pointer(const TensorView& t, const char* name, int alignment) {
             alignment, "-byte aligned pointer");
 }
 
+void check_device_tensor(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape,
+                         int alignment) {
+  check_device(t, name, Device::kCUDA);
+  check_dtype(t, name, dtype);
+  check_shape(t, name, shape);
+  check_contiguous(t, name);
+  check_pointer(t, name, alignment);
+}
+
 }  // namespace moe

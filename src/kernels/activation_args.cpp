@@ -31,20 +31,10 @@ ActivationDims check_activation_args(const ActivationParams& params, const Tenso
   // Column math on the device is 32-bit (fast); rows are one warp each (grid.x < 2^31 blocks).
   MOE_CHECK(d.F <= (int64_t(1) << 29), "argument '", cols_name, "': expected F <= 2^29, got ", d.F);
   MOE_CHECK(d.R < (int64_t(1) << 33), "argument '", cols_name, "': expected R < 2^33 rows, got ", d.R);
-  validate_activation(params, d.F);
-  if (params.kind == Activation::kClampedSwiGLU) {
-    MOE_CHECK(std::isfinite(params.alpha), "argument 'alpha': expected a finite value, got ", params.alpha);
-    MOE_CHECK(std::isfinite(params.limit) && params.limit > 0.0f,
-              "argument 'limit': expected a finite value > 0, got ", params.limit);
-    MOE_CHECK(std::isfinite(params.offset), "argument 'offset': expected a finite value, got ", params.offset);
-  }
+  validate_activation(params, d.F);  // also the clamped-swiglu parameters
   check_pointer(cols, cols_name, 16);
   d.in_cols = fc1_out_features(params.kind, d.F);
-  check_device(h, "h", Device::kCUDA);
-  check_dtype(h, "h", DType::kBF16);
-  check_shape(h, "h", {d.R, d.in_cols});
-  check_contiguous(h, "h");
-  check_pointer(h, "h", 16);
+  check_device_tensor(h, "h", DType::kBF16, {d.R, d.in_cols});
   check_row_vector(probs, "probs", d.R);
   if (!is_absent(group_offsets)) {
     check_device(group_offsets, "group_offsets", Device::kCUDA);

@@ -84,11 +84,7 @@ void activation_backward(const ActivationParams& params, const TensorView& h, co
                          const TensorView& dprobs, cudaStream_t stream) {
   using namespace kernels;
   const ActivationDims d = check_activation_args(params, h, probs, group_offsets, d_out, "d_out");
-  check_device(dh, "dh", Device::kCUDA);
-  check_dtype(dh, "dh", DType::kBF16);
-  check_shape(dh, "dh", {d.R, d.in_cols});
-  check_contiguous(dh, "dh");
-  check_pointer(dh, "dh", 16);
+  check_device_tensor(dh, "dh", DType::kBF16, {d.R, d.in_cols});
   check_row_vector(dprobs, "dprobs", d.R);
   if (d.R == 0) return;
   BackwardArgs a;

@@ -3,6 +3,7 @@
 #include <tuple>
 
 #include "kernels/cuda_check.h"
+#include "kernels/device_arena.h"
 #include "kernels/dispatch_kernels.h"
 #include "moe/dispatch.h"
 #include "moe/error.h"
@@ -16,31 +17,6 @@ constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
 bool is_arith_dtype(DType t) { return t == DType::kBF16 || t == DType::kFP16 || t == DType::kFP32; }
 bool is_row_dtype(DType t) { return is_arith_dtype(t) || t == DType::kFP8E4M3 || t == DType::kFP8E5M2; }
-
-void check_cuda_tensor(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape) {
-  check_device(t, name, Device::kCUDA);
-  check_dtype(t, name, dtype);
-  check_shape(t, name, shape);
-  check_contiguous(t, name);
-  check_pointer(t, name, 16);
-}
-
-// Carves one allocation into 256-byte aligned pieces.
-class Carver {
- public:
-  explicit Carver(char* base) : base_(base) {}
-  template <typename T>
-  T* take(int64_t n) {
-    T* p = reinterpret_cast<T*>(base_ ? base_ + used_ : nullptr);
-    used_ += (static_cast<size_t>(n) * sizeof(T) + 255) / 256 * 256;
-    return p;
-  }
-  size_t used() const { return used_; }
-
- private:
-  char* base_;
-  size_t used_ = 0;
-};
 
 }  // namespace
 
@@ -61,7 +37,7 @@ struct Dispatcher::Impl {
 
   size_t carve(char* base) {
     const int E = cfg.num_experts;
-    Carver c(base);
+    DeviceArena c(base);
     chunk_count = c.take<int32_t>(kernels::plan_num_chunks(cfg.form, cfg.max_tokens, slots, E) * E);
     count32 = c.take<int32_t>(E);
     padded32 = c.take<int32_t>(E);
@@ -82,7 +58,7 @@ struct Dispatcher::Impl {
     MOE_CHECK(planned, "Dispatcher::", op, ": call plan() first (no routing has been planned)");
   }
   void check_rows(const TensorView& t, const char* name, int64_t rows) const {
-    check_cuda_tensor(t, name, cfg.row_dtype, {rows, cfg.hidden});
+    check_device_tensor(t, name, cfg.row_dtype, {rows, cfg.hidden});
   }
   void require_arith(const char* op) const {
     MOE_CHECK(is_arith_dtype(cfg.row_dtype), "Dispatcher::", op, ": row dtype ", dtype_name(cfg.row_dtype),
@@ -145,14 +121,14 @@ void Dispatcher::plan(const RoutingView& routing, uint32_t* error_word, cudaStre
             routing.probs.shape_string());
   const int64_t T = routing.probs.shape[0];
   MOE_CHECK(T <= c.max_tokens, "argument 'routing.probs': T = ", T, " exceeds max_tokens = ", c.max_tokens);
-  check_cuda_tensor(routing.probs, "routing.probs", DType::kFP32, {T, m.slots});
+  check_device_tensor(routing.probs, "routing.probs", DType::kFP32, {T, m.slots});
   kernels::PlanArgs a;
   if (c.form == RoutingForm::kTopK) {
-    check_cuda_tensor(routing.indices, "routing.indices", DType::kInt32, {T, m.slots});
+    check_device_tensor(routing.indices, "routing.indices", DType::kInt32, {T, m.slots});
     a.indices = routing.indices.ptr<int32_t>();
   } else {
     const DType md = routing.map.dtype;
-    check_cuda_tensor(routing.map, "routing.map", md == DType::kBool ? DType::kBool : DType::kUInt8, {T, m.slots});
+    check_device_tensor(routing.map, "routing.map", md == DType::kBool ? DType::kBool : DType::kUInt8, {T, m.slots});
     a.map = routing.map.ptr<uint8_t>();
   }
   a.form = c.form;
@@ -215,8 +191,8 @@ void Dispatcher::permute_backward(const TensorView& d_x_perm, const TensorView& 
   m.require_arith("permute_backward");
   m.check_rows(d_x_perm, "d_x_perm", m.R);
   m.check_rows(dx, "dx", m.T);
-  if (d_probs_perm) check_cuda_tensor(*d_probs_perm, "d_probs_perm", DType::kFP32, {m.R});
-  if (dprobs) check_cuda_tensor(*dprobs, "dprobs", DType::kFP32, {m.T, m.slots});
+  if (d_probs_perm) check_device_tensor(*d_probs_perm, "d_probs_perm", DType::kFP32, {m.R});
+  if (dprobs) check_device_tensor(*dprobs, "dprobs", DType::kFP32, {m.T, m.slots});
   kernels::launch_combine(m.cfg.row_dtype, d_x_perm.data, dx.data, m.cfg.hidden, m.slot_row, m.slots,
                           static_cast<int32_t>(m.T), nullptr, d_probs_perm ? d_probs_perm->ptr<float>() : nullptr,
                           dprobs ? dprobs->ptr<float>() : nullptr, stream);
@@ -243,7 +219,7 @@ void Dispatcher::unpermute_backward(const TensorView& dy, const TensorView& dY, 
   MOE_CHECK(!want_dot || Y != nullptr, "argument 'Y': the combine's input is needed for dprobs when merging probs");
   if (want_dot) m.check_rows(*Y, "Y", m.R);
   if (dprobs) {
-    check_cuda_tensor(*dprobs, "dprobs", DType::kFP32, {m.T, m.slots});
+    check_device_tensor(*dprobs, "dprobs", DType::kFP32, {m.T, m.slots});
     // Slots without a row (and every slot without merged probs) have a zero gradient.
     if (m.T > 0) MOE_CUDA_CHECK(cudaMemsetAsync(dprobs->data, 0, sizeof(float) * m.T * m.slots, stream));
   }

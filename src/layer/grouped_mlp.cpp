@@ -17,7 +17,7 @@
 #include <array>
 
 #include "kernels/cuda_check.h"
-#include "layer/device_arena.h"
+#include "kernels/device_arena.h"
 #include "moe/activation_ops.h"
 #include "moe/bias_ops.h"
 #include "moe/dispatch.h"
@@ -69,13 +69,7 @@ void check_param_views(const std::vector<TensorView>& views, const char* name, c
   } else {
     MOE_CHECK(static_cast<int64_t>(views.size()) == E, "argument '", name, "': per-expert layout expects ", E,
               " tensors, got ", views.size());
-    for (const TensorView& v : views) {
-      check_device(v, name, Device::kCUDA);
-      check_dtype(v, name, dtype);
-      check_shape(v, name, expert_shape);
-      check_contiguous(v, name);
-      check_pointer(v, name, 16);
-    }
+    for (const TensorView& v : views) check_device_tensor(v, name, dtype, expert_shape);
   }
 }
 
@@ -131,7 +125,7 @@ struct GroupedMlp::Impl {
 
   void plan_memory(char* base) {
     const int64_t H = cfg.hidden, F = cfg.ffn, F1 = cfg.fc1_out();
-    layer::DeviceArena a(base);
+    DeviceArena a(base);
     x_perm = a.take<uint16_t>(R * H);
     h = a.take<uint16_t>(R * F1);
     act = a.take<uint16_t>(R * F);
@@ -263,17 +257,10 @@ void GroupedMlp::forward(const TensorView& x, const RoutingView& routing, const 
   MOE_CHECK(T <= c.max_tokens, "argument 'x': T = ", T, " exceeds config.max_tokens = ", c.max_tokens);
   // Everything the dispatcher will read is checked before its plan is replaced, so a rejected call
   // leaves the previous step's state intact.
-  check_device(x, "x", Device::kCUDA);
-  check_dtype(x, "x", c.dtype);
-  check_contiguous(x, "x");
-  check_pointer(x, "x", 16);
+  check_device_tensor(x, "x", c.dtype, {T, c.hidden});
   MOE_CHECK(routing.probs.ndim == 2 && routing.probs.shape[0] == T, "argument 'probs': expected ", T,
             " rows (one per token of x), got shape ", routing.probs.shape_string());
-  check_device(y, "y", Device::kCUDA);
-  check_shape(y, "y", {T, c.hidden});
-  check_dtype(y, "y", c.dtype);
-  check_contiguous(y, "y");
-  check_pointer(y, "y", 16);
+  check_device_tensor(y, "y", c.dtype, {T, c.hidden});
   m.forward_done = false;  // the saved activations are about to be replaced
   const int64_t H = c.hidden, F = c.ffn, F1 = c.fc1_out();
   TensorView g = m.group_offsets();

@@ -65,13 +65,7 @@ Local plain(double h) {
 void check_args(const ActivationParams& prm, int64_t rows, int64_t F) {
   MOE_CHECK(rows >= 0, "argument 'rows': expected >= 0, got ", rows);
   MOE_CHECK(F > 0, "argument 'F': expected > 0, got ", F);
-  validate_activation(prm, F);
-  if (prm.kind == Activation::kClampedSwiGLU) {
-    MOE_CHECK(std::isfinite(prm.alpha), "argument 'alpha': expected a finite value, got ", prm.alpha);
-    MOE_CHECK(std::isfinite(prm.limit) && prm.limit > 0.0f, "argument 'limit': expected a finite value > 0, got ",
-              prm.limit);
-    MOE_CHECK(std::isfinite(prm.offset), "argument 'offset': expected a finite value, got ", prm.offset);
-  }
+  validate_activation(prm, F);  // also the clamped-swiglu parameters
 }
 
 void check_ptr(const void* p, const char* name, int64_t rows) {

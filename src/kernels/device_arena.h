@@ -1,11 +1,11 @@
-// One device allocation carved into 256-byte aligned pieces: the layer plans all of its memory at
-// construction (SPEC 7) and never allocates afterwards.
+// One device allocation carved into 256-byte aligned pieces: the dispatcher and the layer plan all
+// of their memory at construction (SPEC 7) and never allocate afterwards.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
-namespace moe::layer {
+namespace moe {
 
 class DeviceArena {
  public:
@@ -24,4 +24,4 @@ class DeviceArena {
   size_t used_ = 0;
 };
 
-}  // namespace moe::layer
+}  // namespace moe
