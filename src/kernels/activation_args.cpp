@@ -1,7 +1,5 @@
 #include "kernels/activation_args.h"
 
-#include <cmath>
-
 #include "moe/error.h"
 
 namespace moe::kernels {
