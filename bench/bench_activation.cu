@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cuda_check.h"
+#include "device/cuda_check.h"
 #include "moe/activation_ops.h"
 #include "moe/bias_ops.h"
 #include "support/bench_util.h"

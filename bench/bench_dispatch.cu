@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cuda_check.h"
+#include "device/cuda_check.h"
 #include "moe/dispatch.h"
 #include "moe/error_word.h"
 #include "reference/routing_gen.h"
@@ -80,6 +80,7 @@ int main(int argc, char** argv) {
     Dispatcher d128(cfg);
     cfg.options.align = 0;
     Dispatcher d0(cfg);
+    const SavedState plan128 = d128.new_plan(), plan0 = d0.new_plan();
     const int64_t R = d128.rows();
     void *x, *x_perm, *dY, *y, *dy, *dx;
     float *probs, *dprobs, *d_probs_perm;
@@ -137,17 +138,22 @@ int main(int argc, char** argv) {
       const double b = 2.0 * H;
 
       // Plan (routing -> counts, offsets, row maps): latency only.
-      measure("plan (A=128)", 0, [&] { d128.plan(rv, ew.device_ptr(), stream); });
-      d0.plan(rv, ew.device_ptr(), stream);
-      measure("permute A=0", (N + N) * b, [&] { d0.permute(rows_view(x, T), rows_view(x_perm, d0.rows()), stream); });
-      d128.plan(rv, ew.device_ptr(), stream);
-      measure("permute A=128", (N + S) * b, [&] { d128.permute(rows_view(x, T), rows_view(x_perm, R), stream); });
+      measure("plan (A=128)", 0, [&] { d128.plan(rv, ew.device_ptr(), plan128, stream); });
+      d0.plan(rv, ew.device_ptr(), plan0, stream);
+      measure("permute A=0", (N + N) * b,
+              [&] { d0.permute(plan0, rows_view(x, T), rows_view(x_perm, d0.rows()), stream); });
+      d128.plan(rv, ew.device_ptr(), plan128, stream);
+      measure("permute A=128", (N + S) * b,
+              [&] { d128.permute(plan128, rows_view(x, T), rows_view(x_perm, R), stream); });
       TensorView Y = rows_view(x_perm, R);  // the permuted rows stand in for the experts' output
-      measure("unpermute merge A=128", (N + T) * b, [&] { d128.unpermute(Y, rows_view(y, T), true, stream); });
+      measure("unpermute merge A=128", (N + T) * b,
+              [&] { d128.unpermute(plan128, Y, rows_view(y, T), MergeProbs::kPlanned, stream); });
       measure("permute_bwd A=128", (N + T) * b,
-              [&] { d128.permute_backward(Y, rows_view(dx, T), stream, &dpp_v, &dprobs_v); });
-      measure("unpermute_bwd A=128", (2 * N + S) * b,
-              [&] { d128.unpermute_backward(rows_view(dy, T), rows_view(dY, R), true, stream, &Y, &dprobs_v); });
+              [&] { d128.permute_backward(plan128, Y, rows_view(dx, T), stream, &dpp_v, &dprobs_v); });
+      measure("unpermute_bwd A=128", (2 * N + S) * b, [&] {
+        d128.unpermute_backward(plan128, rows_view(dy, T), rows_view(dY, R), MergeProbs::kPlanned, stream, nullptr,
+                                &Y, &dprobs_v);
+      });
       ew.check(stream);  // the benchmark routing is valid: no bits
     }
     for (void* p : {x, y, dy, dx, x_perm, dY}) cudaFree(p);

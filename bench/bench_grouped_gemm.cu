@@ -29,7 +29,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cuda_check.h"
+#include "device/cuda_check.h"
 #include "moe/grouped_gemm.h"
 #include "reference/routing_gen.h"
 #include "support/bench_util.h"
@@ -214,6 +214,8 @@ int main(int argc, char** argv) {
       const TensorView offs(d_off.p, DType::kInt32, {int64_t(s.E) + 1});
       const int64_t R = g.rows;
       GroupedGemm gg(s.E, R);
+      DeviceMem gws(static_cast<int64_t>(gg.workspace_bytes()));
+      const TensorView ws(gws.p, DType::kUInt8, {static_cast<int64_t>(gg.workspace_bytes())});
 
       for (int fc = 1; fc <= 2; ++fc) {
         const int64_t N = fc == 1 ? 2 * s.F : s.H, K = fc == 1 ? s.H : s.F;
@@ -238,13 +240,13 @@ int main(int argc, char** argv) {
           std::function<void()> ours, dense;
         };
         const std::vector<OpRun> runs = {
-            {"fprop", GemmOp::kFprop, DType::kBF16, [&] { gg.fprop(tx, mw, offs, ty, stream); },
+            {"fprop", GemmOp::kFprop, DType::kBF16, [&] { gg.fprop(tx, mw, offs, ty, ws, stream); },
              [&] { dense_gemm(blas, x.p, w.p, y.p, R, N, K, false, true); }},
-            {"dgrad", GemmOp::kDgrad, DType::kBF16, [&] { gg.dgrad(tdy, mw, offs, tdx, stream); },
+            {"dgrad", GemmOp::kDgrad, DType::kBF16, [&] { gg.dgrad(tdy, mw, offs, tdx, ws, stream); },
              [&] { dense_gemm(blas, dy.p, w.p, dx.p, R, K, N, false, false); }},
-            {"wgrad", GemmOp::kWgrad, DType::kBF16, [&] { gg.wgrad(tdy, tx, offs, mdw, false, stream); },
+            {"wgrad", GemmOp::kWgrad, DType::kBF16, [&] { gg.wgrad(tdy, tx, offs, mdw, false, ws, stream); },
              [&] { dense_gemm(blas, dy.p, x.p, dw.p, N, K, R, true, false); }},
-            {"wgrad_acc", GemmOp::kWgrad, DType::kFP32, [&] { gg.wgrad(tdy, tx, offs, mmg, true, stream); }, nullptr},
+            {"wgrad_acc", GemmOp::kWgrad, DType::kFP32, [&] { gg.wgrad(tdy, tx, offs, mmg, true, ws, stream); }, nullptr},
         };
         for (const OpRun& r : runs) {
           gg.force_config(r.op, "");

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
-#include "kernels/cuda_check.h"
+#include "device/cuda_check.h"
 #include "moe/error.h"
 
 namespace moe::bench {

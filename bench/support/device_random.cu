@@ -2,7 +2,7 @@
 
 #include <cuda_bf16.h>
 
-#include "kernels/cuda_check.h"
+#include "device/cuda_check.h"
 
 namespace moe::bench {
 

@@ -7,7 +7,7 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/cuda_check.h"
+#include "device/cuda_check.h"
 #include "moe/float_convert.h"
 #include "moe/grouped_mlp.h"
 #include "reference/activation_ref.h"
@@ -155,10 +155,15 @@ LayerBenchResult run_layer_bench(const Shape& s, const LayerBenchOptions& o) {
     TensorView xv(x.p, DType::kBF16, {s.T, s.H}), yv(y.p, DType::kBF16, {s.T, s.H});
     TensorView dyv(dy.p, DType::kBF16, {s.T, s.H}), dxv(dx.p, DType::kBF16, {s.T, s.H});
     TensorView dpv(dprobs.p, DType::kFP32, {s.T, s.k});
-    auto fwd = [&] { layer.forward(xv, rv, yv, stream); };
+    // One caller-owned saved state, made once; a forward-only run discards the previous forward.
+    SavedState st = layer.new_state();
+    auto fwd = [&] {
+      st.reset();
+      layer.forward(xv, rv, yv, st, stream);
+    };
     auto fwd_bwd = [&] {
-      layer.forward(xv, rv, yv, stream);
-      layer.backward(dyv, dxv, dpv, stream);
+      layer.forward(xv, rv, yv, st, stream);
+      layer.backward(dyv, dxv, dpv, st, stream);
     };
 
     if (o.check) {

@@ -1,21 +1,25 @@
-// moe::GroupedGemm -- the three products of the experts over ragged token groups (SPEC 4, 7):
+// moe::GroupedGemm -- the three products of the experts over ragged token groups
+// (docs/semantics.md: expert MLP, graph safety):
 //
-//   fprop  Y_e  = X_e  W_e^T     X [R, K], W_e [N, K], Y [R, N]      (bf16, fp32 accumulation)
+//   fprop  Y_e  = X_e  W_e^T     X [R, K], W_e [N, K], Y [R, N]      (fp32 accumulation)
 //   dgrad  dX_e = dY_e W_e       dY [R, N], dX [R, K]
-//   wgrad  dW_e = dY_e^T X_e     dW_e [N, K] written in bf16/fp32, or main_grad (fp32) += dW_e
+//   wgrad  dW_e = dY_e^T X_e     dW_e [N, K] written, or accumulated into an fp32 main_grad
 //
 // Group e is rows [g[e], g[e+1]) of the token-side matrices, g = `group_offsets`, a device int32
 // [E + 1] array (g[0] = 0, non-decreasing). Rows past g[E] are not touched. Groups may be empty:
 // fprop/dgrad then write nothing for them, wgrad writes a zero dW_e (or leaves main_grad as is).
 //
-// Graph-safe: group shapes and operand pointers are computed on the device by a small prep kernel
-// into argument arrays allocated once at construction, like the CUTLASS workspace, so every call
-// makes no allocation, no synchronisation and no host read of device data; a captured CUDA graph
-// replayed with new group sizes gives the same bits as an eager call.
+// The engine holds configuration only. Everything one launch writes besides its output -- the
+// per-group argument arrays that a small device prep kernel fills from the device offsets, and
+// CUTLASS's workspace -- lives in a per-call `workspace` the caller passes (workspace_bytes()), so
+// several layers and streams can share one engine: two launches race only if they share a
+// workspace. Calls make no allocation, no synchronisation and no host read of device data; a
+// captured CUDA graph replayed with new group sizes gives the same bits as an eager call.
 //
-// Kernels: CUTLASS 4.2 sm90 grouped GEMMs, one tile configuration per .cu, chosen from the static
-// shape (N, K) only -- never from device data -- so eager and captured runs always pick the same
-// kernel and results never depend on anything but the inputs and the group sizes.
+// A call is described by a GemmProblem: the product, its operands and dtypes, and the epilogue.
+// Kernels are registered by what they can do (product, operand and output dtypes, epilogue), and
+// the tile configuration is chosen from the static shape (N, K) only -- never from device data --
+// so eager and captured runs always pick the same kernel.
 #pragma once
 
 #include <cstdint>
@@ -30,8 +34,8 @@
 namespace moe {
 
 // The E matrices [rows, cols] (row-major, contiguous) of one expert parameter or of its gradient,
-// in either weight layout of SPEC 5. Both layouts feed the same kernels through the same device
-// pointer array, so their results are bitwise identical.
+// in either weight layout (docs/semantics.md, weight layouts). Both layouts feed the same kernels
+// through the same device pointer array, so their results are bitwise identical.
 class ExpertMatrices {
  public:
   ExpertMatrices() = default;
@@ -65,25 +69,54 @@ class ExpertMatrices {
 enum class GemmOp : uint8_t { kFprop, kDgrad, kWgrad };
 const char* gemm_op_name(GemmOp op);  // "fprop", "dgrad", "wgrad"
 
+// What the kernel does with its result.
+enum class GemmEpilogue : uint8_t {
+  kStore,       // D = result, in D's dtype
+  kAccumulate,  // D (fp32) += result: wgrad into a main_grad ("gradient accumulation fusion")
+};
+
+// One grouped product. Operand dtypes are those of the views; today's kernels take bf16 operands
+// and write bf16 (or fp32 for wgrad).
+struct GemmProblem {
+  GemmOp op = GemmOp::kFprop;
+  TensorView a;              // fprop: X [rows, K]; dgrad and wgrad: dY [rows, N]
+  TensorView b;              // wgrad: X [rows, K]; unused otherwise
+  ExpertMatrices w;          // fprop, dgrad: the weights W_e [N, K]; wgrad: the output dW_e [N, K]
+  TensorView d;              // fprop: Y [rows, N]; dgrad: dX [rows, K]; unused by wgrad
+  TensorView group_offsets;  // int32 [E + 1], device
+  GemmEpilogue epilogue = GemmEpilogue::kStore;
+  // Optional device error word (moe::ErrorWord): offsets that are not 0-based, decrease or run past
+  // the rows raise kErrBadGroupOffsets (the groups are clamped either way, never read out of bounds).
+  uint32_t* error_word = nullptr;
+};
+
 class GroupedGemm {
  public:
   // Static bounds: at most `max_experts` groups per call, token-side matrices of at most
-  // `max_rows` rows (R). Allocates the argument arrays and workspaces on the current device.
+  // `max_rows` rows (R). Holds no device memory.
   GroupedGemm(int max_experts, int64_t max_rows);
   ~GroupedGemm();
   GroupedGemm(const GroupedGemm&) = delete;
   GroupedGemm& operator=(const GroupedGemm&) = delete;
 
+  // Device bytes of one call's workspace for up to `experts` groups (default: max_experts).
+  size_t workspace_bytes(int experts = 0) const;
+
+  // Enqueues the product on `stream`. workspace: device uint8 of at least workspace_bytes(E)
+  // bytes, 256-byte aligned, not used by any other launch in flight.
+  void run(const GemmProblem& problem, const TensorView& workspace, cudaStream_t stream) const;
+
+  // Shorthands for run():
   // x bf16 [R, K], w bf16 experts [N, K] -> y bf16 [R, N]. group_offsets int32 [E + 1], E = w.experts().
   void fprop(const TensorView& x, const ExpertMatrices& w, const TensorView& group_offsets, const TensorView& y,
-             cudaStream_t stream);
+             const TensorView& workspace, cudaStream_t stream) const;
   // dy bf16 [R, N], w bf16 experts [N, K] -> dx bf16 [R, K].
   void dgrad(const TensorView& dy, const ExpertMatrices& w, const TensorView& group_offsets, const TensorView& dx,
-             cudaStream_t stream);
+             const TensorView& workspace, cudaStream_t stream) const;
   // dy bf16 [R, N], x bf16 [R, K] -> dw experts [N, K]: bf16 or fp32 written, or (accumulate) fp32
   // main_grad += dY_e^T X_e.
   void wgrad(const TensorView& dy, const TensorView& x, const TensorView& group_offsets, const ExpertMatrices& dw,
-             bool accumulate, cudaStream_t stream);
+             bool accumulate, const TensorView& workspace, cudaStream_t stream) const;
 
   // The tile configuration used for this op and shape (wgrad: out_dtype of dw) -- the shape
   // heuristic's unless forced -- as "name/M" or "name/N" (the scheduler's tile order inside a group),
@@ -91,12 +124,11 @@ class GroupedGemm {
   std::string chosen_config(GemmOp op, int64_t N, int64_t K, DType out_dtype = DType::kBF16) const;
   static std::vector<std::string> configs(GemmOp op, DType out_dtype = DType::kBF16);
   // Forces a configuration by name ("" = back to the heuristic) and the tile order inside a group
-  // (false: along M). For benchmarks and tests; throws on an unknown name.
+  // (false: along M). Configuration of the engine, for benchmarks and tests; throws on an unknown name.
   void force_config(GemmOp op, const std::string& name, bool raster_along_n = false);
 
   int max_experts() const;
   int64_t max_rows() const;
-  size_t device_bytes() const;  // argument arrays + workspaces held
 
  private:
   struct Impl;

@@ -1,10 +1,16 @@
 // moe::GroupedMlp -- the expert layer: dispatch -> fc1 -> activation x prob -> fc2 -> combine,
-// forward and backward, CUDA-graph-safe (SPEC 2-5, 7).
+// forward and backward, CUDA-graph-safe (docs/semantics.md). It is the composition of a
+// moe::Dispatcher and moe::GroupedExperts (both public, for other dispatchers).
 //
-// Every device buffer is planned and allocated at construction from the static bounds of the
-// config (T_max, k, E, A, H, F); forward / backward / backward_dw make no allocation, no host
-// synchronisation and no host read of device data, so a whole training step's expert layer can be
-// captured in one CUDA graph and replayed with new routing and data.
+// The layer holds configuration, bound parameters and workspaces planned at construction from the
+// static bounds (T_max, k, E, A, H, F). What one micro-batch leaves for its backward -- the dispatch
+// plan, x_perm and the expert activations (or, with recompute, only the caller's x and the plan) --
+// lives in a caller-owned SavedState (new_state(), reusable once consumed), so any number of
+// forwards may be in flight and their backwards may run in any order, each bitwise equal to running
+// that micro-batch alone. forward / backward / backward_dw make no allocation, no host
+// synchronisation and no host read of device data: a whole step can be captured in one CUDA graph
+// and replayed with new routing and data. Calls of one layer object must be ordered (one stream, or
+// synchronised): its backward workspaces are shared by all states.
 #pragma once
 
 #include <cstdint>
@@ -14,21 +20,14 @@
 
 #include <cuda_runtime_api.h>
 
+#include "moe/dispatch.h"
+#include "moe/grouped_experts.h"
 #include "moe/grouped_mlp_config.h"
 #include "moe/routing.h"
+#include "moe/saved_state.h"
 #include "moe/tensor.h"
 
 namespace moe {
-
-// Device views of the four parameters (or of their gradients), in the config's layout:
-//   kSingleGrouped: one view each: fc1 [E, fc1_out, H], fc1_bias [E, fc1_out], fc2 [E, H, F], fc2_bias [E, H]
-//   kPerExpert:     E views each:  fc1 [fc1_out, H],    fc1_bias [fc1_out],    fc2 [H, F],    fc2_bias [H]
-// Biases are empty when config.bias is false. Gradients: dtype wgrad_dtype (kWrite) or fp32
-// main_grad (kAccumulate), each parameter's in either layout (independent of the weights' layout:
-// one view with the leading E dimension is single grouped, E views are per expert).
-struct ExpertTensors {
-  std::vector<TensorView> fc1_weight, fc1_bias, fc2_weight, fc2_bias;
-};
 
 class GroupedMlp {
  public:
@@ -39,35 +38,47 @@ class GroupedMlp {
   GroupedMlp(const GroupedMlp&) = delete;
   GroupedMlp& operator=(const GroupedMlp&) = delete;
 
-  // Binds parameter and gradient memory (pointers only: the data may change between calls, the
-  // addresses must not once a graph has been captured).
+  // Binds parameter and gradient memory (see GroupedExperts::set_weights / set_grads).
   void set_weights(const ExpertTensors& weights);
   void set_grads(const ExpertTensors& grads);
   // Called once per backward (or backward_dw) when that parameter's gradient is final, on the
   // host while the work is being enqueued (so a reducer can enqueue its reduce-scatter after it).
   void register_hook(Param param, Hook hook);
 
-  // x bf16 [T, H] (T <= max_tokens), routing per config.routing_form -> y bf16 [T, H].
-  void forward(const TensorView& x, const RoutingView& routing, const TensorView& y, cudaStream_t stream);
-  // dy bf16 [T, H] -> dx bf16 [T, H], dprobs fp32 [T, k] (top-k) or [T, E] (map);
-  // weight gradients too unless config.delay_wgrad.
-  void backward(const TensorView& dy, const TensorView& dx, const TensorView& dprobs, cudaStream_t stream);
-  // Delayed mode: fc2's weight gradients, then fc1's, each parameter's hooks once it is final.
-  void backward_dw(cudaStream_t stream);
+  // A saved state: device bytes and host headers (the layer's, the dispatch plan's and the
+  // experts'); new_state() allocates one.
+  size_t state_bytes() const;
+  static constexpr int kStateHeaders = 3;
+  SavedState new_state(DeviceAllocator& allocator = cuda_malloc_allocator()) const;
 
-  // Device error word of the dispatch (SPEC 9): check_errors syncs -- call outside graphs.
+  // x bf16 [T, H] (T <= max_tokens), routing per config.routing_form -> y bf16 [T, H]. `state`
+  // must be empty or consumed; it is filled for the backward. Every argument is checked before
+  // anything is enqueued: a rejected call changes nothing.
+  void forward(const TensorView& x, const RoutingView& routing, const TensorView& y, const SavedState& state,
+               cudaStream_t stream);
+  // dy bf16 [T, H] -> dx bf16 [T, H], dprobs fp32 [T, k] (top-k) or [T, E] (map);
+  // weight gradients too unless config.delay_wgrad. Consumes the state (delayed: backward_dw does).
+  void backward(const TensorView& dy, const TensorView& dx, const TensorView& dprobs, const SavedState& state,
+                cudaStream_t stream);
+  // Delayed mode: fc2's weight gradients, then fc1's, each parameter's hooks once it is final.
+  void backward_dw(const SavedState& state, cudaStream_t stream);
+
+  // Device error word of the dispatch (docs/semantics.md, errors): check_errors syncs -- call
+  // outside graphs.
   uint32_t* device_error_word() const;
   void check_errors(cudaStream_t stream);
 
-  // Device memory the layer holds (saved activations, gradients in flight, GEMM workspaces).
+  // Device memory the layer holds (workspaces; saved states are the caller's).
   size_t workspace_bytes() const;
   const GroupedMlpConfig& config() const;
 
-  // Device int32 [E + 1] group boundaries of the last forward (rows of expert e in the permuted
-  // buffer are [g[e], g[e+1])), and the per-expert token counts int64 [E] (e.g. for load-balancing
-  // statistics) -- both live in the layer's workspace.
-  const int32_t* group_offsets() const;
-  const int64_t* tokens_per_expert() const;
+  // Of a filled state's dispatch plan: device int32 [E + 1] group boundaries (rows of expert e in
+  // the permuted buffer are [g[e], g[e+1])) and the per-expert token counts int64 [E] (e.g. for
+  // load-balancing statistics).
+  TensorView group_offsets(const SavedState& state) const;
+  TensorView tokens_per_expert(const SavedState& state) const;
+
+  const Dispatcher& dispatcher() const;
 
  private:
   struct Impl;

@@ -1,5 +1,6 @@
-// Configuration of the expert layer (SPEC sections 2-5, 7): everything that fixes buffer sizes is
-// here, so that all device memory can be planned at construction and nothing is allocated per call.
+// Configuration of the experts and of the expert layer (docs/semantics.md): everything that fixes
+// buffer sizes is here, so that all device memory can be planned at construction and nothing is
+// allocated per call.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +31,26 @@ enum class WgradMode : uint8_t {
 enum class Param : uint8_t { kFc2Weight, kFc2Bias, kFc1Weight, kFc1Bias };
 const char* param_name(Param p);  // "fc1.weight", ...
 
+// The experts alone (GroupedExperts): the expert MLP over rows already dispatched into ragged
+// groups, x_perm [rows <= max_rows, H].
+struct ExpertsConfig {
+  int64_t hidden = 0;    // H
+  int64_t ffn = 0;       // F
+  int experts = 0;       // E
+  int64_t max_rows = 0;  // R, the static bound on rows of x_perm
+  ActivationParams activation;
+  bool bias = false;
+  ProbsPlacement probs = ProbsPlacement::kInActivation;  // kAtCombine: the experts never see probs
+  WeightLayout layout = WeightLayout::kSingleGrouped;
+  WgradMode wgrad = WgradMode::kWrite;
+  DType wgrad_dtype = DType::kBF16;  // kWrite: bf16 or fp32
+  bool delay_wgrad = false;
+  DType dtype = DType::kBF16;  // activations and weights
+
+  int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
+  void validate() const;  // throws moe::Error naming the bad field
+};
+
 struct GroupedMlpConfig {
   int64_t hidden = 0;      // H
   int64_t ffn = 0;         // F
@@ -48,9 +69,14 @@ struct GroupedMlpConfig {
   DType wgrad_dtype = DType::kBF16;  // kWrite: bf16 or fp32
   bool delay_wgrad = false;
   DType dtype = DType::kBF16;  // activations and weights
+  // Activation recompute: a forward saves only the caller's x and the dispatch plan; backward
+  // permutes x again and recomputes fc1 and the activation (bitwise the same gradients). The
+  // caller keeps x alive and unchanged until backward. Not combinable with delay_wgrad.
+  bool recompute = false;
 
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
   int64_t row_bound() const;  // R resolved from dispatch options
+  ExpertsConfig experts_config() const;  // the experts part, max_rows = row_bound()
   void validate() const;      // throws moe::Error naming the bad field
 };
 

@@ -18,19 +18,52 @@ int64_t GroupedMlpConfig::row_bound() const {
   return resolve_row_bound(dispatch, routing_form, max_tokens, topk, experts);
 }
 
-void GroupedMlpConfig::validate() const {
+namespace {
+// Checks shared by the layer and the experts (field names as in both configs).
+void validate_expert_fields(int64_t hidden, int64_t ffn, int experts, const ActivationParams& activation, DType dtype,
+                            DType wgrad_dtype) {
   // BF16 GEMM operands need 16-byte aligned rows: K and N multiples of 8.
   MOE_CHECK(hidden > 0 && hidden % 8 == 0, "config 'hidden': expected a positive multiple of 8, got ", hidden);
   MOE_CHECK(ffn > 0 && ffn % 8 == 0, "config 'ffn': expected a positive multiple of 8, got ", ffn);
   MOE_CHECK(experts > 0, "config 'experts': expected > 0, got ", experts);
-  MOE_CHECK(topk > 0 && (routing_form == RoutingForm::kMap || topk <= experts),
-            "config 'topk': expected 1..experts (", experts, "), got ", topk);
-  MOE_CHECK(max_tokens >= 0, "config 'max_tokens': expected >= 0, got ", max_tokens);
   validate_activation(activation, ffn);
-  validate_dispatch_options(dispatch);
   MOE_CHECK(dtype == DType::kBF16, "config 'dtype': expected bf16, got ", dtype_name(dtype));
   MOE_CHECK(wgrad_dtype == DType::kBF16 || wgrad_dtype == DType::kFP32,
             "config 'wgrad_dtype': expected bf16 or fp32, got ", dtype_name(wgrad_dtype));
+}
+}  // namespace
+
+void ExpertsConfig::validate() const {
+  validate_expert_fields(hidden, ffn, experts, activation, dtype, wgrad_dtype);
+  MOE_CHECK(max_rows >= 0 && max_rows < (int64_t(1) << 31), "config 'max_rows': expected 0..2^31-1, got ",
+            max_rows);
+}
+
+ExpertsConfig GroupedMlpConfig::experts_config() const {
+  ExpertsConfig e;
+  e.hidden = hidden;
+  e.ffn = ffn;
+  e.experts = experts;
+  e.max_rows = row_bound();
+  e.activation = activation;
+  e.bias = bias;
+  e.probs = probs;
+  e.layout = layout;
+  e.wgrad = wgrad;
+  e.wgrad_dtype = wgrad_dtype;
+  e.delay_wgrad = delay_wgrad;
+  e.dtype = dtype;
+  return e;
+}
+
+void GroupedMlpConfig::validate() const {
+  validate_expert_fields(hidden, ffn, experts, activation, dtype, wgrad_dtype);
+  MOE_CHECK(topk > 0 && (routing_form == RoutingForm::kMap || topk <= experts),
+            "config 'topk': expected 1..experts (", experts, "), got ", topk);
+  MOE_CHECK(max_tokens >= 0, "config 'max_tokens': expected >= 0, got ", max_tokens);
+  validate_dispatch_options(dispatch);
+  MOE_CHECK(!(recompute && delay_wgrad), "config 'recompute': activation recompute is not combinable with ",
+            "delay_wgrad (the delayed weight gradients need the saved activations)");
   (void)row_bound();  // throws for map form without an explicit bound
 }
 

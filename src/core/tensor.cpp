@@ -35,6 +35,7 @@ int64_t TensorView::size(int dim) const {
 }
 
 bool TensorView::is_contiguous() const {
+  if (numel() == 0) return true;  // no element to place: any strides describe the same (empty) layout
   int64_t stride = 1;
   for (int d = ndim - 1; d >= 0; --d) {
     if (shape[d] != 1 && strides[d] != stride) return false;

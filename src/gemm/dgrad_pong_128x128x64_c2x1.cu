@@ -3,7 +3,7 @@
 // measured 1.07-1.17x the cooperative tile at N = 512.
 #include "gemm/sm90_grouped_kernel.cuh"
 
-MOE_GROUPED_KERNEL(entry_dgrad_pong_128x128x64_c2x1, "pong_128x128x64_c2x1", Op::kDgrad, Out::kBF16,
+MOE_GROUPED_KERNEL(entry_dgrad_pong_128x128x64_c2x1, "pong_128x128x64_c2x1", Op::kDgrad,
                    Sm90GroupedGemm<Op::kDgrad, cutlass::bfloat16_t, void,
                                    cute::Shape<cute::_128, cute::_128, cute::_64>,
                                    cute::Shape<cute::_2, cute::_1, cute::_1>, Pingpong>)

@@ -1,7 +1,8 @@
-// ExpertMatrices: the two weight layouts of SPEC 5 as one device pointer description.
+// ExpertMatrices: the two weight layouts (docs/semantics.md) as one device pointer description.
 #include <vector>
 
-#include "kernels/cuda_check.h"
+#include "device/pointer_table.h"
+#include "moe/error.h"
 #include "moe/grouped_gemm.h"
 
 namespace moe {
@@ -47,11 +48,8 @@ ExpertMatrices ExpertMatrices::per_expert(const std::vector<TensorView>& ts, con
     MOE_CHECK(ts[e].data != nullptr, "argument '", n, "': expected a non-null pointer");
     ptrs[e] = ts[e].data;
   }
-  void* table = nullptr;
-  MOE_CUDA_CHECK(cudaMalloc(&table, ptrs.size() * sizeof(void*)));
-  m.table_owner_ = std::shared_ptr<void>(table, [](void* p) { cudaFree(p); });
-  MOE_CUDA_CHECK(cudaMemcpy(table, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice));
-  m.table_ = static_cast<const void* const*>(table);
+  m.table_owner_ = upload_pointer_table(ptrs);
+  m.table_ = static_cast<const void* const*>(m.table_owner_.get());
   return m;
 }
 

@@ -4,7 +4,7 @@
 // cluster multicasts each weight tile to two M tiles.
 #include "gemm/sm90_grouped_kernel.cuh"
 
-MOE_GROUPED_KERNEL(entry_fprop_coop_128x256x64_c2x1, "coop_128x256x64_c2x1", Op::kFprop, Out::kBF16,
+MOE_GROUPED_KERNEL(entry_fprop_coop_128x256x64_c2x1, "coop_128x256x64_c2x1", Op::kFprop,
                    Sm90GroupedGemm<Op::kFprop, cutlass::bfloat16_t, void,
                                    cute::Shape<cute::_128, cute::_256, cute::_64>,
                                    cute::Shape<cute::_2, cute::_1, cute::_1>, Cooperative>)

@@ -4,7 +4,7 @@
 // products and the fine-grained fc1 products of the named shapes (and 0.65-0.9x at K >= 4096).
 #include "gemm/sm90_grouped_kernel.cuh"
 
-MOE_GROUPED_KERNEL(entry_fprop_pong_128x128x64_c1x2, "pong_128x128x64_c1x2", Op::kFprop, Out::kBF16,
+MOE_GROUPED_KERNEL(entry_fprop_pong_128x128x64_c1x2, "pong_128x128x64_c1x2", Op::kFprop,
                    Sm90GroupedGemm<Op::kFprop, cutlass::bfloat16_t, void,
                                    cute::Shape<cute::_128, cute::_128, cute::_64>,
                                    cute::Shape<cute::_1, cute::_2, cute::_1>, Pingpong>)

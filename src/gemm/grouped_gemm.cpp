@@ -1,60 +1,27 @@
-// GroupedGemm front end: argument checks on the host, the device prep kernel, then one CUTLASS
-// grouped kernel chosen from the static shape. Every device buffer is allocated in the constructor.
+// GroupedGemm front end: argument checks on the host, the device prep kernel into the caller's
+// per-call workspace, then one CUTLASS grouped kernel chosen from the problem's capabilities and
+// static shape. The engine itself owns no device memory.
 #include "moe/grouped_gemm.h"
 
 #include <algorithm>
 #include <cstring>
 
+#include "device/cuda_check.h"
 #include "gemm/grouped_gemm_prep.h"
 #include "gemm/grouped_kernel.h"
-#include "kernels/cuda_check.h"
+#include "gemm/tile_heuristic.h"
 
 namespace moe {
 namespace {
 
 using gemm::Op;
-using gemm::Out;
 
 constexpr int kNumOps = 3;
 constexpr int64_t kAlign = 8;  // bf16 elements in 16 bytes: TMA needs 16-byte aligned rows
 
 Op to_op(GemmOp op) { return static_cast<Op>(op); }
-Out to_out(DType t) { return t == DType::kFP32 ? Out::kFP32 : Out::kBF16; }
 
 size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
-
-// A kernel configuration and the persistent scheduler's tile order inside each group.
-struct Choice {
-  const char* name;
-  bool raster_along_n;
-};
-
-// The tile configuration for a shape, from static quantities only (never from device data): the
-// same choice in eager and captured runs, whatever the routing. Every rule is a measurement on the
-// named shapes of BENCHMARKS.md (interleaved timing, docs/gemm.md):
-//  - short reductions: the epilogue no longer hides behind a short main loop, and ping-pong (one
-//    warp group's epilogue overlapping the other's main loop) beats the cooperative 128x256 tile;
-//  - long reductions: cooperative 128x256; the 1x2 cluster (token tile multicast to two N tiles)
-//    beats 2x1 when the output width fills whole cluster pairs of 256-wide tiles, otherwise half a
-//    cluster idles and 2x1 is used;
-//  - wgrad: the scheduler walks each expert's tiles along N when the output is taller than wide
-//    (measured 1.0-1.05x on bf16 and up to 1.38x on the fp32 main_grad of mixtral fc1; along M
-//    is better the other way round).
-Choice heuristic_config(Op op, int64_t N, int64_t K) {
-  switch (op) {
-    case Op::kFprop: {  // Y [m, N], reduction K
-      const bool short_k = K <= 1024 || (K <= 2048 && N <= 2048);
-      if (short_k && N % 256 == 0) return {"pong_128x128x64_c1x2", true};
-      return {N % 512 == 0 ? "coop_128x256x64_c1x2" : "coop_128x256x64_c2x1", false};
-    }
-    case Op::kDgrad:  // dX [m, K], reduction N
-      if (N <= 768) return {"pong_128x128x64_c2x1", true};
-      return {K % 512 == 0 ? "coop_128x256x64_c1x2" : "coop_128x256x64_c2x1", false};
-    case Op::kWgrad:  // dW [N, K], reduction over the tokens of an expert
-      return {"coop_128x256x64_c2x1", N > K};
-  }
-  return {"coop_128x256x64_c2x1", false};
-}
 
 void check_matrix(const TensorView& t, const char* name, DType dtype) {
   MOE_CHECK(t.ndim == 2, "argument '", name, "': expected a 2-D tensor, got shape ", t.shape_string());
@@ -68,6 +35,13 @@ void check_dim(int64_t v, const char* name, const char* what) {
   MOE_CHECK(v > 0 && v % kAlign == 0 && v < (int64_t(1) << 31), "argument '", name, "': expected ", what,
             " to be a positive multiple of ", kAlign, " (16-byte aligned bf16 rows for TMA) below 2^31, got ", v);
 }
+
+// The per-call workspace: argument arrays (shapes, 4 pointer arrays, 4 leading-dimension arrays)
+// then CUTLASS's workspace, each piece 256-byte aligned.
+struct CallLayout {
+  size_t shapes = 0, arr = 0, cutlass = 0;
+  size_t total() const { return shapes + 8 * arr + cutlass; }
+};
 
 }  // namespace
 
@@ -84,45 +58,49 @@ struct GroupedGemm::Impl {
   int max_experts = 0;
   int64_t max_rows = 0;  // bound of every call's token-side rows
   int sm_count = 0;
-  void* memory = nullptr;
-  size_t bytes = 0;
-  struct PerOp {
-    gemm::ArgArrays arrays{};
-    void* workspace = nullptr;
-    std::string forced;
+  size_t cutlass_workspace = 0;  // the largest any compiled configuration needs for max_experts
+  struct Forced {
+    std::string name;
     bool raster_along_n = false;
-  } ops[kNumOps];
+  } forced[kNumOps];
 
-  ~Impl() {
-    if (memory) cudaFree(memory);
+  CallLayout layout(int experts) const {
+    const size_t E = size_t(experts);
+    return {round_up(E * 3 * sizeof(int32_t), 256), round_up(E * 8, 256), cutlass_workspace};
   }
 
-  // The kernel for (op, out) and the scheduler order: the heuristic's, or the forced ones. A forced
-  // name compiled only for the other output dtype (wgrad) leaves this one on the heuristic.
-  const gemm::KernelEntry* kernel(Op op, Out out, int64_t N, int64_t K, bool* raster_along_n) const {
-    const PerOp& s = ops[int(op)];
-    Choice c = heuristic_config(op, N, K);
-    if (!s.forced.empty() && gemm::find_kernel(op, out, s.forced.c_str())) c = {s.forced.c_str(), s.raster_along_n};
-    const gemm::KernelEntry* k = gemm::find_kernel(op, out, c.name);
-    MOE_CHECK(k != nullptr, "grouped GEMM: no ", gemm_op_name(GemmOp(op)), " kernel '", c.name, "' with ",
-              out == Out::kFP32 ? "fp32" : "bf16", " output is compiled");
+  gemm::ArgArrays carve(void* base, int experts, void** cutlass_ws) const {
+    const CallLayout l = layout(experts);
+    char* p = static_cast<char*>(base);
+    auto take = [&p](size_t b) { char* q = p; p += b; return q; };
+    gemm::ArgArrays a;
+    a.shapes = reinterpret_cast<int32_t*>(take(l.shapes));
+    a.ptr_a = reinterpret_cast<const void**>(take(l.arr));
+    a.ptr_b = reinterpret_cast<const void**>(take(l.arr));
+    a.ptr_c = reinterpret_cast<const void**>(take(l.arr));
+    a.ptr_d = reinterpret_cast<void**>(take(l.arr));
+    a.ld_a = reinterpret_cast<int64_t*>(take(l.arr));
+    a.ld_b = reinterpret_cast<int64_t*>(take(l.arr));
+    a.ld_c = reinterpret_cast<int64_t*>(take(l.arr));
+    a.ld_d = reinterpret_cast<int64_t*>(take(l.arr));
+    *cutlass_ws = take(l.cutlass);
+    return a;
+  }
+
+  // The kernel for the problem's capabilities and shape: the heuristic's configuration, or the
+  // forced one when a kernel of that name has the needed capabilities.
+  const gemm::KernelEntry* kernel(Op op, DType ab, DType out, bool accumulate, int64_t N, int64_t K,
+                                  bool* raster_along_n) const {
+    const Forced& f = forced[int(op)];
+    gemm::TileChoice c = gemm::choose_tiles(op, N, K);
+    if (!f.name.empty() && gemm::find_kernel(op, ab, out, accumulate, f.name.c_str()))
+      c = {f.name.c_str(), f.raster_along_n};
+    const gemm::KernelEntry* k = gemm::find_kernel(op, ab, out, accumulate, c.name);
+    MOE_CHECK(k != nullptr, "grouped GEMM: no ", gemm_op_name(GemmOp(op)), " kernel '", c.name, "' for ",
+              dtype_name(ab), " operands with ", dtype_name(out), " output",
+              accumulate ? " (accumulating)" : "", " is compiled");
     *raster_along_n = c.raster_along_n;
     return k;
-  }
-
-  gemm::GroupedArgs args(Op op, int groups, bool raster_along_n) const {
-    const PerOp& s = ops[int(op)];
-    gemm::GroupedArgs a;
-    a.groups = groups;
-    a.problem_shapes = s.arrays.shapes;
-    a.ptr_a = s.arrays.ptr_a, a.ld_a = s.arrays.ld_a;
-    a.ptr_b = s.arrays.ptr_b, a.ld_b = s.arrays.ld_b;
-    a.ptr_c = s.arrays.ptr_c, a.ld_c = s.arrays.ld_c;
-    a.ptr_d = s.arrays.ptr_d, a.ld_d = s.arrays.ld_d;
-    a.sm_count = sm_count;
-    a.raster_along_n = raster_along_n;
-    a.workspace = s.workspace;
-    return a;
   }
 
   // Checks shared by the three ops: offsets [E + 1] int32 on the device, E within bounds.
@@ -140,6 +118,15 @@ struct GroupedGemm::Impl {
     MOE_CHECK(rows <= max_rows, "argument '", name, "': expected at most ", max_rows,
               " rows (the bound given at construction), got ", rows);
   }
+
+  void check_workspace(const TensorView& ws, int experts) const {
+    const size_t need = layout(experts).total();
+    MOE_CHECK(ws.data != nullptr && ws.device == Device::kCUDA, "argument 'workspace': expected device memory of ",
+              need, " bytes, got ", ws.data == nullptr ? "none" : "host memory");
+    MOE_CHECK(static_cast<size_t>(ws.nbytes()) >= need, "argument 'workspace': expected at least ", need,
+              " bytes (workspace_bytes(", experts, ")), got ", ws.nbytes());
+    check_pointer(ws, "workspace", 256);
+  }
 };
 
 GroupedGemm::GroupedGemm(int max_experts, int64_t max_rows) : impl_(std::make_unique<Impl>()) {
@@ -152,47 +139,30 @@ GroupedGemm::GroupedGemm(int max_experts, int64_t max_rows) : impl_(std::make_un
   int device = 0;
   MOE_CUDA_CHECK(cudaGetDevice(&device));
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&s.sm_count, cudaDevAttrMultiProcessorCount, device));
-
   // The largest workspace any compiled configuration needs (TMA descriptors per SM).
   size_t workspace = 0;
   int n = 0;
   const gemm::KernelEntry* const* all = gemm::kernel_registry(&n);
   for (int i = 0; i < n; ++i) workspace = std::max(workspace, all[i]->workspace_bytes(max_experts, s.sm_count));
-  workspace = round_up(std::max<size_t>(workspace, 1), 256);
-
-  // Layout per op: shapes, 4 pointer arrays, 4 leading-dimension arrays, workspace; 256-aligned.
-  const size_t E = size_t(max_experts);
-  const size_t shapes = round_up(E * 3 * sizeof(int32_t), 256), arr = round_up(E * 8, 256);
-  const size_t per_op = shapes + 8 * arr + workspace;
-  s.bytes = per_op * kNumOps;
-  MOE_CUDA_CHECK(cudaMalloc(&s.memory, s.bytes));
-  MOE_CUDA_CHECK(cudaMemset(s.memory, 0, s.bytes));
-  for (int op = 0; op < kNumOps; ++op) {
-    char* p = static_cast<char*>(s.memory) + op * per_op;
-    auto take = [&p](size_t b) { char* q = p; p += b; return q; };
-    gemm::ArgArrays& a = s.ops[op].arrays;
-    a.shapes = reinterpret_cast<int32_t*>(take(shapes));
-    a.ptr_a = reinterpret_cast<const void**>(take(arr));
-    a.ptr_b = reinterpret_cast<const void**>(take(arr));
-    a.ptr_c = reinterpret_cast<const void**>(take(arr));
-    a.ptr_d = reinterpret_cast<void**>(take(arr));
-    a.ld_a = reinterpret_cast<int64_t*>(take(arr));
-    a.ld_b = reinterpret_cast<int64_t*>(take(arr));
-    a.ld_c = reinterpret_cast<int64_t*>(take(arr));
-    a.ld_d = reinterpret_cast<int64_t*>(take(arr));
-    s.ops[op].workspace = take(workspace);
-  }
+  s.cutlass_workspace = round_up(std::max<size_t>(workspace, 1), 256);
 }
 
 GroupedGemm::~GroupedGemm() = default;
 
 int GroupedGemm::max_experts() const { return impl_->max_experts; }
 int64_t GroupedGemm::max_rows() const { return impl_->max_rows; }
-size_t GroupedGemm::device_bytes() const { return impl_->bytes; }
+
+size_t GroupedGemm::workspace_bytes(int experts) const {
+  const int E = experts == 0 ? impl_->max_experts : experts;
+  MOE_CHECK(E >= 1 && E <= impl_->max_experts, "argument 'experts': expected 1..", impl_->max_experts, ", got ",
+            experts);
+  // CUTLASS's part is sized for max_experts: its workspace grows with the group count.
+  return impl_->layout(E).total();
+}
 
 std::string GroupedGemm::chosen_config(GemmOp op, int64_t N, int64_t K, DType out_dtype) const {
   bool along_n = false;
-  const gemm::KernelEntry* k = impl_->kernel(to_op(op), to_out(out_dtype), N, K, &along_n);
+  const gemm::KernelEntry* k = impl_->kernel(to_op(op), DType::kBF16, out_dtype, false, N, K, &along_n);
   return std::string(k->name) + (along_n ? "/N" : "/M");
 }
 
@@ -201,7 +171,7 @@ std::vector<std::string> GroupedGemm::configs(GemmOp op, DType out_dtype) {
   int n = 0;
   const gemm::KernelEntry* const* all = gemm::kernel_registry(&n);
   for (int i = 0; i < n; ++i)
-    if (all[i]->op == to_op(op) && all[i]->out == to_out(out_dtype)) names.push_back(all[i]->name);
+    if (all[i]->caps.op == to_op(op) && all[i]->caps.out == out_dtype) names.push_back(all[i]->name);
   return names;
 }
 
@@ -209,113 +179,127 @@ void GroupedGemm::force_config(GemmOp op, const std::string& name, bool raster_a
   if (!name.empty()) {
     bool known = false;
     for (DType out : {DType::kBF16, DType::kFP32})
-      known = known || gemm::find_kernel(to_op(op), to_out(out), name.c_str()) != nullptr;
+      known = known || gemm::find_kernel(to_op(op), DType::kBF16, out, false, name.c_str()) != nullptr;
     MOE_CHECK(known, "argument 'name': no ", gemm_op_name(op), " configuration named '", name, "'");
   }
-  impl_->ops[int(op)].forced = name;
-  impl_->ops[int(op)].raster_along_n = raster_along_n;
+  impl_->forced[int(op)] = {name, raster_along_n};
+}
+
+void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaStream_t stream) const {
+  const Impl& s = *impl_;
+  const ExpertMatrices& w = pr.w;
+  const bool accumulate = pr.epilogue == GemmEpilogue::kAccumulate;
+  const char* wname = pr.op == GemmOp::kWgrad ? "dw" : "w";
+  MOE_CHECK(w.experts() >= 1, "argument '", wname, "': expected expert matrices, got none");
+  check_matrix(pr.a, pr.op == GemmOp::kFprop ? "x" : "dy", DType::kBF16);
+  const DType ab = pr.a.dtype;
+  const int64_t rows = pr.a.shape[0];
+  int64_t N = 0, K = 0;
+  DType out = ab;
+  gemm::PrepParams p{};
+  p.op = to_op(pr.op);
+  p.groups = w.experts();
+  p.rows = rows;
+  p.a = static_cast<const char*>(pr.a.data);
+  p.weights = {static_cast<const char*>(w.base()), w.expert_stride_bytes(), w.device_table()};
+  switch (pr.op) {
+    case GemmOp::kFprop:
+      K = pr.a.shape[1], N = w.rows();
+      check_dim(K, "x", "K (columns)");
+      check_dim(N, "w", "N (rows)");
+      MOE_CHECK(w.dtype() == ab, "argument 'w': expected dtype ", dtype_name(ab), " (as x), got ", dtype_name(w.dtype()));
+      MOE_CHECK(w.cols() == K, "argument 'w': expected [", N, ", ", K, "] expert matrices (K of x), got [", N, ", ",
+                w.cols(), "]");
+      check_matrix(pr.d, "y", ab);
+      check_shape(pr.d, "y", {rows, N});
+      p.d = static_cast<char*>(pr.d.data);
+      break;
+    case GemmOp::kDgrad:
+      N = pr.a.shape[1], K = w.cols();
+      check_dim(N, "dy", "N (columns)");
+      check_dim(K, "w", "K (columns)");
+      MOE_CHECK(w.dtype() == ab, "argument 'w': expected dtype ", dtype_name(ab), " (as dy), got ",
+                dtype_name(w.dtype()));
+      MOE_CHECK(w.rows() == N, "argument 'w': expected [", N, ", ", K, "] expert matrices (N of dy), got [", w.rows(),
+                ", ", K, "]");
+      check_matrix(pr.d, "dx", ab);
+      check_shape(pr.d, "dx", {rows, K});
+      p.d = static_cast<char*>(pr.d.data);
+      break;
+    case GemmOp::kWgrad:
+      check_matrix(pr.b, "x", ab);
+      N = pr.a.shape[1], K = pr.b.shape[1];
+      check_dim(N, "dy", "N (columns)");
+      check_dim(K, "x", "K (columns)");
+      MOE_CHECK(pr.b.shape[0] == rows, "argument 'x': expected ", rows, " rows (as dy), got shape ",
+                pr.b.shape_string());
+      MOE_CHECK(w.rows() == N && w.cols() == K, "argument 'dw': expected [", N, ", ", K, "] expert matrices, got [",
+                w.rows(), ", ", w.cols(), "]");
+      out = w.dtype();
+      if (accumulate)
+        MOE_CHECK(out == DType::kFP32, "argument 'dw': accumulation needs an fp32 main_grad, got dtype ",
+                  dtype_name(out));
+      else
+        MOE_CHECK(out == DType::kFP32 || out == DType::kBF16, "argument 'dw': expected dtype bf16 or fp32, got ",
+                  dtype_name(out));
+      p.b_tokens = static_cast<const char*>(pr.b.data);
+      break;
+  }
+  MOE_CHECK(pr.op == GemmOp::kWgrad || !accumulate, "argument 'epilogue': accumulation is only offered for wgrad");
+  p.N = N, p.K = K;
+  s.check_rows(rows, pr.op == GemmOp::kFprop ? "x" : "dy");
+  s.check_groups(pr.group_offsets, w.experts());
+  s.check_workspace(workspace, w.experts());
+  p.offsets = pr.group_offsets.ptr<const int32_t>();
+  p.error_word = pr.error_word;
+
+  bool along_n = false;
+  const gemm::KernelEntry* k = s.kernel(p.op, ab, out, accumulate, N, K, &along_n);
+  void* cutlass_ws = nullptr;
+  const gemm::ArgArrays arrays = s.carve(workspace.data, w.experts(), &cutlass_ws);
+  gemm::launch_prep(p, arrays, stream);
+  // wgrad's empty experts: the GEMM has no tiles for them; write mode needs their zero gradient.
+  if (pr.op == GemmOp::kWgrad && !accumulate)
+    gemm::launch_zero_empty_experts(p.offsets, p.groups, rows, p.weights, N * K * dtype_bytes(out, 1), stream);
+
+  gemm::GroupedArgs a;
+  a.groups = w.experts();
+  a.problem_shapes = arrays.shapes;
+  a.ptr_a = arrays.ptr_a, a.ld_a = arrays.ld_a;
+  a.ptr_b = arrays.ptr_b, a.ld_b = arrays.ld_b;
+  a.ptr_c = arrays.ptr_c, a.ld_c = arrays.ld_c;
+  a.ptr_d = arrays.ptr_d, a.ld_d = arrays.ld_d;
+  a.sm_count = s.sm_count;
+  a.raster_along_n = along_n;
+  a.workspace = cutlass_ws;
+  a.beta = accumulate ? 1.0f : 0.0f;
+  k->run(a, stream);
 }
 
 void GroupedGemm::fprop(const TensorView& x, const ExpertMatrices& w, const TensorView& group_offsets,
-                        const TensorView& y, cudaStream_t stream) {
-  Impl& s = *impl_;
-  check_matrix(x, "x", DType::kBF16);
-  MOE_CHECK(w.experts() >= 1, "argument 'w': expected expert weights, got none");
-  MOE_CHECK(w.dtype() == DType::kBF16, "argument 'w': expected dtype bf16, got ", dtype_name(w.dtype()));
-  const int64_t rows = x.shape[0], K = x.shape[1], N = w.rows();
-  check_dim(K, "x", "K (columns)");
-  check_dim(N, "w", "N (rows)");
-  MOE_CHECK(w.cols() == K, "argument 'w': expected [", N, ", ", K, "] expert matrices (K of x), got [", N, ", ",
-            w.cols(), "]");
-  check_matrix(y, "y", DType::kBF16);
-  check_shape(y, "y", {rows, N});
-  s.check_rows(rows, "x");
-  s.check_groups(group_offsets, w.experts());
-
-  bool along_n = false;
-  const gemm::KernelEntry* k = s.kernel(Op::kFprop, Out::kBF16, N, K, &along_n);
-  gemm::PrepParams p{};
-  p.op = Op::kFprop;
-  p.groups = w.experts();
-  p.rows = rows, p.N = N, p.K = K;
-  p.offsets = group_offsets.ptr<const int32_t>();
-  p.a = static_cast<const char*>(x.data);
-  p.d = static_cast<char*>(y.data);
-  p.weights = {static_cast<const char*>(w.base()), w.expert_stride_bytes(), w.device_table()};
-  gemm::launch_prep(p, s.ops[int(Op::kFprop)].arrays, stream);
-  k->run(s.args(Op::kFprop, w.experts(), along_n), stream);
+                        const TensorView& y, const TensorView& workspace, cudaStream_t stream) const {
+  GemmProblem p;
+  p.op = GemmOp::kFprop;
+  p.a = x, p.w = w, p.d = y, p.group_offsets = group_offsets;
+  run(p, workspace, stream);
 }
 
 void GroupedGemm::dgrad(const TensorView& dy, const ExpertMatrices& w, const TensorView& group_offsets,
-                        const TensorView& dx, cudaStream_t stream) {
-  Impl& s = *impl_;
-  check_matrix(dy, "dy", DType::kBF16);
-  MOE_CHECK(w.experts() >= 1, "argument 'w': expected expert weights, got none");
-  MOE_CHECK(w.dtype() == DType::kBF16, "argument 'w': expected dtype bf16, got ", dtype_name(w.dtype()));
-  const int64_t rows = dy.shape[0], N = dy.shape[1], K = w.cols();
-  check_dim(N, "dy", "N (columns)");
-  check_dim(K, "w", "K (columns)");
-  MOE_CHECK(w.rows() == N, "argument 'w': expected [", N, ", ", K, "] expert matrices (N of dy), got [", w.rows(),
-            ", ", K, "]");
-  check_matrix(dx, "dx", DType::kBF16);
-  check_shape(dx, "dx", {rows, K});
-  s.check_rows(rows, "dy");
-  s.check_groups(group_offsets, w.experts());
-
-  bool along_n = false;
-  const gemm::KernelEntry* k = s.kernel(Op::kDgrad, Out::kBF16, N, K, &along_n);
-  gemm::PrepParams p{};
-  p.op = Op::kDgrad;
-  p.groups = w.experts();
-  p.rows = rows, p.N = N, p.K = K;
-  p.offsets = group_offsets.ptr<const int32_t>();
-  p.a = static_cast<const char*>(dy.data);
-  p.d = static_cast<char*>(dx.data);
-  p.weights = {static_cast<const char*>(w.base()), w.expert_stride_bytes(), w.device_table()};
-  gemm::launch_prep(p, s.ops[int(Op::kDgrad)].arrays, stream);
-  k->run(s.args(Op::kDgrad, w.experts(), along_n), stream);
+                        const TensorView& dx, const TensorView& workspace, cudaStream_t stream) const {
+  GemmProblem p;
+  p.op = GemmOp::kDgrad;
+  p.a = dy, p.w = w, p.d = dx, p.group_offsets = group_offsets;
+  run(p, workspace, stream);
 }
 
 void GroupedGemm::wgrad(const TensorView& dy, const TensorView& x, const TensorView& group_offsets,
-                        const ExpertMatrices& dw, bool accumulate, cudaStream_t stream) {
-  Impl& s = *impl_;
-  check_matrix(dy, "dy", DType::kBF16);
-  check_matrix(x, "x", DType::kBF16);
-  const int64_t rows = dy.shape[0], N = dy.shape[1], K = x.shape[1];
-  check_dim(N, "dy", "N (columns)");
-  check_dim(K, "x", "K (columns)");
-  MOE_CHECK(x.shape[0] == rows, "argument 'x': expected ", rows, " rows (as dy), got shape ", x.shape_string());
-  MOE_CHECK(dw.experts() >= 1, "argument 'dw': expected expert gradients, got none");
-  MOE_CHECK(dw.rows() == N && dw.cols() == K, "argument 'dw': expected [", N, ", ", K, "] expert matrices, got [",
-            dw.rows(), ", ", dw.cols(), "]");
-  if (accumulate)
-    MOE_CHECK(dw.dtype() == DType::kFP32, "argument 'dw': accumulation needs an fp32 main_grad, got dtype ",
-              dtype_name(dw.dtype()));
-  else
-    MOE_CHECK(dw.dtype() == DType::kFP32 || dw.dtype() == DType::kBF16,
-              "argument 'dw': expected dtype bf16 or fp32, got ", dtype_name(dw.dtype()));
-  s.check_rows(rows, "dy");
-  s.check_groups(group_offsets, dw.experts());
-
-  const Out out = to_out(dw.dtype());
-  bool along_n = false;
-  const gemm::KernelEntry* k = s.kernel(Op::kWgrad, out, N, K, &along_n);
-  const gemm::ExpertPtrs dw_ptrs{static_cast<const char*>(dw.base()), dw.expert_stride_bytes(), dw.device_table()};
-  gemm::PrepParams p{};
-  p.op = Op::kWgrad;
-  p.groups = dw.experts();
-  p.rows = rows, p.N = N, p.K = K;
-  p.offsets = group_offsets.ptr<const int32_t>();
-  p.a = static_cast<const char*>(dy.data);
-  p.b_tokens = static_cast<const char*>(x.data);
-  p.weights = dw_ptrs;
-  gemm::launch_prep(p, s.ops[int(Op::kWgrad)].arrays, stream);
-  // Empty experts: the GEMM has no tiles for them; write mode needs their zero gradient.
-  if (!accumulate)
-    gemm::launch_zero_empty_experts(p.offsets, p.groups, rows, dw_ptrs, N * K * (out == Out::kFP32 ? 4 : 2), stream);
-  gemm::GroupedArgs a = s.args(Op::kWgrad, dw.experts(), along_n);
-  a.beta = accumulate ? 1.0f : 0.0f;
-  k->run(a, stream);
+                        const ExpertMatrices& dw, bool accumulate, const TensorView& workspace,
+                        cudaStream_t stream) const {
+  GemmProblem p;
+  p.op = GemmOp::kWgrad;
+  p.a = dy, p.b = x, p.w = dw, p.group_offsets = group_offsets;
+  p.epilogue = accumulate ? GemmEpilogue::kAccumulate : GemmEpilogue::kStore;
+  run(p, workspace, stream);
 }
 
 }  // namespace moe

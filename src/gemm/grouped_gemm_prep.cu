@@ -3,20 +3,12 @@
 
 #include <algorithm>
 
-#include "kernels/cuda_check.h"
+#include "device/cuda_check.h"
+#include "device/device_groups.cuh"
+#include "moe/device_errors.h"
 
 namespace moe::gemm {
 namespace {
-
-// Rows [start, end) of group e, clamped into [0, rows]: offsets past the buffer (a dispatch that
-// overflowed its row bound, which it reports itself) shrink the group instead of reading or
-// writing outside the buffers; decreasing offsets give an empty group.
-__device__ inline void group_rows(const int32_t* offsets, int e, int64_t rows, int64_t* start, int64_t* end) {
-  const int64_t lo = min(max(int64_t(offsets[e]), int64_t(0)), rows);
-  const int64_t hi = min(max(int64_t(offsets[e + 1]), lo), rows);
-  *start = lo;
-  *end = hi;
-}
 
 __device__ inline const char* expert_ptr(const ExpertPtrs& w, int e) {
   return w.table ? static_cast<const char*>(w.table[e]) : w.base + e * w.stride_bytes;
@@ -25,8 +17,12 @@ __device__ inline const char* expert_ptr(const ExpertPtrs& w, int e) {
 __global__ void prep_kernel(PrepParams p, ArgArrays out) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= p.groups) return;
+  if (p.error_word != nullptr) {
+    const int32_t lo = p.offsets[e], hi = p.offsets[e + 1];
+    if ((e == 0 && lo != 0) || hi < lo || (e == p.groups - 1 && hi > p.rows)) atomicOr(p.error_word, kErrBadGroupOffsets);
+  }
   int64_t start, end;
-  group_rows(p.offsets, e, p.rows, &start, &end);
+  kernels::group_rows(p.offsets, e, p.rows, &start, &end);
   const int32_t m = static_cast<int32_t>(end - start);
   const int32_t N = static_cast<int32_t>(p.N), K = static_cast<int32_t>(p.K);
   constexpr int64_t kBF16 = 2;  // bytes of the bf16 operands
@@ -62,7 +58,7 @@ __global__ void prep_kernel(PrepParams p, ArgArrays out) {
 __global__ void zero_empty_kernel(const int32_t* offsets, int64_t rows, ExpertPtrs dw, int64_t vecs) {
   const int e = blockIdx.y;
   int64_t start, end;
-  group_rows(offsets, e, rows, &start, &end);
+  kernels::group_rows(offsets, e, rows, &start, &end);
   if (end > start) return;
   uint4* dst = reinterpret_cast<uint4*>(const_cast<char*>(expert_ptr(dw, e)));
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < vecs; i += int64_t(gridDim.x) * blockDim.x)

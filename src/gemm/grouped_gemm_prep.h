@@ -45,6 +45,7 @@ struct PrepParams {
   const char* b_tokens = nullptr;
   char* d = nullptr;
   ExpertPtrs weights;  // fprop/dgrad: W; wgrad: dW (also C when accumulating)
+  uint32_t* error_word = nullptr;  // optional: kErrBadGroupOffsets for offsets that had to be clamped
 };
 
 // One thread per group; enqueued on `stream`.

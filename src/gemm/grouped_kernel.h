@@ -8,6 +8,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "moe/dtype.h"
+
 namespace moe::gemm {
 
 // The three products of the experts. Their operand layouts (CUTLASS tags) are fixed per op:
@@ -16,9 +18,6 @@ namespace moe::gemm {
 //   wgrad  dW = dY^T X : A = dY M-major,             B = X  [m,K] N-major,  D row-major, K = m ragged
 enum class Op : uint8_t { kFprop, kDgrad, kWgrad };
 
-// Output element of a kernel; wgrad exists in bf16 (write) and fp32 (write, or accumulate with
-// C = D = main_grad and beta = 1).
-enum class Out : uint8_t { kBF16, kFP32 };
 
 // Device argument arrays of one grouped launch, filled by the prep kernel (grouped_gemm_prep.h).
 // Every stride type of the pointer-array kernels we instantiate has exactly one dynamic member, an
@@ -42,9 +41,17 @@ struct GroupedArgs {
   void* workspace = nullptr;    // fixed address, at least workspace_bytes(groups, sm_count)
 };
 
-struct KernelEntry {
+// What a compiled kernel can do -- the registry's key. Derived from the kernel's own types (see
+// MOE_GROUPED_KERNEL), so it cannot disagree with what was compiled.
+struct KernelCaps {
   Op op;
-  Out out;
+  DType ab;              // operand dtype
+  DType out;             // D dtype
+  bool can_accumulate;   // reads C = D with beta = 1 (fp32 main_grad accumulation)
+};
+
+struct KernelEntry {
+  KernelCaps caps;
   const char* name;  // e.g. "coop_128x256x64_c2x1"
   // Enqueues the grouped GEMM on `stream`; throws moe::Error if CUTLASS rejects the arguments.
   void (*run)(const GroupedArgs& args, cudaStream_t stream);
@@ -53,7 +60,8 @@ struct KernelEntry {
 
 // Every compiled configuration (kernel_registry.cpp).
 const KernelEntry* const* kernel_registry(int* count);
-// The entry of (op, out) named `name`, or nullptr.
-const KernelEntry* find_kernel(Op op, Out out, const char* name);
+// The entry named `name` that does `op` on `ab` operands into `out` (and accumulates, when asked),
+// or nullptr.
+const KernelEntry* find_kernel(Op op, DType ab, DType out, bool accumulate, const char* name);
 
 }  // namespace moe::gemm

@@ -30,11 +30,15 @@ const KernelEntry* const* kernel_registry(int* count) {
   return entries;
 }
 
-const KernelEntry* find_kernel(Op op, Out out, const char* name) {
+const KernelEntry* find_kernel(Op op, DType ab, DType out, bool accumulate, const char* name) {
   int n = 0;
   const KernelEntry* const* all = kernel_registry(&n);
-  for (int i = 0; i < n; ++i)
-    if (all[i]->op == op && all[i]->out == out && std::strcmp(all[i]->name, name) == 0) return all[i];
+  for (int i = 0; i < n; ++i) {
+    const KernelCaps& c = all[i]->caps;
+    if (c.op == op && c.ab == ab && c.out == out && (!accumulate || c.can_accumulate) &&
+        std::strcmp(all[i]->name, name) == 0)
+      return all[i];
+  }
   return nullptr;
 }
 

@@ -55,6 +55,8 @@ template <Op kOp, class ElementD, class ElementC, class Tile, class Cluster, cla
 struct Sm90GroupedGemm {
   using ElementAB = cutlass::bfloat16_t;
   using ElementAcc = float;
+  using ElementDOut = ElementD;  // for the registry key (caps_of)
+  using ElementCIn = ElementC;
   using LayoutA = typename OpLayouts<kOp>::A;
   using LayoutB = typename OpLayouts<kOp>::B;
   using LayoutD = cutlass::layout::RowMajor;
@@ -153,8 +155,24 @@ struct Sm90GroupedGemm {
 
 }  // namespace moe::gemm
 
-// Defines the KernelEntry of one configuration: MOE_GROUPED_KERNEL(entry_fn, "name", op, out, Gemm).
-#define MOE_GROUPED_KERNEL(entry_fn, name_str, op_v, out_v, ...)                                   \
+namespace moe::gemm {
+template <class T>
+constexpr DType dtype_of() {
+  if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) return DType::kBF16;
+  else if constexpr (std::is_same_v<T, cutlass::half_t>) return DType::kFP16;
+  else return DType::kFP32;
+}
+
+// The registry key of a configuration, from its own element types.
+template <Op kOp, class Gemm>
+constexpr KernelCaps caps_of() {
+  return {kOp, dtype_of<typename Gemm::ElementAB>(), dtype_of<typename Gemm::ElementDOut>(),
+          !std::is_void_v<typename Gemm::ElementCIn>};
+}
+}  // namespace moe::gemm
+
+// Defines the KernelEntry of one configuration: MOE_GROUPED_KERNEL(entry_fn, "name", op, Gemm).
+#define MOE_GROUPED_KERNEL(entry_fn, name_str, op_v, ...)                                          \
   namespace moe::gemm {                                                                           \
   namespace {                                                                                     \
   using ThisGemm = __VA_ARGS__;                                                                   \
@@ -162,7 +180,7 @@ struct Sm90GroupedGemm {
   size_t workspace_this(int groups, int sm_count) { return ThisGemm::workspace_bytes(groups, sm_count); } \
   }                                                                                               \
   const KernelEntry& entry_fn() {                                                                 \
-    static const KernelEntry e{op_v, out_v, name_str, &run_this, &workspace_this};                \
+    static const KernelEntry e{caps_of<op_v, ThisGemm>(), name_str, &run_this, &workspace_this};   \
     return e;                                                                                     \
   }                                                                                               \
   }

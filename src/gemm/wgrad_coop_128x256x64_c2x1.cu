@@ -4,7 +4,7 @@
 // 0.55-1.04x).
 #include "gemm/sm90_grouped_kernel.cuh"
 
-MOE_GROUPED_KERNEL(entry_wgrad_coop_128x256x64_c2x1, "coop_128x256x64_c2x1", Op::kWgrad, Out::kBF16,
+MOE_GROUPED_KERNEL(entry_wgrad_coop_128x256x64_c2x1, "coop_128x256x64_c2x1", Op::kWgrad,
                    Sm90GroupedGemm<Op::kWgrad, cutlass::bfloat16_t, void,
                                    cute::Shape<cute::_128, cute::_256, cute::_64>,
                                    cute::Shape<cute::_2, cute::_1, cute::_1>, Cooperative>)

@@ -3,7 +3,7 @@
 // = 1); cooperative 128x256 as for bf16.
 #include "gemm/sm90_grouped_kernel.cuh"
 
-MOE_GROUPED_KERNEL(entry_wgrad_coop_128x256x64_c2x1_f32, "coop_128x256x64_c2x1", Op::kWgrad, Out::kFP32,
+MOE_GROUPED_KERNEL(entry_wgrad_coop_128x256x64_c2x1_f32, "coop_128x256x64_c2x1", Op::kWgrad,
                    Sm90GroupedGemm<Op::kWgrad, float, float,
                                    cute::Shape<cute::_128, cute::_256, cute::_64>,
                                    cute::Shape<cute::_2, cute::_1, cute::_1>, Cooperative>)

@@ -4,7 +4,7 @@
 
 #include "kernels/activation_args.h"
 #include "kernels/activation_math.cuh"
-#include "kernels/cuda_check.h"
+#include "device/cuda_check.h"
 #include "moe/activation_ops.h"
 
 namespace moe {

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "device/device_groups.cuh"
+#include "device/vec16.cuh"
 #include "moe/activation.h"
 
 namespace moe::kernels {
@@ -91,29 +93,6 @@ struct ActOp<Activation::kSquaredReLU> {
   }
 };
 
-// 8 bf16 values = one 16-byte vector.
-constexpr int kVec = 8;
-
-__device__ __forceinline__ void load_bf16x8(const __nv_bfloat16* p, float (&v)[kVec]) {
-  uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < kVec / 2; ++i) {
-    float2 f = __bfloat1622float2(h2[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
-
-// Round to nearest even, like moe::float_to_bf16_bits on the host.
-__device__ __forceinline__ void store_bf16x8(__nv_bfloat16* p, const float (&v)[kVec]) {
-  uint4 raw;
-  __nv_bfloat162* h2 = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < kVec / 2; ++i) h2[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-  *reinterpret_cast<uint4*>(p) = raw;
-}
-
 // Physical fc1 columns of the 8 logical columns [j, j + 8): with j and the interleave size both
 // multiples of 8 they are 8 contiguous gate columns and 8 contiguous linear columns.
 // 32-bit column math (F < 2^30 is checked on the host): 64-bit division is slow on the GPU.
@@ -122,11 +101,9 @@ __device__ __forceinline__ int linear_col(int j, int F, int s) {
   return s == 0 ? F + j : (j / s) * 2 * s + s + (j % s);
 }
 
-// Rows to process: all R, or min(group_offsets[E], R) read on the device (graph-safe).
+// Rows to process: all R, or the clamped end of the last group read on the device (graph-safe).
 __device__ __forceinline__ int64_t valid_rows(const int32_t* group_offsets, int groups, int64_t R) {
-  if (group_offsets == nullptr) return R;
-  int64_t v = group_offsets[groups];
-  return v < 0 ? 0 : (v > R ? R : v);
+  return group_offsets == nullptr ? R : clamped_offset(group_offsets, groups, R);
 }
 
 // Launch shape shared by forward and backward: one warp per row, 8 rows per 256-thread block.

@@ -5,8 +5,8 @@
 #include "kernels/activation_args.h"
 #include "kernels/activation_math.cuh"
 #include "kernels/bias_args.h"
-#include "kernels/bias_groups.cuh"
-#include "kernels/cuda_check.h"
+#include "device/device_groups.cuh"
+#include "device/cuda_check.h"
 #include "moe/bias_ops.h"
 
 namespace moe {

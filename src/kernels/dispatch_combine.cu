@@ -1,11 +1,12 @@
 // Gather-combine, one warp per token t (SPEC 2-3):
 //   y[t] = sum over the token's slots, in slot order, of w * Y[slot_row[t, s]]   (fp32 accumulation)
-// It is the unpermute (w = the row's prob when merging probs, else 1) and the permute backward
+// It is the unpermute (w = the row's prob from the plan, or the slot's given prob, when merging
+// probs, else 1) and the permute backward
 // (w = 1, plus dprobs[t, s] = d_probs_perm[row]). A gather in fixed slot order instead of a scatter
 // with atomics: deterministic, and pad rows are never read.
-#include "kernels/cuda_check.h"
+#include "device/cuda_check.h"
 #include "kernels/dispatch_kernels.h"
-#include "kernels/dispatch_vec.cuh"
+#include "device/vec16.cuh"
 
 namespace moe::kernels {
 namespace {
@@ -16,7 +17,7 @@ constexpr int kUnroll = 4;
 template <typename T>
 __global__ void __launch_bounds__(kWarps * 32)
     combine_kernel(const uint4* Y, uint4* y, int64_t nvec, const int32_t* slot_row, int slots, int32_t T_tokens,
-                   const float* probs_perm, const float* d_probs_perm, float* dprobs) {
+                   const float* probs_perm, const float* slot_probs, const float* d_probs_perm, float* dprobs) {
   constexpr int kE = RowVec<T>::kElems;
   extern __shared__ int32_t lists[];  // per warp: rows [slots], weights [slots]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -37,7 +38,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (valid) {
       const int pos = n + __popc(ballot & lt);
       rows[pos] = row;
-      ws[pos] = probs_perm ? __ldg(probs_perm + row) : 1.0f;
+      ws[pos] = slot_probs ? __ldg(slot_probs + i) : probs_perm ? __ldg(probs_perm + row) : 1.0f;
     }
     if (dprobs && s < slots) dprobs[i] = (valid && d_probs_perm) ? __ldg(d_probs_perm + row) : 0.0f;
     n += __popc(ballot);
@@ -80,7 +81,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 }  // namespace
 
 void launch_combine(DType dtype, const void* Y, void* y, int64_t H, const int32_t* slot_row, int slots, int32_t T,
-                    const float* probs_perm, const float* d_probs_perm, float* dprobs, cudaStream_t stream) {
+                    const float* probs_perm, const float* slot_probs, const float* d_probs_perm, float* dprobs,
+                    cudaStream_t stream) {
   if (T == 0) return;
   const unsigned blocks = static_cast<unsigned>((T + kWarps - 1) / kWarps);
   const size_t smem = sizeof(int32_t) * 2 * kWarps * slots;
@@ -88,8 +90,8 @@ void launch_combine(DType dtype, const void* Y, void* y, int64_t H, const int32_
     using E = decltype(zero);
     const int64_t nvec = H / RowVec<E>::kElems;
     combine_kernel<E><<<blocks, kWarps * 32, smem, stream>>>(static_cast<const uint4*>(Y), static_cast<uint4*>(y),
-                                                             nvec, slot_row, slots, T, probs_perm, d_probs_perm,
-                                                             dprobs);
+                                                             nvec, slot_row, slots, T, probs_perm, slot_probs,
+                                                             d_probs_perm, dprobs);
   };
   switch (dtype) {
     case DType::kBF16: launch(__nv_bfloat16{}); break;

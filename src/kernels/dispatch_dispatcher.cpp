@@ -1,12 +1,13 @@
-// moe::Dispatcher: argument checks, the one-time workspace, and the kernel launches (SPEC 2, 3, 7, 9).
+// moe::Dispatcher: argument checks, the plan layout in caller-owned state, and the kernel launches.
 #include <limits>
 #include <tuple>
 
-#include "kernels/cuda_check.h"
-#include "kernels/device_arena.h"
+#include "device/cuda_check.h"
+#include "device/device_arena.h"
 #include "kernels/dispatch_kernels.h"
 #include "moe/dispatch.h"
 #include "moe/error.h"
+#include "device/state_check.h"
 
 namespace moe {
 
@@ -20,49 +21,68 @@ bool is_row_dtype(DType t) { return is_arith_dtype(t) || t == DType::kFP8E4M3 ||
 
 }  // namespace
 
-struct Dispatcher::Impl {
-  DispatcherConfig cfg;
-  int slots = 0;
-  int64_t R = 0;
-  int64_t T = 0;  // of the last plan
-  bool planned = false;
-  char* block = nullptr;
-  size_t bytes = 0;
-  // Workspace pieces.
+// Device memory of one plan, carved from the plan state's block.
+struct PlanLayout {
   int32_t* chunk_count = nullptr;
   int32_t *count32 = nullptr, *padded32 = nullptr, *offset32 = nullptr, *group_offsets = nullptr;
   int64_t *count64 = nullptr, *padded64 = nullptr, *offset64 = nullptr;
   int32_t *slot_row = nullptr, *row_slot = nullptr;
   float* probs_perm = nullptr;
+};
 
-  size_t carve(char* base) {
+struct Dispatcher::Impl {
+  DispatcherConfig cfg;
+  uint64_t serial = next_op_serial();
+  int slots = 0;
+  int64_t R = 0;
+  size_t plan_bytes = 0;
+
+  PlanLayout carve(char* base, size_t* bytes = nullptr) const {
     const int E = cfg.num_experts;
     DeviceArena c(base);
-    chunk_count = c.take<int32_t>(kernels::plan_num_chunks(cfg.form, cfg.max_tokens, slots, E) * E);
-    count32 = c.take<int32_t>(E);
-    padded32 = c.take<int32_t>(E);
-    offset32 = c.take<int32_t>(E);
-    group_offsets = c.take<int32_t>(E + 1);
-    count64 = c.take<int64_t>(E);
-    padded64 = c.take<int64_t>(E);
-    offset64 = c.take<int64_t>(E);
-    slot_row = c.take<int32_t>(cfg.max_tokens * slots);
-    row_slot = c.take<int32_t>(R);
-    probs_perm = c.take<float>(R);
-    return c.used();
+    PlanLayout p;
+    p.chunk_count = c.take<int32_t>(kernels::plan_num_chunks(cfg.form, cfg.max_tokens, slots, E) * E);
+    p.count32 = c.take<int32_t>(E);
+    p.padded32 = c.take<int32_t>(E);
+    p.offset32 = c.take<int32_t>(E);
+    p.group_offsets = c.take<int32_t>(E + 1);
+    p.count64 = c.take<int64_t>(E);
+    p.padded64 = c.take<int64_t>(E);
+    p.offset64 = c.take<int64_t>(E);
+    p.slot_row = c.take<int32_t>(cfg.max_tokens * slots);
+    p.row_slot = c.take<int32_t>(R);
+    p.probs_perm = c.take<float>(R);
+    if (bytes) *bytes = c.used();
+    return p;
   }
 
-  int64_t row_elems() const { return cfg.hidden; }
-
-  void require_plan(const char* op) const {
-    MOE_CHECK(planned, "Dispatcher::", op, ": call plan() first (no routing has been planned)");
+  // The layout of a filled plan of this dispatcher, and its T.
+  PlanLayout filled(const SavedState& plan, const char* call, int64_t* T) const {
+    check_state_capacity(plan, "plan", plan_bytes, kPlanHeaders);
+    check_state(plan, "plan", serial, StateKind::kDispatchPlan, {StateStatus::kFilled}, call);
+    *T = plan.header(0).tokens;
+    return carve(static_cast<char*>(plan.device()));
   }
+
   void check_rows(const TensorView& t, const char* name, int64_t rows) const {
     check_device_tensor(t, name, cfg.row_dtype, {rows, cfg.hidden});
   }
   void require_arith(const char* op) const {
     MOE_CHECK(is_arith_dtype(cfg.row_dtype), "Dispatcher::", op, ": row dtype ", dtype_name(cfg.row_dtype),
               " moves through permute only; expected bf16, fp16 or fp32");
+  }
+  // Merging weights: the plan's probs_perm (by row) or the given probs (by slot).
+  void merge_weights(MergeProbs merge, const TensorView* probs, const PlanLayout& p, int64_t T, const char* call,
+                     const float** by_row, const float** by_slot) const {
+    *by_row = nullptr;
+    *by_slot = nullptr;
+    if (merge == MergeProbs::kPlanned) *by_row = p.probs_perm;
+    if (merge == MergeProbs::kGiven) {
+      MOE_CHECK(probs != nullptr, "argument 'probs' of Dispatcher::", call,
+                ": expected the merging probs fp32 [T, slots] with MergeProbs::kGiven, got none");
+      check_device_tensor(*probs, "probs", DType::kFP32, {T, slots}, 4);
+      *by_slot = probs->ptr<float>();
+    }
   }
 };
 
@@ -89,30 +109,23 @@ Dispatcher::Dispatcher(const DispatcherConfig& config) : impl_(std::make_unique<
             "argument 'max_tokens': T_max * slots = ", max_slots, " does not fit the int32 row indices");
   m.R = resolve_row_bound(c.options, c.form, c.max_tokens, c.topk, c.num_experts);
   MOE_CHECK(m.R <= kInt32Max, "argument 'row_bound': expected R < 2^31, got ", m.R);
-
-  m.bytes = m.carve(nullptr);
-  MOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&m.block), m.bytes));
-  m.carve(m.block);
-  // Defined contents before the first plan: zero counts, no rows.
-  MOE_CUDA_CHECK(cudaMemset(m.block, 0, m.bytes));
-  if (m.R > 0) MOE_CUDA_CHECK(cudaMemset(m.row_slot, 0xff, sizeof(int32_t) * m.R));
-  if (max_slots > 0) MOE_CUDA_CHECK(cudaMemset(m.slot_row, 0xff, sizeof(int32_t) * max_slots));
-  // cudaMemset may still run when a call on another stream starts: finish it here, once.
-  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  m.carve(nullptr, &m.plan_bytes);
 }
 
-Dispatcher::~Dispatcher() {
-  if (impl_ && impl_->block) cudaFree(impl_->block);
-}
+Dispatcher::~Dispatcher() = default;
 
 const DispatcherConfig& Dispatcher::config() const { return impl_->cfg; }
 int64_t Dispatcher::rows() const { return impl_->R; }
 int Dispatcher::slots_per_token() const { return impl_->slots; }
-int64_t Dispatcher::tokens() const { return impl_->T; }
-size_t Dispatcher::workspace_bytes() const { return impl_->bytes; }
+size_t Dispatcher::plan_bytes() const { return impl_->plan_bytes; }
 
-void Dispatcher::plan(const RoutingView& routing, uint32_t* error_word, cudaStream_t stream) {
-  Impl& m = *impl_;
+SavedState Dispatcher::new_plan(DeviceAllocator& allocator) const {
+  return SavedState::allocate(impl_->plan_bytes, kPlanHeaders, allocator);
+}
+
+void Dispatcher::plan(const RoutingView& routing, uint32_t* error_word, const SavedState& plan,
+                      cudaStream_t stream) const {
+  const Impl& m = *impl_;
   const DispatcherConfig& c = m.cfg;
   MOE_CHECK(routing.form == c.form, "argument 'routing.form': expected the dispatcher's form (",
             c.form == RoutingForm::kTopK ? "top-k" : "map", ")");
@@ -121,16 +134,20 @@ void Dispatcher::plan(const RoutingView& routing, uint32_t* error_word, cudaStre
             routing.probs.shape_string());
   const int64_t T = routing.probs.shape[0];
   MOE_CHECK(T <= c.max_tokens, "argument 'routing.probs': T = ", T, " exceeds max_tokens = ", c.max_tokens);
-  check_device_tensor(routing.probs, "routing.probs", DType::kFP32, {T, m.slots});
+  // Routing is read element by element: 4-byte (1-byte map) alignment is enough.
+  check_device_tensor(routing.probs, "routing.probs", DType::kFP32, {T, m.slots}, 4);
   kernels::PlanArgs a;
   if (c.form == RoutingForm::kTopK) {
-    check_device_tensor(routing.indices, "routing.indices", DType::kInt32, {T, m.slots});
+    check_device_tensor(routing.indices, "routing.indices", DType::kInt32, {T, m.slots}, 4);
     a.indices = routing.indices.ptr<int32_t>();
   } else {
     const DType md = routing.map.dtype;
-    check_device_tensor(routing.map, "routing.map", md == DType::kBool ? DType::kBool : DType::kUInt8, {T, m.slots});
+    check_device_tensor(routing.map, "routing.map", md == DType::kBool ? DType::kBool : DType::kUInt8, {T, m.slots},
+                        1);
     a.map = routing.map.ptr<uint8_t>();
   }
+  check_state_capacity(plan, "plan", m.plan_bytes, kPlanHeaders);
+  const PlanLayout p = m.carve(static_cast<char*>(plan.device()));
   a.form = c.form;
   a.T = static_cast<int32_t>(T);
   a.E = c.num_experts;
@@ -139,28 +156,28 @@ void Dispatcher::plan(const RoutingView& routing, uint32_t* error_word, cudaStre
   a.R = static_cast<int32_t>(m.R);
   a.align = c.options.align;
   a.pre_padded = c.options.pre_padded;
-  a.chunk_count = m.chunk_count;
-  a.count32 = m.count32;
-  a.padded32 = m.padded32;
-  a.offset32 = m.offset32;
-  a.count64 = m.count64;
-  a.padded64 = m.padded64;
-  a.offset64 = m.offset64;
-  a.group_offsets = m.group_offsets;
-  a.slot_row = m.slot_row;
-  a.row_slot = m.row_slot;
-  a.probs_perm = m.probs_perm;
+  a.chunk_count = p.chunk_count;
+  a.count32 = p.count32;
+  a.padded32 = p.padded32;
+  a.offset32 = p.offset32;
+  a.count64 = p.count64;
+  a.padded64 = p.padded64;
+  a.offset64 = p.offset64;
+  a.group_offsets = p.group_offsets;
+  a.slot_row = p.slot_row;
+  a.row_slot = p.row_slot;
+  a.probs_perm = p.probs_perm;
   a.error_word = error_word;
   kernels::launch_plan(a, stream);
-  m.T = T;
-  m.planned = true;
+  mark_filled(plan, m.serial, StateKind::kDispatchPlan, T);
 }
 
-void Dispatcher::permute(const TensorView& x, const TensorView& x_perm, cudaStream_t stream, const TensorView* x_scale,
-                         const TensorView* x_perm_scale) const {
+void Dispatcher::permute(const SavedState& plan, const TensorView& x, const TensorView& x_perm, cudaStream_t stream,
+                         const TensorView* x_scale, const TensorView* x_perm_scale) const {
   const Impl& m = *impl_;
-  m.require_plan("permute");
-  m.check_rows(x, "x", m.T);
+  int64_t T = 0;
+  const PlanLayout p = m.filled(plan, "Dispatcher::permute", &T);
+  m.check_rows(x, "x", T);
   m.check_rows(x_perm, "x_perm", m.R);
   const int64_t S = m.cfg.scale_bytes_per_row;
   MOE_CHECK((x_scale != nullptr) == (S > 0) && (x_perm_scale != nullptr) == (S > 0),
@@ -169,7 +186,7 @@ void Dispatcher::permute(const TensorView& x, const TensorView& x_perm, cudaStre
   const void* xs = nullptr;
   void* xps = nullptr;
   if (S > 0) {
-    for (auto [t, name, rows] : {std::tuple{x_scale, "x_scale", m.T}, std::tuple{x_perm_scale, "x_perm_scale", m.R}}) {
+    for (auto [t, name, rows] : {std::tuple{x_scale, "x_scale", T}, std::tuple{x_perm_scale, "x_perm_scale", m.R}}) {
       check_device(*t, name, Device::kCUDA);
       check_contiguous(*t, name);
       check_pointer(*t, name, 16);
@@ -181,50 +198,62 @@ void Dispatcher::permute(const TensorView& x, const TensorView& x_perm, cudaStre
     xps = x_perm_scale->data;
   }
   kernels::launch_permute_rows(x.data, x_perm.data, dtype_bytes(m.cfg.row_dtype, m.cfg.hidden), xs, xps, S,
-                               m.row_slot, m.slots, static_cast<int32_t>(m.R), stream);
+                               p.row_slot, m.slots, static_cast<int32_t>(m.R), stream);
 }
 
-void Dispatcher::permute_backward(const TensorView& d_x_perm, const TensorView& dx, cudaStream_t stream,
-                                  const TensorView* d_probs_perm, const TensorView* dprobs) const {
+void Dispatcher::permute_backward(const SavedState& plan, const TensorView& d_x_perm, const TensorView& dx,
+                                  cudaStream_t stream, const TensorView* d_probs_perm,
+                                  const TensorView* dprobs) const {
   const Impl& m = *impl_;
-  m.require_plan("permute_backward");
+  int64_t T = 0;
+  const PlanLayout p = m.filled(plan, "Dispatcher::permute_backward", &T);
   m.require_arith("permute_backward");
   m.check_rows(d_x_perm, "d_x_perm", m.R);
-  m.check_rows(dx, "dx", m.T);
-  if (d_probs_perm) check_device_tensor(*d_probs_perm, "d_probs_perm", DType::kFP32, {m.R});
-  if (dprobs) check_device_tensor(*dprobs, "dprobs", DType::kFP32, {m.T, m.slots});
-  kernels::launch_combine(m.cfg.row_dtype, d_x_perm.data, dx.data, m.cfg.hidden, m.slot_row, m.slots,
-                          static_cast<int32_t>(m.T), nullptr, d_probs_perm ? d_probs_perm->ptr<float>() : nullptr,
+  m.check_rows(dx, "dx", T);
+  if (d_probs_perm) check_device_tensor(*d_probs_perm, "d_probs_perm", DType::kFP32, {m.R}, 4);
+  if (dprobs) check_device_tensor(*dprobs, "dprobs", DType::kFP32, {T, m.slots}, 4);
+  kernels::launch_combine(m.cfg.row_dtype, d_x_perm.data, dx.data, m.cfg.hidden, p.slot_row, m.slots,
+                          static_cast<int32_t>(T), nullptr, nullptr,
+                          d_probs_perm ? d_probs_perm->ptr<float>() : nullptr,
                           dprobs ? dprobs->ptr<float>() : nullptr, stream);
 }
 
-void Dispatcher::unpermute(const TensorView& Y, const TensorView& y, bool merge_probs, cudaStream_t stream) const {
+void Dispatcher::unpermute(const SavedState& plan, const TensorView& Y, const TensorView& y, MergeProbs merge,
+                           cudaStream_t stream, const TensorView* probs) const {
   const Impl& m = *impl_;
-  m.require_plan("unpermute");
+  int64_t T = 0;
+  const PlanLayout p = m.filled(plan, "Dispatcher::unpermute", &T);
   m.require_arith("unpermute");
   m.check_rows(Y, "Y", m.R);
-  m.check_rows(y, "y", m.T);
-  kernels::launch_combine(m.cfg.row_dtype, Y.data, y.data, m.cfg.hidden, m.slot_row, m.slots,
-                          static_cast<int32_t>(m.T), merge_probs ? m.probs_perm : nullptr, nullptr, nullptr, stream);
+  m.check_rows(y, "y", T);
+  const float *by_row, *by_slot;
+  m.merge_weights(merge, probs, p, T, "unpermute", &by_row, &by_slot);
+  kernels::launch_combine(m.cfg.row_dtype, Y.data, y.data, m.cfg.hidden, p.slot_row, m.slots,
+                          static_cast<int32_t>(T), by_row, by_slot, nullptr, nullptr, stream);
 }
 
-void Dispatcher::unpermute_backward(const TensorView& dy, const TensorView& dY, bool merge_probs, cudaStream_t stream,
+void Dispatcher::unpermute_backward(const SavedState& plan, const TensorView& dy, const TensorView& dY,
+                                    MergeProbs merge, cudaStream_t stream, const TensorView* probs,
                                     const TensorView* Y, const TensorView* dprobs) const {
   const Impl& m = *impl_;
-  m.require_plan("unpermute_backward");
+  int64_t T = 0;
+  const PlanLayout p = m.filled(plan, "Dispatcher::unpermute_backward", &T);
   m.require_arith("unpermute_backward");
-  m.check_rows(dy, "dy", m.T);
+  m.check_rows(dy, "dy", T);
   m.check_rows(dY, "dY", m.R);
-  const bool want_dot = merge_probs && dprobs != nullptr;
+  const bool merging = merge != MergeProbs::kNone;
+  const bool want_dot = merging && dprobs != nullptr;
   MOE_CHECK(!want_dot || Y != nullptr, "argument 'Y': the combine's input is needed for dprobs when merging probs");
   if (want_dot) m.check_rows(*Y, "Y", m.R);
+  const float *by_row, *by_slot;
+  m.merge_weights(merge, probs, p, T, "unpermute_backward", &by_row, &by_slot);
   if (dprobs) {
-    check_device_tensor(*dprobs, "dprobs", DType::kFP32, {m.T, m.slots});
+    check_device_tensor(*dprobs, "dprobs", DType::kFP32, {T, m.slots}, 4);
     // Slots without a row (and every slot without merged probs) have a zero gradient.
-    if (m.T > 0) MOE_CUDA_CHECK(cudaMemsetAsync(dprobs->data, 0, sizeof(float) * m.T * m.slots, stream));
+    if (T > 0) MOE_CUDA_CHECK(cudaMemsetAsync(dprobs->data, 0, sizeof(float) * T * m.slots, stream));
   }
   kernels::launch_scale_rows_backward(m.cfg.row_dtype, dy.data, want_dot ? Y->data : nullptr, dY.data, m.cfg.hidden,
-                                      m.row_slot, m.slots, static_cast<int32_t>(m.R), m.probs_perm, merge_probs,
+                                      p.row_slot, m.slots, static_cast<int32_t>(m.R), by_row, by_slot, merging,
                                       want_dot ? dprobs->ptr<float>() : nullptr, stream);
 }
 
@@ -232,26 +261,49 @@ namespace {
 TensorView int_view(void* p32, void* p64, DType dtype, int64_t n, const char* what) {
   MOE_CHECK(dtype == DType::kInt32 || dtype == DType::kInt64, "argument 'dtype' of ", what,
             ": expected int32 or int64, got ", dtype_name(dtype));
-  return TensorView(dtype == DType::kInt32 ? p32 : p64, dtype, {n});
+  return TensorView(dtype == DType::kInt32 ? p32 : p64, dtype, {n}, Device::kCUDA);
 }
 }  // namespace
 
-TensorView Dispatcher::counts(DType dtype) const {
-  return int_view(impl_->count32, impl_->count64, dtype, impl_->cfg.num_experts, "counts");
+int64_t Dispatcher::tokens(const SavedState& plan) const {
+  int64_t T = 0;
+  impl_->filled(plan, "Dispatcher::tokens", &T);
+  return T;
 }
-TensorView Dispatcher::padded_counts(DType dtype) const {
-  return int_view(impl_->padded32, impl_->padded64, dtype, impl_->cfg.num_experts, "padded_counts");
+TensorView Dispatcher::counts(const SavedState& plan, DType dtype) const {
+  int64_t T = 0;
+  const PlanLayout p = impl_->filled(plan, "Dispatcher::counts", &T);
+  return int_view(p.count32, p.count64, dtype, impl_->cfg.num_experts, "counts");
 }
-TensorView Dispatcher::offsets(DType dtype) const {
-  return int_view(impl_->offset32, impl_->offset64, dtype, impl_->cfg.num_experts, "offsets");
+TensorView Dispatcher::padded_counts(const SavedState& plan, DType dtype) const {
+  int64_t T = 0;
+  const PlanLayout p = impl_->filled(plan, "Dispatcher::padded_counts", &T);
+  return int_view(p.padded32, p.padded64, dtype, impl_->cfg.num_experts, "padded_counts");
 }
-TensorView Dispatcher::group_offsets() const {
-  return TensorView(impl_->group_offsets, DType::kInt32, {impl_->cfg.num_experts + 1});
+TensorView Dispatcher::offsets(const SavedState& plan, DType dtype) const {
+  int64_t T = 0;
+  const PlanLayout p = impl_->filled(plan, "Dispatcher::offsets", &T);
+  return int_view(p.offset32, p.offset64, dtype, impl_->cfg.num_experts, "offsets");
 }
-TensorView Dispatcher::probs_perm() const { return TensorView(impl_->probs_perm, DType::kFP32, {impl_->R}); }
-TensorView Dispatcher::slot_rows() const {
-  return TensorView(impl_->slot_row, DType::kInt32, {impl_->T, impl_->slots});
+TensorView Dispatcher::group_offsets(const SavedState& plan) const {
+  int64_t T = 0;
+  const PlanLayout p = impl_->filled(plan, "Dispatcher::group_offsets", &T);
+  return TensorView(p.group_offsets, DType::kInt32, {impl_->cfg.num_experts + 1}, Device::kCUDA);
 }
-TensorView Dispatcher::row_slots() const { return TensorView(impl_->row_slot, DType::kInt32, {impl_->R}); }
+TensorView Dispatcher::probs_perm(const SavedState& plan) const {
+  int64_t T = 0;
+  const PlanLayout p = impl_->filled(plan, "Dispatcher::probs_perm", &T);
+  return TensorView(p.probs_perm, DType::kFP32, {impl_->R}, Device::kCUDA);
+}
+TensorView Dispatcher::slot_rows(const SavedState& plan) const {
+  int64_t T = 0;
+  const PlanLayout p = impl_->filled(plan, "Dispatcher::slot_rows", &T);
+  return TensorView(p.slot_row, DType::kInt32, {T, impl_->slots}, Device::kCUDA);
+}
+TensorView Dispatcher::row_slots(const SavedState& plan) const {
+  int64_t T = 0;
+  const PlanLayout p = impl_->filled(plan, "Dispatcher::row_slots", &T);
+  return TensorView(p.row_slot, DType::kInt32, {impl_->R}, Device::kCUDA);
+}
 
 }  // namespace moe

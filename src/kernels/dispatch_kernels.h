@@ -59,19 +59,21 @@ void launch_plan(const PlanArgs& a, cudaStream_t stream);
 void launch_permute_rows(const void* x, void* x_perm, int64_t row_bytes, const void* x_scale, void* x_perm_scale,
                          int64_t scale_bytes, const int32_t* row_slot, int slots, int32_t R, cudaStream_t stream);
 
-// dY [R, H] = w * dy[row_slot[r] / slots] (w = probs_perm[r] when merge, else 1), zero rows where
+// dY [R, H] = w * dy[row_slot[r] / slots] (w when merge: slot_probs[row_slot[r]] if given, else
+// probs_perm[r]; 1 otherwise), zero rows where
 // row_slot[r] < 0. With dprobs (merge only): dprobs[row_slot[r]] = <Y[r], dy[t]> in fp32; the
 // caller zeroes dprobs first (slots without a row keep zero).
 void launch_scale_rows_backward(DType dtype, const void* dy, const void* Y, void* dY, int64_t H,
-                                const int32_t* row_slot, int slots, int32_t R, const float* probs_perm, bool merge,
-                                float* dprobs, cudaStream_t stream);
+                                const int32_t* row_slot, int slots, int32_t R, const float* probs_perm,
+                                const float* slot_probs, bool merge, float* dprobs, cudaStream_t stream);
 
 // ---- gather-combine (dispatch_combine.cu) ----
 
 // y [T, H] = sum over s in slot order of w * Y[slot_row[t, s]] (rows < 0 skipped), fp32
-// accumulation, w = probs_perm[row] when probs_perm is not null, else 1. With dprobs (permute
+// accumulation, w = slot_probs[t, s] when given, else probs_perm[row] when given, else 1. With dprobs (permute
 // backward): dprobs[t, s] = d_probs_perm[row] (0 where row < 0 or d_probs_perm is null).
 void launch_combine(DType dtype, const void* Y, void* y, int64_t H, const int32_t* slot_row, int slots, int32_t T,
-                    const float* probs_perm, const float* d_probs_perm, float* dprobs, cudaStream_t stream);
+                    const float* probs_perm, const float* slot_probs, const float* d_probs_perm, float* dprobs,
+                    cudaStream_t stream);
 
 }  // namespace moe::kernels

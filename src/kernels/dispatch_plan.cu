@@ -16,9 +16,9 @@
 // are skipped; only the count kernel raises their error bits.
 #include <cub/block/block_scan.cuh>
 
-#include "kernels/cuda_check.h"
+#include "device/cuda_check.h"
 #include "kernels/dispatch_kernels.h"
-#include "kernels/dispatch_vec.cuh"
+#include "device/vec16.cuh"
 #include "moe/device_errors.h"
 
 namespace moe::kernels {

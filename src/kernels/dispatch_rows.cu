@@ -4,9 +4,9 @@
 // Every row of [0, R) is written on every call (pad rows and rows past sum(padded) with zeros), so
 // x_perm never holds stale data from an earlier step. Lanes move 16-byte vectors; kUnroll of them
 // are loaded before any is stored to keep enough bytes in flight.
-#include "kernels/cuda_check.h"
+#include "device/cuda_check.h"
 #include "kernels/dispatch_kernels.h"
-#include "kernels/dispatch_vec.cuh"
+#include "device/vec16.cuh"
 
 namespace moe::kernels {
 namespace {
@@ -58,7 +58,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 template <typename T>
 __global__ void __launch_bounds__(kWarps * 32)
     scale_rows_backward_kernel(const uint4* dy, const uint4* Y, uint4* dY, int64_t nvec, const int32_t* row_slot,
-                               int slots, int32_t R, const float* probs_perm, bool merge, float* dprobs) {
+                               int slots, int32_t R, const float* probs_perm, const float* slot_probs, bool merge,
+                               float* dprobs) {
   constexpr int kE = RowVec<T>::kElems;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int32_t r = blockIdx.x * kWarps + warp;
@@ -71,7 +72,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   const uint4* in = dy + static_cast<int64_t>(slot / slots) * nvec;
   const uint4* yrow = Y + r * nvec;
-  const float w = merge ? __ldg(probs_perm + r) : 1.0f;
+  const float w = !merge ? 1.0f : slot_probs ? __ldg(slot_probs + slot) : __ldg(probs_perm + r);
   const bool want_dot = merge && dprobs != nullptr;
   float dot = 0.0f;
   for (int64_t v0 = lane; v0 < nvec; v0 += 32 * kUnroll) {
@@ -121,15 +122,15 @@ void launch_permute_rows(const void* x, void* x_perm, int64_t row_bytes, const v
 }
 
 void launch_scale_rows_backward(DType dtype, const void* dy, const void* Y, void* dY, int64_t H,
-                                const int32_t* row_slot, int slots, int32_t R, const float* probs_perm, bool merge,
-                                float* dprobs, cudaStream_t stream) {
+                                const int32_t* row_slot, int slots, int32_t R, const float* probs_perm,
+                                const float* slot_probs, bool merge, float* dprobs, cudaStream_t stream) {
   if (R == 0) return;
   auto launch = [&](auto zero) {
     using T = decltype(zero);
     const int64_t nvec = H / RowVec<T>::kElems;
     scale_rows_backward_kernel<T><<<row_blocks(R), kWarps * 32, 0, stream>>>(
         static_cast<const uint4*>(dy), static_cast<const uint4*>(Y), static_cast<uint4*>(dY), nvec, row_slot, slots,
-        R, probs_perm, merge, dprobs);
+        R, probs_perm, slot_probs, merge, dprobs);
   };
   switch (dtype) {
     case DType::kBF16: launch(__nv_bfloat16{}); break;

@@ -1,6 +1,6 @@
 #include "moe/error_word.h"
 
-#include "kernels/cuda_check.h"
+#include "device/cuda_check.h"
 #include "moe/device_errors.h"
 
 namespace moe {

@@ -23,10 +23,7 @@
 namespace moe {
 namespace {
 
-std::string fixtures() {
-  std::string f = __FILE__;  // .../tests/cpu/test_convert_cli.cpp
-  return f.substr(0, f.rfind('/')) + "/../fixtures/hf/";
-}
+std::string fixtures() { return std::string(MOE_TESTS_DIR) + "/fixtures/hf/"; }
 
 std::string tool() {
   if (const char* env = std::getenv("MOE_ENGINE_BIN")) return env;

@@ -23,10 +23,7 @@
 namespace moe {
 namespace {
 
-std::string fixtures() {
-  std::string f = __FILE__;  // .../tests/cpu/test_hf_fixtures.cpp
-  return f.substr(0, f.rfind('/')) + "/../fixtures/hf/";
-}
+std::string fixtures() { return std::string(MOE_TESTS_DIR) + "/fixtures/hf/"; }
 
 std::string meta(const Metadata& m, const char* key) {
   const std::string* v = safetensors::find_metadata(m, key);

@@ -23,10 +23,7 @@ namespace st = safetensors;
 
 using ::moe::testing::expect_error_naming;
 
-std::string source_dir() {
-  std::string f = __FILE__;  // .../tests/cpu/test_safetensors.cpp
-  return f.substr(0, f.rfind('/')) + "/..";
-}
+std::string source_dir() { return MOE_TESTS_DIR; }
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

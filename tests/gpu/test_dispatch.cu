@@ -15,12 +15,14 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "moe/device_errors.h"
 #include "moe/dispatch.h"
+#include "moe/saved_state.h"
 #include "moe/error.h"
 #include "moe/error_word.h"
 #include "moe/float_convert.h"
@@ -173,8 +175,10 @@ struct DeviceState {
   DeviceBuffer<uint8_t> x, Y, dy, dxp;
   DeviceBuffer<uint8_t> x_perm, y0, y1, dY0, dY1, dx;
   DeviceBuffer<float> dprobs0, dprobs1, dprobs2;
+  SavedState plan;  // the caller-owned plan of this micro-batch
 
-  DeviceState(const Case& c, int64_t R_, int slots_) : T(c.T), H(c.H), R(R_), slots(slots_), dt(c.dt) {
+  DeviceState(const Case& c, const Dispatcher& d)
+      : T(c.T), H(c.H), R(d.rows()), slots(d.slots_per_token()), dt(c.dt), plan(d.new_plan()) {
     const size_t eb = elem_bytes(dt);
     const size_t TS = static_cast<size_t>(T * slots);
     indices = DeviceBuffer<int32_t>(c.form == RoutingForm::kTopK ? TS : 0);
@@ -216,17 +220,25 @@ struct DeviceState {
   }
 
   // Every op of a forward + backward, enqueued on `stream` (capturable).
-  void enqueue_all(Dispatcher& d, RoutingForm form, uint32_t* err, cudaStream_t s) const {
-    d.plan(routing(form), err, s);
-    d.permute(rows(x, T), rows(x_perm, R), s);
-    d.unpermute(rows(Y, R), rows(y0, T), false, s);
-    d.unpermute(rows(Y, R), rows(y1, T), true, s);
+  // y1 merges with the given routing probs, dY1 with the plan's: both must equal the reference.
+  void enqueue_all(const Dispatcher& d, RoutingForm form, uint32_t* err, cudaStream_t s) const {
+    enqueue_forward(d, form, err, s);
+    enqueue_rest(d, form, s);
+  }
+  void enqueue_forward(const Dispatcher& d, RoutingForm form, uint32_t* err, cudaStream_t s) const {
+    d.plan(routing(form), err, plan, s);
+    d.permute(plan, rows(x, T), rows(x_perm, R), s);
+  }
+  void enqueue_rest(const Dispatcher& d, RoutingForm form, cudaStream_t s) const {
+    d.unpermute(plan, rows(Y, R), rows(y0, T), MergeProbs::kNone, s);
+    const TensorView pv = routing(form).probs;
+    d.unpermute(plan, rows(Y, R), rows(y1, T), MergeProbs::kGiven, s, &pv);
     TensorView dp0(dprobs0.get(), DType::kFP32, {T, slots}), dp1(dprobs1.get(), DType::kFP32, {T, slots}),
         dp2(dprobs2.get(), DType::kFP32, {T, slots}), dppv(dpp.get(), DType::kFP32, {R});
     TensorView Yv = rows(Y, R);
-    d.unpermute_backward(rows(dy, T), rows(dY0, R), false, s, &Yv, &dp0);
-    d.unpermute_backward(rows(dy, T), rows(dY1, R), true, s, &Yv, &dp1);
-    d.permute_backward(rows(dxp, R), rows(dx, T), s, &dppv, &dp2);
+    d.unpermute_backward(plan, rows(dy, T), rows(dY0, R), MergeProbs::kNone, s, nullptr, &Yv, &dp0);
+    d.unpermute_backward(plan, rows(dy, T), rows(dY1, R), MergeProbs::kPlanned, s, nullptr, &Yv, &dp1);
+    d.permute_backward(plan, rows(dxp, R), rows(dx, T), s, &dppv, &dp2);
   }
 };
 
@@ -260,16 +272,17 @@ std::vector<T> download_view(const TensorView& v) {
 Outputs download(const Dispatcher& d, const DeviceState& st, ErrorWord& ew) {
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
   Outputs o;
-  o.count32 = download_view<int32_t>(d.counts());
-  o.padded32 = download_view<int32_t>(d.padded_counts());
-  o.offset32 = download_view<int32_t>(d.offsets());
-  o.count64 = download_view<int64_t>(d.counts(DType::kInt64));
-  o.padded64 = download_view<int64_t>(d.padded_counts(DType::kInt64));
-  o.offset64 = download_view<int64_t>(d.offsets(DType::kInt64));
-  o.group_offsets = download_view<int32_t>(d.group_offsets());
-  o.slot_row = download_view<int32_t>(d.slot_rows());
-  o.row_slot = download_view<int32_t>(d.row_slots());
-  o.probs_perm = download_view<float>(d.probs_perm());
+  const SavedState& p = st.plan;
+  o.count32 = download_view<int32_t>(d.counts(p));
+  o.padded32 = download_view<int32_t>(d.padded_counts(p));
+  o.offset32 = download_view<int32_t>(d.offsets(p));
+  o.count64 = download_view<int64_t>(d.counts(p, DType::kInt64));
+  o.padded64 = download_view<int64_t>(d.padded_counts(p, DType::kInt64));
+  o.offset64 = download_view<int64_t>(d.offsets(p, DType::kInt64));
+  o.group_offsets = download_view<int32_t>(d.group_offsets(p));
+  o.slot_row = download_view<int32_t>(d.slot_rows(p));
+  o.row_slot = download_view<int32_t>(d.row_slots(p));
+  o.probs_perm = download_view<float>(d.probs_perm(p));
   o.x_perm = st.x_perm.download();
   o.y0 = st.y0.download();
   o.y1 = st.y1.download();
@@ -413,7 +426,7 @@ void run_on(Dispatcher& d, const Case& c) {
   SCOPED_TRACE(c.name);
   Inputs in = make_inputs(c, c.seed * 100);
   ASSERT_EQ(d.rows(), in.plan.R);
-  DeviceState st(c, d.rows(), d.slots_per_token());
+  DeviceState st(c, d);
   st.upload_inputs(in);
   ErrorWord ew;
   st.poison_outputs();
@@ -589,7 +602,7 @@ TEST(Dispatch, GraphReplayWithNewRoutingMatchesEager) {
                                         : map_case("graph map", 1024, 256, 16, 32);
     SCOPED_TRACE(c.name);
     Dispatcher d(config_of(c));
-    DeviceState st(c, d.rows(), d.slots_per_token());
+    DeviceState st(c, d);
     ErrorWord ew;
     cudaStream_t s;
     MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -628,6 +641,79 @@ TEST(Dispatch, GraphReplayWithNewRoutingMatchesEager) {
   }
 }
 
+// Several micro-batches in flight: four plans made first, their combines and backwards run later in
+// reverse and in shuffled order; every output is bitwise what that micro-batch gives alone.
+TEST(Dispatch, in_flight_plans_backward_in_any_order) {
+  MOE_REQUIRE_GPU();
+  for (RoutingForm form : {RoutingForm::kTopK, RoutingForm::kMap}) {
+    Case c = form == RoutingForm::kTopK ? topk_case("in_flight top-k", 1024, 256, 32, 4, 64)
+                                        : map_case("in_flight map", 512, 256, 16, 32);
+    SCOPED_TRACE(c.name);
+    Dispatcher d(config_of(c));
+    ErrorWord ew;
+    std::vector<std::unique_ptr<DeviceState>> mb;
+    std::vector<Inputs> ins;
+    for (int i = 0; i < 4; ++i) {
+      Case v = c;
+      v.seed = 40 + i;
+      v.skew = i % 2 ? 1.2 : 0.0;
+      ins.push_back(make_inputs(v, 4000 + 10 * i));
+      mb.push_back(std::make_unique<DeviceState>(v, d));
+      mb.back()->upload_inputs(ins.back());
+    }
+    for (const std::vector<int>& order : {std::vector<int>{3, 2, 1, 0}, std::vector<int>{2, 0, 3, 1}}) {
+      for (auto& st : mb) st->poison_outputs();
+      for (auto& st : mb) st->enqueue_forward(d, form, ew.device_ptr(), nullptr);
+      for (int i : order) mb[i]->enqueue_rest(d, form, nullptr);
+      std::vector<Outputs> together;
+      for (auto& st : mb) together.push_back(download(d, *st, ew));
+      for (int i = 0; i < 4; ++i) {
+        Case v = c;
+        v.seed = 40 + i;
+        v.skew = i % 2 ? 1.2 : 0.0;
+        check_against_reference(v, ins[i], together[i]);
+        mb[i]->poison_outputs();
+        mb[i]->enqueue_all(d, form, ew.device_ptr(), nullptr);  // alone
+        EXPECT_TRUE(download(d, *mb[i], ew) == together[i]) << "micro-batch " << i << " differs from its run alone";
+      }
+    }
+    // The same schedule captured in one graph, replayed with new routing and data.
+    cudaStream_t s;
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    MOE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (auto& st : mb) st->enqueue_forward(d, form, ew.device_ptr(), s);
+    for (int i : {2, 0, 3, 1}) mb[i]->enqueue_rest(d, form, s);
+    MOE_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int i = 0; i < 4; ++i) {
+      Case v = c;
+      v.seed = 90 + i;
+      v.skew = i % 2 ? 0.0 : 1.7;
+      ins[i] = make_inputs(v, 9000 + 10 * i);
+      mb[i]->upload_inputs(ins[i]);
+      mb[i]->poison_outputs();
+    }
+    MOE_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+    for (int i = 0; i < 4; ++i) {
+      Case v = c;
+      v.seed = 90 + i;
+      v.skew = i % 2 ? 0.0 : 1.7;
+      const Outputs replayed = download(d, *mb[i], ew);
+      check_against_reference(v, ins[i], replayed);
+      mb[i]->poison_outputs();
+      mb[i]->enqueue_all(d, form, ew.device_ptr(), s);
+      MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+      EXPECT_TRUE(download(d, *mb[i], ew) == replayed) << "graph micro-batch " << i << " differs from eager alone";
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(s);
+  }
+}
+
 // FP8 rows (1 byte) with a per-row scale block move through permute bitwise; pad rows get zeros.
 TEST(Dispatch, PermuteCarriesScaleBlocks) {
   MOE_REQUIRE_GPU();
@@ -657,10 +743,11 @@ TEST(Dispatch, PermuteCarriesScaleBlocks) {
     RoutingView rv;
     rv.indices = TensorView(idx.get(), DType::kInt32, {T, 4});
     rv.probs = TensorView(probs.get(), DType::kFP32, {T, 4});
-    d.plan(rv, ew.device_ptr(), nullptr);
+    const SavedState plan = d.new_plan();
+    d.plan(rv, ew.device_ptr(), plan, nullptr);
     TensorView xsv(dxs.get(), DType::kUInt8, {T, S}), xpsv(xps.get(), DType::kUInt8, {R, S});
-    d.permute(TensorView(dx.get(), DType::kFP8E4M3, {T, H}), TensorView(xp.get(), DType::kFP8E4M3, {R, H}), nullptr,
-              &xsv, &xpsv);
+    d.permute(plan, TensorView(dx.get(), DType::kFP8E4M3, {T, H}), TensorView(xp.get(), DType::kFP8E4M3, {R, H}),
+              nullptr, &xsv, &xpsv);
     EXPECT_EQ(ew.fetch_and_clear(nullptr), 0u);
     const Bytes got = xp.download(), got_s = xps.download();
     for (int64_t row = 0; row < R; ++row) {
@@ -671,8 +758,8 @@ TEST(Dispatch, PermuteCarriesScaleBlocks) {
         ASSERT_EQ(got_s[row * S + b], t < 0 ? 0 : xs[t * S + b]) << "S=" << S << " scale row " << row;
     }
     // FP8 rows have no arithmetic path.
-    expect_error_naming([&] { d.unpermute(TensorView(xp.get(), DType::kFP8E4M3, {R, H}),
-                                          TensorView(dx.get(), DType::kFP8E4M3, {T, H}), false, nullptr); },
+    expect_error_naming([&] { d.unpermute(plan, TensorView(xp.get(), DType::kFP8E4M3, {R, H}),
+                                          TensorView(dx.get(), DType::kFP8E4M3, {T, H}), MergeProbs::kNone, nullptr); },
                         "bf16, fp16 or fp32");
   }
 }
@@ -706,35 +793,52 @@ TEST(Dispatch, HostCheckedArguments) {
   DeviceBuffer<float> xf(T * 128);
   ErrorWord ew;
   TensorView xv(x.get(), DType::kBF16, {T, 128}), xpv(xp.get(), DType::kBF16, {R, 128});
-  expect_error_naming([&] { d.permute(xv, xpv, nullptr); }, "plan()");
+  const SavedState plan = d.new_plan();
+  expect_error_naming([&] { d.permute(plan, xv, xpv, nullptr); }, "empty");
   RoutingView rv;
   rv.indices = TensorView(idx.get(), DType::kInt32, {T, 2});
   rv.probs = TensorView(probs.get(), DType::kFP32, {T, 2});
-  expect_error_naming([&] { d.plan(rv, nullptr, nullptr); }, "error_word");
+  expect_error_naming([&] { d.plan(rv, nullptr, plan, nullptr); }, "error_word");
   RoutingView big = rv;
   big.probs = TensorView(probs.get(), DType::kFP32, {T * 2, 1});
-  expect_error_naming([&] { d.plan(big, ew.device_ptr(), nullptr); }, "routing.probs");
+  expect_error_naming([&] { d.plan(big, ew.device_ptr(), plan, nullptr); }, "routing.probs");
   RoutingView wrong = rv;
   wrong.indices = TensorView(idx.get(), DType::kInt64, {T, 2});
-  expect_error_naming([&] { d.plan(wrong, ew.device_ptr(), nullptr); }, "routing.indices");
+  expect_error_naming([&] { d.plan(wrong, ew.device_ptr(), plan, nullptr); }, "routing.indices");
   RoutingView map = rv;
   map.form = RoutingForm::kMap;
-  expect_error_naming([&] { d.plan(map, ew.device_ptr(), nullptr); }, "routing.form");
+  expect_error_naming([&] { d.plan(map, ew.device_ptr(), plan, nullptr); }, "routing.form");
   std::vector<int32_t> ids(T * 2);
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i % 2);  // experts {0, 1}: valid
   idx.upload(ids);
   MOE_CUDA_CHECK(cudaMemset(probs.get(), 0, T * 2 * sizeof(float)));
-  d.plan(rv, ew.device_ptr(), nullptr);
-  expect_error_naming([&] { d.permute(TensorView(xf.get(), DType::kFP32, {T, 128}), xpv, nullptr); }, "'x'");
-  expect_error_naming([&] { d.permute(xv, TensorView(xp.get(), DType::kBF16, {R - 1, 128}), nullptr); }, "'x_perm'");
+  d.plan(rv, ew.device_ptr(), plan, nullptr);
+  expect_error_naming([&] { d.permute(plan, TensorView(xf.get(), DType::kFP32, {T, 128}), xpv, nullptr); }, "'x'");
+  expect_error_naming([&] { d.permute(plan, xv, TensorView(xp.get(), DType::kBF16, {R - 1, 128}), nullptr); },
+                      "'x_perm'");
   TensorView misaligned(reinterpret_cast<char*>(x.get()) + 2, DType::kBF16, {T, 128});
-  expect_error_naming([&] { d.permute(misaligned, xpv, nullptr); }, "'x'");
-  expect_error_naming([&] { d.unpermute(xv, xv, true, nullptr); }, "'Y'");
+  expect_error_naming([&] { d.permute(plan, misaligned, xpv, nullptr); }, "'x'");
+  expect_error_naming([&] { d.unpermute(plan, xv, xv, MergeProbs::kPlanned, nullptr); }, "'Y'");
+  expect_error_naming([&] { d.unpermute(plan, xpv, xv, MergeProbs::kGiven, nullptr); }, "'probs'");
+  TensorView probs3(probs.get(), DType::kFP32, {T, 1});
+  expect_error_naming([&] { d.unpermute(plan, xpv, xv, MergeProbs::kGiven, nullptr, &probs3); }, "'probs'");
   TensorView dprobs(probs.get(), DType::kFP32, {T, 2});
-  expect_error_naming([&] { d.unpermute_backward(xv, xpv, true, nullptr, nullptr, &dprobs); }, "'Y'");
+  expect_error_naming([&] { d.unpermute_backward(plan, xv, xpv, MergeProbs::kPlanned, nullptr, nullptr, nullptr, &dprobs); },
+                      "'Y'");
   TensorView dprobs_bad(probs.get(), DType::kFP32, {T, 3});
-  expect_error_naming([&] { d.permute_backward(xpv, xv, nullptr, nullptr, &dprobs_bad); }, "'dprobs'");
-  expect_error_naming([&] { d.counts(DType::kFP32); }, "dtype");
+  expect_error_naming([&] { d.permute_backward(plan, xpv, xv, nullptr, nullptr, &dprobs_bad); }, "'dprobs'");
+  expect_error_naming([&] { d.counts(plan, DType::kFP32); }, "dtype");
+  // Routing read element by element: a 4-byte aligned slice (probs[1:]) is valid input.
+  RoutingView sliced = rv;
+  sliced.indices = TensorView(idx.get() + 2, DType::kInt32, {T - 1, 2});
+  sliced.probs = TensorView(probs.get() + 2, DType::kFP32, {T - 1, 2});
+  EXPECT_NO_THROW(d.plan(sliced, ew.device_ptr(), plan, nullptr));
+  // A plan of another dispatcher (same config) or an undefined one is refused by name.
+  Dispatcher other(cfg);
+  const SavedState foreign = other.new_plan();
+  other.plan(rv, ew.device_ptr(), foreign, nullptr);
+  expect_error_naming([&] { d.permute(foreign, xv, xpv, nullptr); }, "another op");
+  expect_error_naming([&] { d.permute(SavedState(), xv, xpv, nullptr); }, "'plan'");
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(ew.fetch_and_clear(nullptr), 0u);
 }

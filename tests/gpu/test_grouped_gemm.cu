@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "moe/error.h"
+#include "moe/error_word.h"
 #include "moe/float_convert.h"
 #include "moe/grouped_gemm.h"
 #include "reference/grouped_gemm_ref.h"
@@ -31,6 +32,30 @@ namespace {
 
 using testing::DeviceBuffer;
 using Bits = uint16_t;
+
+// The engine and one call workspace of its own (the engine holds no device memory; every call
+// names the workspace its argument arrays and CUTLASS state go to).
+struct TestGemm {
+  TestGemm(int E, int64_t R) : gg(E, R), ws(gg.workspace_bytes()) {}
+  GroupedGemm gg;
+  DeviceBuffer<uint8_t> ws;
+  TensorView workspace() const { return TensorView(ws.get(), DType::kUInt8, {int64_t(ws.size())}); }
+  void fprop(const TensorView& x, const ExpertMatrices& w, const TensorView& o, const TensorView& y, cudaStream_t s) {
+    gg.fprop(x, w, o, y, workspace(), s);
+  }
+  void dgrad(const TensorView& dy, const ExpertMatrices& w, const TensorView& o, const TensorView& dx,
+             cudaStream_t s) {
+    gg.dgrad(dy, w, o, dx, workspace(), s);
+  }
+  void wgrad(const TensorView& dy, const TensorView& x, const TensorView& o, const ExpertMatrices& dw, bool acc,
+             cudaStream_t s) {
+    gg.wgrad(dy, x, o, dw, acc, workspace(), s);
+  }
+  void force_config(GemmOp op, const std::string& name, bool along_n = false) { gg.force_config(op, name, along_n); }
+  std::string chosen_config(GemmOp op, int64_t N, int64_t K, DType out = DType::kBF16) const {
+    return gg.chosen_config(op, N, K, out);
+  }
+};
 constexpr Bits kPoison = 0xFFFF;        // a bf16 NaN: any value written over it is visible
 constexpr uint32_t kPoison32 = 0xFFFFFFFFu;
 
@@ -201,7 +226,7 @@ void check_wgrad_f32(const std::vector<float>& got, const Expected& ex, const st
   }
 }
 
-void check_fprop(GroupedGemm& gg, const Problem& p, const std::string& what) {
+void check_fprop(TestGemm& gg, const Problem& p, const std::string& what) {
   DeviceBuffer<Bits> y(p.R * p.N);
   y.fill_bytes(0xFF);
   gg.fprop(p.x_view(), p.w_grouped(), p.off_view(), TensorView(y.get(), DType::kBF16, {p.R, p.N}), nullptr);
@@ -209,7 +234,7 @@ void check_fprop(GroupedGemm& gg, const Problem& p, const std::string& what) {
   check_rows_bf16(y.download(), expect_fprop(p), p.used_rows(), p.N, what + " fprop");
 }
 
-void check_dgrad(GroupedGemm& gg, const Problem& p, const std::string& what) {
+void check_dgrad(TestGemm& gg, const Problem& p, const std::string& what) {
   DeviceBuffer<Bits> dx(p.R * p.K);
   dx.fill_bytes(0xFF);
   gg.dgrad(p.dy_view(), p.w_grouped(), p.off_view(), TensorView(dx.get(), DType::kBF16, {p.R, p.K}), nullptr);
@@ -218,7 +243,7 @@ void check_dgrad(GroupedGemm& gg, const Problem& p, const std::string& what) {
 }
 
 // wgrad written in bf16, written in fp32, and accumulated into an fp32 main_grad.
-void check_wgrad(GroupedGemm& gg, const Problem& p, const std::string& what) {
+void check_wgrad(TestGemm& gg, const Problem& p, const std::string& what) {
   const Expected ex = expect_wgrad(p);
   const int64_t wn = p.E * p.N * p.K;
   {
@@ -259,7 +284,7 @@ void check_wgrad(GroupedGemm& gg, const Problem& p, const std::string& what) {
 }
 
 // Every op on `p` with the configurations `gg` chooses.
-void run_and_check_all(GroupedGemm& gg, const Problem& p, const std::string& what) {
+void run_and_check_all(TestGemm& gg, const Problem& p, const std::string& what) {
   check_fprop(gg, p, what);
   check_dgrad(gg, p, what);
   check_wgrad(gg, p, what);
@@ -272,7 +297,7 @@ TEST(GroupedGemm, EveryConfigurationUnevenAndEmptyGroups) {
   const std::vector<int> sizes = {0, 37, 0, 300, 1, 257, 0};
   const auto off = offsets_from_sizes(sizes);
   Problem p(int(sizes.size()), 264, 200, off.back() + 19, off, 1);
-  GroupedGemm gg(p.E, p.R);
+  TestGemm gg(p.E, p.R);
   for (GemmOp op : {GemmOp::kFprop, GemmOp::kDgrad, GemmOp::kWgrad}) {
     std::vector<std::string> names = GroupedGemm::configs(op, DType::kBF16);
     for (const std::string& n : GroupedGemm::configs(op, DType::kFP32))
@@ -295,7 +320,7 @@ TEST(GroupedGemm, EveryConfigurationUnevenAndEmptyGroups) {
 TEST(GroupedGemm, SingleGroupAndLargeReduction) {
   MOE_REQUIRE_GPU();
   Problem p(1, 136, 1032, 515, {0, 515}, 2);
-  GroupedGemm gg(1, p.R);
+  TestGemm gg(1, p.R);
   run_and_check_all(gg, p, "single group");
 }
 
@@ -306,7 +331,7 @@ TEST(GroupedGemm, HeuristicConfigurationsOnClusterAlignedShapes) {
   // paths the named shapes take, here with full cluster pairs.
   const auto off = offsets_from_sizes({130, 0, 250});
   Problem p(3, 1024, 512, off.back(), off, 13);
-  GroupedGemm gg(3, p.R);
+  TestGemm gg(3, p.R);
   EXPECT_EQ(gg.chosen_config(GemmOp::kFprop, p.N, p.K), "pong_128x128x64_c1x2/N");
   EXPECT_EQ(gg.chosen_config(GemmOp::kDgrad, p.N, p.K), "coop_128x256x64_c1x2/M");
   EXPECT_EQ(gg.chosen_config(GemmOp::kWgrad, p.N, p.K), "coop_128x256x64_c2x1/N");
@@ -330,7 +355,7 @@ TEST(GroupedGemm, ManyExpertsSmallestAlignedSizes) {
   const auto off = offsets_from_sizes(sizes);
   for (auto [N, K] : {std::pair<int64_t, int64_t>{8, 8}, {8, 16}, {16, 8}}) {
     Problem p(256, N, K, off.back() + 3, off, 10 + N + K);
-    GroupedGemm gg(256, p.R);
+    TestGemm gg(256, p.R);
     run_and_check_all(gg, p, "E=256 N=" + std::to_string(N) + " K=" + std::to_string(K));
   }
 }
@@ -339,7 +364,7 @@ TEST(GroupedGemm, AllGroupsEmptyAndZeroRows) {
   MOE_REQUIRE_GPU();
   // Every expert empty (nothing may hang; wgrad writes zeros or leaves main_grad untouched)...
   Problem p(4, 16, 24, 64, {0, 0, 0, 0, 0}, 3);
-  GroupedGemm gg(4, 64);
+  TestGemm gg(4, 64);
   run_and_check_all(gg, p, "all empty");
   // ... and a batch with zero rows (null token-side data).
   Problem z(3, 16, 24, 0, {0, 0, 0, 0}, 4);
@@ -351,7 +376,7 @@ TEST(GroupedGemm, OffsetsPastTheBufferAreClamped) {
   // A dispatch that overflowed its row bound hands offsets beyond R: groups are cut at R, nothing
   // outside the buffers is read or written (compute-sanitizer memcheck runs this test too).
   Problem p(3, 24, 32, 100, {0, 60, 130, 170}, 6);
-  GroupedGemm gg(3, 100);
+  TestGemm gg(3, 100);
   run_and_check_all(gg, p, "clamped");
 }
 
@@ -360,7 +385,7 @@ TEST(GroupedGemm, WeightLayoutsGiveBitwiseIdenticalResults) {
   const std::vector<int> sizes = {130, 0, 77, 256, 9};
   const auto off = offsets_from_sizes(sizes);
   Problem p(5, 136, 264, off.back(), off, 7);
-  GroupedGemm gg(5, p.R);
+  TestGemm gg(5, p.R);
   cudaStream_t stream = nullptr;
   const int64_t nk = p.N * p.K;
 
@@ -419,7 +444,7 @@ TEST(GroupedGemm, GraphReplayWithNewGroupSizesEqualsEager) {
   const auto off_a = offsets_from_sizes({100, 100, 100, 100, 100, 100});
   const auto off_b = offsets_from_sizes({0, 311, 5, 0, 290, 64});
   Problem p(E, N, K, R, off_a, 11);
-  GroupedGemm gg(E, R);
+  TestGemm gg(E, R);
   cudaStream_t stream;
   MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
@@ -491,7 +516,7 @@ TEST(GroupedGemm, RejectsUnsupportedArgumentsBeforeLaunch) {
   Bits* b = buf.get();
   const TensorView offs(off.get(), DType::kInt32, {E + 1});
   const ExpertMatrices w = ExpertMatrices::grouped(TensorView(b, DType::kBF16, {E, 16, 32}), "w");
-  GroupedGemm gg(E, 64);
+  TestGemm gg(E, 64);
   cudaStream_t s = nullptr;
   // K not a multiple of 8 (TMA needs 16-byte rows).
   expect_error_naming([&] { gg.fprop(TensorView(b, DType::kBF16, {64, 12}), w, offs, TensorView(b, DType::kBF16, {64, 16}), s); }, "'x'");
@@ -521,6 +546,81 @@ TEST(GroupedGemm, RejectsUnsupportedArgumentsBeforeLaunch) {
   expect_error_naming([&] { ExpertMatrices::per_expert({TensorView(b, DType::kBF16, {16, 32}), TensorView(b, DType::kBF16, {16, 24})}, "w"); }, "'w1'");
   expect_error_naming([&] { ExpertMatrices::per_expert({TensorView(b, DType::kBF16, {16, 32}), TensorView(b + 4, DType::kBF16, {16, 32})}, "w"); }, "'w1'");
   expect_error_naming([&] { gg.force_config(GemmOp::kFprop, "no_such_tile"); }, "no_such_tile");
+  // The per-call workspace: missing, too small, misaligned.
+  const TensorView x(b, DType::kBF16, {64, 32}), y(b, DType::kBF16, {64, 16});
+  expect_error_naming([&] { gg.gg.fprop(x, w, offs, y, TensorView(), s); }, "'workspace'");
+  expect_error_naming(
+      [&] { gg.gg.fprop(x, w, offs, y, TensorView(gg.ws.get(), DType::kUInt8, {int64_t(gg.ws.size()) - 256}), s); },
+      "'workspace'");
+  expect_error_naming(
+      [&] { gg.gg.fprop(x, w, offs, y, TensorView(gg.ws.get() + 16, DType::kUInt8, {int64_t(gg.ws.size()) - 16}), s); },
+      "'workspace'");
+}
+
+// Offsets that had to be clamped (not 0-based, decreasing, past the rows) are reported through the
+// optional error word; valid offsets raise nothing.
+TEST(GroupedGemm, BadGroupOffsetsAreReported) {
+  MOE_REQUIRE_GPU();
+  const int E = 3;
+  const int64_t N = 16, K = 32, R = 64;
+  DeviceBuffer<Bits> x(R * K), w(E * N * K), y(R * N);
+  x.fill_bytes(0);
+  w.fill_bytes(0);
+  TestGemm gg(E, R);
+  ErrorWord ew;
+  const ExpertMatrices wm = ExpertMatrices::grouped(TensorView(w.get(), DType::kBF16, {E, N, K}), "w");
+  for (auto [offs, bad] : {std::pair<std::vector<int32_t>, bool>{{0, 10, 20, 64}, false},
+                           {{0, 30, 20, 40}, true},
+                           {{4, 10, 20, 30}, true},
+                           {{0, 10, 20, 65}, true}}) {
+    DeviceBuffer<int32_t> off(offs);
+    GemmProblem p;
+    p.op = GemmOp::kFprop;
+    p.a = TensorView(x.get(), DType::kBF16, {R, K});
+    p.w = wm;
+    p.d = TensorView(y.get(), DType::kBF16, {R, N});
+    p.group_offsets = TensorView(off.get(), DType::kInt32, {E + 1});
+    p.error_word = ew.device_ptr();
+    gg.gg.run(p, gg.workspace(), nullptr);
+    EXPECT_EQ(ew.fetch_and_clear(nullptr) != 0, bad) << offs[0] << " " << offs[1] << " " << offs[2] << " " << offs[3];
+  }
+}
+
+// One engine shared by two "layers" on two streams at once: each call brings its own workspace, so
+// the launches cannot race on argument arrays or CUTLASS state (run under racecheck too).
+TEST(GroupedGemm, TwoStreamsShareOneEngine) {
+  MOE_REQUIRE_GPU();
+  const int E = 5;
+  const int64_t N = 136, K = 264, R = 1200;
+  Problem pa(E, N, K, R, offsets_from_sizes({200, 0, 350, 101, 300}), 21);
+  Problem pb(E, N, K, R, offsets_from_sizes({0, 512, 13, 400, 7}), 22);
+  GroupedGemm gg(E, R);
+  DeviceBuffer<uint8_t> wsa(gg.workspace_bytes()), wsb(gg.workspace_bytes());
+  const TensorView va(wsa.get(), DType::kUInt8, {int64_t(wsa.size())}), vb(wsb.get(), DType::kUInt8, {int64_t(wsb.size())});
+  cudaStream_t sa, sb;
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&sa, cudaStreamNonBlocking));
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&sb, cudaStreamNonBlocking));
+  DeviceBuffer<Bits> ya(R * N), yb(R * N), dxa(R * K), dxb(R * K), dwa(E * N * K), dwb(E * N * K);
+  for (auto* b : {&ya, &yb, &dxa, &dxb, &dwa, &dwb}) b->fill_bytes(0xFF);
+  for (int rep = 0; rep < 3; ++rep) {  // several rounds, enqueued interleaved on both streams
+    gg.fprop(pa.x_view(), pa.w_grouped(), pa.off_view(), TensorView(ya.get(), DType::kBF16, {R, N}), va, sa);
+    gg.fprop(pb.x_view(), pb.w_grouped(), pb.off_view(), TensorView(yb.get(), DType::kBF16, {R, N}), vb, sb);
+    gg.dgrad(pa.dy_view(), pa.w_grouped(), pa.off_view(), TensorView(dxa.get(), DType::kBF16, {R, K}), va, sa);
+    gg.dgrad(pb.dy_view(), pb.w_grouped(), pb.off_view(), TensorView(dxb.get(), DType::kBF16, {R, K}), vb, sb);
+    gg.wgrad(pa.dy_view(), pa.x_view(), pa.off_view(),
+             ExpertMatrices::grouped(TensorView(dwa.get(), DType::kBF16, {E, N, K}), "dw"), false, va, sa);
+    gg.wgrad(pb.dy_view(), pb.x_view(), pb.off_view(),
+             ExpertMatrices::grouped(TensorView(dwb.get(), DType::kBF16, {E, N, K}), "dw"), false, vb, sb);
+  }
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  check_rows_bf16(ya.download(), expect_fprop(pa), pa.used_rows(), N, "stream a fprop");
+  check_rows_bf16(yb.download(), expect_fprop(pb), pb.used_rows(), N, "stream b fprop");
+  check_rows_bf16(dxa.download(), expect_dgrad(pa), pa.used_rows(), K, "stream a dgrad");
+  check_rows_bf16(dxb.download(), expect_dgrad(pb), pb.used_rows(), K, "stream b dgrad");
+  check_wgrad_bf16(dwa.download(), expect_wgrad(pa), "stream a wgrad");
+  check_wgrad_bf16(dwb.download(), expect_wgrad(pb), "stream b wgrad");
+  MOE_CUDA_CHECK(cudaStreamDestroy(sa));
+  MOE_CUDA_CHECK(cudaStreamDestroy(sb));
 }
 
 }  // namespace

@@ -1,4 +1,6 @@
-// The expert layer GroupedMlp on the GPU against the CPU reference GroupedMlpRef (SPEC 2-5, 7, 9).
+// The expert layer GroupedMlp on the GPU against the CPU reference GroupedMlpRef: every variant,
+// both layouts, main_grad, delayed wgrad, recompute, edge cases, graph replay, saved-state misuse
+// and bad input.
 //
 // Tolerances: the reference runs in fp64 on the same bf16 inputs and rounds every intermediate the
 // layer stores in bf16 (emulate_bf16), so what remains is fp32 accumulation order and 1-ulp
@@ -17,134 +19,18 @@
 #include "moe/error.h"
 #include "moe/float_convert.h"
 #include "moe/grouped_mlp.h"
+#include "moe/saved_state.h"
 #include "reference/grouped_mlp_ref.h"
 #include "reference/routing_gen.h"
 #include "support/expect_error.h"
 #include "support/gpu.h"
+#include "support/layer_data.h"
 
 namespace moe {
 namespace {
 
 using testing::DeviceBuffer;
-
-std::vector<double> random_bf16_values(size_t n, double scale, std::mt19937_64& rng) {
-  std::normal_distribution<double> nd(0.0, scale);
-  std::vector<double> v(n);
-  for (auto& x : v) x = round_to_bf16(static_cast<float>(nd(rng)));
-  return v;
-}
-
-std::vector<uint16_t> to_bf16(const std::vector<double>& v) {
-  std::vector<uint16_t> b(v.size());
-  for (size_t i = 0; i < v.size(); ++i) b[i] = float_to_bf16_bits(static_cast<float>(v[i]));
-  return b;
-}
-std::vector<double> from_bf16(const std::vector<uint16_t>& b) {
-  std::vector<double> v(b.size());
-  for (size_t i = 0; i < b.size(); ++i) v[i] = bf16_bits_to_float(b[i]);
-  return v;
-}
-std::vector<double> grad_to_double(const DeviceBuffer<uint8_t>& buf, DType t, size_t n) {
-  auto bytes = buf.download();
-  std::vector<double> v(n);
-  if (t == DType::kBF16) {
-    const auto* p = reinterpret_cast<const uint16_t*>(bytes.data());
-    for (size_t i = 0; i < n; ++i) v[i] = bf16_bits_to_float(p[i]);
-  } else {
-    const auto* p = reinterpret_cast<const float*>(bytes.data());
-    for (size_t i = 0; i < n; ++i) v[i] = p[i];
-  }
-  return v;
-}
-
-void expect_close(const std::vector<double>& got, const std::vector<double>& want, const char* what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  double num = 0, den = 0, maxerr = 0, maxref = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_TRUE(std::isfinite(got[i])) << what << "[" << i << "]";
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-    maxerr = std::max(maxerr, std::abs(got[i] - want[i]));
-    maxref = std::max(maxref, std::abs(want[i]));
-  }
-  if (den == 0) {
-    EXPECT_EQ(maxerr, 0.0) << what << ": reference is zero";
-    return;
-  }
-  EXPECT_LE(std::sqrt(num / den), 1e-2) << what;
-  EXPECT_LE(maxerr, 5e-2 * maxref) << what;
-}
-
-// One parameter held on the device in the layout under test, and its host (fp64) copy.
-struct DeviceParam {
-  std::vector<double> host;              // [E, rows...] logical values
-  std::vector<DeviceBuffer<uint8_t>> bufs;  // one (grouped) or E (per expert)
-  std::vector<TensorView> views;
-};
-
-DeviceParam make_param(const std::vector<double>& host, int E, std::vector<int64_t> shape, DType t,
-                       WeightLayout layout) {
-  DeviceParam p;
-  p.host = host;
-  int64_t per = 1;
-  for (auto s : shape) per *= s;
-  const int esize = dtype_bits(t) / 8;
-  auto encode = [&](size_t begin, size_t n) {
-    std::vector<uint8_t> bytes(n * esize);
-    for (size_t i = 0; i < n; ++i) {
-      if (t == DType::kBF16) {
-        uint16_t b = float_to_bf16_bits(static_cast<float>(host[begin + i]));
-        std::memcpy(&bytes[i * 2], &b, 2);
-      } else {
-        float f = static_cast<float>(host[begin + i]);
-        std::memcpy(&bytes[i * 4], &f, 4);
-      }
-    }
-    return bytes;
-  };
-  if (layout == WeightLayout::kSingleGrouped) {
-    p.bufs.emplace_back(encode(0, host.size()));
-    TensorView v;
-    v.data = p.bufs[0].get();
-    v.dtype = t;
-    v.device = Device::kCUDA;
-    v.ndim = static_cast<int>(shape.size()) + 1;
-    v.shape[0] = E;
-    for (size_t d = 0; d < shape.size(); ++d) v.shape[d + 1] = shape[d];
-    int64_t st = 1;
-    for (int d = v.ndim - 1; d >= 0; --d) {
-      v.strides[d] = st;
-      st *= v.shape[d];
-    }
-    p.views.push_back(v);
-  } else {
-    for (int e = 0; e < E; ++e) {
-      p.bufs.emplace_back(encode(static_cast<size_t>(e) * per, per));
-      TensorView v;
-      v.data = p.bufs.back().get();
-      v.dtype = t;
-      v.device = Device::kCUDA;
-      v.ndim = static_cast<int>(shape.size());
-      for (size_t d = 0; d < shape.size(); ++d) v.shape[d] = shape[d];
-      int64_t st = 1;
-      for (int d = v.ndim - 1; d >= 0; --d) {
-        v.strides[d] = st;
-        st *= v.shape[d];
-      }
-      p.views.push_back(v);
-    }
-  }
-  return p;
-}
-
-std::vector<double> download_param(const DeviceParam& p, DType t) {
-  std::vector<double> out;
-  for (const auto& b : p.bufs) {
-    auto v = grad_to_double(b, t, b.size() / (dtype_bits(t) / 8));
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
+using namespace testing::layer_data;
 
 // Pointer table of a host [E, per] block for the reference.
 std::vector<double*> table(std::vector<double>& v, int E) {
@@ -262,12 +148,14 @@ struct Runner {
     dx_.fill_bytes(0xFF);
     dprobs_.fill_bytes(0xFF);
     cudaStream_t s = nullptr;
-    layer.forward(TensorView(x_.get(), DType::kBF16, {c.T, H}), rv, TensorView(y_.get(), DType::kBF16, {c.T, H}), s);
+    const SavedState st = layer.new_state();
+    layer.forward(TensorView(x_.get(), DType::kBF16, {c.T, H}), rv, TensorView(y_.get(), DType::kBF16, {c.T, H}), st,
+                  s);
     layer.backward(TensorView(dy_.get(), DType::kBF16, {c.T, H}), TensorView(dx_.get(), DType::kBF16, {c.T, H}),
-                   TensorView(dprobs_.get(), DType::kFP32, {c.T, slots}), s);
+                   TensorView(dprobs_.get(), DType::kFP32, {c.T, slots}), st, s);
     if (k.delay_wgrad) {
       EXPECT_TRUE(o.hook_order.empty()) << "delayed mode: no hook may fire before backward_dw";
-      layer.backward_dw(s);
+      layer.backward_dw(st, s);
     }
     layer.check_errors(s);
     o.y = from_bf16(y_.download());
@@ -470,9 +358,10 @@ TEST(GroupedMlp, GraphReplayWithNewDataEqualsEager) {
     idx.upload(rt.indices);
     probs.upload(std::vector<float>(rt.probs.begin(), rt.probs.end()));
   };
+  const SavedState st = layer.new_state();
   auto step = [&] {
-    layer.forward(xv, rv, yv, s);
-    layer.backward(dyv, dxv, dpv, s);
+    layer.forward(xv, rv, yv, st, s);
+    layer.backward(dyv, dxv, dpv, st, s);
   };
   auto results = [&] {
     MOE_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -522,7 +411,8 @@ TEST(GroupedMlp, BadInputIsReported) {
   rv.probs = TensorView(probs.get(), DType::kFP32, {T, k.topk});
   TensorView xv(x.get(), DType::kBF16, {T, H}), yv(y.get(), DType::kBF16, {T, H});
   auto expect_error = [](auto&& f, const std::string& needle) { testing::expect_error_naming(f, needle); };
-  expect_error([&] { layer.forward(xv, rv, yv, nullptr); }, "set_weights");
+  const SavedState st = layer.new_state();
+  expect_error([&] { layer.forward(xv, rv, yv, st, nullptr); }, "set_weights");
   std::mt19937_64 rng(1);
   auto W1 = make_param(random_bf16_values(k.experts * k.fc1_out() * H, 0.1, rng), k.experts, {k.fc1_out(), H},
                        DType::kBF16, k.layout);
@@ -532,20 +422,51 @@ TEST(GroupedMlp, BadInputIsReported) {
   layer.set_weights({W1.views, {}, W2.views, {}});
   expect_error([&] { layer.set_weights({W1.views, W1.views, W2.views, {}}); }, "fc1.bias");
   TensorView wrong(x.get(), DType::kBF16, {T, H / 2});
-  expect_error([&] { layer.forward(wrong, rv, yv, nullptr); }, "'x'");
+  expect_error([&] { layer.forward(wrong, rv, yv, st, nullptr); }, "'x'");
   DeviceBuffer<uint16_t> big((k.max_tokens + 1) * H);
-  expect_error([&] { layer.forward(TensorView(big.get(), DType::kBF16, {k.max_tokens + 1, H}), rv, yv, nullptr); },
+  expect_error([&] { layer.forward(TensorView(big.get(), DType::kBF16, {k.max_tokens + 1, H}), rv, yv, st, nullptr); },
                "max_tokens");
-  expect_error([&] { layer.backward(yv, yv, TensorView(probs.get(), DType::kFP32, {T, k.topk}), nullptr); },
-               "forward");
-  expect_error([&] { layer.backward_dw(nullptr); }, "delay_wgrad");
+  const TensorView dpv(probs.get(), DType::kFP32, {T, k.topk});
+  expect_error([&] { layer.backward(yv, yv, dpv, st, nullptr); }, "empty");
+  expect_error([&] { layer.backward_dw(st, nullptr); }, "delay_wgrad");
+  expect_error([&] { layer.forward(xv, rv, yv, SavedState(), nullptr); }, "'state'");
+  // A state of another size (another op's) is refused by name.
+  Dispatcher other(DispatcherConfig{64, 6, 2, 128});
+  expect_error([&] { layer.forward(xv, rv, yv, other.new_plan(), nullptr); }, "'state'");
   // Device-detected: an expert id out of range is skipped and reported by check_errors.
   std::vector<int32_t> bad(T * k.topk, 1);
   bad[3] = k.experts + 5;
   idx.upload(bad);
-  layer.forward(xv, rv, yv, nullptr);
+  layer.forward(xv, rv, yv, st, nullptr);
   expect_error([&] { layer.check_errors(nullptr); }, "out of range");
   layer.check_errors(nullptr);  // cleared
+  idx.upload(std::vector<int32_t>(T * k.topk, 0));
+  // Saved-state misuse: a second forward into a filled state (its backward has not run) is refused
+  // and leaves it filled; a refused forward (bad x) changes nothing; the backward consumes the
+  // state once; another layer's state is refused.
+  expect_error([&] { layer.forward(xv, rv, yv, st, nullptr); }, "reset()");
+  expect_error([&] { layer.forward(wrong, rv, yv, st, nullptr); }, "'x'");
+  EXPECT_EQ(st.status(), StateStatus::kFilled);
+  GroupedMlp other_layer(k);
+  other_layer.set_weights({W1.views, {}, W2.views, {}});
+  const SavedState foreign = other_layer.new_state();
+  other_layer.forward(xv, rv, yv, foreign, nullptr);
+  DeviceBuffer<uint16_t> gw1(k.experts * k.fc1_out() * H), gw2(k.experts * H * k.ffn);
+  layer.set_grads({{TensorView(gw1.get(), DType::kBF16, {k.experts, k.fc1_out(), H})}, {},
+                   {TensorView(gw2.get(), DType::kBF16, {k.experts, H, k.ffn})}, {}});
+  DeviceBuffer<uint16_t> dx(T * H);
+  const TensorView dxv(dx.get(), DType::kBF16, {T, H});
+  expect_error([&] { layer.backward(yv, dxv, dpv, foreign, nullptr); }, "another op");
+  layer.backward(yv, dxv, dpv, st, nullptr);
+  EXPECT_EQ(st.status(), StateStatus::kConsumed);
+  expect_error([&] { layer.backward(yv, dxv, dpv, st, nullptr); }, "consumed");
+  // A consumed state is reusable; reset() discards a forward whose backward will never run.
+  layer.forward(xv, rv, yv, st, nullptr);
+  SavedState again = st;
+  again.reset();
+  EXPECT_EQ(st.status(), StateStatus::kEmpty);
+  expect_error([&] { layer.backward(yv, dxv, dpv, st, nullptr); }, "empty");
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
   GroupedMlpConfig badcfg = k;
   badcfg.ffn = 60;
   expect_error([&] { GroupedMlp l(badcfg); }, "ffn");

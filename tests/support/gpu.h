@@ -7,7 +7,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
-#include "kernels/cuda_check.h"
+#include "device/cuda_check.h"
 
 namespace moe::testing {
 

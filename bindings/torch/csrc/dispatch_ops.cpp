@@ -1,6 +1,6 @@
-// TORCH_LIBRARY operators of token dispatch: a moe::Dispatcher per handle (its workspace holds the
-// plan of the last permute, which unpermute and both backwards use), permute + pad, unpermute +
-// unpad and their backwards.
+// TORCH_LIBRARY operators of token dispatch: a moe::Dispatcher per handle (configuration only),
+// permute + pad, unpermute + unpad and their backwards. permute returns its plan as two tensors
+// (device memory and a CPU header) that the other operators take: several plans may be alive.
 #include <torch/library.h>
 
 #include <string>
@@ -9,6 +9,7 @@
 #include "csrc/torch_interop.h"
 #include "moe/dispatch.h"
 #include "moe/error_word.h"
+#include <c10/cuda/CUDAException.h>
 
 namespace moe::torch_ext {
 namespace {
@@ -54,79 +55,113 @@ void dispatcher_check_errors(int64_t handle) {
   });
 }
 
-// -> x_perm [R, H], probs_perm fp32 [R], group_offsets int32 [E + 1], tokens_per_expert int64 [E]
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_permute(int64_t handle, const at::Tensor& x,
-                                                                             const at::Tensor& routing,
-                                                                             const at::Tensor& probs, int64_t rows,
-                                                                             int64_t experts) {
+constexpr int kHeaders = Dispatcher::kPlanHeaders;
+
+int64_t dispatcher_plan_bytes(int64_t handle) { return static_cast<int64_t>(registry().get(handle).d.plan_bytes()); }
+
+// -> x_perm [R, H], probs_perm fp32 [R], group_offsets int32 [E + 1], tokens_per_expert int64 [E],
+//    the plan (CUDA uint8 [plan_bytes]) and its header (CPU uint8). The small outputs are copies, so
+//    they stay valid on their own.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_permute(
+    int64_t handle, const at::Tensor& x, const at::Tensor& routing, const at::Tensor& probs, int64_t rows,
+    int64_t experts, int64_t plan_bytes) {
   DispatchState& st = registry().get(handle);
-  Dispatcher& d = st.d;
+  const Dispatcher& d = st.d;
   return translate_errors([&] {
     MOE_CHECK(rows == d.rows() && experts == d.config().num_experts, "argument 'rows'/'experts': expected ", d.rows(),
               "/", d.config().num_experts, ", got ", rows, "/", experts);
+    MOE_CHECK(plan_bytes == static_cast<int64_t>(d.plan_bytes()), "argument 'plan_bytes': expected ", d.plan_bytes(),
+              ", got ", plan_bytes);
+    require_dims(x, "x", 2);
     RoutingView r;
     r.form = d.config().form;
-    (r.form == RoutingForm::kTopK ? r.indices : r.map) = view(routing);
-    r.probs = view(probs);
+    (r.form == RoutingForm::kTopK ? r.indices : r.map) = view(routing, "routing");
+    r.probs = view(probs, "probs");
     cudaStream_t s = current_stream();
-    d.plan(r, st.errors.device_ptr(), s);
+    auto [dev, host] = new_state_tensors(d.plan_bytes(), kHeaders, x);
+    const SavedState plan = state_of(dev, host, kHeaders);
+    // Every argument is checked before the plan is written.
+    check_device_tensor(view(x, "x"), "x", d.config().row_dtype, {x.size(0), d.config().hidden});
+    MOE_CHECK(r.probs.ndim == 2 && r.probs.shape[0] == x.size(0), "argument 'probs': expected ", x.size(0),
+              " rows (one per token of x), got shape ", r.probs.shape_string());
+    d.plan(r, st.errors.device_ptr(), plan, s);
     at::Tensor x_perm = at::empty({d.rows(), x.size(1)}, x.options());
-    d.permute(view(x), view(x_perm), s);
-    // The plan's small outputs are copied out of the dispatcher's workspace so they stay valid.
+    d.permute(plan, view(x, "x"), view(x_perm, "x_perm"), s);
     const int E = d.config().num_experts;
     auto opts = x.options();
     at::Tensor probs_perm = at::empty({d.rows()}, opts.dtype(at::kFloat));
     at::Tensor groups = at::empty({E + 1}, opts.dtype(at::kInt));
     at::Tensor counts = at::empty({E}, opts.dtype(at::kLong));
-    cudaMemcpyAsync(probs_perm.data_ptr(), d.probs_perm().data, probs_perm.nbytes(), cudaMemcpyDeviceToDevice, s);
-    cudaMemcpyAsync(groups.data_ptr(), d.group_offsets().data, groups.nbytes(), cudaMemcpyDeviceToDevice, s);
-    cudaMemcpyAsync(counts.data_ptr(), d.counts(DType::kInt64).data, counts.nbytes(), cudaMemcpyDeviceToDevice, s);
-    return std::make_tuple(x_perm, probs_perm, groups, counts);
+    C10_CUDA_CHECK(cudaMemcpyAsync(probs_perm.data_ptr(), d.probs_perm(plan).data, probs_perm.nbytes(),
+                                   cudaMemcpyDeviceToDevice, s));
+    C10_CUDA_CHECK(cudaMemcpyAsync(groups.data_ptr(), d.group_offsets(plan).data, groups.nbytes(),
+                                   cudaMemcpyDeviceToDevice, s));
+    C10_CUDA_CHECK(cudaMemcpyAsync(counts.data_ptr(), d.counts(plan, DType::kInt64).data, counts.nbytes(),
+                                   cudaMemcpyDeviceToDevice, s));
+    return std::make_tuple(x_perm, probs_perm, groups, counts, dev, host);
   });
 }
 
-// d_x_perm [R, H], d_probs_perm fp32 [R] (may be undefined) -> dx [T, H], dprobs fp32 [T, slots]
-std::tuple<at::Tensor, at::Tensor> dispatch_permute_backward(int64_t handle, const at::Tensor& d_x_perm,
+// d_x_perm [R, H], d_probs_perm fp32 [R] (may be None) -> dx [T, H], dprobs fp32 [T, slots]
+std::tuple<at::Tensor, at::Tensor> dispatch_permute_backward(int64_t handle, const at::Tensor& plan_t,
+                                                             const at::Tensor& header, const at::Tensor& d_x_perm,
                                                              const c10::optional<at::Tensor>& d_probs_perm,
                                                              int64_t tokens, int64_t slots) {
-  Dispatcher& d = registry().get(handle).d;
+  const Dispatcher& d = registry().get(handle).d;
   return translate_errors([&] {
-    MOE_CHECK(tokens == d.tokens() && slots == d.slots_per_token(), "argument 'tokens'/'slots': expected ",
-              d.tokens(), "/", d.slots_per_token(), " (the last permute), got ", tokens, "/", slots);
-    at::Tensor dx = at::empty({d.tokens(), d_x_perm.size(1)}, d_x_perm.options());
-    at::Tensor dprobs = at::empty({d.tokens(), d.slots_per_token()}, d_x_perm.options().dtype(at::kFloat));
-    TensorView dpp = d_probs_perm ? view(*d_probs_perm) : TensorView();
-    TensorView dp = view(dprobs);
-    if (d_probs_perm)
-      d.permute_backward(view(d_x_perm), view(dx), current_stream(), &dpp, &dp);
-    else {
-      d.permute_backward(view(d_x_perm), view(dx), current_stream());
+    const SavedState plan = state_of(plan_t, header, kHeaders);
+    require_dims(d_x_perm, "d_x_perm", 2);
+    const int64_t T = d.tokens(plan);
+    MOE_CHECK(tokens == T && slots == d.slots_per_token(), "argument 'tokens'/'slots': expected ", T, "/",
+              d.slots_per_token(), " (the plan's), got ", tokens, "/", slots);
+    at::Tensor dx = at::empty({T, d_x_perm.size(1)}, d_x_perm.options());
+    at::Tensor dprobs = at::empty({T, d.slots_per_token()}, d_x_perm.options().dtype(at::kFloat));
+    TensorView dpp = d_probs_perm ? view(*d_probs_perm, "d_probs_perm") : TensorView();
+    TensorView dp = view(dprobs, "dprobs");
+    if (d_probs_perm) {
+      d.permute_backward(plan, view(d_x_perm, "d_x_perm"), view(dx, "dx"), current_stream(), &dpp, &dp);
+    } else {
+      d.permute_backward(plan, view(d_x_perm, "d_x_perm"), view(dx, "dx"), current_stream());
       dprobs.zero_();
     }
     return std::make_tuple(dx, dprobs);
   });
 }
 
-at::Tensor dispatch_unpermute(int64_t handle, const at::Tensor& Y, bool merge_probs, int64_t tokens) {
-  Dispatcher& d = registry().get(handle).d;
+// Y [R, H] -> y [T, H]; merged with probs fp32 [T, slots] when given (the probs passed here, not
+// those of the plan), unweighted otherwise.
+at::Tensor dispatch_unpermute(int64_t handle, const at::Tensor& plan_t, const at::Tensor& header, const at::Tensor& Y,
+                              const c10::optional<at::Tensor>& probs, int64_t tokens) {
+  const Dispatcher& d = registry().get(handle).d;
   return translate_errors([&] {
-    MOE_CHECK(tokens == d.tokens(), "argument 'tokens': expected ", d.tokens(), " (the last permute), got ", tokens);
-    at::Tensor y = at::empty({d.tokens(), Y.size(1)}, Y.options());
-    d.unpermute(view(Y), view(y), merge_probs, current_stream());
+    const SavedState plan = state_of(plan_t, header, kHeaders);
+    require_dims(Y, "Y", 2);
+    const int64_t T = d.tokens(plan);
+    MOE_CHECK(tokens == T, "argument 'tokens': expected ", T, " (the plan's), got ", tokens);
+    at::Tensor y = at::empty({T, Y.size(1)}, Y.options());
+    const TensorView pv = probs ? view(*probs, "probs") : TensorView();
+    d.unpermute(plan, view(Y, "Y"), view(y, "y"), probs ? MergeProbs::kGiven : MergeProbs::kNone, current_stream(),
+                &pv);
     return y;
   });
 }
 
-// dy [T, H] (+ Y [R, H] when merging probs) -> dY [R, H], dprobs fp32 [T, slots]
-std::tuple<at::Tensor, at::Tensor> dispatch_unpermute_backward(int64_t handle, const at::Tensor& dy,
-                                                               const at::Tensor& Y, bool merge_probs, int64_t slots) {
-  Dispatcher& d = registry().get(handle).d;
+// dy [T, H] (+ Y [R, H] and probs when merging) -> dY [R, H], dprobs fp32 [T, slots]
+std::tuple<at::Tensor, at::Tensor> dispatch_unpermute_backward(int64_t handle, const at::Tensor& plan_t,
+                                                               const at::Tensor& header, const at::Tensor& dy,
+                                                               const at::Tensor& Y,
+                                                               const c10::optional<at::Tensor>& probs, int64_t slots) {
+  const Dispatcher& d = registry().get(handle).d;
   return translate_errors([&] {
+    const SavedState plan = state_of(plan_t, header, kHeaders);
+    require_dims(dy, "dy", 2);
     MOE_CHECK(slots == d.slots_per_token(), "argument 'slots': expected ", d.slots_per_token(), ", got ", slots);
     at::Tensor dY = at::empty({d.rows(), dy.size(1)}, dy.options());
-    at::Tensor dprobs = at::empty({d.tokens(), d.slots_per_token()}, dy.options().dtype(at::kFloat));
-    TensorView Yv = view(Y), dp = view(dprobs);
-    d.unpermute_backward(view(dy), view(dY), merge_probs, current_stream(), &Yv, &dp);
+    at::Tensor dprobs = at::empty({d.tokens(plan), d.slots_per_token()}, dy.options().dtype(at::kFloat));
+    const TensorView Yv = view(Y, "Y"), dp = view(dprobs, "dprobs");
+    const TensorView pv = probs ? view(*probs, "probs") : TensorView();
+    d.unpermute_backward(plan, view(dy, "dy"), view(dY, "dY"), probs ? MergeProbs::kGiven : MergeProbs::kNone,
+                         current_stream(), &pv, &Yv, &dp);
     return std::make_tuple(dY, dprobs);
   });
 }
@@ -139,14 +174,16 @@ TORCH_LIBRARY_FRAGMENT(moe_engine, m) {
         &dispatcher_create);
   m.def("dispatcher_destroy(int handle) -> ()", &dispatcher_destroy);
   m.def("dispatcher_rows(int handle) -> int", &dispatcher_rows);
+  m.def("dispatcher_plan_bytes(int handle) -> int", &dispatcher_plan_bytes);
   m.def("dispatcher_check_errors(int handle) -> ()", &dispatcher_check_errors);
-  m.def("dispatch_permute(int handle, Tensor x, Tensor routing, Tensor probs, int rows, int experts) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("dispatch_permute_backward(int handle, Tensor d_x_perm, Tensor? d_probs_perm, int tokens, int slots) "
-        "-> (Tensor, Tensor)");
-  m.def("dispatch_unpermute(int handle, Tensor Y, bool merge_probs, int tokens) -> Tensor");
-  m.def("dispatch_unpermute_backward(int handle, Tensor dy, Tensor Y, bool merge_probs, int slots) "
-        "-> (Tensor, Tensor)");
+  m.def("dispatch_permute(int handle, Tensor x, Tensor routing, Tensor probs, int rows, int experts, int plan_bytes) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("dispatch_permute_backward(int handle, Tensor plan, Tensor plan_header, Tensor d_x_perm, "
+        "Tensor? d_probs_perm, int tokens, int slots) -> (Tensor, Tensor)");
+  m.def("dispatch_unpermute(int handle, Tensor plan, Tensor plan_header, Tensor Y, Tensor? probs, int tokens) "
+        "-> Tensor");
+  m.def("dispatch_unpermute_backward(int handle, Tensor plan, Tensor plan_header, Tensor dy, Tensor Y, "
+        "Tensor? probs, int slots) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(moe_engine, CUDA, m) {

@@ -1,19 +1,24 @@
-// Bridges between PyTorch and the library: at::Tensor -> moe::TensorView, moe::Error -> Python
-// exceptions (argument errors -> ValueError, everything else -> RuntimeError), current stream.
+// Bridges between PyTorch and the library: at::Tensor -> moe::TensorView (checked, naming the
+// argument), moe::Error -> Python ValueError, current stream, caller-owned saved states held in
+// tensors.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/util/Exception.h>
 
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "moe/error.h"
+#include "moe/saved_state.h"
 #include "moe/tensor.h"
 
 namespace moe::torch_ext {
 
-inline DType to_moe_dtype(at::ScalarType t) {
+// The library dtype of `t`, or a moe::Error naming the argument.
+inline DType to_moe_dtype(at::ScalarType t, const char* name) {
   switch (t) {
     case at::kBFloat16: return DType::kBF16;
     case at::kHalf: return DType::kFP16;
@@ -25,20 +30,24 @@ inline DType to_moe_dtype(at::ScalarType t) {
     case at::kBool: return DType::kBool;
     case at::kFloat8_e4m3fn: return DType::kFP8E4M3;
     case at::kFloat8_e5m2: return DType::kFP8E5M2;
-    default: TORCH_CHECK_VALUE(false, "moe_engine: unsupported tensor dtype ", t);
+    default: break;
   }
+  const std::string type_name(c10::toString(t));
+  detail::throw_error("argument '", name, "': unsupported tensor dtype ", type_name);
 }
 
-// A view of `t` (any strides; the library checks contiguity where it needs it).
-inline TensorView view(const at::Tensor& t) {
+// A view of `t` (any strides; the library checks contiguity where it needs it). Throws moe::Error
+// naming the argument (call inside translate_errors).
+inline TensorView view(const at::Tensor& t, const char* name) {
   TensorView v;
   if (!t.defined()) return v;
-  TORCH_CHECK_VALUE(t.dim() <= TensorView::kMaxDims, "moe_engine: at most ", TensorView::kMaxDims,
-                    " dimensions, got ", t.dim());
+  const int64_t dims = t.dim();
+  MOE_CHECK(dims <= int64_t{TensorView::kMaxDims}, "argument '", name, "': expected at most ",
+            int64_t{TensorView::kMaxDims}, " dimensions, got ", dims);
   v.data = t.data_ptr();
-  v.dtype = to_moe_dtype(t.scalar_type());
+  v.dtype = to_moe_dtype(t.scalar_type(), name);
   v.device = t.is_cuda() ? Device::kCUDA : Device::kCPU;
-  v.ndim = static_cast<int>(t.dim());
+  v.ndim = static_cast<int>(dims);
   for (int d = 0; d < v.ndim; ++d) {
     v.shape[d] = t.size(d);
     v.strides[d] = t.stride(d);
@@ -46,10 +55,17 @@ inline TensorView view(const at::Tensor& t) {
   return v;
 }
 
-inline std::vector<TensorView> views(const std::vector<at::Tensor>& ts) {
+// `t` has exactly `dims` dimensions (checked before any t.size(i) is read).
+inline void require_dims(const at::Tensor& t, const char* name, int64_t dims) {
+  MOE_CHECK(t.defined(), "argument '", name, "': expected a tensor, got None");
+  MOE_CHECK(t.dim() == dims, "argument '", name, "': expected a ", dims, "-D tensor, got ", int64_t{t.dim()},
+            " dimensions");
+}
+
+inline std::vector<TensorView> views(const std::vector<at::Tensor>& ts, const char* name) {
   std::vector<TensorView> out;
   out.reserve(ts.size());
-  for (const auto& t : ts) out.push_back(view(t));
+  for (const auto& t : ts) out.push_back(view(t, name));
   return out;
 }
 
@@ -63,6 +79,25 @@ auto translate_errors(F&& f) -> decltype(f()) {
   } catch (const Error& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }
+}
+
+// A saved state held in two tensors: device memory (PyTorch's caching allocator, so it lives in a
+// CUDA graph's pool when made during capture) and a CPU uint8 tensor of host headers. Autograd
+// keeps both in the context of the forward that filled them.
+inline std::tuple<at::Tensor, at::Tensor> new_state_tensors(size_t device_bytes, int headers, const at::Tensor& like) {
+  at::Tensor dev = at::empty({static_cast<int64_t>(device_bytes)}, like.options().dtype(at::kByte));
+  at::Tensor host = at::zeros({int64_t(headers) * int64_t(sizeof(StateHeader))}, at::TensorOptions().dtype(at::kByte));
+  return {dev, host};
+}
+
+inline SavedState state_of(const at::Tensor& dev, const at::Tensor& host, int headers) {
+  MOE_CHECK(dev.defined() && dev.is_cuda() && dev.scalar_type() == at::kByte && dev.dim() == 1 && dev.is_contiguous(),
+            "argument 'state': expected the CUDA uint8 state tensor returned by the forward");
+  MOE_CHECK(host.defined() && !host.is_cuda() && host.scalar_type() == at::kByte && host.dim() == 1 &&
+                host.is_contiguous() && host.numel() == int64_t(headers) * int64_t(sizeof(StateHeader)),
+            "argument 'state_header': expected the CPU uint8 header tensor returned by the forward");
+  return SavedState::borrow(dev.data_ptr(), static_cast<size_t>(dev.numel()),
+                            reinterpret_cast<StateHeader*>(host.data_ptr()), headers);
 }
 
 }  // namespace moe::torch_ext

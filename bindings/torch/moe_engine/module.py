@@ -1,6 +1,7 @@
-"""GroupedMLP: the moe-engine expert layer as a torch.nn.Module.
+"""GroupedMLP (the expert layer: dispatch, experts, combine) and GroupedExperts (the experts alone,
+for rows some other dispatcher placed in expert groups) as torch.nn.Modules.
 
-Parameters live in `fc1` and `fc2` submodules, named as in SPEC 5:
+Parameters live in `fc1` and `fc2` submodules (see docs/semantics.md, weight layouts):
   single grouped:  fc1.weight [E, fc1_out, H], fc1.bias [E, fc1_out], fc2.weight [E, H, F], fc2.bias [E, H]
   per expert:      fc1.weight0 .. fc1.weight{E-1} [fc1_out, H], ... (the same for bias and fc2)
 fc1_out = 2F for gated activations (gate rows, then linear rows, or GLU-interleaved blocks of
@@ -11,15 +12,18 @@ Weight gradients:
   - accumulate_into_main_grad=True (Megatron "gradient accumulation fusion"): added into the fp32
     `param.main_grad` each parameter must carry; autograd gets None and `param.grad_added_to_main_grad`
     is set;
-  - delay_wgrad=True: backward produces dx and dprobs only; `backward_dw()` later computes fc2's,
-    then fc1's weight gradients (e.g. overlapped with communication).
-Hooks registered with `register_wgrad_hook(fn)` are called as fn(name, param) once per step when that
-parameter's gradient is final -- the place for a data-parallel reducer's reduce-scatter: with
-main_grad, at the end of backward (fc2 before fc1); when delayed, in backward_dw (fc2 before fc1);
-otherwise once autograd has accumulated it into param.grad (autograd's order).
+  - delay_wgrad=True: backward produces dx and dprobs only; each `backward_dw()` call later computes
+    the weight gradients of the oldest backward not yet completed, fc2's then fc1's.
+Hooks registered with `register_wgrad_hook(fn)` are called as fn(name, param) when that parameter's
+gradient is final -- the place for a data-parallel reducer's reduce-scatter: with main_grad, at the
+end of backward (fc2 before fc1); when delayed, in backward_dw (fc2 before fc1); otherwise once
+autograd has accumulated it into param.grad (autograd's order).
 
-Each forward has exactly one backward (the layer keeps one step's activations): a second forward
-before the first one's backward, or a second backward of one forward, raises RuntimeError."""
+State: the modules hold configuration and workspaces only. What a backward needs is returned by
+the forward as tensors that autograd keeps (PyTorch's caching allocator, so it works inside
+torch.cuda.graph), so any number of forwards may be in flight (pipeline schedules, micro-batches)
+and their backwards may run in any order. `recompute=True` (GroupedMLP) keeps only x and the
+routing and recomputes the rest in backward; torch.utils.checkpoint works around either module."""
 import torch
 from torch import nn
 
@@ -30,35 +34,26 @@ _GATED = {"swiglu", "geglu", "clamped-swiglu"}
 _ORDER = (("fc2", "weight"), ("fc2", "bias"), ("fc1", "weight"), ("fc1", "bias"))
 
 
-class GroupedMLP(nn.Module):
-    def __init__(self, hidden_size, ffn_hidden_size, num_experts, topk, max_tokens, activation="swiglu",
-                 glu_interleave=0, bias=False, probs_at_combine=False, align=0, pre_padded=False, row_bound=-1,
-                 map_routing=False, per_expert_weights=False, accumulate_into_main_grad=False,
-                 wgrad_dtype=torch.bfloat16, delay_wgrad=False, clamp_alpha=1.702, clamp_limit=7.0,
-                 clamp_offset=1.0, device=None, init_std=None):
-        super().__init__()
+class _ExpertModule(nn.Module):
+    """Parameters, gradient buffers and wgrad hooks shared by GroupedMLP and GroupedExperts."""
+
+    def _setup_params(self, hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
+                      accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std):
         if wgrad_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"argument 'wgrad_dtype': expected torch.bfloat16 or torch.float32, got {wgrad_dtype}")
         if wgrad_dtype == torch.float32 and not accumulate_into_main_grad:
             raise ValueError("argument 'wgrad_dtype': fp32 weight gradients go to an fp32 main_grad "
                              "(accumulate_into_main_grad=True); param.grad must match the bf16 parameters")
-        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
-        self.num_experts, self.topk = num_experts, topk
+        self.hidden_size, self.ffn_hidden_size, self.num_experts = hidden_size, ffn_hidden_size, num_experts
         self.per_expert_weights = per_expert_weights
         self.accumulate_into_main_grad = accumulate_into_main_grad
         self.wgrad_dtype = wgrad_dtype
         self.delay_wgrad = delay_wgrad
         self.has_bias = bias
-        self.slots = num_experts if map_routing else topk
         fc1_out = 2 * ffn_hidden_size if activation in _GATED else ffn_hidden_size
         self._shapes = {("fc1", "weight"): (fc1_out, hidden_size), ("fc1", "bias"): (fc1_out,),
                         ("fc2", "weight"): (hidden_size, ffn_hidden_size), ("fc2", "bias"): (hidden_size,)}
         device = torch.device("cuda") if device is None else torch.device(device)
-        self._handle = _ops.mlp_create(hidden_size, ffn_hidden_size, num_experts, topk, max_tokens, activation,
-                                       glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias,
-                                       probs_at_combine, align, pre_padded, row_bound, map_routing,
-                                       per_expert_weights, accumulate_into_main_grad,
-                                       wgrad_dtype == torch.float32, delay_wgrad)
         self.fc1, self.fc2 = nn.Module(), nn.Module()
         for (p, s), shape in self._shapes.items():
             if s == "bias" and not bias:
@@ -71,8 +66,7 @@ class GroupedMLP(nn.Module):
             else:
                 owner.register_parameter(s, nn.Parameter(self._init((num_experts, *shape), std, device)))
         self._hooks = []
-        self._pending_dw = None  # delayed mode: gradient buffers waiting for backward_dw
-        self._forward_id = 0     # the forward whose activations the layer holds
+        self._pending_dw = []  # delayed mode: (state tensors, gradient buffers) of each backward, oldest first
         self._register_load_state_dict_pre_hook(self._normalize_keys)
         if not accumulate_into_main_grad and not delay_wgrad:
             # Write mode: a gradient is final once autograd has accumulated it into param.grad.
@@ -83,11 +77,6 @@ class GroupedMLP(nn.Module):
     def _init(shape, std, device):
         t = torch.empty(shape, dtype=torch.bfloat16, device=device)
         return t.normal_(0.0, std) if std > 0 else t.zero_()
-
-    def __del__(self):
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            _ops.mlp_destroy(handle)
 
     # -- parameters --------------------------------------------------------------------------
     def expert_params(self, p, s):
@@ -102,6 +91,9 @@ class GroupedMLP(nn.Module):
     def _param_lists(self):
         return [self.expert_params(p, s) for p, s in (("fc1", "weight"), ("fc1", "bias"), ("fc2", "weight"),
                                                       ("fc2", "bias"))]
+
+    def _flat_params(self):
+        return [q for lst in self._param_lists() for q in lst]
 
     def _normalize_keys(self, state_dict, prefix, *args, **kwargs):
         normalize_expert_keys(state_dict, prefix, self.num_experts, self.per_expert_weights)
@@ -120,7 +112,7 @@ class GroupedMLP(nn.Module):
                 self._fire_hook(f"{p}.{s}{i}" if self.per_expert_weights else f"{p}.{s}", param)
 
     def _grad_buffers(self):
-        """Where the layer writes weight gradients: main_grad (accumulate) or new grouped buffers."""
+        """Where the op writes weight gradients: main_grad (accumulate) or new grouped buffers."""
         lists = []
         for p, s in (("fc1", "weight"), ("fc1", "bias"), ("fc2", "weight"), ("fc2", "bias")):
             params = self.expert_params(p, s)
@@ -145,34 +137,78 @@ class GroupedMLP(nn.Module):
             out.extend(list(buf[0].unbind(0)) if self.per_expert_weights else buf)
         return out
 
-    # -- compute -------------------------------------------------------------------------------
-    def forward(self, x, routing, probs):
-        """x bf16 [T, H]; routing int32 [T, k] top-k indices (-1 = empty) or bool/uint8 [T, E] map;
-        probs fp32 like routing. Returns y bf16 [T, H]."""
-        params = [q for lst in self._param_lists() for q in lst]
-        return _MlpFunction.apply(self, x, routing, probs, *params)
+    def _mark_main_grad(self):
+        for q in self._flat_params():
+            q.grad_added_to_main_grad = True
+
+    # -- backward plumbing shared by both autograd functions ------------------------------------
+    def _after_backward(self, run_backward, keep_for_dw):
+        """Runs the op's backward with the right gradient buffers; returns the per-parameter grads
+        for autograd (or Nones)."""
+        n = len(self._flat_params())
+        if self.delay_wgrad:
+            outs = run_backward([[], [], [], []])
+            self._pending_dw.append(keep_for_dw)
+            return outs, [None] * n
+        lists = self._grad_buffers()
+        outs = run_backward(lists)
+        if self.accumulate_into_main_grad:
+            self._mark_main_grad()
+            self._fire_hooks()
+            return outs, [None] * n
+        return outs, self._as_param_grads(lists)  # hooks fire after autograd accumulates them
 
     def backward_dw(self):
-        """Delayed mode: computes the weight gradients of the last backward, fc2 then fc1, and fires
-        the wgrad hooks. Gradients go to main_grad (accumulate) or are added to param.grad."""
+        """Delayed mode: the weight gradients of the oldest backward whose backward_dw has not run,
+        fc2 then fc1, then the wgrad hooks. Gradients go to main_grad (accumulate) or are added to
+        param.grad. Call it once per backward, in the order the backwards ran."""
         if not self.delay_wgrad:
             raise RuntimeError("backward_dw: only for delay_wgrad=True")
-        if self._pending_dw is None:
+        if not self._pending_dw:
             raise RuntimeError("backward_dw: no pending weight gradients (run backward first)")
-        lists, self._pending_dw = self._pending_dw, None
-        _ops.mlp_backward_dw(self._handle, *lists)
+        pending = self._pending_dw.pop(0)
+        lists = self._grad_buffers()
+        self._run_backward_dw(pending, lists)
         if not self.accumulate_into_main_grad:
-            params = [q for lst in self._param_lists() for q in lst]
-            for q, g in zip(params, self._as_param_grads(lists)):
+            for q, g in zip(self._flat_params(), self._as_param_grads(lists)):
                 q.grad = g if q.grad is None else q.grad + g
         else:
             self._mark_main_grad()
         self._fire_hooks()
 
-    def _mark_main_grad(self):
-        for lst in self._param_lists():
-            for q in lst:
-                q.grad_added_to_main_grad = True
+
+class GroupedMLP(_ExpertModule):
+    def __init__(self, hidden_size, ffn_hidden_size, num_experts, topk, max_tokens, activation="swiglu",
+                 glu_interleave=0, bias=False, probs_at_combine=False, align=0, pre_padded=False, row_bound=-1,
+                 map_routing=False, per_expert_weights=False, accumulate_into_main_grad=False,
+                 wgrad_dtype=torch.bfloat16, delay_wgrad=False, recompute=False, clamp_alpha=1.702,
+                 clamp_limit=7.0, clamp_offset=1.0, device=None, init_std=None):
+        super().__init__()
+        self.topk = topk
+        self.recompute = recompute
+        self.slots = num_experts if map_routing else topk
+        self._handle = _ops.mlp_create(hidden_size, ffn_hidden_size, num_experts, topk, max_tokens, activation,
+                                       glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias,
+                                       probs_at_combine, align, pre_padded, row_bound, map_routing,
+                                       per_expert_weights, accumulate_into_main_grad,
+                                       wgrad_dtype == torch.float32, delay_wgrad, recompute)
+        self._state_bytes = _ops.mlp_state_bytes(self._handle)
+        self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
+                           accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std)
+
+    def __del__(self):
+        handle = getattr(self, "_handle", None)
+        if handle is not None:
+            _ops.mlp_destroy(handle)
+
+    def forward(self, x, routing, probs):
+        """x bf16 [T, H]; routing int32 [T, k] top-k indices (-1 = empty) or bool/uint8 [T, E] map;
+        probs fp32 like routing. Returns y bf16 [T, H]."""
+        return _MlpFunction.apply(self, x, routing, probs, *self._flat_params())
+
+    def _run_backward_dw(self, pending, lists):
+        state, header = pending
+        _ops.mlp_backward_dw(self._handle, state, header, *lists)
 
     def check_errors(self):
         """Raises ValueError if routing entries were skipped (bad expert id, duplicate expert,
@@ -180,35 +216,96 @@ class GroupedMLP(nn.Module):
         _ops.mlp_check_errors(self._handle)
 
     def workspace_bytes(self):
+        """Device bytes the layer holds (workspaces shared by all micro-batches)."""
         return _ops.mlp_workspace_bytes(self._handle)
+
+    def state_bytes(self):
+        """Device bytes one micro-batch in flight keeps until its backward."""
+        return self._state_bytes
+
+
+class GroupedExperts(_ExpertModule):
+    """The experts alone: forward(x_perm [rows, H], group_offsets int32 [E + 1], probs_perm fp32
+    [rows] or None) -> Y [rows, H], rows <= max_rows, group e = rows [g[e], g[e+1]) (e.g. the
+    outputs of moe_engine.Dispatcher.permute, or of an expert-parallel all-to-all). With
+    probs_at_combine=True the experts do not scale by probs (pass None). Differentiable in x_perm,
+    probs_perm and the parameters."""
+
+    def __init__(self, hidden_size, ffn_hidden_size, num_experts, max_rows, activation="swiglu",
+                 glu_interleave=0, bias=False, probs_at_combine=False, per_expert_weights=False,
+                 accumulate_into_main_grad=False, wgrad_dtype=torch.bfloat16, delay_wgrad=False,
+                 clamp_alpha=1.702, clamp_limit=7.0, clamp_offset=1.0, device=None, init_std=None):
+        super().__init__()
+        self.probs_at_combine = probs_at_combine
+        self._handle = _ops.experts_create(hidden_size, ffn_hidden_size, num_experts, max_rows, activation,
+                                           glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias,
+                                           probs_at_combine, per_expert_weights, accumulate_into_main_grad,
+                                           wgrad_dtype == torch.float32, delay_wgrad)
+        self._state_bytes = _ops.experts_state_bytes(self._handle)
+        self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
+                           accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std)
+
+    def __del__(self):
+        handle = getattr(self, "_handle", None)
+        if handle is not None:
+            _ops.experts_destroy(handle)
+
+    def forward(self, x_perm, group_offsets, probs_perm=None):
+        if self.probs_at_combine and probs_perm is not None:
+            raise ValueError("argument 'probs_perm': the experts were built with probs_at_combine=True; pass None")
+        if not self.probs_at_combine and probs_perm is None:
+            raise ValueError("argument 'probs_perm': expected fp32 [rows] probs (probs_at_combine=False)")
+        return _ExpertsFunction.apply(self, x_perm, group_offsets, probs_perm, *self._flat_params())
+
+    def _run_backward_dw(self, pending, lists):
+        state, header = pending[:2]  # the rest keeps the inputs it reads by address alive
+        _ops.experts_backward_dw(self._handle, state, header, *lists)
+
+    def state_bytes(self):
+        return self._state_bytes
 
 
 class _MlpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mod, x, routing, probs, *params):
-        mod._forward_id += 1
-        ctx.mod, ctx.forward_id = mod, mod._forward_id
-        ctx.n_params = len(params)
-        return _ops.mlp_forward(mod._handle, x.contiguous(), routing.contiguous(), probs.contiguous(),
-                                *mod._param_lists())
+        x = x.contiguous()
+        y, state, header = _ops.mlp_forward(mod._handle, x, routing.contiguous(), probs.contiguous(),
+                                            *mod._param_lists(), mod._state_bytes)
+        ctx.mod = mod
+        ctx.save_for_backward(x, state, header)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         mod = ctx.mod
-        if ctx.forward_id != mod._forward_id:
-            raise RuntimeError("GroupedMLP: this backward belongs to an earlier forward; the layer holds the "
-                               "activations of its latest forward only (one backward per forward)")
+        x, state, header = ctx.saved_tensors
         dy = dy.contiguous()
-        param_grads = [None] * ctx.n_params
-        if mod.delay_wgrad:
-            dx, dprobs = _ops.mlp_backward(mod._handle, dy, mod.slots, [], [], [], [])
-            mod._pending_dw = mod._grad_buffers()
-        else:
-            lists = mod._grad_buffers()
-            dx, dprobs = _ops.mlp_backward(mod._handle, dy, mod.slots, *lists)
-            if mod.accumulate_into_main_grad:
-                mod._mark_main_grad()
-                mod._fire_hooks()
-            else:
-                param_grads = mod._as_param_grads(lists)  # hooks fire after autograd accumulates them
+        (dx, dprobs), param_grads = mod._after_backward(
+            lambda lists: _ops.mlp_backward(mod._handle, state, header, x, dy, mod.slots, *lists), (state, header))
         return (None, dx, None, dprobs, *param_grads)
+
+
+class _ExpertsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, mod, x_perm, group_offsets, probs_perm, *params):
+        x_perm = x_perm.contiguous()
+        group_offsets = group_offsets.contiguous()
+        probs_perm = None if probs_perm is None else probs_perm.contiguous()
+        Y, state, header = _ops.experts_forward(mod._handle, x_perm, group_offsets, probs_perm,
+                                                *mod._param_lists(), mod._state_bytes)
+        ctx.mod = mod
+        ctx.has_probs = probs_perm is not None
+        # The op reads x_perm, group_offsets and probs_perm again by address in backward.
+        ctx.save_for_backward(x_perm, group_offsets, probs_perm if ctx.has_probs else None, state, header)
+        return Y
+
+    @staticmethod
+    def backward(ctx, dY):
+        mod = ctx.mod
+        x_perm, group_offsets, probs_perm, state, header = ctx.saved_tensors
+        dY = dY.contiguous()
+        # Delayed mode reads dY (and the saved inputs) again in backward_dw: keep them with the state.
+        (dx_perm, dpp), param_grads = mod._after_backward(
+            lambda lists: _ops.experts_backward(mod._handle, state, header, dY, ctx.has_probs, *lists),
+            (state, header, dY, x_perm, group_offsets, probs_perm))
+        return (None, dx_perm, None, dpp if ctx.has_probs else None, *param_grads)

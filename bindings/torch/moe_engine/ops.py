@@ -29,13 +29,28 @@ def grouped_mm(x, w, group_offsets):
     return _GroupedMM.apply(x, w, group_offsets)
 
 
+def grouped_mm_check_errors():
+    """Raises ValueError if a grouped_mm call since the last check got group offsets that were not
+    0-based, decreased, or ran past the rows (they were clamped). Synchronises: call outside graphs."""
+    _ops.grouped_mm_check_errors()
+
+
+class DispatchPlan:
+    """The plan of one permute (counts, offsets, row maps, probs_perm) as tensors: device memory and
+    a CPU header. Made by Dispatcher.permute; unpermute and both backwards take it. Any number of
+    plans may be alive (micro-batches in flight)."""
+
+    def __init__(self, plan, header, tokens):
+        self.plan, self.header, self.tokens = plan, header, tokens
+
+
 class Dispatcher:
-    """Permute + pad and unpermute + unpad for one static configuration (SPEC 2-3).
+    """Permute + pad and unpermute + unpad for one static configuration (docs/semantics.md).
 
     permute(x, routing, probs) -> (x_perm [R, H], probs_perm [R], group_offsets [E + 1],
-    tokens_per_expert [E]); unpermute(Y, probs, merge_probs) -> y [T, H]. Both are differentiable
-    (dx, and dprobs through probs_perm or through the merge). The plan of the last permute is used
-    by unpermute and by both backwards: permute and unpermute one batch at a time."""
+    tokens_per_expert [E], plan); unpermute(Y, plan, probs=None) -> y [T, H], merged with `probs`
+    when given. Both are differentiable (dx; dprobs through probs_perm or through the merge). The
+    dispatcher holds configuration only: each call uses the plan it is given."""
 
     def __init__(self, max_tokens, num_experts, hidden_size, topk=0, map_routing=False, align=0,
                  pre_padded=False, row_bound=-1, dtype=torch.bfloat16):
@@ -47,7 +62,7 @@ class Dispatcher:
         self.handle = _ops.dispatcher_create(max_tokens, num_experts, topk, hidden_size, map_routing, align,
                                              pre_padded, row_bound, names[dtype])
         self.rows = _ops.dispatcher_rows(self.handle)
-        self.tokens = 0
+        self.plan_bytes = _ops.dispatcher_plan_bytes(self.handle)
 
     def __del__(self):
         handle = getattr(self, "handle", None)
@@ -55,11 +70,13 @@ class Dispatcher:
             _ops.dispatcher_destroy(handle)
 
     def permute(self, x, routing, probs):
-        self.tokens = x.shape[0]
-        return _Permute.apply(self, x, routing, probs)
+        x_perm, probs_perm, groups, counts, plan, header = _Permute.apply(self, x, routing, probs)
+        return x_perm, probs_perm, groups, counts, DispatchPlan(plan, header, x.shape[0])
 
-    def unpermute(self, Y, probs, merge_probs=True):
-        return _Unpermute.apply(self, Y, probs, merge_probs)
+    def unpermute(self, Y, plan, probs=None):
+        if not isinstance(plan, DispatchPlan):
+            raise ValueError(f"argument 'plan': expected the DispatchPlan returned by permute, got {type(plan)}")
+        return _Unpermute.apply(self, Y, plan.plan, plan.header, plan.tokens, probs)
 
     def check_errors(self):
         """Raises ValueError if routing entries were skipped (bad expert id, duplicate, non-finite
@@ -70,30 +87,34 @@ class Dispatcher:
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, d, x, routing, probs):
-        ctx.d = d
-        x_perm, probs_perm, groups, counts = _ops.dispatch_permute(d.handle, x, routing, probs, d.rows,
-                                                                   d.num_experts)
-        ctx.mark_non_differentiable(groups, counts)
-        return x_perm, probs_perm, groups, counts
+        x_perm, probs_perm, groups, counts, plan, header = _ops.dispatch_permute(
+            d.handle, x.contiguous(), routing.contiguous(), probs.contiguous(), d.rows, d.num_experts, d.plan_bytes)
+        ctx.d, ctx.tokens = d, x.shape[0]
+        ctx.save_for_backward(plan, header)
+        ctx.mark_non_differentiable(groups, counts, plan, header)
+        return x_perm, probs_perm, groups, counts, plan, header
 
     @staticmethod
-    def backward(ctx, d_x_perm, d_probs_perm, _g, _c):
+    def backward(ctx, d_x_perm, d_probs_perm, _g, _c, _p, _h):
         d = ctx.d
-        dx, dprobs = _ops.dispatch_permute_backward(d.handle, d_x_perm.contiguous(), d_probs_perm, d.tokens,
-                                                    d.slots)
+        plan, header = ctx.saved_tensors
+        dx, dprobs = _ops.dispatch_permute_backward(d.handle, plan, header, d_x_perm.contiguous(), d_probs_perm,
+                                                    ctx.tokens, d.slots)
         return None, dx, None, dprobs
 
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, d, Y, probs, merge_probs):
-        ctx.d, ctx.merge = d, merge_probs
-        ctx.save_for_backward(Y)
-        return _ops.dispatch_unpermute(d.handle, Y, merge_probs, d.tokens)
+    def forward(ctx, d, Y, plan, header, tokens, probs):
+        Y = Y.contiguous()
+        probs = None if probs is None else probs.contiguous()
+        ctx.d = d
+        ctx.save_for_backward(Y, plan, header, probs)
+        return _ops.dispatch_unpermute(d.handle, plan, header, Y, probs, tokens)
 
     @staticmethod
     def backward(ctx, dy):
-        (Y,) = ctx.saved_tensors
+        Y, plan, header, probs = ctx.saved_tensors
         d = ctx.d
-        dY, dprobs = _ops.dispatch_unpermute_backward(d.handle, dy.contiguous(), Y, ctx.merge, d.slots)
-        return None, dY, (dprobs if ctx.merge else None), None
+        dY, dprobs = _ops.dispatch_unpermute_backward(d.handle, plan, header, dy.contiguous(), Y, probs, d.slots)
+        return None, dY, None, None, None, (dprobs if probs is not None else None)

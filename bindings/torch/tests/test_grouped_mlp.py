@@ -234,13 +234,48 @@ def test_write_mode_hooks_fire_once_gradients_are_accumulated():
     assert all(has_grad for _, has_grad in seen)
 
 
-def test_one_backward_per_forward():
+def test_bad_input_found_as_a_new_user_names_the_argument():
+    mod, x, idx, probs = make(T=8, seed=19)
+    with pytest.raises(ValueError, match="'x'"):
+        mod(x.reshape(1, 1, 1, 8, 128), idx, probs)  # 5-D
+    with pytest.raises(ValueError, match="'routing'"):
+        mod(x, idx.to(torch.int16), probs)
+    with pytest.raises(ValueError, match="'x'"):
+        mod(x[0], idx, probs)  # 1-D
+    empty = mod(x[:0], torch.empty(0, 2, dtype=torch.int32, device=DEV), torch.empty(0, 2, device=DEV))
+    assert empty.shape == (0, 128)
+    # Ordinary slices of the routing (4-byte aligned, not 16) are valid input.
+    big_idx, big_probs = torch.cat([idx[:1], idx]), torch.cat([probs[:1], probs])
+    y_slice = mod(x, big_idx[1:], big_probs[1:])
+    assert torch.equal(y_slice, mod(x, idx, probs))
+
+
+def test_a_refused_call_changes_no_micro_batch_in_flight():
     mod, x, idx, probs = make(seed=13)
+    dy = output_grad(x)
     xr = x.clone().requires_grad_()
-    first = mod(xr, idx, probs)
-    second = mod(xr, idx, probs)  # replaces the activations the layer holds
-    with pytest.raises(RuntimeError, match="earlier forward"):
-        first.backward(output_grad(x))
-    second.backward(output_grad(x), retain_graph=True)
-    with pytest.raises(ValueError, match="one backward"):
-        second.backward(output_grad(x))  # the layer's activations were consumed
+    y = mod(xr, idx, probs)
+    with pytest.raises(ValueError):
+        mod(x.float(), idx, probs)  # refused
+    y.backward(dy)
+    alone = x.clone().requires_grad_()
+    y2 = mod(alone, idx, probs)
+    y2.backward(dy)
+    assert torch.equal(y, y2) and torch.equal(xr.grad, alone.grad)
+
+
+def test_saved_state_consumed_twice_or_foreign_raises():
+    mod, x, idx, probs = make(seed=23)
+    other, _, _, _ = make(seed=23)
+    lists = mod._param_lists()
+    y, state, header = torch.ops.moe_engine.mlp_forward(mod._handle, x, idx, probs, *lists, mod._state_bytes)
+    grads = mod._grad_buffers()
+    dy = output_grad(x)
+    with pytest.raises(ValueError, match="another op"):
+        torch.ops.moe_engine.mlp_backward(other._handle, state, header, x, dy, 2, *other._grad_buffers())
+    torch.ops.moe_engine.mlp_backward(mod._handle, state, header, x, dy, 2, *grads)
+    with pytest.raises(ValueError, match="consumed"):
+        torch.ops.moe_engine.mlp_backward(mod._handle, state, header, x, dy, 2, *grads)
+    with pytest.raises(ValueError, match="'x'"):
+        y, state, header = torch.ops.moe_engine.mlp_forward(mod._handle, x, idx, probs, *lists, mod._state_bytes)
+        torch.ops.moe_engine.mlp_backward(mod._handle, state, header, x.clone(), dy, 2, *grads)

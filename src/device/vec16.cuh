@@ -1,4 +1,4 @@
-// 16-byte row vectors for the dispatch kernels: every row moves as uint4 (one 16-byte load or store
+// 16-byte vectors shared by the kernel families (dispatch, activation, bias): every row moves as uint4 (one 16-byte load or store
 // per lane), and arithmetic unpacks a vector to fp32, works in fp32, and packs with round to
 // nearest even (the rounding of moe/float_convert.h).
 #pragma once
@@ -46,6 +46,29 @@ __device__ __forceinline__ uint4 pack(const float (&f)[RowVec<T>::kElems]) {
   uint4 v;
   memcpy(&v, e, 16);
   return v;
+}
+
+// 8 bf16 values = one 16-byte vector.
+constexpr int kVec = 8;
+
+__device__ __forceinline__ void load_bf16x8(const __nv_bfloat16* p, float (&v)[kVec]) {
+  uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < kVec / 2; ++i) {
+    float2 f = __bfloat1622float2(h2[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+
+// Round to nearest even, like moe::float_to_bf16_bits on the host.
+__device__ __forceinline__ void store_bf16x8(__nv_bfloat16* p, const float (&v)[kVec]) {
+  uint4 raw;
+  __nv_bfloat162* h2 = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < kVec / 2; ++i) h2[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+  *reinterpret_cast<uint4*>(p) = raw;
 }
 
 __device__ __forceinline__ unsigned lanemask_lt() {

@@ -1,0 +1,127 @@
+// TORCH_LIBRARY operators of the experts alone (moe::GroupedExperts): rows already dispatched into
+// ragged expert groups by any dispatcher -> expert outputs, forward, backward, backward_dw. As for
+// the layer, each forward returns its saved state as two tensors that autograd keeps; x_perm,
+// group_offsets and probs_perm (and dY in delayed mode) are read again by address, so the Python
+// side keeps those tensors alive with the state.
+#include <torch/library.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "csrc/handle_registry.h"
+#include "csrc/param_binding.h"
+#include "csrc/torch_interop.h"
+#include "moe/grouped_experts.h"
+
+namespace moe::torch_ext {
+namespace {
+
+using ExpertsState = Bound<GroupedExperts>;
+constexpr int kHeaders = GroupedExperts::kStateHeaders;
+
+HandleRegistry<ExpertsState>& registry() {
+  static HandleRegistry<ExpertsState> r;
+  return r;
+}
+
+int64_t experts_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t max_rows, const std::string& activation,
+                       int64_t glu_interleave, double alpha, double limit, double offset, bool bias,
+                       bool probs_at_combine, bool per_expert, bool accumulate, bool fp32_wgrad, bool delay_wgrad) {
+  return translate_errors([&] {
+    ExpertsConfig c;
+    c.hidden = hidden;
+    c.ffn = ffn;
+    c.experts = static_cast<int>(experts);
+    c.max_rows = max_rows;
+    set_expert_options(c, activation, glu_interleave, alpha, limit, offset, bias, probs_at_combine, per_expert,
+                       accumulate, fp32_wgrad, delay_wgrad);
+    return registry().add(std::make_unique<ExpertsState>(c));
+  });
+}
+
+void experts_destroy(int64_t handle) { registry().remove(handle); }
+int64_t experts_state_bytes(int64_t handle) { return static_cast<int64_t>(registry().get(handle).op.state_bytes()); }
+
+// x_perm [rows, H], group_offsets int32 [E + 1], probs_perm fp32 [rows] or None -> Y [rows, H], state, header.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> experts_forward(
+    int64_t handle, const at::Tensor& x_perm, const at::Tensor& group_offsets, const c10::optional<at::Tensor>& probs_perm,
+    const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1, const std::vector<at::Tensor>& w2,
+    const std::vector<at::Tensor>& b2, int64_t state_bytes) {
+  ExpertsState& s = registry().get(handle);
+  return translate_errors([&] {
+    GroupedExperts& ex = s.op;
+    require_dims(x_perm, "x_perm", 2);
+    MOE_CHECK(state_bytes == static_cast<int64_t>(ex.state_bytes()), "argument 'state_bytes': expected ",
+              ex.state_bytes(), ", got ", state_bytes);
+    s.bind_weights(w1, b1, w2, b2);
+    at::Tensor Y = at::empty_like(x_perm, at::MemoryFormat::Contiguous);
+    auto [dev, host] = new_state_tensors(ex.state_bytes(), kHeaders, x_perm);
+    ex.forward(view(x_perm, "x_perm"), view(group_offsets, "group_offsets"),
+               probs_perm ? view(*probs_perm, "probs_perm") : TensorView(), view(Y, "Y"), state_of(dev, host, kHeaders),
+               current_stream());
+    return std::make_tuple(Y, dev, host);
+  });
+}
+
+// dY [rows, H] -> dx_perm [rows, H], d_probs_perm fp32 [rows] (empty [0] without probs).
+std::tuple<at::Tensor, at::Tensor> experts_backward(int64_t handle, const at::Tensor& state, const at::Tensor& header,
+                                                     const at::Tensor& dY, bool with_probs,
+                                                     const std::vector<at::Tensor>& gw1,
+                                                     const std::vector<at::Tensor>& gb1,
+                                                     const std::vector<at::Tensor>& gw2,
+                                                     const std::vector<at::Tensor>& gb2) {
+  ExpertsState& s = registry().get(handle);
+  return translate_errors([&] {
+    GroupedExperts& ex = s.op;
+    const SavedState st = state_of(state, header, kHeaders);
+    require_dims(dY, "dY", 2);
+    if (!ex.config().delay_wgrad) s.bind_grads(gw1, gb1, gw2, gb2);
+    const bool probs = ex.config().probs == ProbsPlacement::kInActivation;
+    MOE_CHECK(with_probs == probs, "argument 'with_probs': expected ", probs ? "true" : "false",
+              " (the experts' probs placement)");
+    at::Tensor dx_perm = at::empty_like(dY, at::MemoryFormat::Contiguous);
+    at::Tensor dpp = at::empty({probs ? dY.size(0) : 0}, dY.options().dtype(at::kFloat));
+    ex.backward(view(dY, "dY"), view(dx_perm, "dx_perm"), probs ? view(dpp, "d_probs_perm") : TensorView(), st,
+                current_stream());
+    return std::make_tuple(dx_perm, dpp);
+  });
+}
+
+void experts_backward_dw(int64_t handle, const at::Tensor& state, const at::Tensor& header,
+                         const std::vector<at::Tensor>& gw1, const std::vector<at::Tensor>& gb1,
+                         const std::vector<at::Tensor>& gw2, const std::vector<at::Tensor>& gb2) {
+  ExpertsState& s = registry().get(handle);
+  translate_errors([&] {
+    const SavedState st = state_of(state, header, kHeaders);
+    s.bind_grads(gw1, gb1, gw2, gb2);
+    s.op.backward_dw(st, current_stream());
+    return 0;
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(moe_engine, m) {
+  m.def("experts_create(int hidden, int ffn, int experts, int max_rows, str activation, int glu_interleave, "
+        "float alpha, float limit, float offset, bool bias, bool probs_at_combine, bool per_expert, "
+        "bool accumulate, bool fp32_wgrad, bool delay_wgrad) -> int",
+        &experts_create);
+  m.def("experts_destroy(int handle) -> ()", &experts_destroy);
+  m.def("experts_state_bytes(int handle) -> int", &experts_state_bytes);
+  m.def("experts_forward(int handle, Tensor x_perm, Tensor group_offsets, Tensor? probs_perm, Tensor[] fc1_weight, "
+        "Tensor[] fc1_bias, Tensor[] fc2_weight, Tensor[] fc2_bias, int state_bytes) -> (Tensor, Tensor, Tensor)");
+  m.def("experts_backward(int handle, Tensor state, Tensor(s!) state_header, Tensor dY, bool with_probs, "
+        "Tensor(a!)[] fc1_weight_grad, Tensor(b!)[] fc1_bias_grad, Tensor(c!)[] fc2_weight_grad, "
+        "Tensor(d!)[] fc2_bias_grad) -> (Tensor, Tensor)");
+  m.def("experts_backward_dw(int handle, Tensor state, Tensor(s!) state_header, Tensor(a!)[] fc1_weight_grad, "
+        "Tensor(b!)[] fc1_bias_grad, Tensor(c!)[] fc2_weight_grad, Tensor(d!)[] fc2_bias_grad) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(moe_engine, CUDA, m) {
+  m.impl("experts_forward", &experts_forward);
+  m.impl("experts_backward", &experts_backward);
+  m.impl("experts_backward_dw", &experts_backward_dw);
+}
+
+}  // namespace moe::torch_ext

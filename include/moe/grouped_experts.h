@@ -1,0 +1,96 @@
+// moe::GroupedExperts -- the experts alone: fc1 (+bias) -> activation (x prob) -> fc2 (+bias)
+// over rows that some token dispatcher already placed in ragged expert groups, forward and
+// backward, CUDA-graph-safe (docs/semantics.md: expert MLP, state and graph safety).
+//
+//   forward:  (x_perm [rows, H], group_offsets int32 [E + 1], probs_perm fp32 [rows]) -> Y [rows, H]
+//   backward: dY [rows, H] -> dx_perm [rows, H], d_probs_perm fp32 [rows] (+ weight gradients)
+//
+// Group e is rows [g[e], g[e + 1]) of x_perm; rows past g[E] are neither read nor written. Any
+// dispatcher composes with it: the local moe::Dispatcher (moe::GroupedMlp is exactly that
+// composition), or an expert-parallel all-to-all.
+//
+// The op holds configuration, bound parameters and workspaces sized at construction. What a
+// backward needs lives in a caller-owned SavedState (new_state(), reusable once consumed):
+// activations h and act, and in delayed-wgrad mode dh. The inputs x_perm, group_offsets and
+// probs_perm, and in delayed mode dY, are saved *by reference*: the caller keeps them alive and
+// unchanged until the backward (backward_dw in delayed mode) of that state has been enqueued.
+// Calls of one GroupedExperts object must be ordered (one stream, or synchronised), because its
+// backward workspaces are shared by all states; different objects may run concurrently.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "moe/grouped_mlp_config.h"
+#include "moe/saved_state.h"
+#include "moe/tensor.h"
+
+namespace moe {
+
+// Device views of the four parameters (or of their gradients), in the config's layout:
+//   kSingleGrouped: one view each: fc1 [E, fc1_out, H], fc1_bias [E, fc1_out], fc2 [E, H, F], fc2_bias [E, H]
+//   kPerExpert:     E views each:  fc1 [fc1_out, H],    fc1_bias [fc1_out],    fc2 [H, F],    fc2_bias [H]
+// Biases are empty when config.bias is false. Gradients: dtype wgrad_dtype (kWrite) or fp32
+// main_grad (kAccumulate), each parameter's in either layout (independent of the weights' layout:
+// one view with the leading E dimension is single grouped, E views are per expert).
+struct ExpertTensors {
+  std::vector<TensorView> fc1_weight, fc1_bias, fc2_weight, fc2_bias;
+};
+
+class GroupedExperts {
+ public:
+  using Hook = std::function<void(Param)>;
+
+  explicit GroupedExperts(const ExpertsConfig& config);
+  ~GroupedExperts();
+  GroupedExperts(const GroupedExperts&) = delete;
+  GroupedExperts& operator=(const GroupedExperts&) = delete;
+
+  const ExpertsConfig& config() const;
+
+  // Binds parameter and gradient memory (pointers only: the data may change between calls, the
+  // addresses must not once a graph has been captured). Binding per-expert tensors uploads a
+  // pointer table synchronously: never inside a captured region. A forward records the weight
+  // binding it used; its backward refuses to run against a different one.
+  void set_weights(const ExpertTensors& weights);
+  void set_grads(const ExpertTensors& grads);
+  // Called once per backward (or backward_dw) when that parameter's gradient is final, on the
+  // host while the work is being enqueued (so a reducer can enqueue its reduce-scatter after it).
+  void register_hook(Param param, Hook hook);
+
+  // A saved state: device bytes and host headers; new_state() allocates one.
+  size_t state_bytes() const;
+  static constexpr int kStateHeaders = 1;
+  SavedState new_state(DeviceAllocator& allocator = cuda_malloc_allocator()) const;
+
+  // x_perm bf16 [rows, H] (rows <= max_rows), group_offsets int32 [E + 1], probs_perm fp32 [rows]
+  // (probs in the activation; an empty view otherwise) -> Y bf16 [rows, H]. `state` must be empty
+  // or consumed; it is filled for the backward.
+  void forward(const TensorView& x_perm, const TensorView& group_offsets, const TensorView& probs_perm,
+               const TensorView& Y, const SavedState& state, cudaStream_t stream);
+  // Fills `state` like forward (bitwise the same activations) without computing Y: the recompute
+  // step of activation checkpointing.
+  void recompute(const TensorView& x_perm, const TensorView& group_offsets, const TensorView& probs_perm,
+                 const SavedState& state, cudaStream_t stream);
+
+  // dY bf16 [rows, H] -> dx_perm bf16 [rows, H] and d_probs_perm fp32 [rows] (probs in the
+  // activation; an empty view otherwise), weight gradients too unless delay_wgrad. Without
+  // delay_wgrad, dx_perm may be the very buffer of dY (dY is fully read before dx_perm is written).
+  void backward(const TensorView& dY, const TensorView& dx_perm, const TensorView& d_probs_perm,
+                const SavedState& state, cudaStream_t stream);
+  // Delayed mode: fc2's weight gradients, then fc1's, each parameter's hooks once it is final.
+  void backward_dw(const SavedState& state, cudaStream_t stream);
+
+  // Device memory held by the op (backward workspaces, GEMM call workspace, bias workspace).
+  size_t workspace_bytes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moe

@@ -1,0 +1,30 @@
+#include "gemm/tile_heuristic.h"
+
+namespace moe::gemm {
+
+// Every rule is a measurement on the named benchmark shapes (interleaved timing, docs/gemm.md):
+//  - short reductions: the epilogue no longer hides behind a short main loop, and ping-pong (one
+//    warp group's epilogue overlapping the other's main loop) beats the cooperative 128x256 tile;
+//  - long reductions: cooperative 128x256; the 1x2 cluster (token tile multicast to two N tiles)
+//    beats 2x1 when the output width fills whole cluster pairs of 256-wide tiles, otherwise half a
+//    cluster idles and 2x1 is used;
+//  - wgrad: the scheduler walks each expert's tiles along N when the output is taller than wide
+//    (measured 1.0-1.05x on bf16 and up to 1.38x on the fp32 main_grad of mixtral fc1; along M
+//    is better the other way round).
+TileChoice choose_tiles(Op op, int64_t N, int64_t K) {
+  switch (op) {
+    case Op::kFprop: {  // Y [m, N], reduction K
+      const bool short_k = K <= 1024 || (K <= 2048 && N <= 2048);
+      if (short_k && N % 256 == 0) return {"pong_128x128x64_c1x2", true};
+      return {N % 512 == 0 ? "coop_128x256x64_c1x2" : "coop_128x256x64_c2x1", false};
+    }
+    case Op::kDgrad:  // dX [m, K], reduction N
+      if (N <= 768) return {"pong_128x128x64_c2x1", true};
+      return {K % 512 == 0 ? "coop_128x256x64_c1x2" : "coop_128x256x64_c2x1", false};
+    case Op::kWgrad:  // dW [N, K], reduction over the tokens of an expert
+      return {"coop_128x256x64_c2x1", N > K};
+  }
+  return {"coop_128x256x64_c2x1", false};
+}
+
+}  // namespace moe::gemm

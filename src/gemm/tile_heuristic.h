@@ -1,0 +1,20 @@
+// The tile configuration of a grouped product, chosen from static quantities only (the op and the
+// shape N, K -- never device data), so eager and captured runs always pick the same kernel.
+#pragma once
+
+#include <cstdint>
+
+#include "gemm/grouped_kernel.h"
+
+namespace moe::gemm {
+
+// A kernel configuration name (see kernel_registry.cpp) and the persistent scheduler's tile order
+// inside each group.
+struct TileChoice {
+  const char* name;
+  bool raster_along_n;
+};
+
+TileChoice choose_tiles(Op op, int64_t N, int64_t K);
+
+}  // namespace moe::gemm

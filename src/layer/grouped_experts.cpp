@@ -1,0 +1,384 @@
+// moe::GroupedExperts: the expert MLP over dispatched rows, composed from the grouped GEMM,
+// activation and bias kernels. This file checks arguments, plans memory and orders the stages;
+// the math lives in the kernels it calls.
+//
+// Forward:  fc1 (+b1) -> act x p -> fc2 (+b2 p)
+// Backward: [fc2 wgrad] -> fc2 dgrad -> act bwd (+dp) -> fc1 dgrad -> [fc1 wgrad]
+//           (weight gradients deferred to backward_dw in delayed mode)
+//
+// Memory: the saved state holds h and act (and dh in delayed mode, which backward_dw reads);
+// the op's workspace holds what one backward needs only while it runs: dh (non-delayed), dact
+// (delayed: act must survive until backward_dw; otherwise dact overwrites act once fc2's wgrad
+// has read it), the bias-gradient workspace and the GEMM call workspace.
+#include "moe/grouped_experts.h"
+
+#include <array>
+#include <string>
+
+#include "device/cuda_check.h"
+#include "device/device_arena.h"
+#include "device/pointer_table.h"
+#include "device/state_check.h"
+#include "moe/activation_ops.h"
+#include "moe/bias_ops.h"
+#include "moe/error.h"
+#include "moe/grouped_gemm.h"
+
+namespace moe {
+
+namespace {
+
+constexpr std::array<Param, 4> kHookOrder = {Param::kFc2Weight, Param::kFc2Bias, Param::kFc1Weight, Param::kFc1Bias};
+
+// The views of one parameter in a layout, checked.
+void check_param_views(const std::vector<TensorView>& views, const char* name, int64_t E, WeightLayout layout,
+                       std::initializer_list<int64_t> expert_shape, DType dtype) {
+  if (layout == WeightLayout::kSingleGrouped) {
+    MOE_CHECK(views.size() == 1, "argument '", name, "': single-grouped layout expects 1 tensor, got ", views.size());
+    std::vector<int64_t> s{E};
+    s.insert(s.end(), expert_shape);
+    const TensorView& v = views[0];
+    check_device(v, name, Device::kCUDA);
+    check_dtype(v, name, dtype);
+    MOE_CHECK(v.ndim == static_cast<int>(s.size()), "argument '", name, "': expected ", s.size(), " dims, got ",
+              v.shape_string());
+    for (size_t d = 0; d < s.size(); ++d)
+      MOE_CHECK(v.shape[d] == s[d], "argument '", name, "': expected dimension ", d, " of size ", s[d], ", got ",
+                v.shape_string());
+    check_contiguous(v, name);
+    check_pointer(v, name, 16);
+  } else {
+    MOE_CHECK(static_cast<int64_t>(views.size()) == E, "argument '", name, "': per-expert layout expects ", E,
+              " tensors, got ", views.size());
+    for (const TensorView& v : views) check_device_tensor(v, name, dtype, expert_shape);
+  }
+}
+
+// Gradients may be bound in either layout, independently of the weights' layout (e.g. one grouped
+// gradient buffer for per-expert weights): a single view with the extra leading E dimension is
+// single grouped.
+WeightLayout layout_of(const std::vector<TensorView>& views, size_t expert_ndim, int experts) {
+  return views.size() == 1 && experts >= 1 && views[0].ndim == static_cast<int>(expert_ndim) + 1
+             ? WeightLayout::kSingleGrouped
+             : WeightLayout::kPerExpert;
+}
+
+TensorView bf16_view(void* p, int64_t rows, int64_t cols) {
+  return TensorView(p, DType::kBF16, {rows, cols}, Device::kCUDA);
+}
+
+// Saved state layout (header words: pointer = x_perm, reserved = group offsets, probs_perm, dY).
+struct StateBuffers {
+  uint16_t *h = nullptr, *act = nullptr, *dh = nullptr;
+};
+
+}  // namespace
+
+struct GroupedExperts::Impl {
+  ExpertsConfig cfg;
+  uint64_t serial = next_op_serial();
+  int64_t R = 0;
+  GroupedGemm gemm;
+  std::array<std::vector<Hook>, 4> hooks;
+
+  // Bound parameters and gradients; binding counts weight bindings (a forward records it).
+  bool have_weights = false, have_grads = false;
+  uint64_t binding = 0;
+  ExpertMatrices w1, w2, dw1, dw2;
+  ExpertRows b1, b2, db1, db2;
+  // Device tables of per-expert bias row pointers (b1, b2, db1, db2): a new table per binding, the
+  // old one freed (cudaFree waits for kernels in flight), never rewritten in place.
+  std::shared_ptr<void> bias_tables[4];
+
+  // Workspace.
+  DeviceBuffer block;
+  size_t block_bytes = 0, state_bytes = 0;
+  uint16_t *dh_ws = nullptr, *dact_ws = nullptr;
+  uint8_t* bias_ws = nullptr;
+  size_t bias_ws_bytes = 0;
+  uint8_t* gemm_ws = nullptr;
+  size_t gemm_ws_bytes = 0;
+
+  explicit Impl(const ExpertsConfig& c) : cfg((c.validate(), c)), R(c.max_rows), gemm(c.experts, c.max_rows) {
+    gemm_ws_bytes = gemm.workspace_bytes();
+    plan_workspace(nullptr);
+    block = cuda_malloc_allocator().allocate(block_bytes);
+    plan_workspace(static_cast<char*>(block.get()));
+    state_layout(nullptr, &state_bytes);
+  }
+
+  bool probs_in_act() const { return cfg.probs == ProbsPlacement::kInActivation; }
+  bool accumulate() const { return cfg.wgrad == WgradMode::kAccumulate; }
+
+  void plan_workspace(char* base) {
+    const int64_t H = cfg.hidden, F = cfg.ffn, F1 = cfg.fc1_out();
+    DeviceArena a(base);
+    if (!cfg.delay_wgrad) dh_ws = a.take<uint16_t>(R * F1);
+    if (cfg.delay_wgrad) dact_ws = a.take<uint16_t>(R * F);
+    if (cfg.bias) {
+      bias_ws_bytes = std::max(bias_grad_workspace_bytes(R, cfg.experts, H), bias_grad_workspace_bytes(R, cfg.experts, F1));
+      bias_ws = a.take<uint8_t>(static_cast<int64_t>(bias_ws_bytes));
+    }
+    gemm_ws = a.take<uint8_t>(static_cast<int64_t>(gemm_ws_bytes));
+    block_bytes = a.used();
+  }
+
+  StateBuffers state_layout(char* base, size_t* bytes = nullptr) const {
+    const int64_t F = cfg.ffn, F1 = cfg.fc1_out();
+    DeviceArena a(base);
+    StateBuffers b;
+    b.h = a.take<uint16_t>(R * F1);
+    b.act = a.take<uint16_t>(R * F);
+    if (cfg.delay_wgrad) b.dh = a.take<uint16_t>(R * F1);
+    if (bytes) *bytes = a.used();
+    return b;
+  }
+
+  TensorView gemm_workspace() const {
+    return TensorView(gemm_ws, DType::kUInt8, {static_cast<int64_t>(gemm_ws_bytes)}, Device::kCUDA);
+  }
+  TensorView bias_workspace() const {
+    return TensorView(bias_ws, DType::kUInt8, {static_cast<int64_t>(bias_ws_bytes)}, Device::kCUDA);
+  }
+
+  static ExpertMatrices matrices(const std::vector<TensorView>& views, WeightLayout layout, const char* name) {
+    return layout == WeightLayout::kSingleGrouped ? ExpertMatrices::grouped(views[0], name)
+                                                  : ExpertMatrices::per_expert(views, name);
+  }
+  // Bias rows; per-expert layout uploads the E row pointers into table slot `slot` (synchronously:
+  // this happens when parameters are bound, never inside forward/backward).
+  ExpertRows rows(const std::vector<TensorView>& views, WeightLayout layout, int slot) {
+    if (layout == WeightLayout::kSingleGrouped) return ExpertRows::single_grouped(views[0]);
+    std::vector<const void*> ptrs;
+    for (const TensorView& t : views) ptrs.push_back(t.data);
+    bias_tables[slot] = upload_pointer_table(ptrs);
+    return ExpertRows::per_expert(static_cast<void* const*>(bias_tables[slot].get()), views[0].dtype, cfg.experts,
+                                  views[0].shape[views[0].ndim - 1]);
+  }
+
+  void check_bias_views(const std::vector<TensorView>& views, const char* name, WeightLayout layout, int64_t n,
+                        DType dtype) const {
+    if (!cfg.bias) {
+      MOE_CHECK(views.empty(), "argument '", name, "': the experts have no biases (config.bias = false)");
+      return;
+    }
+    check_param_views(views, name, cfg.experts, layout, {n}, dtype);
+  }
+
+  void fire_hooks(Param p) {
+    if (!cfg.bias && (p == Param::kFc1Bias || p == Param::kFc2Bias)) return;
+    for (auto& hook : hooks[static_cast<int>(p)]) hook(p);
+  }
+
+  // Inputs of a forward, checked; returns rows.
+  int64_t check_inputs(const TensorView& x_perm, const TensorView& group_offsets, const TensorView& probs_perm,
+                       const char* call) const {
+    MOE_CHECK(have_weights, call, ": no weights bound (call set_weights first)");
+    MOE_CHECK(x_perm.ndim == 2 && x_perm.shape[1] == cfg.hidden, "argument 'x_perm': expected shape [rows, ",
+              cfg.hidden, "], got ", x_perm.shape_string());
+    const int64_t rows = x_perm.shape[0];
+    MOE_CHECK(rows <= R, "argument 'x_perm': ", rows, " rows exceed config.max_rows = ", R);
+    check_device_tensor(x_perm, "x_perm", cfg.dtype, {rows, cfg.hidden});
+    check_device_tensor(group_offsets, "group_offsets", DType::kInt32, {int64_t(cfg.experts) + 1}, 4);
+    if (probs_in_act())
+      check_device_tensor(probs_perm, "probs_perm", DType::kFP32, {rows}, 4);
+    else
+      MOE_CHECK(probs_perm.data == nullptr, "argument 'probs_perm': the experts do not apply probs ",
+                "(config.probs = at combine); pass an empty view");
+    return rows;
+  }
+
+  // fc1 (+b1) and the activation into the state's buffers.
+  void activations(const TensorView& x_perm, const TensorView& g, const TensorView& pp, const StateBuffers& b,
+                   int64_t rows, cudaStream_t s) const {
+    const int64_t F = cfg.ffn, F1 = cfg.fc1_out();
+    gemm.fprop(x_perm, w1, g, bf16_view(b.h, rows, F1), gemm_workspace(), s);
+    if (cfg.bias) bias_add(bf16_view(b.h, rows, F1), b1, TensorView(), g, s);
+    activation_forward(cfg.activation, bf16_view(b.h, rows, F1), pp, g, bf16_view(b.act, rows, F), s);
+  }
+
+  void fill_header(const SavedState& st, const TensorView& x_perm, const TensorView& g, const TensorView& pp,
+                   int64_t rows) const {
+    mark_filled(st, serial, StateKind::kExperts, rows);
+    StateHeader& h = st.header(0);
+    h.binding = binding;
+    h.pointer = reinterpret_cast<uint64_t>(x_perm.data);
+    h.reserved[0] = reinterpret_cast<uint64_t>(g.data);
+    h.reserved[1] = reinterpret_cast<uint64_t>(pp.data);
+  }
+
+  // The saved inputs of a filled state, as views.
+  struct Saved {
+    int64_t rows;
+    TensorView x_perm, g, pp;
+    StateBuffers b;
+  };
+  Saved saved(const SavedState& st) const {
+    const StateHeader& h = st.header(0);
+    Saved v;
+    v.rows = h.tokens;
+    v.x_perm = bf16_view(reinterpret_cast<void*>(h.pointer), v.rows, cfg.hidden);
+    v.g = TensorView(reinterpret_cast<void*>(h.reserved[0]), DType::kInt32, {int64_t(cfg.experts) + 1},
+                     Device::kCUDA);
+    v.pp = probs_in_act() ? TensorView(reinterpret_cast<void*>(h.reserved[1]), DType::kFP32, {v.rows}, Device::kCUDA)
+                          : TensorView();
+    v.b = state_layout(static_cast<char*>(st.device()));
+    return v;
+  }
+
+  void wgrad_fc2(const TensorView& dY, const Saved& v, cudaStream_t s) {
+    gemm.wgrad(dY, bf16_view(v.b.act, v.rows, cfg.ffn), v.g, dw2, accumulate(), gemm_workspace(), s);
+    if (cfg.bias) bias_grad(dY, v.pp, v.g, db2, accumulate(), bias_workspace(), s);
+  }
+  void wgrad_fc1(const TensorView& dh, const Saved& v, cudaStream_t s) {
+    gemm.wgrad(dh, v.x_perm, v.g, dw1, accumulate(), gemm_workspace(), s);
+    if (cfg.bias) bias_grad(dh, TensorView(), v.g, db1, accumulate(), bias_workspace(), s);
+  }
+};
+
+GroupedExperts::GroupedExperts(const ExpertsConfig& config) : impl_(std::make_unique<Impl>(config)) {}
+GroupedExperts::~GroupedExperts() = default;
+
+const ExpertsConfig& GroupedExperts::config() const { return impl_->cfg; }
+size_t GroupedExperts::state_bytes() const { return impl_->state_bytes; }
+size_t GroupedExperts::workspace_bytes() const { return impl_->block_bytes; }
+
+SavedState GroupedExperts::new_state(DeviceAllocator& allocator) const {
+  return SavedState::allocate(impl_->state_bytes, kStateHeaders, allocator);
+}
+
+void GroupedExperts::set_weights(const ExpertTensors& w) {
+  Impl& m = *impl_;
+  const auto& c = m.cfg;
+  const WeightLayout L = c.layout;
+  check_param_views(w.fc1_weight, "fc1.weight", c.experts, L, {c.fc1_out(), c.hidden}, c.dtype);
+  check_param_views(w.fc2_weight, "fc2.weight", c.experts, L, {c.hidden, c.ffn}, c.dtype);
+  m.check_bias_views(w.fc1_bias, "fc1.bias", L, c.fc1_out(), c.dtype);
+  m.check_bias_views(w.fc2_bias, "fc2.bias", L, c.hidden, c.dtype);
+  m.w1 = Impl::matrices(w.fc1_weight, L, "fc1.weight");
+  m.w2 = Impl::matrices(w.fc2_weight, L, "fc2.weight");
+  if (c.bias) {
+    m.b1 = m.rows(w.fc1_bias, L, 0);
+    m.b2 = m.rows(w.fc2_bias, L, 1);
+  }
+  m.have_weights = true;
+  ++m.binding;
+}
+
+void GroupedExperts::set_grads(const ExpertTensors& g) {
+  Impl& m = *impl_;
+  const auto& c = m.cfg;
+  const DType t = c.wgrad == WgradMode::kAccumulate ? DType::kFP32 : c.wgrad_dtype;
+  const int E = c.experts;
+  const WeightLayout L1 = layout_of(g.fc1_weight, 2, E), L2 = layout_of(g.fc2_weight, 2, E);
+  const WeightLayout Lb1 = layout_of(g.fc1_bias, 1, E), Lb2 = layout_of(g.fc2_bias, 1, E);
+  check_param_views(g.fc1_weight, "fc1.weight grad", E, L1, {c.fc1_out(), c.hidden}, t);
+  check_param_views(g.fc2_weight, "fc2.weight grad", E, L2, {c.hidden, c.ffn}, t);
+  m.check_bias_views(g.fc1_bias, "fc1.bias grad", Lb1, c.fc1_out(), t);
+  m.check_bias_views(g.fc2_bias, "fc2.bias grad", Lb2, c.hidden, t);
+  m.dw1 = Impl::matrices(g.fc1_weight, L1, "fc1.weight grad");
+  m.dw2 = Impl::matrices(g.fc2_weight, L2, "fc2.weight grad");
+  if (c.bias) {
+    m.db1 = m.rows(g.fc1_bias, Lb1, 2);
+    m.db2 = m.rows(g.fc2_bias, Lb2, 3);
+  }
+  m.have_grads = true;
+}
+
+void GroupedExperts::register_hook(Param param, Hook hook) {
+  MOE_CHECK(static_cast<bool>(hook), "argument 'hook': expected a callable");
+  impl_->hooks[static_cast<int>(param)].push_back(std::move(hook));
+}
+
+void GroupedExperts::forward(const TensorView& x_perm, const TensorView& g, const TensorView& pp, const TensorView& Y,
+                             const SavedState& state, cudaStream_t s) {
+  Impl& m = *impl_;
+  const int64_t rows = m.check_inputs(x_perm, g, pp, "GroupedExperts::forward");
+  check_device_tensor(Y, "Y", m.cfg.dtype, {rows, m.cfg.hidden});
+  check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
+  MOE_CHECK(state.status() == StateStatus::kEmpty || state.status() == StateStatus::kConsumed,
+            "argument 'state' of GroupedExperts::forward: expected an empty or consumed saved state, got one ",
+            state_status_name(state.status()), " (its backward has not run; reset() it to discard that forward)");
+  const StateBuffers b = m.state_layout(static_cast<char*>(state.device()));
+  m.activations(x_perm, g, pp, b, rows, s);
+  m.gemm.fprop(bf16_view(b.act, rows, m.cfg.ffn), m.w2, g, Y, m.gemm_workspace(), s);
+  if (m.cfg.bias) bias_add(Y, m.b2, pp, g, s);
+  m.fill_header(state, x_perm, g, pp, rows);
+}
+
+void GroupedExperts::recompute(const TensorView& x_perm, const TensorView& g, const TensorView& pp,
+                               const SavedState& state, cudaStream_t s) {
+  Impl& m = *impl_;
+  const int64_t rows = m.check_inputs(x_perm, g, pp, "GroupedExperts::recompute");
+  check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
+  MOE_CHECK(state.status() != StateStatus::kAwaitingWgrad,
+            "argument 'state' of GroupedExperts::recompute: the state still awaits backward_dw");
+  const StateBuffers b = m.state_layout(static_cast<char*>(state.device()));
+  m.activations(x_perm, g, pp, b, rows, s);
+  m.fill_header(state, x_perm, g, pp, rows);
+}
+
+void GroupedExperts::backward(const TensorView& dY, const TensorView& dx_perm, const TensorView& dpp,
+                              const SavedState& state, cudaStream_t s) {
+  Impl& m = *impl_;
+  const auto& c = m.cfg;
+  check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
+  check_state(state, "state", m.serial, StateKind::kExperts, {StateStatus::kFilled}, "GroupedExperts::backward");
+  MOE_CHECK(state.header(0).binding == m.binding, "argument 'state' of GroupedExperts::backward: the weights were ",
+            "rebound since its forward (set_weights between a forward and its backward)");
+  MOE_CHECK(c.delay_wgrad || m.have_grads, "GroupedExperts::backward: no gradient tensors bound (call set_grads first)");
+  const Impl::Saved v = m.saved(state);
+  const int64_t rows = v.rows, H = c.hidden, F = c.ffn, F1 = c.fc1_out();
+  check_device_tensor(dY, "dY", c.dtype, {rows, H});
+  check_device_tensor(dx_perm, "dx_perm", c.dtype, {rows, H});
+  if (m.probs_in_act())
+    check_device_tensor(dpp, "d_probs_perm", DType::kFP32, {rows}, 4);
+  else
+    MOE_CHECK(dpp.data == nullptr, "argument 'd_probs_perm': the experts do not apply probs (config.probs = at ",
+              "combine); pass an empty view");
+  MOE_CHECK(!c.delay_wgrad || dx_perm.data != dY.data, "argument 'dx_perm': with delay_wgrad, dY is read again by ",
+            "backward_dw, so dx_perm must not be the buffer of dY");
+
+  if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);  // reads act before dact overwrites it
+  uint16_t* dact = c.delay_wgrad ? m.dact_ws : v.b.act;
+  uint16_t* dh = c.delay_wgrad ? v.b.dh : m.dh_ws;
+  m.gemm.dgrad(dY, m.w2, v.g, bf16_view(dact, rows, F), m.gemm_workspace(), s);
+  if (m.probs_in_act()) {
+    activation_backward(c.activation, bf16_view(v.b.h, rows, F1), v.pp, bf16_view(dact, rows, F), v.g,
+                        bf16_view(dh, rows, F1), dpp, s);
+    if (c.bias) bias_dprobs(dY, m.b2, v.g, dpp, /*accumulate=*/true, s);
+  } else {
+    activation_backward(c.activation, bf16_view(v.b.h, rows, F1), TensorView(), bf16_view(dact, rows, F), v.g,
+                        bf16_view(dh, rows, F1), TensorView(), s);
+  }
+  m.gemm.dgrad(bf16_view(dh, rows, F1), m.w1, v.g, dx_perm, m.gemm_workspace(), s);
+  StateHeader& h = state.header(0);
+  if (c.delay_wgrad) {
+    h.reserved[2] = reinterpret_cast<uint64_t>(dY.data);
+    h.status = static_cast<int32_t>(StateStatus::kAwaitingWgrad);
+    return;
+  }
+  m.wgrad_fc1(bf16_view(dh, rows, F1), v, s);
+  h.status = static_cast<int32_t>(StateStatus::kConsumed);  // act now holds dact
+  for (Param p : kHookOrder) m.fire_hooks(p);
+}
+
+void GroupedExperts::backward_dw(const SavedState& state, cudaStream_t s) {
+  Impl& m = *impl_;
+  MOE_CHECK(m.cfg.delay_wgrad, "GroupedExperts::backward_dw: only for config.delay_wgrad = true");
+  check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
+  check_state(state, "state", m.serial, StateKind::kExperts, {StateStatus::kAwaitingWgrad},
+              "GroupedExperts::backward_dw");
+  MOE_CHECK(m.have_grads, "GroupedExperts::backward_dw: no gradient tensors bound (call set_grads first)");
+  const Impl::Saved v = m.saved(state);
+  const TensorView dY = bf16_view(reinterpret_cast<void*>(state.header(0).reserved[2]), v.rows, m.cfg.hidden);
+  m.wgrad_fc2(dY, v, s);
+  m.fire_hooks(Param::kFc2Weight);
+  m.fire_hooks(Param::kFc2Bias);
+  m.wgrad_fc1(bf16_view(v.b.dh, v.rows, m.cfg.fc1_out()), v, s);
+  m.fire_hooks(Param::kFc1Weight);
+  m.fire_hooks(Param::kFc1Bias);
+  state.header(0).status = static_cast<int32_t>(StateStatus::kConsumed);
+}
+
+}  // namespace moe
