@@ -36,10 +36,19 @@ struct ConvertOptions {
 // Converts the expert layers of `sd` in place; returns their prefixes. No layer found is an error
 // (the input is probably not in the `from` format), as is an output key that collides with a
 // tensor that is not converted.
-std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions& options);
+//
+// Quantized expert weights (moe/checkpoint_quant.h) are those `metadata` declares ("moe.quant.<key>"
+// entries, the file's __metadata__): between per-expert and grouped, their data and companion
+// tensors move bit for bit (checked against the declared format before and after) and the
+// metadata stays valid as it is (it names the grouped key in both layouts). Re-interleaving fc1's
+// rows or Hugging Face naming would need requantization: an error for a quantized layer, as is a
+// weight with companion tensors that the metadata does not declare.
+std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions& options,
+                                            const Metadata& metadata = {});
 
-// File to file: reads `in` (memory-mapped), converts, writes `out` (atomically), keeping the
-// input's __metadata__. `progress` sees the bytes written.
+// File to file: reads `in` (memory-mapped), converts (quantized layers as its __metadata__
+// declares), writes `out` (atomically), keeping the input's __metadata__. `progress` sees the
+// bytes written.
 std::vector<std::string> convert_checkpoint(const std::string& in, const std::string& out,
                                             const ConvertOptions& options,
                                             const safetensors::ProgressFn& progress = {});

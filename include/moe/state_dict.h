@@ -86,6 +86,12 @@ std::string expert_param_key(const std::string& prefix, Param p, int expert);
 //     -- and removed; otherwise (some P.S{i} present, or P.S absent) nothing happens.
 // A key already in the target layout is never overwritten, so normalising twice changes nothing.
 // Stacking copies; splitting a borrowed tensor copies each slice.
+// The companion tensors of a quantized weight (P.S_scale_inv, P.S_columnwise,
+// P.S_columnwise_scale_inv, P.S_amax and their per-expert P.S{i}_scale_inv, ..., see
+// moe/checkpoint_quant.h) are families of their own under the same rules, so data and scales move
+// together bit for bit; a weight with any companion is split only along a first dimension of
+// exactly E (chunks of rows would cut its blocks and scale layouts). Every check runs before any
+// tensor moves: a call that throws leaves `sd` as it was.
 void normalize_expert_keys(StateDict& sd, const std::string& prefix, int num_experts, WeightLayout layout);
 
 }  // namespace moe

@@ -1,8 +1,11 @@
 // Checkpoint conversion (include/moe/checkpoint_convert.h).
 #include <algorithm>
+#include <map>
+#include <optional>
 #include <set>
 
 #include "moe/checkpoint_convert.h"
+#include "moe/checkpoint_quant.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -19,17 +22,110 @@ bool selected(const ConvertOptions& o, const std::string& prefix) {
   return o.prefixes.empty() || std::find(o.prefixes.begin(), o.prefixes.end(), prefix) != o.prefixes.end();
 }
 
-// Our keys of one layer: P.S and P.S{i} for every parameter.
-std::vector<std::string> our_keys(const StateDict& sd, const std::string& prefix) {
+bool is_weight(Param p) { return p == Param::kFc1Weight || p == Param::kFc2Weight; }
+
+// What follows a parameter's key in one of our tensors: an expert index or nothing, then (weights
+// of a quantized layer only) a companion suffix. Sets *index to the index or -1.
+bool our_key_rest(const std::string& rest, bool companions, int64_t* index) {
+  size_t digits = 0;
+  while (digits < rest.size() && rest[digits] >= '0' && rest[digits] <= '9') ++digits;
+  const std::string suffix = rest.substr(digits);
+  bool ours = suffix.empty();
+  if (companions)
+    for (QuantPart part : kQuantParts) ours = ours || suffix == quant_part_suffix(part);
+  if (!ours) return false;
+  *index = -1;
+  if (digits > 0) *index = digits > 9 ? INT64_MAX : std::stoll(rest.substr(0, digits));
+  return true;
+}
+
+// Our keys of one layer: P.S and P.S{i} for every parameter, and with `companions` the quantized
+// weights' P.S{i}_scale_inv, ... too.
+std::vector<std::string> our_keys(const StateDict& sd, const std::string& prefix, bool companions = false) {
   std::vector<std::string> keys;
   for (Param p : kParams) {
     const std::string base = expert_param_key(prefix, p);
     for (auto it = sd.lower_bound(base); it != sd.end() && it->first.compare(0, base.size(), base) == 0; ++it) {
-      const std::string rest = it->first.substr(base.size());
-      if (rest.find_first_not_of("0123456789") == std::string::npos) keys.push_back(it->first);
+      int64_t index;
+      if (our_key_rest(it->first.substr(base.size()), companions && is_weight(p), &index)) keys.push_back(it->first);
     }
   }
   return keys;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// The expert layers with a quantized weight, by prefix: parameters "<prefix>fc1.weight" /
+// "<prefix>fc2.weight" that the metadata declares and that are stored as experts (a 3-D grouped
+// tensor or per-expert keys). Other quantized tensors (a dense layer's) are not experts.
+std::map<std::string, std::vector<QuantizedParamDecl>> quantized_expert_layers(const StateDict& sd,
+                                                                                const Metadata& metadata) {
+  std::map<std::string, std::vector<QuantizedParamDecl>> layers;
+  for (const QuantizedParamDecl& d : quantized_params(metadata)) {
+    for (Param p : {Param::kFc1Weight, Param::kFc2Weight}) {
+      if (!ends_with(d.key, param_name(p))) continue;
+      bool experts = false;
+      for (QuantPart part : kQuantParts) {
+        auto g = sd.find(quant_part_key(d.key, part));
+        experts = experts || sd.count(quant_part_key(d.key + "0", part)) || (g != sd.end() && g->second.ndim() == 3);
+      }
+      if (experts) layers[d.key.substr(0, d.key.size() - std::string(param_name(p)).size())].push_back(d);
+    }
+  }
+  return layers;
+}
+
+// A quantized layer changes layout by moving its tensors (data and companions) as they are.
+StateDict move_quantized_layer(const StateDict& sd, const std::string& prefix,
+                               const std::vector<QuantizedParamDecl>& params, const ConvertOptions& o,
+                               std::vector<std::string>* old_keys) {
+  std::string formats;
+  for (const QuantizedParamDecl& d : params)
+    formats += (formats.empty() ? "" : ", ") + d.key.substr(prefix.size()) + " " + quant_format_name(d.config.format);
+  MOE_CHECK(o.to.ours(), "convert: the experts under '", prefix, "' are quantized (", formats,
+            "); Hugging Face naming is written for unquantized weights only");
+  MOE_CHECK(o.from_glu_interleave == o.to_glu_interleave, "argument 'to_glu_interleave': the experts under '",
+            prefix, "' are quantized (", formats, "): moving fc1's rows would cut its quantization blocks (",
+            o.from_glu_interleave, " -> ", o.to_glu_interleave, "); requantize from the unquantized weights instead");
+  int E = o.experts;
+  std::optional<WeightLayout> stored;
+  for (const QuantizedParamDecl& d : params) {
+    const QuantizedParamInfo info = inspect_quantized_param(sd, d.key, d.config, E);
+    E = info.experts;
+    MOE_CHECK(!stored || *stored == info.layout, "state dict: the quantized weights under '", prefix,
+              "' are stored in different layouts");
+    stored = info.layout;
+  }
+  MOE_CHECK(*stored == layout_of(o.from), "input declared ", o.from.name(), ", but the experts under '", prefix,
+            "' are stored ", *stored == WeightLayout::kPerExpert ? "per expert" : "single grouped");
+  *old_keys = our_keys(sd, prefix, /*companions=*/true);
+  StateDict mine;
+  for (const std::string& k : *old_keys) {
+    int64_t index = -1;
+    for (Param p : kParams) {
+      const std::string base = expert_param_key(prefix, p);
+      if (k.compare(0, base.size(), base) == 0 && our_key_rest(k.substr(base.size()), is_weight(p), &index)) break;
+    }
+    MOE_CHECK(index < E, "state dict: '", k, "' names no expert of the layer's ", E);
+    mine.emplace(k, sd.at(k));
+  }
+  const WeightLayout to = layout_of(o.to);
+  normalize_expert_keys(mine, prefix, E, to);
+  // Nothing left behind in the old layout (e.g. an unquantized bias stored in both layouts).
+  for (const auto& kv : mine) {
+    int64_t index = -1;
+    for (Param p : kParams) {
+      const std::string base = expert_param_key(prefix, p);
+      if (kv.first.compare(0, base.size(), base) == 0 && our_key_rest(kv.first.substr(base.size()), is_weight(p), &index))
+        break;
+    }
+    MOE_CHECK((index >= 0) == (to == WeightLayout::kPerExpert), "convert: '", kv.first, "' of the experts under '",
+              prefix, "' could not be brought to ", o.to.name(), " (it is stored in both layouts)");
+  }
+  for (const QuantizedParamDecl& d : params) inspect_quantized_param(mine, d.key, d.config, E);
+  return mine;
 }
 
 // The activation an input in our naming is read with: the target family's when writing Hugging
@@ -50,7 +146,8 @@ ActivationParams our_activation(const ExpertLayerKeys& l, const ConvertOptions& 
 
 struct Layer {
   std::string prefix;
-  ExpertWeights weights;
+  std::optional<ExpertWeights> weights;  // unquantized layers: loaded, then written in the target form
+  StateDict moved;                       // quantized layers: their tensors already in the target layout
   std::vector<std::string> old_keys;
 };
 
@@ -83,24 +180,45 @@ std::string CheckpointFormat::name() const {
   return "?";
 }
 
-std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions& o) {
+std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions& o, const Metadata& metadata) {
   MOE_CHECK(o.experts >= 0, "argument 'experts': expected >= 0, got ", o.experts);
   std::vector<Layer> layers;
   if (o.from.ours()) {
-    for (const ExpertLayerKeys& l : find_expert_layers(sd, o.experts)) {
+    const auto quantized = quantized_expert_layers(sd, metadata);
+    // The unquantized layers are found without the quantized layers' tensors.
+    StateDict without;
+    if (!quantized.empty()) {
+      without = sd;
+      for (const auto& q : quantized)
+        for (const std::string& k : our_keys(sd, q.first, /*companions=*/true)) without.erase(k);
+    }
+    const StateDict& plain = quantized.empty() ? sd : without;
+    for (const ExpertLayerKeys& l : find_expert_layers(plain, o.experts)) {
       if (!selected(o, l.prefix)) continue;
       MOE_CHECK(l.layout == layout_of(o.from), "input declared ", o.from.name(), ", but the experts under '",
                 l.prefix, "' are stored ", l.layout == WeightLayout::kPerExpert ? "per expert" : "single grouped");
+      for (Param p : {Param::kFc1Weight, Param::kFc2Weight}) {
+        const std::string key = expert_param_key(l.prefix, p), companion = find_quant_companion(sd, key);
+        MOE_CHECK(companion.empty(), "state dict: '", companion, "' is present, but __metadata__ has no '",
+                  quant_metadata_key(key), "' recording the format of the quantized '", key, "'");
+      }
       const ExpertWeightsSpec spec = layer_spec(l, our_activation(l, o), l.layout);
-      layers.push_back({l.prefix, ExpertWeights::from_state_dict(sd, spec, l.prefix), our_keys(sd, l.prefix)});
+      layers.push_back({l.prefix, ExpertWeights::from_state_dict(sd, spec, l.prefix), {}, our_keys(sd, l.prefix)});
     }
+    for (const auto& [prefix, params] : quantized) {
+      if (!selected(o, prefix)) continue;
+      Layer l{prefix, std::nullopt, {}, {}};
+      l.moved = move_quantized_layer(sd, prefix, params, o, &l.old_keys);
+      layers.push_back(std::move(l));
+    }
+    std::sort(layers.begin(), layers.end(), [](const Layer& a, const Layer& b) { return a.prefix < b.prefix; });
   } else {
     MOE_CHECK(o.from_glu_interleave == 0, "argument 'from_glu_interleave': a Hugging Face input has its own "
               "fc1 layout, got ", o.from_glu_interleave);
     for (const HfExpertLayer& l : find_hf_expert_layers(sd, o.from.family)) {
       if (!selected(o, l.prefix)) continue;
       const int s = o.to.ours() ? o.to_glu_interleave : 0;
-      layers.push_back({l.prefix, load_hf_experts(sd, o.from.family, l, layout_of(o.to), s),
+      layers.push_back({l.prefix, load_hf_experts(sd, o.from.family, l, layout_of(o.to), s), {},
                         hf_expert_keys(l, o.from.family)});
     }
   }
@@ -115,13 +233,15 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
   std::set<std::string> removed;
   for (const Layer& l : layers) {
     removed.insert(l.old_keys.begin(), l.old_keys.end());
-    if (o.to.ours()) {
-      ExpertWeights w = l.weights;
+    if (!l.weights) {
+      outputs.push_back(l.moved);
+    } else if (o.to.ours()) {
+      ExpertWeights w = *l.weights;
       if (w.spec().activation.glu_interleave != o.to_glu_interleave) w = w.with_glu_interleave(o.to_glu_interleave);
       if (w.spec().layout != layout_of(o.to)) w = w.with_layout(layout_of(o.to));
       outputs.push_back(w.to_state_dict(l.prefix));
     } else {
-      outputs.push_back(hf_expert_tensors(l.weights, o.to.family, l.prefix));
+      outputs.push_back(hf_expert_tensors(*l.weights, o.to.family, l.prefix));
     }
   }
   for (const StateDict& out : outputs)
@@ -141,7 +261,7 @@ std::vector<std::string> convert_checkpoint(const std::string& in, const std::st
                                             const safetensors::ProgressFn& progress) {
   Metadata metadata;
   StateDict sd = load_safetensors(in, &metadata);
-  std::vector<std::string> layers = convert_state_dict(sd, o);
+  std::vector<std::string> layers = convert_state_dict(sd, o, metadata);
   save_safetensors(out, sd, metadata, progress);
   return layers;
 }

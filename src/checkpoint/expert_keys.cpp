@@ -1,7 +1,9 @@
-// Layout normalisation of expert keys: single grouped <-> per expert (SPEC 5).
+// Layout normalisation of expert keys: single grouped <-> per expert (SPEC 5), the quantized
+// weights' companion tensors (moe/checkpoint_quant.h) moving with their data.
 #include <cstring>
 
 #include "checkpoint/key_list.h"
+#include "moe/checkpoint_quant.h"
 #include "moe/error.h"
 #include "moe/state_dict.h"
 
@@ -11,14 +13,26 @@ namespace {
 
 constexpr Param kParams[] = {Param::kFc1Weight, Param::kFc1Bias, Param::kFc2Weight, Param::kFc2Bias};
 
-// P.S0 .. P.S{E-1} -> P.S [E, ...], when all are present and P.S is not.
-void stack_experts(StateDict& sd, const std::string& prefix, Param p, int E) {
-  const std::string key = expert_param_key(prefix, p);
+// One family of keys that move together: base + suffix (grouped) and base + e + suffix (per
+// expert), e.g. "fc1.weight_scale_inv" and "fc1.weight3_scale_inv".
+struct Family {
+  std::string base, suffix;
+  std::string grouped() const { return base + suffix; }
+  std::string expert(int e) const { return base + std::to_string(e) + suffix; }
+};
+
+// Whole bytes per expert: packed FP4 with an odd count per expert cannot be stacked or split by bytes.
+bool whole_bytes(DType t, int64_t numel) { return (numel * dtype_bits(t)) % 8 == 0; }
+
+// P.S0 .. P.S{E-1} -> P.S [E, ...], when all are present and P.S is not. With apply = false only
+// the checks run (so a failing call changes nothing).
+void stack_experts(StateDict& sd, const Family& f, int E, bool apply) {
+  const std::string key = f.grouped();
   if (sd.count(key)) return;  // the target is present: never overwritten
   std::vector<std::string> present;
   detail::KeyList missing;
   for (int e = 0; e < E; ++e) {
-    std::string k = expert_param_key(prefix, p, e);
+    std::string k = f.expert(e);
     if (sd.count(k))
       present.push_back(std::move(k));
     else if (missing.full())
@@ -36,6 +50,9 @@ void stack_experts(StateDict& sd, const std::string& prefix, Param p, int E) {
               dtype_name(t.dtype()), " ", t.shape_string(), " but '", present[0], "' is ", dtype_name(first.dtype()),
               " ", first.shape_string(), ": per-expert tensors must match to be stacked");
   }
+  MOE_CHECK(whole_bytes(first.dtype(), first.numel()), "state dict: cannot stack '", key, "': '", present[0], "' ",
+            first.shape_string(), " of ", dtype_name(first.dtype()), " is not a whole number of bytes");
+  if (!apply) return;
   std::vector<int64_t> shape{E};
   shape.insert(shape.end(), first.shape().begin(), first.shape().end());
   HostTensor stacked(first.dtype(), shape);
@@ -48,26 +65,49 @@ void stack_experts(StateDict& sd, const std::string& prefix, Param p, int E) {
   sd.emplace(key, std::move(stacked));
 }
 
-// P.S [E, ...] or [m E, ...] -> P.S0 .. P.S{E-1}, when no P.S{i} is present.
-void split_experts(StateDict& sd, const std::string& prefix, Param p, int E) {
-  const std::string key = expert_param_key(prefix, p);
+// P.S [E, ...] or [m E, ...] -> P.S0 .. P.S{E-1}, when no P.S{i} is present. `exact`: only a
+// first dimension of E (a quantized tensor: chunks of rows would cut its blocks and scale layouts).
+void split_experts(StateDict& sd, const Family& f, int E, bool exact, bool apply) {
+  const std::string key = f.grouped();
   auto it = sd.find(key);
   if (it == sd.end()) return;
   for (int e = 0; e < E; ++e)
-    if (sd.count(expert_param_key(prefix, p, e))) return;  // already (partly) per expert: left alone
+    if (sd.count(f.expert(e))) return;  // already (partly) per expert: left alone
   const HostTensor& t = it->second;
-  MOE_CHECK(t.ndim() >= 1 && t.size(0) % E == 0 && t.size(0) > 0, "state dict: cannot split '", key, "' ",
-            t.shape_string(), " into ", E, " experts: its first dimension must be ", E, " or a multiple of it");
+  if (exact) {
+    MOE_CHECK(t.ndim() >= 1 && t.size(0) == E, "state dict: cannot split '", key, "' ", t.shape_string(), " into ",
+              E, " experts: the tensors of a quantized weight must have the number of experts as first dimension");
+  } else {
+    MOE_CHECK(t.ndim() >= 1 && t.size(0) % E == 0 && t.size(0) > 0, "state dict: cannot split '", key, "' ",
+              t.shape_string(), " into ", E, " experts: its first dimension must be ", E, " or a multiple of it");
+  }
   const int64_t rows = t.size(0) / E;
   std::vector<int64_t> shape(t.shape().begin() + 1, t.shape().end());
   if (rows > 1) shape.insert(shape.begin(), rows);  // a chunk keeps its rows: [m, ...]
+  MOE_CHECK(whole_bytes(t.dtype(), t.numel() / E), "state dict: cannot split '", key, "' ", t.shape_string(), " of ",
+            dtype_name(t.dtype()), " into ", E, " experts: a slice is not a whole number of bytes");
+  if (!apply) return;
   const int64_t n = t.nbytes() / E;
   for (int e = 0; e < E; ++e) {
     HostTensor slice(t.dtype(), shape);
     if (n > 0) std::memcpy(slice.mutable_data(), t.data() + e * n, n);
-    sd.emplace(expert_param_key(prefix, p, e), std::move(slice));
+    sd.emplace(f.expert(e), std::move(slice));
   }
-  sd.erase(it);
+  sd.erase(key);
+}
+
+bool is_weight(Param p) { return p == Param::kFc1Weight || p == Param::kFc2Weight; }
+
+// A weight with any companion tensor (grouped or for one of the E experts) is quantized.
+bool has_companions(const StateDict& sd, const std::string& base, int E) {
+  for (QuantPart part : kQuantParts) {
+    if (part == QuantPart::kData) continue;
+    const Family f{base, quant_part_suffix(part)};
+    if (sd.count(f.grouped())) return true;
+    for (int e = 0; e < E; ++e)
+      if (sd.count(f.expert(e))) return true;
+  }
+  return false;
 }
 
 }  // namespace
@@ -80,11 +120,22 @@ std::string expert_param_key(const std::string& prefix, Param p, int expert) {
 
 void normalize_expert_keys(StateDict& sd, const std::string& prefix, int num_experts, WeightLayout layout) {
   MOE_CHECK(num_experts > 0, "argument 'num_experts': expected > 0, got ", num_experts);
-  for (Param p : kParams) {
-    if (layout == WeightLayout::kSingleGrouped)
-      stack_experts(sd, prefix, p, num_experts);
-    else
-      split_experts(sd, prefix, p, num_experts);
+  // Which weights are quantized, decided before anything moves.
+  bool quantized[4] = {false, false, false, false};
+  for (Param p : kParams)
+    quantized[static_cast<int>(p)] = is_weight(p) && has_companions(sd, expert_param_key(prefix, p), num_experts);
+  // Every check first, then the moves: a failing call leaves the dict as it was.
+  for (bool apply : {false, true}) {
+    for (Param p : kParams) {
+      for (QuantPart part : kQuantParts) {
+        if (part != QuantPart::kData && !is_weight(p)) continue;  // biases are never quantized
+        const Family f{expert_param_key(prefix, p), quant_part_suffix(part)};
+        if (layout == WeightLayout::kSingleGrouped)
+          stack_experts(sd, f, num_experts, apply);
+        else
+          split_experts(sd, f, num_experts, quantized[static_cast<int>(p)], apply);
+      }
+    }
   }
 }
 

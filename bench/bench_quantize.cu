@@ -1,0 +1,136 @@
+// Quantize / dequantize bandwidth of every format: GB/s of each call on bf16 matrices beside the
+// device-to-device copy bandwidth of the same GPU measured in the same run (target >= 85% of it).
+//
+// usage: bench_quantize [MxK ...] [--repeats N]     (default: 16384x4096 8192x7168)
+//
+// Bytes that must move per call (x bf16 [M, K]; data 1 byte (FP8) or 1/2 byte (FP4) per element;
+// scales: 4 bytes per 128 (FP8 block), 1 per 32 (MXFP8), 1 per 16 (NVFP4) elements per copy):
+//   quantize rowwise                 read 2MK + write data + scales
+//   quantize rowwise + columnwise    read 2MK + write both copies (one read of x: the fused kernel)
+//   NVFP4 adds one more read of x (2MK) for the global amax pass
+//   dequantize (one copy, bf16 out)  read data + scales + write 2MK
+// Times: median of CUDA-event-timed replays of a CUDA graph holding one call.
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda_check.h"
+#include "moe/quantize.h"
+#include "support/bench_util.h"
+
+namespace {
+
+using namespace moe;
+
+struct Variant {
+  const char* name;
+  QuantConfig config;
+};
+
+std::vector<Variant> variants() {
+  std::vector<Variant> v;
+  auto make = [](QuantFormat f, QuantBlocking b, bool col, ScaleLayout layout = ScaleLayout::kRowMajor,
+                 bool sr = false) {
+    QuantConfig c;
+    c.format = f;
+    c.blocking = b;
+    c.rowwise = true;
+    c.columnwise = col;
+    c.scale_layout = layout;
+    c.stochastic_rounding = sr;
+    return c;
+  };
+  using QF = QuantFormat;
+  using QB = QuantBlocking;
+  v.push_back({"fp8_block 1x128 row", make(QF::kFP8Block, QB::k1D, false)});
+  v.push_back({"fp8_block 1x128 row+col", make(QF::kFP8Block, QB::k1D, true, ScaleLayout::kMNMajor)});
+  v.push_back({"fp8_block 128x128 row+col", make(QF::kFP8Block, QB::k2D, true)});
+  v.push_back({"mxfp8 row", make(QF::kMXFP8, QB::k1D, false)});
+  v.push_back({"mxfp8 row+col swizzled", make(QF::kMXFP8, QB::k1D, true, ScaleLayout::kSwizzled128x4)});
+  v.push_back({"nvfp4 row", make(QF::kNVFP4, QB::k1D, false)});
+  v.push_back({"nvfp4 row+col swizzled", make(QF::kNVFP4, QB::k1D, true, ScaleLayout::kSwizzled128x4)});
+  v.push_back({"nvfp4 row+col SR", make(QF::kNVFP4, QB::k1D, true, ScaleLayout::kRowMajor, true)});
+  v.push_back({"nvfp4 16x16 row+col", make(QF::kNVFP4, QB::k2D, true)});
+  return v;
+}
+
+double scale_bytes(const QuantConfig& c, int64_t rows, int64_t cols) {
+  const ScaleShape s = scale_shape(c, rows, cols);
+  return static_cast<double>(s.rows * s.cols) * (s.dtype == DType::kFP32 ? 4 : 1);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::pair<int64_t, int64_t>> shapes;
+  int repeats = 20;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--repeats" && i + 1 < argc) {
+      repeats = std::atoi(argv[++i]);
+    } else {
+      const size_t xpos = a.find('x');
+      if (xpos == std::string::npos) {
+        std::fprintf(stderr, "bad shape '%s' (expected MxK)\n", a.c_str());
+        return 2;
+      }
+      shapes.push_back({std::atoll(a.substr(0, xpos).c_str()), std::atoll(a.substr(xpos + 1).c_str())});
+    }
+  }
+  if (shapes.empty()) shapes = {{16384, 4096}, {8192, 7168}};
+
+  cudaStream_t stream;
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const double copy_gbs = bench::copy_bandwidth_gbs(stream);
+  std::printf("device: %s\n", bench::device_description().c_str());
+  std::printf("device-to-device copy bandwidth (read + write): %.0f GB/s\n\n", copy_gbs);
+  std::printf("%-12s %-28s %-11s %10s %10s %8s\n", "shape", "variant", "op", "graph us", "GB/s", "% copy");
+
+  for (const auto& [M, K] : shapes) {
+    const size_t xb = static_cast<size_t>(M * K) * 2;
+    void *x, *rd, *rs, *cd, *cs, *out;
+    float* amax;
+    MOE_CUDA_CHECK(cudaMalloc(&x, xb));
+    MOE_CUDA_CHECK(cudaMalloc(&out, xb));
+    MOE_CUDA_CHECK(cudaMalloc(&rd, static_cast<size_t>(M * K)));
+    MOE_CUDA_CHECK(cudaMalloc(&cd, static_cast<size_t>(M * K)));
+    MOE_CUDA_CHECK(cudaMalloc(&rs, static_cast<size_t>(M * K) / 8 + (1 << 20)));  // >= any scale tensor
+    MOE_CUDA_CHECK(cudaMalloc(&cs, static_cast<size_t>(M * K) / 8 + (1 << 20)));
+    MOE_CUDA_CHECK(cudaMalloc(&amax, sizeof(float)));
+    MOE_CUDA_CHECK(cudaMemset(x, 0x3c, xb));  // bf16 0x3c3c ~ 0.0115: finite, non-zero
+    const std::string shape_name = std::to_string(M) + "x" + std::to_string(K);
+    for (const Variant& v : variants()) {
+      const QuantConfig& c = v.config;
+      const DType dt = c.format == QuantFormat::kNVFP4 ? DType::kFP4E2M1 : DType::kFP8E4M3;
+      QuantizedTensor q;
+      const ScaleShape srow = scale_shape(c, M, K), scol = scale_shape(c, K, M);
+      q.rowwise_data = TensorView(rd, dt, {M, K});
+      q.rowwise_scale = TensorView(rs, srow.dtype, {srow.rows, srow.cols});
+      if (c.columnwise) {
+        q.columnwise_data = TensorView(cd, dt, {K, M});
+        q.columnwise_scale = TensorView(cs, scol.dtype, {scol.rows, scol.cols});
+      }
+      if (c.format == QuantFormat::kNVFP4) q.global_amax = TensorView(amax, DType::kFP32, {1});
+      const double data_bytes = static_cast<double>(M * K) * (c.format == QuantFormat::kNVFP4 ? 0.5 : 1.0);
+      const int copies = c.columnwise ? 2 : 1;
+      double qbytes = 2.0 * M * K + copies * data_bytes + scale_bytes(c, M, K) + (c.columnwise ? scale_bytes(c, K, M) : 0);
+      if (c.format == QuantFormat::kNVFP4) qbytes += 2.0 * M * K;  // the global amax pass
+      const TensorView vx(x, DType::kBF16, {M, K});
+      const bench::Timing tq = bench::time_cuda_graph([&] { quantize(c, vx, q, stream); }, stream, 5, repeats);
+      const double qgbs = qbytes / (tq.median_ms * 1e-3) / 1e9;
+      std::printf("%-12s %-28s %-11s %10.1f %10.0f %7.1f%%\n", shape_name.c_str(), v.name, "quantize",
+                  tq.median_ms * 1e3, qgbs, 100.0 * qgbs / copy_gbs);
+      const double dbytes = data_bytes + scale_bytes(c, M, K) + 2.0 * M * K;
+      const TensorView vout(out, DType::kBF16, {M, K});
+      const bench::Timing td = bench::time_cuda_graph([&] { dequantize(c, q, false, vout, stream); }, stream, 5, repeats);
+      const double dgbs = dbytes / (td.median_ms * 1e-3) / 1e9;
+      std::printf("%-12s %-28s %-11s %10.1f %10.0f %7.1f%%\n", shape_name.c_str(), v.name, "dequantize",
+                  td.median_ms * 1e3, dgbs, 100.0 * dgbs / copy_gbs);
+      std::fflush(stdout);
+    }
+    for (void* p : {x, out, rd, cd, rs, cs, static_cast<void*>(amax)}) cudaFree(p);
+  }
+  cudaStreamDestroy(stream);
+  return 0;
+}

@@ -1,0 +1,187 @@
+// Device-side rules of the quantization formats: conversions (software, bit-exact, no reliance
+// on the hardware's NaN or saturation conventions), the per-block scale rules, the scale layouts
+// and the Philox generator of stochastic rounding. The CPU reference (src/reference/quantize_ref)
+// implements the same rules independently; docs/quantization.md states them.
+#pragma once
+
+#include <cfloat>
+#include <cstdint>
+
+#include "moe/quant_format.h"
+
+namespace moe::quant {
+
+// ---- conversions -----------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7FFFFFFFu; }
+
+// fp32 -> E4M3, round to nearest even, saturating to +-448 (inf too); NaN -> 0x7F.
+__device__ __forceinline__ uint8_t e4m3_from_float(float p) {
+  const uint32_t u = __float_as_uint(p);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return 0x7F;                        // NaN
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  if (a >= 0x43E00000u) return sign | 0x7E;                // >= 448 (and inf)
+  if (a < 0x3C800000u) {                                    // below 2^-6: E4M3 subnormals, step 2^-9
+    const int n = __float2int_rn(__uint_as_float(a) * 512.0f);  // exact scaling; 0..8, 8 is 2^-6
+    return sign | static_cast<uint8_t>(n);
+  }
+  const uint32_t e = (a >> 23) - 120u;  // E4M3 exponent field (bias 7)
+  const uint32_t keep = (a >> 20) & 7u, rest = a & 0xFFFFFu;
+  const uint32_t up = (rest > 0x80000u || (rest == 0x80000u && (keep & 1u))) ? 1u : 0u;
+  return sign | static_cast<uint8_t>((e << 3) + keep + up);  // a carry moves into the exponent
+}
+
+__device__ __forceinline__ float e4m3_to_float(uint8_t c) {
+  const uint32_t e = (c >> 3) & 0xFu, m = c & 7u;
+  const uint32_t sign = static_cast<uint32_t>(c & 0x80u) << 24;
+  if (e == 15u && m == 7u) return __uint_as_float(0x7FC00000u);
+  if (e == 0u) return __uint_as_float(sign | __float_as_uint(static_cast<float>(m) * (1.0f / 512.0f)));
+  return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// fp32 -> E2M1 nibble, round to nearest even (the comparisons encode the ties), saturating; NaN -> 0.
+__device__ __forceinline__ uint8_t e2m1_from_float_rn(float v) {
+  const float a = fabsf(v);
+  if (a != a) return 0;
+  const int code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return static_cast<uint8_t>(((__float_as_uint(v) >> 28) & 8u) | code);
+}
+
+// Stochastic rounding: up iff (rbits >> 8) < (|v| - lo) / (hi - lo) * 2^24, both sides exact in fp32.
+__device__ __forceinline__ uint8_t e2m1_from_float_sr(float v, uint32_t rbits) {
+  const float a = fabsf(v);
+  if (a != a) return 0;
+  const uint8_t sign = static_cast<uint8_t>((__float_as_uint(v) >> 28) & 8u);
+  if (a >= 6.0f) return sign | 7;
+  const int c = (a >= 0.5f) + (a >= 1.0f) + (a >= 1.5f) + (a >= 2.0f) + (a >= 3.0f) + (a >= 4.0f);
+  const float lo = c < 4 ? 0.5f * c : (c == 4 ? 2.0f : (c == 5 ? 3.0f : 4.0f));
+  const float inv_step = c < 4 ? 2.0f : (c < 6 ? 1.0f : 0.5f);
+  const float frac = __fmul_rn(__fsub_rn(a, lo), inv_step);  // exact (Sterbenz; power-of-two step)
+  const bool up = static_cast<float>(rbits >> 8) < __fmul_rn(frac, 16777216.0f);
+  return sign | static_cast<uint8_t>(c + (up ? 1 : 0));
+}
+
+__device__ __forceinline__ float e2m1_to_float(uint32_t nibble) {
+  const float mag = (nibble & 7u) < 4u ? 0.5f * (nibble & 7u) : ((nibble & 7u) == 4u ? 2.0f : (nibble & 7u) == 5u ? 3.0f : (nibble & 7u) == 6u ? 4.0f : 6.0f);
+  return (nibble & 8u) ? -mag : mag;
+}
+
+// 2^k for k in [-128, 127], exact (normal or subnormal fp32).
+__device__ __forceinline__ float pow2f(int k) {
+  return k >= -126 ? __uint_as_float(static_cast<uint32_t>(k + 127) << 23) : __uint_as_float(0x00400000u >> (-127 - k));
+}
+
+// MX shared exponent: exponent of fp32(amax / 448) rounded up, clamped to [0, 254]; inf -> 254, NaN -> 255.
+__device__ __forceinline__ uint8_t e8m0_from_amax(float amax) {
+  const uint32_t ab = __float_as_uint(amax);
+  if (ab > 0x7F800000u) return 255;
+  if (ab == 0x7F800000u) return 254;
+  const uint32_t v = __float_as_uint(__fdiv_rn(amax, 448.0f));
+  const uint32_t e = v >> 23, m = v & 0x7FFFFFu;
+  if (e == 0u) return m > 0x400000u ? 1 : 0;  // zero or subnormal: 2^-127 or 2^-126 at most
+  const uint32_t r = e + (m != 0u ? 1u : 0u);
+  return static_cast<uint8_t>(r > 254u ? 254u : r);
+}
+
+__device__ __forceinline__ float e8m0_to_float(uint32_t e) {
+  return e == 255u ? __uint_as_float(0x7FC00000u) : pow2f(static_cast<int>(e) - 127);
+}
+
+// fp32 -> bf16 bits, round to nearest even, NaN kept quiet with its sign (as moe::float_to_bf16_bits).
+__device__ __forceinline__ uint16_t bf16_bits_from_float(float x) {
+  uint32_t u = __float_as_uint(x);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// ---- scale rules -----------------------------------------------------------------------------
+
+__device__ __forceinline__ float fp8_block_scale(float amax, bool pow2) {
+  if (amax == 0.0f || !isfinite(amax)) return 1.0f;
+  float s = __fdiv_rn(448.0f, amax);
+  if (isinf(s)) s = FLT_MAX;
+  if (pow2) s = __uint_as_float(__float_as_uint(s) & 0xFF800000u);
+  return s;
+}
+
+__device__ __forceinline__ float nvfp4_global_scale(float g) {
+  if (g == 0.0f || !isfinite(g)) return 1.0f;
+  const float s = __fdiv_rn(2688.0f, g);
+  return isinf(s) ? FLT_MAX : s;
+}
+
+// The encode side of one block: what multiplies each element before its conversion, and the
+// stored scale (fp32 scale_inv, or one byte).
+struct BlockEncode {
+  float factor;     // FP8 block: scale; MXFP8: 2^(127 - e); NVFP4: S / s (0 when s is 0 or NaN)
+  float scale_f32;  // FP8 block: scale_inv
+  uint8_t scale_u8; // MXFP8: e; NVFP4: s
+};
+
+template <QuantFormat F>
+__device__ __forceinline__ BlockEncode block_encode(float amax, bool pow2, float S) {
+  BlockEncode b;
+  b.scale_f32 = 0.0f;
+  b.scale_u8 = 0;
+  if constexpr (F == QuantFormat::kFP8Block) {
+    b.factor = fp8_block_scale(amax, pow2);
+    b.scale_f32 = __fdiv_rn(1.0f, b.factor);
+  } else if constexpr (F == QuantFormat::kMXFP8) {
+    b.scale_u8 = e8m0_from_amax(amax);
+    b.factor = pow2f(127 - static_cast<int>(b.scale_u8));
+  } else {
+    b.scale_u8 = e4m3_from_float(__fdiv_rn(__fmul_rn(amax, S), 6.0f));
+    const float sf = e4m3_to_float(b.scale_u8);
+    b.factor = sf > 0.0f ? __fdiv_rn(S, sf) : 0.0f;
+  }
+  return b;
+}
+
+// FP8 formats: one E4M3 byte of an element.
+__device__ __forceinline__ uint8_t encode_e4m3(float x, float factor) { return e4m3_from_float(__fmul_rn(x, factor)); }
+
+// ---- scale layouts ---------------------------------------------------------------------------
+
+__device__ __forceinline__ int64_t scale_index(ScaleLayout layout, int64_t r, int64_t j, int64_t block_rows,
+                                               int64_t block_cols) {
+  if (layout == ScaleLayout::kRowMajor) return r * block_cols + j;
+  if (layout == ScaleLayout::kMNMajor) return j * ((block_rows + 3) / 4 * 4) + r;
+  const int64_t tiles_per_row = (block_cols + 3) / 4;
+  return ((r / 128) * tiles_per_row + j / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 + j % 4;
+}
+
+// ---- stochastic rounding bits ----------------------------------------------------------------
+
+struct Philox4 {
+  uint32_t v[4];
+};
+
+__device__ __forceinline__ Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
+                                                 uint32_t k1) {
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    const uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+    const uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+  }
+  return Philox4{{c0, c1, c2, c3}};
+}
+
+// The four words of the call that serves flat positions 4g .. 4g + 3 of a copy.
+__device__ __forceinline__ Philox4 sr_bits4(uint64_t seed, uint64_t offset, int copy, uint64_t g) {
+  return philox4x32_10(static_cast<uint32_t>(g), static_cast<uint32_t>(g >> 32) | (static_cast<uint32_t>(copy) << 31),
+                       static_cast<uint32_t>(offset), static_cast<uint32_t>(offset >> 32), static_cast<uint32_t>(seed),
+                       static_cast<uint32_t>(seed >> 32));
+}
+
+}  // namespace moe::quant

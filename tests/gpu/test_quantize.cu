@@ -1,0 +1,304 @@
+// GPU quantize / dequantize against the bitwise CPU reference (src/reference/quantize_ref.h):
+// every format, 1-D and 2-D blocks, both copies, every scale layout, batches, shapes with partial
+// blocks where the format allows them, edge values (0, inf, NaN, subnormals, +-448, ties), NVFP4
+// stochastic rounding, graph capture + replay with new data, and argument errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "moe/error.h"
+#include "moe/float_convert.h"
+#include "moe/quantize.h"
+#include "reference/quantize_ref.h"
+#include "support/expect_error.h"
+#include "support/gpu.h"
+
+namespace moe {
+namespace {
+
+using ::moe::testing::DeviceBuffer;
+using ::moe::testing::expect_error_naming;
+
+std::vector<uint16_t> make_input(int64_t n, int64_t K, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_int_distribution<int> mag(-12, 12);
+  std::vector<uint16_t> x(n);
+  float m = 1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (i % 16 == 0) m = std::ldexp(1.0f, mag(rng));
+    x[i] = float_to_bf16_bits(nd(rng) * m);
+  }
+  // Edge values at fixed places (when the tensor is large enough): a zero row, an inf, a -inf, a
+  // NaN (odd seeds), subnormals, +-448, values on E4M3 / E2M1 ties after scaling by 1.
+  const float edges[] = {INFINITY, -INFINITY, NAN, std::ldexp(1.0f, -130), -std::ldexp(3.0f, -133), 448.0f,
+                         -448.0f,  1.0625f,   0.25f, 2.5f, 5.0f, 1.1875f};
+  // Odd seeds carry the non-finite values too (which set the NVFP4 global scale to 1).
+  for (size_t e = seed % 2 ? 0 : 3; e < sizeof(edges) / sizeof(edges[0]); ++e) {
+    const int64_t at = (static_cast<int64_t>(e) * 7919 + 3) * 17 % (n > 0 ? n : 1);
+    if (n > 0) x[at] = float_to_bf16_bits(edges[e]);
+  }
+  if (n >= 2 * K)
+    for (int64_t j = 0; j < K; ++j) x[K + j] = 0;  // row 1 all zero (amax 0)
+  return x;
+}
+
+TensorView view(void* p, DType t, int64_t B, int64_t r, int64_t c, bool batched) {
+  return batched ? TensorView(p, t, {B, r, c}) : TensorView(p, t, {r, c});
+}
+
+// Device buffers of one quantized tensor sized like the reference's output.
+struct DeviceQuantized {
+  DeviceBuffer<uint8_t> rd, rs, cd, cs;
+  DeviceBuffer<float> amax;
+  QuantizedTensor q;
+  DeviceQuantized(const QuantConfig& c, const ref::Quantized& h, int64_t B, int64_t M, int64_t K, bool batched)
+      : rd(h.rowwise_data.size()), rs(h.rowwise_scale.size()), cd(h.columnwise_data.size()),
+        cs(h.columnwise_scale.size()), amax(c.format == QuantFormat::kNVFP4 ? B : 0) {
+    const DType dt = c.format == QuantFormat::kNVFP4 ? DType::kFP4E2M1 : DType::kFP8E4M3;
+    for (auto* b : {&rd, &rs, &cd, &cs}) b->fill_bytes(0xA5);  // poison: unwritten bytes show
+    if (c.rowwise) {
+      const ScaleShape s = scale_shape(c, M, K);
+      q.rowwise_data = view(rd.get(), dt, B, M, K, batched);
+      q.rowwise_scale = view(rs.get(), s.dtype, B, s.rows, s.cols, batched);
+    }
+    if (c.columnwise) {
+      const ScaleShape s = scale_shape(c, K, M);
+      q.columnwise_data = view(cd.get(), dt, B, K, M, batched);
+      q.columnwise_scale = view(cs.get(), s.dtype, B, s.rows, s.cols, batched);
+    }
+    if (c.format == QuantFormat::kNVFP4) q.global_amax = TensorView(amax.get(), DType::kFP32, {B});
+  }
+  void expect_equal(const ref::Quantized& h, const std::string& what) const {
+    EXPECT_EQ(rd.download(), h.rowwise_data) << what << " rowwise data";
+    EXPECT_EQ(rs.download(), h.rowwise_scale) << what << " rowwise scale";
+    EXPECT_EQ(cd.download(), h.columnwise_data) << what << " columnwise data";
+    EXPECT_EQ(cs.download(), h.columnwise_scale) << what << " columnwise scale";
+    if (!h.global_amax.empty()) {
+      const std::vector<float> a = amax.download();
+      ASSERT_EQ(a.size(), h.global_amax.size());
+      for (size_t i = 0; i < a.size(); ++i) {
+        uint32_t x, y;
+        std::memcpy(&x, &a[i], 4);
+        std::memcpy(&y, &h.global_amax[i], 4);
+        EXPECT_EQ(x, y) << what << " global amax " << i;
+      }
+    }
+  }
+};
+
+struct Case {
+  QuantConfig config;
+  int64_t B, M, K;
+  bool batched;
+};
+
+std::string describe(const Case& t) {
+  const QuantConfig& c = t.config;
+  std::string s = std::string(quant_format_name(c.format)) + (c.blocking == QuantBlocking::k2D ? " 2d" : " 1d") +
+                  (c.rowwise ? " row" : "") + (c.columnwise ? " col" : "") + " layout " +
+                  std::to_string(static_cast<int>(c.scale_layout)) + (c.pow2_scale ? " pow2" : "") +
+                  (c.stochastic_rounding ? " sr" : "") + " [" + std::to_string(t.B) + "," + std::to_string(t.M) +
+                  "," + std::to_string(t.K) + "]";
+  return s;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  auto add = [&](QuantFormat f, QuantBlocking blk, ScaleLayout layout, bool row, bool col, int64_t B, int64_t M,
+                 int64_t K, bool batched, bool pow2 = false, bool sr = false) {
+    Case t;
+    t.config.format = f;
+    t.config.blocking = blk;
+    t.config.scale_layout = layout;
+    t.config.rowwise = row;
+    t.config.columnwise = col;
+    t.config.pow2_scale = pow2;
+    t.config.stochastic_rounding = sr;
+    t.config.seed = 0x1234567890ABCDEFull;
+    t.config.offset = 77;
+    t.B = B;
+    t.M = M;
+    t.K = K;
+    t.batched = batched;
+    out.push_back(t);
+  };
+  using QF = QuantFormat;
+  using QB = QuantBlocking;
+  using SL = ScaleLayout;
+  // FP8 block: K any multiple of 8 (partial 1x128 blocks), M any (partial 128x1 blocks).
+  add(QF::kFP8Block, QB::k1D, SL::kRowMajor, true, true, 1, 256, 512, false);
+  add(QF::kFP8Block, QB::k1D, SL::kRowMajor, true, true, 1, 200, 136, false, true);
+  add(QF::kFP8Block, QB::k1D, SL::kMNMajor, true, true, 1, 131, 264, false);
+  add(QF::kFP8Block, QB::k1D, SL::kRowMajor, true, false, 1, 7, 8, false);
+  add(QF::kFP8Block, QB::k2D, SL::kRowMajor, true, true, 3, 300, 136, true);
+  add(QF::kFP8Block, QB::k2D, SL::kRowMajor, true, true, 1, 256, 384, false, true);
+  // MXFP8: K a multiple of 32; M a multiple of 32 for the columnwise copy.
+  add(QF::kMXFP8, QB::k1D, SL::kRowMajor, true, true, 1, 96, 160, false);
+  add(QF::kMXFP8, QB::k1D, SL::kSwizzled128x4, true, true, 2, 160, 288, true);
+  add(QF::kMXFP8, QB::k1D, SL::kRowMajor, true, false, 1, 45, 64, false);
+  // NVFP4: K a multiple of 16; M a multiple of 16 for the columnwise copy and 2-D blocks.
+  add(QF::kNVFP4, QB::k1D, SL::kRowMajor, true, true, 1, 48, 80, false);
+  add(QF::kNVFP4, QB::k1D, SL::kSwizzled128x4, true, true, 2, 144, 272, true);
+  add(QF::kNVFP4, QB::k1D, SL::kRowMajor, true, false, 1, 33, 48, false);
+  add(QF::kNVFP4, QB::k1D, SL::kRowMajor, true, true, 1, 160, 208, false, false, true);
+  add(QF::kNVFP4, QB::k2D, SL::kRowMajor, true, true, 3, 64, 144, true);
+  add(QF::kNVFP4, QB::k2D, SL::kRowMajor, true, true, 1, 160, 96, false, false, true);
+  add(QF::kNVFP4, QB::k1D, SL::kRowMajor, false, true, 1, 32, 16, false);
+  return out;
+}
+
+TEST(Quantize, MatchesReferenceBitwise) {
+  MOE_REQUIRE_GPU();
+  cudaStream_t stream;
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  uint64_t seed = 1;
+  for (const Case& t : cases()) {
+    const std::string what = describe(t);
+    const std::vector<uint16_t> x = make_input(t.B * t.M * t.K, t.K, seed++);
+    const ref::Quantized h = ref::quantize(t.config, x, t.B, t.M, t.K);
+    DeviceBuffer<uint16_t> dx(x);
+    DeviceQuantized d(t.config, h, t.B, t.M, t.K, t.batched);
+    quantize(t.config, view(dx.get(), DType::kBF16, t.B, t.M, t.K, t.batched), d.q, stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    d.expect_equal(h, what);
+    // Dequantize each copy to fp32 and bf16 from the device copy.
+    for (bool columnwise : {false, true}) {
+      if (columnwise ? !t.config.columnwise : !t.config.rowwise) continue;
+      const int64_t rows = columnwise ? t.K : t.M, cols = columnwise ? t.M : t.K;
+      const std::vector<float> want = ref::dequantize(t.config, h, columnwise, t.B, t.M, t.K);
+      DeviceBuffer<float> o32(want.size());
+      DeviceBuffer<uint16_t> o16(want.size());
+      o32.fill_bytes(0xFF);
+      o16.fill_bytes(0xFF);
+      dequantize(t.config, d.q, columnwise, view(o32.get(), DType::kFP32, t.B, rows, cols, t.batched), stream);
+      dequantize(t.config, d.q, columnwise, view(o16.get(), DType::kBF16, t.B, rows, cols, t.batched), stream);
+      MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const std::vector<float> got32 = o32.download();
+      const std::vector<uint16_t> got16 = o16.download();
+      for (size_t i = 0; i < want.size(); ++i) {
+        uint32_t a, b;
+        std::memcpy(&a, &got32[i], 4);
+        std::memcpy(&b, &want[i], 4);
+        const bool both_nan = std::isnan(got32[i]) && std::isnan(want[i]);  // NaN payloads are not specified
+        ASSERT_TRUE(a == b || both_nan) << what << (columnwise ? " col" : " row") << " fp32 at " << i << ": "
+                                        << got32[i] << " vs " << want[i];
+        const uint16_t w16 = float_to_bf16_bits(want[i]);
+        ASSERT_TRUE(got16[i] == w16 || both_nan) << what << " bf16 at " << i;
+      }
+    }
+  }
+  cudaStreamDestroy(stream);
+}
+
+// Captured once, replayed on new data (and a new NVFP4 global amax): bitwise the reference of the
+// new data, and equal to an eager call.
+TEST(Quantize, GraphReplayWithNewData) {
+  MOE_REQUIRE_GPU();
+  cudaStream_t stream;
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (QuantFormat f : {QuantFormat::kFP8Block, QuantFormat::kMXFP8, QuantFormat::kNVFP4}) {
+    QuantConfig c;
+    c.format = f;
+    c.rowwise = c.columnwise = true;
+    c.scale_layout = f == QuantFormat::kFP8Block ? ScaleLayout::kMNMajor : ScaleLayout::kSwizzled128x4;
+    c.stochastic_rounding = f == QuantFormat::kNVFP4;
+    c.seed = 99;
+    const int64_t M = 160, K = 256;
+    const std::vector<uint16_t> x1 = make_input(M * K, K, 5), x2 = make_input(M * K, K, 6);
+    const ref::Quantized h1 = ref::quantize(c, x1, 1, M, K), h2 = ref::quantize(c, x2, 1, M, K);
+    DeviceBuffer<uint16_t> dx(x1);
+    DeviceQuantized d(c, h1, 1, M, K, false);
+    const TensorView vx(dx.get(), DType::kBF16, {M, K});
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    quantize(c, vx, d.q, stream);
+    MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    d.expect_equal(h1, std::string(quant_format_name(f)) + " replay 1");
+    dx.upload(x2);
+    MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    d.expect_equal(h2, std::string(quant_format_name(f)) + " replay 2");
+    // Twice in a row (the global amax is re-zeroed inside the graph).
+    MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    d.expect_equal(h2, std::string(quant_format_name(f)) + " replay 3");
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  cudaStreamDestroy(stream);
+}
+
+TEST(Quantize, ZeroSizeIsValid) {
+  MOE_REQUIRE_GPU();
+  for (QuantFormat f : {QuantFormat::kFP8Block, QuantFormat::kMXFP8, QuantFormat::kNVFP4}) {
+    QuantConfig c;
+    c.format = f;
+    c.columnwise = true;
+    const ref::Quantized h = ref::quantize(c, {}, 1, 0, 64);
+    DeviceBuffer<uint16_t> dx(16);
+    DeviceQuantized d(c, h, 1, 0, 64, false);
+    quantize(c, TensorView(dx.get(), DType::kBF16, {0, 64}), d.q, nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    d.expect_equal(h, quant_format_name(f));
+  }
+}
+
+TEST(Quantize, BadInputNamesTheArgument) {
+  MOE_REQUIRE_GPU();
+  const int64_t M = 64, K = 128;
+  DeviceBuffer<uint16_t> dx(M * K);
+  DeviceBuffer<uint8_t> data(M * K), scale(4 * M * K);
+  DeviceBuffer<float> amax(1);
+  QuantConfig c;
+  c.format = QuantFormat::kMXFP8;
+  const ScaleShape s = scale_shape(c, M, K);
+  QuantizedTensor q;
+  q.rowwise_data = TensorView(data.get(), DType::kFP8E4M3, {M, K});
+  q.rowwise_scale = TensorView(scale.get(), DType::kE8M0, {s.rows, s.cols});
+  const TensorView x(dx.get(), DType::kBF16, {M, K});
+  expect_error_naming([&] { quantize(c, TensorView(dx.get(), DType::kFP32, {M, K}), q, nullptr); }, "'x'");
+  expect_error_naming([&] { quantize(c, TensorView(dx.get(), DType::kBF16, {M, 48}), q, nullptr); }, "'x'");
+  expect_error_naming([&] { quantize(c, TensorView(dx.get(), DType::kBF16, {M, K}, Device::kCPU), q, nullptr); }, "'x'");
+  QuantizedTensor bad = q;
+  bad.rowwise_scale = TensorView(scale.get(), DType::kE8M0, {s.rows, s.cols + 1});
+  expect_error_naming([&] { quantize(c, x, bad, nullptr); }, "'out.rowwise_scale'");
+  bad = q;
+  bad.rowwise_data = TensorView(data.get(), DType::kFP4E2M1, {M, K});
+  expect_error_naming([&] { quantize(c, x, bad, nullptr); }, "'out.rowwise_data'");
+  QuantConfig col = c;
+  col.columnwise = true;
+  expect_error_naming([&] { quantize(col, TensorView(dx.get(), DType::kBF16, {40, K}), q, nullptr); }, "'x'");
+  expect_error_naming([&] { quantize(col, x, q, nullptr); }, "'out.columnwise_data'");
+  QuantConfig nv;
+  nv.format = QuantFormat::kNVFP4;
+  const ScaleShape ns = scale_shape(nv, M, K);
+  QuantizedTensor qn;
+  qn.rowwise_data = TensorView(data.get(), DType::kFP4E2M1, {M, K});
+  qn.rowwise_scale = TensorView(scale.get(), DType::kFP8E4M3, {ns.rows, ns.cols});
+  expect_error_naming([&] { quantize(nv, x, qn, nullptr); }, "'out.global_amax'");
+  qn.global_amax = TensorView(amax.get(), DType::kFP32, {1});
+  expect_error_naming([&] { quantize(nv, TensorView(dx.get(), DType::kBF16, {M, 24}), qn, nullptr); }, "'x'");
+  DeviceBuffer<float> out(M * K);
+  expect_error_naming([&] { dequantize(nv, qn, true, TensorView(out.get(), DType::kFP32, {K, M}), nullptr); },
+                      "'columnwise'");
+  expect_error_naming([&] { dequantize(nv, qn, false, TensorView(out.get(), DType::kFP16, {M, K}), nullptr); },
+                      "'out'");
+  expect_error_naming([&] { dequantize(nv, qn, false, TensorView(out.get(), DType::kFP32, {M, K + 16}), nullptr); },
+                      "'out'");
+  QuantConfig bad_cfg = c;
+  bad_cfg.blocking = QuantBlocking::k2D;
+  expect_error_naming([&] { quantize(bad_cfg, x, q, nullptr); }, "config.blocking");
+}
+
+}  // namespace
+}  // namespace moe
