@@ -14,6 +14,7 @@ enum ErrorBits : uint32_t {
   kErrRowOverflow = 1u << 2,          // sum(padded) > R: rows past R were not written
   kErrNonFiniteProb = 1u << 3,        // a NaN/Inf routing prob (the entry was skipped)
   kErrMisalignedPrepadded = 1u << 4,  // pre-padded input whose count is not a multiple of A
+  kErrNonFiniteLogit = 1u << 5,       // a NaN/Inf router logit or expert bias (the row was routed nowhere)
 };
 
 // "expert id out of range; duplicate expert in a top-k row" -- empty for 0.

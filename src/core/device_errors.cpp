@@ -13,6 +13,7 @@ std::string describe_error_bits(uint32_t bits) {
       {kErrRowOverflow, "rows exceed the static row bound R (rows past R not written)"},
       {kErrNonFiniteProb, "non-finite routing prob (entry skipped)"},
       {kErrMisalignedPrepadded, "pre-padded input with a count that is not a multiple of the alignment"},
+      {kErrNonFiniteLogit, "non-finite router logit or expert bias (row routed nowhere)"},
   };
   std::string out;
   uint32_t known = 0;

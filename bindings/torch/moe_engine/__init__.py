@@ -13,6 +13,8 @@ from . import _C  # noqa: F401  (registers torch.ops.moe_engine.*)
 from . import _fake  # noqa: F401  (fake / meta implementations for torch.compile)
 from .module import GroupedMLP
 from .ops import Dispatcher, grouped_mm
+from .router import Router, RouterOutput, update_expert_bias
 from .state_dict import normalize_expert_keys
 
-__all__ = ["GroupedMLP", "Dispatcher", "grouped_mm", "normalize_expert_keys"]
+__all__ = ["GroupedMLP", "Dispatcher", "grouped_mm", "normalize_expert_keys", "Router", "RouterOutput",
+           "update_expert_bias"]
