@@ -51,8 +51,10 @@ RowScores row_scores(const RouterConfig& c, const double* z) {
 // (value desc, id asc): the order of every selection.
 bool better(double va, int a, double vb, int b) { return va > vb || (va == vb && a < b); }
 
+// Relative gap |a - b| / max(|a|, |b|) of two values a decision compared (exact ties excluded:
+// they are broken by id on every implementation).
 void note_gap(double& margin, double a, double b) {
-  const double gap = std::fabs(a - b);
+  const double gap = std::fabs(a - b) / std::max(std::fabs(a), std::fabs(b));
   if (gap > 0 && std::isfinite(gap)) margin = std::min(margin, gap);
 }
 

@@ -24,9 +24,10 @@ struct RouterResult {
   std::vector<int64_t> seq_counts;        // [B * E] top-k choices per sequence
   double aux_loss = 0, seq_aux_loss = 0, z_loss = 0;
   uint32_t error_bits = 0;
-  // Smallest positive gap between two values compared at a decision boundary (k-th vs next
-  // selection score, kept vs first dropped group, capacity / rounding threshold). A device in fp32
-  // reproduces every decision whose gap is well above its rounding error.
+  // Smallest positive relative gap |a - b| / max(|a|, |b|) between two values compared at a
+  // decision boundary (k-th vs next selection score, kept vs first dropped group, capacity /
+  // rounding threshold). A device in fp32 reproduces every decision whose gap is well above its
+  // rounding error.
   double decision_margin = 1e300;
 };
 

@@ -215,10 +215,11 @@ TEST(RouterRef, TokenRoundingDownUpNearest) {
   c.rounding = TokenRounding::kUp;
   c.rounding_candidates = 1;
   r = router_forward(c, z, 6, nullptr);
-  // Up: expert 0 -> 4: adds the best candidate among tokens whose second choice is 0: none (t0's
-  // second is 1, t1's is 2, ...) so it stays at 3. Expert 1 stays 2. Expert 2 -> 2: candidates t1
-  // (second choice 2, score .. ) and t3; t1's softmax score for 2 is larger -> added.
-  EXPECT_EQ(r.counts, (std::vector<int64_t>{3, 2, 2}));
+  // Up: expert 0 -> 4 adds its one candidate, t4 (second choice 0, tied with 2 at logit 0: the
+  // lower id). Expert 1 stays at 2. Expert 2 -> 2: candidates t1 (score e^1.5 / (e^2 + 1 + e^1.5)
+  // = .348) and t3 (e / (1 + e^2 + e) = .245): t1 is added.
+  EXPECT_EQ(r.counts, (std::vector<int64_t>{4, 2, 2}));
+  EXPECT_EQ(r.map[4 * 3 + 0], 1);
   EXPECT_EQ(r.map[1 * 3 + 2], 1);
   EXPECT_EQ(r.map[3 * 3 + 2], 0);
   double Z1 = std::exp(2) + std::exp(0) + std::exp(1.5);
@@ -226,12 +227,14 @@ TEST(RouterRef, TokenRoundingDownUpNearest) {
   EXPECT_EQ(r.selected[1 * 2 + 1], 2);
   c.rounding = TokenRounding::kNearest;
   r = router_forward(c, z, 6, nullptr);
-  // Nearest: 3 -> 4 (1.5 tiles, half to even = 2 tiles; no candidate for 0: stays 3), 2 -> 2,
-  // 1 -> 0 (half a tile rounds to even = 0 tiles): expert 2 drops t5.
-  EXPECT_EQ(r.counts, (std::vector<int64_t>{3, 2, 0}));
+  // Nearest: 3 -> 4 (1.5 tiles, half to even = 2 tiles: t4 added), 2 -> 2, 1 -> 0 (half a tile
+  // rounds to even = 0 tiles): expert 2 drops t5.
+  EXPECT_EQ(r.counts, (std::vector<int64_t>{4, 2, 0}));
+  EXPECT_EQ(r.map[5 * 3 + 2], 0);
   EXPECT_EQ(router_rounded_count(c, 3, 6), 4);
   EXPECT_EQ(router_rounded_count(c, 1, 6), 0);
-  EXPECT_EQ(router_rounded_count(c, 5, 6), 6);  // 2.5 tiles -> 2 tiles... even: 4? no: q = 2 even -> 4
+  EXPECT_EQ(router_rounded_count(c, 5, 6), 4);  // 2.5 tiles: half to even -> 2 tiles
+  EXPECT_EQ(router_rounded_count(c, 7, 7), 7);  // 3.5 -> 4 tiles = 8, capped at T
 }
 
 TEST(RouterRef, LossesHandComputed) {

@@ -1,8 +1,10 @@
 // GPU router (moe::Router) against the CPU reference (fp64):
-//   - selection (selected, indices / map), counts, seq counts, error bits: exact. The reference
-//     reports its smallest decision gap; every case asserts it is far above fp32 rounding (1e-4),
-//     so a fp32 device must take the same decisions -- a near tie would make the case invalid, not
-//     the kernel wrong;
+//   - selection (selected, indices / map), counts, seq counts, error bits: exact. Without a bias,
+//     groups or a capacity / rounding pass the device orders by the logits themselves (exact).
+//     Otherwise it compares fp32 scores (sigmoid / softmax ~3 ulp, + bias 0.5 ulp: two values
+//     differ from fp64 by < 4e-7 relative); the reference reports its smallest relative decision gap
+//     and such a case asserts it is above 8e-7, so the device must take the same decisions -- a near
+//     tie would make the case invalid, not the kernel wrong;
 //   - probs: |got - ref| <= 64 u |ref| (u = 2^-24): expf / division ~2 ulp each, sums of at most
 //     16 + 5 (row) and 16 (chosen) fp32 terms;
 //   - losses: 1e-5 relative (sums of positive terms, fp32 within a block, fp64 across blocks);
@@ -76,7 +78,7 @@ std::vector<double> make_bias(int E, uint64_t seed) {
 }
 
 // Device buffers of one router call.
-struct Run {
+struct RouterRun {
   RouterConfig cfg;
   int64_t T;
   int W;
@@ -87,7 +89,7 @@ struct Run {
   DeviceBuffer<int64_t> counts64;
   bool bf16;
 
-  Run(const RouterConfig& c, int64_t T_, int W_, bool bf16_) : cfg(c), T(T_), W(W_), bf16(bf16_) {
+  RouterRun(const RouterConfig& c, int64_t T_, int W_, bool bf16_) : cfg(c), T(T_), W(W_), bf16(bf16_) {
     const int E = c.num_experts, k = c.topk;
     const bool map_form = c.output_form == RoutingForm::kMap;
     logits = DeviceBuffer<uint8_t>(T * E * (bf16 ? 2 : 4));
@@ -224,12 +226,14 @@ Inputs make_inputs(const Case& c, const RouterConfig& cfg, uint64_t seed) {
   return in;
 }
 
-void check(const Case& c, const RouterConfig& cfg, const Run& run, const Inputs& in, const Run::Host& h) {
+void check(const Case& c, const RouterConfig& cfg, const RouterRun& run, const Inputs& in, const RouterRun::Host& h) {
   SCOPED_TRACE(c.name);
   const int E = cfg.num_experts, k = cfg.topk;
   const int64_t T = c.T;
   const auto r = ref::router_forward(cfg, in.z, T, cfg.expert_bias ? &in.b : nullptr);
-  ASSERT_GT(r.decision_margin, 1e-4) << "the test data has a near tie: pick another seed";
+  const bool computed_order = cfg.expert_bias || cfg.num_groups > 1 || cfg.rounding != TokenRounding::kNone ||
+                              (cfg.capacity_factor != 0.0 && cfg.drop_policy == CapacityDropPolicy::kProb);
+  if (computed_order) ASSERT_GT(r.decision_margin, 8e-7) << "the test data has a near tie: pick another seed";
   EXPECT_EQ(h.bits, r.error_bits) << describe_error_bits(h.bits);
   EXPECT_TRUE(h.selected == r.selected) << "selected differs";
   if (cfg.output_form == RoutingForm::kTopK)
@@ -293,7 +297,7 @@ void check(const Case& c, const RouterConfig& cfg, const Run& run, const Inputs&
 void run_case(const Case& c) {
   const RouterConfig cfg = config_of(c);
   Router router(cfg);
-  Run run(cfg, c.T, router.selection_width(), c.bf16);
+  RouterRun run(cfg, c.T, router.selection_width(), c.bf16);
   const Inputs in = make_inputs(c, cfg, c.seed);
   run.upload(in.z, in.b, in.dp, in.dl);
   ErrorWord ew;
@@ -344,8 +348,13 @@ TEST(Router, SigmoidBiasGroups) {
     c.topk_groups = 4;
     c.scaling_factor = 2.5f;
   };
-  run_case(make("deepseek-v3 E256 k8 G8/4", 256, 8, 2000, dsv3));
-  run_case(make("deepseek-v3 bf16", 256, 8, 1000, dsv3, true));
+  // Logits ~ N(0, 1): sigmoid scores far from saturation, where near ties would be common.
+  Case ds = make("deepseek-v3 E256 k8 G8/4", 256, 8, 1000, dsv3);
+  ds.scale = 1.0;
+  run_case(ds);
+  Case dsb = make("deepseek-v3 bf16", 256, 8, 1000, dsv3, true);
+  dsb.scale = 1.0;
+  run_case(dsb);
   run_case(make("sigmoid E64 k6 no norm, bias", 64, 6, 1000, [](RouterConfig& c) {
     c.score = ScoreFunction::kSigmoid;
     c.expert_bias = true;
@@ -449,7 +458,7 @@ TEST(Router, ShorterBatchesAndEmpty) {
     v.T = T;
     v.seed = 3 + T;
     v.name += " T=" + std::to_string(T);
-    Run run(cfg, T, router.selection_width(), false);
+    RouterRun run(cfg, T, router.selection_width(), false);
     const Inputs in = make_inputs(v, cfg, v.seed);
     run.upload(in.z, in.b, in.dp, in.dl);
     ErrorWord ew;
@@ -463,7 +472,7 @@ TEST(Router, ShorterBatchesAndEmpty) {
 TEST(Router, GraphReplayMatchesEager) {
   MOE_REQUIRE_GPU();
   for (bool rounding : {false, true}) {
-    Case c = make("graph", 256, 8, 4096, [rounding](RouterConfig& cfg) {
+    Case c = make("graph", 256, 8, 1024, [rounding](RouterConfig& cfg) {
       cfg.score = ScoreFunction::kSigmoid;
       cfg.normalize_topk = true;
       cfg.expert_bias = true;
@@ -471,7 +480,7 @@ TEST(Router, GraphReplayMatchesEager) {
       cfg.topk_groups = 4;
       cfg.aux_loss_coeff = 0.01f;
       cfg.seq_aux_loss_coeff = 0.001f;
-      cfg.seq_length = 1024;
+      cfg.seq_length = 512;
       cfg.z_loss_coeff = 0.001f;
       if (rounding) {
         cfg.rounding = TokenRounding::kNearest;
@@ -480,7 +489,7 @@ TEST(Router, GraphReplayMatchesEager) {
     });
     const RouterConfig cfg = config_of(c);
     Router router(cfg);
-    Run run(cfg, c.T, router.selection_width(), false);
+    RouterRun run(cfg, c.T, router.selection_width(), false);
     ErrorWord ew;
     cudaStream_t s;
     MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -494,9 +503,9 @@ TEST(Router, GraphReplayMatchesEager) {
     MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     for (int step = 0; step < 3; ++step) {
       Case v = c;
-      v.scale = 1.0 + step;
+      v.scale = 0.75 + 0.25 * step;
       if (step == 2) v.edit_logits = [](std::vector<double>& z) { z[77] = std::numeric_limits<double>::quiet_NaN(); };
-      in = make_inputs(v, cfg, 200 + step);
+      in = make_inputs(v, cfg, 200 + step);  // seeds whose decisions are 5x above the near-tie bound
       run.upload(in.z, in.b, in.dp, in.dl);
       run.poison();
       MOE_CUDA_CHECK(cudaGraphLaunch(exec, s));
@@ -549,7 +558,7 @@ TEST(Router, HostCheckedArguments) {
   expect_error_naming([&] { RouterConfig c = cfg; c.num_experts = 600; Router r(c); }, "num_experts");
   expect_error_naming([&] { RouterConfig c = cfg; c.num_groups = 3; Router r(c); }, "num_groups");
   Router router(cfg);
-  Run run(cfg, 64, router.selection_width(), false);
+  RouterRun run(cfg, 64, router.selection_width(), false);
   ErrorWord ew;
   const RouterOutputs o = run.outputs();
   expect_error_naming([&] { router.forward(run.logits_view(), TensorView(), o, nullptr, nullptr); }, "error_word");
@@ -581,7 +590,7 @@ TEST(Router, HostCheckedArguments) {
   seq.seq_aux_loss_coeff = 0.1f;
   seq.seq_length = 10;
   Router rs(seq);
-  Run rseq(seq, 60, rs.selection_width(), false);
+  RouterRun rseq(seq, 60, rs.selection_width(), false);
   expect_error_naming([&] { rs.forward(run.logits_view(), TensorView(), rseq.outputs(), ew.device_ptr(), nullptr); },
                       "seq_length");
   expect_error_naming([&] { update_expert_bias(TensorView(run.bias.get(), DType::kFP32, {16}),
