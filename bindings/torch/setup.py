@@ -13,7 +13,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 BUILD = os.environ.get("MOE_CMAKE_BUILD_DIR", os.path.join(ROOT, "build-torch"))
 # Link order: each library before the ones it uses.
-LIBS = ["moe_layer", "moe_gemm", "moe_kernels", "moe_device", "moe_checkpoint", "moe_reference", "moe_core"]
+LIBS = ["moe_layer", "moe_router", "moe_gemm", "moe_kernels", "moe_device", "moe_checkpoint", "moe_reference",
+        "moe_core"]
 
 
 def build_libraries():
@@ -41,7 +42,8 @@ setup(
     ext_modules=[
         CUDAExtension(
             name="moe_engine._C",
-            sources=[os.path.join("csrc", f) for f in ("mlp_ops.cpp", "experts_ops.cpp", "dispatch_ops.cpp", "gemm_ops.cpp", "module.cpp")],
+            sources=[os.path.join("csrc", f) for f in ("mlp_ops.cpp", "experts_ops.cpp", "dispatch_ops.cpp",
+                                                       "gemm_ops.cpp", "router_ops.cpp", "module.cpp")],
             include_dirs=[HERE, os.path.join(ROOT, "include"), os.path.join(ROOT, "src")],
             extra_compile_args={"cxx": ["-O2", "-std=c++17"]},
         )

@@ -15,6 +15,7 @@ enum ErrorBits : uint32_t {
   kErrNonFiniteProb = 1u << 3,        // a NaN/Inf routing prob (the entry was skipped)
   kErrMisalignedPrepadded = 1u << 4,  // pre-padded input whose count is not a multiple of A
   kErrBadGroupOffsets = 1u << 5,      // grouped GEMM offsets not 0-based, decreasing or past the rows
+  kErrNonFiniteLogit = 1u << 6,       // a NaN/Inf router logit or expert bias (the row was routed nowhere)
 };
 
 // "expert id out of range; duplicate expert in a top-k row" -- empty for 0.

@@ -14,6 +14,7 @@ std::string describe_error_bits(uint32_t bits) {
       {kErrNonFiniteProb, "non-finite routing prob (entry skipped)"},
       {kErrMisalignedPrepadded, "pre-padded input with a count that is not a multiple of the alignment"},
       {kErrBadGroupOffsets, "grouped GEMM group offsets not starting at 0, decreasing, or past the rows (groups clamped)"},
+      {kErrNonFiniteLogit, "non-finite router logit or expert bias (row routed nowhere)"},
   };
   std::string out;
   uint32_t known = 0;

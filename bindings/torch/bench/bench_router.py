@@ -1,0 +1,86 @@
+"""Fused router (moe_engine.Router) against the PyTorch composition it replaces, in one process on
+one GPU: forward and forward + backward, CUDA-event medians, per routing variant.
+
+    python3 bindings/torch/bench/bench_router.py [--tokens 16384 32768 65536] [--repeats 50]
+"""
+import argparse
+
+import torch
+
+from moe_engine import Router
+
+
+def torch_route(z, k, kind, bias=None):
+    s = torch.softmax(z.float(), -1) if kind != "deepseek" else torch.sigmoid(z.float())
+    if kind == "gpt_oss":
+        v, i = torch.topk(z.float(), k, -1)
+        return i.int(), torch.softmax(v, -1)
+    if kind == "deepseek":
+        T, E = z.shape
+        c = s + bias
+        g = c.view(T, 8, E // 8).topk(2, -1)[0].sum(-1)
+        keep = torch.zeros_like(g).scatter_(1, torch.topk(g, 4, -1)[1], 1.0)
+        c = c.masked_fill(~keep.unsqueeze(-1).expand(T, 8, E // 8).reshape(T, E).bool(), float("-inf"))
+        i = torch.topk(c, k, -1)[1]
+        p = s.gather(1, i)
+        return i.int(), p / p.sum(-1, keepdim=True) * 2.5
+    p, i = torch.topk(s, k, -1)
+    if kind in ("mixtral", "qwen3"):
+        p = p / p.sum(-1, keepdim=True)
+    return i.int(), p
+
+
+def median_ms(fn, repeats):
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="*", default=[16384, 32768, 65536])
+    ap.add_argument("--repeats", type=int, default=50)
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name())
+    print(f"{'variant':10} {'T':>6} {'E':>4} {'k':>2} {'ours fwd us':>12} {'torch fwd us':>13} {'x':>6} "
+          f"{'ours f+b us':>12} {'torch f+b us':>13} {'x':>6}")
+    variants = [("mixtral", 8, 2), ("qwen3", 128, 8), ("olmoe", 64, 8), ("gpt_oss", 128, 4), ("deepseek", 256, 8)]
+    for T in args.tokens:
+        for kind, E, k in variants:
+            make = {"mixtral": Router.mixtral, "qwen3": Router.qwen3, "olmoe": Router.olmoe,
+                    "gpt_oss": Router.gpt_oss, "deepseek": Router.deepseek_v3}[kind]
+            router = make(E, k, T).cuda()
+            z = torch.randn(T, E, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            bias = router.expert_bias if kind == "deepseek" else None
+            dp = torch.randn(T, k, device="cuda")
+
+            def ours_f():
+                with torch.no_grad():
+                    router(z)
+
+            def torch_f():
+                with torch.no_grad():
+                    torch_route(z, k, kind, bias)
+
+            def ours_fb():
+                (router(z).probs * dp).sum().backward()
+
+            def torch_fb():
+                (torch_route(z, k, kind, bias)[1] * dp).sum().backward()
+
+            of, tf = median_ms(ours_f, args.repeats) * 1e3, median_ms(torch_f, args.repeats) * 1e3
+            ofb, tfb = median_ms(ours_fb, args.repeats) * 1e3, median_ms(torch_fb, args.repeats) * 1e3
+            print(f"{kind:10} {T:6d} {E:4d} {k:2d} {of:12.1f} {tf:13.1f} {tf / of:6.2f} {ofb:12.1f} {tfb:13.1f} "
+                  f"{tfb / ofb:6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+// Launchers of the router kernels (plain C++ signatures; the kernels live in router_*.cu).
+// moe::Router (router.cpp) checks every argument before calling these: the launchers trust their
+// parameters and only enqueue work on the stream.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "moe/router_config.h"
+
+namespace moe::kernels {
+
+// Rows per block of the row kernels: warps per block, and the most blocks (the partial sums of
+// the losses have one row per block).
+constexpr int kRouterWarps = 8;
+constexpr int kRouterMaxBlocks = 1024;
+
+// Blocks of the forward row kernel for T tokens (a function of T only: the reduction order of the
+// losses depends on it, so it must not depend on the device).
+int router_row_blocks(int64_t T);
+
+// What every row kernel needs to recompute a row's scores.
+struct RouterRowParams {
+  int32_t T = 0;
+  int E = 0, k = 0, W = 0;  // W: selection width
+  bool bf16 = false;        // logits dtype: bf16, else fp32
+  const void* logits = nullptr;
+  const float* bias = nullptr;  // [E] or null
+  ScoreFunction score = ScoreFunction::kSoftmax;
+  bool softmax_after = false, normalize = false;
+  float alpha = 1.0f;  // scaling factor
+  int groups = 1, topk_groups = 1;
+  float aux_coeff = 0, seq_coeff = 0, z_coeff = 0;
+  int32_t seq_length = 0;
+};
+
+enum class SelectKey : uint8_t { kNone, kProb, kPosition, kScore };
+
+struct RouterForwardArgs {
+  RouterRowParams p;
+  RoutingForm form = RoutingForm::kTopK;
+  SelectKey select = SelectKey::kNone;  // capacity (prob / position) or rounding (score): a select pass
+  int64_t capacity = -1;                // capacity (kProb / kPosition)
+  TokenRounding rounding = TokenRounding::kNone;
+  int rounding_tile = 0;
+  // Outputs (caller's).
+  int32_t* indices = nullptr;  // [T, k]
+  uint8_t* map = nullptr;      // [T, E]
+  float* probs = nullptr;
+  int32_t* selected = nullptr;  // [T, W]
+  int32_t* selection_counts = nullptr;
+  int32_t* counts32 = nullptr;
+  int64_t* counts64 = nullptr;  // may be null
+  int32_t* seq_counts = nullptr;
+  float *aux_loss = nullptr, *seq_loss = nullptr, *z_loss = nullptr;
+  uint32_t* error_word = nullptr;
+  // Scratch (the router's).
+  float* loss_partials = nullptr;  // [kRouterMaxBlocks, E]
+  float* z_partials = nullptr;     // [kRouterMaxBlocks]
+  float* seq_partials = nullptr;   // [T_max]
+  float* slot_prob = nullptr;      // [T_max, W]
+  float* slot_key = nullptr;       // [T_max, W]
+  uint8_t* kept = nullptr;         // [T_max, W]
+  int32_t* cand_count = nullptr;   // [E]
+  int32_t* cand_offset = nullptr;  // [E]
+  int32_t* cand_cursor = nullptr;  // [E]
+  uint64_t* list_key = nullptr;    // [T_max * W]
+  int32_t* list_slot = nullptr;    // [T_max * W]
+};
+
+void launch_router_forward(const RouterForwardArgs& a, cudaStream_t stream);
+
+struct RouterBackwardArgs {
+  RouterRowParams p;
+  RoutingForm form = RoutingForm::kTopK;
+  const int32_t* indices = nullptr;
+  const uint8_t* map = nullptr;
+  const int32_t* selected = nullptr;
+  const int32_t* selection_counts = nullptr;
+  const int32_t* seq_counts = nullptr;
+  const float* d_probs = nullptr;  // null = zero
+  const float *d_aux = nullptr, *d_seq = nullptr, *d_z = nullptr;
+  void* d_logits = nullptr;
+};
+
+void launch_router_backward(const RouterBackwardArgs& a, cudaStream_t stream);
+
+// bias[e] += rate * sign(sum(counts) - E * counts[e]).
+void launch_update_expert_bias(const void* counts, bool counts64, float* bias, int E, float rate, cudaStream_t stream);
+
+}  // namespace moe::kernels

@@ -1,0 +1,604 @@
+// GPU router (moe::Router) against the CPU reference (fp64):
+//   - selection (selected, indices / map), counts, seq counts, error bits: exact. Without a bias,
+//     groups or a capacity / rounding pass the device orders by the logits themselves (exact).
+//     Otherwise it compares fp32 scores (sigmoid / softmax ~3 ulp, + bias 0.5 ulp: two values
+//     differ from fp64 by < 4e-7 relative); the reference reports its smallest relative decision gap
+//     and such a case asserts it is above 8e-7, so the device must take the same decisions -- a near
+//     tie would make the case invalid, not the kernel wrong;
+//   - probs: |got - ref| <= 64 u |ref| (u = 2^-24): expf / division ~2 ulp each, sums of at most
+//     16 + 5 (row) and 16 (chosen) fp32 terms;
+//   - losses: 1e-5 relative (sums of positive terms, fp32 within a block, fp64 across blocks);
+//   - d logits: 512 u * (magnitude of the terms combined per row) + 256 u |ref|, + a bf16 rounding
+//     for bf16 logits;
+//   - determinism, graph capture + replay with new logits == eager, bad input, T < T_max, T = 0.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "moe/device_errors.h"
+#include "moe/error_word.h"
+#include "moe/float_convert.h"
+#include "moe/router.h"
+#include "reference/router_ref.h"
+#include "support/expect_error.h"
+#include "support/gpu.h"
+
+namespace moe {
+namespace {
+
+using testing::DeviceBuffer;
+using testing::expect_error_naming;
+constexpr double kU = 1.0 / (1 << 24);
+
+struct Case {
+  std::string name;
+  int E = 64, k = 8;
+  int64_t T = 1000;
+  bool bf16 = false;
+  uint64_t seed = 1;
+  double scale = 1.5;  // logits ~ N(0, scale)
+  std::function<void(RouterConfig&)> edit;
+  std::function<void(std::vector<double>&)> edit_logits;
+};
+
+RouterConfig config_of(const Case& c) {
+  RouterConfig cfg;
+  cfg.num_experts = c.E;
+  cfg.topk = c.k;
+  cfg.max_tokens = std::max<int64_t>(c.T, 1);
+  if (c.edit) c.edit(cfg);
+  return cfg;
+}
+
+std::vector<double> make_logits(const Case& c, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> n(0.0f, static_cast<float>(c.scale));
+  std::vector<double> z(c.T * c.E);
+  for (auto& v : z) {
+    const float f = n(rng);
+    v = c.bf16 ? round_to_bf16(f) : f;
+  }
+  if (c.edit_logits) c.edit_logits(z);
+  return z;
+}
+
+std::vector<double> make_bias(int E, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-0.01f, 0.01f);
+  std::vector<double> b(E);
+  for (auto& v : b) v = u(rng);
+  return b;
+}
+
+// Device buffers of one router call.
+struct RouterRun {
+  RouterConfig cfg;
+  int64_t T;
+  int W;
+  DeviceBuffer<uint8_t> logits, dlogits;
+  DeviceBuffer<float> bias, probs, dprobs, losses, dlosses;
+  DeviceBuffer<int32_t> indices, selected, selcounts, counts, seqcounts;
+  DeviceBuffer<uint8_t> map;
+  DeviceBuffer<int64_t> counts64;
+  bool bf16;
+
+  RouterRun(const RouterConfig& c, int64_t T_, int W_, bool bf16_) : cfg(c), T(T_), W(W_), bf16(bf16_) {
+    const int E = c.num_experts, k = c.topk;
+    const bool map_form = c.output_form == RoutingForm::kMap;
+    logits = DeviceBuffer<uint8_t>(T * E * (bf16 ? 2 : 4));
+    dlogits = DeviceBuffer<uint8_t>(T * E * (bf16 ? 2 : 4));
+    bias = DeviceBuffer<float>(E);
+    probs = DeviceBuffer<float>(T * (map_form ? E : k));
+    dprobs = DeviceBuffer<float>(T * (map_form ? E : k));
+    losses = DeviceBuffer<float>(3);
+    dlosses = DeviceBuffer<float>(3);
+    indices = DeviceBuffer<int32_t>(map_form ? 0 : T * k);
+    map = DeviceBuffer<uint8_t>(map_form ? T * E : 0);
+    selected = DeviceBuffer<int32_t>(T * W);
+    selcounts = DeviceBuffer<int32_t>(E);
+    counts = DeviceBuffer<int32_t>(E);
+    counts64 = DeviceBuffer<int64_t>(E);
+    const int64_t B = c.seq_aux_loss_coeff != 0.0f ? T / c.seq_length : 0;
+    seqcounts = DeviceBuffer<int32_t>(B * E);
+  }
+
+  TensorView logits_view() const {
+    return TensorView(logits.get(), bf16 ? DType::kBF16 : DType::kFP32, {T, cfg.num_experts});
+  }
+  RouterOutputs outputs() const {
+    const int E = cfg.num_experts, k = cfg.topk;
+    const bool map_form = cfg.output_form == RoutingForm::kMap;
+    RouterOutputs o;
+    if (map_form) {
+      o.map = TensorView(map.get(), DType::kBool, {T, E});
+      o.probs = TensorView(probs.get(), DType::kFP32, {T, E});
+    } else {
+      o.indices = TensorView(indices.get(), DType::kInt32, {T, k});
+      o.probs = TensorView(probs.get(), DType::kFP32, {T, k});
+    }
+    o.selected = TensorView(selected.get(), DType::kInt32, {T, W});
+    o.selection_counts = TensorView(selcounts.get(), DType::kInt32, {E});
+    o.counts = TensorView(counts.get(), DType::kInt32, {E});
+    o.counts_int64 = TensorView(counts64.get(), DType::kInt64, {E});
+    if (cfg.seq_aux_loss_coeff != 0.0f)
+      o.seq_counts = TensorView(seqcounts.get(), DType::kInt32, {T / cfg.seq_length, E});
+    if (cfg.aux_loss_coeff != 0.0f) o.aux_loss = TensorView(losses.get(), DType::kFP32, {1});
+    if (cfg.seq_aux_loss_coeff != 0.0f) o.seq_aux_loss = TensorView(losses.get() + 1, DType::kFP32, {1});
+    if (cfg.z_loss_coeff != 0.0f) o.z_loss = TensorView(losses.get() + 2, DType::kFP32, {1});
+    return o;
+  }
+  RouterGrads grads() const {
+    RouterGrads g;
+    const bool map_form = cfg.output_form == RoutingForm::kMap;
+    g.d_probs = TensorView(dprobs.get(), DType::kFP32, {T, map_form ? cfg.num_experts : cfg.topk});
+    g.d_aux_loss = TensorView(dlosses.get(), DType::kFP32, {1});
+    g.d_seq_aux_loss = TensorView(dlosses.get() + 1, DType::kFP32, {1});
+    g.d_z_loss = TensorView(dlosses.get() + 2, DType::kFP32, {1});
+    return g;
+  }
+  TensorView bias_view() const {
+    return cfg.expert_bias ? TensorView(bias.get(), DType::kFP32, {cfg.num_experts}) : TensorView();
+  }
+  TensorView dlogits_view() const {
+    return TensorView(dlogits.get(), bf16 ? DType::kBF16 : DType::kFP32, {T, cfg.num_experts});
+  }
+
+  void upload(const std::vector<double>& z, const std::vector<double>& b, const std::vector<double>& dp,
+              const double (&dl)[3]) {
+    std::vector<uint8_t> bytes(logits.size());
+    for (size_t i = 0; i < z.size(); ++i) {
+      if (bf16) {
+        const uint16_t h = float_to_bf16_bits(static_cast<float>(z[i]));
+        std::memcpy(&bytes[2 * i], &h, 2);
+      } else {
+        const float f = static_cast<float>(z[i]);
+        std::memcpy(&bytes[4 * i], &f, 4);
+      }
+    }
+    logits.upload(bytes);
+    bias.upload(std::vector<float>(b.begin(), b.end()));
+    dprobs.upload(std::vector<float>(dp.begin(), dp.end()));
+    dlosses.upload({static_cast<float>(dl[0]), static_cast<float>(dl[1]), static_cast<float>(dl[2])});
+  }
+  void poison() {
+    for (auto* b : {&dlogits, &map}) b->fill_bytes(0xAB);
+    for (auto* b : {&indices, &selected, &selcounts, &counts, &seqcounts}) b->fill_bytes(0xAB);
+    probs.fill_bytes(0xAB);
+    losses.fill_bytes(0xAB);
+    counts64.fill_bytes(0xAB);
+  }
+  void enqueue(const Router& r, uint32_t* err, cudaStream_t s) const {
+    r.forward(logits_view(), bias_view(), outputs(), err, s);
+    r.backward(logits_view(), outputs(), grads(), dlogits_view(), s);
+  }
+
+  struct Host {
+    std::vector<int32_t> indices, selected, selcounts, counts, seqcounts;
+    std::vector<uint8_t> map, dlogits;
+    std::vector<float> probs, losses;
+    std::vector<int64_t> counts64;
+    uint32_t bits;
+    bool operator==(const Host& o) const {
+      return indices == o.indices && selected == o.selected && selcounts == o.selcounts && counts == o.counts &&
+             seqcounts == o.seqcounts && map == o.map && dlogits == o.dlogits && counts64 == o.counts64 &&
+             bits == o.bits && std::memcmp(probs.data(), o.probs.data(), 4 * probs.size()) == 0 &&
+             std::memcmp(losses.data(), o.losses.data(), 4 * losses.size()) == 0;
+    }
+  };
+  Host download(ErrorWord& ew) const {
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    return Host{indices.download(), selected.download(), selcounts.download(), counts.download(),
+                seqcounts.download(), map.download(), dlogits.download(), probs.download(), losses.download(),
+                counts64.download(), ew.fetch_and_clear(nullptr)};
+  }
+  double dlogit(const Host& h, size_t i) const {
+    if (bf16) {
+      uint16_t v;
+      std::memcpy(&v, &h.dlogits[2 * i], 2);
+      return bf16_bits_to_float(v);
+    }
+    float f;
+    std::memcpy(&f, &h.dlogits[4 * i], 4);
+    return f;
+  }
+};
+
+struct Inputs {
+  std::vector<double> z, b, dp;
+  double dl[3] = {0.7, -1.1, 0.4};
+};
+
+Inputs make_inputs(const Case& c, const RouterConfig& cfg, uint64_t seed) {
+  Inputs in;
+  in.z = make_logits(c, seed);
+  in.b = make_bias(cfg.num_experts, seed + 7);
+  std::mt19937_64 rng(seed + 9);
+  std::normal_distribution<float> n;
+  in.dp.resize(c.T * (cfg.output_form == RoutingForm::kMap ? cfg.num_experts : cfg.topk));
+  for (auto& v : in.dp) v = n(rng);
+  return in;
+}
+
+void check(const Case& c, const RouterConfig& cfg, const RouterRun& run, const Inputs& in, const RouterRun::Host& h) {
+  SCOPED_TRACE(c.name);
+  const int E = cfg.num_experts, k = cfg.topk;
+  const int64_t T = c.T;
+  const auto r = ref::router_forward(cfg, in.z, T, cfg.expert_bias ? &in.b : nullptr);
+  const bool computed_order = cfg.expert_bias || cfg.num_groups > 1 || cfg.rounding != TokenRounding::kNone ||
+                              (cfg.capacity_factor != 0.0 && cfg.drop_policy == CapacityDropPolicy::kProb);
+  if (computed_order) ASSERT_GT(r.decision_margin, 8e-7) << "the test data has a near tie: pick another seed";
+  EXPECT_EQ(h.bits, r.error_bits) << describe_error_bits(h.bits);
+  EXPECT_TRUE(h.selected == r.selected) << "selected differs";
+  if (cfg.output_form == RoutingForm::kTopK)
+    EXPECT_TRUE(h.indices == r.indices) << "indices differ";
+  else
+    EXPECT_TRUE(h.map == r.map) << "map differs";
+  for (int e = 0; e < E; ++e) {
+    EXPECT_EQ(h.selcounts[e], r.selection_counts[e]) << "selection_counts e=" << e;
+    EXPECT_EQ(h.counts[e], r.counts[e]) << "counts e=" << e;
+    EXPECT_EQ(h.counts64[e], r.counts[e]) << "counts64 e=" << e;
+  }
+  for (size_t i = 0; i < r.seq_counts.size(); ++i) EXPECT_EQ(h.seqcounts[i], r.seq_counts[i]) << "seq_counts " << i;
+  int bad = 0;
+  for (size_t i = 0; i < r.probs.size() && bad < 5; ++i)
+    if (!(std::fabs(h.probs[i] - r.probs[i]) <= 64 * kU * std::fabs(r.probs[i]))) {
+      ADD_FAILURE() << "prob " << i << ": got " << h.probs[i] << ", want " << r.probs[i];
+      ++bad;
+    }
+  const double want[3] = {r.aux_loss, r.seq_aux_loss, r.z_loss};
+  const float coeffs[3] = {cfg.aux_loss_coeff, cfg.seq_aux_loss_coeff, cfg.z_loss_coeff};
+  for (int l = 0; l < 3; ++l)
+    if (coeffs[l] != 0.0f) EXPECT_NEAR(h.losses[l], want[l], 1e-5 * std::fabs(want[l]) + 1e-30) << "loss " << l;
+
+  const auto dz = ref::router_backward(cfg, in.z, T, r, in.dp, in.dl[0], in.dl[1], in.dl[2]);
+  // Per row: the magnitudes the device combines (incoming gradients through the normalisation,
+  // the loss scales, the z-loss term) bound its fp32 error.
+  bad = 0;
+  for (int64_t t = 0; t < T && bad < 5; ++t) {
+    // |d/ds| of the probs: alpha * sum|g|, times 1/S <= E/k with renormalisation (S, the sum of
+    // the k largest of E scores, is at least k/E for softmax; sigmoid scores here are far larger).
+    double mag = 0;
+    const int slots = cfg.output_form == RoutingForm::kMap ? E : k;
+    for (int s = 0; s < slots; ++s) mag += std::fabs(in.dp[t * slots + s]);
+    mag *= cfg.scaling_factor * (cfg.normalize_topk || cfg.softmax_after_topk ? double(E) / k : 1.0);
+    // |d/da| of the balancing losses, and the z-loss factor 2 lse / T (|lse| < 30 here).
+    if (T > 0) {
+      int64_t cmax = 0, smax = 0;
+      for (auto v : r.selection_counts) cmax = std::max(cmax, v);
+      for (auto v : r.seq_counts) smax = std::max(smax, v);
+      mag += 2 * std::fabs(in.dl[0]) * cfg.aux_loss_coeff * E * cmax / (double(T) * k * T);
+      if (cfg.seq_aux_loss_coeff != 0.0f) {
+        const double L = cfg.seq_length, B = double(T) / L;
+        mag += 2 * std::fabs(in.dl[1]) * cfg.seq_aux_loss_coeff / B * (E / (k * L)) * smax / L;
+      }
+      mag += std::fabs(in.dl[2]) * cfg.z_loss_coeff * 60.0 / T;
+    }
+    for (int e = 0; e < E; ++e) {
+      const size_t i = t * E + e;
+      const double got = run.dlogit(h, i);
+      double tol = 512 * kU * mag + 256 * kU * std::fabs(dz[i]);
+      if (c.bf16) tol += std::ldexp(1.0, -8) * std::fabs(dz[i]);
+      if (!(std::fabs(got - dz[i]) <= tol)) {
+        ADD_FAILURE() << "d logits t=" << t << " e=" << e << ": got " << got << ", want " << dz[i] << " (tol " << tol
+                      << ")";
+        ++bad;
+      }
+    }
+  }
+}
+
+void run_case(const Case& c) {
+  const RouterConfig cfg = config_of(c);
+  Router router(cfg);
+  RouterRun run(cfg, c.T, router.selection_width(), c.bf16);
+  const Inputs in = make_inputs(c, cfg, c.seed);
+  run.upload(in.z, in.b, in.dp, in.dl);
+  ErrorWord ew;
+  run.poison();
+  run.enqueue(router, ew.device_ptr(), nullptr);
+  const auto first = run.download(ew);
+  check(c, cfg, run, in, first);
+  run.poison();
+  run.enqueue(router, ew.device_ptr(), nullptr);
+  EXPECT_TRUE(run.download(ew) == first) << c.name << ": a second run gave different bits";
+}
+
+Case make(const char* name, int E, int k, int64_t T, std::function<void(RouterConfig&)> edit = nullptr,
+          bool bf16 = false) {
+  Case c;
+  c.name = name;
+  c.E = E;
+  c.k = k;
+  c.T = T;
+  c.edit = std::move(edit);
+  c.bf16 = bf16;
+  return c;
+}
+
+TEST(Router, SoftmaxVariants) {
+  MOE_REQUIRE_GPU();
+  run_case(make("mixtral E8 k2 norm", 8, 2, 3000, [](RouterConfig& c) { c.normalize_topk = true; }));
+  run_case(make("qwen3 E128 k8 norm bf16", 128, 8, 2000, [](RouterConfig& c) { c.normalize_topk = true; }, true));
+  run_case(make("olmoe E64 k8 plain", 64, 8, 2000));
+  run_case(make("gpt-oss E32 k4 after", 32, 4, 2000, [](RouterConfig& c) { c.softmax_after_topk = true; }));
+  run_case(make("E7 k1", 7, 1, 999));
+  run_case(make("E13 k13 (k = E) map", 13, 13, 500, [](RouterConfig& c) { c.output_form = RoutingForm::kMap; }));
+  run_case(make("E512 k16 norm scaled", 512, 16, 700, [](RouterConfig& c) {
+    c.normalize_topk = true;
+    c.scaling_factor = 2.5f;
+  }));
+  run_case(make("E200 k6 map bf16", 200, 6, 800, [](RouterConfig& c) { c.output_form = RoutingForm::kMap; }, true));
+  run_case(make("E1 k1", 1, 1, 100));
+}
+
+TEST(Router, SigmoidBiasGroups) {
+  MOE_REQUIRE_GPU();
+  auto dsv3 = [](RouterConfig& c) {
+    c.score = ScoreFunction::kSigmoid;
+    c.normalize_topk = true;
+    c.expert_bias = true;
+    c.num_groups = 8;
+    c.topk_groups = 4;
+    c.scaling_factor = 2.5f;
+  };
+  // Logits ~ N(0, 1): sigmoid scores far from saturation, where near ties would be common.
+  Case ds = make("deepseek-v3 E256 k8 G8/4", 256, 8, 1000, dsv3);
+  ds.scale = 1.0;
+  run_case(ds);
+  Case dsb = make("deepseek-v3 bf16", 256, 8, 1000, dsv3, true);
+  dsb.scale = 1.0;
+  run_case(dsb);
+  run_case(make("sigmoid E64 k6 no norm, bias", 64, 6, 1000, [](RouterConfig& c) {
+    c.score = ScoreFunction::kSigmoid;
+    c.expert_bias = true;
+  }));
+  run_case(make("sigmoid groups no bias E96 G32/8", 96, 4, 1000, [](RouterConfig& c) {
+    c.score = ScoreFunction::kSigmoid;
+    c.normalize_topk = true;
+    c.num_groups = 32;
+    c.topk_groups = 8;
+  }));
+  run_case(make("softmax with bias", 64, 4, 1000, [](RouterConfig& c) { c.expert_bias = true; }));
+}
+
+TEST(Router, Losses) {
+  MOE_REQUIRE_GPU();
+  run_case(make("aux + z softmax E64 k4", 64, 4, 4096, [](RouterConfig& c) {
+    c.aux_loss_coeff = 0.01f;
+    c.z_loss_coeff = 0.001f;
+  }));
+  run_case(make("all losses sigmoid E256 k8 L512", 256, 8, 2048, [](RouterConfig& c) {
+    c.score = ScoreFunction::kSigmoid;
+    c.normalize_topk = true;
+    c.aux_loss_coeff = 0.01f;
+    c.seq_aux_loss_coeff = 0.001f;
+    c.seq_length = 512;
+    c.z_loss_coeff = 0.001f;
+  }));
+  run_case(make("seq loss softmax after E32 k2 L7", 32, 2, 7 * 300, [](RouterConfig& c) {
+    c.softmax_after_topk = true;
+    c.seq_aux_loss_coeff = 0.1f;
+    c.seq_length = 7;
+  }, true));
+  run_case(make("large T, many blocks", 128, 8, 20000, [](RouterConfig& c) {
+    c.aux_loss_coeff = 0.01f;
+    c.z_loss_coeff = 0.001f;
+  }));
+}
+
+TEST(Router, CapacityAndRounding) {
+  MOE_REQUIRE_GPU();
+  run_case(make("capacity 1.0 by prob", 16, 2, 3000, [](RouterConfig& c) {
+    c.capacity_factor = 1.0;
+    c.normalize_topk = true;
+  }));
+  run_case(make("capacity 0.5 by position map", 64, 4, 3000, [](RouterConfig& c) {
+    c.capacity_factor = 0.5;
+    c.drop_policy = CapacityDropPolicy::kPosition;
+    c.output_form = RoutingForm::kMap;
+  }));
+  run_case(make("rounding down tile 128", 32, 4, 5000, [](RouterConfig& c) {
+    c.rounding = TokenRounding::kDown;
+    c.normalize_topk = true;
+  }));
+  run_case(make("rounding up tile 64", 64, 4, 5000, [](RouterConfig& c) {
+    c.rounding = TokenRounding::kUp;
+    c.rounding_tile = 64;
+    c.output_form = RoutingForm::kMap;
+  }));
+  run_case(make("rounding nearest sigmoid bias tile 16", 128, 8, 3000, [](RouterConfig& c) {
+    c.score = ScoreFunction::kSigmoid;
+    c.normalize_topk = true;
+    c.expert_bias = true;
+    c.rounding = TokenRounding::kNearest;
+    c.rounding_tile = 16;
+    c.output_form = RoutingForm::kMap;
+    c.aux_loss_coeff = 0.01f;
+  }));
+}
+
+TEST(Router, TiesAndNonFiniteLogits) {
+  MOE_REQUIRE_GPU();
+  // Logits on a coarse grid: many exact ties, broken toward the lower expert id.
+  Case ties = make("ties", 40, 5, 2000, [](RouterConfig& c) { c.normalize_topk = true; });
+  ties.edit_logits = [](std::vector<double>& z) {
+    for (auto& v : z) v = std::round(v * 2.0) / 2.0;
+  };
+  run_case(ties);
+  Case nan = make("nan / inf rows", 64, 4, 1000, [](RouterConfig& c) {
+    c.aux_loss_coeff = 0.01f;
+    c.z_loss_coeff = 0.01f;
+  });
+  nan.edit_logits = [](std::vector<double>& z) {
+    z[5 * 64 + 3] = std::numeric_limits<double>::quiet_NaN();
+    z[17 * 64 + 63] = std::numeric_limits<double>::infinity();
+    z[999 * 64 + 0] = -std::numeric_limits<double>::infinity();
+  };
+  run_case(nan);
+}
+
+// Calls with fewer tokens than max_tokens, and T = 0.
+TEST(Router, ShorterBatchesAndEmpty) {
+  MOE_REQUIRE_GPU();
+  Case c = make("T_max 4096", 64, 6, 4096, [](RouterConfig& cfg) {
+    cfg.aux_loss_coeff = 0.01f;
+    cfg.capacity_factor = 1.25;
+  });
+  RouterConfig cfg = config_of(c);
+  Router router(cfg);
+  for (int64_t T : {4096, 100, 0, 37}) {
+    Case v = c;
+    v.T = T;
+    v.seed = 3 + T;
+    v.name += " T=" + std::to_string(T);
+    RouterRun run(cfg, T, router.selection_width(), false);
+    const Inputs in = make_inputs(v, cfg, v.seed);
+    run.upload(in.z, in.b, in.dp, in.dl);
+    ErrorWord ew;
+    run.poison();
+    run.enqueue(router, ew.device_ptr(), nullptr);
+    check(v, cfg, run, in, run.download(ew));
+  }
+}
+
+// Capture once; replays with new logits in the same buffers == eager.
+TEST(Router, GraphReplayMatchesEager) {
+  MOE_REQUIRE_GPU();
+  for (bool rounding : {false, true}) {
+    Case c = make("graph", 256, 8, 1024, [rounding](RouterConfig& cfg) {
+      cfg.score = ScoreFunction::kSigmoid;
+      cfg.normalize_topk = true;
+      cfg.expert_bias = true;
+      cfg.num_groups = 8;
+      cfg.topk_groups = 4;
+      cfg.aux_loss_coeff = 0.01f;
+      cfg.seq_aux_loss_coeff = 0.001f;
+      cfg.seq_length = 512;
+      cfg.z_loss_coeff = 0.001f;
+      if (rounding) {
+        cfg.rounding = TokenRounding::kNearest;
+        cfg.output_form = RoutingForm::kMap;
+      }
+    });
+    const RouterConfig cfg = config_of(c);
+    Router router(cfg);
+    RouterRun run(cfg, c.T, router.selection_width(), false);
+    ErrorWord ew;
+    cudaStream_t s;
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    Inputs in = make_inputs(c, cfg, 100);
+    run.upload(in.z, in.b, in.dp, in.dl);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    MOE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    run.enqueue(router, ew.device_ptr(), s);
+    MOE_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int step = 0; step < 3; ++step) {
+      Case v = c;
+      v.scale = 0.75 + 0.25 * step;
+      if (step == 2) v.edit_logits = [](std::vector<double>& z) { z[77] = std::numeric_limits<double>::quiet_NaN(); };
+      in = make_inputs(v, cfg, 200 + step);  // seeds whose decisions are 5x above the near-tie bound
+      run.upload(in.z, in.b, in.dp, in.dl);
+      run.poison();
+      MOE_CUDA_CHECK(cudaGraphLaunch(exec, s));
+      MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+      const auto replayed = run.download(ew);
+      check(v, cfg, run, in, replayed);
+      run.poison();
+      run.enqueue(router, ew.device_ptr(), s);
+      MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+      EXPECT_TRUE(run.download(ew) == replayed) << "graph replay differs from eager, step " << step;
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(s);
+  }
+}
+
+TEST(Router, BiasUpdate) {
+  MOE_REQUIRE_GPU();
+  const int E = 300;
+  std::mt19937_64 rng(5);
+  std::vector<int64_t> counts(E);
+  std::vector<double> bias(E);
+  for (int e = 0; e < E; ++e) {
+    counts[e] = static_cast<int64_t>(rng() % 50);
+    bias[e] = static_cast<float>(static_cast<double>(rng() % 1000) / 1000.0 - 0.5);
+  }
+  counts[3] = 0;
+  for (bool wide : {false, true}) {
+    DeviceBuffer<float> b(std::vector<float>(bias.begin(), bias.end()));
+    DeviceBuffer<int64_t> c64(counts);
+    DeviceBuffer<int32_t> c32(std::vector<int32_t>(counts.begin(), counts.end()));
+    const TensorView cv = wide ? TensorView(c64.get(), DType::kInt64, {E}) : TensorView(c32.get(), DType::kInt32, {E});
+    update_expert_bias(cv, TensorView(b.get(), DType::kFP32, {E}), 0.001f, nullptr);
+    const auto got = b.download();
+    const auto want = ref::update_expert_bias(counts, bias, 0.001f);
+    for (int e = 0; e < E; ++e)  // one fp32 addition of +-rate: exact after rounding to fp32
+      EXPECT_EQ(got[e], static_cast<float>(static_cast<float>(bias[e]) + (want[e] > bias[e] ? 0.001f
+                                                                          : want[e] < bias[e] ? -0.001f : 0.0f)))
+          << "e=" << e;
+  }
+}
+
+TEST(Router, HostCheckedArguments) {
+  MOE_REQUIRE_GPU();
+  RouterConfig cfg;
+  cfg.num_experts = 16;
+  cfg.topk = 2;
+  cfg.max_tokens = 64;
+  expect_error_naming([&] { RouterConfig c = cfg; c.num_experts = 600; Router r(c); }, "num_experts");
+  expect_error_naming([&] { RouterConfig c = cfg; c.num_groups = 3; Router r(c); }, "num_groups");
+  Router router(cfg);
+  RouterRun run(cfg, 64, router.selection_width(), false);
+  ErrorWord ew;
+  const RouterOutputs o = run.outputs();
+  expect_error_naming([&] { router.forward(run.logits_view(), TensorView(), o, nullptr, nullptr); }, "error_word");
+  TensorView big(run.logits.get(), DType::kFP32, {65, 16});
+  expect_error_naming([&] { router.forward(big, TensorView(), o, ew.device_ptr(), nullptr); }, "logits");
+  TensorView wrong(run.logits.get(), DType::kFP16, {64, 16});
+  expect_error_naming([&] { router.forward(wrong, TensorView(), o, ew.device_ptr(), nullptr); }, "logits");
+  expect_error_naming([&] { router.forward(run.logits_view(), TensorView(run.bias.get(), DType::kFP32, {16}), o,
+                                           ew.device_ptr(), nullptr); }, "bias");
+  RouterOutputs bad = o;
+  bad.indices = TensorView(run.indices.get(), DType::kInt32, {64, 3});
+  expect_error_naming([&] { router.forward(run.logits_view(), TensorView(), bad, ew.device_ptr(), nullptr); },
+                      "indices");
+  bad = o;
+  bad.selected = TensorView(run.selected.get(), DType::kInt64, {64, 2});
+  expect_error_naming([&] { router.forward(run.logits_view(), TensorView(), bad, ew.device_ptr(), nullptr); },
+                      "selected");
+  bad = o;
+  bad.counts_int64 = TensorView(run.counts.get(), DType::kInt32, {16});
+  expect_error_naming([&] { router.forward(run.logits_view(), TensorView(), bad, ew.device_ptr(), nullptr); },
+                      "counts_int64");
+  RouterGrads g = run.grads();
+  g.d_probs = TensorView(run.dprobs.get(), DType::kFP32, {64, 16});
+  expect_error_naming([&] { router.backward(run.logits_view(), o, g, run.dlogits_view(), nullptr); }, "d_probs");
+  expect_error_naming([&] { router.backward(run.logits_view(), o, run.grads(),
+                                            TensorView(run.dlogits.get(), DType::kBF16, {64, 16}), nullptr); },
+                      "d_logits");
+  RouterConfig seq = cfg;
+  seq.seq_aux_loss_coeff = 0.1f;
+  seq.seq_length = 10;
+  Router rs(seq);
+  RouterRun rseq(seq, 60, rs.selection_width(), false);
+  expect_error_naming([&] { rs.forward(run.logits_view(), TensorView(), rseq.outputs(), ew.device_ptr(), nullptr); },
+                      "seq_length");
+  expect_error_naming([&] { update_expert_bias(TensorView(run.bias.get(), DType::kFP32, {16}),
+                                               TensorView(run.bias.get(), DType::kFP32, {16}), 0.1f, nullptr); },
+                      "counts");
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(ew.fetch_and_clear(nullptr), 0u);
+}
+
+}  // namespace
+}  // namespace moe
