@@ -1,4 +1,5 @@
-// Layout normalisation of expert keys: single grouped <-> per expert (SPEC 5).
+// Layout normalisation of expert keys: single grouped <-> per expert (docs/semantics.md, Weight
+// layouts and checkpoints).
 #include <cstring>
 
 #include "checkpoint/key_list.h"

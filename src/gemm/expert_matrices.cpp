@@ -1,4 +1,5 @@
-// ExpertMatrices: the two weight layouts of SPEC 5 as one device pointer description.
+// ExpertMatrices: the two weight layouts (docs/semantics.md, Weight layouts) as one device pointer
+// description.
 #include <vector>
 
 #include "kernels/cuda_check.h"

@@ -1,4 +1,4 @@
-// Gather-combine, one warp per token t (SPEC 2-3):
+// Gather-combine, one warp per token t (docs/semantics.md, Dispatch and Combine):
 //   y[t] = sum over the token's slots, in slot order, of w * Y[slot_row[t, s]]   (fp32 accumulation)
 // It is the unpermute (w = the row's prob when merging probs, else 1) and the permute backward
 // (w = 1, plus dprobs[t, s] = d_probs_perm[row]). A gather in fixed slot order instead of a scatter
