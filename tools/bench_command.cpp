@@ -3,6 +3,7 @@
 // against the CPU reference, and reports TFLOP/s (the convention of docs/semantics.md) and the
 // extra device memory; optionally draws the graph-captured TFLOP/s as a PNG bar chart.
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -60,6 +61,10 @@ void run_bench(const BenchArgs& a) {
     shapes.push_back(bench::shape_by_name("qwen3-30b-a3b-ep8"));
   } else {
     for (const auto& n : a.shapes) shapes.push_back(bench::parse_shape(n));
+  }
+  if (!a.png.empty()) {  // fail now rather than after a long run (the file is rewritten at the end)
+    std::ofstream probe(a.png, std::ios::app);
+    MOE_CHECK(probe.good(), "argument 'png': cannot open '", a.png, "' for writing");
   }
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {

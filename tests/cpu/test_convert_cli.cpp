@@ -24,8 +24,9 @@ namespace moe {
 namespace {
 
 std::string fixtures() {
-  std::string f = __FILE__;  // .../tests/cpu/test_convert_cli.cpp
-  return f.substr(0, f.rfind('/')) + "/../fixtures/hf/";
+  // The tests/ folder of the source tree (tests/CMakeLists.txt): __FILE__ may be relative to the
+  // build folder (ccache base_dir), and the tests run elsewhere.
+  return std::string(MOE_TESTS_DIR) + "/fixtures/hf/";
 }
 
 std::string tool() {

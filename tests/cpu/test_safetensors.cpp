@@ -24,8 +24,9 @@ namespace st = safetensors;
 using ::moe::testing::expect_error_naming;
 
 std::string source_dir() {
-  std::string f = __FILE__;  // .../tests/cpu/test_safetensors.cpp
-  return f.substr(0, f.rfind('/')) + "/..";
+  // The tests/ folder of the source tree (tests/CMakeLists.txt): __FILE__ may be relative to the
+  // build folder (ccache base_dir), and the tests run elsewhere.
+  return MOE_TESTS_DIR;
 }
 
 std::string read_file(const std::string& path) {
