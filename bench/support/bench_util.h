@@ -1,6 +1,6 @@
-// Benchmark support: the named shapes (docs/shapes.md) and the parser of shape arguments, CUDA-event
-// timing (median/min/max over repeats after warm-up), and the device-to-device copy bandwidth
-// measured in the same run.
+// Benchmark support: the named shapes (docs/shapes.md) and the parser of shape arguments,
+// CUDA-event timing (median/min/max over repeats after warm-up), and the device-to-device copy
+// bandwidth measured in the same run.
 #pragma once
 
 #include <cstdint>

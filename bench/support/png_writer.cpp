@@ -73,8 +73,8 @@ std::vector<uint8_t> encode_png(const Image& image) {
   }
   uLongf packed_size = compressBound(static_cast<uLong>(raw.size()));
   std::vector<uint8_t> packed(packed_size);
-  MOE_CHECK(compress2(packed.data(), &packed_size, raw.data(), static_cast<uLong>(raw.size()), Z_BEST_COMPRESSION) == Z_OK,
-            "encode_png: zlib compress2 failed");
+  const int z = compress2(packed.data(), &packed_size, raw.data(), static_cast<uLong>(raw.size()), Z_BEST_COMPRESSION);
+  MOE_CHECK(z == Z_OK, "encode_png: zlib compress2 failed (", z, ")");
   packed.resize(packed_size);
 
   std::vector<uint8_t> png = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};

@@ -37,7 +37,9 @@ void cuda_check(cudaError_t status, const char* what) {
 template <typename T>
 class DeviceArray {
  public:
-  explicit DeviceArray(size_t n) : n_(n) { cuda_check(cudaMalloc(reinterpret_cast<void**>(&p_), bytes()), "cudaMalloc"); }
+  explicit DeviceArray(size_t n) : n_(n) {
+    cuda_check(cudaMalloc(reinterpret_cast<void**>(&p_), std::max<size_t>(bytes(), 1)), "cudaMalloc");
+  }
   explicit DeviceArray(const std::vector<T>& host) : DeviceArray(host.size()) {
     cuda_check(cudaMemcpy(p_, host.data(), bytes(), cudaMemcpyHostToDevice), "cudaMemcpy to device");
   }
@@ -53,7 +55,7 @@ class DeviceArray {
   }
 
  private:
-  size_t bytes() const { return std::max<size_t>(n_, 1) * sizeof(T); }
+  size_t bytes() const { return n_ * sizeof(T); }
   T* p_ = nullptr;
   size_t n_ = 0;
 };
@@ -142,7 +144,7 @@ int run() {
   routing.indices = moe::TensorView(d_indices.get(), DType::kInt32, {T, k});
   routing.probs = moe::TensorView(d_probs.get(), DType::kFP32, {T, k});
 
-  // 4. The layer, with its weights and (bf16, written) weight gradients in the single grouped layout.
+  // 4. The layer, with its weights and (bf16, written) weight gradients, single grouped layout.
   moe::GroupedMlp layer(cfg);
   moe::ExpertTensors weights, grads;
   weights.fc1_weight = {moe::TensorView(d_w1.get(), DType::kBF16, {E, F1, H})};
