@@ -1,4 +1,4 @@
-// Activation x prob bandwidth (BENCHMARKS.md "activation + prob kernels (unfused)"): GB/s of the
+// Activation x prob bandwidth (the unfused activation + prob kernels; docs/shapes.md): GB/s of the
 // forward and backward swiglu-with-probs kernels on R = T*k rows of each named shape, beside the
 // device-to-device copy bandwidth measured in the same run. Target: >= 85% of the copy bandwidth.
 // The per-expert bias kernels of the layer (fc2 bias, H columns) are timed too, for reference.

@@ -1,4 +1,4 @@
-// Token dispatch bandwidth (issue 3, BENCHMARKS.md "permute+pad, unpermute+unpad"): GB/s of each
+// Token dispatch bandwidth (permute + pad, unpermute + unpad; docs/shapes.md): GB/s of each
 // dispatch kernel on the named shapes, bf16 rows, beside the device-to-device copy bandwidth of the
 // same GPU measured in the same run. Target: >= 85% of the copy bandwidth.
 //

@@ -2,9 +2,10 @@
 // (N = H, K = F) products of every named shape, balanced and skewed routing, beside a cuBLAS dense
 // GEMM of the same total size in the same run (the practical ceiling).
 //
-// Groups: tokens per expert from make_topk_routing (BENCHMARKS.md), padded to 128 rows as the layer
-// dispatches them. TFLOP/s = 2 * T*k * N * K / time: padding rows are computed but not counted
-// (SPEC 4), for ours and for the dense ceiling alike (whose M is the padded row count).
+// Groups: tokens per expert from make_topk_routing (docs/shapes.md, Routing), padded to 128 rows as
+// the layer dispatches them. TFLOP/s = 2 * T*k * N * K / time: padding rows are computed but not
+// counted (docs/semantics.md, FLOP convention), for ours and for the dense ceiling alike (whose M is
+// the padded row count).
 //
 // Timing: GPU clocks on the H100 depend on power draw, so back-to-back measurements of different
 // kernels drift by up to ~10%. Every measurement of one (shape, fc, op) -- ours eager, ours in a

@@ -18,13 +18,22 @@ add_library(moe_cutlass INTERFACE)
 target_include_directories(moe_cutlass SYSTEM INTERFACE "${MOE_CUTLASS_DIR}/include" "${_moe_cutlass_util}")
 message(STATUS "moe-engine: CUTLASS from ${MOE_CUTLASS_DIR}")
 
-# Header-only JSON parser and CLI parser: staged copy first, then the system.
-find_path(MOE_JSON_INCLUDE nlohmann/json.hpp HINTS "${MOE_DEPS_DIR}/include" REQUIRED)
-find_path(MOE_CLI11_INCLUDE CLI/CLI.hpp HINTS "${MOE_DEPS_DIR}/include" REQUIRED)
-add_library(moe_json INTERFACE)
-target_include_directories(moe_json SYSTEM INTERFACE "${MOE_JSON_INCLUDE}")
-add_library(moe_cli11 INTERFACE)
-target_include_directories(moe_cli11 SYSTEM INTERFACE "${MOE_CLI11_INCLUDE}")
+# Header-only JSON parser (checkpoint library, tool, benchmarks) and CLI parser (tool, benchmarks):
+# staged copy first, then the system. Only required by the parts that use them.
+if(MOE_BUILD_CHECKPOINT OR MOE_BUILD_TOOLS OR MOE_BUILD_BENCH)
+  find_path(MOE_JSON_INCLUDE nlohmann/json.hpp HINTS "${MOE_DEPS_DIR}/include" REQUIRED)
+  add_library(moe_json INTERFACE)
+  target_include_directories(moe_json SYSTEM INTERFACE "${MOE_JSON_INCLUDE}")
+endif()
+if(MOE_BUILD_TOOLS OR MOE_BUILD_BENCH)
+  find_path(MOE_CLI11_INCLUDE CLI/CLI.hpp HINTS "${MOE_DEPS_DIR}/include" REQUIRED)
+  add_library(moe_cli11 INTERFACE)
+  target_include_directories(moe_cli11 SYSTEM INTERFACE "${MOE_CLI11_INCLUDE}")
+endif()
+# zlib compresses the PNG charts of the tool and the benchmarks (bench/support/png_writer.cpp).
+if(MOE_BUILD_TOOLS OR MOE_BUILD_BENCH OR MOE_BUILD_TESTS)
+  find_package(ZLIB REQUIRED)
+endif()
 
 # GoogleTest: the staged sources (so a GPU machine without packages can build), else the system.
 if(MOE_BUILD_TESTS)

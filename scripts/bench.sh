@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's main job: build the moe-engine tool and run the layer benchmark on its default shape
-# (qwen3-30b-a3b-ep8). Extra arguments go to `moe-engine bench` (e.g. --all, --shape NAME, --json).
+# (qwen3-30b-a3b-ep8). Extra arguments go to `moe-engine bench` (e.g. --list, --all, --shape NAME,
+# --shape T,H,F,E,k, --json, --png chart.png; see docs/shapes.md).
 # Needs a CUDA GPU; without one it exits non-zero with a one-line message.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs and stages everything the build needs, on a fresh machine of the project's kind.
-#  - Debian packages (compiler tools, GoogleTest, nlohmann-json, CLI11, ccache, clang + libFuzzer)
+#  - Debian packages (compiler tools, GoogleTest, nlohmann-json, CLI11, zlib, ccache, clang + libFuzzer)
 #    when missing and when apt-get is usable (we are root with a registry);
 #  - CUTLASS 4.2 headers from PyPI into .deps/cutlass (git-ignored);
 #  - a copy of the header-only/source dependencies into .deps/ so that the tree can be carried to
@@ -12,7 +12,7 @@ deps="$root/.deps"
 mkdir -p "$deps"
 
 need_pkgs=()
-for p in cmake g++ ninja-build libgtest-dev nlohmann-json3-dev libcli11-dev ccache clang libclang-rt-dev; do
+for p in cmake g++ ninja-build libgtest-dev nlohmann-json3-dev libcli11-dev zlib1g-dev ccache clang libclang-rt-dev; do
   dpkg -s "$p" >/dev/null 2>&1 || need_pkgs+=("$p")
 done
 if [ ${#need_pkgs[@]} -gt 0 ]; then

@@ -1,7 +1,9 @@
 // `moe-engine bench`: the main job. Times the expert layer (forward, backward, total; eager and
-// CUDA-graph captured) on the named shapes of BENCHMARKS.md after checking a sample of tokens
-// against the CPU reference, and reports TFLOP/s (SPEC convention) and the extra device memory.
+// CUDA-graph captured) on named or custom shapes (docs/shapes.md) after checking a sample of tokens
+// against the CPU reference, and reports TFLOP/s (the convention of docs/semantics.md) and the
+// extra device memory; optionally draws the graph-captured TFLOP/s as a PNG bar chart.
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -12,6 +14,7 @@
 #include "command.h"
 #include "moe/activation.h"
 #include "moe/error.h"
+#include "support/bar_chart.h"
 #include "support/bench_util.h"
 #include "support/layer_bench.h"
 
@@ -20,6 +23,8 @@ namespace {
 
 struct BenchArgs {
   std::vector<std::string> shapes;
+  std::string png;
+  bool list = false;
   bool all = false;
   bool json = false;
   bool no_check = false;
@@ -31,19 +36,40 @@ struct BenchArgs {
 
 double tflops(double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0; }
 
+// Graph-captured TFLOP/s of every shape run: forward, backward, total.
+void write_chart(const std::string& path, const std::string& title, const std::vector<bench::Shape>& shapes,
+                 const std::vector<std::vector<double>>& tflops_per_shape) {
+  bench::BarChart chart;
+  chart.title = title;
+  chart.unit = "TFLOP/s";
+  chart.series = {"graph forward", "graph backward", "graph total"};
+  for (const auto& s : shapes) chart.groups.push_back(s.name);
+  chart.values = tflops_per_shape;
+  bench::write_png(path, bench::render_bar_chart(chart));
+}
+
 void run_bench(const BenchArgs& a) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::cerr << "moe-engine bench: no CUDA GPU available (this command needs one)\n";
-    std::exit(2);
+  if (a.list) {
+    std::cout << bench::shape_table();
+    return;
   }
+  // Shapes are parsed before looking for a GPU, so a typo is reported as such everywhere.
   std::vector<bench::Shape> shapes;
   if (a.all) {
     shapes = bench::named_shapes();
   } else if (a.shapes.empty()) {
     shapes.push_back(bench::shape_by_name("qwen3-30b-a3b-ep8"));
   } else {
-    for (const auto& n : a.shapes) shapes.push_back(bench::shape_by_name(n));
+    for (const auto& n : a.shapes) shapes.push_back(bench::parse_shape(n));
+  }
+  if (!a.png.empty()) {  // fail now rather than after a long run (the file is rewritten at the end)
+    std::ofstream probe(a.png, std::ios::app);
+    MOE_CHECK(probe.good(), "argument 'png': cannot open '", a.png, "' for writing");
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::cerr << "moe-engine bench: no CUDA GPU available (this command needs one)\n";
+    std::exit(2);
   }
   bench::LayerBenchOptions o;
   o.skew = a.skew;
@@ -62,12 +88,15 @@ void run_bench(const BenchArgs& a) {
                 "graph bwd ms (TFLOP/s)", "graph total ms (TFLOP/s)", "eager total ms (TF/s)", "extra GiB", "check");
   }
   bool all_ok = true;
+  std::vector<std::vector<double>> chart_values;  // per shape: graph fwd, bwd, total TFLOP/s
   for (const auto& s : shapes) {
     bench::LayerBenchResult r = bench::run_layer_bench(s, o);
     const double ff = r.flops_fwd();
     const double g_bwd = r.fwd_bwd_graph.median_ms - r.fwd_graph.median_ms;
     const double e_bwd = r.fwd_bwd_eager.median_ms - r.fwd_eager.median_ms;
     all_ok = all_ok && r.check.passed();
+    chart_values.push_back({tflops(ff, r.fwd_graph.median_ms), tflops(2 * ff, g_bwd),
+                            tflops(3 * ff, r.fwd_bwd_graph.median_ms)});
     if (a.json) {
       nlohmann::json j = {
           {"shape", s.name}, {"T", s.T}, {"H", s.H}, {"F", s.F}, {"E", s.E}, {"k", s.k}, {"device", device},
@@ -100,14 +129,22 @@ void run_bench(const BenchArgs& a) {
       std::fflush(stdout);
     }
   }
+  if (!a.png.empty()) {
+    write_chart(a.png, "moe-engine bench, " + device + ", bf16 " + a.activation, shapes, chart_values);
+    if (!a.json) std::printf("\nchart: %s\n", a.png.c_str());
+  }
   MOE_CHECK(all_ok, "moe-engine bench: a sampled result differs from the CPU reference (see the check column)");
 }
 
 void setup_bench(CLI::App& app) {
   auto args = std::make_shared<BenchArgs>();
-  CLI::App* sub = app.add_subcommand("bench", "Benchmark the expert layer on named shapes (needs a GPU)");
-  sub->add_option("--shape", args->shapes, "Named shape(s) of BENCHMARKS.md (default: qwen3-30b-a3b-ep8)");
-  sub->add_flag("--all", args->all, "Every named shape");
+  CLI::App* sub = app.add_subcommand("bench", "Benchmark the expert layer on named or custom shapes (needs a GPU)");
+  sub->add_flag("--list", args->list, "Print the named shapes (T, H, F, E, k) and exit (no GPU needed)");
+  CLI::Option* shape = sub->add_option(
+      "--shape", args->shapes,
+      "Shape(s) to run: a name from --list, or T,H,F,E,k for your own model (tokens, hidden size, expert FFN "
+      "size, experts on this GPU, top-k), reported as TxHxFxExk (default: qwen3-30b-a3b-ep8)");
+  sub->add_flag("--all", args->all, "Every named shape")->excludes(shape);
   sub->add_flag("--json", args->json, "One JSON line per shape instead of a table");
   sub->add_option("--skew", args->skew, "Routing skew: 0 balanced, >0 Zipf-like expert popularity")
       ->check(CLI::NonNegativeNumber);
@@ -116,6 +153,8 @@ void setup_bench(CLI::App& app) {
   sub->add_option("--repeats", args->repeats, "Timed repeats per measurement (median reported)")
       ->check(CLI::Range(3, 1000));
   sub->add_option("--activation", args->activation, "swiglu, geglu, clamped-swiglu or squared-relu");
+  sub->add_option("--png", args->png, "Also draw the graph-captured forward / backward / total TFLOP/s of each "
+                                     "shape as a bar chart into this PNG file");
   sub->add_flag("--no-check", args->no_check, "Skip the sampled comparison with the CPU reference");
   sub->callback([args] { run_bench(*args); });
 }

@@ -1,6 +1,11 @@
 #include "support/bench_util.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <mutex>
 #include <sstream>
 
 #include "device/cuda_check.h"
@@ -26,6 +31,67 @@ const Shape& shape_by_name(const std::string& name) {
     known += (known.empty() ? "" : ", ") + std::string(s.name);
   }
   detail::throw_error("argument 'shape': unknown shape '", name, "'; known: ", known);
+}
+
+namespace {
+
+// Parses one positive decimal integer field of a custom shape; `what` names the field.
+int64_t parse_dimension(const std::string& text, const char* what, const std::string& spec) {
+  const bool digits =
+      !text.empty() && std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+  errno = 0;
+  const long long v = digits ? std::strtoll(text.c_str(), nullptr, 10) : 0;
+  MOE_CHECK(digits && errno == 0 && v > 0, "argument 'shape': ", what, " of '", spec,
+            "' must be a positive integer, got '", text, "'");
+  return v;
+}
+
+// Names of custom shapes: Shape holds a C string, so each name is kept for the life of the program
+// (a deque never moves its elements). Benchmarks parse a handful of shapes, once.
+const char* keep_name(const std::string& name) {
+  static std::mutex mutex;
+  static std::deque<std::string> names;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& n : names)
+    if (n == name) return n.c_str();
+  names.push_back(name);
+  return names.back().c_str();
+}
+
+}  // namespace
+
+Shape parse_shape(const std::string& spec) {
+  if (spec.find(',') == std::string::npos) return shape_by_name(spec);
+  std::vector<std::string> fields;
+  size_t start = 0;
+  for (;;) {
+    const size_t comma = spec.find(',', start);
+    fields.push_back(spec.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  MOE_CHECK(fields.size() == 5, "argument 'shape': expected a shape name or T,H,F,E,k (five integers), got '",
+            spec, "'");
+  const char* what[5] = {"T", "H", "F", "E", "k"};
+  int64_t v[5];
+  for (int i = 0; i < 5; ++i) v[i] = parse_dimension(fields[i], what[i], spec);
+  MOE_CHECK(v[3] <= (1 << 20), "argument 'shape': E of '", spec, "' must be at most 1048576, got ", v[3]);
+  MOE_CHECK(v[4] <= v[3], "argument 'shape': k of '", spec, "' must be at most E (", v[3], "), got ", v[4]);
+  const std::string name = detail::concat(v[0], "x", v[1], "x", v[2], "x", v[3], "x", v[4]);
+  return Shape{keep_name(name), v[0], v[1], v[2], static_cast<int>(v[3]), static_cast<int>(v[4])};
+}
+
+std::string shape_table() {
+  std::string out;
+  char line[128];
+  std::snprintf(line, sizeof line, "%-18s %6s %6s %6s %4s %3s\n", "name", "T", "H", "F", "E", "k");
+  out += line;
+  for (const auto& s : named_shapes()) {
+    std::snprintf(line, sizeof line, "%-18s %6lld %6lld %6lld %4d %3d\n", s.name, static_cast<long long>(s.T),
+                  static_cast<long long>(s.H), static_cast<long long>(s.F), s.E, s.k);
+    out += line;
+  }
+  return out;
 }
 
 namespace {

@@ -1,5 +1,6 @@
-// Benchmark support: the named shapes of BENCHMARKS.md, CUDA-event timing (median/min/max over
-// repeats after warm-up), and the device-to-device copy bandwidth measured in the same run.
+// Benchmark support: the named shapes (docs/shapes.md) and the parser of shape arguments,
+// CUDA-event timing (median/min/max over repeats after warm-up), and the device-to-device copy
+// bandwidth measured in the same run.
 #pragma once
 
 #include <cstdint>
@@ -11,16 +12,23 @@
 
 namespace moe::bench {
 
+// (T, H, F, E, k) of docs/semantics.md. The name is a C string so that a Shape stays a plain
+// aggregate that the benchmarks print with printf; it points to static storage.
 struct Shape {
   const char* name;
   int64_t T, H, F;
   int E, k;
 };
 
-// Every named shape, in the order of BENCHMARKS.md.
+// Every named shape, in the order of docs/shapes.md.
 const std::vector<Shape>& named_shapes();
 // Throws moe::Error listing the known names when `name` is unknown.
 const Shape& shape_by_name(const std::string& name);
+// A shape argument: a name of named_shapes(), or "T,H,F,E,k" (five positive integers, k <= E),
+// which is named "TxHxFxExk". Throws moe::Error naming argument 'shape' otherwise.
+Shape parse_shape(const std::string& spec);
+// The named shapes as an aligned text table, one per line, with a header.
+std::string shape_table();
 
 struct Timing {
   double median_ms = 0, min_ms = 0, max_ms = 0;

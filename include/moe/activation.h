@@ -1,4 +1,5 @@
-// Gated and plain activations of the expert MLP (SPEC section 4), and the GLU interleave layout.
+// Gated and plain activations of the expert MLP (docs/semantics.md, Activations), and the GLU
+// interleave layout.
 #pragma once
 
 #include <cstdint>
@@ -32,8 +33,9 @@ int64_t fc1_out_features(Activation a, int64_t ffn);
 // activation is not gated.
 void validate_activation(const ActivationParams& p, int64_t ffn);
 
-// Physical fc1 column of logical gate column j / linear column j (0 <= j < F).
-inline int64_t gate_column(int64_t j, int64_t ffn, int s) {
+// Physical fc1 column of logical gate column j / linear column j (0 <= j < F). gate_column takes
+// ffn only to mirror linear_column.
+inline int64_t gate_column(int64_t j, [[maybe_unused]] int64_t ffn, int s) {
   return s == 0 ? j : (j / s) * 2 * s + (j % s);
 }
 inline int64_t linear_column(int64_t j, int64_t ffn, int s) {

@@ -1,4 +1,5 @@
-// Activation x prob kernels of the expert layer (SPEC 4), unfused: bf16 in and out, fp32 math.
+// Activation x prob kernels of the expert layer (docs/semantics.md, Activations), unfused: bf16 in
+// and out, fp32 math.
 //
 //   forward   out[r, j] = act(h[r, :])_j * p[r]                      (j < F)
 //   backward  dh[r, :]  = d(act(h[r, :]) * p[r]) / dh  applied to d_out[r, :]
@@ -7,7 +8,8 @@
 // Nothing but the output is stored: backward recomputes act from h. Rows past the valid total are
 // neither read nor written; the total is read on the device from group_offsets (int32 [E + 1],
 // valid rows = min(group_offsets[E], R)), so a call is graph-safe: no host read, no sync, no
-// allocation. A default-constructed TensorView() means "absent" for probs, group_offsets and dprobs.
+// allocation. A default-constructed TensorView() means "absent" for probs, group_offsets and
+// dprobs.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -24,8 +26,8 @@ void activation_forward(const ActivationParams& params, const TensorView& h, con
                         const TensorView& group_offsets, const TensorView& out, cudaStream_t stream);
 
 // d_out bf16 [R, F] -> dh bf16 [R, fc1_out] (same layout as h) and dprobs fp32 [R] (or absent).
-// Derivatives follow SPEC 4: for clamped-swiglu the gate derivative is zero where g > limit and the
-// linear one where |l| > limit.
+// Derivatives follow docs/semantics.md: for clamped-swiglu the gate derivative is zero where g >
+// limit and the linear one where |l| > limit.
 void activation_backward(const ActivationParams& params, const TensorView& h, const TensorView& probs,
                          const TensorView& d_out, const TensorView& group_offsets, const TensorView& dh,
                          const TensorView& dprobs, cudaStream_t stream);

@@ -1,7 +1,7 @@
-// Per-expert bias kernels of the expert layer (SPEC 4): add the bias rows of each row's expert to
-// a grouped [R, N] matrix (fc1: h += b1_e; fc2 with probs in the activation: Y += p * b2_e), and
-// the backward: bias gradients db_e = sum over the expert's rows of (p *) dY, and the prob's
-// gradient through the scaled bias, dprobs[r] = <dY[r, :], b2_e>.
+// Per-expert bias kernels of the expert layer (docs/semantics.md, Expert MLP): add the bias rows of
+// each row's expert to a grouped [R, N] matrix (fc1: h += b1_e; fc2 with probs in the activation:
+// Y += p * b2_e), and the backward: bias gradients db_e = sum over the expert's rows of (p *) dY,
+// and the prob's gradient through the scaled bias, dprobs[r] = <dY[r, :], b2_e>.
 //
 // The expert of row r is the e with group_offsets[e] <= r < group_offsets[e + 1] (int32 [E + 1],
 // on the device); rows at or past min(group_offsets[E], R) are neither read nor written. Every call
@@ -20,9 +20,9 @@
 namespace moe {
 
 // The E rows of a per-expert parameter (or of its gradient) on the device, in either weight layout
-// (SPEC 5). Single grouped: one [E, N] block; per expert: a device array of E pointers, each to N
-// contiguous elements, 16-byte aligned. The kernels differ only in how they find row e, so both
-// layouts give bitwise-identical results.
+// (docs/semantics.md, Weight layouts). Single grouped: one [E, N] block; per expert: a device array
+// of E pointers, each to N contiguous elements, 16-byte aligned. The kernels differ only in how
+// they find row e, so both layouts give bitwise-identical results.
 struct ExpertRows {
   void* stacked = nullptr;       // single grouped [E, N]
   void* const* table = nullptr;  // per expert: device array [E] of row pointers

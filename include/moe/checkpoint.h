@@ -1,4 +1,5 @@
-// Expert weights on the host, in our layout, loaded from and saved to state dicts (SPEC 4-5).
+// Expert weights on the host, in our layout, loaded from and saved to state dicts
+// (docs/semantics.md, Weight layouts and checkpoints).
 //
 // ExpertWeights is what a checkpoint becomes before it meets a layer: the four parameters of the
 // expert MLP in the physical layout the kernels use -- fc1 [fc1_out, H] per expert with its rows
@@ -40,12 +41,12 @@ class ExpertWeights {
   // Zero-filled weights of `dtype` (a floating-point dtype).
   ExpertWeights(const ExpertWeightsSpec& spec, DType dtype);
 
-  // The layer's parameters out of a state dict with our key names under `prefix` (SPEC 5): keys in
-  // either layout are accepted and normalised to spec.layout (the dict itself is not modified).
-  // A grouped tensor may also come flattened ([E * fc1_out, H]). Every parameter must be present
-  // with the expected shape (biases exactly when spec.bias) and all share one floating dtype;
-  // anything else is a moe::Error naming the key. Borrowed tensors stay borrowed (no copy) where
-  // no conversion is needed.
+  // The layer's parameters out of a state dict with our key names under `prefix`
+  // (docs/semantics.md): keys in either layout are accepted and normalised to spec.layout (the dict
+  // itself is not modified). A grouped tensor may also come flattened ([E * fc1_out, H]). Every
+  // parameter must be present with the expected shape (biases exactly when spec.bias) and all share
+  // one floating dtype; anything else is a moe::Error naming the key. Borrowed tensors stay
+  // borrowed (no copy) where no conversion is needed.
   static ExpertWeights from_state_dict(const StateDict& sd, const ExpertWeightsSpec& spec,
                                        const std::string& prefix = "");
   // The parameters under `prefix` with our key names, in spec.layout.

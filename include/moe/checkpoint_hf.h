@@ -1,4 +1,4 @@
-// Hugging Face expert naming <-> our layout (SPEC 5).
+// Hugging Face expert naming <-> our layout (docs/semantics.md, Weight layouts and checkpoints).
 //
 // What each family's save_pretrained writes (checked against transformers 5.17, which converts
 // the fused in-memory experts back to these names on save; fixtures in tests/fixtures/hf/):

@@ -1,6 +1,6 @@
-// The device-side error word (SPEC section 9). Kernels never read or write out of bounds on bad
-// input: they skip the bad entry and OR a bit into a uint32 in device memory. The host reads and
-// clears the word outside graphs (ErrorWord::check), which syncs.
+// The device-side error word (docs/semantics.md, Errors). Kernels never read or write out of bounds
+// on bad input: they skip the bad entry and OR a bit into a uint32 in device memory. The host reads
+// and clears the word outside graphs (ErrorWord::check), which syncs.
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,6 @@
 // Element types the library understands. Sub-byte and scale types are here from the start so that
-// FP8/MXFP8/NVFP4 rows and scales can travel through the same tensor views later (SPEC section 6).
+// FP8/MXFP8/NVFP4 rows and scales can travel through the same tensor views later
+// (docs/semantics.md, Quantized formats).
 #pragma once
 
 #include <cstdint>

@@ -1,7 +1,7 @@
 // moe::Error and the argument-checking helpers used at every public entry point.
 //
 // Every host-checkable problem (shape, dtype, null or misaligned pointer, bad option) raises a
-// moe::Error whose message names the argument and the expected value (SPEC section 9).
+// moe::Error whose message names the argument and the expected value (docs/semantics.md, Errors).
 //
 // Messages are built with plain string appends and std::to_string, not iostreams: the library is
 // also linked into Python extensions, where a process may hold a second C++ runtime whose locale

@@ -1,5 +1,6 @@
-// Owner of the device-side error word (SPEC 9). Kernels OR ErrorBits into device_ptr(); check()
-// reads and clears it -- it synchronises the stream, so call it outside CUDA graphs.
+// Owner of the device-side error word (docs/semantics.md, Errors). Kernels OR ErrorBits into
+// device_ptr(); check() reads and clears it -- it synchronises the stream, so call it outside CUDA
+// graphs.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// Routing input forms and dispatch options (SPEC sections 1-2).
+// Routing input forms and dispatch options (docs/semantics.md, Routing input and Dispatch).
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,5 @@
-// Reading and writing safetensors files (SPEC 5): https://github.com/huggingface/safetensors
+// Reading and writing safetensors files (docs/semantics.md, Weight layouts and checkpoints):
+// https://github.com/huggingface/safetensors
 //
 //   [u64 little-endian N][N bytes of JSON header][data section]
 //   header: {"__metadata__": {str: str}, "<name>": {"dtype": "F32", "shape": [..], "data_offsets": [b, e]}, ...}

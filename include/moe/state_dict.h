@@ -1,4 +1,5 @@
-// Host-side state dicts (name -> tensor) and the layout normalisation of expert keys (SPEC 5).
+// Host-side state dicts (name -> tensor) and the layout normalisation of expert keys
+// (docs/semantics.md, Weight layouts and checkpoints).
 #pragma once
 
 #include <cstdint>
@@ -71,13 +72,13 @@ StateDict load_safetensors(const std::string& path, Metadata* metadata = nullptr
 void save_safetensors(const std::string& path, const StateDict& sd, const Metadata& metadata = {},
                       const safetensors::ProgressFn& progress = {});
 
-// Key names of one expert parameter (SPEC 5): `prefix` + "fc1" / "fc2" + "." + "weight" / "bias",
+// Key names of one expert parameter: `prefix` + "fc1" / "fc2" + "." + "weight" / "bias",
 // followed by the expert index in the per-expert layout ("fc1.weight0", ...).
 std::string expert_param_key(const std::string& prefix, Param p);
 std::string expert_param_key(const std::string& prefix, Param p, int expert);
 
 // Brings the expert keys under `prefix` to `layout`, for a layer of `num_experts` experts, by the
-// rules of SPEC 5, independently for each of fc1/fc2 x weight/bias (P.S below):
+// rules of docs/semantics.md, independently for each of fc1/fc2 x weight/bias (P.S below):
 //   single grouped: if P.S is absent and all of P.S0 .. P.S{E-1} are present, they are stacked
 //     into P.S [E, ...] (same dtype and shape required) and removed; if only some are present it
 //     is an error naming the missing keys; if none are, nothing happens.

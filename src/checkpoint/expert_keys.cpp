@@ -1,5 +1,6 @@
-// Layout normalisation of expert keys: single grouped <-> per expert (SPEC 5), the quantized
-// weights' companion tensors (moe/checkpoint_quant.h) moving with their data.
+// Layout normalisation of expert keys: single grouped <-> per expert (docs/semantics.md, Weight
+// layouts and checkpoints), the quantized weights' companion tensors (moe/checkpoint_quant.h)
+// moving with their data.
 #include <cstring>
 
 #include "checkpoint/key_list.h"

@@ -1,5 +1,5 @@
 // One device allocation carved into 256-byte aligned pieces: the dispatcher and the layer plan all
-// of their memory at construction (SPEC 7) and never allocate afterwards.
+// of their memory at construction (docs/semantics.md, Graph safety) and never allocate afterwards.
 #pragma once
 
 #include <cstddef>

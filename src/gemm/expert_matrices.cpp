@@ -1,4 +1,5 @@
-// ExpertMatrices: the two weight layouts (docs/semantics.md) as one device pointer description.
+// ExpertMatrices: the two weight layouts (docs/semantics.md, Weight layouts) as one device pointer
+// description.
 #include <vector>
 
 #include "device/pointer_table.h"

@@ -1,5 +1,5 @@
-// Host-side argument checks shared by the activation kernels' entry points (SPEC 9: a moe::Error
-// naming the argument before anything is launched).
+// Host-side argument checks shared by the activation kernels' entry points (docs/semantics.md,
+// Errors: a moe::Error naming the argument before anything is launched).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,6 @@
-// Device math of the activations (SPEC 4) in fp32, and 16-byte bf16 vector helpers. The value and
-// derivative formulas mirror src/reference/activation_ref.cpp (fp64), the executable spec.
+// Device math of the activations (docs/semantics.md, Activations) in fp32, and 16-byte bf16 vector
+// helpers. The value and derivative formulas mirror src/reference/activation_ref.cpp (fp64), the
+// executable spec.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -1,4 +1,5 @@
-// Host-side argument checks of the bias kernels (SPEC 9: a moe::Error naming the argument).
+// Host-side argument checks of the bias kernels (a moe::Error naming the argument;
+// docs/semantics.md, Errors).
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// Gather-combine, one warp per token t (SPEC 2-3):
+// Gather-combine, one warp per token t (docs/semantics.md, Dispatch and Combine):
 //   y[t] = sum over the token's slots, in slot order, of w * Y[slot_row[t, s]]   (fp32 accumulation)
 // It is the unpermute (w = the row's prob from the plan, or the slot's given prob, when merging
 // probs, else 1) and the permute backward

@@ -1,6 +1,6 @@
-// Dispatch plan on the device (SPEC 2, 9): validate every routing slot, count tokens per expert,
-// pad, take offsets, and give every slot its destination row -- deterministically, without atomics
-// whose order could change the result.
+// Dispatch plan on the device (docs/semantics.md, Dispatch and Errors): validate every routing
+// slot, count tokens per expert, pad, take offsets, and give every slot its destination row --
+// deterministically, without atomics whose order could change the result.
 //
 // The flat slot sequence i = t * slots + s is cut into chunks of consecutive slots, one warp each.
 //   1. count:    per chunk and expert, how many valid slots (warp __match_any_sync + a per-warp

@@ -1,5 +1,6 @@
-// CPU reference of the activations (SPEC 4) in fp64. Every function works on logical columns
-// j in [0, F); the GLU interleave only decides which physical fc1 column holds gate j / linear j.
+// CPU reference of the activations (docs/semantics.md, Activations) in fp64. Every function works
+// on logical columns j in [0, F); the GLU interleave only decides which physical fc1 column holds
+// gate j / linear j.
 #include "reference/activation_ref.h"
 
 #include <algorithm>

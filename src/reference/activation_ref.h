@@ -1,6 +1,6 @@
-// CPU reference of the gated activations with prob scaling (SPEC 4), forward and backward.
-// Arithmetic in fp64 (so finite differences can check the backward), on logical columns mapped
-// through the GLU interleave.
+// CPU reference of the gated activations with prob scaling (docs/semantics.md, Activations),
+// forward and backward. Arithmetic in fp64 (so finite differences can check the backward), on
+// logical columns mapped through the GLU interleave.
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,6 @@
 // CPU reference of dispatch (permute + pad) and combine (unpermute + unpad), forward and backward
-// (SPEC 2-3). Values are fp64 on the host (exact for every bf16/fp16/fp32 input); sums in fp64.
+// (docs/semantics.md, Dispatch and Combine). Values are fp64 on the host (exact for every
+// bf16/fp16/fp32 input); sums in fp64.
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,6 @@
-// CPU reference of the grouped expert products (SPEC 4): plain triple loops in fp64, one group at a
-// time. This is the executable spec the CUTLASS kernels are tested against, so it stays obvious.
+// CPU reference of the grouped expert products (docs/semantics.md, Expert MLP): plain triple loops
+// in fp64, one group at a time. This is the executable spec the CUTLASS kernels are tested against,
+// so it stays obvious.
 #include "reference/grouped_gemm_ref.h"
 
 #include "moe/error.h"

@@ -1,6 +1,7 @@
-// CPU reference of the three grouped products of the experts (SPEC 4), fp64 accumulation.
-// Groups are row ranges [offset[e], offset[e] + rows[e]) of the token-side matrices; the weight of
-// group e is weights[e] (a pointer table: single-grouped layout = pointers into one block).
+// CPU reference of the three grouped products of the experts (docs/semantics.md, Expert MLP), fp64
+// accumulation. Groups are row ranges [offset[e], offset[e] + rows[e]) of the token-side matrices;
+// the weight of group e is weights[e] (a pointer table: single-grouped layout = pointers into one
+// block).
 #pragma once
 
 #include <cstdint>

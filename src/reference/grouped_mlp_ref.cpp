@@ -1,6 +1,6 @@
-// CPU reference of the expert layer (SPEC 2-5), composed from the dispatch, grouped GEMM and
-// activation references; every step is a plain loop in fp64. The order of the steps (and what is
-// rounded to bf16 under emulate_bf16) follows the GPU layer, so the layer's tests can compare
+// CPU reference of the expert layer (docs/semantics.md), composed from the dispatch, grouped GEMM
+// and activation references; every step is a plain loop in fp64. The order of the steps (and what
+// is rounded to bf16 under emulate_bf16) follows the GPU layer, so the layer's tests can compare
 // against it closely.
 #include "reference/grouped_mlp_ref.h"
 

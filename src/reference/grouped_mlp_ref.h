@@ -1,9 +1,9 @@
-// CPU reference of the whole expert layer (SPEC 2-5): dispatch -> fc1 (+bias) -> activation x prob
-// -> fc2 (+bias, scaled by p) -> combine, forward and backward, weight gradients written or
-// accumulated into main_grad, delayed wgrad with per-parameter hooks. fp64 throughout (so finite
-// differences can check every gradient); built from the dispatch, grouped GEMM and activation
-// references. Probs are applied in the activation (fc2 bias scaled by p) or merged at combine,
-// never both (config.probs).
+// CPU reference of the whole expert layer (docs/semantics.md): dispatch -> fc1 (+bias) ->
+// activation x prob -> fc2 (+bias, scaled by p) -> combine, forward and backward, weight gradients
+// written or accumulated into main_grad, delayed wgrad with per-parameter hooks. fp64 throughout
+// (so finite differences can check every gradient); built from the dispatch, grouped GEMM and
+// activation references. Probs are applied in the activation (fc2 bias scaled by p) or merged at
+// combine, never both (config.probs).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,6 @@
 // Routing generators shared by tests, benchmarks and the CLI: softmax over standard-normal logits
-// then top-k (BENCHMARKS.md), optionally skewed towards popular experts (Zipf-like), fixed seed.
+// then top-k (docs/shapes.md, Routing), optionally skewed towards popular experts (Zipf-like),
+// fixed seed.
 #pragma once
 
 #include <cstdint>

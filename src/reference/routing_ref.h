@@ -1,5 +1,6 @@
-// CPU reference: routing held on the host, and the dispatch plan derived from it (SPEC 1-2, 9).
-// Plain, obviously-correct C++: this is the executable spec the GPU kernels are tested against.
+// CPU reference: routing held on the host, and the dispatch plan derived from it
+// (docs/semantics.md, Routing input, Dispatch and Errors). Plain, obviously-correct C++: this is
+// the executable spec the GPU kernels are tested against.
 #pragma once
 
 #include <cstdint>

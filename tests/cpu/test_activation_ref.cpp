@@ -1,5 +1,6 @@
-// CPU reference of the activations (SPEC 4): known values, fp64 finite-difference checks of the
-// backward, the GLU interleave as a pure storage layout, and argument errors.
+// CPU reference of the activations (docs/semantics.md, Activations): known values, fp64
+// finite-difference checks of the backward, the GLU interleave as a pure storage layout, and
+// argument errors.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -32,7 +33,8 @@ double fwd1(const ActivationParams& prm, std::vector<double> h, double p) {
   return out;
 }
 
-// Expected values computed independently (Python, math module) from the SPEC formulas.
+// Expected values computed independently (Python, math module) from the formulas of
+// docs/semantics.md.
 TEST(ActivationRef, KnownValues) {
   // silu(1) = 1 / (1 + e^-1); swiglu(g=1, l=2) * 0.5
   EXPECT_NEAR(fwd1(make(Activation::kSwiGLU), {1.0, 2.0}, 0.5), 0.7310585786300049, 1e-15);

@@ -23,7 +23,11 @@
 namespace moe {
 namespace {
 
-std::string fixtures() { return std::string(MOE_TESTS_DIR) + "/fixtures/hf/"; }
+std::string fixtures() {
+  // The tests/ folder of the source tree (tests/CMakeLists.txt): __FILE__ may be relative to the
+  // build folder (ccache base_dir), and the tests run elsewhere.
+  return std::string(MOE_TESTS_DIR) + "/fixtures/hf/";
+}
 
 std::string tool() {
   if (const char* env = std::getenv("MOE_ENGINE_BIN")) return env;

@@ -1,7 +1,7 @@
-// CPU reference of dispatch (SPEC 1-3, 9): hand-computed plans for both routing forms, alignment,
-// pre-padded input, overflow and every bad-input flag; permute / unpermute values; fp64
-// finite-difference checks of both backwards; edge cases (T = 0, empty experts, one expert takes
-// everything, k = 1, k = E).
+// CPU reference of dispatch (docs/semantics.md: Routing input, Dispatch, Errors): hand-computed
+// plans for both routing forms, alignment, pre-padded input, overflow and every bad-input flag;
+// permute / unpermute values; fp64 finite-difference checks of both backwards; edge cases (T = 0,
+// empty experts, one expert takes everything, k = 1, k = E).
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -1,6 +1,6 @@
-// CPU reference of the whole expert layer (SPEC 2-5): fp64 finite-difference checks of dx, dprobs
-// and every weight and bias gradient (each activation, bias on/off, probs in the activation or at
-// combine), GLU interleave and weight layouts as pure storage choices (bitwise), main_grad
+// CPU reference of the whole expert layer (docs/semantics.md): fp64 finite-difference checks of dx,
+// dprobs and every weight and bias gradient (each activation, bias on/off, probs in the activation
+// or at combine), GLU interleave and weight layouts as pure storage choices (bitwise), main_grad
 // accumulation, delayed wgrad and hooks, edge cases of the routing, map form, bf16 emulation.
 #include <gtest/gtest.h>
 

@@ -23,7 +23,11 @@
 namespace moe {
 namespace {
 
-std::string fixtures() { return std::string(MOE_TESTS_DIR) + "/fixtures/hf/"; }
+std::string fixtures() {
+  // The tests/ folder of the source tree (tests/CMakeLists.txt): __FILE__ may be relative to the
+  // build folder (ccache base_dir), and the tests run elsewhere.
+  return std::string(MOE_TESTS_DIR) + "/fixtures/hf/";
+}
 
 std::string meta(const Metadata& m, const char* key) {
   const std::string* v = safetensors::find_metadata(m, key);

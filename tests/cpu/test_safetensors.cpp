@@ -23,7 +23,11 @@ namespace st = safetensors;
 
 using ::moe::testing::expect_error_naming;
 
-std::string source_dir() { return MOE_TESTS_DIR; }
+std::string source_dir() {
+  // The tests/ folder of the source tree (tests/CMakeLists.txt): __FILE__ may be relative to the
+  // build folder (ccache base_dir), and the tests run elsewhere.
+  return MOE_TESTS_DIR;
+}
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

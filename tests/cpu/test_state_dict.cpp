@@ -1,5 +1,5 @@
-// State dicts: the SPEC 5 layout normalisation case by case, and ExpertWeights (load/save in both
-// layouts, GLU interleave, casts, views, reference pointer tables).
+// State dicts: the layout normalisation of docs/semantics.md case by case, and ExpertWeights
+// (load/save in both layouts, GLU interleave, casts, views, reference pointer tables).
 #include <gtest/gtest.h>
 
 #include <cstring>

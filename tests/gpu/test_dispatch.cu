@@ -1,4 +1,5 @@
-// GPU token dispatch (moe::Dispatcher) against the CPU reference (SPEC 2, 3, 7, 9).
+// GPU token dispatch (moe::Dispatcher) against the CPU reference (docs/semantics.md: dispatch, combine,
+// state and graph safety, errors).
 //   - plan outputs (counts, padded, offsets int32/int64, group offsets, row maps, probs_perm) and
 //     the device error word: exact;
 //   - permute, and the dY of the combine backward: bitwise;
@@ -443,7 +444,7 @@ void run_case(const Case& c) {
   run_on(d, c);
 }
 
-// ---- shapes (issue 3): T in {0, 1, 7, 4096, 16384}, H in {128, 1536, 4096, 7168},
+// ---- shapes: T in {0, 1, 7, 4096, 16384}, H in {128, 1536, 4096, 7168},
 // E in {1, 7, 8, 64, 128, 256}, k in {1, 2, 6, 8}, map-form tokens with 0..E experts ----
 
 Case topk_case(const char* name, int64_t T, int64_t H, int E, int k, int A, DType dt = DType::kBF16,

@@ -1,5 +1,5 @@
 // expect_error_naming(f, needle): f must throw a moe::Error whose message contains `needle` (the
-// argument's name, SPEC 9). A test helper shared by every suite.
+// argument's name, docs/semantics.md, Errors). A test helper shared by every suite.
 #pragma once
 
 #include <string>

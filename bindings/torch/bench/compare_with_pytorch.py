@@ -1,6 +1,6 @@
 """Side by side in one process: the plain PyTorch MoE expert pipeline (stable argsort permute,
 torch._grouped_mm, SwiGLU x prob, index_add_ combine) and moe_engine.GroupedMLP, forward+backward,
-eager and CUDA-graph captured, on the named shapes of BENCHMARKS.md.
+eager and CUDA-graph captured, on the named shapes of docs/shapes.md.
 
 usage: python3 bindings/torch/bench/compare_with_pytorch.py [SHAPE ...] [--png chart.png]      (no names: all shapes)"""
 import argparse

@@ -1,5 +1,5 @@
-"""Expert-parameter key normalisation between the single-grouped and per-expert layouts (SPEC 5),
-applied when a state dict is loaded into a GroupedMLP."""
+"""Expert-parameter key normalisation between the single-grouped and per-expert layouts, applied
+when a state dict is loaded into a GroupedMLP (docs/semantics.md, Weight layouts and checkpoints)."""
 import torch
 
 

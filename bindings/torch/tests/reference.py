@@ -1,4 +1,4 @@
-"""Plain PyTorch reference of the expert layer (SPEC 2-4), in fp32 on the bf16 values, with
+"""Plain PyTorch reference of the expert layer (docs/semantics.md), in fp32 on the bf16 values, with
 autograd providing every gradient. Deliberately simple: a Python loop over experts."""
 import torch
 import torch.nn.functional as F
