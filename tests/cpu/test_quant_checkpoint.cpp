@@ -433,7 +433,13 @@ TEST(QuantCheckpoint, InconsistentTensorsAreNamed) {
     sd.emplace("p.fc1.weight3_amax", HostTensor(DType::kFP32, {}));
     expect_error_naming([&] { inspect_quantized_param(sd, "p.fc1.weight", l.qc, kE); },
                         "'p.fc1.weight3_amax' names no expert of the layer's 3");
-    expect_error_naming([&] { inspect_quantized_param(sd, "p.fc1.weight", l.qc); }, "missing 'p.fc1.weight3'");
+    expect_error_naming([&] { inspect_quantized_param(sd, "p.fc1.weight", l.qc); },
+                        "missing 'p.fc1.weight3' (rowwise data) while 'p.fc1.weight3_amax' is present");
+    sd = l.per_expert;  // a gap: expert 1's data
+    sd.erase("p.fc1.weight1");
+    expect_error_naming([&] { inspect_quantized_param(sd, "p.fc1.weight", l.qc); },
+                        "missing 'p.fc1.weight1' (rowwise data) while 'p.fc1.weight1_amax' is present");
+    expect_error_naming([&] { inspect_quantized_param(sd, "p.fc1.weight", l.qc, kE); }, "missing 'p.fc1.weight1'");
     expect_error_naming([&] { inspect_quantized_param(l.grouped, "p.fc1.weight", l.qc, 4); },
                         "holds 3 experts, expected 4");
   }
