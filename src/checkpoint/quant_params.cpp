@@ -188,8 +188,8 @@ QuantizedParamInfo inspect_quantized_param(const StateDict& sd, const std::strin
       MOE_CHECK(dtype_ok, what, ": '", k, "' (", part_name(p), ") has dtype ", safetensors::dtype_to_string(t.dtype()),
                 ", expected ", safetensors::dtype_to_string(l.dtype));
       MOE_CHECK(t.shape() == expected, what, ": '", k, "' (", part_name(p), ") has shape ", t.shape_string(),
-                ", expected ", shape_string(expected), " for ", grouped ? std::to_string(info.experts) + " experts of " : "",
-                "[", info.rows, ", ", info.cols, "]");
+                ", expected ", shape_string(expected), " for ",
+                grouped ? std::to_string(info.experts) + " experts of " : "", "[", info.rows, ", ", info.cols, "]");
     }
   }
   MOE_CHECK(missing.empty(), what, ": missing ", missing.str());

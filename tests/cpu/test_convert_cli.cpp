@@ -178,7 +178,8 @@ TEST_F(ConvertCli, QuantizedExpertsRoundTripBitForBit) {
   for (int64_t i = 0; i < bias.nbytes(); ++i) bias.mutable_data()[i] = static_cast<uint8_t>(i * 7);
   grouped.emplace(p + "fc2.bias", bias);
   for (int e = 0; e < E; ++e)
-    per_expert.emplace(p + "fc2.bias" + std::to_string(e), HostTensor::borrow(DType::kBF16, {H}, bias.data() + e * 2 * H, nullptr));
+    per_expert.emplace(p + "fc2.bias" + std::to_string(e),
+                       HostTensor::borrow(DType::kBF16, {H}, bias.data() + e * 2 * H, nullptr));
   grouped.emplace("model.embed_tokens.weight", HostTensor(DType::kBF16, {16, H}));
   per_expert.emplace("model.embed_tokens.weight", HostTensor(DType::kBF16, {16, H}));
   Metadata meta = {{"format", "pt"}};

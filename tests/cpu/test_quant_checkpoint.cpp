@@ -298,7 +298,8 @@ TEST(QuantCheckpoint, SafetensorsRoundTripThenSplitAndStackBitForBit) {
     StateDict per_expert;
     add_per_expert(per_expert, p + "fc1.weight", k.config, expert_matrices(kE, 2 * F, H, 1), kE, 2 * F, H);
     add_per_expert(per_expert, p + "fc2.weight", fc2c, expert_matrices(kE, H, F, 2), kE, H, F);
-    for (int e = 0; e < kE; ++e) per_expert.emplace(p + "fc1.bias" + std::to_string(e), HostTensor(DType::kFP32, {2 * F}));
+    for (int e = 0; e < kE; ++e)
+      per_expert.emplace(p + "fc1.bias" + std::to_string(e), HostTensor(DType::kFP32, {2 * F}));
     per_expert.emplace("model.norm.weight", HostTensor(DType::kBF16, {H}));
 
     StateDict sd = loaded;
