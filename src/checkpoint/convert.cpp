@@ -53,6 +53,17 @@ std::vector<std::string> our_keys(const StateDict& sd, const std::string& prefix
   return keys;
 }
 
+// The expert index of one of a layer's keys (as our_keys lists them with companions), -1 when grouped.
+int64_t expert_index(const std::string& key, const std::string& prefix) {
+  for (Param p : kParams) {
+    const std::string base = expert_param_key(prefix, p);
+    int64_t index;
+    if (key.compare(0, base.size(), base) == 0 && our_key_rest(key.substr(base.size()), is_weight(p), &index))
+      return index;
+  }
+  return -1;
+}
+
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
@@ -103,27 +114,16 @@ StateDict move_quantized_layer(const StateDict& sd, const std::string& prefix,
   *old_keys = our_keys(sd, prefix, /*companions=*/true);
   StateDict mine;
   for (const std::string& k : *old_keys) {
-    int64_t index = -1;
-    for (Param p : kParams) {
-      const std::string base = expert_param_key(prefix, p);
-      if (k.compare(0, base.size(), base) == 0 && our_key_rest(k.substr(base.size()), is_weight(p), &index)) break;
-    }
-    MOE_CHECK(index < E, "state dict: '", k, "' names no expert of the layer's ", E);
+    MOE_CHECK(expert_index(k, prefix) < E, "state dict: '", k, "' names no expert of the layer's ", E);
     mine.emplace(k, sd.at(k));
   }
   const WeightLayout to = layout_of(o.to);
   normalize_expert_keys(mine, prefix, E, to);
   // Nothing left behind in the old layout (e.g. an unquantized bias stored in both layouts).
-  for (const auto& kv : mine) {
-    int64_t index = -1;
-    for (Param p : kParams) {
-      const std::string base = expert_param_key(prefix, p);
-      if (kv.first.compare(0, base.size(), base) == 0 && our_key_rest(kv.first.substr(base.size()), is_weight(p), &index))
-        break;
-    }
-    MOE_CHECK((index >= 0) == (to == WeightLayout::kPerExpert), "convert: '", kv.first, "' of the experts under '",
-              prefix, "' could not be brought to ", o.to.name(), " (it is stored in both layouts)");
-  }
+  for (const auto& kv : mine)
+    MOE_CHECK((expert_index(kv.first, prefix) >= 0) == (to == WeightLayout::kPerExpert), "convert: '", kv.first,
+              "' of the experts under '", prefix, "' could not be brought to ", o.to.name(),
+              " (it is stored in both layouts)");
   for (const QuantizedParamDecl& d : params) inspect_quantized_param(mine, d.key, d.config, E);
   return mine;
 }

@@ -78,7 +78,8 @@ std::string format_quant_metadata(const QuantConfig& c) {
   s += ";block=" + block_name(c);
   s += std::string(";scale=") + scale_name(c.format);
   s += std::string(";layout=") + layout_name(c.scale_layout);
-  s += std::string(";copies=") + (c.rowwise && c.columnwise ? "rowwise,columnwise" : c.rowwise ? "rowwise" : "columnwise");
+  const char* copies = c.rowwise && c.columnwise ? "rowwise,columnwise" : c.rowwise ? "rowwise" : "columnwise";
+  s += std::string(";copies=") + copies;
   if (c.pow2_scale) s += ";pow2_scale=1";
   return s;
 }

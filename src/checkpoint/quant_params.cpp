@@ -1,6 +1,7 @@
 // The tensors of a quantized parameter in a state dict: their dtypes and shapes, and the check of
 // a stored parameter against its format (include/moe/checkpoint_quant.h).
-#include <algorithm>
+#include <utility>
+#include <vector>
 
 #include "checkpoint/key_list.h"
 #include "moe/checkpoint_quant.h"
@@ -98,8 +99,8 @@ QuantizedParamInfo inspect_quantized_param(const StateDict& sd, const std::strin
   const std::string what = "state dict: quantized '" + key + "' (" + format + ")";
 
   // Every tensor of ours under `key`, by form.
-  std::string grouped_hit, per_expert_hit;
-  int64_t max_index = -1;
+  std::string grouped_hit;
+  std::vector<std::pair<std::string, int64_t>> per_expert_hits;
   for (auto it = sd.lower_bound(key); it != sd.end() && it->first.compare(0, key.size(), key) == 0; ++it) {
     int64_t index;
     QuantPart part;
@@ -109,12 +110,10 @@ QuantizedParamInfo inspect_quantized_param(const StateDict& sd, const std::strin
     if (index < 0) {
       if (grouped_hit.empty()) grouped_hit = it->first;
     } else {
-      if (per_expert_hit.empty()) per_expert_hit = it->first;
-      MOE_CHECK(experts == 0 || index < experts, what, ": '", it->first, "' names no expert of the layer's ",
-                experts);
-      max_index = std::max(max_index, index);
+      per_expert_hits.emplace_back(it->first, index);
     }
   }
+  const std::string per_expert_hit = per_expert_hits.empty() ? "" : per_expert_hits[0].first;
   MOE_CHECK(!grouped_hit.empty() || !per_expert_hit.empty(), what, ": no tensor of it is present (expected '",
             quant_part_key(key, config.rowwise ? QuantPart::kData : QuantPart::kColumnwiseData), "' or '",
             quant_part_key(key + "0", config.rowwise ? QuantPart::kData : QuantPart::kColumnwiseData), "', ...)");
@@ -146,8 +145,19 @@ QuantizedParamInfo inspect_quantized_param(const StateDict& sd, const std::strin
     info.experts = static_cast<int>(a.size(0));
     MOE_CHECK(experts == 0 || info.experts == experts, what, ": '", anchor, "' ", a.shape_string(), " holds ",
               info.experts, " experts, expected ", experts);
+  } else if (experts > 0) {
+    info.experts = experts;
+    for (const auto& [k, index] : per_expert_hits)
+      MOE_CHECK(index < experts, what, ": '", k, "' names no expert of the layer's ", experts);
   } else {
-    info.experts = experts > 0 ? experts : static_cast<int>(max_index + 1);
+    // E = the experts whose data is present from 0 on (bounded by the keys, whatever indices an
+    // untrusted file holds); a tensor of a later expert means a gap.
+    while (info.experts < INT32_MAX && sd.count(quant_part_key(key + std::to_string(info.experts), anchor_part)))
+      ++info.experts;
+    for (const auto& [k, index] : per_expert_hits)
+      MOE_CHECK(index < info.experts, what, ": missing '",
+                quant_part_key(key + std::to_string(info.experts), anchor_part), "' (", part_name(anchor_part),
+                ") while '", k, "' is present");
   }
 
   // Every part the format stores, for every expert, with its dtype and shape.
@@ -178,8 +188,8 @@ QuantizedParamInfo inspect_quantized_param(const StateDict& sd, const std::strin
       MOE_CHECK(dtype_ok, what, ": '", k, "' (", part_name(p), ") has dtype ", safetensors::dtype_to_string(t.dtype()),
                 ", expected ", safetensors::dtype_to_string(l.dtype));
       MOE_CHECK(t.shape() == expected, what, ": '", k, "' (", part_name(p), ") has shape ", t.shape_string(),
-                ", expected ", shape_string(expected), " for ", grouped ? std::to_string(info.experts) + " experts of " : "",
-                "[", info.rows, ", ", info.cols, "]");
+                ", expected ", shape_string(expected), " for ",
+                grouped ? std::to_string(info.experts) + " experts of " : "", "[", info.rows, ", ", info.cols, "]");
     }
   }
   MOE_CHECK(missing.empty(), what, ": missing ", missing.str());

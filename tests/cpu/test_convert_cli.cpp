@@ -1,5 +1,7 @@
 // `moe-engine convert` end to end: the Hugging Face fixture files (written by transformers'
-// save_pretrained) go to our layouts and back bit for bit, and bad invocations fail cleanly.
+// save_pretrained) go to our layouts and back bit for bit, quantized expert weights (made by the
+// CPU reference quantizer) go between grouped and per expert bit for bit, and bad invocations
+// fail cleanly.
 //
 // Runs the built tool: $MOE_ENGINE_BIN, else <build>/tools/moe-engine next to this test's
 // <build>/tests/ directory (the tool is part of the default build).
@@ -18,7 +20,9 @@
 #include <string>
 
 #include "moe/checkpoint_hf.h"
+#include "moe/checkpoint_quant.h"
 #include "moe/state_dict.h"
+#include "support/quant_weights.h"
 
 namespace moe {
 namespace {
@@ -149,6 +153,80 @@ TEST_F(ConvertCli, GroupedAndPerExpertConvertIntoEachOther) {
   EXPECT_FALSE(read_file(i16) == read_file(g));
   ASSERT_EQ(run("convert -q --from grouped --to grouped --from-glu-interleave 16 '" + i16 + "' '" + i0 + "'").status, 0);
   EXPECT_TRUE(read_file(i0) == read_file(g));
+}
+
+TEST_F(ConvertCli, QuantizedExpertsRoundTripBitForBit) {
+  // One layer, fc1 NVFP4 (1-D, swizzled scales) and fc2 FP8 block (128x128), both copies each,
+  // an unquantized bias, the formats in __metadata__, and a tensor that is not an expert's.
+  const int E = 4;
+  const int64_t H = 128, F = 64;
+  QuantConfig fc1;
+  fc1.format = QuantFormat::kNVFP4;
+  fc1.scale_layout = ScaleLayout::kSwizzled128x4;
+  fc1.columnwise = true;
+  QuantConfig fc2;
+  fc2.format = QuantFormat::kFP8Block;
+  fc2.blocking = QuantBlocking::k2D;
+  fc2.columnwise = true;
+  const std::string p = "model.layers.0.mlp.experts.";
+  const auto x1 = testing::expert_matrices(E, 2 * F, H, 31), x2 = testing::expert_matrices(E, H, F, 32);
+  StateDict grouped, per_expert;
+  testing::add_grouped(grouped, p + "fc1.weight", fc1, x1, E, 2 * F, H);
+  testing::add_grouped(grouped, p + "fc2.weight", fc2, x2, E, H, F);
+  testing::add_per_expert(per_expert, p + "fc1.weight", fc1, x1, E, 2 * F, H);
+  testing::add_per_expert(per_expert, p + "fc2.weight", fc2, x2, E, H, F);
+  HostTensor bias(DType::kBF16, {E, H});
+  for (int64_t i = 0; i < bias.nbytes(); ++i) bias.mutable_data()[i] = static_cast<uint8_t>(i * 7);
+  grouped.emplace(p + "fc2.bias", bias);
+  for (int e = 0; e < E; ++e)
+    per_expert.emplace(p + "fc2.bias" + std::to_string(e),
+                       HostTensor::borrow(DType::kBF16, {H}, bias.data() + e * 2 * H, nullptr));
+  grouped.emplace("model.embed_tokens.weight", HostTensor(DType::kBF16, {16, H}));
+  per_expert.emplace("model.embed_tokens.weight", HostTensor(DType::kBF16, {16, H}));
+  Metadata meta = {{"format", "pt"}};
+  set_quant_metadata(meta, p + "fc1.weight", fc1);
+  set_quant_metadata(meta, p + "fc2.weight", fc2);
+  const std::string g = tmp("q_grouped.safetensors"), pe = tmp("q_pe.safetensors"), g2 = tmp("q_g2.safetensors");
+  const std::string expected_pe = tmp("q_expected_pe.safetensors");
+  save_safetensors(g, grouped, meta);
+  save_safetensors(expected_pe, per_expert, meta);
+
+  Result r = run("convert --from grouped --to per-expert '" + g + "' '" + pe + "'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("converted 1 expert layer"), std::string::npos) << r.output;
+  // The per-expert file is exactly what quantizing each expert on its own and saving gives:
+  // every tensor's bytes, dtypes and shapes, and the metadata (which names the grouped keys in
+  // both layouts, so it is carried unchanged).
+  EXPECT_TRUE(read_file(pe) == read_file(expected_pe));
+  Metadata pe_meta;
+  const StateDict out = load_safetensors(pe, &pe_meta);
+  EXPECT_EQ(pe_meta, meta);
+  EXPECT_EQ(out.size(), per_expert.size());
+  EXPECT_EQ(out.at(p + "fc1.weight3_amax").ndim(), 0);
+  EXPECT_EQ(out.at(p + "fc2.weight1_columnwise_scale_inv").shape(), (std::vector<int64_t>{1, 1}));
+
+  r = run("convert -q --from per-expert --to grouped '" + pe + "' '" + g2 + "'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(read_file(g2) == read_file(g));
+
+  // What would need requantization fails, naming the layer, and writes nothing.
+  const std::string never = tmp("q_never.safetensors");
+  r = run("convert --from grouped --to hf:mixtral '" + g + "' '" + never + "'");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("the experts under 'model.layers.0.mlp.experts.' are quantized"), std::string::npos)
+      << r.output;
+  r = run("convert --from grouped --to grouped --to-glu-interleave 16 '" + g + "' '" + never + "'");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("quantization blocks"), std::string::npos) << r.output;
+  // A missing companion is named.
+  StateDict broken = grouped;
+  broken.erase(p + "fc2.weight_columnwise_scale_inv");
+  const std::string b = tmp("q_broken.safetensors");
+  save_safetensors(b, broken, meta);
+  r = run("convert --from grouped --to per-expert '" + b + "' '" + never + "'");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("missing '" + p + "fc2.weight_columnwise_scale_inv'"), std::string::npos) << r.output;
+  EXPECT_FALSE(exists(never));
 }
 
 TEST_F(ConvertCli, BadInvocationsFailCleanly) {

@@ -298,7 +298,8 @@ TEST(QuantCheckpoint, SafetensorsRoundTripThenSplitAndStackBitForBit) {
     StateDict per_expert;
     add_per_expert(per_expert, p + "fc1.weight", k.config, expert_matrices(kE, 2 * F, H, 1), kE, 2 * F, H);
     add_per_expert(per_expert, p + "fc2.weight", fc2c, expert_matrices(kE, H, F, 2), kE, H, F);
-    for (int e = 0; e < kE; ++e) per_expert.emplace(p + "fc1.bias" + std::to_string(e), HostTensor(DType::kFP32, {2 * F}));
+    for (int e = 0; e < kE; ++e)
+      per_expert.emplace(p + "fc1.bias" + std::to_string(e), HostTensor(DType::kFP32, {2 * F}));
     per_expert.emplace("model.norm.weight", HostTensor(DType::kBF16, {H}));
 
     StateDict sd = loaded;
@@ -433,7 +434,13 @@ TEST(QuantCheckpoint, InconsistentTensorsAreNamed) {
     sd.emplace("p.fc1.weight3_amax", HostTensor(DType::kFP32, {}));
     expect_error_naming([&] { inspect_quantized_param(sd, "p.fc1.weight", l.qc, kE); },
                         "'p.fc1.weight3_amax' names no expert of the layer's 3");
-    expect_error_naming([&] { inspect_quantized_param(sd, "p.fc1.weight", l.qc); }, "missing 'p.fc1.weight3'");
+    expect_error_naming([&] { inspect_quantized_param(sd, "p.fc1.weight", l.qc); },
+                        "missing 'p.fc1.weight3' (rowwise data) while 'p.fc1.weight3_amax' is present");
+    sd = l.per_expert;  // a gap: expert 1's data
+    sd.erase("p.fc1.weight1");
+    expect_error_naming([&] { inspect_quantized_param(sd, "p.fc1.weight", l.qc); },
+                        "missing 'p.fc1.weight1' (rowwise data) while 'p.fc1.weight1_amax' is present");
+    expect_error_naming([&] { inspect_quantized_param(sd, "p.fc1.weight", l.qc, kE); }, "missing 'p.fc1.weight1'");
     expect_error_naming([&] { inspect_quantized_param(l.grouped, "p.fc1.weight", l.qc, 4); },
                         "holds 3 experts, expected 4");
   }

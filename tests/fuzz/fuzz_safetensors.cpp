@@ -5,7 +5,8 @@
 // also checks what parsing promises: every tensor's bytes lie inside the buffer (each byte is read,
 // so ASan catches an over-read), the tensors tile the data section exactly, and writing the
 // tensors back and parsing again gives the same tensors. Parsed files are then run through the
-// layer discovery and conversions of every format, which read names and shapes from the file.
+// layer discovery and conversions of every format, which read names and shapes from the file
+// (and the quantization formats from its __metadata__).
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -39,7 +40,7 @@ void convert_all_ways(const moe::safetensors::Header& h, const uint8_t* data) {
       o.to = CheckpointFormat::parse(to);
       moe::StateDict copy = sd;
       try {
-        moe::convert_state_dict(copy, o);
+        moe::convert_state_dict(copy, o, h.metadata);  // quantized layers as the metadata declares
       } catch (const moe::Error&) {
       }
     }

@@ -58,6 +58,21 @@ def seeds():
                                   ("model.layers.0.mlp.experts.gate_up_proj_bias", "F32", [E, 2 * F]),
                                   ("model.layers.0.mlp.experts.down_proj", "F32", [E, F, H]),
                                   ("model.layers.0.mlp.experts.down_proj_bias", "F32", [E, H])])
+    # Quantized expert weights (data + companions, the format in __metadata__), in both layouts.
+    mx = "mxfp8;block=1x32;scale=e8m0;layout=row_major;copies=rowwise"
+    yield "valid_ours_quantized_grouped", st(
+        [("layer.fc1.weight", "F8_E4M3", [E, 2 * F, H]), ("layer.fc1.weight_scale_inv", "F8_E8M0", [E, 2 * F, 1]),
+         ("layer.fc2.weight", "F8_E4M3", [E, H, F]), ("layer.fc2.weight_scale_inv", "F8_E8M0", [E, H, 1])],
+        {"moe.quant.layer.fc1.weight": mx, "moe.quant.layer.fc2.weight": mx})
+    nv = "nvfp4;block=1x16;scale=e4m3;layout=row_major;copies=rowwise,columnwise"
+    yield "valid_ours_quantized_per_expert", st(
+        [(f"fc{p}.weight{e}{part}", dtype, shape) for e in range(E) for p in (1, 2)
+         for part, dtype, shape in (("", "U8", [2 * F, H // 2] if p == 1 else [H, F // 2]),
+                                    ("_scale_inv", "F8_E4M3", [2 * F, 1] if p == 1 else [H, 1]),
+                                    ("_columnwise", "U8", [H, F] if p == 1 else [F, H // 2]),
+                                    ("_columnwise_scale_inv", "F8_E4M3", [H, 1] if p == 1 else [F, 1]),
+                                    ("_amax", "F32", []))],
+        {"moe.quant.fc1.weight": nv, "moe.quant.fc2.weight": nv})
     # Invalid: framing.
     yield "bad_empty", b""
     yield "bad_short", b"\x05\x00\x00"
