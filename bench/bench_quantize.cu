@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cuda_check.h"
+#include "device/cuda_check.h"
 #include "moe/quantize.h"
 #include "support/bench_util.h"
 

@@ -32,6 +32,10 @@ if(MOE_BUILD_TOOLS OR MOE_BUILD_BENCH)
 endif()
 # zlib compresses the PNG charts of the tool and the benchmarks (bench/support/png_writer.cpp).
 if(MOE_BUILD_TOOLS OR MOE_BUILD_BENCH OR MOE_BUILD_TESTS)
+  # The system's zlib, else the copy scripts/setup.sh stages in .deps/zlib.
+  if(NOT ZLIB_ROOT AND NOT EXISTS /usr/include/zlib.h AND EXISTS "${MOE_DEPS_DIR}/zlib/include/zlib.h")
+    set(ZLIB_ROOT "${MOE_DEPS_DIR}/zlib")
+  endif()
   find_package(ZLIB REQUIRED)
 endif()
 

@@ -44,6 +44,15 @@ fi
 if [ ! -f "$deps/include/CLI/CLI.hpp" ] && [ -f /usr/include/CLI/CLI.hpp ]; then
   mkdir -p "$deps/include"; cp -r /usr/include/CLI "$deps/include/"
 fi
+# zlib (headers + static library) for a GPU machine without the Debian package.
+if [ ! -f "$deps/zlib/include/zlib.h" ] && [ -f /usr/include/zlib.h ]; then
+  lib="$(ls /usr/lib/*/libz.a /usr/lib/libz.a 2>/dev/null | head -1 || true)"
+  if [ -n "$lib" ]; then
+    mkdir -p "$deps/zlib/include" "$deps/zlib/lib"
+    cp /usr/include/zlib.h /usr/include/zconf.h "$deps/zlib/include/"
+    cp "$lib" "$deps/zlib/lib/"
+  fi
+fi
 if [ ! -f "$deps/googletest/CMakeLists.txt" ] && [ -f /usr/src/googletest/CMakeLists.txt ]; then
   cp -r /usr/src/googletest "$deps/googletest"
 fi

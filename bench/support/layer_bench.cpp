@@ -162,6 +162,7 @@ LayerBenchResult run_layer_bench(const Shape& s, const LayerBenchOptions& o) {
       layer.forward(xv, rv, yv, st, stream);
     };
     auto fwd_bwd = [&] {
+      st.reset();  // after forward-only runs the state still holds their (discarded) forward
       layer.forward(xv, rv, yv, st, stream);
       layer.backward(dyv, dxv, dpv, st, stream);
     };

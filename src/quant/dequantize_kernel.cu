@@ -3,7 +3,7 @@
 // never straddles a block (blocks are multiples of 8 long and start at multiples of 8).
 #include <cstdint>
 
-#include "kernels/cuda_check.h"
+#include "device/cuda_check.h"
 #include "moe/quantize.h"
 #include "quant/quant_args.h"
 #include "quant/quant_device.cuh"

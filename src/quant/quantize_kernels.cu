@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "kernels/cuda_check.h"
+#include "device/cuda_check.h"
 #include "moe/quantize.h"
 #include "quant/quant_args.h"
 #include "quant/quant_device.cuh"

@@ -47,8 +47,9 @@ def make(kind, kwargs):
     torch.manual_seed(0)
     if kind == "layer":
         return GroupedMLP(H, F, E, K, max_tokens=T, **kwargs)
+    # The layer's initial weights (made first after the seed, as make("layer") does), copied in.
+    ref = GroupedMLP(H, F, E, K, max_tokens=T, **kwargs)
     mod = Composed(kwargs)
-    ref = GroupedMLP(H, F, E, K, max_tokens=T, **{k: v for k, v in kwargs.items() if k != "recompute"})
     with torch.no_grad():
         for (_, a), (_, b) in zip(mod.experts.named_parameters(), ref.named_parameters()):
             a.copy_(b)
