@@ -6,6 +6,10 @@
 
 namespace moe {
 
+// The IEEE-754 bits of an fp32 value, and back.
+uint32_t float_bits(float x);
+float float_from_bits(uint32_t u);
+
 uint16_t float_to_bf16_bits(float x);
 float bf16_bits_to_float(uint16_t b);
 uint16_t float_to_fp16_bits(float x);

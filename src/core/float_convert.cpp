@@ -5,21 +5,19 @@
 
 namespace moe {
 
-namespace {
-uint32_t bits_of(float x) {
+uint32_t float_bits(float x) {
   uint32_t u;
   std::memcpy(&u, &x, 4);
   return u;
 }
-float float_of(uint32_t u) {
+float float_from_bits(uint32_t u) {
   float x;
   std::memcpy(&x, &u, 4);
   return x;
 }
-}  // namespace
 
 uint16_t float_to_bf16_bits(float x) {
-  uint32_t u = bits_of(x);
+  uint32_t u = float_bits(x);
   if (std::isnan(x)) return static_cast<uint16_t>((u >> 16) | 0x0040);  // quiet NaN, keep sign
   // Round to nearest, ties to even, as __float2bfloat16_rn does.
   uint32_t lsb = (u >> 16) & 1u;
@@ -27,10 +25,10 @@ uint16_t float_to_bf16_bits(float x) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-float bf16_bits_to_float(uint16_t b) { return float_of(static_cast<uint32_t>(b) << 16); }
+float bf16_bits_to_float(uint16_t b) { return float_from_bits(static_cast<uint32_t>(b) << 16); }
 
 uint16_t float_to_fp16_bits(float x) {
-  uint32_t u = bits_of(x);
+  uint32_t u = float_bits(x);
   uint32_t sign = (u >> 16) & 0x8000u;
   uint32_t exp = (u >> 23) & 0xFFu;
   uint32_t man = u & 0x7FFFFFu;
@@ -62,8 +60,8 @@ float fp16_bits_to_float(uint16_t h) {
     float v = std::ldexp(static_cast<float>(man), -24);
     return sign ? -v : v;
   }
-  if (exp == 31) return float_of(sign | 0x7F800000u | (man << 13));
-  return float_of(sign | ((exp - 15 + 127) << 23) | (man << 13));
+  if (exp == 31) return float_from_bits(sign | 0x7F800000u | (man << 13));
+  return float_from_bits(sign | ((exp - 15 + 127) << 23) | (man << 13));
 }
 
 }  // namespace moe

@@ -12,16 +12,6 @@ namespace moe::ref {
 
 namespace {
 
-uint32_t bits_of(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-}
-float float_of(uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
@@ -117,17 +107,17 @@ double e8m0_to_double(uint8_t e) { return e == 255 ? std::nan("") : std::ldexp(1
 float abs_max(const float* v, int64_t n, int64_t stride) {
   uint32_t best = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t b = bits_of(v[i * stride]) & 0x7FFFFFFFu;
+    const uint32_t b = float_bits(v[i * stride]) & 0x7FFFFFFFu;
     if (b > best) best = b;
   }
-  return float_of(best);
+  return float_from_bits(best);
 }
 
 float fp8_block_scale(float amax, bool pow2) {
   if (amax == 0.0f || !std::isfinite(amax)) return 1.0f;
   float s = 448.0f / amax;
   if (std::isinf(s)) s = FLT_MAX;
-  if (pow2) s = float_of(bits_of(s) & 0xFF800000u);  // s is a positive normal number
+  if (pow2) s = float_from_bits(float_bits(s) & 0xFF800000u);  // s is a positive normal number
   return s;
 }
 
@@ -256,9 +246,9 @@ Quantized quantize(const QuantConfig& c, const std::vector<uint16_t>& x, int64_t
           for (int64_t r = r0; r < r1; ++r)
             for (int64_t col = c0; col < c1; ++col) {
               const float v = xf[src(m, r, col)];
-              amax_bits = std::max(amax_bits, bits_of(v) & 0x7FFFFFFFu);  // as abs_max
+              amax_bits = std::max(amax_bits, float_bits(v) & 0x7FFFFFFFu);  // as abs_max
             }
-          const float amax = float_of(amax_bits);
+          const float amax = float_from_bits(amax_bits);
           // The block's encode rule and its stored scale bytes.
           uint8_t scale_bytes[4] = {0, 0, 0, 0};
           float fp8_scale = 1.0f, mx_factor = 1.0f, nv_enc = 0.0f;
