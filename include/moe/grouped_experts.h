@@ -62,6 +62,11 @@ class GroupedExperts {
   // host while the work is being enqueued (so a reducer can enqueue its reduce-scatter after it).
   void register_hook(Param param, Hook hook);
 
+  // Weight-binding generation (0: no weights bound yet; each set_weights increments it) and whether
+  // gradient tensors are bound -- what a composing op checks before it enqueues anything.
+  uint64_t weight_binding() const;
+  bool grads_bound() const;
+
   // A saved state: device bytes and host headers; new_state() allocates one.
   size_t state_bytes() const;
   static constexpr int kStateHeaders = 1;
@@ -84,6 +89,13 @@ class GroupedExperts {
                 const SavedState& state, cudaStream_t stream);
   // Delayed mode: fc2's weight gradients, then fc1's, each parameter's hooks once it is final.
   void backward_dw(const SavedState& state, cudaStream_t stream);
+
+  // The inputs a filled state reads again by address (x_perm, group_offsets, probs_perm; dY once a
+  // delayed backward ran, else pass nullptr) now live elsewhere -- e.g. the caller offloaded them to
+  // the host and restored them, or the state's own memory moved: point the state at them. Same
+  // shapes as at forward; the data must be unchanged.
+  void relocate(const SavedState& state, const TensorView& x_perm, const TensorView& group_offsets,
+                const TensorView& probs_perm, const TensorView* dY = nullptr) const;
 
   // Device memory held by the op (backward workspaces, GEMM call workspace, bias workspace).
   size_t workspace_bytes() const;

@@ -7,12 +7,13 @@
 // ran -- lives in a SavedState the caller owns, so any number of micro-batches may be in flight and
 // their backwards may run in any order.
 //
-// A state is two blocks whose sizes the op states (`state_bytes()`, `state_headers()`):
+// A state is two blocks whose sizes the op states (`state_bytes()`, `kStateHeaders`):
 //  - device memory for the saved tensors, from a DeviceAllocator or the caller's own memory (the
 //    PyTorch binding uses a tensor of PyTorch's caching allocator, which works in graph pools);
-//  - host-side headers (plain data, no pointers into the process: the binding keeps them in a CPU
-//    tensor) recording the owner, the lifecycle and the token count; checking them needs no device
-//    synchronisation.
+//  - host-side headers (plain data: the binding keeps them in a CPU tensor) recording the owner,
+//    the lifecycle, the token count and the device addresses of inputs a backward reads again;
+//    checking them needs no device synchronisation. When those inputs (or the state itself) move,
+//    e.g. offloaded to the host and restored, the op's relocate() points the state at them again.
 // States are made before the work that uses them (never inside forward/backward) and may be
 // reused: a consumed state can be filled by a new forward.
 #pragma once

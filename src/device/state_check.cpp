@@ -21,7 +21,7 @@ void check_state_capacity(const SavedState& s, const char* name, size_t device_b
   MOE_CHECK(s.defined(), "argument '", name, "': the saved state is undefined (make it with the op's new_state())");
   MOE_CHECK(s.device_bytes() >= device_bytes && s.header_count() >= headers, "argument '", name,
             "': expected a saved state of at least ", device_bytes, " device bytes and ", headers,
-            " headers (this op's state_bytes() / state_headers()), got ", s.device_bytes(), " bytes and ",
+            " headers (this op's state_bytes() / kStateHeaders), got ", s.device_bytes(), " bytes and ",
             s.header_count(), " headers");
 }
 

@@ -240,6 +240,8 @@ GroupedExperts::GroupedExperts(const ExpertsConfig& config) : impl_(std::make_un
 GroupedExperts::~GroupedExperts() = default;
 
 const ExpertsConfig& GroupedExperts::config() const { return impl_->cfg; }
+uint64_t GroupedExperts::weight_binding() const { return impl_->have_weights ? impl_->binding : 0; }
+bool GroupedExperts::grads_bound() const { return impl_->have_grads; }
 size_t GroupedExperts::state_bytes() const { return impl_->state_bytes; }
 size_t GroupedExperts::workspace_bytes() const { return impl_->block_bytes; }
 
@@ -298,7 +300,7 @@ void GroupedExperts::forward(const TensorView& x_perm, const TensorView& g, cons
   check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
   MOE_CHECK(state.status() == StateStatus::kEmpty || state.status() == StateStatus::kConsumed,
             "argument 'state' of GroupedExperts::forward: expected an empty or consumed saved state, got one ",
-            state_status_name(state.status()), " (its backward has not run; reset() it to discard that forward)");
+            state_status_name(state.status()), " (its backward is not complete; reset() it to discard that forward)");
   const StateBuffers b = m.state_layout(static_cast<char*>(state.device()));
   m.activations(x_perm, g, pp, b, rows, s);
   m.gemm.fprop(bf16_view(b.act, rows, m.cfg.ffn), m.w2, g, Y, m.gemm_workspace(), s);
@@ -311,8 +313,9 @@ void GroupedExperts::recompute(const TensorView& x_perm, const TensorView& g, co
   Impl& m = *impl_;
   const int64_t rows = m.check_inputs(x_perm, g, pp, "GroupedExperts::recompute");
   check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
-  MOE_CHECK(state.status() != StateStatus::kAwaitingWgrad,
-            "argument 'state' of GroupedExperts::recompute: the state still awaits backward_dw");
+  // A state in flight may only be refilled by the op that filled it (recompute of its own forward).
+  if (state.status() != StateStatus::kEmpty && state.status() != StateStatus::kConsumed)
+    check_state(state, "state", m.serial, StateKind::kExperts, {StateStatus::kFilled}, "GroupedExperts::recompute");
   const StateBuffers b = m.state_layout(static_cast<char*>(state.device()));
   m.activations(x_perm, g, pp, b, rows, s);
   m.fill_header(state, x_perm, g, pp, rows);
@@ -338,6 +341,8 @@ void GroupedExperts::backward(const TensorView& dY, const TensorView& dx_perm, c
               "combine); pass an empty view");
   MOE_CHECK(!c.delay_wgrad || dx_perm.data != dY.data, "argument 'dx_perm': with delay_wgrad, dY is read again by ",
             "backward_dw, so dx_perm must not be the buffer of dY");
+  MOE_CHECK(dx_perm.data != v.x_perm.data || rows == 0, "argument 'dx_perm': the fc1 weight gradient reads the ",
+            "saved x_perm after dx_perm is written, so dx_perm must not be the buffer of x_perm");
 
   if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);  // reads act before dact overwrites it
   uint16_t* dact = c.delay_wgrad ? m.dact_ws : v.b.act;
@@ -379,6 +384,27 @@ void GroupedExperts::backward_dw(const SavedState& state, cudaStream_t s) {
   m.fire_hooks(Param::kFc1Weight);
   m.fire_hooks(Param::kFc1Bias);
   state.header(0).status = static_cast<int32_t>(StateStatus::kConsumed);
+}
+
+void GroupedExperts::relocate(const SavedState& state, const TensorView& x_perm, const TensorView& group_offsets,
+                              const TensorView& probs_perm, const TensorView* dY) const {
+  const Impl& m = *impl_;
+  check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
+  check_state(state, "state", m.serial, StateKind::kExperts, {StateStatus::kFilled, StateStatus::kAwaitingWgrad},
+              "GroupedExperts::relocate");
+  StateHeader& h = state.header(0);
+  const int64_t rows = h.tokens;
+  check_device_tensor(x_perm, "x_perm", m.cfg.dtype, {rows, m.cfg.hidden});
+  check_device_tensor(group_offsets, "group_offsets", DType::kInt32, {int64_t(m.cfg.experts) + 1}, 4);
+  if (m.probs_in_act()) check_device_tensor(probs_perm, "probs_perm", DType::kFP32, {rows}, 4);
+  const bool awaiting = h.status == static_cast<int32_t>(StateStatus::kAwaitingWgrad);
+  MOE_CHECK(awaiting == (dY != nullptr), "argument 'dY': expected ", awaiting ? "the dY of the delayed backward" : "none",
+            " (the state is ", state_status_name(state.status()), ")");
+  if (dY) check_device_tensor(*dY, "dY", m.cfg.dtype, {rows, m.cfg.hidden});
+  h.pointer = reinterpret_cast<uint64_t>(x_perm.data);
+  h.reserved[0] = reinterpret_cast<uint64_t>(group_offsets.data);
+  h.reserved[1] = m.probs_in_act() ? reinterpret_cast<uint64_t>(probs_perm.data) : 0;
+  if (dY) h.reserved[2] = reinterpret_cast<uint64_t>(dY->data);
 }
 
 }  // namespace moe

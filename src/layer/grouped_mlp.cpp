@@ -175,7 +175,10 @@ void GroupedMlp::forward(const TensorView& x, const RoutingView& routing, const 
   check_state_capacity(state, "state", m.layout.total, kStateHeaders);
   MOE_CHECK(state.status() == StateStatus::kEmpty || state.status() == StateStatus::kConsumed,
             "argument 'state' of GroupedMlp::forward: expected an empty or consumed saved state, got one ",
-            state_status_name(state.status()), " (its backward has not run; reset() it to discard that forward)");
+            state_status_name(state.status()), " (its backward is not complete; reset() it to discard that forward)");
+  MOE_CHECK(m.experts.weight_binding() != 0, "GroupedMlp::forward: no weights bound (call set_weights first)");
+  MOE_CHECK(!c.recompute || y.data != x.data || T == 0, "argument 'y': recompute mode reads x again in backward, ",
+            "so y must not overwrite it");
   // The routing itself is checked by the plan before anything is enqueued.
   const SavedState plan = m.plan_of(state);
   m.dispatcher.plan(routing, m.errors.device_ptr(), plan, s);
@@ -190,25 +193,38 @@ void GroupedMlp::forward(const TensorView& x, const RoutingView& routing, const 
                          s);
   mark_filled(state, m.serial, StateKind::kLayer, T);
   state.header(kLayerHeader).pointer = reinterpret_cast<uint64_t>(x.data);
+  state.header(kLayerHeader).binding = m.experts.weight_binding();
 }
 
 void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const TensorView& dprobs, const SavedState& state,
-                          cudaStream_t s) {
+                          cudaStream_t s, const TensorView* x_in) {
   Impl& m = *impl_;
   const auto& c = m.cfg;
+  // Everything is checked before anything is enqueued: a refused call changes nothing.
   check_state_capacity(state, "state", m.layout.total, kStateHeaders);
   check_state(state, "state", m.serial, StateKind::kLayer, {StateStatus::kFilled}, "GroupedMlp::backward");
+  MOE_CHECK(state.header(kLayerHeader).binding == m.experts.weight_binding(), "argument 'state' of ",
+            "GroupedMlp::backward: the weights were rebound since its forward (set_weights between a forward and ",
+            "its backward)");
+  MOE_CHECK(c.delay_wgrad || m.experts.grads_bound(),
+            "GroupedMlp::backward: no gradient tensors bound (call set_grads first)");
   const int64_t T = state.header(kLayerHeader).tokens, H = c.hidden;
   const int slots = m.dispatcher.slots_per_token();
   check_device_tensor(dy, "dy", c.dtype, {T, H});
   check_device_tensor(dx, "dx", c.dtype, {T, H});
   check_device_tensor(dprobs, "dprobs", DType::kFP32, {T, slots}, 4);
+  const TensorView x = x_in ? *x_in : bf16_view(reinterpret_cast<void*>(state.header(kLayerHeader).pointer), T, H);
+  if (x_in) check_device_tensor(*x_in, "x", c.dtype, {T, H});
   const SavedState plan = m.plan_of(state);
   SavedState es = m.experts_of(state);
-  if (c.recompute) {
+  if (!c.recompute) {
+    // The experts' state records the addresses of x_perm, the group offsets and probs_perm, which
+    // live in this state: point it at where the state is now (it may have been moved).
+    m.experts.relocate(es, bf16_view(m.x_perm_of(state), m.R, H), m.dispatcher.group_offsets(plan),
+                       m.pp_or_none(plan));
+  } else {
     // Rebuild x_perm and the activations (and Y for the probs' gradient at the combine) exactly as
     // the forward computed them.
-    const TensorView x = bf16_view(reinterpret_cast<void*>(state.header(kLayerHeader).pointer), T, H);
     m.dispatcher.permute(plan, x, bf16_view(m.x_perm_ws, m.R, H), s);
     es.reset();
     if (m.probs_in_act())
@@ -241,7 +257,12 @@ void GroupedMlp::backward_dw(const SavedState& state, cudaStream_t s) {
   MOE_CHECK(m.cfg.delay_wgrad, "GroupedMlp::backward_dw: only for config.delay_wgrad = true");
   check_state_capacity(state, "state", m.layout.total, kStateHeaders);
   check_state(state, "state", m.serial, StateKind::kLayer, {StateStatus::kAwaitingWgrad}, "GroupedMlp::backward_dw");
-  m.experts.backward_dw(m.experts_of(state), s);
+  MOE_CHECK(m.experts.grads_bound(), "GroupedMlp::backward_dw: no gradient tensors bound (call set_grads first)");
+  const SavedState plan = m.plan_of(state), es = m.experts_of(state);
+  const TensorView dY = bf16_view(m.at(state, m.layout.dY), m.R, m.cfg.hidden);
+  m.experts.relocate(es, bf16_view(m.x_perm_of(state), m.R, m.cfg.hidden), m.dispatcher.group_offsets(plan),
+                     m.pp_or_none(plan), &dY);
+  m.experts.backward_dw(es, s);
   state.header(kLayerHeader).status = static_cast<int32_t>(StateStatus::kConsumed);
 }
 

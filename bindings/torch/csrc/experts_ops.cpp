@@ -64,10 +64,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> experts_forward(
   });
 }
 
+// The inputs the forward read (x_perm, group_offsets, probs_perm) are passed again: autograd may
+// have moved them (offloading), so the state is pointed at their current addresses first.
+void relocate(const GroupedExperts& ex, const SavedState& st, const at::Tensor& x_perm, const at::Tensor& group_offsets,
+              const c10::optional<at::Tensor>& probs_perm, const at::Tensor* dY) {
+  const TensorView d = dY ? view(*dY, "dY") : TensorView();
+  ex.relocate(st, view(x_perm, "x_perm"), view(group_offsets, "group_offsets"),
+              probs_perm ? view(*probs_perm, "probs_perm") : TensorView(), dY ? &d : nullptr);
+}
+
 // dY [rows, H] -> dx_perm [rows, H], d_probs_perm fp32 [rows] (empty [0] without probs).
 std::tuple<at::Tensor, at::Tensor> experts_backward(int64_t handle, const at::Tensor& state, const at::Tensor& header,
-                                                     const at::Tensor& dY, bool with_probs,
-                                                     const std::vector<at::Tensor>& gw1,
+                                                     const at::Tensor& x_perm, const at::Tensor& group_offsets,
+                                                     const c10::optional<at::Tensor>& probs_perm, const at::Tensor& dY,
+                                                     bool with_probs, const std::vector<at::Tensor>& gw1,
                                                      const std::vector<at::Tensor>& gb1,
                                                      const std::vector<at::Tensor>& gw2,
                                                      const std::vector<at::Tensor>& gb2) {
@@ -76,10 +86,11 @@ std::tuple<at::Tensor, at::Tensor> experts_backward(int64_t handle, const at::Te
     GroupedExperts& ex = s.op;
     const SavedState st = state_of(state, header, kHeaders);
     require_dims(dY, "dY", 2);
-    if (!ex.config().delay_wgrad) s.bind_grads(gw1, gb1, gw2, gb2);
     const bool probs = ex.config().probs == ProbsPlacement::kInActivation;
     MOE_CHECK(with_probs == probs, "argument 'with_probs': expected ", probs ? "true" : "false",
               " (the experts' probs placement)");
+    relocate(ex, st, x_perm, group_offsets, probs_perm, nullptr);
+    if (!ex.config().delay_wgrad) s.bind_grads(gw1, gb1, gw2, gb2);
     at::Tensor dx_perm = at::empty_like(dY, at::MemoryFormat::Contiguous);
     at::Tensor dpp = at::empty({probs ? dY.size(0) : 0}, dY.options().dtype(at::kFloat));
     ex.backward(view(dY, "dY"), view(dx_perm, "dx_perm"), probs ? view(dpp, "d_probs_perm") : TensorView(), st,
@@ -88,12 +99,14 @@ std::tuple<at::Tensor, at::Tensor> experts_backward(int64_t handle, const at::Te
   });
 }
 
-void experts_backward_dw(int64_t handle, const at::Tensor& state, const at::Tensor& header,
-                         const std::vector<at::Tensor>& gw1, const std::vector<at::Tensor>& gb1,
+void experts_backward_dw(int64_t handle, const at::Tensor& state, const at::Tensor& header, const at::Tensor& x_perm,
+                         const at::Tensor& group_offsets, const c10::optional<at::Tensor>& probs_perm,
+                         const at::Tensor& dY, const std::vector<at::Tensor>& gw1, const std::vector<at::Tensor>& gb1,
                          const std::vector<at::Tensor>& gw2, const std::vector<at::Tensor>& gb2) {
   ExpertsState& s = registry().get(handle);
   translate_errors([&] {
     const SavedState st = state_of(state, header, kHeaders);
+    relocate(s.op, st, x_perm, group_offsets, probs_perm, &dY);
     s.bind_grads(gw1, gb1, gw2, gb2);
     s.op.backward_dw(st, current_stream());
     return 0;
@@ -111,11 +124,12 @@ TORCH_LIBRARY_FRAGMENT(moe_engine, m) {
   m.def("experts_state_bytes(int handle) -> int", &experts_state_bytes);
   m.def("experts_forward(int handle, Tensor x_perm, Tensor group_offsets, Tensor? probs_perm, Tensor[] fc1_weight, "
         "Tensor[] fc1_bias, Tensor[] fc2_weight, Tensor[] fc2_bias, int state_bytes) -> (Tensor, Tensor, Tensor)");
-  m.def("experts_backward(int handle, Tensor state, Tensor(s!) state_header, Tensor dY, bool with_probs, "
-        "Tensor(a!)[] fc1_weight_grad, Tensor(b!)[] fc1_bias_grad, Tensor(c!)[] fc2_weight_grad, "
-        "Tensor(d!)[] fc2_bias_grad) -> (Tensor, Tensor)");
-  m.def("experts_backward_dw(int handle, Tensor state, Tensor(s!) state_header, Tensor(a!)[] fc1_weight_grad, "
-        "Tensor(b!)[] fc1_bias_grad, Tensor(c!)[] fc2_weight_grad, Tensor(d!)[] fc2_bias_grad) -> ()");
+  m.def("experts_backward(int handle, Tensor(t!) state, Tensor(s!) state_header, Tensor x_perm, Tensor group_offsets, "
+        "Tensor? probs_perm, Tensor dY, bool with_probs, Tensor(a!)[] fc1_weight_grad, Tensor(b!)[] fc1_bias_grad, "
+        "Tensor(c!)[] fc2_weight_grad, Tensor(d!)[] fc2_bias_grad) -> (Tensor, Tensor)");
+  m.def("experts_backward_dw(int handle, Tensor state, Tensor(s!) state_header, Tensor x_perm, Tensor group_offsets, "
+        "Tensor? probs_perm, Tensor dY, Tensor(a!)[] fc1_weight_grad, Tensor(b!)[] fc1_bias_grad, "
+        "Tensor(c!)[] fc2_weight_grad, Tensor(d!)[] fc2_bias_grad) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(moe_engine, CUDA, m) {

@@ -1,7 +1,8 @@
 // TORCH_LIBRARY operators of the grouped GEMM: fprop / dgrad / wgrad over device group offsets,
 // weights as one [E, N, K] tensor. The engine holds configuration only (one per device and E,
 // created once the arguments are checked); each call takes its argument arrays and CUTLASS
-// workspace from PyTorch's allocator, so calls on any streams, in graphs or not, never share them.
+// workspace from PyTorch's allocator, so calls on any streams, in graphs or not, never share them
+// (the first call on a device must be eager: it allocates the device error word).
 // Offsets that are not 0-based, decrease or run past the rows are clamped on the device and
 // reported through a device error word: grouped_mm_check_errors() raises them (it synchronises).
 #include <torch/library.h>
@@ -32,7 +33,15 @@ DeviceEngines& device_engines() {
   cudaGetDevice(&device);
   std::lock_guard<std::mutex> lock(mu);
   DeviceEngines& d = all[device];
-  if (!d.errors) d.errors = std::make_unique<ErrorWord>();
+  if (!d.errors) {
+    // The error word is allocated and zeroed synchronously, once per device: not inside a capture.
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const bool capturing =
+        cudaStreamIsCapturing(current_stream(), &status) == cudaSuccess && status != cudaStreamCaptureStatusNone;
+    MOE_CHECK(!capturing, "moe_engine.grouped_mm: the first call on a device must run outside CUDA graph capture ",
+              "(it allocates the device error word); run one eager call before capturing");
+    d.errors = std::make_unique<ErrorWord>();
+  }
   return d;
 }
 

@@ -75,22 +75,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp_forward(
   });
 }
 
+// x: recompute mode only (the forward's x, read again; it may have moved, e.g. offloaded and back).
 std::tuple<at::Tensor, at::Tensor> mlp_backward(int64_t handle, const at::Tensor& state, const at::Tensor& header,
-                                                 const at::Tensor& x, const at::Tensor& dy, int64_t slots,
-                                                 const std::vector<at::Tensor>& gw1, const std::vector<at::Tensor>& gb1,
-                                                 const std::vector<at::Tensor>& gw2, const std::vector<at::Tensor>& gb2) {
+                                                 const c10::optional<at::Tensor>& x, const at::Tensor& dy,
+                                                 int64_t slots, const std::vector<at::Tensor>& gw1,
+                                                 const std::vector<at::Tensor>& gb1, const std::vector<at::Tensor>& gw2,
+                                                 const std::vector<at::Tensor>& gb2) {
   MlpState& s = registry().get(handle);
   return translate_errors([&] {
     GroupedMlp& layer = s.op;
     const SavedState st = state_of(state, header, kHeaders);
-    // The forward read x by address (recompute reads it again): it must be the same tensor.
-    MOE_CHECK(st.header(0).pointer == reinterpret_cast<uint64_t>(x.data_ptr()),
-              "argument 'x': not the tensor the forward of this state read");
+    MOE_CHECK(x.has_value() == layer.config().recompute, "argument 'x': expected ",
+              layer.config().recompute ? "the forward's x (recompute mode)" : "None (x is read again only in recompute mode)");
     require_dims(dy, "dy", 2);
     if (!layer.config().delay_wgrad) s.bind_grads(gw1, gb1, gw2, gb2);
     at::Tensor dx = at::empty_like(dy, at::MemoryFormat::Contiguous);
     at::Tensor dprobs = at::empty({dy.size(0), slots}, dy.options().dtype(at::kFloat));
-    layer.backward(view(dy, "dy"), view(dx, "dx"), view(dprobs, "dprobs"), st, current_stream());
+    const TensorView xv = x ? view(*x, "x") : TensorView();
+    layer.backward(view(dy, "dy"), view(dx, "dx"), view(dprobs, "dprobs"), st, current_stream(), x ? &xv : nullptr);
     return std::make_tuple(dx, dprobs);
   });
 }
@@ -131,7 +133,7 @@ TORCH_LIBRARY_FRAGMENT(moe_engine, m) {
   m.def("mlp_state_bytes(int handle) -> int", &mlp_state_bytes);
   m.def("mlp_forward(int handle, Tensor x, Tensor routing, Tensor probs, Tensor[] fc1_weight, Tensor[] fc1_bias, "
         "Tensor[] fc2_weight, Tensor[] fc2_bias, int state_bytes) -> (Tensor, Tensor, Tensor)");
-  m.def("mlp_backward(int handle, Tensor state, Tensor(s!) state_header, Tensor x, Tensor dy, int slots, "
+  m.def("mlp_backward(int handle, Tensor(t!) state, Tensor(s!) state_header, Tensor? x, Tensor dy, int slots, "
         "Tensor(a!)[] fc1_weight_grad, Tensor(b!)[] fc1_bias_grad, Tensor(c!)[] fc2_weight_grad, "
         "Tensor(d!)[] fc2_bias_grad) -> (Tensor, Tensor)");
   m.def("mlp_backward_dw(int handle, Tensor state, Tensor(s!) state_header, Tensor(a!)[] fc1_weight_grad, "

@@ -20,7 +20,7 @@ def _mlp_forward(handle, x, routing, probs, w1, b1, w2, b2, state_bytes):
 
 
 @torch.library.register_fake(lib + "mlp_backward")
-def _mlp_backward(handle, state, header, x, dy, slots, gw1, gb1, gw2, gb2):
+def _mlp_backward(handle, state, header, x, dy, slots, gw1, gb1, gw2, gb2):  # x: None unless recompute
     return torch.empty_like(dy), dy.new_empty((dy.shape[0], slots), dtype=torch.float32)
 
 
@@ -35,12 +35,12 @@ def _experts_forward(handle, x_perm, group_offsets, probs_perm, w1, b1, w2, b2, 
 
 
 @torch.library.register_fake(lib + "experts_backward")
-def _experts_backward(handle, state, header, dY, with_probs, gw1, gb1, gw2, gb2):
+def _experts_backward(handle, state, header, x_perm, group_offsets, probs_perm, dY, with_probs, gw1, gb1, gw2, gb2):
     return torch.empty_like(dY), dY.new_empty((dY.shape[0] if with_probs else 0,), dtype=torch.float32)
 
 
 @torch.library.register_fake(lib + "experts_backward_dw")
-def _experts_backward_dw(handle, state, header, gw1, gb1, gw2, gb2):
+def _experts_backward_dw(handle, state, header, x_perm, group_offsets, probs_perm, dY, gw1, gb1, gw2, gb2):
     return None
 
 

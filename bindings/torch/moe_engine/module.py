@@ -22,8 +22,10 @@ autograd has accumulated it into param.grad (autograd's order).
 State: the modules hold configuration and workspaces only. What a backward needs is returned by
 the forward as tensors that autograd keeps (PyTorch's caching allocator, so it works inside
 torch.cuda.graph), so any number of forwards may be in flight (pipeline schedules, micro-batches)
-and their backwards may run in any order. `recompute=True` (GroupedMLP) keeps only x and the
-routing and recomputes the rest in backward; torch.utils.checkpoint works around either module."""
+and their backwards may run in any order. One module's calls must stay on one stream (or streams
+synchronised with each other): its backward workspaces are shared by all micro-batches.
+`recompute=True` (GroupedMLP) keeps only x and the routing and recomputes the rest in backward;
+torch.utils.checkpoint works around either module."""
 import torch
 from torch import nn
 
@@ -258,8 +260,8 @@ class GroupedExperts(_ExpertModule):
         return _ExpertsFunction.apply(self, x_perm, group_offsets, probs_perm, *self._flat_params())
 
     def _run_backward_dw(self, pending, lists):
-        state, header = pending[:2]  # the rest keeps the inputs it reads by address alive
-        _ops.experts_backward_dw(self._handle, state, header, *lists)
+        state, header, x_perm, group_offsets, probs_perm, dY = pending
+        _ops.experts_backward_dw(self._handle, state, header, x_perm, group_offsets, probs_perm, dY, *lists)
 
     def state_bytes(self):
         return self._state_bytes
@@ -272,7 +274,8 @@ class _MlpFunction(torch.autograd.Function):
         y, state, header = _ops.mlp_forward(mod._handle, x, routing.contiguous(), probs.contiguous(),
                                             *mod._param_lists(), mod._state_bytes)
         ctx.mod = mod
-        ctx.save_for_backward(x, state, header)
+        # x is read again only in recompute mode: saved (and version-checked by autograd) only then.
+        ctx.save_for_backward(x if mod.recompute else None, state, header)
         return y
 
     @staticmethod
@@ -306,6 +309,7 @@ class _ExpertsFunction(torch.autograd.Function):
         dY = dY.contiguous()
         # Delayed mode reads dY (and the saved inputs) again in backward_dw: keep them with the state.
         (dx_perm, dpp), param_grads = mod._after_backward(
-            lambda lists: _ops.experts_backward(mod._handle, state, header, dY, ctx.has_probs, *lists),
-            (state, header, dY, x_perm, group_offsets, probs_perm))
+            lambda lists: _ops.experts_backward(mod._handle, state, header, x_perm, group_offsets, probs_perm, dY,
+                                                ctx.has_probs, *lists),
+            (state, header, x_perm, group_offsets, probs_perm, dY))
         return (None, dx_perm, None, dpp if ctx.has_probs else None, *param_grads)

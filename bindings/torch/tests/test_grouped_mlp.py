@@ -272,10 +272,29 @@ def test_saved_state_consumed_twice_or_foreign_raises():
     grads = mod._grad_buffers()
     dy = output_grad(x)
     with pytest.raises(ValueError, match="another op"):
-        torch.ops.moe_engine.mlp_backward(other._handle, state, header, x, dy, 2, *other._grad_buffers())
-    torch.ops.moe_engine.mlp_backward(mod._handle, state, header, x, dy, 2, *grads)
-    with pytest.raises(ValueError, match="consumed"):
+        torch.ops.moe_engine.mlp_backward(other._handle, state, header, None, dy, 2, *other._grad_buffers())
+    with pytest.raises(ValueError, match="'x'"):  # x is read again only in recompute mode
         torch.ops.moe_engine.mlp_backward(mod._handle, state, header, x, dy, 2, *grads)
-    with pytest.raises(ValueError, match="'x'"):
-        y, state, header = torch.ops.moe_engine.mlp_forward(mod._handle, x, idx, probs, *lists, mod._state_bytes)
-        torch.ops.moe_engine.mlp_backward(mod._handle, state, header, x.clone(), dy, 2, *grads)
+    torch.ops.moe_engine.mlp_backward(mod._handle, state, header, None, dy, 2, *grads)
+    with pytest.raises(ValueError, match="consumed"):
+        torch.ops.moe_engine.mlp_backward(mod._handle, state, header, None, dy, 2, *grads)
+
+
+def test_states_offloaded_to_the_host_and_back_still_work():
+    """torch.autograd.graph.save_on_cpu moves every saved tensor (the state included) to the host
+    and back to new device memory: the backward must follow them, in every mode."""
+    dy = None
+    for kwargs in (dict(), dict(recompute=True), dict(bias=True, probs_at_combine=True)):
+        mod, x, idx, probs = make(seed=29, **kwargs)
+        dy = output_grad(x)
+        xr, pr = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        y = mod(xr, idx, probs=pr)
+        y.backward(dy)
+        want = (y.detach().clone(), xr.grad.clone(), pr.grad.clone(), mod.fc1.weight.grad.clone())
+        mod.zero_grad(set_to_none=True)
+        xo, po = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        with torch.autograd.graph.save_on_cpu():
+            yo = mod(xo, idx, probs=po)
+        yo.backward(dy)
+        got = (yo.detach(), xo.grad, po.grad, mod.fc1.weight.grad)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), kwargs
