@@ -55,8 +55,9 @@ setup(
     long_description=open(os.path.join(HERE, "README.md")).read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    packages=["moe_engine"],
-    package_dir={"moe_engine": os.path.join(PKG, "moe_engine")},
+    packages=["moe_engine", "moe_engine.integrations"],
+    package_dir={"moe_engine": os.path.join(PKG, "moe_engine"),
+                 "moe_engine.integrations": os.path.join(PKG, "moe_engine", "integrations")},
     ext_modules=[
         CUDAExtension(
             name="moe_engine._C",

@@ -39,6 +39,10 @@ _ORDER = (("fc2", "weight"), ("fc2", "bias"), ("fc1", "weight"), ("fc1", "bias")
 class _ExpertModule(nn.Module):
     """Parameters, gradient buffers and wgrad hooks shared by GroupedMLP and GroupedExperts."""
 
+    # The submodule names that hold fc1's and fc2's parameters (and so the state-dict keys and the
+    # names the wgrad hooks get). A subclass may rename them, e.g. Megatron's linear_fc1/linear_fc2.
+    _OWNER_NAMES = {"fc1": "fc1", "fc2": "fc2"}
+
     def _setup_params(self, hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
                       accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std):
         if wgrad_dtype not in (torch.bfloat16, torch.float32):
@@ -56,12 +60,13 @@ class _ExpertModule(nn.Module):
         self._shapes = {("fc1", "weight"): (fc1_out, hidden_size), ("fc1", "bias"): (fc1_out,),
                         ("fc2", "weight"): (hidden_size, ffn_hidden_size), ("fc2", "bias"): (hidden_size,)}
         device = torch.device("cuda") if device is None else torch.device(device)
-        self.fc1, self.fc2 = nn.Module(), nn.Module()
+        for p in ("fc1", "fc2"):
+            setattr(self, self._OWNER_NAMES[p], nn.Module())
         for (p, s), shape in self._shapes.items():
             if s == "bias" and not bias:
                 continue
             std = init_std if init_std is not None else (shape[-1] ** -0.5 if s == "weight" else 0.0)
-            owner = getattr(self, p)
+            owner = getattr(self, self._OWNER_NAMES[p])
             if per_expert_weights:
                 for e in range(num_experts):
                     owner.register_parameter(f"{s}{e}", nn.Parameter(self._init(shape, std, device)))
@@ -85,7 +90,7 @@ class _ExpertModule(nn.Module):
         """The parameter(s) of fc1/fc2 weight/bias: [grouped] or [expert 0, .., expert E-1]."""
         if s == "bias" and not self.has_bias:
             return []
-        owner = getattr(self, p)
+        owner = getattr(self, self._OWNER_NAMES[p])
         if self.per_expert_weights:
             return [getattr(owner, f"{s}{e}") for e in range(self.num_experts)]
         return [getattr(owner, s)]
@@ -98,7 +103,8 @@ class _ExpertModule(nn.Module):
         return [q for lst in self._param_lists() for q in lst]
 
     def _normalize_keys(self, state_dict, prefix, *args, **kwargs):
-        normalize_expert_keys(state_dict, prefix, self.num_experts, self.per_expert_weights)
+        normalize_expert_keys(state_dict, prefix, self.num_experts, self.per_expert_weights,
+                              params=(self._OWNER_NAMES["fc1"], self._OWNER_NAMES["fc2"]))
 
     def register_wgrad_hook(self, fn):
         """fn(name, param) once per step for each parameter whose weight gradient is final."""
@@ -111,7 +117,8 @@ class _ExpertModule(nn.Module):
     def _fire_hooks(self):
         for p, s in _ORDER:
             for i, param in enumerate(self.expert_params(p, s)):
-                self._fire_hook(f"{p}.{s}{i}" if self.per_expert_weights else f"{p}.{s}", param)
+                name = f"{self._OWNER_NAMES[p]}.{s}"
+                self._fire_hook(f"{name}{i}" if self.per_expert_weights else name, param)
 
     def _grad_buffers(self):
         """Where the op writes weight gradients: main_grad (accumulate) or new grouped buffers."""
@@ -123,7 +130,8 @@ class _ExpertModule(nn.Module):
             elif self.accumulate_into_main_grad:
                 for q in params:
                     if getattr(q, "main_grad", None) is None:
-                        raise ValueError(f"accumulate_into_main_grad: parameter {p}.{s} has no fp32 'main_grad'")
+                        raise ValueError(f"accumulate_into_main_grad: parameter {self._OWNER_NAMES[p]}.{s} has no fp32 "
+                                         "'main_grad'")
                 lists.append([q.main_grad for q in params])
             else:
                 shape = (self.num_experts, *self._shapes[(p, s)])

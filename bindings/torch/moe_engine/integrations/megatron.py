@@ -1,0 +1,294 @@
+"""An experts module usable in place of Megatron-LM's TEGroupedMLP (megatron-core 0.19,
+megatron/core/transformer/moe/experts.py), on moe_engine's experts-only op.
+
+    from moe_engine.integrations.megatron import MegatronGroupedMLP
+    experts = MegatronGroupedMLP(num_local_experts, config, max_rows=seq_len * micro_batch * topk * ep_size)
+    output, output_bias = experts(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+
+Megatron's token dispatcher has already permuted the rows into expert groups; this module runs the
+local experts on them (fc1 + bias, GLU activation x prob, fc2 + bias x prob) and returns
+`(output, None)` like TEGroupedMLP.forward. `tokens_per_expert` may live on the CPU or the GPU; the
+group offsets are computed on the device (cumsum, int32) with no host synchronisation.
+
+From the TransformerConfig (any object with these attributes; megatron-core is not imported):
+  hidden_size, moe_ffn_hidden_size, gated_linear_unit, activation_func (by name: silu, quick_gelu,
+  fast_gelu / openai_gelu, squared_relu), glu_linear_offset and activation_func_clamp_value (clamped
+  GLU: GPT-OSS is quick_gelu + offset 1 + clamp 7), moe_mlp_glu_interleave_size, add_bias_linear,
+  gradient_accumulation_fusion (-> accumulate into param.main_grad), delay_wgrad_compute
+  (-> backward_dw()), moe_apply_probs_on_input (topk 1: probs scale the input rows),
+  expert_model_parallel_size / expert_tensor_parallel_size / tensor_model_parallel_size (the params'
+  `allreduce` attribute), moe_latent_size (must be None). Refused with NotImplementedError: latent
+  MoE, expert tensor parallelism, FP8/FP4 (`fp8`, `fp4`), erf GELU (F.gelu) as a GLU activation.
+
+Parameters are named like TEGroupedLinear's: `linear_fc1.weight0 .. weight{E-1}` ([2F, H]) per
+expert (the default, per_expert_weights=True) or one grouped `linear_fc1.weight` [E, 2F, H]; the same
+for linear_fc1.bias, linear_fc2.weight ([H, F]) and linear_fc2.bias. GLU rows: gate then linear, or
+blocks of moe_mlp_glu_interleave_size rows.
+
+Megatron's data-parallel wrapper (DistributedDataParallel) meets this module as it meets TE's:
+  - gradient_accumulation_fusion: weight gradients are added into `param.main_grad`; the backward
+    still returns a placeholder gradient (uninitialised, or zeros when `param.zero_out_wgrad`) for
+    every parameter that carries `grad_added_to_main_grad`, and sets that flag, so that DDP's
+    per-parameter hooks on the gradient accumulators fire and skip the add -- what Megatron's own
+    layers do;
+  - delay_wgrad_compute: the parameters carry `skip_backward_post_hook`; DDP then registers its
+    hooks with `register_wgrad_accumulation_and_reduce_hooks(hook)`, and `backward_dw()` calls them
+    after the weight gradients of the oldest pending backward are final (fc2 before fc1).
+
+Checkpoints (plain state dicts; `load_state_dict` and the helpers below): grouped <-> per-expert
+(`linear_fc1.weight` <-> `linear_fc1.weight{i}`), and SequentialMLP's spelling
+`local_experts.{i}.linear_fc1.weight` in either direction of the load. Optimizer states keyed by
+parameter name convert the same way (`normalize_optimizer_state`). Megatron's distributed
+checkpoint format (`sharded_state_dict` with ShardedTensors) is not provided yet."""
+import re
+
+import torch
+
+from ..module import GroupedExperts
+from ..state_dict import normalize_expert_keys
+
+_OWNERS = ("linear_fc1", "linear_fc2")
+
+
+def _activation_from_config(config):
+    """(activation, alpha, limit, offset) of moe_engine for the config's expert MLP."""
+    fn = config.activation_func
+    name = getattr(fn, "__name__", type(fn).__name__)
+    gated = bool(config.gated_linear_unit)
+    offset = float(getattr(config, "glu_linear_offset", 0.0) or 0.0)
+    clamp = getattr(config, "activation_func_clamp_value", None)
+    if not gated:
+        if name == "squared_relu" and clamp is None:
+            return "squared-relu", 1.702, 7.0, 1.0
+        raise NotImplementedError(f"moe_engine: activation_func {name} without gated_linear_unit; supported: squared_relu")
+    if name in ("silu", "quick_gelu"):
+        alpha = 1.0 if name == "silu" else 1.702
+        if clamp is None and offset == 0.0 and name == "silu":
+            return "swiglu", 1.702, 7.0, 1.0
+        if clamp is None:
+            raise NotImplementedError(f"moe_engine: GLU activation {name} with glu_linear_offset={offset} needs "
+                                      "activation_func_clamp_value (moe_engine's clamped SwiGLU always clamps)")
+        # glu(): act(clamp(g, max=c)) * (clamp(l, -c, c) + offset), act(x) = x * sigmoid(alpha x).
+        return "clamped-swiglu", alpha, float(clamp), offset
+    if name in ("fast_gelu", "openai_gelu", "gelu_impl"):
+        if clamp is not None or offset != 0.0:
+            raise NotImplementedError("moe_engine: a tanh-GELU GLU with clamp or offset is not supported")
+        return "geglu", 1.702, 7.0, 1.0
+    raise NotImplementedError(
+        f"moe_engine: GLU activation_func {name} is not supported; supported: silu (swiglu, clamped with "
+        "activation_func_clamp_value), quick_gelu with a clamp (GPT-OSS), fast_gelu / openai_gelu (tanh GELU: geglu); "
+        "F.gelu is the erf GELU, which moe_engine does not implement")
+
+
+def _check_config(config):
+    for flag in ("fp8", "fp4"):
+        if getattr(config, flag, None):
+            raise NotImplementedError(f"moe_engine: config.{flag} is set; the experts run in bf16 only")
+    if getattr(config, "moe_latent_size", None) is not None:
+        raise NotImplementedError("moe_engine: config.moe_latent_size (latent MoE) is not supported")
+    if (getattr(config, "expert_tensor_parallel_size", 1) or 1) > 1:
+        raise NotImplementedError("moe_engine: expert_tensor_parallel_size > 1 is not supported (each rank holds "
+                                  "whole experts)")
+    interleave = getattr(config, "moe_mlp_glu_interleave_size", None)
+    if interleave is not None and not config.gated_linear_unit:
+        raise ValueError("moe_engine: moe_mlp_glu_interleave_size needs gated_linear_unit")
+
+
+class MegatronGroupedMLP(GroupedExperts):
+    """TEGroupedMLP's place in a Megatron MoE layer, on moe_engine.GroupedExperts.
+
+    MegatronGroupedMLP(num_local_experts, config, submodules=None, pg_collection=None, name=None,
+    max_rows=None, per_expert_weights=True, device=None, init_std=None): the first five arguments are
+    TEGroupedMLP's (submodules, pg_collection and name are accepted and not used). `max_rows` bounds
+    the permuted rows of one call (workspaces are sized for it once): at most
+    tokens per micro-batch x moe_router_topk x expert-parallel size in a dropless setting; when it is
+    None, `config.moe_engine_max_rows` is read."""
+
+    _OWNER_NAMES = {"fc1": _OWNERS[0], "fc2": _OWNERS[1]}
+
+    def __init__(self, num_local_experts, config, submodules=None, pg_collection=None, name=None, max_rows=None,
+                 per_expert_weights=True, device=None, init_std=None):
+        _check_config(config)
+        if max_rows is None:
+            max_rows = getattr(config, "moe_engine_max_rows", None)
+        if max_rows is None:
+            raise ValueError("argument 'max_rows': the bound on permuted rows per call is needed (pass max_rows= "
+                             "or set config.moe_engine_max_rows): tokens per micro-batch x topk x EP size")
+        activation, alpha, limit, offset = _activation_from_config(config)
+        interleave = getattr(config, "moe_mlp_glu_interleave_size", None) or 0
+        apply_probs_on_input = bool(getattr(config, "moe_apply_probs_on_input", False))
+        if apply_probs_on_input and getattr(config, "moe_router_topk", 1) != 1:
+            raise ValueError("moe_engine: moe_apply_probs_on_input only works with moe_router_topk=1 (as in Megatron)")
+        accumulate = bool(getattr(config, "gradient_accumulation_fusion", False))
+        delay = bool(getattr(config, "delay_wgrad_compute", False))
+        super().__init__(config.hidden_size, config.moe_ffn_hidden_size, num_local_experts, max_rows,
+                         activation=activation, glu_interleave=interleave, bias=bool(config.add_bias_linear),
+                         per_expert_weights=per_expert_weights, accumulate_into_main_grad=accumulate, delay_wgrad=delay,
+                         clamp_alpha=alpha, clamp_limit=limit, clamp_offset=offset, device=device, init_std=init_std)
+        self.config = config
+        self.num_local_experts = num_local_experts
+        self.max_rows = max_rows
+        self.apply_probs_on_input = apply_probs_on_input
+        self._ddp_wgrad_hooks = []
+        # TE's expert parameters: allreduce=False routes their gradients to the expert-data-parallel
+        # buckets of Megatron's DDP (extensions/transformer_engine.py, _set_expert_parameter_attributes).
+        use_expert_pgs = ((getattr(config, "expert_model_parallel_size", 1) or 1) > 1 or
+                          (getattr(config, "expert_tensor_parallel_size", 1) or 1) !=
+                          (getattr(config, "tensor_model_parallel_size", 1) or 1))
+        for q in self.parameters():
+            q.allreduce = not use_expert_pgs
+            if delay:
+                q.skip_backward_post_hook = True
+
+    # -- Megatron's forward -------------------------------------------------------------------
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, output_buffer=None,
+                grad_input_buffer=None):
+        """(output [rows, H], None), TEGroupedMLP's signature. permuted_probs [rows] (any float dtype)."""
+        if output_buffer is not None or grad_input_buffer is not None:
+            raise NotImplementedError("moe_engine: output_buffer / grad_input_buffer (NCCL-EP zero copy) are not supported")
+        x = permuted_local_hidden_states
+        rows = x.shape[0]
+        offsets = group_offsets(tokens_per_expert, x.device)
+        if offsets.shape[0] != self.num_experts + 1:
+            raise ValueError(f"argument 'tokens_per_expert': expected {self.num_experts} counts (the local experts), "
+                             f"got {offsets.shape[0] - 1}")
+        probs = permuted_probs.reshape(rows).float()
+        if self.apply_probs_on_input:
+            # Megatron: x = (probs * x).to(x.dtype), then probs = 1.
+            x = (probs.unsqueeze(-1) * x).to(x.dtype)
+            probs = torch.ones_like(probs)
+        out = super().forward(x.to(torch.bfloat16).contiguous(), offsets, probs.contiguous())
+        return out.to(permuted_local_hidden_states.dtype), None
+
+    # -- Megatron DDP interplay ----------------------------------------------------------------
+    def _after_backward(self, run_backward, keep_for_dw):
+        # Megatron's DDP gives every parameter `grad_added_to_main_grad` (False) when it wraps the
+        # model; read before the op's backward sets it.
+        under_ddp = [hasattr(q, "grad_added_to_main_grad") for q in self._flat_params()]
+        outs, grads = super()._after_backward(run_backward, keep_for_dw)
+        if self.accumulate_into_main_grad and not self.delay_wgrad:
+            grads = [self._placeholder_grad(q) if ddp else None for q, ddp in zip(self._flat_params(), under_ddp)]
+        return outs, grads
+
+    @staticmethod
+    def _placeholder_grad(q):
+        """What Megatron's own layers return with gradient accumulation fusion: a gradient that only
+        makes autograd run the accumulator (and DDP's hook on it, which drops it), main_grad already
+        holding the sum."""
+        if getattr(q, "zero_out_wgrad", False):
+            return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook):
+        """Megatron DDP (delay_wgrad_compute): hook() is called at the end of each backward_dw()."""
+        self._ddp_wgrad_hooks.append(hook)
+
+    def backward_dw(self):
+        super().backward_dw()
+        for hook in self._ddp_wgrad_hooks:
+            hook()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _normalize_keys(self, state_dict, prefix, *args, **kwargs):
+        sequential_to_grouped_keys(state_dict, prefix, self.num_local_experts)
+        super()._normalize_keys(state_dict, prefix, *args, **kwargs)
+        if not self.per_expert_weights:
+            # TE's single grouped weight may be stored as [E * out, in]: view it as [E, out, in].
+            for p in ("fc1", "fc2"):
+                for s in ("weight", "bias"):
+                    key = f"{prefix}{self._OWNER_NAMES[p]}.{s}"
+                    t = state_dict.get(key)
+                    shape = (self.num_experts, *self._shapes[(p, s)])
+                    if isinstance(t, torch.Tensor) and tuple(t.shape) != shape and t.numel() == _numel(shape):
+                        state_dict[key] = t.reshape(shape)
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def group_offsets(tokens_per_expert, device):
+    """int32 [E + 1] exclusive prefix sum of tokens_per_expert, on `device`, without a host sync
+    (a CPU tensor or list is copied to the device; a device tensor stays there)."""
+    counts = torch.as_tensor(tokens_per_expert)
+    if counts.device != device:
+        counts = counts.to(device, non_blocking=True)
+    out = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=device)
+    torch.cumsum(counts.reshape(-1), 0, dtype=torch.int32, out=out[1:])
+    return out
+
+
+_SEQUENTIAL = re.compile(r"local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+
+
+def sequential_to_grouped_keys(state_dict, prefix, num_experts):
+    """Rewrites SequentialMLP keys `{prefix}local_experts.{i}.linear_fcN.{weight|bias}` into
+    TEGroupedMLP's per-expert keys `{prefix}linear_fcN.{weight|bias}{i}` in place (a key already
+    present is never overwritten; ids >= num_experts raise KeyError)."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        m = _SEQUENTIAL.fullmatch(key[len(prefix):])
+        if m is None:
+            continue
+        i, owner, what = int(m.group(1)), m.group(2), m.group(3)
+        if i >= num_experts:
+            raise KeyError(f"'{key}': expert {i} out of range for {num_experts} local experts")
+        target = f"{prefix}{owner}.{what}{i}"
+        if target not in state_dict:
+            state_dict[target] = state_dict.pop(key)
+    return state_dict
+
+
+def grouped_to_sequential_keys(state_dict, prefix, num_experts):
+    """The inverse spelling: `{prefix}linear_fcN.{weight|bias}` (grouped, split first) or
+    `{prefix}linear_fcN.{weight|bias}{i}` -> `{prefix}local_experts.{i}.linear_fcN.{weight|bias}`."""
+    normalize_expert_keys(state_dict, prefix, num_experts, per_expert=True, params=_OWNERS)
+    for owner in _OWNERS:
+        for what in ("weight", "bias"):
+            for i in range(num_experts):
+                key = f"{prefix}{owner}.{what}{i}"
+                if key in state_dict:
+                    state_dict[f"{prefix}local_experts.{i}.{owner}.{what}"] = state_dict.pop(key)
+    return state_dict
+
+
+def normalize_optimizer_state(state, prefix, num_experts, per_expert):
+    """Optimizer state keyed by parameter name (e.g. {name: {"exp_avg": t, "exp_avg_sq": t, "step": s}},
+    as Megatron's per-expert `linear_fc1.weight{i}` entries, or SequentialMLP's names) converted to
+    the module's layout in place, like load_state_dict does for the parameters: each tensor field of
+    the same shape as the parameter is stacked / split per expert; other fields (step, scalars) must
+    agree between the experts and are kept once (or copied to each expert)."""
+    sequential_to_grouped_keys(state, prefix, num_experts)
+    for owner in _OWNERS:
+        for what in ("weight", "bias"):
+            grouped = f"{prefix}{owner}.{what}"
+            parts = [f"{grouped}{i}" for i in range(num_experts)]
+            present = [k for k in parts if k in state]
+            if not per_expert and present and grouped not in state:
+                missing = [k for k in parts if k not in state]
+                if missing:
+                    raise KeyError(f"cannot fold per-expert optimizer state into '{grouped}': missing {missing}")
+                entries = [state.pop(k) for k in parts]
+                state[grouped] = {f: _fold_field(grouped, f, [e[f] for e in entries]) for f in entries[0]}
+            elif per_expert and not present and grouped in state:
+                entry = state.pop(grouped)
+                for i, k in enumerate(parts):
+                    state[k] = {f: (v[i].clone() if _is_expert_tensor(v, num_experts) else v) for f, v in entry.items()}
+    return state
+
+
+def _is_expert_tensor(v, num_experts):
+    return isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == num_experts
+
+
+def _fold_field(name, field, values):
+    if isinstance(values[0], torch.Tensor) and values[0].dim() >= 1:
+        return torch.stack(values)
+    first = values[0]
+    for v in values[1:]:
+        same = torch.equal(v, first) if isinstance(v, torch.Tensor) else v == first
+        if not same:
+            raise ValueError(f"cannot fold optimizer state '{name}': field '{field}' differs between experts")
+    return first

@@ -1,0 +1,325 @@
+"""Hugging Face transformers (5.x) experts implementation "moe_engine".
+
+    import moe_engine.integrations.transformers          # registers "moe_engine" on import
+    model = AutoModelForCausalLM.from_pretrained(..., dtype=torch.bfloat16, experts_implementation="moe_engine")
+    model.set_experts_implementation("moe_engine")       # or switch an existing model
+
+How transformers dispatches (read in transformers 5.17, src/transformers/integrations/moe.py): the
+experts classes of the MoE models are decorated with `@use_experts_implementation(is_concatenated=,
+is_transposed=, has_bias=, has_gate=)`, which stores those four flags as attributes of every
+instance and makes `forward` look up `config._experts_implementation` in
+`ALL_EXPERTS_FUNCTIONS` (an `ExpertsInterface`, a `GeneralInterface`), calling
+`fn(experts_module, hidden_states, top_k_index, top_k_weights)`. `ExpertsInterface.register(name,
+fn)` adds to the class-wide mapping that every instance reads; the model-level check
+(`PreTrainedModel.get_correct_experts_implementation`) accepts any name in
+`ALL_EXPERTS_FUNCTIONS.keys()`, so a registered name is valid for `from_pretrained` and
+`set_experts_implementation`.
+
+What the function reads from the experts module (the attributes the 5.17 experts classes define):
+  - `gate_up_proj` [E, 2F, H] (gated, `has_gate`) or `up_proj` [E, F, H] (not gated, NemotronH);
+    `down_proj` [E, H, F]; `gate_up_proj_bias` / `up_proj_bias` [E, 2F] and `down_proj_bias` [E, H]
+    when `has_bias`. Transposed modules (`is_transposed`, GPT-OSS: gate_up_proj [E, H, 2F],
+    down_proj [E, F, H]) are refused: the GEMMs cannot read that orientation in place yet and the
+    weights are never copied.
+  - the GLU layout from `is_concatenated`: True -> gate rows then up rows (glu_interleave 0), False
+    -> alternating rows (glu_interleave 1, GPT-OSS).
+  - the activation from the class's `_apply_gate`: the default gate of moe.py
+    (`act_fn(gate) * up` on the two halves) with `act_fn` SiLU -> swiglu, tanh-approximated GELU ->
+    geglu; GPT-OSS's own `_apply_gate` (clamp, `alpha`, `limit`, `up + 1`) -> clamped-swiglu with
+    the module's `alpha` and `limit` and offset 1. Not gated: `act_fn` ReLUSquared -> squared-relu.
+    Any other gate or activation is refused with the attribute named.
+
+Call contract: hidden_states [T, H] (cast to bf16 when it is not), top_k_index [T, k] int64,
+top_k_weights [T, k] any float dtype -> [T, H] in hidden_states' dtype. Expert ids outside [0, E)
+are expert-parallel sentinels: they become -1 (an empty slot) and contribute nothing, and their
+weight gets a zero gradient. Differentiable in hidden_states, top_k_weights and the four expert
+parameters; weight gradients are returned to autograd in the parameters' dtype (bf16).
+
+Layers: one moe_engine layer object (configuration and workspaces, no parameters) per experts
+module, made on its first call, sized for `max_tokens` tokens. A call with more tokens makes a
+larger one (the next power of two, at least 256): that allocates workspaces, so it must not happen
+during CUDA graph capture -- call `reserve(experts_module, max_tokens, topk)` before capturing. A
+forward still waiting for its backward keeps the layer object it ran on alive."""
+import weakref
+
+import torch
+
+_ops = torch.ops.moe_engine
+
+NAME = "moe_engine"
+_MIN_TOKENS = 256
+
+
+# ---------------------------------------------------------------------------------------------
+# What the experts module is: weights, layout, activation
+
+
+class _Spec:
+    """The static description of one experts module, derived from its attributes."""
+
+    __slots__ = ("w1_name", "b1_name", "w1", "b1", "w2", "b2", "hidden", "ffn", "experts", "activation",
+                 "interleave", "alpha", "limit", "offset")
+
+    def key(self, topk):
+        return (self.hidden, self.ffn, self.experts, topk, self.activation, self.interleave, self.alpha,
+                self.limit, self.offset, self.b1 is not None)
+
+
+def _module_flag(mod, name, default):
+    # Set on every instance by @use_experts_implementation (transformers 5.x integrations/moe.py).
+    return bool(getattr(mod, name, default))
+
+
+def _class_name(mod):
+    return type(mod).__name__
+
+
+def _gate_function(mod):
+    """The `_apply_gate` the class resolves (a plain function), or None."""
+    for klass in type(mod).__mro__:
+        if "_apply_gate" in vars(klass):
+            return vars(klass)["_apply_gate"]
+    return None
+
+
+def _gpt_oss_gate():
+    try:
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    except ImportError:  # a transformers without GPT-OSS
+        return None
+    return vars(GptOssExperts).get("_apply_gate")
+
+
+def _default_gate():
+    from transformers.integrations import moe as hf_moe
+    return getattr(hf_moe, "_default_apply_gate", None)
+
+
+def _act_kind(act):
+    """swiglu / geglu / squared-relu for the activation modules transformers' ACT2FN makes."""
+    from transformers import activations as A
+    if isinstance(act, (torch.nn.SiLU, getattr(A, "SiLUActivation", torch.nn.SiLU))):
+        return "silu"
+    tanh_gelus = tuple(getattr(A, n) for n in ("GELUTanh", "NewGELUActivation", "FastGELUActivation") if hasattr(A, n))
+    if tanh_gelus and isinstance(act, tanh_gelus):
+        return "gelu_tanh"
+    if isinstance(act, torch.nn.GELU) and getattr(act, "approximate", "none") == "tanh":
+        return "gelu_tanh"
+    if hasattr(A, "ReLUSquaredActivation") and isinstance(act, A.ReLUSquaredActivation):
+        return "relu2"
+    return None
+
+
+def _activation(mod, spec, has_gate):
+    cls = _class_name(mod)
+    spec.alpha, spec.limit, spec.offset = 1.702, 7.0, 1.0  # the op's defaults; used by clamped-swiglu only
+    if not has_gate:
+        kind = _act_kind(getattr(mod, "act_fn", None))
+        if kind != "relu2":
+            raise NotImplementedError(
+                f"moe_engine: {cls}.act_fn is {type(getattr(mod, 'act_fn', None)).__name__}; experts without a gate "
+                "(has_gate=False) are supported with ReLU squared ('relu2', squared-relu) only")
+        spec.activation = "squared-relu"
+        return
+    gate = _gate_function(mod)
+    if gate is not None and gate is _gpt_oss_gate():
+        # GPT-OSS: gate.clamp(max=limit), up.clamp(-limit, limit), (up + 1) * gate * sigmoid(alpha * gate).
+        spec.activation = "clamped-swiglu"
+        spec.alpha, spec.limit, spec.offset = float(mod.alpha), float(mod.limit), 1.0
+        return
+    if gate is not None and gate is not _default_gate():
+        raise NotImplementedError(
+            f"moe_engine: {cls}._apply_gate is a custom gate ({gate.__qualname__}) that moe_engine does not "
+            "implement; supported: the default act_fn(gate) * up with SiLU or tanh GELU, and GPT-OSS's clamped SwiGLU")
+    kind = _act_kind(getattr(mod, "act_fn", None))
+    if kind == "silu":
+        spec.activation = "swiglu"
+    elif kind == "gelu_tanh":
+        spec.activation = "geglu"
+    else:
+        raise NotImplementedError(
+            f"moe_engine: {cls}.act_fn is {type(getattr(mod, 'act_fn', None)).__name__}; gated experts are supported "
+            "with SiLU (swiglu) or the tanh-approximated GELU (geglu: gelu_pytorch_tanh, gelu_new, gelu_fast)")
+
+
+def _check_weight(mod, name, t, shape):
+    cls = _class_name(mod)
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"moe_engine: {cls}.{name} is missing")
+    if t.dtype != torch.bfloat16:
+        raise ValueError(f"moe_engine: {cls}.{name} is {t.dtype}; moe_engine reads bf16 expert weights in place "
+                         "(load the model with dtype=torch.bfloat16); it does not copy or convert them")
+    if not t.is_cuda:
+        raise ValueError(f"moe_engine: {cls}.{name} is on {t.device}; moe_engine runs on CUDA devices")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"moe_engine: {cls}.{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"moe_engine: {cls}.{name} is not contiguous (strides {t.stride()}); moe_engine reads "
+                         "row-major expert weights in place and does not copy them")
+
+
+def describe(mod):
+    """The _Spec of an experts module (validated), or NotImplementedError / ValueError naming the
+    attribute that moe_engine cannot use."""
+    cls = _class_name(mod)
+    if _module_flag(mod, "is_transposed", False):
+        raise NotImplementedError(
+            f"moe_engine: {cls}.is_transposed is True ({cls}.gate_up_proj is [E, H, 2F], down_proj [E, F, H]); "
+            "moe_engine reads expert weights in the [E, out, in] orientation only (gate_up_proj [E, 2F, H], "
+            "down_proj [E, H, F]) and never copies them; transposed weights are not supported yet")
+    has_gate = _module_flag(mod, "has_gate", True)
+    has_bias = _module_flag(mod, "has_bias", False)
+    spec = _Spec()
+    spec.w1_name = "gate_up_proj" if has_gate else "up_proj"
+    spec.b1_name = spec.w1_name + "_bias"
+    w1, w2 = getattr(mod, spec.w1_name, None), getattr(mod, "down_proj", None)
+    if not isinstance(w1, torch.Tensor) or w1.dim() != 3:
+        raise ValueError(f"moe_engine: {cls}.{spec.w1_name} should be an [E, out, in] expert weight tensor")
+    if not isinstance(w2, torch.Tensor) or w2.dim() != 3:
+        raise ValueError(f"moe_engine: {cls}.down_proj should be an [E, H, F] expert weight tensor")
+    E, fc1_out, H = w1.shape
+    F = w2.shape[2]
+    if has_gate and fc1_out != 2 * F:
+        raise ValueError(f"moe_engine: {cls}.gate_up_proj has {fc1_out} rows, expected 2 * F = {2 * F} "
+                         f"(F from down_proj {tuple(w2.shape)})")
+    _check_weight(mod, spec.w1_name, w1, (E, fc1_out, H))
+    _check_weight(mod, "down_proj", w2, (E, H, F))
+    spec.w1, spec.w2 = w1, w2
+    spec.b1 = spec.b2 = None
+    if has_bias:
+        spec.b1, spec.b2 = getattr(mod, spec.b1_name, None), getattr(mod, "down_proj_bias", None)
+        _check_weight(mod, spec.b1_name, spec.b1, (E, fc1_out))
+        _check_weight(mod, "down_proj_bias", spec.b2, (E, H))
+    spec.hidden, spec.ffn, spec.experts = H, F, E
+    spec.interleave = 0 if (not has_gate or _module_flag(mod, "is_concatenated", True)) else 1
+    _activation(mod, spec, has_gate)
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------
+# One moe_engine layer object per experts module
+
+
+class _Layer:
+    """A moe::GroupedMlp op object (configuration and workspaces; the weights come with each call).
+    Destroyed when the last reference goes: the experts module's cache entry and the autograd
+    contexts of forwards still waiting for their backward."""
+
+    def __init__(self, key, max_tokens, device):
+        H, F, E, k, activation, interleave, alpha, limit, offset, bias = key
+        self.key, self.max_tokens, self.topk = key, max_tokens, k
+        with torch.cuda.device(device):
+            self.handle = _ops.mlp_create(H, F, E, k, max_tokens, activation, interleave, alpha, limit, offset, bias,
+                                          False, 0, False, -1, False, False, False, False, False, False)
+        self.state_bytes = _ops.mlp_state_bytes(self.handle)
+
+    def __del__(self):
+        handle = getattr(self, "handle", None)
+        if handle is not None:
+            _ops.mlp_destroy(handle)
+
+
+_layers = weakref.WeakKeyDictionary()  # experts module -> _Layer
+
+
+def _round_up_tokens(n):
+    return max(_MIN_TOKENS, 1 << max(0, int(n - 1).bit_length()))
+
+
+def _layer_for(mod, spec, tokens, topk, device):
+    key = spec.key(topk)
+    layer = _layers.get(mod)
+    if layer is not None and layer.key == key and tokens <= layer.max_tokens:
+        return layer
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"moe_engine: {_class_name(mod)} needs a layer for {tokens} tokens during CUDA graph capture, which "
+            "would allocate workspaces; call moe_engine.integrations.transformers.reserve(experts_module, "
+            "max_tokens, topk) before capturing")
+    bound = _round_up_tokens(max(tokens, layer.max_tokens if layer is not None and layer.key == key else 0))
+    layer = _Layer(key, bound, device)
+    _layers[mod] = layer
+    return layer
+
+
+def reserve(experts_module, max_tokens, topk):
+    """Makes the experts module's layer for up to `max_tokens` tokens of `topk` experts now (before a
+    CUDA graph capture, or to avoid growing step by step). Returns the token bound."""
+    spec = describe(experts_module)
+    return _layer_for(experts_module, spec, max_tokens, topk, spec.w1.device).max_tokens
+
+
+def layer_tokens(experts_module):
+    """The token bound of the experts module's current layer (0 when it has none yet)."""
+    layer = _layers.get(experts_module)
+    return 0 if layer is None else layer.max_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# The differentiable call
+
+
+class _ExpertsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layer, x, routing, probs, w1, w2, b1, b2):
+        biases = ([b1], [b2]) if b1 is not None else ([], [])
+        y, state, header = _ops.mlp_forward(layer.handle, x, routing, probs, [w1], biases[0], [w2], biases[1],
+                                            layer.state_bytes)
+        ctx.layer = layer  # keeps the op object alive until this backward, even if the module grew a new one
+        ctx.shapes = (w1.shape, w2.shape, None if b1 is None else b1.shape, None if b2 is None else b2.shape)
+        ctx.save_for_backward(x, state, header)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, state, header = ctx.saved_tensors
+        layer = ctx.layer
+
+        def buffer(shape):
+            return [] if shape is None else [torch.empty(shape, dtype=torch.bfloat16, device=dy.device)]
+
+        gw1, gw2, gb1, gb2 = (buffer(s) for s in ctx.shapes)
+        dx, dprobs = _ops.mlp_backward(layer.handle, state, header, x, dy.contiguous(), layer.topk, gw1, gb1, gw2,
+                                       gb2)
+        need = ctx.needs_input_grad
+
+        def grad(lst, i):
+            return lst[0] if lst and need[i] else None
+
+        return (None, dx if need[1] else None, None, dprobs if need[3] else None, grad(gw1, 4), grad(gw2, 5),
+                grad(gb1, 6), grad(gb2, 7))
+
+
+def moe_engine_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The "moe_engine" entry of transformers' ALL_EXPERTS_FUNCTIONS (see the module docstring)."""
+    spec = describe(self)
+    cls = _class_name(self)
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != spec.hidden:
+        raise ValueError(f"moe_engine: {cls}: hidden_states should be [T, {spec.hidden}], got {tuple(hidden_states.shape)}")
+    T = hidden_states.shape[0]
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != T:
+        raise ValueError(f"moe_engine: {cls}: top_k_index should be [T={T}, k], got {tuple(top_k_index.shape)}")
+    k = top_k_index.shape[1]
+    if tuple(top_k_weights.shape) != (T, k):
+        raise ValueError(f"moe_engine: {cls}: top_k_weights should be [T, k] = [{T}, {k}] like top_k_index, "
+                         f"got {tuple(top_k_weights.shape)}")
+    if not top_k_weights.is_floating_point():
+        raise ValueError(f"moe_engine: {cls}: top_k_weights should be floating point, got {top_k_weights.dtype}")
+    E = spec.experts
+    # Expert-parallel sentinels (ids >= E, or anything outside [0, E)) become empty slots.
+    routing = torch.where((top_k_index >= 0) & (top_k_index < E), top_k_index, -1).to(torch.int32).contiguous()
+    probs = top_k_weights.float().contiguous()
+    x = hidden_states.to(torch.bfloat16).contiguous()
+    layer = _layer_for(self, spec, T, k, spec.w1.device)
+    y = _ExpertsFunction.apply(layer, x, routing, probs, spec.w1, spec.w2, spec.b1, spec.b2)
+    return y.to(hidden_states.dtype)
+
+
+def register():
+    """Adds "moe_engine" to transformers' experts implementations (ALL_EXPERTS_FUNCTIONS). Idempotent;
+    called when this module is imported."""
+    from transformers.integrations.moe import ExpertsInterface
+    ExpertsInterface.register(NAME, moe_engine_experts_forward)
+
+
+register()
