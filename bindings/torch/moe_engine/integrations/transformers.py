@@ -267,20 +267,20 @@ class _ExpertsFunction(torch.autograd.Function):
                                             layer.state_bytes)
         ctx.layer = layer  # keeps the op object alive until this backward, even if the module grew a new one
         ctx.shapes = (w1.shape, w2.shape, None if b1 is None else b1.shape, None if b2 is None else b2.shape)
-        ctx.save_for_backward(x, state, header)
+        ctx.save_for_backward(state, header)  # x is read again only in recompute mode, which is off here
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, state, header = ctx.saved_tensors
+        state, header = ctx.saved_tensors
         layer = ctx.layer
 
         def buffer(shape):
             return [] if shape is None else [torch.empty(shape, dtype=torch.bfloat16, device=dy.device)]
 
         gw1, gw2, gb1, gb2 = (buffer(s) for s in ctx.shapes)
-        dx, dprobs = _ops.mlp_backward(layer.handle, state, header, x, dy.contiguous(), layer.topk, gw1, gb1, gw2,
-                                       gb2)
+        dx, dprobs = _ops.mlp_backward(layer.handle, state, header, None, dy.contiguous(), layer.topk, gw1, gb1,
+                                       gw2, gb2)
         need = ctx.needs_input_grad
 
         def grad(lst, i):
