@@ -1,6 +1,8 @@
 """Side by side in one process: the plain PyTorch MoE expert pipeline (stable argsort permute,
-torch._grouped_mm, SwiGLU x prob, index_add_ combine) and moe_engine.GroupedMLP, forward+backward,
-eager and CUDA-graph captured, on the named shapes of docs/shapes.md.
+torch._grouped_mm, SwiGLU x prob, index_add_ combine), moe_engine.GroupedMLP and -- whenever
+`sonicmoe` imports -- SonicMoE (timed by its own method, sonicmoe_side.py), on the same tokens and
+routing (SonicMoE's router's when it is there): forward and forward+backward, eager and
+CUDA-graph captured, on the named shapes of docs/shapes.md.
 
 usage: python3 bindings/torch/bench/compare_with_pytorch.py [SHAPE ...] [--png chart.png]      (no names: all shapes)"""
 import argparse
@@ -10,6 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from moe_engine import GroupedMLP
+
+try:
+    from sonicmoe_side import AVAILABLE as SONIC, SonicSide
+except ImportError:  # run from another directory
+    from bench.sonicmoe_side import AVAILABLE as SONIC, SonicSide
 
 SHAPES = {  # name: (T, H, F, E, k)
     "sonic-7b-fine": (24576, 1536, 256, 128, 8), "sonic-7b-coarse": (24576, 1536, 1024, 32, 2),
@@ -70,6 +77,9 @@ def measure(name):
     probs, idx = torch.topk(torch.softmax(torch.randn(T, E, device="cuda", generator=gen), -1), k)
     idx, probs = idx.to(torch.int32), probs.float()
     dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    sonic = SonicSide(T, H, Fd, E, k, x, dy) if SONIC else None
+    if sonic is not None:  # the same routing for every side
+        idx, probs = sonic.routing()
     mod = GroupedMLP(H, Fd, E, k, max_tokens=T)
     w1 = mod.fc1.weight.detach().clone().requires_grad_()
     w2 = mod.fc2.weight.detach().clone().requires_grad_()
@@ -81,6 +91,22 @@ def measure(name):
 
     def ours_step():
         mod(x, idx, probs).backward(dy)
+
+    def ours_forward():
+        with torch.no_grad():
+            mod(x, idx, probs)
+
+    res["ours_fwd_eager_ms"] = median_ms(ours_forward)
+    try:
+        res["ours_fwd_graph_ms"] = median_ms(graphed(ours_forward))
+    except Exception as ex:  # report, don't hide
+        res["ours_fwd_graph_ms"] = None
+        res["ours_fwd_graph_error"] = str(ex)[:160]
+    if sonic is not None:
+        res.update(sonic.measure())
+        x.grad = None
+        best_fwd = min(v for v in (res["ours_fwd_eager_ms"], res["ours_fwd_graph_ms"]) if v)
+        res["fwd_vs_sonic"] = res["sonic_fwd_ms"] / best_fwd
 
     for label, step in (("torch", torch_step), ("ours", ours_step)):
         torch.cuda.synchronize()
@@ -106,6 +132,8 @@ def measure(name):
             res[f"{label}_{mode}_tflops"] = flops / (ms * 1e-3) / 1e12 if ms else None
     best = lambda l: min(v for v in (res[f"{l}_eager_ms"], res.get(f"{l}_graph_ms")) if v)
     res["speedup"] = best("torch") / best("ours")
+    if sonic is not None:
+        res["fwd_bwd_vs_sonic"] = res["sonic_fwd_bwd_ms"] / best("ours")
     del mod
     torch.cuda.empty_cache()
     return res
@@ -118,7 +146,8 @@ def main():
     args = ap.parse_args()
     names = args.shapes or list(SHAPES)
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}: forward+backward, bf16, swiglu x prob")
-    print(f"{'shape':<18} {'torch ms':>9} {'TF/s':>6} {'GiB':>6} | {'ours ms':>9} {'TF/s':>6} {'GiB':>6} | {'ratio':>5}")
+    print(f"{'shape':<18} {'torch ms':>9} {'TF/s':>6} {'GiB':>6} | {'ours ms':>9} {'TF/s':>6} {'GiB':>6} | {'ratio':>5}"
+          + (" | sonic fwd / fwd+bwd ms, GiB, ours fwd / fwd+bwd speed-up" if SONIC else ""))
     rows = []
     for n in names:
         r = measure(n)
@@ -128,7 +157,9 @@ def main():
         o = r["ours_graph_ms"] or r["ours_eager_ms"]
         print(f"{n:<18} {t:9.3f} {r['torch_graph_tflops'] or r['torch_eager_tflops']:6.0f} {r['torch_extra_gib']:6.2f} | "
               f"{o:9.3f} {r['ours_graph_tflops'] or r['ours_eager_tflops']:6.0f} {r['ours_extra_gib']:6.2f} | "
-              f"{r['speedup']:5.2f}", flush=True)
+              f"{r['speedup']:5.2f}"
+              + (f" | {r['sonic_fwd_ms']:.3f} / {r['sonic_fwd_bwd_ms']:.3f}, {r['sonic_extra_gib']:.2f}, "
+                 f"{r['fwd_vs_sonic']:.2f}x / {r['fwd_bwd_vs_sonic']:.2f}x" if SONIC else ""), flush=True)
     if args.png:
         import matplotlib
         matplotlib.use("Agg")

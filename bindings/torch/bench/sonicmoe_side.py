@@ -1,0 +1,68 @@
+"""SonicMoE (Dao-AILab/sonic-moe) timed beside moe-engine in the same process, on the same tokens and
+the same routing, with SonicMoE's own benchmark method: its layer under torch.compile, timed by
+triton's do_bench (warm-up 5, 500 ms), forward and forward+backward, plus the peak extra memory of
+one forward+backward. Its layer computes the routing itself (softmax over x @ router^T, top-k);
+routing() returns that routing so moe-engine can be timed on exactly the same experts and probs.
+
+Available only where `sonicmoe` imports (see the repository's benchmark notes on staging it)."""
+import torch
+
+try:
+    import torch._functorch.config as _fconfig
+    from sonicmoe import MoE
+    from sonicmoe.enums import ActivationType
+    from sonicmoe.functional import moe_TC_softmax_topk_layer
+    from triton.testing import do_bench
+    AVAILABLE = True
+except Exception:  # not staged: the comparison runs without the SonicMoE column
+    AVAILABLE = False
+
+
+class SonicSide:
+    def __init__(self, T, H, F, E, k, x, dy):
+        # torch 2.11: a compiled backward with retain_graph=True (their method) needs donated buffers off.
+        _fconfig.donated_buffer = False
+        torch._dynamo.reset()
+        self.act = ActivationType.SWIGLU
+        self.moe = MoE(num_experts=E, num_experts_per_tok=k, hidden_size=H, intermediate_size=F,
+                       activation_function=self.act, add_bias=False, std=0.02).to(dtype=torch.bfloat16).cuda()
+        self.x, self.dy, self.k = x, dy, k
+
+    def routing(self):
+        """(indices int32 [T, k], probs fp32 [T, k]) as SonicMoE's softmax-top-k router computes them."""
+        with torch.no_grad():
+            logits = (self.x.float() @ self.moe.router.weight.float().t())
+            probs, idx = torch.topk(torch.softmax(logits, -1), self.k, dim=-1)
+        return idx.to(torch.int32), probs.float()
+
+    def _layer(self):
+        m = self.moe
+        return moe_TC_softmax_topk_layer(self.x, m.router.weight, m.c_fc.weight.permute(1, 2, 0), None,
+                                         m.c_proj.weight.permute(1, 2, 0), None, m.top_k, m.stream_id, self.act,
+                                         False)[0]
+
+    def measure(self):
+        m, x = self.moe, self.x
+
+        @torch.compile
+        def fwd():
+            return self._layer()
+
+        @torch.compile
+        def fwd_bwd():
+            o = self._layer()
+            o.backward(self.dy, retain_graph=True)
+            x.grad = m.c_fc.weight.grad = m.c_proj.weight.grad = m.router.weight.grad = None
+
+        out = self._layer()
+        assert torch.isfinite(out).all() and out.abs().mean() > 0
+        grads = [x, m.c_fc.weight, m.c_proj.weight, m.router.weight]
+        t_f = do_bench(fwd, warmup=5, rep=500)
+        t_fb = do_bench(fwd_bwd, warmup=5, rep=500, grad_to_none=grads)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fwd_bwd()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        return {"sonic_fwd_ms": t_f, "sonic_fwd_bwd_ms": t_fb, "sonic_extra_gib": peak}
