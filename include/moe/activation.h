@@ -29,8 +29,8 @@ const char* activation_name(Activation a);
 Activation activation_from_name(const std::string& name);  // throws moe::Error on unknown names
 // Columns fc1 produces: 2F for gated activations, F otherwise.
 int64_t fc1_out_features(Activation a, int64_t ffn);
-// Throws moe::Error if the interleave size does not suit F (a multiple of 8 that divides F) or the
-// activation is not gated.
+// Throws moe::Error if the interleave size does not suit F (1, or a multiple of 8 that divides F)
+// or the activation is not gated.
 void validate_activation(const ActivationParams& p, int64_t ffn);
 
 // Physical fc1 column of logical gate column j / linear column j (0 <= j < F). gate_column takes

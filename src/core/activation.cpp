@@ -39,8 +39,10 @@ void validate_activation(const ActivationParams& p, int64_t ffn) {
   if (s == 0) return;
   MOE_CHECK(is_gated(p.kind), "argument 'glu_interleave': interleave needs a gated activation, got ",
             activation_name(p.kind));
-  MOE_CHECK(s % 8 == 0 && ffn % s == 0, "argument 'glu_interleave': expected a multiple of 8 that divides F=",
-            ffn, ", got ", s);
+  // 1: gate and linear alternate column by column; otherwise blocks of s columns, s a multiple of 8
+  // (whole 16-byte vectors of one half) that divides F.
+  MOE_CHECK(s == 1 || (s % 8 == 0 && ffn % s == 0), "argument 'glu_interleave': expected 1 or a multiple of 8 ",
+            "that divides F=", ffn, ", got ", s);
 }
 
 }  // namespace moe

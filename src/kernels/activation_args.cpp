@@ -23,7 +23,8 @@ ActivationDims check_activation_args(const ActivationParams& params, const Tenso
   check_contiguous(cols, cols_name);
   d.R = cols.shape[0];
   d.F = cols.shape[1];
-  // 16-byte vectors of 8 bf16 never straddle a row (nor, with s % 8 == 0, an interleave block).
+  // 16-byte vectors of 8 bf16 never straddle a row (nor, with s % 8 == 0, an interleave block; with
+  // s = 1 a vector pair holds 8 gate and 8 linear columns).
   MOE_CHECK(d.F > 0 && d.F % 8 == 0, "argument '", cols_name, "': expected F (columns) a positive multiple of 8, got ",
             d.F);
   // Column math on the device is 32-bit (fast); rows are one warp each (grid.x < 2^31 blocks).

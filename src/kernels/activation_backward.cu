@@ -45,8 +45,13 @@ __global__ void __launch_bounds__(kActThreads) activation_backward_kernel(const 
     float g[kVec], l[kVec], go[kVec], dg[kVec], dl[kVec];
     const int cg = kGated ? gate_col(j, F, a.interleave) : j;
     const int cl = kGated ? linear_col(j, F, a.interleave) : 0;
-    load_bf16x8(hr + cg, g);
-    if (kGated) load_bf16x8(hr + cl, l);
+    const bool alternating = kGated && a.interleave == 1;
+    if (alternating) {
+      load_glu_alternating(hr, j, g, l);
+    } else {
+      load_bf16x8(hr + cg, g);
+      if (kGated) load_bf16x8(hr + cl, l);
+    }
     load_bf16x8(dor + j, go);
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
@@ -57,8 +62,12 @@ __global__ void __launch_bounds__(kActThreads) activation_backward_kernel(const 
       dg[i] = gp * dgi;
       dl[i] = gp * dli;
     }
-    store_bf16x8(dhr + cg, dg);
-    if (kGated) store_bf16x8(dhr + cl, dl);
+    if (alternating) {
+      store_glu_alternating(dhr, j, dg, dl);
+    } else {
+      store_bf16x8(dhr + cg, dg);
+      if (kGated) store_bf16x8(dhr + cl, dl);
+    }
   }
   if (a.dprobs != nullptr) {
 #pragma unroll

@@ -50,8 +50,12 @@ __global__ void __launch_bounds__(kActThreads) activation_forward_kernel(const F
     for (int r = 0; r < kRowsPerWarp; ++r) {
       if (r >= rows) break;
       const __nv_bfloat16* __restrict__ hr = a.h + (first + r) * in_cols;
-      load_bf16x8(hr + cg, g[r]);
-      if (kGated) load_bf16x8(hr + cl, l[r]);
+      if (kGated && a.interleave == 1) {
+        load_glu_alternating(hr, j, g[r], l[r]);
+      } else {
+        load_bf16x8(hr + cg, g[r]);
+        if (kGated) load_bf16x8(hr + cl, l[r]);
+      }
     }
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {

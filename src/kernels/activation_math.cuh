@@ -102,6 +102,37 @@ __device__ __forceinline__ int linear_col(int j, int F, int s) {
   return s == 0 ? F + j : (j / s) * 2 * s + s + (j % s);
 }
 
+// Interleave 1 (gate and linear alternate column by column, the GPT-OSS / SonicMoE layout): the 8
+// logical columns [j, j + 8) are the 16 contiguous physical columns [2j, 2j + 16), gate at even and
+// linear at odd positions -- two 16-byte loads split in registers (j is a multiple of 8, so both
+// vectors are 16-byte aligned).
+__device__ __forceinline__ void load_glu_alternating(const __nv_bfloat16* row, int j, float (&g)[kVec],
+                                                     float (&l)[kVec]) {
+  float lo[kVec], hi[kVec];
+  load_bf16x8(row + 2 * j, lo);
+  load_bf16x8(row + 2 * j + kVec, hi);
+#pragma unroll
+  for (int i = 0; i < kVec / 2; ++i) {
+    g[i] = lo[2 * i];
+    l[i] = lo[2 * i + 1];
+    g[i + kVec / 2] = hi[2 * i];
+    l[i + kVec / 2] = hi[2 * i + 1];
+  }
+}
+__device__ __forceinline__ void store_glu_alternating(__nv_bfloat16* row, int j, const float (&g)[kVec],
+                                                      const float (&l)[kVec]) {
+  float lo[kVec], hi[kVec];
+#pragma unroll
+  for (int i = 0; i < kVec / 2; ++i) {
+    lo[2 * i] = g[i];
+    lo[2 * i + 1] = l[i];
+    hi[2 * i] = g[i + kVec / 2];
+    hi[2 * i + 1] = l[i + kVec / 2];
+  }
+  store_bf16x8(row + 2 * j, lo);
+  store_bf16x8(row + 2 * j + kVec, hi);
+}
+
 // Rows to process: all R, or the clamped end of the last group read on the device (graph-safe).
 __device__ __forceinline__ int64_t valid_rows(const int32_t* group_offsets, int groups, int64_t R) {
   return group_offsets == nullptr ? R : clamped_offset(group_offsets, groups, R);

@@ -178,7 +178,7 @@ TEST(ActivationRef, NullProbsMeansOne) {
 TEST(ActivationRef, InterleaveIsOnlyALayout) {
   const int64_t rows = 5, F = 64;
   for (Activation kind : {Activation::kSwiGLU, Activation::kGeGLU, Activation::kClampedSwiGLU}) {
-    for (int s : {8, 16, 32, 64}) {
+    for (int s : {1, 8, 16, 32, 64}) {  // 1: gate and linear alternate column by column (GPT-OSS)
       SCOPED_TRACE(std::string(activation_name(kind)) + " s=" + std::to_string(s));
       ActivationParams plain = make(kind), il = make(kind, s);
       plain.limit = il.limit = 2.0f;
@@ -221,6 +221,8 @@ TEST(ActivationRef, BadArgumentsNameTheArgument) {
   expect_error_naming([&] { activation_backward(sw, h.data(), &p, nullptr, 1, 8, dh.data(), nullptr); }, "'d_out'");
   expect_error_naming([&] { activation_backward(sw, h.data(), &p, out.data(), 1, 8, nullptr, nullptr); }, "'dh'");
   expect_error_naming([&] { activation_forward(make(Activation::kSwiGLU, 12), h.data(), &p, 1, 32, out.data()); },
+                      "'glu_interleave'");
+  expect_error_naming([&] { activation_forward(make(Activation::kSwiGLU, 2), h.data(), &p, 1, 32, out.data()); },
                       "'glu_interleave'");
   expect_error_naming([&] { activation_forward(make(Activation::kSwiGLU, 16), h.data(), &p, 1, 8, out.data()); },
                       "'glu_interleave'");

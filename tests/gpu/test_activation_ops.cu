@@ -51,6 +51,7 @@ std::vector<Variant> variants() {
   return {{"swiglu", make(Activation::kSwiGLU, 0), 3.0},      {"swiglu_il32", make(Activation::kSwiGLU, 32), 3.0},
           {"geglu", make(Activation::kGeGLU, 0), 3.0},        {"geglu_il8", make(Activation::kGeGLU, 8), 3.0},
           {"clamped", clamped, 9.0},                          {"clamped_il8", clamped_il, 9.0},
+          {"swiglu_il1", make(Activation::kSwiGLU, 1), 3.0},  {"clamped_il1", make(Activation::kClampedSwiGLU, 1), 9.0},
           {"squared_relu", make(Activation::kSquaredReLU, 0), 3.0}};
 }
 

@@ -247,6 +247,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Variant{Activation::kGeGLU, false, ProbsPlacement::kAtCombine, 0, 32},
                       Variant{Activation::kClampedSwiGLU, true, ProbsPlacement::kInActivation, 32, 0},
                       Variant{Activation::kClampedSwiGLU, false, ProbsPlacement::kAtCombine, 8, 16},
+                      Variant{Activation::kClampedSwiGLU, true, ProbsPlacement::kInActivation, 1, 0},
+                      Variant{Activation::kSwiGLU, false, ProbsPlacement::kAtCombine, 1, 16},
                       Variant{Activation::kSquaredReLU, true, ProbsPlacement::kInActivation, 0, 0},
                       Variant{Activation::kSquaredReLU, false, ProbsPlacement::kAtCombine, 0, 128}),
     [](const ::testing::TestParamInfo<Variant>& info) {
