@@ -4,6 +4,7 @@
 #include <cmath>
 #include <numeric>
 #include <random>
+#include <utility>
 
 #include "moe/error.h"
 
@@ -82,6 +83,19 @@ Routing topk_to_map(const Routing& topk) {
       r.map[t * r.E + e] = 1;
       r.probs[t * r.E + e] = topk.probs[t * topk.k + s];
     }
+  return r;
+}
+
+Routing topk_routing(int64_t T, int E, int k, std::vector<int32_t> indices, std::vector<double> probs) {
+  Routing r;
+  r.form = RoutingForm::kTopK;
+  r.T = T;
+  r.E = E;
+  r.k = k;
+  r.indices = std::move(indices);
+  if (probs.empty())
+    for (size_t i = 0; i < r.indices.size(); ++i) probs.push_back(0.125 * static_cast<double>(i + 1));
+  r.probs = std::move(probs);
   return r;
 }
 

@@ -32,16 +32,7 @@ using V64 = std::vector<int64_t>;
 using ::moe::testing::expect_error_naming;
 
 Routing topk(int64_t T, int E, int k, std::vector<int32_t> idx, std::vector<double> probs = {}) {
-  Routing r;
-  r.form = RoutingForm::kTopK;
-  r.T = T;
-  r.E = E;
-  r.k = k;
-  r.indices = std::move(idx);
-  if (probs.empty())
-    for (size_t i = 0; i < r.indices.size(); ++i) probs.push_back(0.125 * static_cast<double>(i + 1));
-  r.probs = std::move(probs);
-  return r;
+  return topk_routing(T, E, k, std::move(idx), std::move(probs));
 }
 
 EpConfig ep_config(int P, int E_local, int align = 0, int64_t capacity = -1) {
