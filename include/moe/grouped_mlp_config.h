@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "moe/activation.h"
+#include "moe/dispatcher_config.h"
 #include "moe/dtype.h"
 #include "moe/routing.h"
 
@@ -77,6 +78,7 @@ struct GroupedMlpConfig {
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
   int64_t row_bound() const;  // R resolved from dispatch options
   ExpertsConfig experts_config() const;  // the experts part, max_rows = row_bound()
+  DispatcherConfig dispatcher_config() const;  // the dispatch part, row_bound = row_bound()
   void validate() const;      // throws moe::Error naming the bad field
 };
 

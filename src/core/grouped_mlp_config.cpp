@@ -56,6 +56,19 @@ ExpertsConfig GroupedMlpConfig::experts_config() const {
   return e;
 }
 
+DispatcherConfig GroupedMlpConfig::dispatcher_config() const {
+  DispatcherConfig d;
+  d.max_tokens = max_tokens;
+  d.num_experts = experts;
+  d.topk = topk;
+  d.hidden = hidden;
+  d.form = routing_form;
+  d.options = dispatch;
+  d.options.row_bound = row_bound();
+  d.row_dtype = dtype;
+  return d;
+}
+
 void GroupedMlpConfig::validate() const {
   validate_expert_fields(hidden, ffn, experts, activation, dtype, wgrad_dtype);
   MOE_CHECK(topk > 0 && (routing_form == RoutingForm::kMap || topk <= experts),

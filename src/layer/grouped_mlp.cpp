@@ -25,19 +25,6 @@ namespace moe {
 
 namespace {
 
-DispatcherConfig dispatcher_config(const GroupedMlpConfig& c) {
-  DispatcherConfig d;
-  d.max_tokens = c.max_tokens;
-  d.num_experts = c.experts;
-  d.topk = c.topk;
-  d.hidden = c.hidden;
-  d.form = c.routing_form;
-  d.options = c.dispatch;
-  d.options.row_bound = c.row_bound();
-  d.row_dtype = c.dtype;
-  return d;
-}
-
 TensorView bf16_view(void* p, int64_t rows, int64_t cols) {
   return TensorView(p, DType::kBF16, {rows, cols}, Device::kCUDA);
 }
@@ -73,7 +60,7 @@ struct GroupedMlp::Impl {
   StateHeader recompute_header[GroupedExperts::kStateHeaders];
 
   explicit Impl(const GroupedMlpConfig& c)
-      : cfg((c.validate(), c)), R(c.row_bound()), dispatcher(dispatcher_config(c)), experts(c.experts_config()) {
+      : cfg((c.validate(), c)), R(c.row_bound()), dispatcher(c.dispatcher_config()), experts(c.experts_config()) {
     layout = plan_state();
     plan_workspace(nullptr);
     block = cuda_malloc_allocator().allocate(block_bytes);

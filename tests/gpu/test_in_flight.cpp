@@ -284,19 +284,10 @@ struct ExpertsModel {
   std::vector<DeviceBuffer<float>> dpp;
   Model model;
 
-  static DispatcherConfig dispatcher_config(const GroupedMlpConfig& c) {
-    DispatcherConfig d;
-    d.max_tokens = c.max_tokens;
-    d.num_experts = c.experts;
-    d.topk = c.topk;
-    d.hidden = c.hidden;
-    d.options = c.dispatch;
-    return d;
-  }
   TensorView rows(const DeviceBuffer<uint16_t>& b) const { return TensorView(b.get(), DType::kBF16, {R, H}); }
 
   explicit ExpertsModel(Harness& h)
-      : d(dispatcher_config(h.cfg)), ex(h.cfg.experts_config()), R(d.rows()), H(h.cfg.hidden),
+      : d(h.cfg.dispatcher_config()), ex(h.cfg.experts_config()), R(d.rows()), H(h.cfg.hidden),
         probs_in_act(h.cfg.probs == ProbsPlacement::kInActivation) {
     EXPECT_EQ(R, h.cfg.row_bound());
     ex.set_weights(h.params.weights(h.cfg.bias));

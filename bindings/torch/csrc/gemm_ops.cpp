@@ -35,10 +35,7 @@ DeviceEngines& device_engines() {
   DeviceEngines& d = all[device];
   if (!d.errors) {
     // The error word is allocated and zeroed synchronously, once per device: not inside a capture.
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    const bool capturing =
-        cudaStreamIsCapturing(current_stream(), &status) == cudaSuccess && status != cudaStreamCaptureStatusNone;
-    MOE_CHECK(!capturing, "moe_engine.grouped_mm: the first call on a device must run outside CUDA graph capture ",
+    MOE_CHECK(!capturing(), "moe_engine.grouped_mm: the first call on a device must run outside CUDA graph capture ",
               "(it allocates the device error word); run one eager call before capturing");
     d.errors = std::make_unique<ErrorWord>();
   }

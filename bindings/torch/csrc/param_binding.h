@@ -27,11 +27,6 @@ inline std::vector<const void*> addresses(std::initializer_list<const std::vecto
   return out;
 }
 
-inline bool capturing() {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(current_stream(), &status) == cudaSuccess && status != cudaStreamCaptureStatusNone;
-}
-
 // Binding per-expert tensors uploads a pointer table (a synchronous copy): never inside a capture.
 inline void check_rebind_allowed(const char* what) {
   MOE_CHECK(!capturing(), "moe_engine: the ", what,

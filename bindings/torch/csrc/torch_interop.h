@@ -71,6 +71,12 @@ inline std::vector<TensorView> views(const std::vector<at::Tensor>& ts, const ch
 
 inline cudaStream_t current_stream() { return at::cuda::getCurrentCUDAStream().stream(); }
 
+// Whether the current stream is being captured into a CUDA graph (synchronous work is not allowed).
+inline bool capturing() {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(current_stream(), &status) == cudaSuccess && status != cudaStreamCaptureStatusNone;
+}
+
 // Runs f, turning moe::Error into a Python ValueError (bad argument / input) with its message.
 template <typename F>
 auto translate_errors(F&& f) -> decltype(f()) {
