@@ -28,6 +28,7 @@ struct BenchArgs {
   bool all = false;
   bool json = false;
   bool no_check = false;
+  bool unfused = false;
   double skew = 0.0;
   int align = 0;
   int repeats = 20;
@@ -77,11 +78,12 @@ void run_bench(const BenchArgs& a) {
   o.check = !a.no_check;
   o.repeats = a.repeats;
   o.activation = activation_from_name(a.activation);
+  o.fuse_fc1 = !a.unfused;
 
   const std::string device = bench::device_description();
   if (!a.json) {
-    std::printf("moe-engine bench on %s: bf16, %s, probs in the activation, A=%d, routing skew %.2f\n",
-                device.c_str(), a.activation.c_str(), a.align, a.skew);
+    std::printf("moe-engine bench on %s: bf16, %s, probs in the activation, A=%d, routing skew %.2f, %s fc1\n",
+                device.c_str(), a.activation.c_str(), a.align, a.skew, a.unfused ? "unfused" : "fused");
     std::printf("TFLOP/s: forward 6TkHF, backward 12TkHF, total 18TkHF (padding rows not counted); "
                 "times are medians of %d runs (min-max)\n\n", a.repeats);
     std::printf("%-18s | %-26s | %-26s | %-26s | %-21s | %8s | %s\n", "shape", "graph fwd ms (TFLOP/s)",
@@ -100,7 +102,7 @@ void run_bench(const BenchArgs& a) {
     if (a.json) {
       nlohmann::json j = {
           {"shape", s.name}, {"T", s.T}, {"H", s.H}, {"F", s.F}, {"E", s.E}, {"k", s.k}, {"device", device},
-          {"skew", r.skew}, {"align", a.align}, {"activation", a.activation},
+          {"skew", r.skew}, {"align", a.align}, {"activation", a.activation}, {"fc1", a.unfused ? "unfused" : "fused"},
           {"graph", {{"fwd_ms", r.fwd_graph.median_ms}, {"bwd_ms", g_bwd}, {"total_ms", r.fwd_bwd_graph.median_ms},
                      {"fwd_tflops", tflops(ff, r.fwd_graph.median_ms)}, {"bwd_tflops", tflops(2 * ff, g_bwd)},
                      {"total_tflops", tflops(3 * ff, r.fwd_bwd_graph.median_ms)},
@@ -155,6 +157,8 @@ void setup_bench(CLI::App& app) {
   sub->add_option("--activation", args->activation, "swiglu, geglu, clamped-swiglu or squared-relu");
   sub->add_option("--png", args->png, "Also draw the graph-captured forward / backward / total TFLOP/s of each "
                                      "shape as a bar chart into this PNG file");
+  sub->add_flag("--unfused", args->unfused, "Run fc1, its bias and the activation as separate kernels (the "
+                "reference path) instead of the fused fc1");
   sub->add_flag("--no-check", args->no_check, "Skip the sampled comparison with the CPU reference");
   sub->callback([args] { run_bench(*args); });
 }

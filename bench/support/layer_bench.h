@@ -16,6 +16,7 @@ struct LayerBenchOptions {
   double skew = 0.0;      // routing skew (0 = balanced on average; > 0 Zipf-like popularity)
   int align = 0;          // per-expert row alignment A
   Activation activation = Activation::kSwiGLU;
+  bool fuse_fc1 = true;   // the fused fc1 (gather + GEMM + bias + activation x prob); false: unfused
   bool check = true;      // compare sampled tokens with the CPU reference first
   int sample_tokens = 8;  // tokens checked
   int warmup = 3;

@@ -47,6 +47,9 @@ struct ExpertsConfig {
   DType wgrad_dtype = DType::kBF16;  // kWrite: bf16 or fp32
   bool delay_wgrad = false;
   DType dtype = DType::kBF16;  // activations and weights
+  // fc1, its bias and the activation x prob in one kernel (docs/fused.md), same roundings as the
+  // unfused path (grouped GEMM into h, bias, activation), which stays the reference.
+  bool fuse_fc1 = false;
 
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
   void validate() const;  // throws moe::Error naming the bad field
@@ -74,6 +77,11 @@ struct GroupedMlpConfig {
   // permutes x again and recomputes fc1 and the activation (bitwise the same gradients). The
   // caller keeps x alive and unchanged until backward. Not combinable with delay_wgrad.
   bool recompute = false;
+  // The fused fc1 (see ExpertsConfig::fuse_fc1), which here also gathers the rows of x through the
+  // dispatch map: x_perm is never written by the forward and is not kept in the saved state; the
+  // backward rebuilds it in the workspace from x. The caller keeps x alive and unchanged until
+  // backward (and backward_dw in delayed mode), as in recompute mode.
+  bool fuse_fc1 = false;
 
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
   int64_t row_bound() const;  // R resolved from dispatch options

@@ -53,6 +53,7 @@ ExpertsConfig GroupedMlpConfig::experts_config() const {
   e.wgrad_dtype = wgrad_dtype;
   e.delay_wgrad = delay_wgrad;
   e.dtype = dtype;
+  e.fuse_fc1 = fuse_fc1;
   return e;
 }
 

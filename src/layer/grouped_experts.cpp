@@ -2,7 +2,7 @@
 // activation and bias kernels. This file checks arguments, plans memory and orders the stages;
 // the math lives in the kernels it calls.
 //
-// Forward:  fc1 (+b1) -> act x p -> fc2 (+b2 p)
+// Forward:  fc1 (+b1) -> act x p -> fc2 (+b2 p)     (fc1 to act x p in one kernel with fuse_fc1)
 // Backward: [fc2 wgrad] -> fc2 dgrad -> act bwd (+dp) -> fc1 dgrad -> [fc1 wgrad]
 //           (weight gradients deferred to backward_dw in delayed mode)
 //
@@ -19,6 +19,7 @@
 #include "device/device_arena.h"
 #include "device/pointer_table.h"
 #include "device/state_check.h"
+#include "fused/fc1_activation.h"
 #include "moe/activation_ops.h"
 #include "moe/bias_ops.h"
 #include "moe/error.h"
@@ -98,8 +99,17 @@ struct GroupedExperts::Impl {
   size_t bias_ws_bytes = 0;
   uint8_t* gemm_ws = nullptr;
   size_t gemm_ws_bytes = 0;
+  int sm_count = 0;
 
   explicit Impl(const ExpertsConfig& c) : cfg((c.validate(), c)), R(c.max_rows), gemm(c.experts, c.max_rows) {
+    if (cfg.fuse_fc1) {
+      const char* why = fused::fc1_activation_unsupported(cfg.experts, cfg.hidden, cfg.ffn, cfg.activation);
+      MOE_CHECK(why[0] == '\0', "config 'fuse_fc1': ", why);
+      MOE_CHECK(cfg.dtype == DType::kBF16, "config 'fuse_fc1': the fused fc1 takes bf16 activations and weights");
+      int device = 0;
+      MOE_CUDA_CHECK(cudaGetDevice(&device));
+      MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+    }
     gemm_ws_bytes = gemm.workspace_bytes();
     plan_workspace(nullptr);
     block = cuda_malloc_allocator().allocate(block_bytes);
@@ -191,10 +201,38 @@ struct GroupedExperts::Impl {
   // fc1 (+b1) and the activation into the state's buffers.
   void activations(const TensorView& x_perm, const TensorView& g, const TensorView& pp, const StateBuffers& b,
                    int64_t rows, cudaStream_t s) const {
+    if (cfg.fuse_fc1) return fused_activations(x_perm.data, nullptr, 1, g, pp, b, rows, s);
     const int64_t F = cfg.ffn, F1 = cfg.fc1_out();
     gemm.fprop(x_perm, w1, g, bf16_view(b.h, rows, F1), gemm_workspace(), s);
     if (cfg.bias) bias_add(bf16_view(b.h, rows, F1), b1, TensorView(), g, s);
     activation_forward(cfg.activation, bf16_view(b.h, rows, F1), pp, g, bf16_view(b.act, rows, F), s);
+  }
+
+  // The same in one kernel; A rows from `a` directly (row_slots null) or gathered through row_slots.
+  void fused_activations(const void* a, const int32_t* row_slots, int slots, const TensorView& g, const TensorView& pp,
+                         const StateBuffers& b, int64_t rows, cudaStream_t s) const {
+    fused::Fc1ActivationArgs f;
+    f.a = a;
+    f.row_slots = row_slots;
+    f.slots = slots;
+    f.group_offsets = g.ptr<const int32_t>();
+    f.experts = cfg.experts;
+    f.R = rows;
+    f.H = static_cast<int>(cfg.hidden);
+    f.F = static_cast<int>(cfg.ffn);
+    f.w1_base = w1.base();
+    f.w1_stride_bytes = w1.expert_stride_bytes();
+    f.w1_table = w1.device_table();
+    if (cfg.bias) {
+      f.b1_base = b1.stacked;
+      f.b1_table = b1.table;
+    }
+    f.probs = pp.data != nullptr ? pp.ptr<const float>() : nullptr;
+    f.activation = cfg.activation;
+    f.h = b.h;
+    f.act = b.act;
+    f.sm_count = sm_count;
+    fused::launch_fc1_activation(f, s);
   }
 
   void fill_header(const SavedState& st, const TensorView& x_perm, const TensorView& g, const TensorView& pp,
@@ -224,6 +262,11 @@ struct GroupedExperts::Impl {
                           : TensorView();
     v.b = state_layout(static_cast<char*>(st.device()));
     return v;
+  }
+
+  void check_x_perm(const Saved& v, const char* call) const {
+    MOE_CHECK(v.x_perm.data != nullptr || v.rows == 0, "argument 'state' of ", call, ": it was filled by ",
+              "forward_gathered, which keeps no x_perm; relocate() it to a materialized x_perm first");
   }
 
   void wgrad_fc2(const TensorView& dY, const Saved& v, cudaStream_t s) {
@@ -308,6 +351,40 @@ void GroupedExperts::forward(const TensorView& x_perm, const TensorView& g, cons
   m.fill_header(state, x_perm, g, pp, rows);
 }
 
+void GroupedExperts::forward_gathered(const TensorView& x, const TensorView& row_slots, int slots,
+                                      const TensorView& g, const TensorView& pp, const TensorView& Y,
+                                      const SavedState& state, cudaStream_t s) {
+  Impl& m = *impl_;
+  const auto& c = m.cfg;
+  MOE_CHECK(c.fuse_fc1, "GroupedExperts::forward_gathered: needs config.fuse_fc1 (the fused fc1 gathers the rows)");
+  MOE_CHECK(m.have_weights, "GroupedExperts::forward_gathered: no weights bound (call set_weights first)");
+  MOE_CHECK(x.ndim == 2 && x.shape[1] == c.hidden, "argument 'x': expected shape [T, ", c.hidden, "], got ",
+            x.shape_string());
+  check_device_tensor(x, "x", c.dtype, {x.shape[0], c.hidden});
+  MOE_CHECK(slots >= 1, "argument 'slots': expected >= 1, got ", slots);
+  MOE_CHECK(row_slots.ndim == 1, "argument 'row_slots': expected one dimension, got shape ", row_slots.shape_string());
+  const int64_t rows = row_slots.shape[0];
+  MOE_CHECK(rows <= m.R, "argument 'row_slots': ", rows, " rows exceed config.max_rows = ", m.R);
+  check_device_tensor(row_slots, "row_slots", DType::kInt32, {rows}, 4);
+  check_device_tensor(g, "group_offsets", DType::kInt32, {int64_t(c.experts) + 1}, 4);
+  if (m.probs_in_act())
+    check_device_tensor(pp, "probs_perm", DType::kFP32, {rows}, 4);
+  else
+    MOE_CHECK(pp.data == nullptr, "argument 'probs_perm': the experts do not apply probs ",
+              "(config.probs = at combine); pass an empty view");
+  check_device_tensor(Y, "Y", c.dtype, {rows, c.hidden});
+  check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
+  MOE_CHECK(state.status() == StateStatus::kEmpty || state.status() == StateStatus::kConsumed,
+            "argument 'state' of GroupedExperts::forward_gathered: expected an empty or consumed saved state, got one ",
+            state_status_name(state.status()), " (its backward is not complete; reset() it to discard that forward)");
+  const StateBuffers b = m.state_layout(static_cast<char*>(state.device()));
+  m.fused_activations(x.data, row_slots.ptr<const int32_t>(), slots, g, pp, b, rows, s);
+  m.gemm.fprop(bf16_view(b.act, rows, c.ffn), m.w2, g, Y, m.gemm_workspace(), s);
+  if (c.bias) bias_add(Y, m.b2, pp, g, s);
+  // No x_perm: backward refuses the state until relocate() points it at one.
+  m.fill_header(state, TensorView(), g, pp, rows);
+}
+
 void GroupedExperts::recompute(const TensorView& x_perm, const TensorView& g, const TensorView& pp,
                                const SavedState& state, cudaStream_t s) {
   Impl& m = *impl_;
@@ -331,6 +408,7 @@ void GroupedExperts::backward(const TensorView& dY, const TensorView& dx_perm, c
             "rebound since its forward (set_weights between a forward and its backward)");
   MOE_CHECK(c.delay_wgrad || m.have_grads, "GroupedExperts::backward: no gradient tensors bound (call set_grads first)");
   const Impl::Saved v = m.saved(state);
+  m.check_x_perm(v, "GroupedExperts::backward");
   const int64_t rows = v.rows, H = c.hidden, F = c.ffn, F1 = c.fc1_out();
   check_device_tensor(dY, "dY", c.dtype, {rows, H});
   check_device_tensor(dx_perm, "dx_perm", c.dtype, {rows, H});
@@ -376,6 +454,7 @@ void GroupedExperts::backward_dw(const SavedState& state, cudaStream_t s) {
               "GroupedExperts::backward_dw");
   MOE_CHECK(m.have_grads, "GroupedExperts::backward_dw: no gradient tensors bound (call set_grads first)");
   const Impl::Saved v = m.saved(state);
+  m.check_x_perm(v, "GroupedExperts::backward_dw");
   const TensorView dY = bf16_view(reinterpret_cast<void*>(state.header(0).reserved[2]), v.rows, m.cfg.hidden);
   m.wgrad_fc2(dY, v, s);
   m.fire_hooks(Param::kFc2Weight);

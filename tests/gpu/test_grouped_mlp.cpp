@@ -1,6 +1,7 @@
 // The expert layer GroupedMlp on the GPU against the CPU reference GroupedMlpRef: every variant,
 // both layouts, main_grad, delayed wgrad, recompute, edge cases, graph replay, saved-state misuse
-// and bad input.
+// and bad input -- each for the unfused path and for the fused fc1 (fuse_fc1), which must also
+// match the unfused path within the same bound.
 //
 // Tolerances: the reference runs in fp64 on the same bf16 inputs and rounds every intermediate the
 // layer stores in bf16 (emulate_bf16), so what remains is fp32 accumulation order and 1-ulp
@@ -210,7 +211,20 @@ struct Variant {
   ProbsPlacement probs;
   int interleave;
   int align;
+  bool fused = false;
+  bool recompute = false;
 };
+
+std::string variant_name(const Variant& v) {
+  std::string name = activation_name(v.act);
+  name += v.bias ? "_bias" : "_nobias";
+  name += v.probs == ProbsPlacement::kInActivation ? "_probsInAct" : "_probsAtCombine";
+  name += "_il" + std::to_string(v.interleave) + "_A" + std::to_string(v.align);
+  if (v.recompute) name += "_recompute";
+  for (char& ch : name)
+    if (ch == '-') ch = '_';
+  return name;
+}
 
 class LayerVariants : public ::testing::TestWithParam<Variant> {};
 
@@ -224,11 +238,19 @@ TEST_P(LayerVariants, MatchesReferenceInBothLayoutsBitwiseEqual) {
   c.cfg.bias = v.bias;
   c.cfg.probs = v.probs;
   c.cfg.dispatch.align = v.align;
+  c.cfg.fuse_fc1 = v.fused;
+  c.cfg.recompute = v.recompute;
   c.T = 53;
   Runner r(c);
   Outputs want = r.run_reference();
   Outputs grouped = r.run_gpu(WeightLayout::kSingleGrouped);
   compare(grouped, want, v.bias);
+  if (v.fused) {
+    // The fused fc1 against the unfused path it replaces (the GPU reference), same data.
+    Case u = c;
+    u.cfg.fuse_fc1 = false;
+    compare(grouped, Runner(u).run_gpu(WeightLayout::kSingleGrouped), v.bias);
+  }
   Outputs per_expert = r.run_gpu(WeightLayout::kPerExpert);
   expect_bitwise(grouped, per_expert);
   // Hooks fire once each at the end of backward, fc2 before fc1.
@@ -251,15 +273,27 @@ INSTANTIATE_TEST_SUITE_P(
                       Variant{Activation::kSwiGLU, false, ProbsPlacement::kAtCombine, 1, 16},
                       Variant{Activation::kSquaredReLU, true, ProbsPlacement::kInActivation, 0, 0},
                       Variant{Activation::kSquaredReLU, false, ProbsPlacement::kAtCombine, 0, 128}),
-    [](const ::testing::TestParamInfo<Variant>& info) {
-      std::string name = activation_name(info.param.act);
-      name += info.param.bias ? "_bias" : "_nobias";
-      name += info.param.probs == ProbsPlacement::kInActivation ? "_probsInAct" : "_probsAtCombine";
-      name += "_il" + std::to_string(info.param.interleave) + "_A" + std::to_string(info.param.align);
-      for (char& ch : name)
-        if (ch == '-') ch = '_';
-      return name;
-    });
+    [](const ::testing::TestParamInfo<Variant>& info) { return variant_name(info.param); });
+
+// The fused fc1: every activation, GLU interleave 0 / 1 / 32 (and 8, 16), bias on and off, probs in
+// the activation or at the combine, padding A in {0, 16, 128}, with and without recompute.
+INSTANTIATE_TEST_SUITE_P(
+    FusedFc1, LayerVariants,
+    ::testing::Values(Variant{Activation::kSwiGLU, false, ProbsPlacement::kInActivation, 0, 0, true},
+                      Variant{Activation::kSwiGLU, true, ProbsPlacement::kInActivation, 32, 128, true},
+                      Variant{Activation::kSwiGLU, true, ProbsPlacement::kAtCombine, 0, 0, true},
+                      Variant{Activation::kSwiGLU, false, ProbsPlacement::kAtCombine, 1, 128, true},
+                      Variant{Activation::kGeGLU, true, ProbsPlacement::kInActivation, 16, 0, true},
+                      Variant{Activation::kGeGLU, false, ProbsPlacement::kAtCombine, 0, 128, true},
+                      Variant{Activation::kClampedSwiGLU, true, ProbsPlacement::kInActivation, 1, 0, true},
+                      Variant{Activation::kClampedSwiGLU, false, ProbsPlacement::kAtCombine, 8, 16, true},
+                      Variant{Activation::kClampedSwiGLU, true, ProbsPlacement::kInActivation, 32, 128, true},
+                      Variant{Activation::kSquaredReLU, true, ProbsPlacement::kInActivation, 0, 0, true},
+                      Variant{Activation::kSquaredReLU, false, ProbsPlacement::kAtCombine, 0, 128, true},
+                      Variant{Activation::kSwiGLU, true, ProbsPlacement::kInActivation, 0, 16, true, true},
+                      Variant{Activation::kSquaredReLU, true, ProbsPlacement::kAtCombine, 0, 0, true, true}),
+    [](const ::testing::TestParamInfo<Variant>& info) { return variant_name(info.param); });
+
 
 TEST(GroupedMlp, AccumulateIntoMainGradAndFp32Grads) {
   MOE_REQUIRE_GPU();
@@ -278,9 +312,12 @@ TEST(GroupedMlp, AccumulateIntoMainGradAndFp32Grads) {
 
 TEST(GroupedMlp, DelayedWgradEqualsImmediateAndHooksFireInOrder) {
   MOE_REQUIRE_GPU();
+  for (bool fused : {false, true}) {
+  SCOPED_TRACE(fused ? "fused fc1" : "unfused");
   Case c;
   c.cfg = small_config();
   c.cfg.bias = true;
+  c.cfg.fuse_fc1 = fused;
   c.T = 45;
   Runner immediate(c);
   Outputs a = immediate.run_gpu(WeightLayout::kSingleGrouped);
@@ -291,6 +328,37 @@ TEST(GroupedMlp, DelayedWgradEqualsImmediateAndHooksFireInOrder) {
   EXPECT_EQ(b.hook_order, (std::vector<int>{static_cast<int>(Param::kFc2Weight), static_cast<int>(Param::kFc2Bias),
                                             static_cast<int>(Param::kFc1Weight), static_cast<int>(Param::kFc1Bias)}));
   compare(b, delayed.run_reference(), true);
+  }
+}
+
+// A shape with several k blocks (H = 320: a partial one), feature blocks (F = 200: a partial one)
+// and 128-row blocks per expert, balanced and skewed routing: fused against the reference and
+// against the unfused path.
+TEST(GroupedMlp, FusedFc1LargerShapes) {
+  MOE_REQUIRE_GPU();
+  for (double skew : {0.0, 3.0}) {
+    for (Activation act : {Activation::kSwiGLU, Activation::kSquaredReLU}) {
+      SCOPED_TRACE(::testing::Message() << "skew " << skew << " " << activation_name(act));
+      Case c;
+      c.cfg.hidden = 320;
+      c.cfg.ffn = 200;
+      c.cfg.experts = 5;
+      c.cfg.topk = 2;
+      c.cfg.max_tokens = 700;
+      c.cfg.bias = true;
+      c.cfg.activation.kind = act;
+      c.cfg.fuse_fc1 = true;
+      c.T = 650;
+      c.skew = skew;
+      c.seed = 5;
+      Runner r(c);
+      Outputs fused = r.run_gpu(WeightLayout::kSingleGrouped);
+      compare(fused, r.run_reference(), true);
+      Case u = c;
+      u.cfg.fuse_fc1 = false;
+      compare(fused, Runner(u).run_gpu(WeightLayout::kSingleGrouped), true);
+    }
+  }
 }
 
 TEST(GroupedMlp, EdgeCases) {
@@ -317,15 +385,21 @@ TEST(GroupedMlp, EdgeCases) {
     c.T = e.T;
     c.skew = e.skew;
     Runner r(c);
-    compare(r.run_gpu(WeightLayout::kSingleGrouped), r.run_reference(), false);
+    const Outputs want = r.run_reference();
+    compare(r.run_gpu(WeightLayout::kSingleGrouped), want, false);
+    c.cfg.fuse_fc1 = true;
+    compare(Runner(c).run_gpu(WeightLayout::kSingleGrouped), want, false);
   }
 }
 
-TEST(GroupedMlp, GraphReplayWithNewDataEqualsEager) {
+class GraphReplay : public ::testing::TestWithParam<bool> {};
+
+TEST_P(GraphReplay, WithNewDataEqualsEager) {
   MOE_REQUIRE_GPU();
   GroupedMlpConfig k = small_config();
   k.bias = true;
   k.dispatch.align = 16;
+  k.fuse_fc1 = GetParam();
   const int E = k.experts, K = k.topk;
   const int64_t T = 50, H = k.hidden, F = k.ffn, F1 = k.fc1_out();
   std::mt19937_64 rng(3);
@@ -399,6 +473,9 @@ TEST(GroupedMlp, GraphReplayWithNewDataEqualsEager) {
   cudaGraphDestroy(graph);
   cudaStreamDestroy(s);
 }
+
+INSTANTIATE_TEST_SUITE_P(GroupedMlp, GraphReplay, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "Fused" : "Unfused"; });
 
 TEST(GroupedMlp, BadInputIsReported) {
   MOE_REQUIRE_GPU();

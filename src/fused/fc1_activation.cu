@@ -1,0 +1,439 @@
+// The fused fc1 + activation x prob kernel (fc1_activation.h; design in docs/fused.md).
+//
+// Persistent and warp-specialized, one CTA per SM, 384 threads:
+//   * warp group 0 (producer) gathers the A rows of each 128-row tile straight from x through the
+//     dispatch map and the matching fc1 weight rows, 64 columns at a time, with 16-byte cp.async
+//     into a 4-stage ring of 128-byte-swizzled shared-memory tiles. TMA cannot gather rows, and
+//     cp.async also lets one tile hold the gate rows and the linear rows of the same features,
+//     whatever the GLU interleave, so the epilogue finds both halves of a GLU pair in one thread.
+//   * warp groups 1 and 2 (consumers) run WGMMA 64x256x16 on rows 0-63 and 64-127 and then the
+//     epilogue from registers: round h to bf16, add the bias, store h, apply the activation x prob,
+//     store act. While they do, the producer already fills the ring for the next tile.
+// Tiles are (expert, 128-row block, feature block) triples numbered expert by expert; each CTA
+// walks them with a stride of the grid size. The prefix of tiles per expert is computed on the device
+// at kernel start from the group offsets (graph-safe; empty experts take no tile).
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <mutex>
+
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/bfloat16.h>
+
+#include "device/cuda_check.h"
+#include "fused/fc1_activation.h"
+#include "kernels/activation_math.cuh"
+
+namespace moe::fused {
+namespace {
+
+using namespace cute;
+using bf16 = cutlass::bfloat16_t;
+using kernels::ActConsts;
+using kernels::ActOp;
+
+constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
+constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = kProducerThreads + kConsumerThreads;
+constexpr int kStageBytesA = kBM * kBK * 2;  // 16 KiB
+constexpr int kStageBytesB = kBN * kBK * 2;  // 32 KiB
+constexpr int kMaxExperts = 4096;
+// Register split between the roles (multiples of 8; 128 * 88 + 256 * 208 <= 64K registers; no spills at this split).
+constexpr int kProducerRegs = 88, kConsumerRegs = 208;
+
+// 128-byte swizzled K-major tiles: the layout WGMMA reads. One 64-column row is 128 bytes, eight
+// rows make a 1024-byte swizzle atom and the atoms stack along the rows.
+using SmemAtom = GMMA::Layout_K_SW128_Atom<bf16>;
+using SmemLayoutA = decltype(tile_to_shape(SmemAtom{}, make_shape(Int<kBM>{}, Int<kBK>{}, Int<kStages>{})));
+using SmemLayoutB = decltype(tile_to_shape(SmemAtom{}, make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{})));
+using TiledMma = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>{},
+                                         Layout<Shape<_2, _1, _1>>{}));
+
+struct SharedStorage {
+  alignas(1024) uint8_t a[kStages][kStageBytesA];
+  alignas(1024) uint8_t b[kStages][kStageBytesB];
+  alignas(8) uint64_t full[kStages];   // producer -> consumers: the stage's copies landed
+  alignas(8) uint64_t empty[kStages];  // consumers -> producer: the stage's WGMMAs are done
+  int32_t tile_start[kMaxExperts + 1];  // only E + 1 entries are used (and allocated)
+};
+constexpr size_t kFixedSmemBytes = offsetof(SharedStorage, tile_start);
+
+// Byte offset of 16-byte chunk c of row r in a 128-byte swizzled tile (the layout above).
+__host__ __device__ constexpr uint32_t swizzled_chunk(int r, int c) {
+  return static_cast<uint32_t>((r >> 3) * 1024 + (r & 7) * 128 + ((c ^ (r & 7)) << 4));
+}
+
+struct Params {
+  const __nv_bfloat16* a;
+  const int32_t* row_slots;
+  int slots;
+  const int32_t* offsets;
+  int E;
+  int64_t R;
+  int H, F;
+  int feature_tiles;  // NT: feature blocks per row block
+  const __nv_bfloat16* w1_base;
+  int64_t w1_stride;  // elements
+  const __nv_bfloat16* const* w1_table;
+  const __nv_bfloat16* b1_base;
+  const __nv_bfloat16* const* b1_table;
+  const float* probs;
+  int interleave;
+  ActConsts consts;
+  __nv_bfloat16* h;
+  __nv_bfloat16* act;
+};
+
+struct Tile {
+  int e;
+  int64_t m0;  // first row
+  int rows;    // valid rows, 1..128
+  int nt;      // feature block
+};
+
+__device__ __forceinline__ Tile decode_tile(int t, const int32_t* start, const Params& p) {
+  // The last expert whose first tile is <= t (empty experts share their successor's start).
+  int lo = 0, hi = p.E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (start[mid] <= t) lo = mid;
+    else hi = mid - 1;
+  }
+  int64_t begin, end;
+  kernels::group_rows(p.offsets, lo, p.R, &begin, &end);
+  const int local = t - start[lo];
+  Tile tile;
+  tile.e = lo;
+  tile.nt = local % p.feature_tiles;
+  tile.m0 = begin + static_cast<int64_t>(local / p.feature_tiles) * kBM;
+  const int64_t left = end - tile.m0;
+  tile.rows = left < kBM ? static_cast<int>(left) : kBM;
+  return tile;
+}
+
+// Physical fc1 row of row j of a weight tile (-1: past F, zero-filled).
+template <bool kGated>
+__device__ __forceinline__ int weight_row(int j, int nt, const Params& p) {
+  if constexpr (kGated) {
+    const bool linear = j >= kBN / 2;
+    const int f = nt * (kBN / 2) + (linear ? j - kBN / 2 : j);
+    if (f >= p.F) return -1;
+    return linear ? kernels::linear_col(f, p.F, p.interleave) : kernels::gate_col(f, p.F, p.interleave);
+  } else {
+    const int f = nt * kBN + j;
+    return f < p.F ? f : -1;
+  }
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  // src-size 0 fills the 16 bytes with zeros without reading (src stays a valid address anyway).
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ __nv_bfloat162 pack2(float a, float b) { return __floats2bfloat162_rn(a, b); }
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+template <bool kGated>
+__device__ void produce(SharedStorage& s, const Params& p, int total) {
+  const int tid = threadIdx.x;  // 0..127
+  const int c = tid & 7, r0 = tid >> 3;
+  // Each thread copies chunk c of rows r0 + 16 i: 8 rows of A and 16 of B per stage; a warp covers
+  // 4 whole 128-byte row segments per instruction.
+  const uint32_t a_dst = smem_u32(s.a[0]) + swizzled_chunk(r0, c);
+  const uint32_t b_dst = smem_u32(s.b[0]) + swizzled_chunk(r0, c);
+  const int k_blocks = (p.H + kBK - 1) / kBK;
+  int stage = 0;
+  uint32_t phase = 1;  // a fresh barrier counts as released for parity 1
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const Tile tile = decode_tile(t, s.tile_start, p);
+    // Source rows as 32-bit indices (-1: zero fill). The 64-bit addresses are formed per copy: kept
+    // across the k loop they would need 48 registers, more than the producer's budget.
+    int a_row[kBM / 16];
+#pragma unroll
+    for (int i = 0; i < kBM / 16; ++i) {
+      const int r = r0 + 16 * i;
+      int src = -1;
+      if (r < tile.rows) {
+        const int64_t row = tile.m0 + r;
+        if (p.row_slots != nullptr) {
+          const int slot = p.row_slots[row];
+          if (slot >= 0) src = slot / p.slots;
+        } else {
+          src = static_cast<int>(row);
+        }
+      }
+      a_row[i] = src;
+    }
+    const __nv_bfloat16* w = p.w1_table != nullptr ? p.w1_table[tile.e] : p.w1_base + tile.e * p.w1_stride;
+    int b_row[kBN / 16];
+#pragma unroll
+    for (int i = 0; i < kBN / 16; ++i) b_row[i] = weight_row<kGated>(r0 + 16 * i, tile.nt, p);
+
+#pragma unroll 1
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      cutlass::arch::ClusterBarrier::wait(&s.empty[stage], phase);
+      const int k = kb * kBK + c * 8;
+      const bool k_in = k < p.H;
+      const uint32_t da = a_dst + stage * kStageBytesA, db = b_dst + stage * kStageBytesB;
+#pragma unroll
+      for (int i = 0; i < kBM / 16; ++i) {
+        int row = a_row[i];
+        asm volatile("" : "+r"(row));  // opaque: no hoisted 64-bit address
+        const bool v = row >= 0 && k_in;
+        cp_async_16(da + i * 2048, v ? p.a + (static_cast<int64_t>(row) * p.H + k) : p.a, v);
+      }
+#pragma unroll
+      for (int i = 0; i < kBN / 16; ++i) {
+        int row = b_row[i];
+        asm volatile("" : "+r"(row));
+        const bool v = row >= 0 && k_in;
+        cp_async_16(db + i * 2048, v ? w + (static_cast<int64_t>(row) * p.H + k) : w, v);
+      }
+      // Arrives on full[stage] once this thread's copies have landed.
+      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+  }
+  cute::cp_async_wait<0>();
+}
+
+template <Activation A>
+__device__ void consume(SharedStorage& s, const Params& p, int total) {
+  constexpr bool kGated = A != Activation::kSquaredReLU;
+  const int ctid = threadIdx.x - kProducerThreads;
+  const int lane = threadIdx.x & 31;
+  TiledMma mma;
+  Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<bf16*>(s.a[0])), SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(reinterpret_cast<bf16*>(s.b[0])), SmemLayoutB{});
+  auto thr = mma.get_thread_slice(ctid);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, stage) descriptors
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  Tensor acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
+  Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{}));
+  static_assert(size(decltype(acc){}) == 128, "64x256 per warp group: 128 accumulators per thread");
+
+  const int k_blocks = (p.H + kBK - 1) / kBK;
+  const int F = p.F;
+  const int64_t h_cols = kGated ? 2 * static_cast<int64_t>(F) : F;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const Tile tile = decode_tile(t, s.tile_start, p);
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    int prev = -1;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      cutlass::arch::ClusterBarrier::wait(&s.full[stage], phase);
+      cutlass::arch::fence_view_async_shared();  // cp.async (generic proxy) writes -> WGMMA reads
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+#pragma unroll
+      for (int kk = 0; kk < size<2>(tCrA); ++kk) {
+        cute::gemm(mma, tCrA(_, _, kk, stage), tCrB(_, _, kk, stage), acc);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();  // the previous stage's WGMMAs are done: hand it back
+      warpgroup_fence_operand(acc);
+      if (prev >= 0) {
+        __syncwarp();
+        if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.empty[prev]);
+      }
+      prev = stage;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    if (prev >= 0) {
+      __syncwarp();
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.empty[prev]);
+    }
+
+    // Epilogue. This thread holds two rows (r and r + 8) and, per row, column pairs (c, c + 1); in
+    // the gated case accumulator i + 64 is column + 128: the linear half of gate column i.
+    const int r_first = get<0>(coord(0));
+    float prob[2];
+    bool row_ok[2];
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      const int r = r_first + 8 * v;
+      row_ok[v] = r < tile.rows;
+      prob[v] = (p.probs != nullptr && row_ok[v]) ? p.probs[tile.m0 + r] : 1.0f;
+    }
+    const __nv_bfloat16* bias = p.b1_table != nullptr ? p.b1_table[tile.e]
+                                : p.b1_base != nullptr ? p.b1_base + tile.e * h_cols
+                                                       : nullptr;
+    constexpr int kPairs = kGated ? 32 : 64;  // column pairs per row written from this thread
+#pragma unroll
+    for (int q = 0; q < kPairs; ++q) {
+      // Accumulator index of the pair's first value: v0 = 0, v1 = q % 2 (row + 8), v2 = q / 2.
+      const int i = (q & 1) * 2 + (q >> 1) * 4;
+      const int v = q & 1;
+      if (!row_ok[v]) continue;
+      const int col = get<1>(coord(i));
+      const int64_t row = tile.m0 + r_first + 8 * v;
+      if constexpr (kGated) {
+        const int f = tile.nt * (kBN / 2) + col;
+        if (f >= F) continue;
+        const int gc = kernels::gate_col(f, F, p.interleave), lc = kernels::linear_col(f, F, p.interleave);
+        const int gc1 = kernels::gate_col(f + 1, F, p.interleave), lc1 = kernels::linear_col(f + 1, F, p.interleave);
+        float g0 = round_bf16(acc(i)), g1 = round_bf16(acc(i + 1));
+        float l0 = round_bf16(acc(i + 64)), l1 = round_bf16(acc(i + 65));
+        if (bias != nullptr) {
+          g0 = round_bf16(g0 + __bfloat162float(bias[gc]));
+          g1 = round_bf16(g1 + __bfloat162float(bias[gc1]));
+          l0 = round_bf16(l0 + __bfloat162float(bias[lc]));
+          l1 = round_bf16(l1 + __bfloat162float(bias[lc1]));
+        }
+        __nv_bfloat16* hr = p.h + row * h_cols;
+        if (p.interleave == 1) {
+          // Columns 2f .. 2f + 3 are g(f), l(f), g(f + 1), l(f + 1): one 8-byte store.
+          const __nv_bfloat162 lo = pack2(g0, l0), hi = pack2(g1, l1);
+          uint2 packed;
+          packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+          packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+          *reinterpret_cast<uint2*>(hr + gc) = packed;
+        } else {
+          *reinterpret_cast<__nv_bfloat162*>(hr + gc) = pack2(g0, g1);
+          *reinterpret_cast<__nv_bfloat162*>(hr + lc) = pack2(l0, l1);
+        }
+        const float a0 = ActOp<A>::value(g0, l0, p.consts) * prob[v];
+        const float a1 = ActOp<A>::value(g1, l1, p.consts) * prob[v];
+        *reinterpret_cast<__nv_bfloat162*>(p.act + row * F + f) = pack2(a0, a1);
+      } else {
+        const int f = tile.nt * kBN + col;
+        if (f >= F) continue;
+        float h0 = round_bf16(acc(i)), h1 = round_bf16(acc(i + 1));
+        if (bias != nullptr) {
+          h0 = round_bf16(h0 + __bfloat162float(bias[f]));
+          h1 = round_bf16(h1 + __bfloat162float(bias[f + 1]));
+        }
+        *reinterpret_cast<__nv_bfloat162*>(p.h + row * h_cols + f) = pack2(h0, h1);
+        const float a0 = ActOp<A>::value(h0, 0.0f, p.consts) * prob[v];
+        const float a1 = ActOp<A>::value(h1, 0.0f, p.consts) * prob[v];
+        *reinterpret_cast<__nv_bfloat162*>(p.act + row * F + f) = pack2(a0, a1);
+      }
+    }
+  }
+}
+
+template <Activation A>
+__global__ void __launch_bounds__(kThreads, 1) fc1_activation_kernel(const Params p) {
+  constexpr bool kGated = A != Activation::kSquaredReLU;
+  extern __shared__ uint8_t smem_raw[];
+  // The swizzle is a function of the address bits: the tiles must start 1024-byte aligned.
+  SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+
+  if (warp == 0) {
+    // Tiles per expert, prefix-summed 32 experts at a time.
+    int carry = 0;
+    for (int base = 0; base < p.E; base += 32) {
+      const int e = base + lane;
+      int n = 0;
+      if (e < p.E) {
+        int64_t begin, end;
+        kernels::group_rows(p.offsets, e, p.R, &begin, &end);
+        n = static_cast<int>((end - begin + kBM - 1) / kBM) * p.feature_tiles;
+      }
+      int incl = n;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int up = __shfl_up_sync(kernels::kFullMask, incl, d);
+        if (lane >= d) incl += up;
+      }
+      if (e < p.E) s.tile_start[e] = carry + incl - n;
+      carry += __shfl_sync(kernels::kFullMask, incl, 31);
+    }
+    if (lane == 0) s.tile_start[p.E] = carry;
+  } else if (warp == 1 && lane == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      cutlass::arch::ClusterBarrier::init(&s.full[i], kProducerThreads);
+      cutlass::arch::ClusterBarrier::init(&s.empty[i], kConsumerThreads / 32);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+  const int total = s.tile_start[p.E];
+
+  if (threadIdx.x < kProducerThreads) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    produce<kGated>(s, p, total);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+    consume<A>(s, p, total);
+  }
+}
+
+size_t smem_bytes(int experts) { return 1024 + kFixedSmemBytes + sizeof(int32_t) * (experts + 1); }
+
+template <Activation A>
+void launch_kernel(const Params& p, int grid, cudaStream_t stream) {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    MOE_CUDA_CHECK(cudaFuncSetAttribute(fc1_activation_kernel<A>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem_bytes(kMaxExperts))));
+  });
+  fc1_activation_kernel<A><<<grid, kThreads, smem_bytes(p.E), stream>>>(p);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+const char* fc1_activation_unsupported(int experts, int64_t H, int64_t F, const ActivationParams& activation) {
+  if (experts < 1 || experts > kMaxExperts) return "the fused fc1 takes 1 to 4096 experts";
+  if (H < 8 || H % 8 != 0 || F < 8 || F % 8 != 0) return "the fused fc1 needs H and F multiples of 8";
+  if (H >= (int64_t(1) << 30) || F >= (int64_t(1) << 29)) return "the fused fc1 needs H < 2^30 and F < 2^29";
+  if (is_gated(activation.kind) && !(activation.glu_interleave == 0 || activation.glu_interleave == 1 ||
+                                     activation.glu_interleave % 8 == 0))
+    return "the fused fc1 needs a GLU interleave of 0, 1 or a multiple of 8";
+  return "";
+}
+
+void launch_fc1_activation(const Fc1ActivationArgs& a, cudaStream_t stream) {
+  if (a.R == 0) return;
+  const bool gated = is_gated(a.activation.kind);
+  Params p;
+  p.a = static_cast<const __nv_bfloat16*>(a.a);
+  p.row_slots = a.row_slots;
+  p.slots = a.slots;
+  p.offsets = a.group_offsets;
+  p.E = a.experts;
+  p.R = a.R;
+  p.H = a.H;
+  p.F = a.F;
+  p.feature_tiles = gated ? (a.F + kBN / 2 - 1) / (kBN / 2) : (a.F + kBN - 1) / kBN;
+  p.w1_base = static_cast<const __nv_bfloat16*>(a.w1_base);
+  p.w1_stride = a.w1_stride_bytes / 2;
+  p.w1_table = reinterpret_cast<const __nv_bfloat16* const*>(a.w1_table);
+  p.b1_base = static_cast<const __nv_bfloat16*>(a.b1_base);
+  p.b1_table = reinterpret_cast<const __nv_bfloat16* const*>(a.b1_table);
+  p.probs = a.probs;
+  p.interleave = a.activation.glu_interleave;
+  p.consts = ActConsts{a.activation.alpha, a.activation.limit, a.activation.offset};
+  p.h = static_cast<__nv_bfloat16*>(a.h);
+  p.act = static_cast<__nv_bfloat16*>(a.act);
+  // At most one tile per 128 rows plus one partial tile per expert, per feature block.
+  const int64_t max_tiles = ((a.R + kBM - 1) / kBM + a.experts) * p.feature_tiles;
+  const int grid = static_cast<int>(max_tiles < a.sm_count ? max_tiles : a.sm_count);
+  switch (a.activation.kind) {
+    case Activation::kSwiGLU: launch_kernel<Activation::kSwiGLU>(p, grid, stream); break;
+    case Activation::kGeGLU: launch_kernel<Activation::kGeGLU>(p, grid, stream); break;
+    case Activation::kClampedSwiGLU: launch_kernel<Activation::kClampedSwiGLU>(p, grid, stream); break;
+    case Activation::kSquaredReLU: launch_kernel<Activation::kSquaredReLU>(p, grid, stream); break;
+  }
+}
+
+}  // namespace moe::fused
