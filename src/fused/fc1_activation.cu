@@ -2,10 +2,14 @@
 //
 // Persistent and warp-specialized, one CTA per SM, 384 threads:
 //   * warp group 0 (producer) gathers the A rows of each 128-row tile straight from x through the
-//     dispatch map and the matching fc1 weight rows, 64 columns at a time, with 16-byte cp.async
-//     into a 4-stage ring of 128-byte-swizzled shared-memory tiles. TMA cannot gather rows, and
-//     cp.async also lets one tile hold the gate rows and the linear rows of the same features,
-//     whatever the GLU interleave, so the epilogue finds both halves of a GLU pair in one thread.
+//     dispatch map with 16-byte cp.async (TMA cannot gather rows), 64 columns at a time, into a
+//     4-stage ring of 128-byte-swizzled shared-memory tiles. A weight tile holds the gate rows and
+//     the linear rows of the same 128 features, so the epilogue finds both halves of a GLU pair in
+//     one thread. With single-grouped weights and GLU interleave 0 (or no GLU) the weight tile
+//     comes by TMA, and two CTAs of a cluster -- two row blocks of one expert -- each load one
+//     half of it and multicast it to both: half the L2 -> SM traffic for weights, which is what
+//     bounds a 128x256 tile here. Other interleaves and per-expert weights copy the weight rows with
+//     cp.async too (one CTA per cluster).
 //   * warp groups 1 and 2 (consumers) run WGMMA 64x256x16 on rows 0-63 and 64-127 and then the
 //     epilogue from registers: round h to bf16, add the bias, store h, apply the activation x prob,
 //     store act. While they do, the producer already fills the ring for the next tile.
@@ -14,8 +18,12 @@
 // at kernel start from the group offsets (graph-safe; empty experts take no tile).
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
+
+#include <cuda.h>
 
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/atom/mma_atom.hpp>
@@ -23,6 +31,10 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/bfloat16.h>
+#include <cutlass/cuda_host_adapter.hpp>
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
 
 #include "device/cuda_check.h"
 #include "fused/fc1_activation.h"
@@ -41,6 +53,7 @@ constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = kProduc
 constexpr int kStageBytesA = kBM * kBK * 2;  // 16 KiB
 constexpr int kStageBytesB = kBN * kBK * 2;  // 32 KiB
 constexpr int kMaxExperts = 4096;
+constexpr int kHalfBytesB = kStageBytesB / 2;  // one 128-row TMA box of the weight tile
 // Register split between the roles (multiples of 8; 128 * 88 + 256 * 208 <= 64K registers; no spills at this split).
 constexpr int kProducerRegs = 88, kConsumerRegs = 208;
 
@@ -67,6 +80,7 @@ __host__ __device__ constexpr uint32_t swizzled_chunk(int r, int c) {
 }
 
 struct Params {
+  CUtensorMap w1_map;  // TMA kernels: fc1 weights as a 3D [E, fc1_out, H] tensor (64 x 128 boxes)
   const __nv_bfloat16* a;
   const int32_t* row_slots;
   int slots;
@@ -94,7 +108,10 @@ struct Tile {
   int nt;      // feature block
 };
 
-__device__ __forceinline__ Tile decode_tile(int t, const int32_t* start, const Params& p) {
+// Tile t of the cluster: kCluster consecutive row blocks of one expert share a weight tile (CTA
+// `rank` takes block kCluster * pair + rank; past the expert's rows it has no rows, rows = 0).
+template <int kCluster>
+__device__ __forceinline__ Tile decode_tile(int t, const int32_t* start, const Params& p, int rank) {
   // The last expert whose first tile is <= t (empty experts share their successor's start).
   int lo = 0, hi = p.E - 1;
   while (lo < hi) {
@@ -108,9 +125,9 @@ __device__ __forceinline__ Tile decode_tile(int t, const int32_t* start, const P
   Tile tile;
   tile.e = lo;
   tile.nt = local % p.feature_tiles;
-  tile.m0 = begin + static_cast<int64_t>(local / p.feature_tiles) * kBM;
+  tile.m0 = begin + (static_cast<int64_t>(local / p.feature_tiles) * kCluster + rank) * kBM;
   const int64_t left = end - tile.m0;
-  tile.rows = left < kBM ? static_cast<int>(left) : kBM;
+  tile.rows = left <= 0 ? 0 : (left < kBM ? static_cast<int>(left) : kBM);
   return tile;
 }
 
@@ -140,8 +157,16 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 __device__ __forceinline__ __nv_bfloat162 pack2(float a, float b) { return __floats2bfloat162_rn(a, b); }
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
+// First fc1 row of half `half` (0 or 1) of feature block nt's weight tile, interleave 0.
 template <bool kGated>
-__device__ void produce(SharedStorage& s, const Params& p, int total) {
+__device__ __forceinline__ int tma_row(int half, int nt, const Params& p) {
+  if constexpr (kGated) return half == 0 ? nt * (kBN / 2) : p.F + nt * (kBN / 2);
+  else return nt * kBN + half * (kBN / 2);
+}
+
+template <bool kGated, bool kTma>
+__device__ void produce(SharedStorage& s, const Params& p, int total, int rank) {
+  constexpr int kCluster = kTma ? 2 : 1;
   const int tid = threadIdx.x;  // 0..127
   const int c = tid & 7, r0 = tid >> 3;
   // Each thread copies chunk c of rows r0 + 16 i: 8 rows of A and 16 of B per stage; a warp covers
@@ -151,8 +176,8 @@ __device__ void produce(SharedStorage& s, const Params& p, int total) {
   const int k_blocks = (p.H + kBK - 1) / kBK;
   int stage = 0;
   uint32_t phase = 1;  // a fresh barrier counts as released for parity 1
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const Tile tile = decode_tile(t, s.tile_start, p);
+  for (int t = blockIdx.x / kCluster; t < total; t += gridDim.x / kCluster) {
+    const Tile tile = decode_tile<kCluster>(t, s.tile_start, p, rank);
     // Source rows as 32-bit indices (-1: zero fill). The 64-bit addresses are formed per copy: kept
     // across the k loop they would need 48 registers, more than the producer's budget.
     int a_row[kBM / 16];
@@ -174,7 +199,7 @@ __device__ void produce(SharedStorage& s, const Params& p, int total) {
     const __nv_bfloat16* w = p.w1_table != nullptr ? p.w1_table[tile.e] : p.w1_base + tile.e * p.w1_stride;
     int b_row[kBN / 16];
 #pragma unroll
-    for (int i = 0; i < kBN / 16; ++i) b_row[i] = weight_row<kGated>(r0 + 16 * i, tile.nt, p);
+    for (int i = 0; i < kBN / 16; ++i) b_row[i] = kTma ? -1 : weight_row<kGated>(r0 + 16 * i, tile.nt, p);
 
 #pragma unroll 1
     for (int kb = 0; kb < k_blocks; ++kb) {
@@ -182,6 +207,14 @@ __device__ void produce(SharedStorage& s, const Params& p, int total) {
       const int k = kb * kBK + c * 8;
       const bool k_in = k < p.H;
       const uint32_t da = a_dst + stage * kStageBytesA, db = b_dst + stage * kStageBytesB;
+      if (kTma && tid == 0) {
+        // Both halves land here (ours and the peer's multicast); this CTA loads half `rank`.
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[stage], kStageBytesB);
+        SM90_TMA_LOAD_MULTICAST_3D::copy(&p.w1_map, &s.full[stage], static_cast<uint16_t>((1 << kCluster) - 1),
+                                         static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_LAST),
+                                         s.b[stage] + rank * kHalfBytesB, kb * kBK, tma_row<kGated>(rank, tile.nt, p),
+                                         tile.e);
+      }
 #pragma unroll
       for (int i = 0; i < kBM / 16; ++i) {
         int row = a_row[i];
@@ -190,7 +223,7 @@ __device__ void produce(SharedStorage& s, const Params& p, int total) {
         cp_async_16(da + i * 2048, v ? p.a + (static_cast<int64_t>(row) * p.H + k) : p.a, v);
       }
 #pragma unroll
-      for (int i = 0; i < kBN / 16; ++i) {
+      for (int i = 0; i < (kTma ? 0 : kBN / 16); ++i) {
         int row = b_row[i];
         asm volatile("" : "+r"(row));
         const bool v = row >= 0 && k_in;
@@ -207,8 +240,22 @@ __device__ void produce(SharedStorage& s, const Params& p, int total) {
   cute::cp_async_wait<0>();
 }
 
-template <Activation A>
-__device__ void consume(SharedStorage& s, const Params& p, int total) {
+// Hands stage `st` back to the producers of every CTA of the cluster (their TMA writes into all).
+template <int kCluster>
+__device__ __forceinline__ void release_stage(SharedStorage& s, int st, int lane) {
+  __syncwarp();
+  if (lane == 0) {
+    if constexpr (kCluster == 1) {
+      cutlass::arch::ClusterBarrier::arrive(&s.empty[st]);
+    } else {
+#pragma unroll
+      for (int r = 0; r < kCluster; ++r) cutlass::arch::ClusterBarrier::arrive(&s.empty[st], r, 1);
+    }
+  }
+}
+
+template <Activation A, int kCluster>
+__device__ void consume(SharedStorage& s, const Params& p, int total, int rank) {
   constexpr bool kGated = A != Activation::kSquaredReLU;
   const int ctid = threadIdx.x - kProducerThreads;
   const int lane = threadIdx.x & 31;
@@ -227,8 +274,8 @@ __device__ void consume(SharedStorage& s, const Params& p, int total) {
   const int64_t h_cols = kGated ? 2 * static_cast<int64_t>(F) : F;
   int stage = 0;
   uint32_t phase = 0;
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const Tile tile = decode_tile(t, s.tile_start, p);
+  for (int t = blockIdx.x / kCluster; t < total; t += gridDim.x / kCluster) {
+    const Tile tile = decode_tile<kCluster>(t, s.tile_start, p, rank);
     mma.accumulate_ = GMMA::ScaleOut::Zero;
     int prev = -1;
     for (int kb = 0; kb < k_blocks; ++kb) {
@@ -244,10 +291,7 @@ __device__ void consume(SharedStorage& s, const Params& p, int total) {
       warpgroup_commit_batch();
       warpgroup_wait<1>();  // the previous stage's WGMMAs are done: hand it back
       warpgroup_fence_operand(acc);
-      if (prev >= 0) {
-        __syncwarp();
-        if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.empty[prev]);
-      }
+      if (prev >= 0) release_stage<kCluster>(s, prev, lane);
       prev = stage;
       if (++stage == kStages) {
         stage = 0;
@@ -256,10 +300,7 @@ __device__ void consume(SharedStorage& s, const Params& p, int total) {
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
-    if (prev >= 0) {
-      __syncwarp();
-      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.empty[prev]);
-    }
+    if (prev >= 0) release_stage<kCluster>(s, prev, lane);
 
     // Epilogue. This thread holds two rows (r and r + 8) and, per row, column pairs (c, c + 1); in
     // the gated case accumulator i + 64 is column + 128: the linear half of gate column i.
@@ -329,9 +370,11 @@ __device__ void consume(SharedStorage& s, const Params& p, int total) {
   }
 }
 
-template <Activation A>
-__global__ void __launch_bounds__(kThreads, 1) fc1_activation_kernel(const Params p) {
+template <Activation A, bool kTma>
+__global__ void __launch_bounds__(kThreads, 1) fc1_activation_kernel(const __grid_constant__ Params p) {
   constexpr bool kGated = A != Activation::kSquaredReLU;
+  constexpr int kCluster = kTma ? 2 : 1;
+  const int rank = kCluster == 1 ? 0 : static_cast<int>(cute::block_rank_in_cluster());
   extern __shared__ uint8_t smem_raw[];
   // The swizzle is a function of the address bits: the tiles must start 1024-byte aligned.
   SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -346,7 +389,8 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_activation_kernel(const Param
       if (e < p.E) {
         int64_t begin, end;
         kernels::group_rows(p.offsets, e, p.R, &begin, &end);
-        n = static_cast<int>((end - begin + kBM - 1) / kBM) * p.feature_tiles;
+        const int blocks = static_cast<int>((end - begin + kBM - 1) / kBM);
+        n = (blocks + kCluster - 1) / kCluster * p.feature_tiles;
       }
       int incl = n;
 #pragma unroll
@@ -359,35 +403,75 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_activation_kernel(const Param
     }
     if (lane == 0) s.tile_start[p.E] = carry;
   } else if (warp == 1 && lane == 0) {
+    // full: every producer thread's cp.async arrival (+ the TMA issuer's expect-tx arrival);
+    // empty: every consumer warp of every CTA of the cluster.
     for (int i = 0; i < kStages; ++i) {
-      cutlass::arch::ClusterBarrier::init(&s.full[i], kProducerThreads);
-      cutlass::arch::ClusterBarrier::init(&s.empty[i], kConsumerThreads / 32);
+      cutlass::arch::ClusterBarrier::init(&s.full[i], kProducerThreads + (kTma ? 1 : 0));
+      cutlass::arch::ClusterBarrier::init(&s.empty[i], kCluster * kConsumerThreads / 32);
     }
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
+  if (kTma && threadIdx.x == 0) cute::prefetch_tma_descriptor(&p.w1_map);
+  // The peer's barriers must be initialized before anything arrives on them.
+  if constexpr (kCluster > 1) cute::cluster_sync();
+  else __syncthreads();
   const int total = s.tile_start[p.E];
 
   if (threadIdx.x < kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    produce<kGated>(s, p, total);
+    produce<kGated, kTma>(s, p, total, rank);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-    consume<A>(s, p, total);
+    consume<A, kCluster>(s, p, total, rank);
   }
+  // No CTA may leave while its peer can still arrive on its barriers.
+  if constexpr (kCluster > 1) cute::cluster_sync();
 }
 
 size_t smem_bytes(int experts) { return 1024 + kFixedSmemBytes + sizeof(int32_t) * (experts + 1); }
 
-template <Activation A>
+template <Activation A, bool kTma>
 void launch_kernel(const Params& p, int grid, cudaStream_t stream) {
   static std::once_flag once;
   std::call_once(once, [] {
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(fc1_activation_kernel<A>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    MOE_CUDA_CHECK(cudaFuncSetAttribute(fc1_activation_kernel<A, kTma>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem_bytes(kMaxExperts))));
   });
-  fc1_activation_kernel<A><<<grid, kThreads, smem_bytes(p.E), stream>>>(p);
-  MOE_CUDA_CHECK_LAUNCH();
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(grid));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem_bytes(p.E);
+  config.stream = stream;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kTma ? 2 : 1;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, fc1_activation_kernel<A, kTma>, p));
+}
+
+template <Activation A>
+void launch_kind(const Params& p, bool tma, int grid, cudaStream_t stream) {
+  if (tma) launch_kernel<A, true>(p, grid, stream);
+  else launch_kernel<A, false>(p, grid, stream);
+}
+
+// fc1 weights [E, rows, H] as a TMA tensor: 64-column x 128-row boxes, 128-byte swizzle (the
+// shared-memory layout the WGMMA reads), zeros past the edges.
+CUtensorMap weight_map(const void* base, int E, int64_t rows, int H) {
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(H), static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(E)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(H) * 2, static_cast<cuuint64_t>(rows * H * 2)};
+  const cuuint32_t box[3] = {kBK, kBN / 2, 1};
+  const cuuint32_t unit[3] = {1, 1, 1};
+  const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box, unit,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOE_CHECK(r == CUDA_SUCCESS, "fused fc1: cuTensorMapEncodeTiled failed (", static_cast<int>(r), ")");
+  return map;
 }
 
 }  // namespace
@@ -425,14 +509,24 @@ void launch_fc1_activation(const Fc1ActivationArgs& a, cudaStream_t stream) {
   p.consts = ActConsts{a.activation.alpha, a.activation.limit, a.activation.offset};
   p.h = static_cast<__nv_bfloat16*>(a.h);
   p.act = static_cast<__nv_bfloat16*>(a.act);
-  // At most one tile per 128 rows plus one partial tile per expert, per feature block.
-  const int64_t max_tiles = ((a.R + kBM - 1) / kBM + a.experts) * p.feature_tiles;
-  const int grid = static_cast<int>(max_tiles < a.sm_count ? max_tiles : a.sm_count);
+  // TMA weight tiles need one [E, fc1_out, H] tensor and contiguous gate / linear halves.
+  const bool tma = a.w1_table == nullptr && (!gated || a.activation.glu_interleave == 0);
+  const int cluster = tma ? 2 : 1;
+  if (tma) {
+    p.w1_map = weight_map(a.w1_base, a.experts, gated ? 2 * int64_t(a.F) : a.F, a.H);
+  } else {
+    std::memset(&p.w1_map, 0, sizeof p.w1_map);
+  }
+  // At most one cluster tile per cluster * 128 rows plus one partial tile per expert, per feature
+  // block; the grid is a whole number of clusters.
+  const int64_t max_tiles = ((a.R + cluster * kBM - 1) / (cluster * kBM) + a.experts) * p.feature_tiles;
+  const int64_t clusters = std::min<int64_t>(max_tiles, a.sm_count / cluster);
+  const int grid = static_cast<int>(clusters * cluster);
   switch (a.activation.kind) {
-    case Activation::kSwiGLU: launch_kernel<Activation::kSwiGLU>(p, grid, stream); break;
-    case Activation::kGeGLU: launch_kernel<Activation::kGeGLU>(p, grid, stream); break;
-    case Activation::kClampedSwiGLU: launch_kernel<Activation::kClampedSwiGLU>(p, grid, stream); break;
-    case Activation::kSquaredReLU: launch_kernel<Activation::kSquaredReLU>(p, grid, stream); break;
+    case Activation::kSwiGLU: launch_kind<Activation::kSwiGLU>(p, tma, grid, stream); break;
+    case Activation::kGeGLU: launch_kind<Activation::kGeGLU>(p, tma, grid, stream); break;
+    case Activation::kClampedSwiGLU: launch_kind<Activation::kClampedSwiGLU>(p, tma, grid, stream); break;
+    case Activation::kSquaredReLU: launch_kind<Activation::kSquaredReLU>(p, tma, grid, stream); break;
   }
 }
 
