@@ -8,8 +8,16 @@
 #include <cstdint>
 
 #include "moe/quant_format.h"
+#include "quant/quant_convert.h"
 
 namespace moe::quant {
+
+// E4M3 encoding of the quantize kernels: the hardware conversion (cvt.rn.satfinite.e4m3x2.f32:
+// round to nearest even, |v| > 448 and inf saturate to +-448, subnormals rounded, signed zeros)
+// with every NaN byte rewritten to 0x7F, four values per call. false selects the software
+// conversion below (bitwise the same results, several times the instructions); the GPU test
+// QuantConvert.HardwareE4M3MatchesSoftware compares the two on every fp32 input.
+constexpr bool kHardwareE4M3 = true;
 
 // ---- conversions -----------------------------------------------------------------------------
 
@@ -40,13 +48,8 @@ __device__ __forceinline__ float e4m3_to_float(uint8_t c) {
   return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
 }
 
-// fp32 -> E2M1 nibble, round to nearest even (the comparisons encode the ties), saturating; NaN -> 0.
-__device__ __forceinline__ uint8_t e2m1_from_float_rn(float v) {
-  const float a = fabsf(v);
-  if (a != a) return 0;
-  const int code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
-  return static_cast<uint8_t>(((__float_as_uint(v) >> 28) & 8u) | code);
-}
+// fp32 -> E2M1 nibble, round to nearest even, saturating; NaN -> 0 (quant_convert.h).
+__device__ __forceinline__ uint8_t e2m1_from_float_rn(float v) { return static_cast<uint8_t>(e2m1_encode_rn(v)); }
 
 // Stochastic rounding: up iff (rbits >> 8) < (|v| - lo) / (hi - lo) * 2^24, both sides exact in fp32.
 __device__ __forceinline__ uint8_t e2m1_from_float_sr(float v, uint32_t rbits) {
@@ -62,10 +65,7 @@ __device__ __forceinline__ uint8_t e2m1_from_float_sr(float v, uint32_t rbits) {
   return sign | static_cast<uint8_t>(c + (up ? 1 : 0));
 }
 
-__device__ __forceinline__ float e2m1_to_float(uint32_t nibble) {
-  const float mag = (nibble & 7u) < 4u ? 0.5f * (nibble & 7u) : ((nibble & 7u) == 4u ? 2.0f : (nibble & 7u) == 5u ? 3.0f : (nibble & 7u) == 6u ? 4.0f : 6.0f);
-  return (nibble & 8u) ? -mag : mag;
-}
+__device__ __forceinline__ float e2m1_to_float(uint32_t nibble) { return e2m1_decode(nibble); }
 
 // 2^k for k in [-128, 127], exact (normal or subnormal fp32).
 __device__ __forceinline__ float pow2f(int k) {
@@ -141,6 +141,40 @@ __device__ __forceinline__ BlockEncode block_encode(float amax, bool pow2, float
 
 // FP8 formats: one E4M3 byte of an element.
 __device__ __forceinline__ uint8_t encode_e4m3(float x, float factor) { return e4m3_from_float(__fmul_rn(x, factor)); }
+
+// Four products x[i] * factor as E4M3 bytes, x[0] in the low byte.
+__device__ __forceinline__ uint32_t encode_e4m3x4(float x0, float x1, float x2, float x3, float factor) {
+  const float p0 = __fmul_rn(x0, factor), p1 = __fmul_rn(x1, factor), p2 = __fmul_rn(x2, factor),
+              p3 = __fmul_rn(x3, factor);
+  if constexpr (kHardwareE4M3) {
+    uint32_t r;
+    // cvt packs its first source into the high byte of each 16-bit half.
+    asm("{\n\t.reg .b16 lo, hi;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n\t"
+        "mov.b32 %0, {lo, hi};\n\t}"
+        : "=r"(r)
+        : "f"(p0), "f"(p1), "f"(p2), "f"(p3));
+    // E4M3 has one NaN pattern per sign (S.1111.111): clear the sign of those bytes (NaN -> 0x7F).
+    const uint32_t nan_bytes = ((r & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+    return r & ~nan_bytes;
+  } else {
+    return static_cast<uint32_t>(e4m3_from_float(p0)) | (static_cast<uint32_t>(e4m3_from_float(p1)) << 8) |
+           (static_cast<uint32_t>(e4m3_from_float(p2)) << 16) | (static_cast<uint32_t>(e4m3_from_float(p3)) << 24);
+  }
+}
+
+// Eight consecutive bf16 (a 16-byte vector, element 0 in the low half of word 0).
+__device__ __forceinline__ float bf16_word_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_word_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+// Largest |x| bit pattern of the bf16 pairs in w, per 16-bit half, folded into acc.
+__device__ __forceinline__ uint32_t abs_max_pairs(uint32_t acc, uint32_t w) { return __vmaxu2(acc, w & 0x7FFF7FFFu); }
+
+// The amax of a pair accumulator as fp32 bits: the larger half, shifted into place.
+__device__ __forceinline__ uint32_t pairs_amax_bits(uint32_t pairs) {
+  return max(pairs << 16, pairs & 0xFFFF0000u);
+}
 
 // ---- scale layouts ---------------------------------------------------------------------------
 

@@ -1,8 +1,20 @@
-// quantize(): one fused kernel per format reads each 128 x 128 tile of x once into shared memory
-// and writes the rowwise copy (1 x b blocks, or the tile's b x b blocks) and the columnwise copy
-// (b x 1 blocks stored transposed, or the transposed b x b blocks) from it. NVFP4 first reduces the
-// global amax of each matrix (a max over fp32 bit patterns, so the result does not depend on the
-// order of the atomics). No allocation, no synchronisation: capturable in a CUDA graph.
+// quantize(): x is read once, with 16-byte vector loads, and quantized from registers.
+//
+// - Rowwise copy only, 1-D blocks (activations): quantize_rows_kernel. A block of b elements of a
+//   row is b / 8 consecutive lanes, each holding one 16-byte vector (8 bf16): the block amax is a
+//   shuffle reduction inside those lanes, each lane stores its 8 codes (8 bytes FP8, 4 bytes FP4)
+//   and the block's first lane the scale. A warp covers 512 contiguous bytes of x per load; the
+//   grid is one wave of resident CTAs looping over the blocks, two blocks per lane in flight.
+// - Anything with a columnwise copy or 2-D blocks: quantize_tile_kernel, one 128 x 128 tile of x
+//   per CTA. The tile is loaded into registers (8 vectors per thread), the rowwise copy quantized
+//   from them as above and the tile stored to shared memory (16-byte chunks, XOR-swizzled so that
+//   both the stores and the column reads are free of bank conflicts); after one barrier each lane
+//   reads 16 consecutive rows of two adjacent columns (one 32-bit word per row), so a columnwise
+//   block (128, 32 or 16 rows) is 8, 2 or 1 lanes of a warp and its amax a shuffle reduction, and
+//   the lane stores 16 codes of each column as one 16-byte (FP8) or 8-byte (FP4) vector.
+// - NVFP4 first reduces the global amax of each matrix (a read of x at full bandwidth; a max over
+//   fp32 bit patterns, so the result does not depend on the order of the atomics).
+// No allocation, no synchronisation: capturable in a CUDA graph.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -18,29 +30,36 @@ namespace moe {
 namespace quant {
 namespace {
 
-constexpr int kTile = 128;         // tile rows and columns
-constexpr int kPitch = kTile + 2;  // bf16 per shared row: odd word pitch (65), conflict-free column reads
 constexpr int kThreads = 256;
+constexpr int kTile = 128;        // tile rows and columns of quantize_tile_kernel
+constexpr int kChunks = kTile / 8;  // 16-byte chunks per tile row
+constexpr int kRowUnroll = 2;     // blocks per lane in flight in quantize_rows_kernel
+
+template <QuantFormat F>
+constexpr int block_len() {
+  return F == QuantFormat::kFP8Block ? 128 : (F == QuantFormat::kMXFP8 ? 32 : 16);
+}
 
 struct CopyParams {
-  uint8_t* data;
+  uint8_t* data;  // nullptr: copy not produced
   void* scale;
-  int64_t rows, cols, block_rows, block_cols, scale_entries;
+  int64_t block_rows, block_cols, scale_entries;
+  bool vec;  // columnwise copy: rows of the copy start 16-byte (FP8) / 8-byte (FP4) aligned
 };
 
-struct TileParams {
-  const __nv_bfloat16* x;
+struct QuantParams {
+  const uint16_t* x;  // bf16 bits
   int64_t M, K;
-  CopyParams row, col;  // data == nullptr: copy not produced
+  CopyParams row, col;
   ScaleLayout layout;
   bool pow2;
   const float* global_amax;  // NVFP4
   uint64_t seed, offset;
 };
 
-CopyParams copy_params(const CopyArgs& a) {
-  return CopyParams{static_cast<uint8_t*>(a.enabled ? a.data : nullptr), a.scale, a.rows, a.cols,
-                    a.block_rows, a.block_cols, a.scale_entries};
+CopyParams copy_params(const CopyArgs& a, bool vec) {
+  return CopyParams{static_cast<uint8_t*>(a.enabled ? a.data : nullptr), a.scale, a.block_rows, a.block_cols,
+                    a.scale_entries, vec};
 }
 
 template <QuantFormat F>
@@ -53,214 +72,382 @@ __device__ __forceinline__ void store_scale(const CopyParams& c, ScaleLayout lay
     static_cast<uint8_t*>(c.scale)[i] = e.scale_u8;
 }
 
-// Max over the lanes of aligned groups of `width` lanes (a power of two <= 32).
-__device__ __forceinline__ uint32_t group_max(uint32_t v, int width) {
-  for (int s = width / 2; s > 0; s /= 2) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, s));
+// Max over aligned groups of `width` lanes (a power of two <= 32); every lane of the warp calls it.
+template <int kWidth>
+__device__ __forceinline__ uint32_t group_max(uint32_t v) {
+#pragma unroll
+  for (int s = kWidth / 2; s > 0; s /= 2) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, s));
   return v;
 }
 
-__device__ __forceinline__ float bf16_at(const uint16_t* tile, int r, int c) {
-  return __uint_as_float(static_cast<uint32_t>(tile[r * kPitch + c]) << 16);
+// The same on two 16-bit halves at once.
+template <int kWidth>
+__device__ __forceinline__ uint32_t group_max_pairs(uint32_t v) {
+#pragma unroll
+  for (int s = kWidth / 2; s > 0; s /= 2) v = __vmaxu2(v, __shfl_xor_sync(0xFFFFFFFFu, v, s));
+  return v;
 }
 
+__device__ __forceinline__ uint32_t chunk_amax_bits(const uint4& v) {
+  uint32_t a = abs_max_pairs(0u, v.x);
+  a = abs_max_pairs(a, v.y);
+  a = abs_max_pairs(a, v.z);
+  a = abs_max_pairs(a, v.w);
+  return pairs_amax_bits(a);
+}
+
+__device__ __forceinline__ uint4 load_chunk(const uint16_t* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// Quantizes one chunk of 8 consecutive elements of a row and stores its codes; pos is the flat
+// position of its first element in the rowwise copy (a multiple of 8).
+template <QuantFormat F, bool kSR>
+__device__ __forceinline__ void store_row_chunk(const QuantParams& p, const uint4& v, float factor, int64_t pos) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  if constexpr (F == QuantFormat::kNVFP4) {
+    uint32_t packed = 0;
+    if constexpr (kSR) {
+      const Philox4 r0 = sr_bits4(p.seed, p.offset, 0, static_cast<uint64_t>(pos) / 4);
+      const Philox4 r1 = sr_bits4(p.seed, p.offset, 0, static_cast<uint64_t>(pos) / 4 + 1);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float x = i % 2 ? bf16_word_hi(w[i / 2]) : bf16_word_lo(w[i / 2]);
+        packed |= static_cast<uint32_t>(e2m1_from_float_sr(__fmul_rn(x, factor), i < 4 ? r0.v[i] : r1.v[i - 4]))
+                  << (4 * i);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float x = i % 2 ? bf16_word_hi(w[i / 2]) : bf16_word_lo(w[i / 2]);
+        packed |= e2m1_encode_rn(__fmul_rn(x, factor)) << (4 * i);
+      }
+    }
+    *reinterpret_cast<uint32_t*>(p.row.data + pos / 2) = packed;
+  } else {
+    const uint32_t lo = encode_e4m3x4(bf16_word_lo(w[0]), bf16_word_hi(w[0]), bf16_word_lo(w[1]), bf16_word_hi(w[1]),
+                                      factor);
+    const uint32_t hi = encode_e4m3x4(bf16_word_lo(w[2]), bf16_word_hi(w[2]), bf16_word_lo(w[3]), bf16_word_hi(w[3]),
+                                      factor);
+    *reinterpret_cast<uint2*>(p.row.data + pos) = make_uint2(lo, hi);
+  }
+}
+
+// ---- rowwise copy, 1-D blocks ----------------------------------------------------------------
+
+// Grid (x: CTAs per matrix, y: matrix). A task is one 1 x b block (row m, block j) of a matrix;
+// the kGroup lanes of a group take tasks group, group + groups, ... The task's (m, j) is carried
+// from one task to the next by adding (groups / block_cols, groups % block_cols) with a carry, so
+// the loop has no division. The loop bound is the warp's first task, uniform over the warp, so
+// the shuffles always see every lane; groups past the end compute on zeros and store nothing.
+template <QuantFormat F, bool kSR>
+__global__ void __launch_bounds__(kThreads, kSR ? 3 : 5) quantize_rows_kernel(QuantParams p) {
+  constexpr int kB = block_len<F>();
+  constexpr int kGroup = kB / 8;              // lanes per block
+  constexpr int kGroupsPerWarp = 32 / kGroup;
+  const int64_t b = blockIdx.y;
+  const int64_t bc = p.row.block_cols;
+  const int64_t tasks = p.M * bc;
+  const int lane = threadIdx.x % 32, sub = lane % kGroup;
+  const int64_t warp_global = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
+  const int64_t groups = static_cast<int64_t>(gridDim.x) * (kThreads / kGroup);
+  const int64_t first = warp_global * kGroupsPerWarp + lane / kGroup;
+  const float S = F == QuantFormat::kNVFP4 ? nvfp4_global_scale(p.global_amax[b]) : 1.0f;
+  const uint16_t* xb = p.x + b * p.M * p.K;
+  const int64_t step_m = groups / bc, step_j = groups % bc;
+  int64_t m = first / bc, j = first % bc;  // task `t` below
+  for (int64_t t = first, warp_first = first - lane / kGroup; warp_first < tasks;
+       t += kRowUnroll * groups, warp_first += kRowUnroll * groups) {
+    uint4 v[kRowUnroll];
+    int64_t tm[kRowUnroll], tj[kRowUnroll];
+#pragma unroll
+    for (int u = 0; u < kRowUnroll; ++u) {
+      tm[u] = m;
+      tj[u] = j;
+      const int64_t k = (j * kGroup + sub) * 8;
+      v[u] = make_uint4(0, 0, 0, 0);
+      if (t + u * groups < tasks && k < p.K) v[u] = load_chunk(xb + m * p.K + k);
+      m += step_m;
+      j += step_j;
+      if (j >= bc) {
+        j -= bc;
+        ++m;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRowUnroll; ++u) {
+      const float amax = __uint_as_float(group_max<kGroup>(chunk_amax_bits(v[u])));
+      const BlockEncode e = block_encode<F>(amax, p.pow2, S);
+      if (t + u * groups >= tasks) continue;  // after the shuffle
+      const int64_t k = (tj[u] * kGroup + sub) * 8;
+      if (sub == 0) store_scale<F>(p.row, p.layout, b, tm[u], tj[u], e);
+      if (k < p.K) store_row_chunk<F, kSR>(p, v[u], e.factor, (b * p.M + tm[u]) * p.K + k);
+    }
+  }
+}
+
+// ---- tile kernel: columnwise copy and / or 2-D blocks ----------------------------------------
+
+// Shared tile: row r holds 16 chunks of 8 bf16; chunk c of row r sits at chunk position
+// c ^ swizzle(r) (the low three bits only). The term of r / 16 spreads the 8 rows r, r + 16, ...
+// that a warp's column read touches at once over 8 chunk positions; the term of r % 4 spreads the
+// 4 rows of the 16 x 16 block loads of 2-D NVFP4.
+__device__ __forceinline__ int tile_swizzle(int r) { return ((r >> 4) & 7) ^ ((r & 3) << 1); }
+
 template <QuantFormat F, bool kTwoD, bool kSR>
-__global__ void __launch_bounds__(kThreads) quantize_tile_kernel(TileParams p) {
-  constexpr int kB = F == QuantFormat::kFP8Block ? 128 : (F == QuantFormat::kMXFP8 ? 32 : 16);
-  constexpr int kBlocksPerSide = kTile / kB;  // 2-D blocks per tile side: 1 (FP8) or 8 (NVFP4)
-  constexpr int kChunksPerRow = kTile / 8;    // 16-byte chunks of 8 bf16
-  constexpr int kGroup = kB / 8;              // lanes sharing a 1 x b block in the rowwise pass
-  __shared__ __align__(16) uint16_t tile[kTile * kPitch];
-  __shared__ uint32_t blk_amax[kTwoD ? kBlocksPerSide * kBlocksPerSide : 1];
-  __shared__ float blk_factor[kTwoD ? kBlocksPerSide * kBlocksPerSide : 1];
+__global__ void __launch_bounds__(kThreads, kSR ? 2 : 4) quantize_tile_kernel(QuantParams p) {
+  constexpr int kB = block_len<F>();
+  constexpr bool kNV2D = kTwoD && F == QuantFormat::kNVFP4;  // 16 x 16 blocks: one warp per block
+  constexpr int kLoads = kTile * kChunks / kThreads;          // 8 chunks per thread
+  __shared__ __align__(16) uint4 tile[kTile * kChunks];
+  __shared__ float blk_factor[kNV2D ? 64 : 1];  // 2-D NVFP4: [block row][block column] of the tile
+  __shared__ uint32_t warp_amax[kThreads / 32];  // 2-D FP8: the tile is one block
 
   const int64_t b = blockIdx.z;
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile, k0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const float S = F == QuantFormat::kNVFP4 ? nvfp4_global_scale(p.global_amax[b]) : 1.0f;
-  const __nv_bfloat16* xb = p.x + b * p.M * p.K;
+  const uint16_t* xb = p.x + b * p.M * p.K;
 
-  if (kTwoD && tid < kBlocksPerSide * kBlocksPerSide) blk_amax[tid] = 0;
-  // Load the tile (zeros outside x: they never raise an amax).
-  for (int id = tid; id < kTile * kChunksPerRow; id += kThreads) {
-    const int r = id / kChunksPerRow, c = (id % kChunksPerRow) * 8;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (m0 + r < p.M && k0 + c < p.K) v = *reinterpret_cast<const uint4*>(xb + (m0 + r) * p.K + k0 + c);
-    uint32_t* dst = reinterpret_cast<uint32_t*>(tile + r * kPitch + c);  // 4-byte aligned (pitch 260 bytes)
-    dst[0] = v.x;
-    dst[1] = v.y;
-    dst[2] = v.z;
-    dst[3] = v.w;
+  // Which chunk (row r, chunk c of the tile) load i of this thread holds: 2-D NVFP4 gives warp w
+  // the 16 x 16 blocks (w, i), lane l row l / 2 and chunk l % 2 of the block; otherwise a half
+  // warp holds a tile row (one 1 x 128, four 1 x 32 or eight 1 x 16 blocks).
+  auto chunk_row = [&](int i) { return kNV2D ? 16 * warp + lane / 2 : tid / kChunks + 16 * i; };
+  auto chunk_col = [&](int i) { return kNV2D ? 2 * i + lane % 2 : tid % kChunks; };
+
+  uint4 v[kLoads];
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int64_t m = m0 + chunk_row(i), k = k0 + 8 * chunk_col(i);
+    v[i] = make_uint4(0, 0, 0, 0);  // outside x: zeros never raise an amax
+    if (m < p.M && k < p.K) v[i] = load_chunk(xb + m * p.K + k);
   }
-  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int r = chunk_row(i);
+    tile[r * kChunks + (chunk_col(i) ^ tile_swizzle(r))] = v[i];
+  }
 
-  if constexpr (kTwoD) {
-    for (int id = tid; id < kTile * kChunksPerRow; id += kThreads) {
-      const int r = id / kChunksPerRow, c = (id % kChunksPerRow) * 8;
+  float tile_factor = 1.0f;  // 2-D FP8
+  if constexpr (kTwoD && F == QuantFormat::kFP8Block) {
+    uint32_t a = 0;
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) a = max(a, chunk_amax_bits(v[i]));
+    a = group_max<32>(a);
+    if (lane == 0) warp_amax[warp] = a;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) a = max(a, warp_amax[w]);
+    const BlockEncode e = block_encode<F>(__uint_as_float(a), p.pow2, S);
+    tile_factor = e.factor;
+    if (tid == 0) {
+      const int64_t gr = m0 / kB, gc = k0 / kB;
+      if (p.row.data) store_scale<F>(p.row, p.layout, b, gr, gc, e);
+      if (p.col.data) store_scale<F>(p.col, p.layout, b, gc, gr, e);
+    }
+    if (p.row.data) {
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) {
+        const int64_t m = m0 + chunk_row(i), k = k0 + 8 * chunk_col(i);
+        if (m < p.M && k < p.K) store_row_chunk<F, kSR>(p, v[i], tile_factor, (b * p.M + m) * p.K + k);
+      }
+    }
+  } else {
+    // 1-D rowwise blocks, or 2-D NVFP4 (a block is the whole warp): quantize from registers.
+    constexpr int kGroup = kNV2D ? 32 : kB / 8;
+    if (kNV2D || p.row.data) {
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) {
+        const int64_t m = m0 + chunk_row(i), k = k0 + 8 * chunk_col(i);
+        const float amax = __uint_as_float(group_max<kGroup>(chunk_amax_bits(v[i])));
+        const BlockEncode e = block_encode<F>(amax, p.pow2, S);
+        if constexpr (kNV2D) {
+          if (lane == 0) {
+            blk_factor[warp * 8 + i] = e.factor;
+            const int64_t gr = m0 / kB + warp, gc = k0 / kB + i;
+            if (gr * kB < p.M && gc * kB < p.K) {  // M, K multiples of 16: the block is whole
+              if (p.row.data) store_scale<F>(p.row, p.layout, b, gr, gc, e);
+              if (p.col.data) store_scale<F>(p.col, p.layout, b, gc, gr, e);
+            }
+          }
+        } else {
+          if (lane % kGroup == 0 && m < p.M && k < p.K) store_scale<F>(p.row, p.layout, b, m, k / kB, e);
+        }
+        if (p.row.data && m < p.M && k < p.K) store_row_chunk<F, kSR>(p, v[i], e.factor, (b * p.M + m) * p.K + k);
+      }
+    }
+    __syncthreads();
+  }
+  if (!p.col.data) return;
+
+  // Columnwise copy (stored [K, M]: a column of x is a row of the copy). Pass `it` of warp w
+  // handles the column pair kp = 4 (w + 8 it) + lane / 8 (tile columns 2 kp, 2 kp + 1) and the
+  // 16 rows 16 run .. 16 run + 15 with run = lane % 8: per row one 32-bit word of shared memory
+  // (the two columns' bf16), the 32 lanes reading 8 rows x 4 words, all in different banks.
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(tile);
+  const int run = lane % 8;
+  const int64_t mr = m0 + 16 * run;  // first row of this lane's run
+#pragma unroll 1
+  for (int it = 0; it < 2; ++it) {
+    const int kp = 4 * (warp + 8 * it) + lane / 8;
+    const int chunk = kp / 4;
+    uint32_t w[16];
+#pragma unroll
+    for (int jj = 0; jj < 16; ++jj) {
+      const int r = 16 * run + jj;
+      w[jj] = words[(r * kChunks + (chunk ^ tile_swizzle(r))) * 4 + kp % 4];
+    }
+    const int64_t k = k0 + 2 * kp;  // K % 8 == 0: k and k + 1 are both in x or both outside
+    float factor[2];
+    if constexpr (kTwoD) {
+      factor[0] = factor[1] = kNV2D ? blk_factor[run * 8 + kp / 8] : tile_factor;
+    } else {
       uint32_t a = 0;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) a = max(a, abs_bits(bf16_at(tile, r, c + i)));
-      atomicMax(&blk_amax[(r / kB) * kBlocksPerSide + c / kB], a);  // order-independent
-    }
-    __syncthreads();
-    if (tid < kBlocksPerSide * kBlocksPerSide) {
-      const int br = tid / kBlocksPerSide, bc = tid % kBlocksPerSide;
-      const BlockEncode e = block_encode<F>(__uint_as_float(blk_amax[tid]), p.pow2, S);
-      blk_factor[tid] = e.factor;
-      const int64_t gr = m0 / kB + br, gc = k0 / kB + bc;  // block coordinates in the matrix
-      if (gr * kB < p.M && gc * kB < p.K) {
-        if (p.row.data) store_scale<F>(p.row, p.layout, b, gr, gc, e);
-        if (p.col.data) store_scale<F>(p.col, p.layout, b, gc, gr, e);
+      for (int jj = 0; jj < 16; ++jj) a = abs_max_pairs(a, w[jj]);
+      a = group_max_pairs<kB / 16>(a);  // the lanes of one b x 1 block: 8, 2 or 1 runs
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float amax = __uint_as_float(h ? a & 0xFFFF0000u : a << 16);
+        const BlockEncode e = block_encode<F>(amax, p.pow2, S);
+        factor[h] = e.factor;
+        if (run % (kB / 16) == 0 && k < p.K && mr < p.M) store_scale<F>(p.col, p.layout, b, k + h, mr / kB, e);
       }
     }
-    __syncthreads();
-  }
-
-  // Rowwise copy: each thread one chunk of 8 elements per step; 1-D blocks are kGroup lanes.
-  if (p.row.data) {
-    for (int id = tid; id < kTile * kChunksPerRow; id += kThreads) {
-      const int r = id / kChunksPerRow, c = (id % kChunksPerRow) * 8;
-      float v[8];
+    if (k >= p.K || mr >= p.M) continue;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = bf16_at(tile, r, c + i);
-      const int64_t m = m0 + r, k = k0 + c;
-      float factor;
-      if constexpr (kTwoD) {
-        factor = blk_factor[(r / kB) * kBlocksPerSide + c / kB];
-      } else {
-        uint32_t a = 0;
+    for (int h = 0; h < 2; ++h) {
+      float x[16];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) a = max(a, abs_bits(v[i]));
-        a = group_max(a, kGroup);  // every lane takes part: the loop trip count is uniform
-        const BlockEncode e = block_encode<F>(__uint_as_float(a), p.pow2, S);
-        factor = e.factor;
-        if ((id % kGroup) == 0 && m < p.M && k < p.K) store_scale<F>(p.row, p.layout, b, m, k / kB, e);
-      }
-      if (m >= p.M || k >= p.K) continue;
-      const int64_t pos = (b * p.M + m) * p.K + k;  // flat position of the first element
+      for (int jj = 0; jj < 16; ++jj) x[jj] = h ? bf16_word_hi(w[jj]) : bf16_word_lo(w[jj]);
+      const int64_t pos = (b * p.K + k + h) * p.M + mr;  // position in the columnwise copy
       if constexpr (F == QuantFormat::kNVFP4) {
-        uint32_t packed = 0;
+        uint32_t packed[2] = {0, 0};  // M % 16 == 0: the run is whole and pos a multiple of 16
         if constexpr (kSR) {
-          const Philox4 r0 = sr_bits4(p.seed, p.offset, 0, static_cast<uint64_t>(pos) / 4);
-          const Philox4 r1 = sr_bits4(p.seed, p.offset, 0, static_cast<uint64_t>(pos) / 4 + 1);
 #pragma unroll
-          for (int i = 0; i < 8; ++i)
-            packed |= static_cast<uint32_t>(e2m1_from_float_sr(__fmul_rn(v[i], factor), i < 4 ? r0.v[i] : r1.v[i - 4]))
-                      << (4 * i);
-        } else {
+          for (int q = 0; q < 4; ++q) {
+            uint32_t rb[4];
+            if constexpr (kTwoD) {
+              // 2-D blocks round both copies with the rowwise position's bits (exact transpose).
 #pragma unroll
-          for (int i = 0; i < 8; ++i)
-            packed |= static_cast<uint32_t>(e2m1_from_float_rn(__fmul_rn(v[i], factor))) << (4 * i);
-        }
-        *reinterpret_cast<uint32_t*>(p.row.data + pos / 2) = packed;
-      } else {
-        uint32_t lo = 0, hi = 0;
+              for (int e = 0; e < 4; ++e) {
+                const uint64_t idx = static_cast<uint64_t>((b * p.M + mr + 4 * q + e) * p.K + k + h);
+                rb[e] = sr_bits4(p.seed, p.offset, 0, idx / 4).v[idx % 4];
+              }
+            } else {
+              const Philox4 r4 = sr_bits4(p.seed, p.offset, 1, static_cast<uint64_t>(pos) / 4 + q);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          lo |= static_cast<uint32_t>(encode_e4m3(v[i], factor)) << (8 * i);
-          hi |= static_cast<uint32_t>(encode_e4m3(v[i + 4], factor)) << (8 * i);
-        }
-        *reinterpret_cast<uint2*>(p.row.data + pos) = make_uint2(lo, hi);
-      }
-    }
-  }
-
-  // Columnwise copy: a warp per column of the tile, lane l holding rows l, l + 32, l + 64, l + 96;
-  // the copy is stored [K, M], so a column of x is a row of the copy.
-  if (p.col.data) {
-    for (int kk = warp; kk < kTile; kk += kThreads / 32) {
-      const int64_t k = k0 + kk;
-      if (k >= p.K) break;  // uniform over the warp
-      float v[4];
+              for (int e = 0; e < 4; ++e) rb[e] = r4.v[e];
+            }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) v[i] = bf16_at(tile, lane + 32 * i, kk);
-      float factor[4];
-      if constexpr (kTwoD) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) factor[i] = blk_factor[((lane + 32 * i) / kB) * kBlocksPerSide + kk / kB];
-      } else if constexpr (kB == 128) {
-        uint32_t a = 0;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) a = max(a, abs_bits(v[i]));
-        a = group_max(a, 32);
-        const BlockEncode e = block_encode<F>(__uint_as_float(a), p.pow2, S);
-        if (lane == 0) store_scale<F>(p.col, p.layout, b, k, m0 / kB, e);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) factor[i] = e.factor;
-      } else {
-        constexpr int kWidth = kB;  // 32 (MXFP8) or 16 (NVFP4) lanes per block
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t a = group_max(abs_bits(v[i]), kWidth);
-          const BlockEncode e = block_encode<F>(__uint_as_float(a), p.pow2, S);
-          const int64_t m = m0 + lane + 32 * i;
-          if (lane % kWidth == 0 && m < p.M) store_scale<F>(p.col, p.layout, b, k, m / kB, e);
-          factor[i] = e.factor;
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int64_t m = m0 + lane + 32 * i;
-        const int64_t pos = (b * p.K + k) * p.M + m;  // position in the columnwise copy
-        if constexpr (F == QuantFormat::kNVFP4) {
-          uint32_t nib;
-          if constexpr (kSR) {
-            // 2-D blocks round both copies with the rowwise position's bits (exact transpose).
-            const uint64_t idx = kTwoD ? static_cast<uint64_t>((b * p.M + m) * p.K + k) : static_cast<uint64_t>(pos);
-            const Philox4 r = sr_bits4(p.seed, p.offset, kTwoD ? 0 : 1, idx / 4);
-            nib = e2m1_from_float_sr(__fmul_rn(v[i], factor[i]), r.v[idx % 4]);
-          } else {
-            nib = e2m1_from_float_rn(__fmul_rn(v[i], factor[i]));
+            for (int e = 0; e < 4; ++e)
+              packed[q / 2] |= static_cast<uint32_t>(e2m1_from_float_sr(__fmul_rn(x[4 * q + e], factor[h]), rb[e]))
+                               << (4 * ((4 * q + e) % 8));
           }
-          const uint32_t odd = __shfl_down_sync(0xFFFFFFFFu, nib, 1);  // M % 16 == 0: pairs never straddle
-          if (lane % 2 == 0 && m < p.M) p.col.data[pos / 2] = static_cast<uint8_t>(nib | (odd << 4));
         } else {
-          if (m < p.M) p.col.data[pos] = encode_e4m3(v[i], factor[i]);
+#pragma unroll
+          for (int jj = 0; jj < 16; ++jj) packed[jj / 8] |= e2m1_encode_rn(__fmul_rn(x[jj], factor[h])) << (4 * (jj % 8));
+        }
+        uint8_t* dst = p.col.data + pos / 2;
+        if (p.col.vec) {
+          *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+        } else {  // 4-byte aligned (the data check)
+          reinterpret_cast<uint32_t*>(dst)[0] = packed[0];
+          reinterpret_cast<uint32_t*>(dst)[1] = packed[1];
+        }
+      } else {
+        uint32_t q[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[i] = encode_e4m3x4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3], factor[h]);
+        uint8_t* dst = p.col.data + pos;
+        if (p.col.vec && mr + 16 <= p.M) {
+          *reinterpret_cast<uint4*>(dst) = make_uint4(q[0], q[1], q[2], q[3]);
+        } else {  // FP8 block with M not a multiple of 16: rows one by one, inside x only
+          for (int jj = 0; jj < 16 && mr + jj < p.M; ++jj) dst[jj] = static_cast<uint8_t>(q[jj / 4] >> (8 * (jj % 4)));
         }
       }
     }
   }
 }
 
-// Per-matrix global amax (NVFP4): max of |x| bit patterns, atomicMax into a zeroed word.
-__global__ void __launch_bounds__(kThreads) global_amax_kernel(const __nv_bfloat16* x, int64_t per_matrix,
+// ---- NVFP4 global amax -----------------------------------------------------------------------
+
+// Grid (x: CTAs per matrix, y: matrix): max of |x| bit patterns over 16-byte vectors, four loads
+// in flight per thread, then one atomicMax per CTA into the zeroed word of the matrix.
+__global__ void __launch_bounds__(kThreads) global_amax_kernel(const uint16_t* x, int64_t chunks_per_matrix,
                                                                 float* amax) {
+  constexpr int kUnroll = 4;
   const int64_t b = blockIdx.y;
-  const uint4* v = reinterpret_cast<const uint4*>(x + b * per_matrix);
-  const int64_t n = per_matrix / 8;
-  uint32_t a = 0;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const uint4 w = v[i];
-    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+  const uint16_t* xb = x + b * chunks_per_matrix * 8;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  uint32_t a = 0;  // two 16-bit halves
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < chunks_per_matrix;
+       i += kUnroll * stride) {
+    uint4 v[kUnroll];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {  // two bf16 per word; |x| as fp32 bits
-      a = max(a, (words[j] << 16) & 0x7FFFFFFFu);
-      a = max(a, words[j] & 0x7FFF0000u);
+    for (int u = 0; u < kUnroll; ++u)
+      v[u] = i + u * stride < chunks_per_matrix ? load_chunk(xb + (i + u * stride) * 8) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      a = abs_max_pairs(a, v[u].x);
+      a = abs_max_pairs(a, v[u].y);
+      a = abs_max_pairs(a, v[u].z);
+      a = abs_max_pairs(a, v[u].w);
     }
   }
-  a = __reduce_max_sync(0xFFFFFFFFu, a);
+  uint32_t bits = __reduce_max_sync(0xFFFFFFFFu, pairs_amax_bits(a));
   __shared__ uint32_t warp_max[kThreads / 32];
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = a;
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = bits;
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kThreads / 32; ++w) a = max(a, warp_max[w]);
-    atomicMax(reinterpret_cast<unsigned int*>(amax + b), a);
+    for (int w = 1; w < kThreads / 32; ++w) bits = max(bits, warp_max[w]);
+    atomicMax(reinterpret_cast<unsigned int*>(amax + b), bits);
   }
+}
+
+// CTAs of `kernel` resident on the whole device at once (one full wave).
+template <typename Kernel>
+int64_t resident_ctas(Kernel kernel) {
+  int dev = 0, sms = 0, per_sm = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&dev));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+  return std::max<int64_t>(1, static_cast<int64_t>(per_sm) * sms);
+}
+
+// Grid x for `work` units of `per_cta` each per matrix: one wave over all B matrices at most.
+unsigned grid_x(int64_t work, int64_t per_cta, int64_t resident, int64_t B) {
+  const int64_t want = (work + per_cta - 1) / per_cta;
+  const int64_t cap = std::max<int64_t>(1, (resident + B - 1) / B);
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min(want, cap)));
+}
+
+template <QuantFormat F, bool kSR>
+void launch_rows(const QuantParams& p, int64_t B, cudaStream_t stream) {
+  constexpr int kGroup = block_len<F>() / 8;
+  const int64_t tasks = p.M * p.row.block_cols;
+  const dim3 grid(grid_x(tasks, kRowUnroll * (kThreads / kGroup), resident_ctas(quantize_rows_kernel<F, kSR>), B),
+                  static_cast<unsigned>(B));
+  quantize_rows_kernel<F, kSR><<<grid, kThreads, 0, stream>>>(p);
+  MOE_CUDA_CHECK_LAUNCH();
 }
 
 template <QuantFormat F, bool kTwoD, bool kSR>
-void launch_tile(const TileParams& p, int64_t B, cudaStream_t stream) {
+void launch_tile(const QuantParams& p, int64_t B, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((p.K + kTile - 1) / kTile), static_cast<unsigned>((p.M + kTile - 1) / kTile),
                   static_cast<unsigned>(B));
   quantize_tile_kernel<F, kTwoD, kSR><<<grid, kThreads, 0, stream>>>(p);
   MOE_CUDA_CHECK_LAUNCH();
 }
 
-int sm_count() {
-  int dev = 0, sms = 0;
-  MOE_CUDA_CHECK(cudaGetDevice(&dev));
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return sms;
+template <QuantFormat F, bool kSR>
+void launch_format(const QuantParams& p, bool two_d, int64_t B, cudaStream_t stream) {
+  if (!two_d && !p.col.data)
+    launch_rows<F, kSR>(p, B, stream);
+  else if (two_d)
+    launch_tile<F, F != QuantFormat::kMXFP8, kSR>(p, B, stream);  // MXFP8 has no 2-D blocks (validated)
+  else
+    launch_tile<F, false, kSR>(p, B, stream);
 }
 
 }  // namespace
@@ -276,23 +463,25 @@ void quantize(const QuantConfig& config, const TensorView& x, const QuantizedTen
       MOE_CUDA_CHECK(cudaMemsetAsync(c->scale, 0, static_cast<size_t>(a.B * c->scale_entries * scale_bytes), stream));
   if (config.format == QuantFormat::kNVFP4 && a.B > 0) {
     MOE_CUDA_CHECK(cudaMemsetAsync(a.global_amax, 0, static_cast<size_t>(a.B) * sizeof(float), stream));
-    const int64_t per_matrix = a.M * a.K;
-    if (per_matrix > 0) {
-      const int64_t want = (per_matrix / 8 + kThreads - 1) / kThreads;
-      const int64_t cap = std::max<int64_t>(1, 4 * sm_count() / std::max<int64_t>(1, a.B));
-      const dim3 grid(static_cast<unsigned>(std::min(want, cap)), static_cast<unsigned>(a.B));
-      global_amax_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(a.x), per_matrix,
-                                                          a.global_amax);
+    const int64_t chunks = a.M * a.K / 8;  // K % 8 == 0
+    if (chunks > 0) {
+      const dim3 grid(grid_x(chunks, 4 * kThreads, resident_ctas(global_amax_kernel), a.B), static_cast<unsigned>(a.B));
+      global_amax_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const uint16_t*>(a.x), chunks, a.global_amax);
       MOE_CUDA_CHECK_LAUNCH();
     }
   }
   if (a.B == 0 || a.M == 0 || a.K == 0) return;
-  TileParams p;
-  p.x = static_cast<const __nv_bfloat16*>(a.x);
+  QuantParams p;
+  p.x = static_cast<const uint16_t*>(a.x);
   p.M = a.M;
   p.K = a.K;
-  p.row = copy_params(a.row);
-  p.col = copy_params(a.col);
+  p.row = copy_params(a.row, false);
+  // Columnwise rows of M codes start at multiples of the vector size when M is a multiple of 16
+  // and the data pointer is aligned to the vector (16 bytes FP8, 8 bytes FP4).
+  const bool fp4 = config.format == QuantFormat::kNVFP4;
+  const bool col_vec = a.col.enabled && a.M % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(a.col.data) % (fp4 ? 8 : 16) == 0;
+  p.col = copy_params(a.col, col_vec);
   p.layout = config.scale_layout;
   p.pow2 = config.pow2_scale;
   p.global_amax = a.global_amax;
@@ -301,19 +490,16 @@ void quantize(const QuantConfig& config, const TensorView& x, const QuantizedTen
   const bool two_d = config.blocking == QuantBlocking::k2D;
   switch (config.format) {
     case QuantFormat::kFP8Block:
-      two_d ? launch_tile<QuantFormat::kFP8Block, true, false>(p, a.B, stream)
-            : launch_tile<QuantFormat::kFP8Block, false, false>(p, a.B, stream);
+      launch_format<QuantFormat::kFP8Block, false>(p, two_d, a.B, stream);
       break;
     case QuantFormat::kMXFP8:
-      launch_tile<QuantFormat::kMXFP8, false, false>(p, a.B, stream);
+      launch_format<QuantFormat::kMXFP8, false>(p, two_d, a.B, stream);
       break;
     case QuantFormat::kNVFP4:
       if (config.stochastic_rounding)
-        two_d ? launch_tile<QuantFormat::kNVFP4, true, true>(p, a.B, stream)
-              : launch_tile<QuantFormat::kNVFP4, false, true>(p, a.B, stream);
+        launch_format<QuantFormat::kNVFP4, true>(p, two_d, a.B, stream);
       else
-        two_d ? launch_tile<QuantFormat::kNVFP4, true, false>(p, a.B, stream)
-              : launch_tile<QuantFormat::kNVFP4, false, false>(p, a.B, stream);
+        launch_format<QuantFormat::kNVFP4, false>(p, two_d, a.B, stream);
       break;
   }
 }

@@ -150,6 +150,30 @@ std::vector<Case> cases() {
   add(QF::kNVFP4, QB::k2D, SL::kRowMajor, true, true, 3, 64, 144, true);
   add(QF::kNVFP4, QB::k2D, SL::kRowMajor, true, true, 1, 160, 96, false, false, true);
   add(QF::kNVFP4, QB::k1D, SL::kRowMajor, false, true, 1, 32, 16, false);
+  // Tails and loop structure of the kernels: rowwise-only 1-D calls (one lane group per block,
+  // several tasks per lane, block counts per row that do not divide the grid's stride), tiles cut
+  // by M and K, columnwise rows whose length is not a multiple of 16 (element-wise stores and
+  // dequantize), a columnwise-only call, and tensors big enough for several loop trips.
+  add(QF::kFP8Block, QB::k1D, SL::kRowMajor, true, false, 1, 3, 136, false);
+  add(QF::kFP8Block, QB::k1D, SL::kMNMajor, true, false, 2, 37, 392, true, true);
+  add(QF::kFP8Block, QB::k1D, SL::kRowMajor, true, false, 1, 4096, 1160, false);
+  add(QF::kFP8Block, QB::k1D, SL::kRowMajor, true, true, 1, 17, 24, false);
+  add(QF::kFP8Block, QB::k1D, SL::kMNMajor, false, true, 2, 147, 40, true);
+  add(QF::kFP8Block, QB::k1D, SL::kMNMajor, true, true, 1, 1040, 1160, false);
+  add(QF::kFP8Block, QB::k2D, SL::kRowMajor, true, true, 2, 129, 264, true);
+  add(QF::kFP8Block, QB::k2D, SL::kRowMajor, false, true, 1, 5, 8, false);
+  add(QF::kMXFP8, QB::k1D, SL::kSwizzled128x4, true, false, 3, 131, 96, true);
+  add(QF::kMXFP8, QB::k1D, SL::kRowMajor, true, false, 1, 2048, 2080, false);
+  add(QF::kMXFP8, QB::k1D, SL::kSwizzled128x4, true, true, 1, 64, 32, false);
+  add(QF::kMXFP8, QB::k1D, SL::kRowMajor, false, true, 1, 288, 160, false);
+  add(QF::kMXFP8, QB::k1D, SL::kSwizzled128x4, true, true, 1, 1056, 1312, false);
+  add(QF::kNVFP4, QB::k1D, SL::kSwizzled128x4, true, false, 2, 5, 16, true);
+  add(QF::kNVFP4, QB::k1D, SL::kRowMajor, true, false, 1, 2048, 4000, false);
+  add(QF::kNVFP4, QB::k1D, SL::kRowMajor, true, false, 1, 37, 80, false, false, true);
+  add(QF::kNVFP4, QB::k1D, SL::kSwizzled128x4, true, true, 1, 144, 48, false);
+  add(QF::kNVFP4, QB::k1D, SL::kRowMajor, true, true, 1, 1040, 1168, false, false, true);
+  add(QF::kNVFP4, QB::k2D, SL::kRowMajor, true, true, 2, 144, 272, true);
+  add(QF::kNVFP4, QB::k2D, SL::kRowMajor, false, true, 1, 16, 16, false, false, true);
   return out;
 }
 
@@ -250,6 +274,40 @@ TEST(Quantize, ZeroSizeIsValid) {
     quantize(c, TensorView(dx.get(), DType::kBF16, {0, 64}), d.q, nullptr);
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
     d.expect_equal(h, quant_format_name(f));
+  }
+}
+
+// Every kind of empty tensor (no rows, no columns, no matrices): valid, nothing written but the
+// NVFP4 global amax (0); dequantize of the empty copies is a no-op.
+TEST(Quantize, EmptyShapesAreValid) {
+  MOE_REQUIRE_GPU();
+  const struct {
+    int64_t B, M, K;
+    bool batched;
+  } shapes[] = {{1, 64, 0, false}, {1, 0, 0, false}, {0, 32, 64, true}, {3, 0, 32, true}, {2, 64, 0, true}};
+  for (QuantFormat f : {QuantFormat::kFP8Block, QuantFormat::kMXFP8, QuantFormat::kNVFP4}) {
+    for (bool two_d : {false, true}) {
+      if (two_d && f == QuantFormat::kMXFP8) continue;
+      for (const auto& s : shapes) {
+        QuantConfig c;
+        c.format = f;
+        c.blocking = two_d ? QuantBlocking::k2D : QuantBlocking::k1D;
+        c.columnwise = true;
+        const std::string what = std::string(quant_format_name(f)) + (two_d ? " 2d [" : " 1d [") +
+                                 std::to_string(s.B) + "," + std::to_string(s.M) + "," + std::to_string(s.K) + "]";
+        const ref::Quantized h = ref::quantize(c, {}, s.B, s.M, s.K);
+        DeviceBuffer<uint16_t> dx(16);
+        DeviceQuantized d(c, h, s.B, s.M, s.K, s.batched);
+        if (f == QuantFormat::kNVFP4) d.amax.fill_bytes(0xA5);  // must be overwritten with 0
+        quantize(c, view(dx.get(), DType::kBF16, s.B, s.M, s.K, s.batched), d.q, nullptr);
+        MOE_CUDA_CHECK(cudaDeviceSynchronize());
+        d.expect_equal(h, what);
+        DeviceBuffer<float> out(16);
+        dequantize(c, d.q, false, view(out.get(), DType::kFP32, s.B, s.M, s.K, s.batched), nullptr);
+        dequantize(c, d.q, true, view(out.get(), DType::kFP32, s.B, s.K, s.M, s.batched), nullptr);
+        MOE_CUDA_CHECK(cudaDeviceSynchronize());
+      }
+    }
   }
 }
 
