@@ -154,7 +154,36 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ __nv_bfloat162 pack2(float a, float b) { return __floats2bfloat162_rn(a, b); }
+__device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ void unpack_bf16x8(const uint32_t (&w)[4], float (&v)[kernels::kVec]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+
+// 4 x 4 transpose of 32-bit words across the lanes of a quad (j = lane % 4): afterwards out[s] of
+// lane j is in[j] of lane s. In round k lane s sends in[(s - k) % 4] and lane j receives from lane
+// (j + k) % 4; register indices stay static (selects), so nothing goes to local memory.
+__device__ __forceinline__ void quad_transpose(const uint32_t (&in)[4], uint32_t (&out)[4], int j, int lane) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int send = (j - k) & 3, from = (j + k) & 3;
+    uint32_t v = in[0];
+    v = send == 1 ? in[1] : v;
+    v = send == 2 ? in[2] : v;
+    v = send == 3 ? in[3] : v;
+    const uint32_t got = __shfl_sync(kernels::kFullMask, v, (lane & ~3) | from);
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      if (q == from) out[q] = got;
+  }
+}
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // First fc1 row of half `half` (0 or 1) of feature block nt's weight tile, interleave 0.
@@ -254,7 +283,8 @@ __device__ __forceinline__ void release_stage(SharedStorage& s, int st, int lane
   }
 }
 
-template <Activation A, int kCluster>
+// kInterleave0: the GLU interleave is 0 (or there is no GLU), known at compile time.
+template <Activation A, int kCluster, bool kInterleave0>
 __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) {
   constexpr bool kGated = A != Activation::kSquaredReLU;
   const int ctid = threadIdx.x - kProducerThreads;
@@ -302,69 +332,78 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
     warpgroup_fence_operand(acc);
     if (prev >= 0) release_stage<kCluster>(s, prev, lane);
 
-    // Epilogue. This thread holds two rows (r and r + 8) and, per row, column pairs (c, c + 1); in
-    // the gated case accumulator i + 64 is column + 128: the linear half of gate column i.
+    // Epilogue. Accumulator (v0, v1, v2) = index v0 + 2 v1 + 4 v2 is row r + 8 v1, column
+    // 8 v2 + 2 (lane % 4) + v0 (gated: v2 < 16 gate, v2 + 16 its linear partner). The 4 lanes of a
+    // quad hold 4 column blocks of 8 of a row as column pairs; a 4 x 4 transpose of packed bf16
+    // pairs gives each lane one whole block, so every store is a 16-byte vector (a warp writes 8
+    // rows x 64 contiguous bytes) and the bias is one 16-byte load per vector.
+    const int j = lane & 3;
     const int r_first = get<0>(coord(0));
-    float prob[2];
-    bool row_ok[2];
-#pragma unroll
-    for (int v = 0; v < 2; ++v) {
-      const int r = r_first + 8 * v;
-      row_ok[v] = r < tile.rows;
-      prob[v] = (p.probs != nullptr && row_ok[v]) ? p.probs[tile.m0 + r] : 1.0f;
-    }
     const __nv_bfloat16* bias = p.b1_table != nullptr ? p.b1_table[tile.e]
                                 : p.b1_base != nullptr ? p.b1_base + tile.e * h_cols
                                                        : nullptr;
-    constexpr int kPairs = kGated ? 32 : 64;  // column pairs per row written from this thread
+    constexpr int kBlocks = kGated ? 4 : 8;  // groups of 4 column blocks of 8 (gate half when gated)
 #pragma unroll
-    for (int q = 0; q < kPairs; ++q) {
-      // Accumulator index of the pair's first value: v0 = 0, v1 = q % 2 (row + 8), v2 = q / 2.
-      const int i = (q & 1) * 2 + (q >> 1) * 4;
-      const int v = q & 1;
-      if (!row_ok[v]) continue;
-      const int col = get<1>(coord(i));
-      const int64_t row = tile.m0 + r_first + 8 * v;
-      if constexpr (kGated) {
-        const int f = tile.nt * (kBN / 2) + col;
-        if (f >= F) continue;
-        const int gc = kernels::gate_col(f, F, p.interleave), lc = kernels::linear_col(f, F, p.interleave);
-        const int gc1 = kernels::gate_col(f + 1, F, p.interleave), lc1 = kernels::linear_col(f + 1, F, p.interleave);
-        float g0 = round_bf16(acc(i)), g1 = round_bf16(acc(i + 1));
-        float l0 = round_bf16(acc(i + 64)), l1 = round_bf16(acc(i + 65));
-        if (bias != nullptr) {
-          g0 = round_bf16(g0 + __bfloat162float(bias[gc]));
-          g1 = round_bf16(g1 + __bfloat162float(bias[gc1]));
-          l0 = round_bf16(l0 + __bfloat162float(bias[lc]));
-          l1 = round_bf16(l1 + __bfloat162float(bias[lc1]));
+    for (int v1 = 0; v1 < 2; ++v1) {
+      const int r = r_first + 8 * v1;
+      const bool row_ok = r < tile.rows;
+      const int64_t row = tile.m0 + r;
+      const float prob = (p.probs != nullptr && row_ok) ? p.probs[row] : 1.0f;
+#pragma unroll
+      for (int m = 0; m < kBlocks; ++m) {
+        uint32_t g_in[4], g_out[4], l_in[4], l_out[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int i = 2 * v1 + 4 * (4 * m + q);
+          g_in[q] = pack_bf16x2(acc(i), acc(i + 1));
+          if constexpr (kGated) l_in[q] = pack_bf16x2(acc(i + 64), acc(i + 65));
         }
+        quad_transpose(g_in, g_out, j, lane);  // all lanes take part: before any row check
+        if constexpr (kGated) quad_transpose(l_in, l_out, j, lane);
+        const int f = tile.nt * (kGated ? kBN / 2 : kBN) + 8 * (4 * m + j);  // first feature of this lane's 8
+        if (!row_ok || f >= F) continue;
+        float g[kernels::kVec], l[kernels::kVec], out[kernels::kVec];
+        unpack_bf16x8(g_out, g);
+        if constexpr (kGated) unpack_bf16x8(l_out, l);
         __nv_bfloat16* hr = p.h + row * h_cols;
-        if (p.interleave == 1) {
-          // Columns 2f .. 2f + 3 are g(f), l(f), g(f + 1), l(f + 1): one 8-byte store.
-          const __nv_bfloat162 lo = pack2(g0, l0), hi = pack2(g1, l1);
-          uint2 packed;
-          packed.x = *reinterpret_cast<const uint32_t*>(&lo);
-          packed.y = *reinterpret_cast<const uint32_t*>(&hi);
-          *reinterpret_cast<uint2*>(hr + gc) = packed;
+        if constexpr (kGated) {
+          const bool alternating = !kInterleave0 && p.interleave == 1;
+          const int gc = kInterleave0 ? f : kernels::gate_col(f, F, p.interleave);
+          const int lc = kInterleave0 ? F + f : kernels::linear_col(f, F, p.interleave);
+          if (bias != nullptr) {
+            float bg[kernels::kVec], bl[kernels::kVec];
+            if (alternating) {
+              kernels::load_glu_alternating(bias, f, bg, bl);
+            } else {
+              kernels::load_bf16x8(bias + gc, bg);
+              kernels::load_bf16x8(bias + lc, bl);
+            }
+#pragma unroll
+            for (int e = 0; e < kernels::kVec; ++e) {
+              g[e] = round_bf16(g[e] + bg[e]);
+              l[e] = round_bf16(l[e] + bl[e]);
+            }
+          }
+          if (alternating) {
+            kernels::store_glu_alternating(hr, f, g, l);
+          } else {
+            kernels::store_bf16x8(hr + gc, g);
+            kernels::store_bf16x8(hr + lc, l);
+          }
+#pragma unroll
+          for (int e = 0; e < kernels::kVec; ++e) out[e] = ActOp<A>::value(g[e], l[e], p.consts) * prob;
         } else {
-          *reinterpret_cast<__nv_bfloat162*>(hr + gc) = pack2(g0, g1);
-          *reinterpret_cast<__nv_bfloat162*>(hr + lc) = pack2(l0, l1);
+          if (bias != nullptr) {
+            float b[kernels::kVec];
+            kernels::load_bf16x8(bias + f, b);
+#pragma unroll
+            for (int e = 0; e < kernels::kVec; ++e) g[e] = round_bf16(g[e] + b[e]);
+          }
+          kernels::store_bf16x8(hr + f, g);
+#pragma unroll
+          for (int e = 0; e < kernels::kVec; ++e) out[e] = ActOp<A>::value(g[e], 0.0f, p.consts) * prob;
         }
-        const float a0 = ActOp<A>::value(g0, l0, p.consts) * prob[v];
-        const float a1 = ActOp<A>::value(g1, l1, p.consts) * prob[v];
-        *reinterpret_cast<__nv_bfloat162*>(p.act + row * F + f) = pack2(a0, a1);
-      } else {
-        const int f = tile.nt * kBN + col;
-        if (f >= F) continue;
-        float h0 = round_bf16(acc(i)), h1 = round_bf16(acc(i + 1));
-        if (bias != nullptr) {
-          h0 = round_bf16(h0 + __bfloat162float(bias[f]));
-          h1 = round_bf16(h1 + __bfloat162float(bias[f + 1]));
-        }
-        *reinterpret_cast<__nv_bfloat162*>(p.h + row * h_cols + f) = pack2(h0, h1);
-        const float a0 = ActOp<A>::value(h0, 0.0f, p.consts) * prob[v];
-        const float a1 = ActOp<A>::value(h1, 0.0f, p.consts) * prob[v];
-        *reinterpret_cast<__nv_bfloat162*>(p.act + row * F + f) = pack2(a0, a1);
+        kernels::store_bf16x8(p.act + row * F + f, out);
       }
     }
   }
@@ -422,7 +461,7 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_activation_kernel(const __gri
     produce<kGated, kTma>(s, p, total, rank);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-    consume<A, kCluster>(s, p, total, rank);
+    consume<A, kCluster, kTma>(s, p, total, rank);
   }
   // No CTA may leave while its peer can still arrive on its barriers.
   if constexpr (kCluster > 1) cute::cluster_sync();
