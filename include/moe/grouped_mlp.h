@@ -58,9 +58,8 @@ class GroupedMlp {
                cudaStream_t stream);
   // dy bf16 [T, H] -> dx bf16 [T, H], dprobs fp32 [T, k] (top-k) or [T, E] (map);
   // weight gradients too unless config.delay_wgrad. Consumes the state (delayed: backward_dw does).
-  // Recompute mode and fuse_fc1 read the forward's x again: by the address recorded at forward, or
-  // `x` when given (the same values, e.g. restored to another address after offloading; backward_dw
-  // then reads it there too).
+  // Recompute mode reads the forward's x again: by the address recorded at forward, or `x` when
+  // given (the same values, e.g. restored to another address after offloading).
   void backward(const TensorView& dy, const TensorView& dx, const TensorView& dprobs, const SavedState& state,
                 cudaStream_t stream, const TensorView* x = nullptr);
   // Delayed mode: fc2's weight gradients, then fc1's, each parameter's hooks once it is final.

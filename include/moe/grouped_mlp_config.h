@@ -78,9 +78,8 @@ struct GroupedMlpConfig {
   // caller keeps x alive and unchanged until backward. Not combinable with delay_wgrad.
   bool recompute = false;
   // The fused fc1 (see ExpertsConfig::fuse_fc1), which here also gathers the rows of x through the
-  // dispatch map: x_perm is never written by the forward and is not kept in the saved state; the
-  // backward rebuilds it in the workspace from x. The caller keeps x alive and unchanged until
-  // backward (and backward_dw in delayed mode), as in recompute mode.
+  // dispatch map: no separate permute pass (the kernel writes x_perm for the backward while its
+  // tensor cores work). Same results, same saved state and contract as the unfused path.
   bool fuse_fc1 = false;
 
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }

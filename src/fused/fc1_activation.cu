@@ -82,6 +82,7 @@ __host__ __device__ constexpr uint32_t swizzled_chunk(int r, int c) {
 struct Params {
   CUtensorMap w1_map;  // TMA kernels: fc1 weights as a 3D [E, fc1_out, H] tensor (64 x 128 boxes)
   const __nv_bfloat16* a;
+  __nv_bfloat16* a_out;  // x_perm written with the gathered rows, or null
   const int32_t* row_slots;
   int slots;
   const int32_t* offsets;
@@ -284,6 +285,21 @@ __device__ __forceinline__ void release_stage(SharedStorage& s, int st, int lane
 }
 
 // kInterleave0: the GLU interleave is 0 (or there is no GLU), known at compile time.
+// Stage `a` (128 gathered rows x 64 columns, zeros on padding rows) to x_perm rows m0 .. m0 + rows:
+// each of the 256 consumer threads moves 4 16-byte chunks.
+__device__ __forceinline__ void store_a_stage(const uint8_t* a, const Params& p, const Tile& tile, int kb, int ctid) {
+  const int c = ctid & 7;
+  const int k = kb * kBK + c * 8;
+  if (k >= p.H) return;
+#pragma unroll
+  for (int i = 0; i < kBM * 8 / kConsumerThreads; ++i) {
+    const int r = (ctid >> 3) + i * (kConsumerThreads / 8);
+    if (r >= tile.rows) break;
+    const uint4 v = *reinterpret_cast<const uint4*>(a + swizzled_chunk(r, c));
+    *reinterpret_cast<uint4*>(p.a_out + (tile.m0 + r) * p.H + k) = v;
+  }
+}
+
 template <Activation A, int kCluster, bool kInterleave0>
 __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) {
   constexpr bool kGated = A != Activation::kSquaredReLU;
@@ -319,6 +335,9 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
         mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
+      // While the tensor cores run: the gathered rows of this stage out to x_perm (first feature
+      // block only), so the backward finds x_perm without another pass over x.
+      if (p.a_out != nullptr && tile.nt == 0) store_a_stage(s.a[stage], p, tile, kb, ctid);
       warpgroup_wait<1>();  // the previous stage's WGMMAs are done: hand it back
       warpgroup_fence_operand(acc);
       if (prev >= 0) release_stage<kCluster>(s, prev, lane);
@@ -530,6 +549,7 @@ void launch_fc1_activation(const Fc1ActivationArgs& a, cudaStream_t stream) {
   const bool gated = is_gated(a.activation.kind);
   Params p;
   p.a = static_cast<const __nv_bfloat16*>(a.a);
+  p.a_out = static_cast<__nv_bfloat16*>(a.a_out);
   p.row_slots = a.row_slots;
   p.slots = a.slots;
   p.offsets = a.group_offsets;

@@ -6,8 +6,9 @@
 //
 // with exactly the roundings of the unfused path (grouped GEMM into h, bias_add, activation_forward),
 // so both paths give the same h and act whenever their GEMM accumulations agree. A[r, :] is row r of
-// x_perm, or -- gathering -- row row_slots[r] / slots of x (zeros where row_slots[r] < 0), so x_perm
-// never has to exist. Plain C++ interface; the kernel lives in fc1_activation.cu.
+// x_perm, or -- gathering -- row row_slots[r] / slots of x (zeros where row_slots[r] < 0): no
+// separate permute pass; the gathered rows can be written to x_perm on the way (for the backward)
+// while the tensor cores work. Plain C++ interface; the kernel lives in fc1_activation.cu.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +23,7 @@ struct Fc1ActivationArgs {
   // A rows: x_perm [R, H] (row_slots null) or x [T, H] gathered through row_slots [R].
   const void* a = nullptr;
   const int32_t* row_slots = nullptr;
+  void* a_out = nullptr;  // gathering: also write the gathered rows to x_perm [R, H] (or null)
   int slots = 1;
   const int32_t* group_offsets = nullptr;  // [E + 1], read on the device (clamped into [0, R])
   int experts = 0;

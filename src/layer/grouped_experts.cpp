@@ -210,9 +210,10 @@ struct GroupedExperts::Impl {
 
   // The same in one kernel; A rows from `a` directly (row_slots null) or gathered through row_slots.
   void fused_activations(const void* a, const int32_t* row_slots, int slots, const TensorView& g, const TensorView& pp,
-                         const StateBuffers& b, int64_t rows, cudaStream_t s) const {
+                         const StateBuffers& b, int64_t rows, cudaStream_t s, void* a_out = nullptr) const {
     fused::Fc1ActivationArgs f;
     f.a = a;
+    f.a_out = a_out;
     f.row_slots = row_slots;
     f.slots = slots;
     f.group_offsets = g.ptr<const int32_t>();
@@ -353,7 +354,7 @@ void GroupedExperts::forward(const TensorView& x_perm, const TensorView& g, cons
 
 void GroupedExperts::forward_gathered(const TensorView& x, const TensorView& row_slots, int slots,
                                       const TensorView& g, const TensorView& pp, const TensorView& Y,
-                                      const SavedState& state, cudaStream_t s) {
+                                      const TensorView& x_perm_out, const SavedState& state, cudaStream_t s) {
   Impl& m = *impl_;
   const auto& c = m.cfg;
   MOE_CHECK(c.fuse_fc1, "GroupedExperts::forward_gathered: needs config.fuse_fc1 (the fused fc1 gathers the rows)");
@@ -373,16 +374,17 @@ void GroupedExperts::forward_gathered(const TensorView& x, const TensorView& row
     MOE_CHECK(pp.data == nullptr, "argument 'probs_perm': the experts do not apply probs ",
               "(config.probs = at combine); pass an empty view");
   check_device_tensor(Y, "Y", c.dtype, {rows, c.hidden});
+  if (x_perm_out.data != nullptr) check_device_tensor(x_perm_out, "x_perm_out", c.dtype, {rows, c.hidden});
   check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
   MOE_CHECK(state.status() == StateStatus::kEmpty || state.status() == StateStatus::kConsumed,
             "argument 'state' of GroupedExperts::forward_gathered: expected an empty or consumed saved state, got one ",
             state_status_name(state.status()), " (its backward is not complete; reset() it to discard that forward)");
   const StateBuffers b = m.state_layout(static_cast<char*>(state.device()));
-  m.fused_activations(x.data, row_slots.ptr<const int32_t>(), slots, g, pp, b, rows, s);
+  m.fused_activations(x.data, row_slots.ptr<const int32_t>(), slots, g, pp, b, rows, s, x_perm_out.data);
   m.gemm.fprop(bf16_view(b.act, rows, c.ffn), m.w2, g, Y, m.gemm_workspace(), s);
   if (c.bias) bias_add(Y, m.b2, pp, g, s);
-  // No x_perm: backward refuses the state until relocate() points it at one.
-  m.fill_header(state, TensorView(), g, pp, rows);
+  // Without x_perm_out, backward refuses the state until relocate() points it at an x_perm.
+  m.fill_header(state, x_perm_out, g, pp, rows);
 }
 
 void GroupedExperts::recompute(const TensorView& x_perm, const TensorView& g, const TensorView& pp,

@@ -2,7 +2,8 @@
 // checks arguments, plans memory and orders the stages.
 //
 // Forward:  plan -> permute -> experts forward -> unpermute
-//           (fuse_fc1: plan -> experts forward gathering the rows of x -> unpermute)
+//           (fuse_fc1: plan -> experts forward gathering the rows of x, writing x_perm on the way
+//           -> unpermute)
 // Backward: [recompute: permute + experts recompute] -> unpermute_bwd -> experts backward
 //           -> permute_bwd      (weight gradients deferred to backward_dw in delayed mode)
 //
@@ -10,9 +11,7 @@
 // the combine (its backward needs <Y, dy>), dY in delayed mode (backward_dw reads it), and the
 // experts' state (h, act, ...). Recompute mode keeps only the plan and the address of the caller's
 // x; x_perm, Y and the experts' activations then live in the layer's workspace and are rebuilt by
-// the backward with the same kernels on the same inputs (bitwise the same gradients). With
-// fuse_fc1 the forward never writes x_perm and the state keeps none: the backward (and
-// backward_dw) permute the caller's x again into the workspace.
+// the backward with the same kernels on the same inputs (bitwise the same gradients).
 //
 // Workspace (shared by all states, used only while a call runs): `Y` is the experts' output when
 // probs are applied in the activation, then dY (non-delayed) and dx_perm -- the experts read dY
@@ -58,7 +57,6 @@ struct GroupedMlp::Impl {
   uint16_t* Y_ws = nullptr;
   float* dpp_ws = nullptr;
   // Recompute mode: x_perm, the combine's Y and an experts state, all rebuilt by each backward.
-  // fuse_fc1: x_perm only, rebuilt by each backward.
   uint16_t *x_perm_ws = nullptr, *Ycomb_ws = nullptr;
   char* experts_ws = nullptr;
   StateHeader recompute_header[GroupedExperts::kStateHeaders];
@@ -72,8 +70,6 @@ struct GroupedMlp::Impl {
   }
 
   bool probs_in_act() const { return cfg.probs == ProbsPlacement::kInActivation; }
-  // x_perm lives in the workspace (rebuilt from x by each backward), not in the state.
-  bool x_perm_in_workspace() const { return cfg.recompute || cfg.fuse_fc1; }
 
   StateLayout plan_state() const {
     const int64_t H = cfg.hidden;
@@ -86,8 +82,8 @@ struct GroupedMlp::Impl {
     };
     l.plan = at(static_cast<int64_t>(dispatcher.plan_bytes()));
     if (!cfg.recompute) {
-      l.has_x_perm = !cfg.fuse_fc1;
-      if (l.has_x_perm) l.x_perm = at(R * H * 2);
+      l.has_x_perm = true;
+      l.x_perm = at(R * H * 2);
       l.has_Y = !probs_in_act();
       if (l.has_Y) l.Y = at(R * H * 2);
       l.has_dY = cfg.delay_wgrad;
@@ -104,8 +100,8 @@ struct GroupedMlp::Impl {
     DeviceArena a(base);
     Y_ws = a.take<uint16_t>(R * H);
     if (probs_in_act()) dpp_ws = a.take<float>(R);
-    if (x_perm_in_workspace()) x_perm_ws = a.take<uint16_t>(R * H);
     if (cfg.recompute) {
+      x_perm_ws = a.take<uint16_t>(R * H);
       if (!probs_in_act()) Ycomb_ws = a.take<uint16_t>(R * H);
       experts_ws = a.take<char>(static_cast<int64_t>(experts.state_bytes()));
     }
@@ -122,7 +118,7 @@ struct GroupedMlp::Impl {
     return st.slice(layout.experts, experts.state_bytes(), kExpertsHeader, GroupedExperts::kStateHeaders);
   }
   void* at(const SavedState& st, size_t off) const { return static_cast<char*>(st.device()) + off; }
-  void* x_perm_of(const SavedState& st) const { return x_perm_in_workspace() ? x_perm_ws : at(st, layout.x_perm); }
+  void* x_perm_of(const SavedState& st) const { return cfg.recompute ? x_perm_ws : at(st, layout.x_perm); }
   // The Y the combine merges with probs (probs at combine only).
   void* Ycomb_of(const SavedState& st) const { return cfg.recompute ? Ycomb_ws : at(st, layout.Y); }
   TensorView pp_or_none(const SavedState& plan) const {
@@ -135,13 +131,15 @@ struct GroupedMlp::Impl {
     experts.forward(bf16_view(x_perm, R, cfg.hidden), dispatcher.group_offsets(plan), pp_or_none(plan),
                     bf16_view(Y, R, cfg.hidden), es, s);
   }
-  // The same with the rows of x gathered inside the fused fc1 (x_perm never written).
-  void run_experts_gathered(const SavedState& plan, const TensorView& x, void* Y, const SavedState& es,
+  // The same with the rows of x gathered inside the fused fc1, which writes x_perm on the way
+  // (recompute mode: not at all, the backward permutes again).
+  void run_experts_gathered(const SavedState& plan, const TensorView& x, void* x_perm, void* Y, const SavedState& es,
                             cudaStream_t s) {
     experts.forward_gathered(x, dispatcher.row_slots(plan), dispatcher.slots_per_token(),
-                             dispatcher.group_offsets(plan), pp_or_none(plan), bf16_view(Y, R, cfg.hidden), es, s);
+                             dispatcher.group_offsets(plan), pp_or_none(plan), bf16_view(Y, R, cfg.hidden),
+                             x_perm ? bf16_view(x_perm, R, cfg.hidden) : TensorView(), es, s);
   }
-  // x read again (fuse_fc1 or recompute): the forward's x, or the caller's view of it.
+  // x read again in recompute mode: the forward's x, or the caller's view of it.
   TensorView x_of(const SavedState& st, const TensorView* x_in) const {
     const StateHeader& h = st.header(kLayerHeader);
     return x_in ? *x_in : bf16_view(reinterpret_cast<void*>(h.pointer), h.tokens, cfg.hidden);
@@ -181,9 +179,8 @@ void GroupedMlp::forward(const TensorView& x, const RoutingView& routing, const 
             "argument 'state' of GroupedMlp::forward: expected an empty or consumed saved state, got one ",
             state_status_name(state.status()), " (its backward is not complete; reset() it to discard that forward)");
   MOE_CHECK(m.experts.weight_binding() != 0, "GroupedMlp::forward: no weights bound (call set_weights first)");
-  MOE_CHECK(!m.x_perm_in_workspace() || y.data != x.data || T == 0, "argument 'y': ",
-            c.recompute ? "recompute mode" : "the fused fc1 (fuse_fc1)", " reads x again in backward, so y must not ",
-            "overwrite it");
+  MOE_CHECK(!c.recompute || y.data != x.data || T == 0, "argument 'y': recompute mode reads x again in backward, ",
+            "so y must not overwrite it");
   // The routing itself is checked by the plan before anything is enqueued.
   const SavedState plan = m.plan_of(state);
   m.dispatcher.plan(routing, m.errors.device_ptr(), plan, s);
@@ -191,7 +188,7 @@ void GroupedMlp::forward(const TensorView& x, const RoutingView& routing, const 
   if (c.recompute) es.reset();  // the workspace state only serves this call
   void* Y = m.probs_in_act() ? m.Y_ws : m.Ycomb_of(state);
   if (c.fuse_fc1) {
-    m.run_experts_gathered(plan, x, Y, es, s);
+    m.run_experts_gathered(plan, x, c.recompute ? nullptr : m.x_perm_of(state), Y, es, s);
   } else {
     void* x_perm = m.x_perm_of(state);
     m.dispatcher.permute(plan, x, bf16_view(x_perm, m.R, c.hidden), s);
@@ -227,10 +224,6 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
   const SavedState plan = m.plan_of(state);
   SavedState es = m.experts_of(state);
   if (!c.recompute) {
-    if (c.fuse_fc1) {
-      m.dispatcher.permute(plan, x, bf16_view(m.x_perm_ws, m.R, H), s);
-      if (x_in) state.header(kLayerHeader).pointer = reinterpret_cast<uint64_t>(x_in->data);  // for backward_dw
-    }
     // The experts' state records the addresses of x_perm, the group offsets and probs_perm, which
     // live in this state: point it at where the state is now (it may have been moved).
     m.experts.relocate(es, bf16_view(m.x_perm_of(state), m.R, H), m.dispatcher.group_offsets(plan),
@@ -273,8 +266,6 @@ void GroupedMlp::backward_dw(const SavedState& state, cudaStream_t s) {
   MOE_CHECK(m.experts.grads_bound(), "GroupedMlp::backward_dw: no gradient tensors bound (call set_grads first)");
   const SavedState plan = m.plan_of(state), es = m.experts_of(state);
   const TensorView dY = bf16_view(m.at(state, m.layout.dY), m.R, m.cfg.hidden);
-  // The fused fc1 kept no x_perm: rebuild it for fc1's weight gradient.
-  if (m.cfg.fuse_fc1) m.dispatcher.permute(plan, m.x_of(state, nullptr), bf16_view(m.x_perm_ws, m.R, m.cfg.hidden), s);
   m.experts.relocate(es, bf16_view(m.x_perm_of(state), m.R, m.cfg.hidden), m.dispatcher.group_offsets(plan),
                      m.pp_or_none(plan), &dY);
   m.experts.backward_dw(es, s);
