@@ -64,6 +64,31 @@ __device__ __forceinline__ void store_grad_row(const RouterBackwardArgs& a, int6
   }
 }
 
+// Asks the L2 for what row t's backward reads besides the register-loaded logits: the saved
+// routing (selected, indices or map) and the incoming d probs, and with logits the row itself.
+// Each of these was a DRAM round trip on the row's critical path (the first one decides whether the
+// row is routed at all), one row after another.
+template <int NJ, bool kBF16>
+__device__ __forceinline__ void prefetch_saved(const RouterBackwardArgs& a, int64_t t, const Lanes& l, int base,
+                                               bool logits) {
+  const RouterRowParams& p = a.p;
+  if (t >= p.T) return;
+  if (logits) prefetch_row<NJ, kBF16>(p, t, base);
+  if (a.form == RoutingForm::kTopK) {
+    if (l.lane_g == 0) {
+      prefetch_l2(a.selected + t * p.W);
+      prefetch_l2(a.indices + t * p.k);
+      if (a.d_probs) prefetch_l2(a.d_probs + t * p.k);
+    }
+  } else {
+    if (l.lane_g == 0) prefetch_l2(a.selected + t * p.W);
+    if (base < p.E) {
+      prefetch_l2(a.map + t * p.E + base);
+      if (a.d_probs) prefetch_l2(a.d_probs + t * p.E + base);
+    }
+  }
+}
+
 template <int NJ, bool kBF16>
 __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) backward_kernel(RouterBackwardArgs a, int32_t tiles_per_block) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -107,12 +132,17 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) backward_kernel(Rou
   int64_t tile = int64_t{blockIdx.x} * tiles_per_block + warp;
   RawRow<NJ, kBF16> raw;
   if (tile < tile_end) load_row<NJ, kBF16>(p, tile * RPW + L.slot, tile * RPW + L.slot < p.T, base, raw);
+  for (int d = 1; d < kPrefetchTiles; ++d)
+    if (tile + d * kRouterWarps < tile_end) prefetch_saved<NJ, kBF16>(a, (tile + d * kRouterWarps) * RPW + L.slot, L, base, d > 1);
+  prefetch_saved<NJ, kBF16>(a, tile * RPW + L.slot, L, base, false);
   for (; tile < tile_end; tile += kRouterWarps) {
     const int64_t t = tile * RPW + L.slot;
     float z[NJ];
     unpack_row<NJ, kBF16>(raw, z);
     const int64_t next = tile + kRouterWarps;
     if (next < tile_end) load_row<NJ, kBF16>(p, next * RPW + L.slot, next * RPW + L.slot < p.T, base, raw);
+    const int64_t ahead = tile + kPrefetchTiles * kRouterWarps;
+    if (ahead < tile_end) prefetch_saved<NJ, kBF16>(a, ahead * RPW + L.slot, L, base, true);
     if (t >= p.T) continue;  // the whole group
     float dz[NJ];
 #pragma unroll
@@ -127,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) backward_kernel(Rou
     float ex[NJ], s[NJ];
 #pragma unroll
     for (int j = 0; j < NJ; ++j) ex[j] = 0.0f;
-    if (soft || zl) softmax_parts<NJ>(z, L, mx, inv, lse, ex);
+    if (soft || zl) softmax_parts<NJ>(z, L, zl, mx, inv, lse, ex);
 #pragma unroll
     for (int j = 0; j < NJ; ++j) s[j] = soft ? __fmul_rn(ex[j], inv) : sigmoid_score(z[j]);
     float ssum = 1.0f;

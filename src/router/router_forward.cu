@@ -261,12 +261,16 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
   int64_t tile = int64_t{blockIdx.x} * tiles_per_block + warp;
   RawRow<NJ, kBF16> raw;
   if (tile < tile_end) load_row<NJ, kBF16>(p, tile * RPW + L.slot, tile * RPW + L.slot < p.T, base, raw);
+  for (int d = 2; d < kPrefetchTiles; ++d)
+    if (tile + d * kRouterWarps < tile_end) prefetch_row<NJ, kBF16>(p, (tile + d * kRouterWarps) * RPW + L.slot, base);
   for (; tile < tile_end; tile += kRouterWarps) {
     const int64_t t = tile * RPW + L.slot;
     float z[NJ];
     unpack_row<NJ, kBF16>(raw, z);
     const int64_t next = tile + kRouterWarps;  // prefetch: the next row's load overlaps this row's work
     if (next < tile_end) load_row<NJ, kBF16>(p, next * RPW + L.slot, next * RPW + L.slot < p.T, base, raw);
+    const int64_t ahead = tile + kPrefetchTiles * kRouterWarps;  // and rows further on wait in L2
+    if (ahead < tile_end) prefetch_row<NJ, kBF16>(p, ahead * RPW + L.slot, base);
     if (t >= p.T) continue;  // the whole group
     if (group_any(!bias_ok || !lane_finite<NJ>(z, vmask), L)) {
       bits |= kErrNonFiniteLogit;
@@ -281,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
     for (int j = 0; j < NJ; ++j) s[j] = 0.0f;
     if (soft || want_lse) {
       float ex[NJ];
-      softmax_parts<NJ>(z, L, mx, inv, lse, ex);
+      softmax_parts<NJ>(z, L, want_lse, mx, inv, lse, ex);
       if (soft && need_s) {
 #pragma unroll
         for (int j = 0; j < NJ; ++j) s[j] = __fmul_rn(ex[j], inv);
@@ -582,7 +586,7 @@ __global__ void __launch_bounds__(kThreads) seq_loss_kernel(RouterForwardArgs a)
     float s[NJ];
     if (soft) {
       float mx, inv, lse, ex[NJ];
-      softmax_parts<NJ>(z, L, mx, inv, lse, ex);
+      softmax_parts<NJ>(z, L, false, mx, inv, lse, ex);
 #pragma unroll
       for (int j = 0; j < NJ; ++j) acc[j] += __fmul_rn(ex[j], inv);
     } else {

@@ -18,6 +18,8 @@ namespace moe::kernels::router {
 
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kThreads = kRouterWarps * 32;
+// Row tiles a warp asks the L2 for ahead of the tile it works on (prefetch_row).
+constexpr int kPrefetchTiles = 4;
 
 // ---- lane groups ----
 
@@ -110,6 +112,22 @@ __device__ __forceinline__ void load_row(const RouterRowParams& p, int64_t t, bo
   }
 }
 
+// Asks the L2 for the line holding `ptr` (no register, no wait): the row loops call this a few
+// rows ahead of the row they load, so that many more bytes are in flight per SM than the one row a
+// warp keeps in registers -- with one prefetched row per warp, each row's DRAM latency was exposed
+// and the kernels ran far below the memory rate.
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
+}
+
+// The lane's part of row t (any t < T), prefetched into L2.
+template <int NJ, bool kBF16>
+__device__ __forceinline__ void prefetch_row(const RouterRowParams& p, int64_t t, int base) {
+  if (t >= p.T || base >= p.E) return;
+  const size_t esize = kBF16 ? 2 : 4;
+  prefetch_l2(static_cast<const char*>(p.logits) + (t * p.E + base) * esize);
+}
+
 template <int NJ, bool kBF16>
 __device__ __forceinline__ void unpack_row(const RawRow<NJ, kBF16>& r, float (&z)[NJ]) {
   if constexpr (kBF16) {
@@ -153,10 +171,10 @@ __device__ __forceinline__ float score_of(const RouterRowParams& p, float z, flo
   return p.score == ScoreFunction::kSoftmax ? softmax_score(z, mx, inv) : sigmoid_score(z);
 }
 
-// Softmax pieces of a row: the max, the reciprocal of the sum of exp(z - max), the logsumexp and
-// each exp(z - max).
+// Softmax pieces of a row: the max, the reciprocal of the sum of exp(z - max), the logsumexp (when
+// want_lse) and each exp(z - max).
 template <int NJ>
-__device__ __forceinline__ void softmax_parts(const float (&z)[NJ], const Lanes& l, float& mx, float& inv, float& lse,
+__device__ __forceinline__ void softmax_parts(const float (&z)[NJ], const Lanes& l, bool want_lse, float& mx, float& inv, float& lse,
                                               float (&ex)[NJ]) {
   float m = z[0];
 #pragma unroll
@@ -170,7 +188,7 @@ __device__ __forceinline__ void softmax_parts(const float (&z)[NJ], const Lanes&
   }
   sum = group_sum(sum, l);
   inv = 1.0f / sum;
-  lse = mx + logf(sum);
+  lse = want_lse ? mx + logf(sum) : 0.0f;  // only the z-loss needs it: a logf per row saved
 }
 
 // ---- selection keys ----

@@ -179,8 +179,11 @@ struct RouterRun {
     losses.fill_bytes(0xAB);
     counts64.fill_bytes(0xAB);
   }
-  void enqueue(const Router& r, uint32_t* err, cudaStream_t s) const {
+  // sync_between: wait for the forward before enqueueing the backward, so that a device fault is
+  // reported by the call that caused it (faults are sticky and surface at the next API call).
+  void enqueue(const Router& r, uint32_t* err, cudaStream_t s, bool sync_between = false) const {
     r.forward(logits_view(), bias_view(), outputs(), err, s);
+    if (sync_between) MOE_CUDA_CHECK(cudaStreamSynchronize(s));
     r.backward(logits_view(), outputs(), grads(), dlogits_view(), s);
   }
 
@@ -308,7 +311,7 @@ void run_case(const Case& c) {
   run.upload(in.z, in.b, in.dp, in.dl);
   ErrorWord ew;
   run.poison();
-  run.enqueue(router, ew.device_ptr(), nullptr);
+  run.enqueue(router, ew.device_ptr(), nullptr, true);
   const auto first = run.download(ew);
   check(c, cfg, run, in, first);
   run.poison();
@@ -497,9 +500,11 @@ TEST(Router, LaneGroupLayouts) {
   }));
 }
 
-TEST(Router, GroupLimitLayouts) {
+// The group-limit layouts, one test each so that a failure names its layout.
+// bf16 without a bias (32-bit keys) and group limit: fast path (16 experts per group: 2 lanes of a
+// group of 8 lanes per row, four rows per warp).
+TEST(Router, GroupLimitFastPathTwoLanesPerGroup) {
   MOE_REQUIRE_GPU();
-  // bf16 without a bias (32-bit keys) and group limit: fast path (16 experts per group: 2 lanes).
   Case fast32 = make("E64 G4/2 bf16 softmax no bias", 64, 4, 1000, [](RouterConfig& c) {
     c.num_groups = 4;
     c.topk_groups = 2;
@@ -507,7 +512,11 @@ TEST(Router, GroupLimitLayouts) {
   }, true);
   fast32.scale = 1.0;
   run_case(fast32);
-  // General path: 48 experts per group of E = 384 (16 per lane, 3 lanes per group), with a bias.
+}
+
+// General path: 48 experts per group of E = 384 (16 per lane, 3 lanes per group), with a bias.
+TEST(Router, GroupLimitGeneralPathWide) {
+  MOE_REQUIRE_GPU();
   Case wide = make("E384 G8/3 sigmoid bias bf16", 384, 8, 500, [](RouterConfig& c) {
     c.score = ScoreFunction::kSigmoid;
     c.normalize_topk = true;
@@ -517,7 +526,11 @@ TEST(Router, GroupLimitLayouts) {
   }, true);
   wide.scale = 1.0;
   run_case(wide);
-  // General path: groups smaller than a lane's experts (E = 24: 4 experts per group, 8 per lane).
+}
+
+// General path: groups smaller than a lane's experts (E = 24: 4 experts per group, 8 per lane).
+TEST(Router, GroupLimitGeneralPathSmallGroups) {
+  MOE_REQUIRE_GPU();
   Case small = make("E24 G6/3 sigmoid fp32", 24, 4, 800, [](RouterConfig& c) {
     c.score = ScoreFunction::kSigmoid;
     c.num_groups = 6;
@@ -525,7 +538,11 @@ TEST(Router, GroupLimitLayouts) {
   });
   small.scale = 1.0;
   run_case(small);
-  // Fast path with one lane per group (8 experts per group), 64-bit keys (bias), seq loss.
+}
+
+// Fast path with one lane per group (8 experts per group), 64-bit keys (bias), seq loss.
+TEST(Router, GroupLimitFastPathOneLanePerGroupSeqLoss) {
+  MOE_REQUIRE_GPU();
   Case one = make("E128 G16/4 sigmoid bias seq loss", 128, 6, 1024, [](RouterConfig& c) {
     c.score = ScoreFunction::kSigmoid;
     c.normalize_topk = true;
