@@ -335,9 +335,11 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
         mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
-      // While the tensor cores run: the gathered rows of this stage out to x_perm (first feature
-      // block only), so the backward finds x_perm without another pass over x.
-      if (p.a_out != nullptr && tile.nt == 0) store_a_stage(s.a[stage], p, tile, kb, ctid);
+      // While the tensor cores run: the gathered rows of this stage out to x_perm, so the backward
+      // finds x_perm without another pass over x. Each feature block of a row block writes every
+      // feature_tiles-th k block: the writes spread evenly over all tiles instead of saturating
+      // HBM during the first feature block's tiles.
+      if (p.a_out != nullptr && kb % p.feature_tiles == tile.nt) store_a_stage(s.a[stage], p, tile, kb, ctid);
       warpgroup_wait<1>();  // the previous stage's WGMMAs are done: hand it back
       warpgroup_fence_operand(acc);
       if (prev >= 0) release_stage<kCluster>(s, prev, lane);
