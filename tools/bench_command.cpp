@@ -28,12 +28,19 @@ struct BenchArgs {
   bool all = false;
   bool json = false;
   bool no_check = false;
-  bool unfused = false;
+  std::string fc1 = "auto";
   double skew = 0.0;
   int align = 0;
   int repeats = 20;
   std::string activation = "swiglu";
 };
+
+// The fused fc1 beats the unfused path on the H100 for F <= 1024 (fine-grained experts, where the
+// saved permute and activation passes weigh most); for larger F the CUTLASS GEMM is faster (see
+// docs/fused.md).
+bool uses_fused_fc1(const std::string& mode, const bench::Shape& s) {
+  return mode == "fused" || (mode == "auto" && s.F <= 1024);
+}
 
 double tflops(double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0; }
 
@@ -78,12 +85,11 @@ void run_bench(const BenchArgs& a) {
   o.check = !a.no_check;
   o.repeats = a.repeats;
   o.activation = activation_from_name(a.activation);
-  o.fuse_fc1 = !a.unfused;
 
   const std::string device = bench::device_description();
   if (!a.json) {
-    std::printf("moe-engine bench on %s: bf16, %s, probs in the activation, A=%d, routing skew %.2f, %s fc1\n",
-                device.c_str(), a.activation.c_str(), a.align, a.skew, a.unfused ? "unfused" : "fused");
+    std::printf("moe-engine bench on %s: bf16, %s, probs in the activation, A=%d, routing skew %.2f, fc1 %s\n",
+                device.c_str(), a.activation.c_str(), a.align, a.skew, a.fc1.c_str());
     std::printf("TFLOP/s: forward 6TkHF, backward 12TkHF, total 18TkHF (padding rows not counted); "
                 "times are medians of %d runs (min-max)\n\n", a.repeats);
     std::printf("%-18s | %-26s | %-26s | %-26s | %-21s | %8s | %s\n", "shape", "graph fwd ms (TFLOP/s)",
@@ -92,6 +98,7 @@ void run_bench(const BenchArgs& a) {
   bool all_ok = true;
   std::vector<std::vector<double>> chart_values;  // per shape: graph fwd, bwd, total TFLOP/s
   for (const auto& s : shapes) {
+    o.fuse_fc1 = uses_fused_fc1(a.fc1, s);
     bench::LayerBenchResult r = bench::run_layer_bench(s, o);
     const double ff = r.flops_fwd();
     const double g_bwd = r.fwd_bwd_graph.median_ms - r.fwd_graph.median_ms;
@@ -102,7 +109,7 @@ void run_bench(const BenchArgs& a) {
     if (a.json) {
       nlohmann::json j = {
           {"shape", s.name}, {"T", s.T}, {"H", s.H}, {"F", s.F}, {"E", s.E}, {"k", s.k}, {"device", device},
-          {"skew", r.skew}, {"align", a.align}, {"activation", a.activation}, {"fc1", a.unfused ? "unfused" : "fused"},
+          {"skew", r.skew}, {"align", a.align}, {"activation", a.activation}, {"fc1", o.fuse_fc1 ? "fused" : "unfused"},
           {"graph", {{"fwd_ms", r.fwd_graph.median_ms}, {"bwd_ms", g_bwd}, {"total_ms", r.fwd_bwd_graph.median_ms},
                      {"fwd_tflops", tflops(ff, r.fwd_graph.median_ms)}, {"bwd_tflops", tflops(2 * ff, g_bwd)},
                      {"total_tflops", tflops(3 * ff, r.fwd_bwd_graph.median_ms)},
@@ -157,8 +164,9 @@ void setup_bench(CLI::App& app) {
   sub->add_option("--activation", args->activation, "swiglu, geglu, clamped-swiglu or squared-relu");
   sub->add_option("--png", args->png, "Also draw the graph-captured forward / backward / total TFLOP/s of each "
                                      "shape as a bar chart into this PNG file");
-  sub->add_flag("--unfused", args->unfused, "Run fc1, its bias and the activation as separate kernels (the "
-                "reference path) instead of the fused fc1");
+  sub->add_option("--fc1", args->fc1, "fused (gather + fc1 + bias + activation x prob in one kernel), unfused "
+                  "(separate kernels, the reference path) or auto (fused where it was measured faster: F <= 1024)")
+      ->check(CLI::IsMember({"auto", "fused", "unfused"}));
   sub->add_flag("--no-check", args->no_check, "Skip the sampled comparison with the CPU reference");
   sub->callback([args] { run_bench(*args); });
 }
