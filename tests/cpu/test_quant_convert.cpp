@@ -9,23 +9,15 @@
 #include <cstring>
 #include <random>
 
+#include "moe/float_convert.h"
 #include "quant/quant_convert.h"
 #include "reference/quantize_ref.h"
 
 namespace moe {
 namespace {
 
-uint32_t bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-}
-
-float from_bits(uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
+uint32_t bits(float x) { return float_bits(x); }
+float from_bits(uint32_t u) { return float_from_bits(u); }
 
 TEST(QuantConvert, E4M3DecodeEveryCode) {
   for (uint32_t c = 0; c < 256; ++c) {
