@@ -25,7 +25,11 @@ torch.cuda.graph), so any number of forwards may be in flight (pipeline schedule
 and their backwards may run in any order. One module's calls must stay on one stream (or streams
 synchronised with each other): its backward workspaces are shared by all micro-batches.
 `recompute=True` (GroupedMLP) keeps only x and the routing and recomputes the rest in backward;
-torch.utils.checkpoint works around either module."""
+torch.utils.checkpoint works around either module.
+
+`fuse_fc1`: fc1, its bias and the activation x prob in one kernel (GroupedMLP: which also gathers
+the rows of x, with no separate permute); same results within bf16 rounding, same saved state.
+None (default) picks it where it was measured faster on the H100: ffn_hidden_size <= 1024."""
 import torch
 from torch import nn
 
@@ -34,6 +38,10 @@ from .state_dict import normalize_expert_keys
 _ops = torch.ops.moe_engine
 _GATED = {"swiglu", "geglu", "clamped-swiglu"}
 _ORDER = (("fc2", "weight"), ("fc2", "bias"), ("fc1", "weight"), ("fc1", "bias"))
+
+
+def _fuse_fc1(choice, ffn_hidden_size):
+    return ffn_hidden_size <= 1024 if choice is None else bool(choice)
 
 
 class _ExpertModule(nn.Module):
@@ -192,7 +200,7 @@ class GroupedMLP(_ExpertModule):
                  glu_interleave=0, bias=False, probs_at_combine=False, align=0, pre_padded=False, row_bound=-1,
                  map_routing=False, per_expert_weights=False, accumulate_into_main_grad=False,
                  wgrad_dtype=torch.bfloat16, delay_wgrad=False, recompute=False, clamp_alpha=1.702,
-                 clamp_limit=7.0, clamp_offset=1.0, device=None, init_std=None):
+                 clamp_limit=7.0, clamp_offset=1.0, device=None, init_std=None, fuse_fc1=None):
         super().__init__()
         self.topk = topk
         self.recompute = recompute
@@ -201,7 +209,8 @@ class GroupedMLP(_ExpertModule):
                                        glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias,
                                        probs_at_combine, align, pre_padded, row_bound, map_routing,
                                        per_expert_weights, accumulate_into_main_grad,
-                                       wgrad_dtype == torch.float32, delay_wgrad, recompute)
+                                       wgrad_dtype == torch.float32, delay_wgrad, recompute,
+                                       _fuse_fc1(fuse_fc1, ffn_hidden_size))
         self._state_bytes = _ops.mlp_state_bytes(self._handle)
         self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
                            accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std)
@@ -244,13 +253,15 @@ class GroupedExperts(_ExpertModule):
     def __init__(self, hidden_size, ffn_hidden_size, num_experts, max_rows, activation="swiglu",
                  glu_interleave=0, bias=False, probs_at_combine=False, per_expert_weights=False,
                  accumulate_into_main_grad=False, wgrad_dtype=torch.bfloat16, delay_wgrad=False,
-                 clamp_alpha=1.702, clamp_limit=7.0, clamp_offset=1.0, device=None, init_std=None):
+                 clamp_alpha=1.702, clamp_limit=7.0, clamp_offset=1.0, device=None, init_std=None,
+                 fuse_fc1=None):
         super().__init__()
         self.probs_at_combine = probs_at_combine
         self._handle = _ops.experts_create(hidden_size, ffn_hidden_size, num_experts, max_rows, activation,
                                            glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias,
                                            probs_at_combine, per_expert_weights, accumulate_into_main_grad,
-                                           wgrad_dtype == torch.float32, delay_wgrad)
+                                           wgrad_dtype == torch.float32, delay_wgrad,
+                                           _fuse_fc1(fuse_fc1, ffn_hidden_size))
         self._state_bytes = _ops.experts_state_bytes(self._handle)
         self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
                            accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std)

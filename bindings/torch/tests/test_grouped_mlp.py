@@ -74,6 +74,7 @@ def run_both(mod, x, idx, probs, kind="swiglu", interleave=0, probs_at_combine=F
     return ours, ref
 
 
+@pytest.mark.parametrize("fuse_fc1", [False, True])
 @pytest.mark.parametrize("kind,bias,interleave,at_combine,per_expert", [
     ("swiglu", False, 0, False, False),
     ("swiglu", True, 32, False, True),
@@ -82,9 +83,9 @@ def run_both(mod, x, idx, probs, kind="swiglu", interleave=0, probs_at_combine=F
     ("clamped-swiglu", True, 32, False, True),
     ("squared-relu", True, 0, True, False),
 ])
-def test_matches_reference(kind, bias, interleave, at_combine, per_expert):
+def test_matches_reference(kind, bias, interleave, at_combine, per_expert, fuse_fc1):
     mod, x, idx, probs = make(activation=kind, bias=bias, glu_interleave=interleave, probs_at_combine=at_combine,
-                              per_expert_weights=per_expert)
+                              per_expert_weights=per_expert, fuse_fc1=fuse_fc1)
     with torch.no_grad():  # non-zero biases, so that adding them is tested too
         for name, q in mod.named_parameters():
             if ".bias" in name:
