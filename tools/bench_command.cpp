@@ -92,8 +92,9 @@ void run_bench(const BenchArgs& a) {
                 device.c_str(), a.activation.c_str(), a.align, a.skew, a.fc1.c_str());
     std::printf("TFLOP/s: forward 6TkHF, backward 12TkHF, total 18TkHF (padding rows not counted); "
                 "times are medians of %d runs (min-max)\n\n", a.repeats);
-    std::printf("%-18s | %-26s | %-26s | %-26s | %-21s | %8s | %s\n", "shape", "graph fwd ms (TFLOP/s)",
-                "graph bwd ms (TFLOP/s)", "graph total ms (TFLOP/s)", "eager total ms (TF/s)", "extra GiB", "check");
+    std::printf("%-18s | %-26s | %-26s | %-26s | %-21s | %8s | %-7s | %s\n", "shape", "graph fwd ms (TFLOP/s)",
+                "graph bwd ms (TFLOP/s)", "graph total ms (TFLOP/s)", "eager total ms (TF/s)", "extra GiB", "fc1",
+                "check");
   }
   bool all_ok = true;
   std::vector<std::vector<double>> chart_values;  // per shape: graph fwd, bwd, total TFLOP/s
@@ -130,11 +131,12 @@ void run_bench(const BenchArgs& a) {
       else
         std::snprintf(check, sizeof check, "skipped");
       std::printf("%-18s | %7.3f (%5.0f) %5.3f-%5.3f | %7.3f (%5.0f)             | %7.3f (%5.0f) %5.3f-%5.3f | "
-                  "%8.3f (%5.0f)      | %8.2f | %s\n",
+                  "%8.3f (%5.0f)      | %8.2f | %-7s | %s\n",
                   s.name, r.fwd_graph.median_ms, tflops(ff, r.fwd_graph.median_ms), r.fwd_graph.min_ms,
                   r.fwd_graph.max_ms, g_bwd, tflops(2 * ff, g_bwd), r.fwd_bwd_graph.median_ms,
                   tflops(3 * ff, r.fwd_bwd_graph.median_ms), r.fwd_bwd_graph.min_ms, r.fwd_bwd_graph.max_ms,
-                  r.fwd_bwd_eager.median_ms, tflops(3 * ff, r.fwd_bwd_eager.median_ms), r.extra_gib, check);
+                  r.fwd_bwd_eager.median_ms, tflops(3 * ff, r.fwd_bwd_eager.median_ms), r.extra_gib,
+                  o.fuse_fc1 ? "fused" : "unfused", check);
       std::fflush(stdout);
     }
   }
