@@ -37,7 +37,7 @@ struct BenchArgs {
 
 // The fused fc1 beats the unfused path on the H100 for F <= 1024 (fine-grained experts, where the
 // saved permute and activation passes weigh most); for larger F the CUTLASS GEMM is faster (see
-// docs/fused.md).
+// docs/fused.md). The PyTorch module's default mirrors this (bindings/torch/moe_engine/module.py).
 bool uses_fused_fc1(const std::string& mode, const bench::Shape& s) {
   return mode == "fused" || (mode == "auto" && s.F <= 1024);
 }

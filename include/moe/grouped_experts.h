@@ -79,8 +79,10 @@ class GroupedExperts {
                const TensorView& Y, const SavedState& state, cudaStream_t stream);
   // The layer's forward (config.fuse_fc1 only): the rows of x_perm are gathered from x inside the
   // fused fc1 -- row r is x[row_slots[r] / slots], zeros where row_slots[r] < 0 (a dispatch plan's
-  // row map, rows = its R) -- with no separate permute pass. The kernel writes them to x_perm_out
-  // [rows, H] on the way, which the state then saves by reference like forward's x_perm; with an
+  // row map, rows = its R; every entry must be -1 or below T * slots for x [T, H]) -- with no
+  // separate permute pass. The kernel writes the rows of the groups to x_perm_out [rows, H] on the
+  // way (rows past group_offsets[E] are left as they are, where Dispatcher::permute writes zeros;
+  // nothing reads them), which the state then saves by reference like forward's x_perm; with an
   // empty x_perm_out nothing is written and the state must be relocate()d to a materialized x_perm
   // (e.g. Dispatcher::permute of the same x and plan) before backward.
   void forward_gathered(const TensorView& x, const TensorView& row_slots, int slots, const TensorView& group_offsets,

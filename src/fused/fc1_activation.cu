@@ -13,15 +13,15 @@
 //   * warp groups 1 and 2 (consumers) run WGMMA 64x256x16 on rows 0-63 and 64-127 and then the
 //     epilogue from registers: round h to bf16, add the bias, store h, apply the activation x prob,
 //     store act. While they do, the producer already fills the ring for the next tile.
-// Tiles are (expert, 128-row block, feature block) triples numbered expert by expert; each CTA
-// walks them with a stride of the grid size. The prefix of tiles per expert is computed on the device
+// Tiles are (expert, cluster of 128-row blocks, feature block) triples numbered expert by expert
+// (a cluster of 2 CTAs takes 2 row blocks of one expert); each cluster walks them with a stride of
+// the number of clusters. The prefix of tiles per expert is computed on the device
 // at kernel start from the group offsets (graph-safe; empty experts take no tile).
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 
 #include <cuda.h>
 
@@ -147,7 +147,7 @@ __device__ __forceinline__ int weight_row(int j, int nt, const Params& p) {
 }
 
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  // src-size 0 fills the 16 bytes with zeros without reading (src stays a valid address anyway).
+  // src-size 0 fills the 16 bytes with zeros without reading src.
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 
@@ -284,7 +284,6 @@ __device__ __forceinline__ void release_stage(SharedStorage& s, int st, int lane
   }
 }
 
-// kInterleave0: the GLU interleave is 0 (or there is no GLU), known at compile time.
 // Stage `a` (128 gathered rows x 64 columns, zeros on padding rows) to x_perm rows m0 .. m0 + rows:
 // each of the 256 consumer threads moves 4 16-byte chunks.
 __device__ __forceinline__ void store_a_stage(const uint8_t* a, const Params& p, const Tile& tile, int kb, int ctid) {
@@ -300,6 +299,7 @@ __device__ __forceinline__ void store_a_stage(const uint8_t* a, const Params& p,
   }
 }
 
+// kInterleave0: the GLU interleave is 0 (or there is no GLU), known at compile time.
 template <Activation A, int kCluster, bool kInterleave0>
 __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) {
   constexpr bool kGated = A != Activation::kSquaredReLU;
@@ -492,11 +492,10 @@ size_t smem_bytes(int experts) { return 1024 + kFixedSmemBytes + sizeof(int32_t)
 
 template <Activation A, bool kTma>
 void launch_kernel(const Params& p, int grid, cudaStream_t stream) {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(fc1_activation_kernel<A, kTma>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem_bytes(kMaxExperts))));
-  });
+  // Per launch: the attribute belongs to the current device (a once-per-process flag would miss a
+  // second GPU); setting it is a cheap host call, not a stream operation (fine while capturing).
+  MOE_CUDA_CHECK(cudaFuncSetAttribute(fc1_activation_kernel<A, kTma>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem_bytes(kMaxExperts))));
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(grid));
   config.blockDim = dim3(kThreads);
@@ -537,7 +536,7 @@ CUtensorMap weight_map(const void* base, int E, int64_t rows, int H) {
 }  // namespace
 
 const char* fc1_activation_unsupported(int experts, int64_t H, int64_t F, const ActivationParams& activation) {
-  if (experts < 1 || experts > kMaxExperts) return "the fused fc1 takes 1 to 4096 experts";
+  if (experts < 1 || experts > kMaxExperts) return "the fused fc1 takes 1 to 4096 experts (kMaxExperts)";
   if (H < 8 || H % 8 != 0 || F < 8 || F % 8 != 0) return "the fused fc1 needs H and F multiples of 8";
   if (H >= (int64_t(1) << 30) || F >= (int64_t(1) << 29)) return "the fused fc1 needs H < 2^30 and F < 2^29";
   if (is_gated(activation.kind) && !(activation.glu_interleave == 0 || activation.glu_interleave == 1 ||
@@ -572,6 +571,9 @@ void launch_fc1_activation(const Fc1ActivationArgs& a, cudaStream_t stream) {
   p.act = static_cast<__nv_bfloat16*>(a.act);
   // TMA weight tiles need one [E, fc1_out, H] tensor and contiguous gate / linear halves.
   const bool tma = a.w1_table == nullptr && (!gated || a.activation.glu_interleave == 0);
+  // The tensor map describes contiguous [E, fc1_out, H] weights.
+  MOE_CHECK(!tma || a.w1_stride_bytes == (gated ? 2 * int64_t(a.F) : a.F) * a.H * 2,
+            "fused fc1: single-grouped fc1 weights must be one contiguous [E, fc1_out, H] tensor");
   const int cluster = tma ? 2 : 1;
   if (tma) {
     p.w1_map = weight_map(a.w1_base, a.experts, gated ? 2 * int64_t(a.F) : a.F, a.H);

@@ -374,7 +374,11 @@ void GroupedExperts::forward_gathered(const TensorView& x, const TensorView& row
     MOE_CHECK(pp.data == nullptr, "argument 'probs_perm': the experts do not apply probs ",
               "(config.probs = at combine); pass an empty view");
   check_device_tensor(Y, "Y", c.dtype, {rows, c.hidden});
-  if (x_perm_out.data != nullptr) check_device_tensor(x_perm_out, "x_perm_out", c.dtype, {rows, c.hidden});
+  if (x_perm_out.data != nullptr) {
+    check_device_tensor(x_perm_out, "x_perm_out", c.dtype, {rows, c.hidden});
+    MOE_CHECK(x_perm_out.data != x.data && x_perm_out.data != Y.data, "argument 'x_perm_out': must not be the ",
+              "buffer of x or Y (the kernel gathers from x while it writes x_perm_out)");
+  }
   check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
   MOE_CHECK(state.status() == StateStatus::kEmpty || state.status() == StateStatus::kConsumed,
             "argument 'state' of GroupedExperts::forward_gathered: expected an empty or consumed saved state, got one ",

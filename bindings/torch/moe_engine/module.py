@@ -29,7 +29,8 @@ torch.utils.checkpoint works around either module.
 
 `fuse_fc1`: fc1, its bias and the activation x prob in one kernel (GroupedMLP: which also gathers
 the rows of x, with no separate permute); same results within bf16 rounding, same saved state.
-None (default) picks it where it was measured faster on the H100: ffn_hidden_size <= 1024."""
+GroupedMLP's default (None) picks it where it was measured faster on the H100: ffn_hidden_size <=
+1024 (and at most 4096 experts, the kernel's limit); GroupedExperts fuses only when asked."""
 import torch
 from torch import nn
 
@@ -40,8 +41,9 @@ _GATED = {"swiglu", "geglu", "clamped-swiglu"}
 _ORDER = (("fc2", "weight"), ("fc2", "bias"), ("fc1", "weight"), ("fc1", "bias"))
 
 
-def _fuse_fc1(choice, ffn_hidden_size):
-    return ffn_hidden_size <= 1024 if choice is None else bool(choice)
+def _fuse_fc1(choice, ffn_hidden_size, num_experts):
+    # Mirrors `moe-engine bench --fc1 auto` (tools/bench_command.cpp).
+    return (ffn_hidden_size <= 1024 and num_experts <= 4096) if choice is None else bool(choice)
 
 
 class _ExpertModule(nn.Module):
@@ -210,7 +212,7 @@ class GroupedMLP(_ExpertModule):
                                        probs_at_combine, align, pre_padded, row_bound, map_routing,
                                        per_expert_weights, accumulate_into_main_grad,
                                        wgrad_dtype == torch.float32, delay_wgrad, recompute,
-                                       _fuse_fc1(fuse_fc1, ffn_hidden_size))
+                                       _fuse_fc1(fuse_fc1, ffn_hidden_size, num_experts))
         self._state_bytes = _ops.mlp_state_bytes(self._handle)
         self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
                            accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std)
@@ -261,7 +263,7 @@ class GroupedExperts(_ExpertModule):
                                            glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias,
                                            probs_at_combine, per_expert_weights, accumulate_into_main_grad,
                                            wgrad_dtype == torch.float32, delay_wgrad,
-                                           _fuse_fc1(fuse_fc1, ffn_hidden_size))
+                                           bool(fuse_fc1))
         self._state_bytes = _ops.experts_state_bytes(self._handle)
         self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
                            accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std)
