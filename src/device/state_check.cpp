@@ -25,6 +25,13 @@ void check_state_capacity(const SavedState& s, const char* name, size_t device_b
             s.header_count(), " headers");
 }
 
+void check_state_fillable(const SavedState& s, const char* name, size_t device_bytes, int headers, const char* call) {
+  check_state_capacity(s, name, device_bytes, headers);
+  MOE_CHECK(s.status() == StateStatus::kEmpty || s.status() == StateStatus::kConsumed, "argument '", name, "' of ",
+            call, ": expected an empty or consumed saved state, got one ", state_status_name(s.status()),
+            " (its backward is not complete; reset() it to discard that forward)");
+}
+
 void check_state(const SavedState& s, const char* name, uint64_t owner, StateKind kind,
                  std::initializer_list<StateStatus> accepted, const char* call) {
   MOE_CHECK(s.defined(), "argument '", name, "' of ", call, ": the saved state is undefined");

@@ -13,6 +13,10 @@ namespace moe {
 // Size and header count only (a state about to be filled by a forward).
 void check_state_capacity(const SavedState& s, const char* name, size_t device_bytes, int headers);
 
+// A state about to be filled by a forward (`call`): large enough, and empty or consumed -- a state
+// whose backward has not run yet is refused (reset() discards that forward).
+void check_state_fillable(const SavedState& s, const char* name, size_t device_bytes, int headers, const char* call);
+
 // Header 0 of `s` belongs to op `owner` of `kind` and has one of `accepted` statuses; `call` names
 // the method for the message ("GroupedMlp::backward").
 void check_state(const SavedState& s, const char* name, uint64_t owner, StateKind kind,

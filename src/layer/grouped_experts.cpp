@@ -341,10 +341,7 @@ void GroupedExperts::forward(const TensorView& x_perm, const TensorView& g, cons
   Impl& m = *impl_;
   const int64_t rows = m.check_inputs(x_perm, g, pp, "GroupedExperts::forward");
   check_device_tensor(Y, "Y", m.cfg.dtype, {rows, m.cfg.hidden});
-  check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
-  MOE_CHECK(state.status() == StateStatus::kEmpty || state.status() == StateStatus::kConsumed,
-            "argument 'state' of GroupedExperts::forward: expected an empty or consumed saved state, got one ",
-            state_status_name(state.status()), " (its backward is not complete; reset() it to discard that forward)");
+  check_state_fillable(state, "state", m.state_bytes, kStateHeaders, "GroupedExperts::forward");
   const StateBuffers b = m.state_layout(static_cast<char*>(state.device()));
   m.activations(x_perm, g, pp, b, rows, s);
   m.gemm.fprop(bf16_view(b.act, rows, m.cfg.ffn), m.w2, g, Y, m.gemm_workspace(), s);
@@ -379,10 +376,7 @@ void GroupedExperts::forward_gathered(const TensorView& x, const TensorView& row
     MOE_CHECK(x_perm_out.data != x.data && x_perm_out.data != Y.data, "argument 'x_perm_out': must not be the ",
               "buffer of x or Y (the kernel gathers from x while it writes x_perm_out)");
   }
-  check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
-  MOE_CHECK(state.status() == StateStatus::kEmpty || state.status() == StateStatus::kConsumed,
-            "argument 'state' of GroupedExperts::forward_gathered: expected an empty or consumed saved state, got one ",
-            state_status_name(state.status()), " (its backward is not complete; reset() it to discard that forward)");
+  check_state_fillable(state, "state", m.state_bytes, kStateHeaders, "GroupedExperts::forward_gathered");
   const StateBuffers b = m.state_layout(static_cast<char*>(state.device()));
   m.fused_activations(x.data, row_slots.ptr<const int32_t>(), slots, g, pp, b, rows, s, x_perm_out.data);
   m.gemm.fprop(bf16_view(b.act, rows, c.ffn), m.w2, g, Y, m.gemm_workspace(), s);

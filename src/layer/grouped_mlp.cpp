@@ -174,10 +174,7 @@ void GroupedMlp::forward(const TensorView& x, const RoutingView& routing, const 
   MOE_CHECK(routing.probs.ndim == 2 && routing.probs.shape[0] == T, "argument 'probs': expected ", T,
             " rows (one per token of x), got shape ", routing.probs.shape_string());
   check_device_tensor(y, "y", c.dtype, {T, c.hidden});
-  check_state_capacity(state, "state", m.layout.total, kStateHeaders);
-  MOE_CHECK(state.status() == StateStatus::kEmpty || state.status() == StateStatus::kConsumed,
-            "argument 'state' of GroupedMlp::forward: expected an empty or consumed saved state, got one ",
-            state_status_name(state.status()), " (its backward is not complete; reset() it to discard that forward)");
+  check_state_fillable(state, "state", m.layout.total, kStateHeaders, "GroupedMlp::forward");
   MOE_CHECK(m.experts.weight_binding() != 0, "GroupedMlp::forward: no weights bound (call set_weights first)");
   MOE_CHECK(!c.recompute || y.data != x.data || T == 0, "argument 'y': recompute mode reads x again in backward, ",
             "so y must not overwrite it");

@@ -64,11 +64,16 @@ TEST(SavedState, LifecycleChecksNameWhatIsWrong) {
   expect_error_naming([&] { check_state_capacity(s, "state", 2048, 1); }, "2048 device bytes");
   expect_error_naming([&] { check_state_capacity(s, "state", 512, 3); }, "3 headers");
   expect_error_naming([&] { check_state_capacity(SavedState(), "state", 1, 1); }, "undefined");
+  // Fillable: empty (or consumed, below) and large enough; the capacity checks come first.
+  EXPECT_NO_THROW(check_state_fillable(s, "state", 1024, 1, "Op::forward"));
+  expect_error_naming([&] { check_state_fillable(s, "state", 2048, 1, "Op::forward"); }, "2048 device bytes");
   // Empty, then filled by this op: accepted once; a foreign op, another kind or another status is not.
   expect_error_naming([&] { check_state(s, "state", me, StateKind::kExperts, {StateStatus::kFilled}, call); },
                       "empty");
   mark_filled(s, me, StateKind::kExperts, 12);
   EXPECT_NO_THROW(check_state(s, "state", me, StateKind::kExperts, {StateStatus::kFilled}, call));
+  expect_error_naming([&] { check_state_fillable(s, "state", 1024, 1, "Op::forward"); },
+                      "'state' of Op::forward: expected an empty or consumed saved state, got one filled");
   expect_error_naming([&] { check_state(s, "state", other, StateKind::kExperts, {StateStatus::kFilled}, call); },
                       "another op");
   expect_error_naming([&] { check_state(s, "state", me, StateKind::kLayer, {StateStatus::kFilled}, call); },
@@ -79,6 +84,7 @@ TEST(SavedState, LifecycleChecksNameWhatIsWrong) {
   headers[0].status = static_cast<int32_t>(StateStatus::kConsumed);
   expect_error_naming([&] { check_state(s, "state", me, StateKind::kExperts, {StateStatus::kFilled}, call); },
                       "exactly one backward");
+  EXPECT_NO_THROW(check_state_fillable(s, "state", 1024, 1, "Op::forward"));
   // Refilling a consumed state starts a new lifecycle.
   mark_filled(s, me, StateKind::kExperts, 5);
   EXPECT_EQ(s.status(), StateStatus::kFilled);
