@@ -159,13 +159,9 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
+// Four packed pairs as the library's 16-byte vector, unpacked by its helper.
 __device__ __forceinline__ void unpack_bf16x8(const uint32_t (&w)[4], float (&v)[kernels::kVec]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
+  kernels::unpack<__nv_bfloat16>(make_uint4(w[0], w[1], w[2], w[3]), v);
 }
 
 // 4 x 4 transpose of 32-bit words across the lanes of a quad (j = lane % 4): afterwards out[s] of
