@@ -69,7 +69,9 @@ class GroupedExperts {
 
   // A saved state: device bytes and host headers; new_state() allocates one.
   size_t state_bytes() const;
-  static constexpr int kStateHeaders = 1;
+  // Header 0: the state's status and the inputs read again by address; header 1: x and the row
+  // map of a state filled by forward_gathered without x_perm_out.
+  static constexpr int kStateHeaders = 2;
   SavedState new_state(DeviceAllocator& allocator = cuda_malloc_allocator()) const;
 
   // x_perm bf16 [rows, H] (rows <= max_rows), group_offsets int32 [E + 1], probs_perm fp32 [rows]
@@ -82,9 +84,10 @@ class GroupedExperts {
   // row map, rows = its R; every entry must be -1 or below T * slots for x [T, H]) -- with no
   // separate permute pass. The kernel writes the rows of the groups to x_perm_out [rows, H] on the
   // way (rows past group_offsets[E] are left as they are, where Dispatcher::permute writes zeros;
-  // nothing reads them), which the state then saves by reference like forward's x_perm; with an
-  // empty x_perm_out nothing is written and the state must be relocate()d to a materialized x_perm
-  // (e.g. Dispatcher::permute of the same x and plan) before backward.
+  // nothing reads them), which the state then saves by reference like forward's x_perm. With an
+  // empty x_perm_out no x_perm ever exists: the state saves x and row_slots by reference instead
+  // (they must stay unchanged until the backward, or backward_dw in delayed mode, has run), and the
+  // fc1 weight gradient gathers the rows of x itself.
   void forward_gathered(const TensorView& x, const TensorView& row_slots, int slots, const TensorView& group_offsets,
                         const TensorView& probs_perm, const TensorView& Y, const TensorView& x_perm_out,
                         const SavedState& state, cudaStream_t stream);
@@ -107,6 +110,11 @@ class GroupedExperts {
   // shapes as at forward; the data must be unchanged.
   void relocate(const SavedState& state, const TensorView& x_perm, const TensorView& group_offsets,
                 const TensorView& probs_perm, const TensorView* dY = nullptr) const;
+  // The same for a state whose fc1 weight gradient gathers the rows of x (forward_gathered without
+  // x_perm_out): x [T, H] and the row map row_slots [rows] with its slots per token.
+  void relocate_gathered(const SavedState& state, const TensorView& x, const TensorView& row_slots, int slots,
+                         const TensorView& group_offsets, const TensorView& probs_perm,
+                         const TensorView* dY = nullptr) const;
 
   // Device memory held by the op (backward workspaces, GEMM call workspace, bias workspace).
   size_t workspace_bytes() const;

@@ -37,6 +37,7 @@
 #include <cute/arch/copy_sm90_tma.hpp>
 
 #include "device/cuda_check.h"
+#include "fused/async_copy.cuh"
 #include "fused/fc1_activation.h"
 #include "kernels/activation_math.cuh"
 
@@ -144,15 +145,6 @@ __device__ __forceinline__ int weight_row(int j, int nt, const Params& p) {
     const int f = nt * kBN + j;
     return f < p.F ? f : -1;
   }
-}
-
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  // src-size 0 fills the 16 bytes with zeros without reading src.
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {

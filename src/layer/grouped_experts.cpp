@@ -6,7 +6,9 @@
 // Backward: [fc2 wgrad] -> fc2 dgrad -> act bwd (+dp) -> fc1 dgrad -> [fc1 wgrad]
 //           (weight gradients deferred to backward_dw in delayed mode)
 //
-// Memory: the saved state holds h and act (and dh in delayed mode, which backward_dw reads);
+// Memory: the saved state holds h and act (and dh in delayed mode, which backward_dw reads) and
+// refers to x_perm -- or, filled by forward_gathered without x_perm_out, to x and the row map, from
+// which the fc1 weight gradient gathers its rows (fused/wgrad_gathered.h);
 // the op's workspace holds what one backward needs only while it runs: dh (non-delayed), dact
 // (delayed: act must survive until backward_dw; otherwise dact overwrites act once fc2's wgrad
 // has read it), the bias-gradient workspace and the GEMM call workspace.
@@ -20,6 +22,7 @@
 #include "device/pointer_table.h"
 #include "device/state_check.h"
 #include "fused/fc1_activation.h"
+#include "fused/wgrad_gathered.h"
 #include "moe/activation_ops.h"
 #include "moe/bias_ops.h"
 #include "moe/error.h"
@@ -68,7 +71,9 @@ TensorView bf16_view(void* p, int64_t rows, int64_t cols) {
   return TensorView(p, DType::kBF16, {rows, cols}, Device::kCUDA);
 }
 
-// Saved state layout (header words: pointer = x_perm, reserved = group offsets, probs_perm, dY).
+// Saved state layout. Header 0: pointer = x_perm, reserved = group offsets, probs_perm, dY;
+// header 1 (gathered fc1 weight gradient): kind = 1, pointer = x, tokens = its rows, reserved =
+// row_slots, slots.
 struct StateBuffers {
   uint16_t *h = nullptr, *act = nullptr, *dh = nullptr;
 };
@@ -236,20 +241,39 @@ struct GroupedExperts::Impl {
     fused::launch_fc1_activation(f, s);
   }
 
+  // x_perm: the rows the fc1 weight gradient reads; or, when `gathered` is given, none, and the
+  // gradient gathers them from x through the row map.
+  struct Gathered {
+    TensorView x, row_slots;
+    int slots = 1;
+  };
   void fill_header(const SavedState& st, const TensorView& x_perm, const TensorView& g, const TensorView& pp,
-                   int64_t rows) const {
+                   int64_t rows, const Gathered* gathered = nullptr) const {
     mark_filled(st, serial, StateKind::kExperts, rows);
     StateHeader& h = st.header(0);
     h.binding = binding;
     h.pointer = reinterpret_cast<uint64_t>(x_perm.data);
     h.reserved[0] = reinterpret_cast<uint64_t>(g.data);
     h.reserved[1] = reinterpret_cast<uint64_t>(pp.data);
+    set_gathered(st, gathered);
+  }
+  static void set_gathered(const SavedState& st, const Gathered* gathered) {
+    StateHeader& x = st.header(1);
+    x = StateHeader{};
+    if (gathered == nullptr) return;
+    x.kind = 1;
+    x.pointer = reinterpret_cast<uint64_t>(gathered->x.data);
+    x.tokens = gathered->x.shape[0];
+    x.reserved[0] = reinterpret_cast<uint64_t>(gathered->row_slots.data);
+    x.reserved[1] = static_cast<uint64_t>(gathered->slots);
   }
 
   // The saved inputs of a filled state, as views.
   struct Saved {
     int64_t rows;
     TensorView x_perm, g, pp;
+    bool gathered = false;
+    Gathered from_x;
     StateBuffers b;
   };
   Saved saved(const SavedState& st) const {
@@ -257,6 +281,14 @@ struct GroupedExperts::Impl {
     Saved v;
     v.rows = h.tokens;
     v.x_perm = bf16_view(reinterpret_cast<void*>(h.pointer), v.rows, cfg.hidden);
+    const StateHeader& x = st.header(1);
+    v.gathered = x.kind == 1;
+    if (v.gathered) {
+      v.from_x.x = bf16_view(reinterpret_cast<void*>(x.pointer), x.tokens, cfg.hidden);
+      v.from_x.row_slots =
+          TensorView(reinterpret_cast<void*>(x.reserved[0]), DType::kInt32, {v.rows}, Device::kCUDA);
+      v.from_x.slots = static_cast<int>(x.reserved[1]);
+    }
     v.g = TensorView(reinterpret_cast<void*>(h.reserved[0]), DType::kInt32, {int64_t(cfg.experts) + 1},
                      Device::kCUDA);
     v.pp = probs_in_act() ? TensorView(reinterpret_cast<void*>(h.reserved[1]), DType::kFP32, {v.rows}, Device::kCUDA)
@@ -266,19 +298,45 @@ struct GroupedExperts::Impl {
   }
 
   void check_x_perm(const Saved& v, const char* call) const {
-    MOE_CHECK(v.x_perm.data != nullptr || v.rows == 0, "argument 'state' of ", call, ": it was filled by ",
-              "forward_gathered, which keeps no x_perm; relocate() it to a materialized x_perm first");
+    MOE_CHECK(v.x_perm.data != nullptr || v.gathered || v.rows == 0, "argument 'state' of ", call,
+              ": it refers to neither x_perm nor x (relocate() or relocate_gathered() it first)");
   }
 
+  void wgrad_fc1_gathered(const TensorView& dh, const Saved& v, cudaStream_t s);
+  void relocate_inputs(const SavedState& state, const TensorView& group_offsets, const TensorView& probs_perm,
+                       const TensorView* dY) const;
   void wgrad_fc2(const TensorView& dY, const Saved& v, cudaStream_t s) {
     gemm.wgrad(dY, bf16_view(v.b.act, v.rows, cfg.ffn), v.g, dw2, accumulate(), gemm_workspace(), s);
     if (cfg.bias) bias_grad(dY, v.pp, v.g, db2, accumulate(), bias_workspace(), s);
   }
   void wgrad_fc1(const TensorView& dh, const Saved& v, cudaStream_t s) {
-    gemm.wgrad(dh, v.x_perm, v.g, dw1, accumulate(), gemm_workspace(), s);
+    if (v.gathered) {
+      wgrad_fc1_gathered(dh, v, s);
+    } else {
+      gemm.wgrad(dh, v.x_perm, v.g, dw1, accumulate(), gemm_workspace(), s);
+    }
     if (cfg.bias) bias_grad(dh, TensorView(), v.g, db1, accumulate(), bias_workspace(), s);
   }
 };
+
+void GroupedExperts::Impl::wgrad_fc1_gathered(const TensorView& dh, const Saved& v, cudaStream_t s) {
+  fused::WgradGatheredArgs a;
+  a.dy = dh.data;
+  a.x = v.from_x.x.data;
+  a.row_slots = v.from_x.row_slots.ptr<const int32_t>();
+  a.slots = v.from_x.slots;
+  a.group_offsets = v.g.ptr<const int32_t>();
+  a.experts = cfg.experts;
+  a.R = v.rows;
+  a.M = static_cast<int>(cfg.fc1_out());
+  a.N = static_cast<int>(cfg.hidden);
+  a.dw_base = dw1.base();
+  a.dw_stride_bytes = dw1.expert_stride_bytes();
+  a.dw_table = const_cast<void* const*>(dw1.device_table());
+  a.dw_fp32 = dw1.dtype() == DType::kFP32;
+  a.accumulate = accumulate();
+  fused::launch_wgrad_gathered(a, s);
+}
 
 GroupedExperts::GroupedExperts(const ExpertsConfig& config) : impl_(std::make_unique<Impl>(config)) {}
 GroupedExperts::~GroupedExperts() = default;
@@ -381,8 +439,9 @@ void GroupedExperts::forward_gathered(const TensorView& x, const TensorView& row
   m.fused_activations(x.data, row_slots.ptr<const int32_t>(), slots, g, pp, b, rows, s, x_perm_out.data);
   m.gemm.fprop(bf16_view(b.act, rows, c.ffn), m.w2, g, Y, m.gemm_workspace(), s);
   if (c.bias) bias_add(Y, m.b2, pp, g, s);
-  // Without x_perm_out, backward refuses the state until relocate() points it at an x_perm.
-  m.fill_header(state, x_perm_out, g, pp, rows);
+  // Without x_perm_out, the fc1 weight gradient gathers the rows of x.
+  const Impl::Gathered from_x{x, row_slots, slots};
+  m.fill_header(state, x_perm_out, g, pp, rows, x_perm_out.data == nullptr ? &from_x : nullptr);
 }
 
 void GroupedExperts::recompute(const TensorView& x_perm, const TensorView& g, const TensorView& pp,
@@ -421,6 +480,8 @@ void GroupedExperts::backward(const TensorView& dY, const TensorView& dx_perm, c
             "backward_dw, so dx_perm must not be the buffer of dY");
   MOE_CHECK(dx_perm.data != v.x_perm.data || rows == 0, "argument 'dx_perm': the fc1 weight gradient reads the ",
             "saved x_perm after dx_perm is written, so dx_perm must not be the buffer of x_perm");
+  MOE_CHECK(!v.gathered || dx_perm.data != v.from_x.x.data || rows == 0, "argument 'dx_perm': the fc1 weight ",
+            "gradient gathers the saved x after dx_perm is written, so dx_perm must not be the buffer of x");
 
   if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);  // reads act before dact overwrites it
   uint16_t* dact = c.delay_wgrad ? m.dact_ws : v.b.act;
@@ -465,25 +526,52 @@ void GroupedExperts::backward_dw(const SavedState& state, cudaStream_t s) {
   state.header(0).status = static_cast<int32_t>(StateStatus::kConsumed);
 }
 
+// Header 0's addresses of the group offsets, probs and (delayed) dY, checked against the state
+// (whose kind and status the caller checked).
+void GroupedExperts::Impl::relocate_inputs(const SavedState& state, const TensorView& group_offsets,
+                                           const TensorView& probs_perm, const TensorView* dY) const {
+  StateHeader& h = state.header(0);
+  const int64_t rows = h.tokens;
+  check_device_tensor(group_offsets, "group_offsets", DType::kInt32, {int64_t(cfg.experts) + 1}, 4);
+  if (probs_in_act()) check_device_tensor(probs_perm, "probs_perm", DType::kFP32, {rows}, 4);
+  const bool awaiting = h.status == static_cast<int32_t>(StateStatus::kAwaitingWgrad);
+  MOE_CHECK(awaiting == (dY != nullptr), "argument 'dY': expected ", awaiting ? "the dY of the delayed backward" : "none",
+            " (the state is ", state_status_name(state.status()), ")");
+  if (dY) check_device_tensor(*dY, "dY", cfg.dtype, {rows, cfg.hidden});
+  h.reserved[0] = reinterpret_cast<uint64_t>(group_offsets.data);
+  h.reserved[1] = probs_in_act() ? reinterpret_cast<uint64_t>(probs_perm.data) : 0;
+  if (dY) h.reserved[2] = reinterpret_cast<uint64_t>(dY->data);
+}
+
 void GroupedExperts::relocate(const SavedState& state, const TensorView& x_perm, const TensorView& group_offsets,
                               const TensorView& probs_perm, const TensorView* dY) const {
   const Impl& m = *impl_;
   check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
   check_state(state, "state", m.serial, StateKind::kExperts, {StateStatus::kFilled, StateStatus::kAwaitingWgrad},
               "GroupedExperts::relocate");
-  StateHeader& h = state.header(0);
-  const int64_t rows = h.tokens;
-  check_device_tensor(x_perm, "x_perm", m.cfg.dtype, {rows, m.cfg.hidden});
-  check_device_tensor(group_offsets, "group_offsets", DType::kInt32, {int64_t(m.cfg.experts) + 1}, 4);
-  if (m.probs_in_act()) check_device_tensor(probs_perm, "probs_perm", DType::kFP32, {rows}, 4);
-  const bool awaiting = h.status == static_cast<int32_t>(StateStatus::kAwaitingWgrad);
-  MOE_CHECK(awaiting == (dY != nullptr), "argument 'dY': expected ", awaiting ? "the dY of the delayed backward" : "none",
-            " (the state is ", state_status_name(state.status()), ")");
-  if (dY) check_device_tensor(*dY, "dY", m.cfg.dtype, {rows, m.cfg.hidden});
-  h.pointer = reinterpret_cast<uint64_t>(x_perm.data);
-  h.reserved[0] = reinterpret_cast<uint64_t>(group_offsets.data);
-  h.reserved[1] = m.probs_in_act() ? reinterpret_cast<uint64_t>(probs_perm.data) : 0;
-  if (dY) h.reserved[2] = reinterpret_cast<uint64_t>(dY->data);
+  check_device_tensor(x_perm, "x_perm", m.cfg.dtype, {state.header(0).tokens, m.cfg.hidden});
+  m.relocate_inputs(state, group_offsets, probs_perm, dY);
+  state.header(0).pointer = reinterpret_cast<uint64_t>(x_perm.data);
+  Impl::set_gathered(state, nullptr);
+}
+
+void GroupedExperts::relocate_gathered(const SavedState& state, const TensorView& x, const TensorView& row_slots,
+                                       int slots, const TensorView& group_offsets, const TensorView& probs_perm,
+                                       const TensorView* dY) const {
+  const Impl& m = *impl_;
+  check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
+  check_state(state, "state", m.serial, StateKind::kExperts, {StateStatus::kFilled, StateStatus::kAwaitingWgrad},
+              "GroupedExperts::relocate_gathered");
+  const int64_t rows = state.header(0).tokens;
+  MOE_CHECK(x.ndim == 2 && x.shape[1] == m.cfg.hidden, "argument 'x': expected shape [T, ", m.cfg.hidden, "], got ",
+            x.shape_string());
+  check_device_tensor(x, "x", m.cfg.dtype, {x.shape[0], m.cfg.hidden});
+  MOE_CHECK(slots >= 1, "argument 'slots': expected >= 1, got ", slots);
+  check_device_tensor(row_slots, "row_slots", DType::kInt32, {rows}, 4);
+  m.relocate_inputs(state, group_offsets, probs_perm, dY);
+  state.header(0).pointer = 0;
+  const Impl::Gathered from_x{x, row_slots, slots};
+  Impl::set_gathered(state, &from_x);
 }
 
 }  // namespace moe

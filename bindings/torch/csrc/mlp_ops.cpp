@@ -76,7 +76,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp_forward(
   });
 }
 
-// x: recompute mode only (the forward's x, read again; it may have moved, e.g. offloaded and back).
+// Whether the layer reads the forward's x again in backward / backward_dw (recompute mode; fuse_fc1,
+// whose fc1 weight gradient gathers the rows of x).
+bool reads_x_again(const GroupedMlp& layer) { return layer.config().recompute || layer.config().fuse_fc1; }
+
+// x: the forward's x when the layer reads it again (it may have moved, e.g. offloaded and back), else None.
 std::tuple<at::Tensor, at::Tensor> mlp_backward(int64_t handle, const at::Tensor& state, const at::Tensor& header,
                                                  const c10::optional<at::Tensor>& x, const at::Tensor& dy,
                                                  int64_t slots, const std::vector<at::Tensor>& gw1,
@@ -86,8 +90,9 @@ std::tuple<at::Tensor, at::Tensor> mlp_backward(int64_t handle, const at::Tensor
   return translate_errors([&] {
     GroupedMlp& layer = s.op;
     const SavedState st = state_of(state, header, kHeaders);
-    MOE_CHECK(x.has_value() == layer.config().recompute, "argument 'x': expected ",
-              layer.config().recompute ? "the forward's x (recompute mode)" : "None (x is read again only in recompute mode)");
+    MOE_CHECK(x.has_value() == reads_x_again(layer), "argument 'x': expected ",
+              reads_x_again(layer) ? "the forward's x (recompute mode or fuse_fc1)"
+                                   : "None (x is read again only in recompute mode or with fuse_fc1)");
     require_dims(dy, "dy", 2);
     if (!layer.config().delay_wgrad) s.bind_grads(gw1, gb1, gw2, gb2);
     at::Tensor dx = at::empty_like(dy, at::MemoryFormat::Contiguous);
@@ -99,13 +104,16 @@ std::tuple<at::Tensor, at::Tensor> mlp_backward(int64_t handle, const at::Tensor
 }
 
 void mlp_backward_dw(int64_t handle, const at::Tensor& state, const at::Tensor& header,
-                     const std::vector<at::Tensor>& gw1, const std::vector<at::Tensor>& gb1,
+                     const c10::optional<at::Tensor>& x, const std::vector<at::Tensor>& gw1, const std::vector<at::Tensor>& gb1,
                      const std::vector<at::Tensor>& gw2, const std::vector<at::Tensor>& gb2) {
   MlpState& s = registry().get(handle);
   translate_errors([&] {
     const SavedState st = state_of(state, header, kHeaders);
+    MOE_CHECK(x.has_value() == s.op.config().fuse_fc1, "argument 'x': expected ",
+              s.op.config().fuse_fc1 ? "the forward's x (fuse_fc1)" : "None (backward_dw reads x only with fuse_fc1)");
     s.bind_grads(gw1, gb1, gw2, gb2);
-    s.op.backward_dw(st, current_stream());
+    const TensorView xv = x ? view(*x, "x") : TensorView();
+    s.op.backward_dw(st, current_stream(), x ? &xv : nullptr);
     return 0;
   });
 }
@@ -137,7 +145,7 @@ TORCH_LIBRARY_FRAGMENT(moe_engine, m) {
   m.def("mlp_backward(int handle, Tensor(t!) state, Tensor(s!) state_header, Tensor? x, Tensor dy, int slots, "
         "Tensor(a!)[] fc1_weight_grad, Tensor(b!)[] fc1_bias_grad, Tensor(c!)[] fc2_weight_grad, "
         "Tensor(d!)[] fc2_bias_grad) -> (Tensor, Tensor)");
-  m.def("mlp_backward_dw(int handle, Tensor state, Tensor(s!) state_header, Tensor(a!)[] fc1_weight_grad, "
+  m.def("mlp_backward_dw(int handle, Tensor state, Tensor(s!) state_header, Tensor? x, Tensor(a!)[] fc1_weight_grad, "
         "Tensor(b!)[] fc1_bias_grad, Tensor(c!)[] fc2_weight_grad, Tensor(d!)[] fc2_bias_grad) -> ()");
 }
 

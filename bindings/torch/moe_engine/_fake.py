@@ -20,12 +20,12 @@ def _mlp_forward(handle, x, routing, probs, w1, b1, w2, b2, state_bytes):
 
 
 @torch.library.register_fake(lib + "mlp_backward")
-def _mlp_backward(handle, state, header, x, dy, slots, gw1, gb1, gw2, gb2):  # x: None unless recompute
+def _mlp_backward(handle, state, header, x, dy, slots, gw1, gb1, gw2, gb2):  # x: None unless read again
     return torch.empty_like(dy), dy.new_empty((dy.shape[0], slots), dtype=torch.float32)
 
 
 @torch.library.register_fake(lib + "mlp_backward_dw")
-def _mlp_backward_dw(handle, state, header, gw1, gb1, gw2, gb2):
+def _mlp_backward_dw(handle, state, header, x, gw1, gb1, gw2, gb2):
     return None
 
 

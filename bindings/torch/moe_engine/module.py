@@ -206,13 +206,13 @@ class GroupedMLP(_ExpertModule):
         super().__init__()
         self.topk = topk
         self.recompute = recompute
+        self.fuse_fc1 = _fuse_fc1(fuse_fc1, ffn_hidden_size, num_experts)
         self.slots = num_experts if map_routing else topk
         self._handle = _ops.mlp_create(hidden_size, ffn_hidden_size, num_experts, topk, max_tokens, activation,
                                        glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias,
                                        probs_at_combine, align, pre_padded, row_bound, map_routing,
                                        per_expert_weights, accumulate_into_main_grad,
-                                       wgrad_dtype == torch.float32, delay_wgrad, recompute,
-                                       _fuse_fc1(fuse_fc1, ffn_hidden_size, num_experts))
+                                       wgrad_dtype == torch.float32, delay_wgrad, recompute, self.fuse_fc1)
         self._state_bytes = _ops.mlp_state_bytes(self._handle)
         self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
                            accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std)
@@ -228,8 +228,8 @@ class GroupedMLP(_ExpertModule):
         return _MlpFunction.apply(self, x, routing, probs, *self._flat_params())
 
     def _run_backward_dw(self, pending, lists):
-        state, header = pending
-        _ops.mlp_backward_dw(self._handle, state, header, *lists)
+        state, header, x = pending
+        _ops.mlp_backward_dw(self._handle, state, header, x if self.fuse_fc1 else None, *lists)
 
     def check_errors(self):
         """Raises ValueError if routing entries were skipped (bad expert id, duplicate expert,
@@ -295,8 +295,9 @@ class _MlpFunction(torch.autograd.Function):
         y, state, header = _ops.mlp_forward(mod._handle, x, routing.contiguous(), probs.contiguous(),
                                             *mod._param_lists(), mod._state_bytes)
         ctx.mod = mod
-        # x is read again only in recompute mode: saved (and version-checked by autograd) only then.
-        ctx.save_for_backward(x if mod.recompute else None, state, header)
+        # x is read again in recompute mode and with the fused fc1 (its weight gradient gathers the
+        # rows of x): saved (and version-checked by autograd) only then.
+        ctx.save_for_backward(x if mod.recompute or mod.fuse_fc1 else None, state, header)
         return y
 
     @staticmethod
@@ -305,7 +306,7 @@ class _MlpFunction(torch.autograd.Function):
         x, state, header = ctx.saved_tensors
         dy = dy.contiguous()
         (dx, dprobs), param_grads = mod._after_backward(
-            lambda lists: _ops.mlp_backward(mod._handle, state, header, x, dy, mod.slots, *lists), (state, header))
+            lambda lists: _ops.mlp_backward(mod._handle, state, header, x, dy, mod.slots, *lists), (state, header, x))
         return (None, dx, None, dprobs, *param_grads)
 
 

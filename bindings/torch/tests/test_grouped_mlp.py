@@ -272,20 +272,22 @@ def test_saved_state_consumed_twice_or_foreign_raises():
     y, state, header = torch.ops.moe_engine.mlp_forward(mod._handle, x, idx, probs, *lists, mod._state_bytes)
     grads = mod._grad_buffers()
     dy = output_grad(x)
+    # x is read again only in recompute mode and with the fused fc1 (the default at this F).
+    x_again, x_wrong = (x, None) if mod.fuse_fc1 else (None, x)
     with pytest.raises(ValueError, match="another op"):
-        torch.ops.moe_engine.mlp_backward(other._handle, state, header, None, dy, 2, *other._grad_buffers())
-    with pytest.raises(ValueError, match="'x'"):  # x is read again only in recompute mode
-        torch.ops.moe_engine.mlp_backward(mod._handle, state, header, x, dy, 2, *grads)
-    torch.ops.moe_engine.mlp_backward(mod._handle, state, header, None, dy, 2, *grads)
+        torch.ops.moe_engine.mlp_backward(other._handle, state, header, x_again, dy, 2, *other._grad_buffers())
+    with pytest.raises(ValueError, match="'x'"):
+        torch.ops.moe_engine.mlp_backward(mod._handle, state, header, x_wrong, dy, 2, *grads)
+    torch.ops.moe_engine.mlp_backward(mod._handle, state, header, x_again, dy, 2, *grads)
     with pytest.raises(ValueError, match="consumed"):
-        torch.ops.moe_engine.mlp_backward(mod._handle, state, header, None, dy, 2, *grads)
+        torch.ops.moe_engine.mlp_backward(mod._handle, state, header, x_again, dy, 2, *grads)
 
 
 def test_states_offloaded_to_the_host_and_back_still_work():
     """torch.autograd.graph.save_on_cpu moves every saved tensor (the state included) to the host
     and back to new device memory: the backward must follow them, in every mode."""
     dy = None
-    for kwargs in (dict(), dict(recompute=True), dict(bias=True, probs_at_combine=True)):
+    for kwargs in (dict(), dict(fuse_fc1=False), dict(recompute=True), dict(bias=True, probs_at_combine=True)):
         mod, x, idx, probs = make(seed=29, **kwargs)
         dy = output_grad(x)
         xr, pr = x.clone().requires_grad_(), probs.clone().requires_grad_()

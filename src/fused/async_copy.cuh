@@ -1,0 +1,18 @@
+// Small pieces shared by the fused kernels' producers: 16-byte cp.async with zero fill and
+// shared-memory addresses.
+#pragma once
+
+#include <cstdint>
+
+namespace moe::fused {
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  // src-size 0 fills the 16 bytes with zeros without reading src.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+}  // namespace moe::fused

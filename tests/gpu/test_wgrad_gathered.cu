@@ -1,0 +1,310 @@
+// The grouped weight gradient with gathered rows (fused/wgrad_gathered.h) against the fp64 CPU
+// reference of the grouped wgrad on the materialized x_perm: uneven and empty groups, groups longer
+// than the 4-stage ring, padding rows, M and N that are not tile multiples, bf16 / fp32 written and
+// fp32 accumulated (main_grad), both output layouts (bitwise identical), the gathered and the
+// contiguous form of the same rows (bitwise identical), and CUDA graph replay with a new routing
+// (bitwise equal to eager).
+//
+// Tolerances, as for the grouped GEMM's wgrad (tests/gpu/test_grouped_gemm.cu): bf16 inputs give
+// exact fp32 products, accumulated in fp32 and rounded once:
+//   bf16 output: |gpu - ref| <= 2^-8 |ref| + red * 2^-22 * sum|a b|
+//   fp32 output: |gpu - ref| <= 2^-22 (|ref| + |c|) + red * 2^-22 * sum|a b|   (c = prior main_grad)
+// A gather or layout mistake gives errors of the order of |ref| itself.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fused/wgrad_gathered.h"
+#include "moe/float_convert.h"
+#include "moe/grouped_gemm.h"
+#include "reference/grouped_gemm_ref.h"
+#include "support/gpu.h"
+
+namespace moe {
+namespace {
+
+using testing::DeviceBuffer;
+using Bits = uint16_t;
+
+// A dispatched batch: T tokens of `slots` slots routed to E experts, each group padded with
+// padding rows (row_slots = -1) to a multiple of `align`.
+struct Batch {
+  int E = 0, slots = 0;
+  int64_t T = 0, R = 0;
+  int M = 0, N = 0;
+  std::vector<int32_t> off, row_slots;
+  std::vector<Bits> x, dy;  // x [T, N], dy [R, M]
+
+  Batch(int E_, int slots_, int64_t T_, int M_, int N_, const std::vector<int>& counts, int align, uint64_t seed)
+      : E(E_), slots(slots_), T(T_), M(M_), N(N_) {
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    // Distinct (token, slot) pairs, shuffled, dealt to the experts in order.
+    std::vector<int32_t> pairs(T * slots);
+    std::iota(pairs.begin(), pairs.end(), 0);
+    std::shuffle(pairs.begin(), pairs.end(), rng);
+    size_t next = 0;
+    off.push_back(0);
+    for (int e = 0; e < E; ++e) {
+      const int c = counts[e];
+      const int padded = align > 0 ? (c + align - 1) / align * align : c;
+      for (int i = 0; i < padded; ++i) row_slots.push_back(i < c ? pairs.at(next++) : -1);
+      off.push_back(static_cast<int32_t>(row_slots.size()));
+    }
+    R = static_cast<int64_t>(row_slots.size());
+    x.resize(T * N);
+    for (Bits& b : x) b = float_to_bf16_bits(u(rng));
+    dy.resize(R * M);
+    for (Bits& b : dy) b = float_to_bf16_bits(u(rng));
+  }
+
+  // x_perm [R, N]: row r is x[row_slots[r] / slots] (zeros on padding rows).
+  std::vector<Bits> x_perm() const {
+    std::vector<Bits> p(R * N, 0);
+    for (int64_t r = 0; r < R; ++r)
+      if (row_slots[r] >= 0) std::copy_n(x.begin() + (row_slots[r] / slots) * N, N, p.begin() + r * N);
+    return p;
+  }
+
+  ref::Groups groups() const {
+    ref::Groups g;
+    for (int e = 0; e < E; ++e) {
+      g.offset.push_back(off[e]);
+      g.rows.push_back(off[e + 1] - off[e]);
+    }
+    return g;
+  }
+};
+
+std::vector<double> to_double(const std::vector<Bits>& b, bool absolute = false) {
+  std::vector<double> d(b.size());
+  for (size_t i = 0; i < b.size(); ++i) d[i] = absolute ? std::fabs(bf16_bits_to_float(b[i])) : bf16_bits_to_float(b[i]);
+  return d;
+}
+
+// Expected dW [E, M, N] (from zero) and the scale of its rounding error.
+struct Expected {
+  std::vector<double> value, abs_sum;
+  int64_t red = 0;
+};
+Expected expect(const Batch& b) {
+  const std::vector<Bits> xp = b.x_perm();
+  const auto dyd = to_double(b.dy), xd = to_double(xp), dya = to_double(b.dy, true), xa = to_double(xp, true);
+  Expected ex;
+  const int64_t mn = int64_t(b.M) * b.N;
+  ex.value.assign(b.E * mn, 0.0);
+  ex.abs_sum.assign(b.E * mn, 0.0);
+  std::vector<double*> v, a;
+  for (int e = 0; e < b.E; ++e) {
+    v.push_back(ex.value.data() + e * mn);
+    a.push_back(ex.abs_sum.data() + e * mn);
+  }
+  ref::grouped_wgrad(b.groups(), dyd.data(), xd.data(), b.M, b.N, v.data(), false);
+  ref::grouped_wgrad(b.groups(), dya.data(), xa.data(), b.M, b.N, a.data(), false);
+  for (int64_t r : b.groups().rows) ex.red = std::max(ex.red, r);
+  return ex;
+}
+
+// The batch on the device.
+struct DeviceBatch {
+  DeviceBuffer<Bits> x, x_perm, dy;
+  DeviceBuffer<int32_t> off, row_slots;
+  explicit DeviceBatch(const Batch& b)
+      : x(b.x), x_perm(b.x_perm()), dy(b.dy), off(b.off), row_slots(b.row_slots.empty() ? std::vector<int32_t>{0} : b.row_slots) {}
+};
+
+fused::WgradGatheredArgs args(const Batch& b, const DeviceBatch& d, bool gathered) {
+  fused::WgradGatheredArgs a;
+  a.dy = d.dy.get();
+  a.x = gathered ? d.x.get() : d.x_perm.get();
+  a.row_slots = gathered ? d.row_slots.get() : nullptr;
+  a.slots = b.slots;
+  a.group_offsets = d.off.get();
+  a.experts = b.E;
+  a.R = b.R;
+  a.M = b.M;
+  a.N = b.N;
+  return a;
+}
+
+// dW in bf16 or fp32 written, or accumulated over `prior`; single grouped or through a table.
+template <typename Out>
+std::vector<Out> run(const Batch& b, const DeviceBatch& d, bool gathered, bool accumulate, bool table,
+                     const std::vector<Out>& prior) {
+  const int64_t mn = int64_t(b.M) * b.N;
+  DeviceBuffer<Out> dw(b.E * mn);
+  if (accumulate) dw.upload(prior);
+  else dw.fill_bytes(0xFF);  // NaN everywhere: any element left unwritten shows
+  std::vector<void*> ptrs;
+  for (int e = 0; e < b.E; ++e) ptrs.push_back(dw.get() + e * mn);
+  DeviceBuffer<void*> d_ptrs(ptrs);
+  fused::WgradGatheredArgs a = args(b, d, gathered);
+  if (table) {
+    a.dw_table = d_ptrs.get();
+  } else {
+    a.dw_base = dw.get();
+    a.dw_stride_bytes = mn * static_cast<int64_t>(sizeof(Out));
+  }
+  a.dw_fp32 = sizeof(Out) == 4;
+  a.accumulate = accumulate;
+  fused::launch_wgrad_gathered(a, nullptr);
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  return dw.download();
+}
+
+void check_bf16(const std::vector<Bits>& got, const Expected& ex, const std::string& what) {
+  int bad = 0;
+  for (size_t i = 0; i < got.size() && bad < 10; ++i) {
+    const double g = bf16_bits_to_float(got[i]);
+    const double tol = std::ldexp(std::fabs(ex.value[i]), -8) + ex.red * std::ldexp(ex.abs_sum[i], -22);
+    if (!(std::fabs(g - ex.value[i]) <= tol))
+      ++bad, ADD_FAILURE() << what << ": element " << i << " = " << g << ", expected " << ex.value[i] << " +- " << tol;
+  }
+}
+
+void check_f32(const std::vector<float>& got, const Expected& ex, const std::vector<float>& prior,
+               const std::string& what) {
+  int bad = 0;
+  for (size_t i = 0; i < got.size() && bad < 10; ++i) {
+    const double c = prior.empty() ? 0.0 : prior[i];
+    const double want = ex.value[i] + c;
+    const double tol = std::ldexp(std::fabs(want) + std::fabs(c), -22) + ex.red * std::ldexp(ex.abs_sum[i], -22);
+    if (!(std::fabs(got[i] - want) <= tol))
+      ++bad, ADD_FAILURE() << what << ": element " << i << " = " << got[i] << ", expected " << want << " +- " << tol;
+  }
+}
+
+struct Shape {
+  int E, slots;
+  int64_t T;
+  int M, N;
+  std::vector<int> counts;  // rows per expert before padding (sum <= T * slots)
+  int align;
+};
+
+class WgradGathered : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(WgradGathered, MatchesReferenceInEveryOutputMode) {
+  MOE_REQUIRE_GPU();
+  const Shape s = GetParam();
+  const Batch b(s.E, s.slots, s.T, s.M, s.N, s.counts, s.align, 7);
+  const DeviceBatch d(b);
+  const Expected ex = expect(b);
+
+  const auto bf16 = run<Bits>(b, d, true, false, false, {});
+  check_bf16(bf16, ex, "bf16 written");
+  EXPECT_EQ(bf16, run<Bits>(b, d, true, false, true, {})) << "per-expert table vs single grouped";
+  EXPECT_EQ(bf16, run<Bits>(b, d, false, false, false, {})) << "gathered vs contiguous x_perm";
+
+  const auto f32 = run<float>(b, d, true, false, false, {});
+  check_f32(f32, ex, {}, "fp32 written");
+  EXPECT_EQ(f32, run<float>(b, d, true, false, true, {}));
+
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+  std::vector<float> prior(f32.size());
+  for (float& f : prior) f = u(rng);
+  const auto acc = run<float>(b, d, true, true, false, prior);
+  check_f32(acc, ex, prior, "fp32 accumulated");
+  EXPECT_EQ(acc, run<float>(b, d, true, true, true, prior));
+  // Empty experts leave main_grad bitwise as it was.
+  const int64_t mn = int64_t(b.M) * b.N;
+  for (int e = 0; e < b.E; ++e)
+    if (b.off[e + 1] == b.off[e])
+      EXPECT_TRUE(std::equal(acc.begin() + e * mn, acc.begin() + (e + 1) * mn, prior.begin() + e * mn)) << "expert " << e;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, WgradGathered,
+    ::testing::Values(
+        // Uneven and empty groups, partial M and N tiles, a group longer than the ring (300 rows).
+        Shape{5, 2, 300, 192, 320, {0, 300, 1, 64, 129}, 0},
+        // Padding rows inside the groups (A = 16), a single-row group.
+        Shape{4, 3, 100, 64, 128, {1, 50, 0, 120}, 16},
+        // The fc1 shape of a small SwiGLU layer (M = 2F) and many experts, one of them very long.
+        Shape{16, 8, 256, 512, 256, {900, 3, 0, 40, 80, 128, 129, 255, 256, 1, 2, 64, 63, 65, 0, 2}, 0},
+        // The smallest sizes.
+        Shape{1, 1, 3, 8, 8, {3}, 0},
+        // Every expert empty.
+        Shape{3, 2, 10, 16, 24, {0, 0, 0}, 0}));
+
+// Captured once, replayed with a new routing (new offsets and row map, same buffers): bitwise the
+// eager result of the new routing.
+TEST(WgradGathered, GraphReplayWithNewRoutingEqualsEager) {
+  MOE_REQUIRE_GPU();
+  const Batch first(6, 2, 200, 256, 384, {100, 0, 150, 50, 99, 1}, 0, 21);
+  const Batch second(6, 2, 200, 256, 384, {3, 200, 0, 97, 50, 50}, 0, 22);
+  ASSERT_EQ(first.R, second.R);
+  DeviceBatch d(first);
+  const int64_t mn = int64_t(first.M) * first.N;
+  DeviceBuffer<float> dw(first.E * mn);
+  fused::WgradGatheredArgs a = args(first, d, true);
+  a.dw_base = dw.get();
+  a.dw_stride_bytes = mn * 4;
+  a.dw_fp32 = true;
+
+  cudaStream_t s;
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  fused::launch_wgrad_gathered(a, s);
+  MOE_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+  d.x.upload(second.x);
+  d.dy.upload(second.dy);
+  d.off.upload(second.off);
+  d.row_slots.upload(second.row_slots);
+  MOE_CUDA_CHECK(cudaGraphLaunch(exec, s));
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  const std::vector<float> replayed = dw.download();
+
+  const DeviceBatch fresh(second);
+  EXPECT_EQ(replayed, run<float>(second, fresh, true, false, false, {}));
+  check_f32(replayed, expect(second), {}, "graph replay");
+  MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  MOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  MOE_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+// The gathered kernel and the grouped GEMM's wgrad on the materialized x_perm run the same
+// accumulation (WGMMA 64x256x16 k steps in row order from each group's first row), so the layer's
+// fused path gives the unfused path's weight gradients bit for bit.
+TEST(WgradGathered, BitwiseEqualToGroupedGemmWgradOnXPerm) {
+  MOE_REQUIRE_GPU();
+  const Batch b(8, 4, 512, 384, 512, {300, 0, 257, 64, 500, 1, 129, 700}, 0, 31);
+  const DeviceBatch d(b);
+  GroupedGemm gg(b.E, b.R);
+  DeviceBuffer<uint8_t> ws(gg.workspace_bytes());
+  const int64_t mn = int64_t(b.M) * b.N;
+  for (DType out : {DType::kBF16, DType::kFP32}) {
+    const size_t bytes = out == DType::kFP32 ? 4 : 2;
+    DeviceBuffer<uint8_t> dw(b.E * mn * bytes);
+    gg.wgrad(TensorView(d.dy.get(), DType::kBF16, {b.R, b.M}), TensorView(d.x_perm.get(), DType::kBF16, {b.R, b.N}),
+             TensorView(d.off.get(), DType::kInt32, {int64_t(b.E) + 1}),
+             ExpertMatrices::grouped(TensorView(dw.get(), out, {int64_t(b.E), int64_t(b.M), int64_t(b.N)}), "dw"),
+             false, TensorView(ws.get(), DType::kUInt8, {int64_t(ws.size())}), nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint8_t> want = dw.download();
+    std::vector<uint8_t> got;
+    if (out == DType::kFP32) {
+      const auto f = run<float>(b, d, true, false, false, {});
+      got.assign(reinterpret_cast<const uint8_t*>(f.data()), reinterpret_cast<const uint8_t*>(f.data() + f.size()));
+    } else {
+      const auto h = run<Bits>(b, d, true, false, false, {});
+      got.assign(reinterpret_cast<const uint8_t*>(h.data()), reinterpret_cast<const uint8_t*>(h.data() + h.size()));
+    }
+    size_t differ = 0;
+    for (size_t i = 0; i < got.size(); ++i) differ += got[i] != want[i];
+    EXPECT_EQ(differ, 0u) << dtype_name(out) << ": bytes that differ from the grouped GEMM's wgrad";
+  }
+}
+
+}  // namespace
+}  // namespace moe
