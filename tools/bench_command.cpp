@@ -28,6 +28,7 @@ struct BenchArgs {
   bool all = false;
   bool json = false;
   bool no_check = false;
+  bool no_x_perm = false;
   std::string fc1 = "auto";
   double skew = 0.0;
   int align = 0;
@@ -100,6 +101,8 @@ void run_bench(const BenchArgs& a) {
   std::vector<std::vector<double>> chart_values;  // per shape: graph fwd, bwd, total TFLOP/s
   for (const auto& s : shapes) {
     o.fuse_fc1 = uses_fused_fc1(a.fc1, s);
+    o.save_x_perm = !(o.fuse_fc1 && a.no_x_perm);
+    const char* fc1_name = !o.fuse_fc1 ? "unfused" : o.save_x_perm ? "fused" : "fused-g";
     bench::LayerBenchResult r = bench::run_layer_bench(s, o);
     const double ff = r.flops_fwd();
     const double g_bwd = r.fwd_bwd_graph.median_ms - r.fwd_graph.median_ms;
@@ -110,7 +113,7 @@ void run_bench(const BenchArgs& a) {
     if (a.json) {
       nlohmann::json j = {
           {"shape", s.name}, {"T", s.T}, {"H", s.H}, {"F", s.F}, {"E", s.E}, {"k", s.k}, {"device", device},
-          {"skew", r.skew}, {"align", a.align}, {"activation", a.activation}, {"fc1", o.fuse_fc1 ? "fused" : "unfused"},
+          {"skew", r.skew}, {"align", a.align}, {"activation", a.activation}, {"fc1", o.fuse_fc1 ? "fused" : "unfused"}, {"x_perm", o.save_x_perm ? "saved" : "gathered"},
           {"graph", {{"fwd_ms", r.fwd_graph.median_ms}, {"bwd_ms", g_bwd}, {"total_ms", r.fwd_bwd_graph.median_ms},
                      {"fwd_tflops", tflops(ff, r.fwd_graph.median_ms)}, {"bwd_tflops", tflops(2 * ff, g_bwd)},
                      {"total_tflops", tflops(3 * ff, r.fwd_bwd_graph.median_ms)},
@@ -136,7 +139,7 @@ void run_bench(const BenchArgs& a) {
                   r.fwd_graph.max_ms, g_bwd, tflops(2 * ff, g_bwd), r.fwd_bwd_graph.median_ms,
                   tflops(3 * ff, r.fwd_bwd_graph.median_ms), r.fwd_bwd_graph.min_ms, r.fwd_bwd_graph.max_ms,
                   r.fwd_bwd_eager.median_ms, tflops(3 * ff, r.fwd_bwd_eager.median_ms), r.extra_gib,
-                  o.fuse_fc1 ? "fused" : "unfused", check);
+                  fc1_name, check);
       std::fflush(stdout);
     }
   }
@@ -169,6 +172,8 @@ void setup_bench(CLI::App& app) {
   sub->add_option("--fc1", args->fc1, "fused (gather + fc1 + bias + activation x prob in one kernel), unfused "
                   "(separate kernels, the reference path) or auto (fused where it was measured faster: F <= 1024)")
       ->check(CLI::IsMember({"auto", "fused", "unfused"}));
+  sub->add_flag("--no-x-perm", args->no_x_perm, "With the fused fc1: keep no x_perm, the fc1 weight gradient gathers "
+                "the rows of x (less memory; shown as fc1 'fused-g')");
   sub->add_flag("--no-check", args->no_check, "Skip the sampled comparison with the CPU reference");
   sub->callback([args] { run_bench(*args); });
 }

@@ -121,6 +121,7 @@ LayerBenchResult run_layer_bench(const Shape& s, const LayerBenchOptions& o) {
   c.dispatch.align = o.align;
   c.activation.kind = o.activation;
   c.fuse_fc1 = o.fuse_fc1;
+  c.save_x_perm = o.save_x_perm || !o.fuse_fc1;
   const int64_t F1 = c.fc1_out();
 
   // Inputs and weights (not counted as extra memory, as in the PyTorch baseline).

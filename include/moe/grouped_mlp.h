@@ -4,7 +4,7 @@
 //
 // The layer holds configuration, bound parameters and workspaces planned at construction from the
 // static bounds (T_max, k, E, A, H, F). What one micro-batch leaves for its backward -- the dispatch
-// plan, x_perm (with fuse_fc1: the caller's x, by address) and the expert activations (or, with
+// plan, x_perm (with save_x_perm off: the caller's x, by address) and the expert activations (or, with
 // recompute, only the caller's x and the plan) --
 // lives in a caller-owned SavedState (new_state(), reusable once consumed), so any number of
 // forwards may be in flight and their backwards may run in any order, each bitwise equal to running
@@ -59,14 +59,14 @@ class GroupedMlp {
                cudaStream_t stream);
   // dy bf16 [T, H] -> dx bf16 [T, H], dprobs fp32 [T, k] (top-k) or [T, E] (map);
   // weight gradients too unless config.delay_wgrad. Consumes the state (delayed: backward_dw does).
-  // Recompute mode and fuse_fc1 read the forward's x again (fuse_fc1: the fc1 weight gradient gathers
-  // its rows; in delayed mode backward_dw does): by the address recorded at forward, or `x` when
-  // given (the same values, e.g. restored to another address after offloading). x must stay
-  // unchanged until then.
+  // Recompute mode and save_x_perm = false read the forward's x again (the latter: the fc1 weight
+  // gradient gathers its rows, in delayed mode in backward_dw): by the address recorded at forward,
+  // or `x` when given (the same values, e.g. restored to another address after offloading). x must
+  // stay unchanged until then.
   void backward(const TensorView& dy, const TensorView& dx, const TensorView& dprobs, const SavedState& state,
                 cudaStream_t stream, const TensorView* x = nullptr);
   // Delayed mode: fc2's weight gradients, then fc1's, each parameter's hooks once it is final.
-  // fuse_fc1 reads the forward's x again (see backward).
+  // save_x_perm = false reads the forward's x again (see backward).
   void backward_dw(const SavedState& state, cudaStream_t stream, const TensorView* x = nullptr);
 
   // Device error word of the dispatch (docs/semantics.md, errors): check_errors syncs -- call

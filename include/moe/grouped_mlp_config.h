@@ -78,10 +78,14 @@ struct GroupedMlpConfig {
   // caller keeps x alive and unchanged until backward. Not combinable with delay_wgrad.
   bool recompute = false;
   // The fused fc1 (see ExpertsConfig::fuse_fc1), which here also gathers the rows of x through the
-  // dispatch map: no separate permute pass and no x_perm at all -- the fc1 weight gradient gathers
-  // the rows of x too, so the state keeps the caller's x by address (unchanged until backward, or
-  // backward_dw in delayed mode) instead of an [R, H] copy. Same results as the unfused path.
+  // dispatch map: no separate permute pass (the kernel writes x_perm for the backward while its
+  // tensor cores work). Same results, same saved state and contract as the unfused path.
   bool fuse_fc1 = false;
+  // false (needs fuse_fc1): no x_perm at all -- the fc1 weight gradient gathers the rows of x as the
+  // forward did, so a state keeps the caller's x by address (unchanged until backward, or
+  // backward_dw in delayed mode) instead of an [R, H] copy: R * H * 2 bytes less per micro-batch in
+  // flight. Same results (docs/fused.md has the cost in time).
+  bool save_x_perm = true;
 
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
   int64_t row_bound() const;  // R resolved from dispatch options

@@ -78,6 +78,8 @@ void GroupedMlpConfig::validate() const {
   validate_dispatch_options(dispatch);
   MOE_CHECK(!(recompute && delay_wgrad), "config 'recompute': activation recompute is not combinable with ",
             "delay_wgrad (the delayed weight gradients need the saved activations)");
+  MOE_CHECK(save_x_perm || fuse_fc1, "config 'save_x_perm': false needs fuse_fc1 (the fused kernels gather the ",
+            "rows of x)");
   (void)row_bound();  // throws for map form without an explicit bound
 }
 

@@ -48,6 +48,15 @@ using SmemLayoutB = decltype(tile_to_shape(SmemAtom{}, make_shape(Int<kBN>{}, In
 using TiledMma = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>{},
                                          Layout<Shape<_2, _1, _1>>{}));
 
+// Byte offset of the 16-byte chunk holding elements (m .. m + 7, k) of stage `stage` of a tile:
+// the unswizzled position from the layout's plain part, then the 128-byte swizzle, which acts on
+// byte addresses (chunk bits 4-6 ^= row bits 7-9; the tiles are 1024-byte aligned).
+template <class SmemLayout>
+__device__ __forceinline__ uint32_t chunk_offset(int m, int k, int stage) {
+  const uint32_t linear = 2u * static_cast<uint32_t>(SmemLayout{}.layout_b()(m, k, stage));
+  return linear ^ ((linear >> 3) & 0x70u);
+}
+
 struct SharedStorage {
   alignas(1024) bf16 a[cosize_v<SmemLayoutA>];
   alignas(1024) bf16 b[cosize_v<SmemLayoutB>];
@@ -100,6 +109,7 @@ __device__ void produce(SharedStorage& s, const Params& p, const Tile& t) {
   const int warp = tid >> 5, lane = tid & 31;
   // dY: thread copies columns m .. m + 7 of rows (tid / 16) + 8 i; X: columns n .. n + 7 of rows
   // warp + 4 i (a warp moves two whole 512-byte row segments per instruction).
+  static_assert(kBM == 128 && kBN == 256 && kProducerThreads == 128, "the copy mapping below covers these tiles");
   const int ma = (tid & 15) * 8, nb = lane * 8;
   const int m = t.m0 + ma, n = t.n0 + nb;
   const bool m_in = m < p.M, n_in = n < p.N;
@@ -118,10 +128,10 @@ __device__ void produce(SharedStorage& s, const Params& p, const Tile& t) {
     cutlass::arch::ClusterBarrier::wait(&s.empty[stage], phase);
     const int64_t row0 = t.begin + static_cast<int64_t>(kb) * kBK;
 #pragma unroll
-    for (int i = 0; i < kBK / 16; ++i) {
+    for (int i = 0; i < kBK / 8; ++i) {
       const int k = (tid >> 4) + 8 * i;
       const bool v = m_in && row0 + k < t.end;
-      const uint32_t dst = a_base + 2u * static_cast<uint32_t>(SmemLayoutA{}(ma, k, stage));
+      const uint32_t dst = a_base + chunk_offset<SmemLayoutA>(ma, k, stage);
       cp_async_16(dst, v ? p.dy + ((row0 + k) * p.M + m) : p.dy, v);
     }
 #pragma unroll
@@ -129,7 +139,7 @@ __device__ void produce(SharedStorage& s, const Params& p, const Tile& t) {
       const int k = warp + 4 * i;
       const int row = __shfl_sync(kFullMask, src, i);
       const bool v = n_in && row >= 0;
-      const uint32_t dst = b_base + 2u * static_cast<uint32_t>(SmemLayoutB{}(nb, k, stage));
+      const uint32_t dst = b_base + chunk_offset<SmemLayoutB>(nb, k, stage);
       cp_async_16(dst, v ? p.x + (static_cast<int64_t>(row) * p.N + n) : p.x, v);
     }
     // Arrives on full[stage] once this thread's copies have landed.

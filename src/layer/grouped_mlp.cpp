@@ -2,12 +2,13 @@
 // checks arguments, plans memory and orders the stages.
 //
 // Forward:  plan -> permute -> experts forward -> unpermute
-//           (fuse_fc1: plan -> experts forward gathering the rows of x -> unpermute; no x_perm)
+//           (fuse_fc1: plan -> experts forward gathering the rows of x, writing x_perm on the way
+//           unless save_x_perm is off -> unpermute)
 // Backward: [recompute: permute + experts recompute] -> unpermute_bwd -> experts backward
 //           -> permute_bwd      (weight gradients deferred to backward_dw in delayed mode)
 //
-// Saved state (caller-owned), device block: the dispatch plan, x_perm (not with fuse_fc1: the fc1
-// weight gradient then gathers the rows of the caller's x, whose address the state keeps), Y when
+// Saved state (caller-owned), device block: the dispatch plan, x_perm (not with save_x_perm off: the
+// fc1 weight gradient then gathers the rows of the caller's x, whose address the state keeps), Y when
 // probs are merged at the combine (its backward needs <Y, dy>), dY in delayed mode (backward_dw
 // reads it), and the experts' state (h, act, ...). Recompute mode keeps only the plan and the
 // address of the caller's x; x_perm, Y and the experts' activations then live in the layer's
@@ -71,6 +72,8 @@ struct GroupedMlp::Impl {
   }
 
   bool probs_in_act() const { return cfg.probs == ProbsPlacement::kInActivation; }
+  // No x_perm: the fc1 weight gradient gathers the rows of x.
+  bool gathered() const { return !cfg.save_x_perm; }
 
   StateLayout plan_state() const {
     const int64_t H = cfg.hidden;
@@ -83,7 +86,7 @@ struct GroupedMlp::Impl {
     };
     l.plan = at(static_cast<int64_t>(dispatcher.plan_bytes()));
     if (!cfg.recompute) {
-      l.has_x_perm = !cfg.fuse_fc1;
+      l.has_x_perm = !gathered();
       if (l.has_x_perm) l.x_perm = at(R * H * 2);
       l.has_Y = !probs_in_act();
       if (l.has_Y) l.Y = at(R * H * 2);
@@ -132,19 +135,20 @@ struct GroupedMlp::Impl {
     experts.forward(bf16_view(x_perm, R, cfg.hidden), dispatcher.group_offsets(plan), pp_or_none(plan),
                     bf16_view(Y, R, cfg.hidden), es, s);
   }
-  // The same with the rows of x gathered inside the fused fc1; no x_perm is written (the fc1 weight
+  // The same with the rows of x gathered inside the fused fc1, which writes x_perm on the way (none:
+  // recompute mode, where the backward permutes again, and save_x_perm off, where the fc1 weight
   // gradient gathers the rows of x again).
-  void run_experts_gathered(const SavedState& plan, const TensorView& x, void* Y, const SavedState& es,
+  void run_experts_gathered(const SavedState& plan, const TensorView& x, void* x_perm, void* Y, const SavedState& es,
                             cudaStream_t s) {
     experts.forward_gathered(x, dispatcher.row_slots(plan), dispatcher.slots_per_token(),
                              dispatcher.group_offsets(plan), pp_or_none(plan), bf16_view(Y, R, cfg.hidden),
-                             TensorView(), es, s);
+                             x_perm ? bf16_view(x_perm, R, cfg.hidden) : TensorView(), es, s);
   }
   // Points the experts' state at the inputs its backward reads, where they are now (the state may
   // have moved; x may be the caller's view of the forward's x).
   void relocate_experts(const SavedState& state, const SavedState& plan, const SavedState& es, const TensorView& x,
                         const TensorView* dY) const {
-    if (cfg.fuse_fc1) {
+    if (gathered()) {
       experts.relocate_gathered(es, x, dispatcher.row_slots(plan), dispatcher.slots_per_token(),
                                 dispatcher.group_offsets(plan), pp_or_none(plan), dY);
     } else {
@@ -152,7 +156,7 @@ struct GroupedMlp::Impl {
                        pp_or_none(plan), dY);
     }
   }
-  // x read again in backward (recompute mode, fuse_fc1): the forward's x, or the caller's view of it.
+  // x read again in backward (recompute mode, save_x_perm off): the forward's x, or the caller's view of it.
   TensorView x_of(const SavedState& st, const TensorView* x_in) const {
     const StateHeader& h = st.header(kLayerHeader);
     return x_in ? *x_in : bf16_view(reinterpret_cast<void*>(h.pointer), h.tokens, cfg.hidden);
@@ -189,8 +193,9 @@ void GroupedMlp::forward(const TensorView& x, const RoutingView& routing, const 
   check_device_tensor(y, "y", c.dtype, {T, c.hidden});
   check_state_fillable(state, "state", m.layout.total, kStateHeaders, "GroupedMlp::forward");
   MOE_CHECK(m.experts.weight_binding() != 0, "GroupedMlp::forward: no weights bound (call set_weights first)");
-  MOE_CHECK(!(c.recompute || c.fuse_fc1) || y.data != x.data || T == 0, "argument 'y': ",
-            c.recompute ? "recompute mode" : "fuse_fc1", " reads x again in backward, so y must not overwrite it");
+  MOE_CHECK(!(c.recompute || m.gathered()) || y.data != x.data || T == 0, "argument 'y': ",
+            c.recompute ? "recompute mode" : "save_x_perm = false", " reads x again in backward, so y must not ",
+            "overwrite it");
   // The routing itself is checked by the plan before anything is enqueued.
   const SavedState plan = m.plan_of(state);
   m.dispatcher.plan(routing, m.errors.device_ptr(), plan, s);
@@ -198,7 +203,7 @@ void GroupedMlp::forward(const TensorView& x, const RoutingView& routing, const 
   if (c.recompute) es.reset();  // the workspace state only serves this call
   void* Y = m.probs_in_act() ? m.Y_ws : m.Ycomb_of(state);
   if (c.fuse_fc1) {
-    m.run_experts_gathered(plan, x, Y, es, s);
+    m.run_experts_gathered(plan, x, c.recompute || m.gathered() ? nullptr : m.x_perm_of(state), Y, es, s);
   } else {
     void* x_perm = m.x_perm_of(state);
     m.dispatcher.permute(plan, x, bf16_view(x_perm, m.R, c.hidden), s);
@@ -231,8 +236,8 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
   check_device_tensor(dprobs, "dprobs", DType::kFP32, {T, slots}, 4);
   const TensorView x = m.x_of(state, x_in);
   if (x_in) check_device_tensor(*x_in, "x", c.dtype, {T, H});
-  MOE_CHECK(!(c.delay_wgrad && c.fuse_fc1) || dx.data != x.data || T == 0, "argument 'dx': with delay_wgrad and ",
-            "fuse_fc1, backward_dw gathers the rows of x again, so dx must not overwrite it");
+  MOE_CHECK(!(c.delay_wgrad && m.gathered()) || dx.data != x.data || T == 0, "argument 'dx': with delay_wgrad and ",
+            "save_x_perm = false, backward_dw gathers the rows of x again, so dx must not overwrite it");
   const SavedState plan = m.plan_of(state);
   SavedState es = m.experts_of(state);
   if (!c.recompute) {

@@ -144,6 +144,11 @@ TEST(GroupedMlpConfig, ValidatesFields) {
   bad.hidden = 100;
   expect_error_naming([&] { bad.validate(); }, "hidden");
   bad = c;
+  bad.save_x_perm = false;  // only the fused kernels can gather the rows of x
+  expect_error_naming([&] { bad.validate(); }, "save_x_perm");
+  bad.fuse_fc1 = true;
+  bad.validate();
+  bad = c;
   bad.topk = 5;
   expect_error_naming([&] { bad.validate(); }, "topk");
   bad = c;

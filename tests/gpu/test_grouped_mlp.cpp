@@ -213,6 +213,7 @@ struct Variant {
   int align;
   bool fused = false;
   bool recompute = false;
+  bool gathered = false;  // fused without x_perm (save_x_perm = false)
 };
 
 std::string variant_name(const Variant& v) {
@@ -221,6 +222,7 @@ std::string variant_name(const Variant& v) {
   name += v.probs == ProbsPlacement::kInActivation ? "_probsInAct" : "_probsAtCombine";
   name += "_il" + std::to_string(v.interleave) + "_A" + std::to_string(v.align);
   if (v.recompute) name += "_recompute";
+  if (v.gathered) name += "_noXPerm";
   for (char& ch : name)
     if (ch == '-') ch = '_';
   return name;
@@ -240,6 +242,7 @@ TEST_P(LayerVariants, MatchesReferenceInBothLayoutsBitwiseEqual) {
   c.cfg.dispatch.align = v.align;
   c.cfg.fuse_fc1 = v.fused;
   c.cfg.recompute = v.recompute;
+  c.cfg.save_x_perm = !v.gathered;
   c.T = 53;
   Runner r(c);
   Outputs want = r.run_reference();
@@ -249,6 +252,7 @@ TEST_P(LayerVariants, MatchesReferenceInBothLayoutsBitwiseEqual) {
     // The fused fc1 against the unfused path it replaces (the GPU reference), same data.
     Case u = c;
     u.cfg.fuse_fc1 = false;
+    u.cfg.save_x_perm = true;
     compare(grouped, Runner(u).run_gpu(WeightLayout::kSingleGrouped), v.bias);
   }
   Outputs per_expert = r.run_gpu(WeightLayout::kPerExpert);
@@ -291,7 +295,14 @@ INSTANTIATE_TEST_SUITE_P(
                       Variant{Activation::kSquaredReLU, true, ProbsPlacement::kInActivation, 0, 0, true},
                       Variant{Activation::kSquaredReLU, false, ProbsPlacement::kAtCombine, 0, 128, true},
                       Variant{Activation::kSwiGLU, true, ProbsPlacement::kInActivation, 0, 16, true, true},
-                      Variant{Activation::kSquaredReLU, true, ProbsPlacement::kAtCombine, 0, 0, true, true}),
+                      Variant{Activation::kSquaredReLU, true, ProbsPlacement::kAtCombine, 0, 0, true, true},
+                      // No x_perm: the fc1 weight gradient gathers the rows of x.
+                      Variant{Activation::kSwiGLU, false, ProbsPlacement::kInActivation, 0, 0, true, false, true},
+                      Variant{Activation::kSwiGLU, true, ProbsPlacement::kAtCombine, 1, 128, true, false, true},
+                      Variant{Activation::kGeGLU, true, ProbsPlacement::kInActivation, 16, 0, true, false, true},
+                      Variant{Activation::kClampedSwiGLU, true, ProbsPlacement::kInActivation, 32, 128, true, false,
+                              true},
+                      Variant{Activation::kSquaredReLU, false, ProbsPlacement::kAtCombine, 0, 16, true, false, true}),
     [](const ::testing::TestParamInfo<Variant>& info) { return variant_name(info.param); });
 
 
@@ -312,12 +323,13 @@ TEST(GroupedMlp, AccumulateIntoMainGradAndFp32Grads) {
 
 TEST(GroupedMlp, DelayedWgradEqualsImmediateAndHooksFireInOrder) {
   MOE_REQUIRE_GPU();
-  for (bool fused : {false, true}) {
-  SCOPED_TRACE(fused ? "fused fc1" : "unfused");
+  for (int mode : {0, 1, 2}) {
+  SCOPED_TRACE(mode == 0 ? "unfused" : mode == 1 ? "fused fc1" : "fused fc1 without x_perm");
   Case c;
   c.cfg = small_config();
   c.cfg.bias = true;
-  c.cfg.fuse_fc1 = fused;
+  c.cfg.fuse_fc1 = mode > 0;
+  c.cfg.save_x_perm = mode < 2;
   c.T = 45;
   Runner immediate(c);
   Outputs a = immediate.run_gpu(WeightLayout::kSingleGrouped);
@@ -338,7 +350,9 @@ TEST(GroupedMlp, FusedFc1LargerShapes) {
   MOE_REQUIRE_GPU();
   for (double skew : {0.0, 3.0}) {
     for (Activation act : {Activation::kSwiGLU, Activation::kSquaredReLU}) {
-      SCOPED_TRACE(::testing::Message() << "skew " << skew << " " << activation_name(act));
+    for (bool gathered : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "skew " << skew << " " << activation_name(act)
+                                        << (gathered ? " without x_perm" : ""));
       Case c;
       c.cfg.hidden = 320;
       c.cfg.ffn = 200;
@@ -348,6 +362,7 @@ TEST(GroupedMlp, FusedFc1LargerShapes) {
       c.cfg.bias = true;
       c.cfg.activation.kind = act;
       c.cfg.fuse_fc1 = true;
+      c.cfg.save_x_perm = !gathered;
       c.T = 650;
       c.skew = skew;
       c.seed = 5;
@@ -356,7 +371,9 @@ TEST(GroupedMlp, FusedFc1LargerShapes) {
       compare(fused, r.run_reference(), true);
       Case u = c;
       u.cfg.fuse_fc1 = false;
+      u.cfg.save_x_perm = true;
       compare(fused, Runner(u).run_gpu(WeightLayout::kSingleGrouped), true);
+    }
     }
   }
 }
@@ -389,17 +406,21 @@ TEST(GroupedMlp, EdgeCases) {
     compare(r.run_gpu(WeightLayout::kSingleGrouped), want, false);
     c.cfg.fuse_fc1 = true;
     compare(Runner(c).run_gpu(WeightLayout::kSingleGrouped), want, false);
+    c.cfg.save_x_perm = false;
+    compare(Runner(c).run_gpu(WeightLayout::kSingleGrouped), want, false);
   }
 }
 
-class GraphReplay : public ::testing::TestWithParam<bool> {};
+// 0: unfused, 1: fused fc1, 2: fused fc1 without x_perm.
+class GraphReplay : public ::testing::TestWithParam<int> {};
 
 TEST_P(GraphReplay, WithNewDataEqualsEager) {
   MOE_REQUIRE_GPU();
   GroupedMlpConfig k = small_config();
   k.bias = true;
   k.dispatch.align = 16;
-  k.fuse_fc1 = GetParam();
+  k.fuse_fc1 = GetParam() > 0;
+  k.save_x_perm = GetParam() < 2;
   const int E = k.experts, K = k.topk;
   const int64_t T = 50, H = k.hidden, F = k.ffn, F1 = k.fc1_out();
   std::mt19937_64 rng(3);
@@ -474,8 +495,10 @@ TEST_P(GraphReplay, WithNewDataEqualsEager) {
   cudaStreamDestroy(s);
 }
 
-INSTANTIATE_TEST_SUITE_P(GroupedMlp, GraphReplay, ::testing::Values(false, true),
-                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "Fused" : "Unfused"; });
+INSTANTIATE_TEST_SUITE_P(GroupedMlp, GraphReplay, ::testing::Values(0, 1, 2),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return info.param == 0 ? "Unfused" : info.param == 1 ? "Fused" : "FusedNoXPerm";
+                         });
 
 TEST(GroupedMlp, BadInputIsReported) {
   MOE_REQUIRE_GPU();

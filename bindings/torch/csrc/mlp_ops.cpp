@@ -27,7 +27,7 @@ int64_t mlp_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t topk, i
                    const std::string& activation, int64_t glu_interleave, double alpha, double limit, double offset,
                    bool bias, bool probs_at_combine, int64_t align, bool pre_padded, int64_t row_bound,
                    bool map_routing, bool per_expert, bool accumulate, bool fp32_wgrad, bool delay_wgrad,
-                   bool recompute, bool fuse_fc1) {
+                   bool recompute, bool fuse_fc1, bool save_x_perm) {
   return translate_errors([&] {
     GroupedMlpConfig c;
     c.hidden = hidden;
@@ -43,6 +43,7 @@ int64_t mlp_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t topk, i
                        accumulate, fp32_wgrad, delay_wgrad);
     c.recompute = recompute;
     c.fuse_fc1 = fuse_fc1;
+    c.save_x_perm = save_x_perm;
     return registry().add(std::make_unique<MlpState>(c));
   });
 }
@@ -78,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp_forward(
 
 // Whether the layer reads the forward's x again in backward / backward_dw (recompute mode; fuse_fc1,
 // whose fc1 weight gradient gathers the rows of x).
-bool reads_x_again(const GroupedMlp& layer) { return layer.config().recompute || layer.config().fuse_fc1; }
+bool reads_x_again(const GroupedMlp& layer) { return layer.config().recompute || !layer.config().save_x_perm; }
 
 // x: the forward's x when the layer reads it again (it may have moved, e.g. offloaded and back), else None.
 std::tuple<at::Tensor, at::Tensor> mlp_backward(int64_t handle, const at::Tensor& state, const at::Tensor& header,
@@ -91,8 +92,8 @@ std::tuple<at::Tensor, at::Tensor> mlp_backward(int64_t handle, const at::Tensor
     GroupedMlp& layer = s.op;
     const SavedState st = state_of(state, header, kHeaders);
     MOE_CHECK(x.has_value() == reads_x_again(layer), "argument 'x': expected ",
-              reads_x_again(layer) ? "the forward's x (recompute mode or fuse_fc1)"
-                                   : "None (x is read again only in recompute mode or with fuse_fc1)");
+              reads_x_again(layer) ? "the forward's x (recompute mode or save_x_perm=False)"
+                                   : "None (x is read again only in recompute mode or with save_x_perm=False)");
     require_dims(dy, "dy", 2);
     if (!layer.config().delay_wgrad) s.bind_grads(gw1, gb1, gw2, gb2);
     at::Tensor dx = at::empty_like(dy, at::MemoryFormat::Contiguous);
@@ -109,8 +110,9 @@ void mlp_backward_dw(int64_t handle, const at::Tensor& state, const at::Tensor& 
   MlpState& s = registry().get(handle);
   translate_errors([&] {
     const SavedState st = state_of(state, header, kHeaders);
-    MOE_CHECK(x.has_value() == s.op.config().fuse_fc1, "argument 'x': expected ",
-              s.op.config().fuse_fc1 ? "the forward's x (fuse_fc1)" : "None (backward_dw reads x only with fuse_fc1)");
+    const bool reads_x = !s.op.config().save_x_perm;
+    MOE_CHECK(x.has_value() == reads_x, "argument 'x': expected ",
+              reads_x ? "the forward's x (save_x_perm=False)" : "None (backward_dw reads x only with save_x_perm=False)");
     s.bind_grads(gw1, gb1, gw2, gb2);
     const TensorView xv = x ? view(*x, "x") : TensorView();
     s.op.backward_dw(st, current_stream(), x ? &xv : nullptr);
@@ -134,7 +136,7 @@ TORCH_LIBRARY_FRAGMENT(moe_engine, m) {
   m.def("mlp_create(int hidden, int ffn, int experts, int topk, int max_tokens, str activation, int glu_interleave, "
         "float alpha, float limit, float offset, bool bias, bool probs_at_combine, int align, bool pre_padded, "
         "int row_bound, bool map_routing, bool per_expert, bool accumulate, bool fp32_wgrad, bool delay_wgrad, "
-        "bool recompute, bool fuse_fc1=False) -> int",
+        "bool recompute, bool fuse_fc1=False, bool save_x_perm=True) -> int",
         &mlp_create);
   m.def("mlp_destroy(int handle) -> ()", &mlp_destroy);
   m.def("mlp_check_errors(int handle) -> ()", &mlp_check_errors);

@@ -29,6 +29,9 @@ torch.utils.checkpoint works around either module.
 
 `fuse_fc1`: fc1, its bias and the activation x prob in one kernel (GroupedMLP: which also gathers
 the rows of x, with no separate permute); same results within bf16 rounding, same saved state.
+`save_x_perm=False` (GroupedMLP, with the fused fc1): no permuted copy of x is kept for backward --
+the fc1 weight gradient gathers the rows of x itself, so a micro-batch in flight holds
+rows x hidden_size x 2 bytes less; x is then saved for backward (as autograd does for any input).
 GroupedMLP's default (None) picks it where it was measured faster on the H100: ffn_hidden_size <=
 1024 (and at most 4096 experts, the kernel's limit); GroupedExperts fuses only when asked."""
 import torch
@@ -202,17 +205,21 @@ class GroupedMLP(_ExpertModule):
                  glu_interleave=0, bias=False, probs_at_combine=False, align=0, pre_padded=False, row_bound=-1,
                  map_routing=False, per_expert_weights=False, accumulate_into_main_grad=False,
                  wgrad_dtype=torch.bfloat16, delay_wgrad=False, recompute=False, clamp_alpha=1.702,
-                 clamp_limit=7.0, clamp_offset=1.0, device=None, init_std=None, fuse_fc1=None):
+                 clamp_limit=7.0, clamp_offset=1.0, device=None, init_std=None, fuse_fc1=None, save_x_perm=True):
         super().__init__()
         self.topk = topk
         self.recompute = recompute
         self.fuse_fc1 = _fuse_fc1(fuse_fc1, ffn_hidden_size, num_experts)
+        self.save_x_perm = save_x_perm
+        # Whether backward (and backward_dw) read the forward's x again.
+        self.reads_x = recompute or not save_x_perm
         self.slots = num_experts if map_routing else topk
         self._handle = _ops.mlp_create(hidden_size, ffn_hidden_size, num_experts, topk, max_tokens, activation,
                                        glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias,
                                        probs_at_combine, align, pre_padded, row_bound, map_routing,
                                        per_expert_weights, accumulate_into_main_grad,
-                                       wgrad_dtype == torch.float32, delay_wgrad, recompute, self.fuse_fc1)
+                                       wgrad_dtype == torch.float32, delay_wgrad, recompute, self.fuse_fc1,
+                                       save_x_perm)
         self._state_bytes = _ops.mlp_state_bytes(self._handle)
         self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
                            accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std)
@@ -229,7 +236,7 @@ class GroupedMLP(_ExpertModule):
 
     def _run_backward_dw(self, pending, lists):
         state, header, x = pending
-        _ops.mlp_backward_dw(self._handle, state, header, x if self.fuse_fc1 else None, *lists)
+        _ops.mlp_backward_dw(self._handle, state, header, None if self.recompute else x, *lists)
 
     def check_errors(self):
         """Raises ValueError if routing entries were skipped (bad expert id, duplicate expert,
@@ -295,9 +302,9 @@ class _MlpFunction(torch.autograd.Function):
         y, state, header = _ops.mlp_forward(mod._handle, x, routing.contiguous(), probs.contiguous(),
                                             *mod._param_lists(), mod._state_bytes)
         ctx.mod = mod
-        # x is read again in recompute mode and with the fused fc1 (its weight gradient gathers the
-        # rows of x): saved (and version-checked by autograd) only then.
-        ctx.save_for_backward(x if mod.recompute or mod.fuse_fc1 else None, state, header)
+        # x is read again in recompute mode and with save_x_perm=False (the fc1 weight gradient
+        # gathers the rows of x): saved (and version-checked by autograd) only then.
+        ctx.save_for_backward(x if mod.reads_x else None, state, header)
         return y
 
     @staticmethod

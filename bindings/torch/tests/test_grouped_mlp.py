@@ -74,7 +74,7 @@ def run_both(mod, x, idx, probs, kind="swiglu", interleave=0, probs_at_combine=F
     return ours, ref
 
 
-@pytest.mark.parametrize("fuse_fc1", [False, True])
+@pytest.mark.parametrize("fuse_fc1,save_x_perm", [(False, True), (True, True), (True, False)])
 @pytest.mark.parametrize("kind,bias,interleave,at_combine,per_expert", [
     ("swiglu", False, 0, False, False),
     ("swiglu", True, 32, False, True),
@@ -83,9 +83,9 @@ def run_both(mod, x, idx, probs, kind="swiglu", interleave=0, probs_at_combine=F
     ("clamped-swiglu", True, 32, False, True),
     ("squared-relu", True, 0, True, False),
 ])
-def test_matches_reference(kind, bias, interleave, at_combine, per_expert, fuse_fc1):
+def test_matches_reference(kind, bias, interleave, at_combine, per_expert, fuse_fc1, save_x_perm):
     mod, x, idx, probs = make(activation=kind, bias=bias, glu_interleave=interleave, probs_at_combine=at_combine,
-                              per_expert_weights=per_expert, fuse_fc1=fuse_fc1)
+                              per_expert_weights=per_expert, fuse_fc1=fuse_fc1, save_x_perm=save_x_perm)
     with torch.no_grad():  # non-zero biases, so that adding them is tested too
         for name, q in mod.named_parameters():
             if ".bias" in name:
@@ -122,9 +122,9 @@ def test_layouts_bitwise_equal_and_state_dict_converts():
 def test_main_grad_accumulation_and_delayed_wgrad_with_hooks():
     base, x, idx, probs = make(bias=True, seed=5)
     want, _ = run_both(base, x, idx, probs)
-    for delay in (False, True):
+    for delay, save_x_perm in ((False, True), (True, True), (False, False), (True, False)):
         mod = GroupedMLP(128, 64, 6, 2, max_tokens=48, bias=True, accumulate_into_main_grad=True,
-                         delay_wgrad=delay)
+                         delay_wgrad=delay, save_x_perm=save_x_perm)
         mod.load_state_dict(base.state_dict())
         start = {}
         for name, q in mod.named_parameters():
@@ -272,8 +272,8 @@ def test_saved_state_consumed_twice_or_foreign_raises():
     y, state, header = torch.ops.moe_engine.mlp_forward(mod._handle, x, idx, probs, *lists, mod._state_bytes)
     grads = mod._grad_buffers()
     dy = output_grad(x)
-    # x is read again only in recompute mode and with the fused fc1 (the default at this F).
-    x_again, x_wrong = (x, None) if mod.fuse_fc1 else (None, x)
+    # x is read again only in recompute mode and with save_x_perm=False.
+    x_again, x_wrong = (x, None) if mod.reads_x else (None, x)
     with pytest.raises(ValueError, match="another op"):
         torch.ops.moe_engine.mlp_backward(other._handle, state, header, x_again, dy, 2, *other._grad_buffers())
     with pytest.raises(ValueError, match="'x'"):
@@ -287,7 +287,7 @@ def test_states_offloaded_to_the_host_and_back_still_work():
     """torch.autograd.graph.save_on_cpu moves every saved tensor (the state included) to the host
     and back to new device memory: the backward must follow them, in every mode."""
     dy = None
-    for kwargs in (dict(), dict(fuse_fc1=False), dict(recompute=True), dict(bias=True, probs_at_combine=True)):
+    for kwargs in (dict(), dict(save_x_perm=False), dict(recompute=True), dict(bias=True, probs_at_combine=True)):
         mod, x, idx, probs = make(seed=29, **kwargs)
         dy = output_grad(x)
         xr, pr = x.clone().requires_grad_(), probs.clone().requires_grad_()
