@@ -128,6 +128,11 @@ void mlp_check_errors(int64_t handle) {
   });
 }
 
+// Host headers of each op's saved state (the fake implementations size their header tensors by it).
+std::vector<int64_t> state_headers() {
+  return {GroupedMlp::kStateHeaders, GroupedExperts::kStateHeaders, Dispatcher::kPlanHeaders};
+}
+
 int64_t mlp_workspace_bytes(int64_t handle) { return static_cast<int64_t>(registry().get(handle).op.workspace_bytes()); }
 
 }  // namespace
@@ -139,6 +144,7 @@ TORCH_LIBRARY_FRAGMENT(moe_engine, m) {
         "bool recompute, bool fuse_fc1=False, bool save_x_perm=True) -> int",
         &mlp_create);
   m.def("mlp_destroy(int handle) -> ()", &mlp_destroy);
+  m.def("state_headers() -> int[]", &state_headers);
   m.def("mlp_check_errors(int handle) -> ()", &mlp_check_errors);
   m.def("mlp_workspace_bytes(int handle) -> int", &mlp_workspace_bytes);
   m.def("mlp_state_bytes(int handle) -> int", &mlp_state_bytes);

@@ -12,11 +12,13 @@ def _state(like, nbytes, headers):
 
 
 _HEADER_BYTES = 64  # one moe::StateHeader
+# Headers of a layer state, an experts state and a dispatch plan, as the library defines them.
+_MLP_HEADERS, _EXPERTS_HEADERS, _PLAN_HEADERS = torch.ops.moe_engine.state_headers()
 
 
 @torch.library.register_fake(lib + "mlp_forward")
 def _mlp_forward(handle, x, routing, probs, w1, b1, w2, b2, state_bytes):
-    return (torch.empty_like(x), *_state(x, state_bytes, 3))
+    return (torch.empty_like(x), *_state(x, state_bytes, _MLP_HEADERS))
 
 
 @torch.library.register_fake(lib + "mlp_backward")
@@ -31,7 +33,7 @@ def _mlp_backward_dw(handle, state, header, x, gw1, gb1, gw2, gb2):
 
 @torch.library.register_fake(lib + "experts_forward")
 def _experts_forward(handle, x_perm, group_offsets, probs_perm, w1, b1, w2, b2, state_bytes):
-    return (torch.empty_like(x_perm), *_state(x_perm, state_bytes, 1))
+    return (torch.empty_like(x_perm), *_state(x_perm, state_bytes, _EXPERTS_HEADERS))
 
 
 @torch.library.register_fake(lib + "experts_backward")
@@ -48,7 +50,7 @@ def _experts_backward_dw(handle, state, header, x_perm, group_offsets, probs_per
 def _dispatch_permute(handle, x, routing, probs, rows, experts, plan_bytes):
     return (x.new_empty((rows, x.shape[1])), x.new_empty((rows,), dtype=torch.float32),
             x.new_empty((experts + 1,), dtype=torch.int32), x.new_empty((experts,), dtype=torch.int64),
-            *_state(x, plan_bytes, 1))
+            *_state(x, plan_bytes, _PLAN_HEADERS))
 
 
 @torch.library.register_fake(lib + "dispatch_permute_backward")
