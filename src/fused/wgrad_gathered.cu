@@ -1,27 +1,35 @@
 // The grouped weight gradient with gathered rows (wgrad_gathered.h; design in docs/fused.md).
 //
-// One CTA per output tile (expert, 128-row block of M, 256-column block of N), 384 threads,
-// warp-specialized like the fused fc1:
-//   * warp group 0 (producer) walks the expert's rows 64 at a time. Per stage it copies the 64 dY
-//     rows (128 columns each) and the 64 X rows (256 columns each) with 16-byte cp.async into a
-//     4-stage ring of 128-byte-swizzled, MN-major shared-memory tiles; the X rows come straight
-//     from x through the dispatch map (a row's source index is read one stage ahead), rows past the
-//     group and padding rows are zero-filled.
-//   * warp groups 1 and 2 (consumers) run WGMMA 64x256x16 with both operands MN-major (the reduced
-//     dimension, rows, is the slow one in both tiles) on M rows 0-63 and 64-127, and write or
-//     accumulate the fp32 result.
-// The rows of one expert differ in number from expert to expert, so the grid has one CTA per tile
-// and the hardware balances them (a long expert's tiles do not hold up a persistent loop).
+// It computes each tile transposed, dW_e^T = X_e^T dY_e, so that the operand that must be gathered
+// (X, through the dispatch map) is the 128-row one and the contiguous one (dY) the 256-row one --
+// the shape of the fused fc1, whose layout keeps the tensor cores fed:
+//   * warp group 0 (producer) walks the expert's rows 64 at a time. It copies the 64 gathered X rows
+//     (128 columns each) with 16-byte cp.async into MN-major, 128-byte-swizzled tiles (row indices
+//     read one stage ahead; rows past the group and padding rows zero-filled). The dY tile (256
+//     columns) comes by TMA: two CTAs of a cluster -- two 128-column blocks of X for the same expert
+//     and dY block -- each load one half and multicast it to both, which halves the L2 -> SM traffic
+//     of the larger operand. 4-stage ring.
+//   * warp groups 1 and 2 (consumers) run WGMMA 64x256x16 with both operands MN-major on X columns
+//     0-63 and 64-127, then write dW_e rows (dY columns) x X columns, or accumulate into fp32.
+// Persistent: each cluster walks the (expert, dY block, pair of X blocks) tiles with a stride of the
+// number of clusters, so one tile's epilogue overlaps the next tile's loads.
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
+#include <cuda.h>
+
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/bfloat16.h>
+#include <cutlass/cuda_host_adapter.hpp>
 
 #include "device/cuda_check.h"
 #include "device/device_groups.cuh"
@@ -35,183 +43,239 @@ namespace {
 using namespace cute;
 using bf16 = cutlass::bfloat16_t;
 
-constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
+// kBX: X columns per CTA (tile rows), kBY: dY columns (tile columns), kBK: rows per stage.
+constexpr int kBX = 128, kBY = 256, kBK = 64, kStages = 4, kCluster = 2;
 constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = kProducerThreads + kConsumerThreads;
 constexpr int kProducerRegs = 88, kConsumerRegs = 208;  // as in the fused fc1: 128 * 88 + 256 * 208 <= 64K
 constexpr uint32_t kFullMask = 0xffffffffu;
+constexpr int kAhead = 4;  // k blocks of row indices in flight in the producer
+constexpr int kBoxCols = 64;                               // one TMA box: 64 dY columns (128 bytes) x 64 rows
+constexpr int kBoxBytes = kBoxCols * kBK * 2;              // 8 KiB
+constexpr int kStageBytesY = kBY * kBK * 2;                // 32 KiB: both halves land in every CTA
+constexpr int kBoxesPerCta = kBY / kBoxCols / kCluster;    // 2
 
-// MN-major tiles: 64 consecutive M (or N) elements of one row are 128 contiguous bytes, eight rows
-// make a 1024-byte swizzle atom. This is the layout WGMMA reads for a transposed operand.
+// MN-major tiles: 64 consecutive columns of one row are 128 contiguous bytes, eight rows make a
+// 1024-byte swizzle atom. The dY tile stacks the atoms of one 64-column box along the rows first,
+// so that a box is 8 KiB of contiguous shared memory, exactly what one TMA box writes.
 using SmemAtom = GMMA::Layout_MN_SW128_Atom<bf16>;
-using SmemLayoutA = decltype(tile_to_shape(SmemAtom{}, make_shape(Int<kBM>{}, Int<kBK>{}, Int<kStages>{})));
-using SmemLayoutB = decltype(tile_to_shape(SmemAtom{}, make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{})));
+using SmemLayoutX = decltype(tile_to_shape(SmemAtom{}, make_shape(Int<kBX>{}, Int<kBK>{}, Int<kStages>{})));
+using SmemLayoutY = decltype(tile_to_shape(SmemAtom{}, make_shape(Int<kBY>{}, Int<kBK>{}, Int<kStages>{}),
+                                           Step<_2, _1, _3>{}));
 using TiledMma = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>{},
                                          Layout<Shape<_2, _1, _1>>{}));
+static_assert(cosize_v<SmemLayoutY> == kStages * kBY * kBK, "the dY stages are contiguous");
 
-// Byte offset of the 16-byte chunk holding elements (m .. m + 7, k) of stage `stage` of a tile:
+// Byte offset of the 16-byte chunk holding elements (c .. c + 7, k) of stage `stage` of the X tile:
 // the unswizzled position from the layout's plain part, then the 128-byte swizzle, which acts on
 // byte addresses (chunk bits 4-6 ^= row bits 7-9; the tiles are 1024-byte aligned).
-template <class SmemLayout>
-__device__ __forceinline__ uint32_t chunk_offset(int m, int k, int stage) {
-  const uint32_t linear = 2u * static_cast<uint32_t>(SmemLayout{}.layout_b()(m, k, stage));
+__device__ __forceinline__ uint32_t x_chunk_offset(int c, int k, int stage) {
+  const uint32_t linear = 2u * static_cast<uint32_t>(SmemLayoutX{}.layout_b()(c, k, stage));
   return linear ^ ((linear >> 3) & 0x70u);
 }
 
 struct SharedStorage {
-  alignas(1024) bf16 a[cosize_v<SmemLayoutA>];
-  alignas(1024) bf16 b[cosize_v<SmemLayoutB>];
-  alignas(8) uint64_t full[kStages];   // producer -> consumers: the stage's copies landed
-  alignas(8) uint64_t empty[kStages];  // consumers -> producer: the stage's WGMMAs are done
+  alignas(1024) bf16 x[cosize_v<SmemLayoutX>];
+  alignas(1024) bf16 y[cosize_v<SmemLayoutY>];
+  alignas(8) uint64_t full[kStages];   // the stage's copies and both TMA halves landed
+  alignas(8) uint64_t empty[kStages];  // every consumer warp of the cluster is done with the stage
 };
 
 struct Params {
-  const __nv_bfloat16* dy;
+  CUtensorMap dy_map;  // dY as a 2D [R, M] tensor, 64 x 64 boxes
   const __nv_bfloat16* x;
   const int32_t* row_slots;
   int slots;
   const int32_t* offsets;
   int E;
   int64_t R;
-  int M, N;
-  int m_tiles, n_tiles;
+  int M, N;                 // dW_e is [M, N]: M = dY columns, N = X columns
+  int y_tiles, x_pairs;     // dY blocks of 256 and pairs of X blocks of 128 per expert
+  int total;                // tiles
   char* dw_base;
-  int64_t dw_stride;  // bytes
+  int64_t dw_stride;        // bytes
   void* const* dw_table;
   bool fp32, accumulate;
 };
 
 struct Tile {
-  int e, m0, n0;
-  int64_t begin, end;  // the expert's rows
+  int e, y0, x0;           // expert, first dY column, first X column of this CTA
+  int64_t begin, end;      // the expert's rows
 };
 
-__device__ __forceinline__ Tile decode_tile(const Params& p) {
-  Tile t;
-  const int per_expert = p.m_tiles * p.n_tiles;
-  t.e = static_cast<int>(blockIdx.x / per_expert);
-  const int local = static_cast<int>(blockIdx.x % per_expert);
-  t.m0 = (local % p.m_tiles) * kBM;
-  t.n0 = (local / p.m_tiles) * kBN;
-  kernels::group_rows(p.offsets, t.e, p.R, &t.begin, &t.end);
-  return t;
+__device__ __forceinline__ Tile decode_tile(const Params& p, int t, int rank) {
+  Tile tile;
+  const int per_expert = p.y_tiles * p.x_pairs;
+  tile.e = t / per_expert;
+  const int local = t % per_expert;
+  tile.y0 = (local % p.y_tiles) * kBY;
+  tile.x0 = ((local / p.y_tiles) * kCluster + rank) * kBX;
+  kernels::group_rows(p.offsets, tile.e, p.R, &tile.begin, &tile.end);
+  return tile;
 }
 
-// Row of x holding permuted row r (-1: past the group or a padding row: zeros).
-__device__ __forceinline__ int source_row(const Params& p, int64_t r, int64_t end) {
+// The slot of permuted row r (-1: past the group or a padding row: zeros), as loaded: nothing may
+// depend on the load until the row is needed (see source_row).
+__device__ __forceinline__ int row_slot(const Params& p, int64_t r, int64_t end) {
   if (r >= end) return -1;
-  if (p.row_slots == nullptr) return static_cast<int>(r);
-  const int slot = p.row_slots[r];
-  return slot >= 0 ? slot / p.slots : -1;
+  return p.row_slots == nullptr ? static_cast<int>(r) : p.row_slots[r];
+}
+// Row of x holding a permuted row whose slot is `slot`.
+__device__ __forceinline__ int source_row(const Params& p, int slot) {
+  return slot < 0 ? -1 : p.row_slots == nullptr ? slot : slot / p.slots;
 }
 
-__device__ void produce(SharedStorage& s, const Params& p, const Tile& t) {
+__device__ void produce(SharedStorage& s, const Params& p, int rank) {
   const int tid = threadIdx.x;  // 0..127
-  const int warp = tid >> 5, lane = tid & 31;
-  // dY: thread copies columns m .. m + 7 of rows (tid / 16) + 8 i; X: columns n .. n + 7 of rows
-  // warp + 4 i (a warp moves two whole 512-byte row segments per instruction).
-  static_assert(kBM == 128 && kBN == 256 && kProducerThreads == 128, "the copy mapping below covers these tiles");
-  const int ma = (tid & 15) * 8, nb = lane * 8;
-  const int m = t.m0 + ma, n = t.n0 + nb;
-  const bool m_in = m < p.M, n_in = n < p.N;
-  const uint32_t a_base = smem_u32(s.a), b_base = smem_u32(s.b);
-  const int64_t rows = t.end - t.begin;
-  const int k_blocks = static_cast<int>((rows + kBK - 1) / kBK);
+  const int lane = tid & 31;
+  static_assert(kBX == 128 && kProducerThreads == 128, "the copy mapping below covers these tiles");
+  // X: thread copies columns c .. c + 7 of rows r0 + 8 i (i < 8); a warp moves two whole 256-byte
+  // row segments per instruction. Lane l < 16 of a warp holds the source row of row
+  // (r0 & ~1) + (l & 1) + 8 (l >> 1), the rows its two row groups need; the indices are loaded
+  // kAhead stages ahead, so the load's latency (an L2 round trip under full load) stays off the
+  // copy path.
+  const int c = (tid & 15) * 8, r0 = tid >> 4;
+  const int own = (r0 & ~1) + (lane & 1) + 8 * (lane >> 1);
+  const int from = r0 & 1;  // + 2 i: the lane holding row r0 + 8 i
+  const uint32_t x_base = smem_u32(s.x);
   int stage = 0;
   uint32_t phase = 1;  // a fresh barrier counts as released for parity 1
-  // Lanes 0..15 of each warp hold the source row of this warp's X rows warp + 4 lane, one k block
-  // ahead of its copies (the index load's latency is off the copy path).
-  int next_src = lane < 16 ? source_row(p, t.begin + warp + 4 * lane, t.end) : -1;
+  for (int t = blockIdx.x / kCluster; t < p.total; t += gridDim.x / kCluster) {
+    const Tile tile = decode_tile(p, t, rank);
+    const bool c_in = tile.x0 + c < p.N;
+    const __nv_bfloat16* x_col = p.x + (tile.x0 + c);
+    const int k_blocks = static_cast<int>((tile.end - tile.begin + kBK - 1) / kBK);
+    // ahead[j] holds the indices of k block kb0 + j. A step issues its copies first and only then
+    // reloads its register for k block kb + kAhead, so no register ever waits on a load in flight
+    // except the one the step itself needs (loaded kAhead steps earlier).
+    int ahead[kAhead];
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j)
+      ahead[j] = lane < 16 ? row_slot(p, tile.begin + int64_t(j) * kBK + own, tile.end) : -1;
 #pragma unroll 1
-  for (int kb = 0; kb < k_blocks; ++kb) {
-    const int src = next_src;
-    if (kb + 1 < k_blocks && lane < 16) next_src = source_row(p, t.begin + (kb + 1) * kBK + warp + 4 * lane, t.end);
-    cutlass::arch::ClusterBarrier::wait(&s.empty[stage], phase);
-    const int64_t row0 = t.begin + static_cast<int64_t>(kb) * kBK;
+    for (int kb0 = 0; kb0 < k_blocks; kb0 += kAhead) {
 #pragma unroll
-    for (int i = 0; i < kBK / 8; ++i) {
-      const int k = (tid >> 4) + 8 * i;
-      const bool v = m_in && row0 + k < t.end;
-      const uint32_t dst = a_base + chunk_offset<SmemLayoutA>(ma, k, stage);
-      cp_async_16(dst, v ? p.dy + ((row0 + k) * p.M + m) : p.dy, v);
-    }
+      for (int j = 0; j < kAhead; ++j) {
+        const int kb = kb0 + j;
+        if (kb >= k_blocks) break;
+        const int64_t row0 = tile.begin + static_cast<int64_t>(kb) * kBK;
+        cutlass::arch::ClusterBarrier::wait(&s.empty[stage], phase);
+        if (tid == 0) {
+          // Both halves of the dY tile land here (ours and the peer's multicast); this CTA loads
+          // half `rank`: boxes 2 rank and 2 rank + 1.
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[stage], kStageBytesY);
 #pragma unroll
-    for (int i = 0; i < kBK / 4; ++i) {
-      const int k = warp + 4 * i;
-      const int row = __shfl_sync(kFullMask, src, i);
-      const bool v = n_in && row >= 0;
-      const uint32_t dst = b_base + chunk_offset<SmemLayoutB>(nb, k, stage);
-      cp_async_16(dst, v ? p.x + (static_cast<int64_t>(row) * p.N + n) : p.x, v);
-    }
-    // Arrives on full[stage] once this thread's copies have landed.
-    cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1;
+          for (int b = 0; b < kBoxesPerCta; ++b) {
+            const int box = rank * kBoxesPerCta + b;
+            SM90_TMA_LOAD_MULTICAST_2D::copy(&p.dy_map, &s.full[stage], static_cast<uint16_t>((1 << kCluster) - 1),
+                                             static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_FIRST),
+                                             reinterpret_cast<char*>(s.y) + stage * kStageBytesY + box * kBoxBytes,
+                                             tile.y0 + box * kBoxCols, static_cast<int>(row0));
+          }
+        }
+        const int mine = source_row(p, ahead[j]);
+#pragma unroll
+        for (int i = 0; i < kBK / 8; ++i) {
+          const int row = __shfl_sync(kFullMask, mine, from + 2 * i);
+          const bool v = c_in && row >= 0;
+          cp_async_16(x_base + x_chunk_offset(c, r0 + 8 * i, stage),
+                      v ? x_col + static_cast<int64_t>(row) * p.N : p.x, v);
+        }
+        // Arrives on full[stage] once this thread's copies have landed.
+        cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+        ahead[j] = lane < 16 ? row_slot(p, row0 + int64_t(kAhead) * kBK + own, tile.end) : -1;
+      }
     }
   }
   cute::cp_async_wait<0>();
 }
 
-__device__ void consume(SharedStorage& s, const Params& p, const Tile& t) {
+// Hands stage `st` back to the producers of both CTAs of the cluster (their TMA writes into both).
+__device__ __forceinline__ void release_stage(SharedStorage& s, int st, int lane) {
+  __syncwarp();
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < kCluster; ++r) cutlass::arch::ClusterBarrier::arrive(&s.empty[st], r, 1);
+  }
+}
+
+// The dY rows of a stage past the expert's group (TMA read the next expert's rows there) are set to
+// zero, so that a non-finite value there cannot reach this expert through 0 * inf. Whole 128-byte
+// rows: the swizzle only permutes chunks inside a row.
+__device__ __forceinline__ void zero_rows_past_group(SharedStorage& s, int stage, int valid, int ctid) {
+  char* base = reinterpret_cast<char*>(s.y) + stage * kStageBytesY;
+  const int chunks = (kBK - valid) * (kBY / kBoxCols) * 8;  // 16-byte chunks to clear
+  for (int i = ctid; i < chunks; i += kConsumerThreads) {
+    const int box = i / ((kBK - valid) * 8), in_box = i % ((kBK - valid) * 8);
+    const int row = valid + in_box / 8;
+    *reinterpret_cast<uint4*>(base + box * kBoxBytes + row * 128 + (in_box % 8) * 16) = make_uint4(0, 0, 0, 0);
+  }
+  cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> WGMMA reads
+  cutlass::arch::NamedBarrier::sync(kConsumerThreads, 1);
+}
+
+__device__ void consume(SharedStorage& s, const Params& p, int rank) {
   const int ctid = threadIdx.x - kProducerThreads;
   const int lane = threadIdx.x & 31;
   TiledMma mma;
-  Tensor sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
-  Tensor sB = make_tensor(make_smem_ptr(s.b), SmemLayoutB{});
+  Tensor sX = make_tensor(make_smem_ptr(s.x), SmemLayoutX{});
+  Tensor sY = make_tensor(make_smem_ptr(s.y), SmemLayoutY{});
   auto thr = mma.get_thread_slice(ctid);
-  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
-  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-  Tensor acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
-  Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{}));
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sX));
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sY));
+  Tensor acc = partition_fragment_C(mma, Shape<Int<kBX>, Int<kBY>>{});
+  Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kBX>, Int<kBY>>{}));
 
-  const int k_blocks = static_cast<int>((t.end - t.begin + kBK - 1) / kBK);
-  clear(acc);  // an empty group's gradient is zero
-  mma.accumulate_ = GMMA::ScaleOut::One;
   int stage = 0;
   uint32_t phase = 0;
-  int prev = -1;
-  for (int kb = 0; kb < k_blocks; ++kb) {
-    cutlass::arch::ClusterBarrier::wait(&s.full[stage], phase);
-    cutlass::arch::fence_view_async_shared();  // cp.async (generic proxy) writes -> WGMMA reads
-    warpgroup_fence_operand(acc);
-    warpgroup_arrive();
+  for (int t = blockIdx.x / kCluster; t < p.total; t += gridDim.x / kCluster) {
+    const Tile tile = decode_tile(p, t, rank);
+    const int64_t rows = tile.end - tile.begin;
+    const int k_blocks = static_cast<int>((rows + kBK - 1) / kBK);
+    clear(acc);  // an empty group's gradient is zero
+    mma.accumulate_ = GMMA::ScaleOut::One;
+    int prev = -1;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      cutlass::arch::ClusterBarrier::wait(&s.full[stage], phase);
+      const int valid = static_cast<int>(std::min<int64_t>(rows - int64_t(kb) * kBK, kBK));
+      if (valid < kBK) zero_rows_past_group(s, stage, valid, ctid);
+      cutlass::arch::fence_view_async_shared();  // cp.async (generic proxy) writes -> WGMMA reads
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
 #pragma unroll
-    for (int kk = 0; kk < size<2>(tCrA); ++kk) cute::gemm(mma, tCrA(_, _, kk, stage), tCrB(_, _, kk, stage), acc);
-    warpgroup_commit_batch();
-    warpgroup_wait<1>();  // the previous stage's WGMMAs are done: hand it back
-    warpgroup_fence_operand(acc);
-    if (prev >= 0) {
-      __syncwarp();
-      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.empty[prev]);
-    }
-    prev = stage;
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1;
-    }
-  }
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc);
-
-  // Epilogue: accumulator pairs (i, i + 1) are two adjacent columns of one row.
-  if (p.accumulate && k_blocks == 0) return;  // main_grad keeps its value
-  char* dw = p.dw_table != nullptr ? static_cast<char*>(p.dw_table[t.e]) : p.dw_base + t.e * p.dw_stride;
-#pragma unroll
-  for (int i = 0; i < size(acc); i += 2) {
-    const int m = t.m0 + get<0>(coord(i)), n = t.n0 + get<1>(coord(i));
-    if (m >= p.M || n >= p.N) continue;
-    const int64_t at = static_cast<int64_t>(m) * p.N + n;
-    if (p.fp32) {
-      float2* q = reinterpret_cast<float2*>(dw) + at / 2;
-      float2 v = make_float2(acc(i), acc(i + 1));
-      if (p.accumulate) {
-        const float2 old = *q;
-        v.x += old.x;
-        v.y += old.y;
+      for (int kk = 0; kk < size<2>(tCrA); ++kk) cute::gemm(mma, tCrA(_, _, kk, stage), tCrB(_, _, kk, stage), acc);
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();  // the previous stage's WGMMAs are done: hand it back
+      warpgroup_fence_operand(acc);
+      if (prev >= 0) release_stage(s, prev, lane);
+      prev = stage;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
       }
-      *q = v;
-    } else {
-      reinterpret_cast<__nv_bfloat162*>(dw)[at / 2] = __floats2bfloat162_rn(acc(i), acc(i + 1));
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    if (prev >= 0) release_stage(s, prev, lane);
+
+    // Epilogue: accumulator (i) is X column a, dY column b of the tile, i.e. dW_e[b][a]; eight
+    // consecutive X columns of one dY column come from the eight row groups of a warp.
+    if (p.accumulate && k_blocks == 0) continue;  // main_grad keeps its value
+    char* dw = p.dw_table != nullptr ? static_cast<char*>(p.dw_table[tile.e]) : p.dw_base + tile.e * p.dw_stride;
+#pragma unroll
+    for (int i = 0; i < size(acc); ++i) {
+      const int a = tile.x0 + get<0>(coord(i)), b = tile.y0 + get<1>(coord(i));
+      if (a >= p.N || b >= p.M) continue;
+      const int64_t at = static_cast<int64_t>(b) * p.N + a;
+      if (p.fp32) {
+        float* q = reinterpret_cast<float*>(dw) + at;
+        *q = p.accumulate ? *q + acc(i) : acc(i);
+      } else {
+        reinterpret_cast<__nv_bfloat16*>(dw)[at] = __float2bfloat16_rn(acc(i));
+      }
     }
   }
 }
@@ -220,26 +284,47 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_gathered_kernel(const __gri
   extern __shared__ uint8_t smem_raw[];
   // The swizzle is a function of the address bits: the tiles must start 1024-byte aligned.
   SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int rank = static_cast<int>(cute::block_rank_in_cluster());
   if (threadIdx.x == 32) {
-    // full: every producer thread's cp.async arrival; empty: every consumer warp.
+    // full: every producer thread's cp.async arrival + the TMA issuer's expect-tx arrival;
+    // empty: every consumer warp of both CTAs of the cluster.
     for (int i = 0; i < kStages; ++i) {
-      cutlass::arch::ClusterBarrier::init(&s.full[i], kProducerThreads);
-      cutlass::arch::ClusterBarrier::init(&s.empty[i], kConsumerThreads / 32);
+      cutlass::arch::ClusterBarrier::init(&s.full[i], kProducerThreads + 1);
+      cutlass::arch::ClusterBarrier::init(&s.empty[i], kCluster * kConsumerThreads / 32);
     }
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
-  const Tile t = decode_tile(p);
+  if (threadIdx.x == 0) cute::prefetch_tma_descriptor(&p.dy_map);
+  // The peer's barriers must be initialized before anything arrives on them.
+  cute::cluster_sync();
   if (threadIdx.x < kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    produce(s, p, t);
+    produce(s, p, rank);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-    consume(s, p, t);
+    consume(s, p, rank);
   }
+  // No CTA may leave while its peer can still multicast into it or arrive on its barriers.
+  cute::cluster_sync();
 }
 
 constexpr size_t kSmemBytes = 1024 + sizeof(SharedStorage);
+
+// dY [R, M] as a TMA tensor: 64-column x 64-row boxes, 128-byte swizzle (the MN-major layout the
+// WGMMA reads), zeros past the last row and column.
+CUtensorMap dy_map(const void* base, int64_t R, int M) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(R)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(M) * 2};
+  const cuuint32_t box[2] = {kBoxCols, kBK};
+  const cuuint32_t unit[2] = {1, 1};
+  const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, unit,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOE_CHECK(r == CUDA_SUCCESS, "gathered wgrad: cuTensorMapEncodeTiled failed (", static_cast<int>(r), ")");
+  return map;
+}
 
 }  // namespace
 
@@ -247,7 +332,7 @@ const char* wgrad_gathered_unsupported(int experts, int64_t M, int64_t N) {
   if (experts < 1) return "the gathered weight gradient needs at least one expert";
   if (M < 8 || M % 8 != 0 || N < 8 || N % 8 != 0) return "the gathered weight gradient needs M and N multiples of 8";
   if (M >= (int64_t(1) << 30) || N >= (int64_t(1) << 30)) return "the gathered weight gradient needs M, N < 2^30";
-  const int64_t tiles = int64_t(experts) * ((M + kBM - 1) / kBM) * ((N + kBN - 1) / kBN);
+  const int64_t tiles = int64_t(experts) * ((M + kBY - 1) / kBY) * ((N + kCluster * kBX - 1) / (kCluster * kBX));
   if (tiles >= (int64_t(1) << 31)) return "the gathered weight gradient needs fewer than 2^31 output tiles";
   return "";
 }
@@ -256,8 +341,14 @@ void launch_wgrad_gathered(const WgradGatheredArgs& a, cudaStream_t stream) {
   const char* why = wgrad_gathered_unsupported(a.experts, a.M, a.N);
   MOE_CHECK(why[0] == '\0', "gathered wgrad: ", why);
   MOE_CHECK(!a.accumulate || a.dw_fp32, "gathered wgrad: accumulation needs an fp32 gradient");
+  MOE_CHECK(a.R < (int64_t(1) << 31), "gathered wgrad: needs fewer than 2^31 rows");
   Params p;
-  p.dy = static_cast<const __nv_bfloat16*>(a.dy);
+  // A zero-row tensor map cannot be encoded; with no rows no TMA is issued (every group is empty).
+  if (a.R > 0) {
+    p.dy_map = dy_map(a.dy, a.R, a.M);
+  } else {
+    std::memset(&p.dy_map, 0, sizeof p.dy_map);
+  }
   p.x = static_cast<const __nv_bfloat16*>(a.x);
   p.row_slots = a.row_slots;
   p.slots = a.slots;
@@ -266,19 +357,34 @@ void launch_wgrad_gathered(const WgradGatheredArgs& a, cudaStream_t stream) {
   p.R = a.R;
   p.M = a.M;
   p.N = a.N;
-  p.m_tiles = (a.M + kBM - 1) / kBM;
-  p.n_tiles = (a.N + kBN - 1) / kBN;
+  p.y_tiles = (a.M + kBY - 1) / kBY;
+  p.x_pairs = (a.N + kCluster * kBX - 1) / (kCluster * kBX);
+  p.total = a.experts * p.y_tiles * p.x_pairs;
   p.dw_base = static_cast<char*>(a.dw_base);
   p.dw_stride = a.dw_stride_bytes;
   p.dw_table = a.dw_table;
   p.fp32 = a.dw_fp32;
   p.accumulate = a.accumulate;
+  int device = 0, sms = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   // Per launch: the attribute belongs to the current device (a cheap host call, fine while capturing).
   MOE_CUDA_CHECK(cudaFuncSetAttribute(wgrad_gathered_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(kSmemBytes)));
-  const int64_t grid = int64_t(a.experts) * p.m_tiles * p.n_tiles;
-  wgrad_gathered_kernel<<<static_cast<unsigned>(grid), kThreads, kSmemBytes, stream>>>(p);
-  MOE_CUDA_CHECK_LAUNCH();
+  const int clusters = std::max(1, std::min(p.total, sms / kCluster));
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kCluster;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, wgrad_gathered_kernel, p));
 }
 
 }  // namespace moe::fused
