@@ -31,14 +31,15 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/bfloat16.h>
-#include <cutlass/cuda_host_adapter.hpp>
 #include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 
 #include "device/cuda_check.h"
 #include "fused/async_copy.cuh"
+#include "fused/cluster_launch.h"
 #include "fused/fc1_activation.h"
+#include "fused/tensor_map.h"
 #include "kernels/activation_math.cuh"
 
 namespace moe::fused {
@@ -480,23 +481,8 @@ size_t smem_bytes(int experts) { return 1024 + kFixedSmemBytes + sizeof(int32_t)
 
 template <Activation A, bool kTma>
 void launch_kernel(const Params& p, int grid, cudaStream_t stream) {
-  // Per launch: the attribute belongs to the current device (a once-per-process flag would miss a
-  // second GPU); setting it is a cheap host call, not a stream operation (fine while capturing).
-  MOE_CUDA_CHECK(cudaFuncSetAttribute(fc1_activation_kernel<A, kTma>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem_bytes(kMaxExperts))));
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(grid));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem_bytes(p.E);
-  config.stream = stream;
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = kTma ? 2 : 1;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, fc1_activation_kernel<A, kTma>, p));
+  launch_clustered(fc1_activation_kernel<A, kTma>, p, grid, kThreads, kTma ? 2 : 1, smem_bytes(p.E),
+                   smem_bytes(kMaxExperts), stream);
 }
 
 template <Activation A>
@@ -508,17 +494,10 @@ void launch_kind(const Params& p, bool tma, int grid, cudaStream_t stream) {
 // fc1 weights [E, rows, H] as a TMA tensor: 64-column x 128-row boxes, 128-byte swizzle (the
 // shared-memory layout the WGMMA reads), zeros past the edges.
 CUtensorMap weight_map(const void* base, int E, int64_t rows, int H) {
-  CUtensorMap map;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(H), static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(E)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(H) * 2, static_cast<cuuint64_t>(rows * H * 2)};
-  const cuuint32_t box[3] = {kBK, kBN / 2, 1};
-  const cuuint32_t unit[3] = {1, 1, 1};
-  const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box, unit,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MOE_CHECK(r == CUDA_SUCCESS, "fused fc1: cuTensorMapEncodeTiled failed (", static_cast<int>(r), ")");
-  return map;
+  const uint64_t dims[3] = {static_cast<uint64_t>(H), static_cast<uint64_t>(rows), static_cast<uint64_t>(E)};
+  const uint64_t strides[2] = {static_cast<uint64_t>(H) * 2, static_cast<uint64_t>(rows * H * 2)};
+  const uint32_t box[3] = {kBK, kBN / 2, 1};
+  return bf16_tensor_map(base, 3, dims, strides, box, "fused fc1");
 }
 
 }  // namespace

@@ -29,11 +29,12 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/bfloat16.h>
-#include <cutlass/cuda_host_adapter.hpp>
 
 #include "device/cuda_check.h"
 #include "device/device_groups.cuh"
 #include "fused/async_copy.cuh"
+#include "fused/cluster_launch.h"
+#include "fused/tensor_map.h"
 #include "fused/wgrad_gathered.h"
 #include "moe/error.h"
 
@@ -313,17 +314,10 @@ constexpr size_t kSmemBytes = 1024 + sizeof(SharedStorage);
 // dY [R, M] as a TMA tensor: 64-column x 64-row boxes, 128-byte swizzle (the MN-major layout the
 // WGMMA reads), zeros past the last row and column.
 CUtensorMap dy_map(const void* base, int64_t R, int M) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(M), static_cast<cuuint64_t>(R)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(M) * 2};
-  const cuuint32_t box[2] = {kBoxCols, kBK};
-  const cuuint32_t unit[2] = {1, 1};
-  const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, unit,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MOE_CHECK(r == CUDA_SUCCESS, "gathered wgrad: cuTensorMapEncodeTiled failed (", static_cast<int>(r), ")");
-  return map;
+  const uint64_t dims[2] = {static_cast<uint64_t>(M), static_cast<uint64_t>(R)};
+  const uint64_t strides[1] = {static_cast<uint64_t>(M) * 2};
+  const uint32_t box[2] = {kBoxCols, kBK};
+  return bf16_tensor_map(base, 2, dims, strides, box, "gathered wgrad");
 }
 
 }  // namespace
@@ -368,23 +362,8 @@ void launch_wgrad_gathered(const WgradGatheredArgs& a, cudaStream_t stream) {
   int device = 0, sms = 0;
   MOE_CUDA_CHECK(cudaGetDevice(&device));
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  // Per launch: the attribute belongs to the current device (a cheap host call, fine while capturing).
-  MOE_CUDA_CHECK(cudaFuncSetAttribute(wgrad_gathered_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(kSmemBytes)));
   const int clusters = std::max(1, std::min(p.total, sms / kCluster));
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSmemBytes;
-  config.stream = stream;
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = kCluster;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, wgrad_gathered_kernel, p));
+  launch_clustered(wgrad_gathered_kernel, p, clusters * kCluster, kThreads, kCluster, kSmemBytes, kSmemBytes, stream);
 }
 
 }  // namespace moe::fused
