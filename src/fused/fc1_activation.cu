@@ -37,6 +37,7 @@
 
 #include "device/cuda_check.h"
 #include "fused/async_copy.cuh"
+#include "fused/pipeline.cuh"
 #include "fused/cluster_launch.h"
 #include "fused/fc1_activation.h"
 #include "fused/tensor_map.h"
@@ -193,8 +194,8 @@ __device__ void produce(SharedStorage& s, const Params& p, int total, int rank) 
   const uint32_t a_dst = smem_u32(s.a[0]) + swizzled_chunk(r0, c);
   const uint32_t b_dst = smem_u32(s.b[0]) + swizzled_chunk(r0, c);
   const int k_blocks = (p.H + kBK - 1) / kBK;
-  int stage = 0;
-  uint32_t phase = 1;  // a fresh barrier counts as released for parity 1
+  RingPosition<kStages> ring;
+  ring.phase = 1;  // a fresh barrier counts as released for parity 1
   for (int t = blockIdx.x / kCluster; t < total; t += gridDim.x / kCluster) {
     const Tile tile = decode_tile<kCluster>(t, s.tile_start, p, rank);
     // Source rows as 32-bit indices (-1: zero fill). The 64-bit addresses are formed per copy: kept
@@ -222,16 +223,16 @@ __device__ void produce(SharedStorage& s, const Params& p, int total, int rank) 
 
 #pragma unroll 1
     for (int kb = 0; kb < k_blocks; ++kb) {
-      cutlass::arch::ClusterBarrier::wait(&s.empty[stage], phase);
+      cutlass::arch::ClusterBarrier::wait(&s.empty[ring.stage], ring.phase);
       const int k = kb * kBK + c * 8;
       const bool k_in = k < p.H;
-      const uint32_t da = a_dst + stage * kStageBytesA, db = b_dst + stage * kStageBytesB;
+      const uint32_t da = a_dst + ring.stage * kStageBytesA, db = b_dst + ring.stage * kStageBytesB;
       if (kTma && tid == 0) {
         // Both halves land here (ours and the peer's multicast); this CTA loads half `rank`.
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[stage], kStageBytesB);
-        SM90_TMA_LOAD_MULTICAST_3D::copy(&p.w1_map, &s.full[stage], static_cast<uint16_t>((1 << kCluster) - 1),
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[ring.stage], kStageBytesB);
+        SM90_TMA_LOAD_MULTICAST_3D::copy(&p.w1_map, &s.full[ring.stage], static_cast<uint16_t>((1 << kCluster) - 1),
                                          static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_LAST),
-                                         s.b[stage] + rank * kHalfBytesB, kb * kBK, tma_row<kGated>(rank, tile.nt, p),
+                                         s.b[ring.stage] + rank * kHalfBytesB, kb * kBK, tma_row<kGated>(rank, tile.nt, p),
                                          tile.e);
       }
 #pragma unroll
@@ -249,29 +250,13 @@ __device__ void produce(SharedStorage& s, const Params& p, int total, int rank) 
         cp_async_16(db + i * 2048, v ? w + (static_cast<int64_t>(row) * p.H + k) : w, v);
       }
       // Arrives on full[stage] once this thread's copies have landed.
-      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
+      ring.advance();
     }
   }
   cute::cp_async_wait<0>();
 }
 
-// Hands stage `st` back to the producers of every CTA of the cluster (their TMA writes into all).
-template <int kCluster>
-__device__ __forceinline__ void release_stage(SharedStorage& s, int st, int lane) {
-  __syncwarp();
-  if (lane == 0) {
-    if constexpr (kCluster == 1) {
-      cutlass::arch::ClusterBarrier::arrive(&s.empty[st]);
-    } else {
-#pragma unroll
-      for (int r = 0; r < kCluster; ++r) cutlass::arch::ClusterBarrier::arrive(&s.empty[st], r, 1);
-    }
-  }
-}
 
 // Stage `a` (128 gathered rows x 64 columns, zeros on padding rows) to x_perm rows m0 .. m0 + rows:
 // each of the 256 consumer threads moves 4 16-byte chunks.
@@ -307,20 +292,20 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
   const int k_blocks = (p.H + kBK - 1) / kBK;
   const int F = p.F;
   const int64_t h_cols = kGated ? 2 * static_cast<int64_t>(F) : F;
-  int stage = 0;
-  uint32_t phase = 0;
+  RingPosition<kStages> ring;
+  ring.phase = 0;
   for (int t = blockIdx.x / kCluster; t < total; t += gridDim.x / kCluster) {
     const Tile tile = decode_tile<kCluster>(t, s.tile_start, p, rank);
     mma.accumulate_ = GMMA::ScaleOut::Zero;
     int prev = -1;
     for (int kb = 0; kb < k_blocks; ++kb) {
-      cutlass::arch::ClusterBarrier::wait(&s.full[stage], phase);
+      cutlass::arch::ClusterBarrier::wait(&s.full[ring.stage], ring.phase);
       cutlass::arch::fence_view_async_shared();  // cp.async (generic proxy) writes -> WGMMA reads
       warpgroup_fence_operand(acc);
       warpgroup_arrive();
 #pragma unroll
       for (int kk = 0; kk < size<2>(tCrA); ++kk) {
-        cute::gemm(mma, tCrA(_, _, kk, stage), tCrB(_, _, kk, stage), acc);
+        cute::gemm(mma, tCrA(_, _, kk, ring.stage), tCrB(_, _, kk, ring.stage), acc);
         mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
@@ -328,19 +313,16 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
       // finds x_perm without another pass over x. Each feature block of a row block writes every
       // feature_tiles-th k block: the writes spread evenly over all tiles instead of saturating
       // HBM during the first feature block's tiles.
-      if (p.a_out != nullptr && kb % p.feature_tiles == tile.nt) store_a_stage(s.a[stage], p, tile, kb, ctid);
+      if (p.a_out != nullptr && kb % p.feature_tiles == tile.nt) store_a_stage(s.a[ring.stage], p, tile, kb, ctid);
       warpgroup_wait<1>();  // the previous stage's WGMMAs are done: hand it back
       warpgroup_fence_operand(acc);
-      if (prev >= 0) release_stage<kCluster>(s, prev, lane);
-      prev = stage;
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      if (prev >= 0) release_stage<kCluster>(&s.empty[prev], lane);
+      prev = ring.stage;
+      ring.advance();
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
-    if (prev >= 0) release_stage<kCluster>(s, prev, lane);
+    if (prev >= 0) release_stage<kCluster>(&s.empty[prev], lane);
 
     // Epilogue. Accumulator (v0, v1, v2) = index v0 + 2 v1 + 4 v2 is row r + 8 v1, column
     // 8 v2 + 2 (lane % 4) + v0 (gated: v2 < 16 gate, v2 + 16 its linear partner). The 4 lanes of a

@@ -33,6 +33,7 @@
 #include "device/cuda_check.h"
 #include "device/device_groups.cuh"
 #include "fused/async_copy.cuh"
+#include "fused/pipeline.cuh"
 #include "fused/cluster_launch.h"
 #include "fused/tensor_map.h"
 #include "fused/wgrad_gathered.h"
@@ -138,8 +139,8 @@ __device__ void produce(SharedStorage& s, const Params& p, int rank) {
   const int own = (r0 & ~1) + (lane & 1) + 8 * (lane >> 1);
   const int from = r0 & 1;  // + 2 i: the lane holding row r0 + 8 i
   const uint32_t x_base = smem_u32(s.x);
-  int stage = 0;
-  uint32_t phase = 1;  // a fresh barrier counts as released for parity 1
+  RingPosition<kStages> ring;
+  ring.phase = 1;  // a fresh barrier counts as released for parity 1
   for (int t = blockIdx.x / kCluster; t < p.total; t += gridDim.x / kCluster) {
     const Tile tile = decode_tile(p, t, rank);
     const bool c_in = tile.x0 + c < p.N;
@@ -159,17 +160,17 @@ __device__ void produce(SharedStorage& s, const Params& p, int rank) {
         const int kb = kb0 + j;
         if (kb >= k_blocks) break;
         const int64_t row0 = tile.begin + static_cast<int64_t>(kb) * kBK;
-        cutlass::arch::ClusterBarrier::wait(&s.empty[stage], phase);
+        cutlass::arch::ClusterBarrier::wait(&s.empty[ring.stage], ring.phase);
         if (tid == 0) {
           // Both halves of the dY tile land here (ours and the peer's multicast); this CTA loads
           // half `rank`: boxes 2 rank and 2 rank + 1.
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[stage], kStageBytesY);
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[ring.stage], kStageBytesY);
 #pragma unroll
           for (int b = 0; b < kBoxesPerCta; ++b) {
             const int box = rank * kBoxesPerCta + b;
-            SM90_TMA_LOAD_MULTICAST_2D::copy(&p.dy_map, &s.full[stage], static_cast<uint16_t>((1 << kCluster) - 1),
+            SM90_TMA_LOAD_MULTICAST_2D::copy(&p.dy_map, &s.full[ring.stage], static_cast<uint16_t>((1 << kCluster) - 1),
                                              static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_FIRST),
-                                             reinterpret_cast<char*>(s.y) + stage * kStageBytesY + box * kBoxBytes,
+                                             reinterpret_cast<char*>(s.y) + ring.stage * kStageBytesY + box * kBoxBytes,
                                              tile.y0 + box * kBoxCols, static_cast<int>(row0));
           }
         }
@@ -178,15 +179,12 @@ __device__ void produce(SharedStorage& s, const Params& p, int rank) {
         for (int i = 0; i < kBK / 8; ++i) {
           const int row = __shfl_sync(kFullMask, mine, from + 2 * i);
           const bool v = c_in && row >= 0;
-          cp_async_16(x_base + x_chunk_offset(c, r0 + 8 * i, stage),
+          cp_async_16(x_base + x_chunk_offset(c, r0 + 8 * i, ring.stage),
                       v ? x_col + static_cast<int64_t>(row) * p.N : p.x, v);
         }
         // Arrives on full[stage] once this thread's copies have landed.
-        cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
+        cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
+        ring.advance();
         ahead[j] = lane < 16 ? row_slot(p, row0 + int64_t(kAhead) * kBK + own, tile.end) : -1;
       }
     }
@@ -194,14 +192,6 @@ __device__ void produce(SharedStorage& s, const Params& p, int rank) {
   cute::cp_async_wait<0>();
 }
 
-// Hands stage `st` back to the producers of both CTAs of the cluster (their TMA writes into both).
-__device__ __forceinline__ void release_stage(SharedStorage& s, int st, int lane) {
-  __syncwarp();
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < kCluster; ++r) cutlass::arch::ClusterBarrier::arrive(&s.empty[st], r, 1);
-  }
-}
 
 // The dY rows of a stage past the expert's group (TMA read the next expert's rows there) are set to
 // zero, so that a non-finite value there cannot reach this expert through 0 * inf. Whole 128-byte
@@ -230,8 +220,8 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
   Tensor acc = partition_fragment_C(mma, Shape<Int<kBX>, Int<kBY>>{});
   Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kBX>, Int<kBY>>{}));
 
-  int stage = 0;
-  uint32_t phase = 0;
+  RingPosition<kStages> ring;
+  ring.phase = 0;
   for (int t = blockIdx.x / kCluster; t < p.total; t += gridDim.x / kCluster) {
     const Tile tile = decode_tile(p, t, rank);
     const int64_t rows = tile.end - tile.begin;
@@ -240,27 +230,24 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
     mma.accumulate_ = GMMA::ScaleOut::One;
     int prev = -1;
     for (int kb = 0; kb < k_blocks; ++kb) {
-      cutlass::arch::ClusterBarrier::wait(&s.full[stage], phase);
+      cutlass::arch::ClusterBarrier::wait(&s.full[ring.stage], ring.phase);
       const int valid = static_cast<int>(std::min<int64_t>(rows - int64_t(kb) * kBK, kBK));
-      if (valid < kBK) zero_rows_past_group(s, stage, valid, ctid);
+      if (valid < kBK) zero_rows_past_group(s, ring.stage, valid, ctid);
       cutlass::arch::fence_view_async_shared();  // cp.async (generic proxy) writes -> WGMMA reads
       warpgroup_fence_operand(acc);
       warpgroup_arrive();
 #pragma unroll
-      for (int kk = 0; kk < size<2>(tCrA); ++kk) cute::gemm(mma, tCrA(_, _, kk, stage), tCrB(_, _, kk, stage), acc);
+      for (int kk = 0; kk < size<2>(tCrA); ++kk) cute::gemm(mma, tCrA(_, _, kk, ring.stage), tCrB(_, _, kk, ring.stage), acc);
       warpgroup_commit_batch();
       warpgroup_wait<1>();  // the previous stage's WGMMAs are done: hand it back
       warpgroup_fence_operand(acc);
-      if (prev >= 0) release_stage(s, prev, lane);
-      prev = stage;
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      if (prev >= 0) release_stage<kCluster>(&s.empty[prev], lane);
+      prev = ring.stage;
+      ring.advance();
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
-    if (prev >= 0) release_stage(s, prev, lane);
+    if (prev >= 0) release_stage<kCluster>(&s.empty[prev], lane);
 
     // Epilogue: accumulator (i) is X column a, dY column b of the tile, i.e. dW_e[b][a]; eight
     // consecutive X columns of one dY column come from the eight row groups of a warp.

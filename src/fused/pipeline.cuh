@@ -1,0 +1,38 @@
+// The stage ring shared by the fused kernels' producer and consumer warp groups: a position in the
+// ring with its barrier parity, and the consumers' release of a stage to the producers of every CTA
+// of the cluster (whose TMA multicasts write into all of them).
+#pragma once
+
+#include <cstdint>
+
+#include <cutlass/arch/barrier.h>
+
+namespace moe::fused {
+
+template <int kStages>
+struct RingPosition {
+  int stage = 0;
+  uint32_t phase = 0;  // producers waiting on fresh "empty" barriers start at parity 1
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// Called by every consumer warp (the barrier counts one arrival per warp of each CTA).
+template <int kCluster>
+__device__ __forceinline__ void release_stage(uint64_t* empty, int lane) {
+  __syncwarp();
+  if (lane == 0) {
+    if constexpr (kCluster == 1) {
+      cutlass::arch::ClusterBarrier::arrive(empty);
+    } else {
+#pragma unroll
+      for (int r = 0; r < kCluster; ++r) cutlass::arch::ClusterBarrier::arrive(empty, r, 1);
+    }
+  }
+}
+
+}  // namespace moe::fused
