@@ -26,6 +26,8 @@ void activation_forward(const ActivationParams& params, const TensorView& h, con
                         const TensorView& group_offsets, const TensorView& out, cudaStream_t stream);
 
 // d_out bf16 [R, F] -> dh bf16 [R, fc1_out] (same layout as h) and dprobs fp32 [R] (or absent).
+// dh may be the very buffer of h (in place): every element of h is read before its gradient is
+// written over it.
 // Derivatives follow docs/semantics.md: for clamped-swiglu the gate derivative is zero where g >
 // limit and the linear one where |l| > limit.
 void activation_backward(const ActivationParams& params, const TensorView& h, const TensorView& probs,

@@ -37,9 +37,11 @@ __global__ void __launch_bounds__(kActThreads) activation_backward_kernel(const 
   const float p = kProbs ? a.probs[row] : 1.0f;
   const int F = a.F;
   const int64_t in_cols = kGated ? 2 * F : F;
-  const __nv_bfloat16* __restrict__ hr = a.h + row * in_cols;
+  // h and dh may be one buffer (in place): no __restrict__ on them; each thread reads the h elements
+  // of its columns before it writes their gradients, and no two threads share a column.
+  const __nv_bfloat16* hr = a.h + row * in_cols;
   const __nv_bfloat16* __restrict__ dor = a.d_out + row * F;
-  __nv_bfloat16* __restrict__ dhr = a.dh + row * in_cols;
+  __nv_bfloat16* dhr = a.dh + row * in_cols;
   float dp = 0.0f;
   for (int j = lane * kVec; j < F; j += 32 * kVec) {
     float g[kVec], l[kVec], go[kVec], dg[kVec], dl[kVec];

@@ -6,10 +6,11 @@
 // Backward: [fc2 wgrad] -> fc2 dgrad -> act bwd (+dp) -> fc1 dgrad -> [fc1 wgrad]
 //           (weight gradients deferred to backward_dw in delayed mode)
 //
-// Memory: the saved state holds h and act (and dh in delayed mode, which backward_dw reads) and
-// refers to x_perm -- or, filled by forward_gathered without x_perm_out, to x and the row map, from
-// which the fc1 weight gradient gathers its rows (fused/wgrad_gathered.h);
-// the op's workspace holds what one backward needs only while it runs: dh (non-delayed), dact
+// Memory: the saved state holds h and act and refers to x_perm -- or, filled by forward_gathered
+// without x_perm_out, to x and the row map, from which the fc1 weight gradient gathers its rows
+// (fused/wgrad_gathered.h). The activation backward writes dh over h (in place: h is not read
+// again), where backward_dw finds it in delayed mode;
+// the op's workspace holds what one backward needs only while it runs: dact
 // (delayed: act must survive until backward_dw; otherwise dact overwrites act once fc2's wgrad
 // has read it), the bias-gradient workspace and the GEMM call workspace.
 #include "moe/grouped_experts.h"
@@ -75,7 +76,7 @@ TensorView bf16_view(void* p, int64_t rows, int64_t cols) {
 // header 1 (gathered fc1 weight gradient): kind = 1, pointer = x, tokens = its rows, reserved =
 // row_slots, slots.
 struct StateBuffers {
-  uint16_t *h = nullptr, *act = nullptr, *dh = nullptr;
+  uint16_t *h = nullptr, *act = nullptr;  // h becomes dh in backward
 };
 
 }  // namespace
@@ -99,7 +100,7 @@ struct GroupedExperts::Impl {
   // Workspace.
   DeviceBuffer block;
   size_t block_bytes = 0, state_bytes = 0;
-  uint16_t *dh_ws = nullptr, *dact_ws = nullptr;
+  uint16_t* dact_ws = nullptr;
   uint8_t* bias_ws = nullptr;
   size_t bias_ws_bytes = 0;
   uint8_t* gemm_ws = nullptr;
@@ -128,7 +129,6 @@ struct GroupedExperts::Impl {
   void plan_workspace(char* base) {
     const int64_t H = cfg.hidden, F = cfg.ffn, F1 = cfg.fc1_out();
     DeviceArena a(base);
-    if (!cfg.delay_wgrad) dh_ws = a.take<uint16_t>(R * F1);
     if (cfg.delay_wgrad) dact_ws = a.take<uint16_t>(R * F);
     if (cfg.bias) {
       bias_ws_bytes = std::max(bias_grad_workspace_bytes(R, cfg.experts, H), bias_grad_workspace_bytes(R, cfg.experts, F1));
@@ -144,7 +144,6 @@ struct GroupedExperts::Impl {
     StateBuffers b;
     b.h = a.take<uint16_t>(R * F1);
     b.act = a.take<uint16_t>(R * F);
-    if (cfg.delay_wgrad) b.dh = a.take<uint16_t>(R * F1);
     if (bytes) *bytes = a.used();
     return b;
   }
@@ -485,7 +484,7 @@ void GroupedExperts::backward(const TensorView& dY, const TensorView& dx_perm, c
 
   if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);  // reads act before dact overwrites it
   uint16_t* dact = c.delay_wgrad ? m.dact_ws : v.b.act;
-  uint16_t* dh = c.delay_wgrad ? v.b.dh : m.dh_ws;
+  uint16_t* dh = v.b.h;  // in place: the activation backward reads each h element before writing its gradient
   m.gemm.dgrad(dY, m.w2, v.g, bf16_view(dact, rows, F), m.gemm_workspace(), s);
   if (m.probs_in_act()) {
     activation_backward(c.activation, bf16_view(v.b.h, rows, F1), v.pp, bf16_view(dact, rows, F), v.g,
@@ -520,7 +519,7 @@ void GroupedExperts::backward_dw(const SavedState& state, cudaStream_t s) {
   m.wgrad_fc2(dY, v, s);
   m.fire_hooks(Param::kFc2Weight);
   m.fire_hooks(Param::kFc2Bias);
-  m.wgrad_fc1(bf16_view(v.b.dh, v.rows, m.cfg.fc1_out()), v, s);
+  m.wgrad_fc1(bf16_view(v.b.h, v.rows, m.cfg.fc1_out()), v, s);  // dh, written over h by backward
   m.fire_hooks(Param::kFc1Weight);
   m.fire_hooks(Param::kFc1Bias);
   state.header(0).status = static_cast<int32_t>(StateStatus::kConsumed);

@@ -3,6 +3,7 @@
 // past the total untouched), zero-row experts, pad rows, graph capture + replay, argument errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -235,6 +236,31 @@ TEST(ActivationOps, MatchesReferenceAllVariants) {
         check_against_reference(P, g.out, g.dh, g.dprobs);
       }
     }
+  }
+}
+
+// The backward written over h itself (as the expert layer runs it) gives the bits of the
+// out-of-place call, for every activation and GLU interleave; rows past the valid total keep h.
+TEST(ActivationOps, BackwardInPlaceEqualsOutOfPlace) {
+  MOE_REQUIRE_GPU();
+  for (const Variant& v : variants()) {
+    if (v.params.glu_interleave && 264 % v.params.glu_interleave) continue;
+    SCOPED_TRACE(v.name);
+    Problem P = make_problem(v, 37, 264, true, {0, 11, 11, 29}, 4321);
+    DeviceProblem d(P);
+    d.poison();
+    d.backward(nullptr);
+    const std::vector<uint16_t> want = d.dh.download();
+    const std::vector<float> want_dp = d.dprobs.download();
+    d.dprobs.fill_bytes(0xFF);
+    activation_backward(d.params, d.vh, d.vprobs, d.vdout, d.voff, d.vh, d.vdprobs, nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> got = d.h.download();
+    const int64_t valid = P.valid() * P.in_cols;
+    EXPECT_TRUE(std::equal(got.begin(), got.begin() + valid, want.begin())) << "dh written over h";
+    EXPECT_TRUE(std::equal(got.begin() + valid, got.end(), P.h.begin() + valid)) << "rows past the valid total";
+    const std::vector<float> dp = d.dprobs.download();
+    EXPECT_EQ(0, std::memcmp(dp.data(), want_dp.data(), P.valid() * sizeof(float))) << "dprobs";
   }
 }
 
