@@ -328,6 +328,7 @@ struct ExpertsModel {
 struct Variant {
   const char* name;
   bool bias, at_combine, delay, recompute;
+  bool lean = false;  // the fused fc1 keeping no x_perm (a layer option): the state refers to each x
 };
 const Variant kVariants[] = {
     {"default", false, false, false, false},
@@ -335,6 +336,8 @@ const Variant kVariants[] = {
     {"bias, delayed wgrad", true, false, true, false},
     {"recompute", true, false, false, true},
     {"recompute, probs at combine", false, true, false, true},
+    {"fused fc1 without x_perm", true, false, false, false, true},
+    {"fused fc1 without x_perm, delayed wgrad", true, true, true, false, true},
 };
 
 GroupedMlpConfig config_of(const Variant& v) {
@@ -343,6 +346,8 @@ GroupedMlpConfig config_of(const Variant& v) {
   c.probs = v.at_combine ? ProbsPlacement::kAtCombine : ProbsPlacement::kInActivation;
   c.delay_wgrad = v.delay;
   c.recompute = v.recompute;
+  c.fuse_fc1 = v.lean;
+  c.save_x_perm = !v.lean;
   return c;
 }
 
@@ -359,7 +364,7 @@ TEST(GroupedMlp, in_flight_micro_batches_any_backward_order) {
 TEST(GroupedExperts, in_flight_micro_batches_any_backward_order) {
   MOE_REQUIRE_GPU();
   for (const Variant& v : kVariants) {
-    if (v.recompute) continue;  // a layer option
+    if (v.recompute || v.lean) continue;  // layer options
     SCOPED_TRACE(v.name);
     Harness h(config_of(v));
     ExpertsModel em(h);
@@ -373,7 +378,7 @@ TEST(GroupedMlp, in_flight_compositions_agree_bitwise) {
   MOE_REQUIRE_GPU();
   const std::vector<int> order = {0, 1, 2, 3};
   for (const Variant& v : kVariants) {
-    if (v.recompute) continue;
+    if (v.recompute || v.lean) continue;
     SCOPED_TRACE(v.name);
     Harness h(config_of(v));
     h.load(500);
