@@ -11,7 +11,7 @@
 //
 // The op holds configuration, bound parameters and workspaces sized at construction. What a
 // backward needs lives in a caller-owned SavedState (new_state(), reusable once consumed):
-// activations h and act, and in delayed-wgrad mode dh. The inputs x_perm, group_offsets and
+// activations h and act (h becomes dh in backward). The inputs x_perm, group_offsets and
 // probs_perm, and in delayed mode dY, are saved *by reference*: the caller keeps them alive and
 // unchanged until the backward (backward_dw in delayed mode) of that state has been enqueued.
 // Calls of one GroupedExperts object must be ordered (one stream, or synchronised), because its

@@ -5,7 +5,7 @@
 // the shape of the fused fc1, whose layout keeps the tensor cores fed:
 //   * warp group 0 (producer) walks the expert's rows 64 at a time. It copies the 64 gathered X rows
 //     (128 columns each) with 16-byte cp.async into MN-major, 128-byte-swizzled tiles (row indices
-//     read one stage ahead; rows past the group and padding rows zero-filled). The dY tile (256
+//     read four k blocks ahead; rows past the group and padding rows zero-filled). The dY tile (256
 //     columns) comes by TMA: two CTAs of a cluster -- two 128-column blocks of X for the same expert
 //     and dY block -- each load one half and multicast it to both, which halves the L2 -> SM traffic
 //     of the larger operand. 4-stage ring.

@@ -72,6 +72,9 @@ TensorView bf16_view(void* p, int64_t rows, int64_t cols) {
   return TensorView(p, DType::kBF16, {rows, cols}, Device::kCUDA);
 }
 
+// Marks header 1 of a state whose fc1 weight gradient gathers the rows of x.
+constexpr int32_t kGatheredHeader = 1;
+
 // Saved state layout. Header 0: pointer = x_perm, reserved = group offsets, probs_perm, dY;
 // header 1 (gathered fc1 weight gradient): kind = 1, pointer = x, tokens = its rows, reserved =
 // row_slots, slots.
@@ -260,7 +263,7 @@ struct GroupedExperts::Impl {
     StateHeader& x = st.header(1);
     x = StateHeader{};
     if (gathered == nullptr) return;
-    x.kind = 1;
+    x.kind = kGatheredHeader;
     x.pointer = reinterpret_cast<uint64_t>(gathered->x.data);
     x.tokens = gathered->x.shape[0];
     x.reserved[0] = reinterpret_cast<uint64_t>(gathered->row_slots.data);
@@ -281,7 +284,7 @@ struct GroupedExperts::Impl {
     v.rows = h.tokens;
     v.x_perm = bf16_view(reinterpret_cast<void*>(h.pointer), v.rows, cfg.hidden);
     const StateHeader& x = st.header(1);
-    v.gathered = x.kind == 1;
+    v.gathered = x.kind == kGatheredHeader;
     if (v.gathered) {
       v.from_x.x = bf16_view(reinterpret_cast<void*>(x.pointer), x.tokens, cfg.hidden);
       v.from_x.row_slots =
@@ -432,6 +435,9 @@ void GroupedExperts::forward_gathered(const TensorView& x, const TensorView& row
     check_device_tensor(x_perm_out, "x_perm_out", c.dtype, {rows, c.hidden});
     MOE_CHECK(x_perm_out.data != x.data && x_perm_out.data != Y.data, "argument 'x_perm_out': must not be the ",
               "buffer of x or Y (the kernel gathers from x while it writes x_perm_out)");
+  } else {
+    MOE_CHECK(Y.data != x.data || rows == 0, "argument 'Y': without x_perm_out the backward gathers the rows of x ",
+              "again, so Y must not overwrite x");
   }
   check_state_fillable(state, "state", m.state_bytes, kStateHeaders, "GroupedExperts::forward_gathered");
   const StateBuffers b = m.state_layout(static_cast<char*>(state.device()));

@@ -270,6 +270,8 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
   } else {
     m.dispatcher.permute_backward(plan, dx_perm, dx, s);
   }
+  // A later backward_dw without x reads the x this backward was given.
+  if (x_in) state.header(kLayerHeader).pointer = reinterpret_cast<uint64_t>(x_in->data);
   state.header(kLayerHeader).status =
       static_cast<int32_t>(c.delay_wgrad ? StateStatus::kAwaitingWgrad : StateStatus::kConsumed);
 }

@@ -231,7 +231,13 @@ INSTANTIATE_TEST_SUITE_P(
         // The smallest sizes.
         Shape{1, 1, 3, 8, 8, {3}, 0},
         // Every expert empty.
-        Shape{3, 2, 10, 16, 24, {0, 0, 0}, 0}));
+        Shape{3, 2, 10, 16, 24, {0, 0, 0}, 0},
+        // More tiles (40 experts x 2 dY blocks x 1 pair of x blocks = 80 cluster tiles) than an
+        // H100 has clusters (66): the persistent loop carries its ring and row indices across tiles.
+        Shape{40, 4, 420, 512, 256,
+              {40, 0, 33, 64, 65, 1, 100, 7, 40, 40, 40, 40, 0, 1, 2, 3, 90, 40, 40, 40,
+               40, 40, 40, 40, 128, 40, 40, 40, 40, 40, 5, 40, 40, 40, 40, 40, 40, 40, 129, 40},
+              0}));
 
 // Captured once, replayed with a new routing (new offsets and row map, same buffers): bitwise the
 // eager result of the new routing.

@@ -1,6 +1,6 @@
 """Fake (meta) implementations of the moe_engine operators: output shapes and dtypes only, so
 torch.compile / FakeTensor tracing can run through them without a GPU kernel. Every size a fake
-needs is an argument of its operator."""
+needs is an argument of its operator, except the state header counts, which the library reports."""
 import torch
 
 lib = "moe_engine::"
