@@ -346,9 +346,12 @@ void launch_wgrad_gathered(const WgradGatheredArgs& a, cudaStream_t stream) {
   p.dw_table = a.dw_table;
   p.fp32 = a.dw_fp32;
   p.accumulate = a.accumulate;
-  int device = 0, sms = 0;
-  MOE_CUDA_CHECK(cudaGetDevice(&device));
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int sms = a.sm_count;
+  if (sms <= 0) {
+    int device = 0;
+    MOE_CUDA_CHECK(cudaGetDevice(&device));
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  }
   const int clusters = std::max(1, std::min(p.total, sms / kCluster));
   launch_clustered(wgrad_gathered_kernel, p, clusters * kCluster, kThreads, kCluster, kSmemBytes, kSmemBytes, stream);
 }

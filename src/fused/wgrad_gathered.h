@@ -34,6 +34,7 @@ struct WgradGatheredArgs {
   void* const* dw_table = nullptr;
   bool dw_fp32 = false;     // fp32 (else bf16) dW
   bool accumulate = false;  // fp32 dW += result (main_grad)
+  int sm_count = 0;         // SMs of the device (0: queried per launch)
 };
 
 // Whether the kernel handles these sizes (host check). Empty string: yes; otherwise the reason.

@@ -337,6 +337,7 @@ void GroupedExperts::Impl::wgrad_fc1_gathered(const TensorView& dh, const Saved&
   a.dw_table = const_cast<void* const*>(dw1.device_table());
   a.dw_fp32 = dw1.dtype() == DType::kFP32;
   a.accumulate = accumulate();
+  a.sm_count = sm_count;  // cached at construction (fuse_fc1, which gathered states need)
   fused::launch_wgrad_gathered(a, s);
 }
 
