@@ -30,6 +30,7 @@ struct BenchArgs {
   bool no_check = false;
   bool no_x_perm = false;
   std::string fc1 = "auto";
+  std::string dgrad = "unfused";
   double skew = 0.0;
   int align = 0;
   int repeats = 20;
@@ -102,7 +103,9 @@ void run_bench(const BenchArgs& a) {
   for (const auto& s : shapes) {
     o.fuse_fc1 = uses_fused_fc1(a.fc1, s);
     o.save_x_perm = !(o.fuse_fc1 && a.no_x_perm);
-    const char* fc1_name = !o.fuse_fc1 ? "unfused" : o.save_x_perm ? "fused" : "fused-g";
+    o.fuse_fc2_dgrad = a.dgrad == "fused";
+    std::string fc1_name = !o.fuse_fc1 ? "unfused" : o.save_x_perm ? "fused" : "fused-g";
+    if (o.fuse_fc2_dgrad) fc1_name += "+d";
     bench::LayerBenchResult r = bench::run_layer_bench(s, o);
     const double ff = r.flops_fwd();
     const double g_bwd = r.fwd_bwd_graph.median_ms - r.fwd_graph.median_ms;
@@ -114,6 +117,7 @@ void run_bench(const BenchArgs& a) {
       nlohmann::json j = {
           {"shape", s.name}, {"T", s.T}, {"H", s.H}, {"F", s.F}, {"E", s.E}, {"k", s.k}, {"device", device},
           {"skew", r.skew}, {"align", a.align}, {"activation", a.activation}, {"fc1", o.fuse_fc1 ? "fused" : "unfused"}, {"x_perm", o.save_x_perm ? "saved" : "gathered"},
+          {"fc2_dgrad", o.fuse_fc2_dgrad ? "fused" : "unfused"},
           {"graph", {{"fwd_ms", r.fwd_graph.median_ms}, {"bwd_ms", g_bwd}, {"total_ms", r.fwd_bwd_graph.median_ms},
                      {"fwd_tflops", tflops(ff, r.fwd_graph.median_ms)}, {"bwd_tflops", tflops(2 * ff, g_bwd)},
                      {"total_tflops", tflops(3 * ff, r.fwd_bwd_graph.median_ms)},
@@ -139,7 +143,7 @@ void run_bench(const BenchArgs& a) {
                   r.fwd_graph.max_ms, g_bwd, tflops(2 * ff, g_bwd), r.fwd_bwd_graph.median_ms,
                   tflops(3 * ff, r.fwd_bwd_graph.median_ms), r.fwd_bwd_graph.min_ms, r.fwd_bwd_graph.max_ms,
                   r.fwd_bwd_eager.median_ms, tflops(3 * ff, r.fwd_bwd_eager.median_ms), r.extra_gib,
-                  fc1_name, check);
+                  fc1_name.c_str(), check);
       std::fflush(stdout);
     }
   }
@@ -174,6 +178,9 @@ void setup_bench(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "fused", "unfused"}));
   sub->add_flag("--no-x-perm", args->no_x_perm, "With the fused fc1: keep no x_perm, the fc1 weight gradient gathers "
                 "the rows of x (less memory; shown as fc1 'fused-g')");
+  sub->add_option("--dgrad", args->dgrad, "fused (fc2 dgrad gathering dy + activation backward + dprobs in one "
+                  "kernel; shown as '+d' in the fc1 column) or unfused (separate kernels, the reference path)")
+      ->check(CLI::IsMember({"fused", "unfused"}));
   sub->add_flag("--no-check", args->no_check, "Skip the sampled comparison with the CPU reference");
   sub->callback([args] { run_bench(*args); });
 }

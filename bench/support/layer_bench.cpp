@@ -122,6 +122,7 @@ LayerBenchResult run_layer_bench(const Shape& s, const LayerBenchOptions& o) {
   c.activation.kind = o.activation;
   c.fuse_fc1 = o.fuse_fc1;
   c.save_x_perm = o.save_x_perm || !o.fuse_fc1;
+  c.fuse_fc2_dgrad = o.fuse_fc2_dgrad;
   const int64_t F1 = c.fc1_out();
 
   // Inputs and weights (not counted as extra memory, as in the PyTorch baseline).

@@ -18,6 +18,7 @@ struct LayerBenchOptions {
   Activation activation = Activation::kSwiGLU;
   bool fuse_fc1 = true;   // the fused fc1 (gather + GEMM + bias + activation x prob); false: unfused
   bool save_x_perm = true;  // false (fused only): no x_perm, the fc1 weight gradient gathers the rows of x
+  bool fuse_fc2_dgrad = false;  // fc2 dgrad gathering dy + activation backward in one kernel
   bool check = true;      // compare sampled tokens with the CPU reference first
   int sample_tokens = 8;  // tokens checked
   int warmup = 3;

@@ -101,6 +101,15 @@ class GroupedExperts {
   // delay_wgrad, dx_perm may be the very buffer of dY (dY is fully read before dx_perm is written).
   void backward(const TensorView& dY, const TensorView& dx_perm, const TensorView& d_probs_perm,
                 const SavedState& state, cudaStream_t stream);
+  // The layer's backward (config.fuse_fc2_dgrad, probs in the activation): the dY rows are gathered
+  // from dy [T, H] inside the fused fc2 dgrad -- row r is dy[row_slots[r] / slots], zeros where
+  // row_slots[r] < 0, the row map of forward_gathered -- with no separate pass building dY. The
+  // kernel writes them to dY_out [rows, H] on the way, where the fc2 weight and bias gradients (and
+  // backward_dw) read them; dY_out may be empty only without bias and delay_wgrad: then no dY_perm
+  // ever exists and the fc2 weight gradient gathers the rows of dy too. Otherwise as backward.
+  void backward_gathered(const TensorView& dy, const TensorView& row_slots, int slots, const TensorView& dY_out,
+                         const TensorView& dx_perm, const TensorView& d_probs_perm, const SavedState& state,
+                         cudaStream_t stream);
   // Delayed mode: fc2's weight gradients, then fc1's, each parameter's hooks once it is final.
   void backward_dw(const SavedState& state, cudaStream_t stream);
 

@@ -50,6 +50,9 @@ struct ExpertsConfig {
   // fc1, its bias and the activation x prob in one kernel (docs/fused.md), same roundings as the
   // unfused path (grouped GEMM into h, bias, activation), which stays the reference.
   bool fuse_fc1 = false;
+  // fc2 dgrad and the activation backward (dh, dprobs) in one kernel (docs/fused.md): dact never
+  // reaches memory; same roundings of dh as the unfused path, which stays the reference.
+  bool fuse_fc2_dgrad = false;
 
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
   void validate() const;  // throws moe::Error naming the bad field
@@ -86,6 +89,10 @@ struct GroupedMlpConfig {
   // backward_dw in delayed mode) instead of an [R, H] copy: R * H * 2 bytes less per micro-batch in
   // flight. Same results (docs/fused.md has the cost in time).
   bool save_x_perm = true;
+  // The fused fc2 dgrad (see ExpertsConfig::fuse_fc2_dgrad), which here also gathers the rows of dy
+  // through the dispatch map (probs in the activation): no separate pass builds dY_perm. Without
+  // bias, delay_wgrad or saved x_perm, dY_perm never exists: the fc2 weight gradient gathers dy too.
+  bool fuse_fc2_dgrad = false;
 
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
   int64_t row_bound() const;  // R resolved from dispatch options

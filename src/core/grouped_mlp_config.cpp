@@ -54,6 +54,7 @@ ExpertsConfig GroupedMlpConfig::experts_config() const {
   e.delay_wgrad = delay_wgrad;
   e.dtype = dtype;
   e.fuse_fc1 = fuse_fc1;
+  e.fuse_fc2_dgrad = fuse_fc2_dgrad;
   return e;
 }
 

@@ -37,9 +37,12 @@
 
 #include "device/cuda_check.h"
 #include "fused/async_copy.cuh"
+#include "fused/fragment_pack.cuh"
+#include "fused/gather_rows.cuh"
 #include "fused/pipeline.cuh"
 #include "fused/cluster_launch.h"
 #include "fused/fc1_activation.h"
+#include "fused/row_tiles.cuh"
 #include "fused/tensor_map.h"
 #include "kernels/activation_math.cuh"
 
@@ -51,7 +54,8 @@ using bf16 = cutlass::bfloat16_t;
 using kernels::ActConsts;
 using kernels::ActOp;
 
-constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
+constexpr int kBM = kGatherRows, kBN = 256, kBK = kGatherCols, kStages = 4;
+static_assert(kBM == 128 && kBK == 64, "the gathered A stage (gather_rows.cuh) is 128 x 64");
 constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = kProducerThreads + kConsumerThreads;
 constexpr int kStageBytesA = kBM * kBK * 2;  // 16 KiB
 constexpr int kStageBytesB = kBN * kBK * 2;  // 32 KiB
@@ -77,11 +81,6 @@ struct SharedStorage {
 };
 constexpr size_t kFixedSmemBytes = offsetof(SharedStorage, tile_start);
 
-// Byte offset of 16-byte chunk c of row r in a 128-byte swizzled tile (the layout above).
-__host__ __device__ constexpr uint32_t swizzled_chunk(int r, int c) {
-  return static_cast<uint32_t>((r >> 3) * 1024 + (r & 7) * 128 + ((c ^ (r & 7)) << 4));
-}
-
 struct Params {
   CUtensorMap w1_map;  // TMA kernels: fc1 weights as a 3D [E, fc1_out, H] tensor (64 x 128 boxes)
   const __nv_bfloat16* a;
@@ -105,34 +104,11 @@ struct Params {
   __nv_bfloat16* act;
 };
 
-struct Tile {
-  int e;
-  int64_t m0;  // first row
-  int rows;    // valid rows, 1..128
-  int nt;      // feature block
-};
+using Tile = RowTile;
 
-// Tile t of the cluster: kCluster consecutive row blocks of one expert share a weight tile (CTA
-// `rank` takes block kCluster * pair + rank; past the expert's rows it has no rows, rows = 0).
 template <int kCluster>
 __device__ __forceinline__ Tile decode_tile(int t, const int32_t* start, const Params& p, int rank) {
-  // The last expert whose first tile is <= t (empty experts share their successor's start).
-  int lo = 0, hi = p.E - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (start[mid] <= t) lo = mid;
-    else hi = mid - 1;
-  }
-  int64_t begin, end;
-  kernels::group_rows(p.offsets, lo, p.R, &begin, &end);
-  const int local = t - start[lo];
-  Tile tile;
-  tile.e = lo;
-  tile.nt = local % p.feature_tiles;
-  tile.m0 = begin + (static_cast<int64_t>(local / p.feature_tiles) * kCluster + rank) * kBM;
-  const int64_t left = end - tile.m0;
-  tile.rows = left <= 0 ? 0 : (left < kBM ? static_cast<int>(left) : kBM);
-  return tile;
+  return decode_row_tile<kBM, kCluster>(t, start, p.offsets, p.E, p.R, p.feature_tiles, rank);
 }
 
 // Physical fc1 row of row j of a weight tile (-1: past F, zero-filled).
@@ -148,34 +124,6 @@ __device__ __forceinline__ int weight_row(int j, int nt, const Params& p) {
     return f < p.F ? f : -1;
   }
 }
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-// Four packed pairs as the library's 16-byte vector, unpacked by its helper.
-__device__ __forceinline__ void unpack_bf16x8(const uint32_t (&w)[4], float (&v)[kernels::kVec]) {
-  kernels::unpack<__nv_bfloat16>(make_uint4(w[0], w[1], w[2], w[3]), v);
-}
-
-// 4 x 4 transpose of 32-bit words across the lanes of a quad (j = lane % 4): afterwards out[s] of
-// lane j is in[j] of lane s. In round k lane s sends in[(s - k) % 4] and lane j receives from lane
-// (j + k) % 4; register indices stay static (selects), so nothing goes to local memory.
-__device__ __forceinline__ void quad_transpose(const uint32_t (&in)[4], uint32_t (&out)[4], int j, int lane) {
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int send = (j - k) & 3, from = (j + k) & 3;
-    uint32_t v = in[0];
-    v = send == 1 ? in[1] : v;
-    v = send == 2 ? in[2] : v;
-    v = send == 3 ? in[3] : v;
-    const uint32_t got = __shfl_sync(kernels::kFullMask, v, (lane & ~3) | from);
-#pragma unroll
-    for (int q = 0; q < 4; ++q)
-      if (q == from) out[q] = got;
-  }
-}
-__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // First fc1 row of half `half` (0 or 1) of feature block nt's weight tile, interleave 0.
 template <bool kGated>
@@ -198,24 +146,8 @@ __device__ void produce(SharedStorage& s, const Params& p, int total, int rank) 
   ring.phase = 1;  // a fresh barrier counts as released for parity 1
   for (int t = blockIdx.x / kCluster; t < total; t += gridDim.x / kCluster) {
     const Tile tile = decode_tile<kCluster>(t, s.tile_start, p, rank);
-    // Source rows as 32-bit indices (-1: zero fill). The 64-bit addresses are formed per copy: kept
-    // across the k loop they would need 48 registers, more than the producer's budget.
-    int a_row[kBM / 16];
-#pragma unroll
-    for (int i = 0; i < kBM / 16; ++i) {
-      const int r = r0 + 16 * i;
-      int src = -1;
-      if (r < tile.rows) {
-        const int64_t row = tile.m0 + r;
-        if (p.row_slots != nullptr) {
-          const int slot = p.row_slots[row];
-          if (slot >= 0) src = slot / p.slots;
-        } else {
-          src = static_cast<int>(row);
-        }
-      }
-      a_row[i] = src;
-    }
+    int a_row[kRowsPerThread];
+    gather_source_rows(a_row, tile, p.row_slots, p.slots, r0);
     const __nv_bfloat16* w = p.w1_table != nullptr ? p.w1_table[tile.e] : p.w1_base + tile.e * p.w1_stride;
     int b_row[kBN / 16];
 #pragma unroll
@@ -235,13 +167,7 @@ __device__ void produce(SharedStorage& s, const Params& p, int total, int rank) 
                                          s.b[ring.stage] + rank * kHalfBytesB, kb * kBK, tma_row<kGated>(rank, tile.nt, p),
                                          tile.e);
       }
-#pragma unroll
-      for (int i = 0; i < kBM / 16; ++i) {
-        int row = a_row[i];
-        asm volatile("" : "+r"(row));  // opaque: no hoisted 64-bit address
-        const bool v = row >= 0 && k_in;
-        cp_async_16(da + i * 2048, v ? p.a + (static_cast<int64_t>(row) * p.H + k) : p.a, v);
-      }
+      gather_stage(da, a_row, p.a, p.H, kb, c);
 #pragma unroll
       for (int i = 0; i < (kTma ? 0 : kBN / 16); ++i) {
         int row = b_row[i];
@@ -257,21 +183,6 @@ __device__ void produce(SharedStorage& s, const Params& p, int total, int rank) 
   cute::cp_async_wait<0>();
 }
 
-
-// Stage `a` (128 gathered rows x 64 columns, zeros on padding rows) to x_perm rows m0 .. m0 + rows:
-// each of the 256 consumer threads moves 4 16-byte chunks.
-__device__ __forceinline__ void store_a_stage(const uint8_t* a, const Params& p, const Tile& tile, int kb, int ctid) {
-  const int c = ctid & 7;
-  const int k = kb * kBK + c * 8;
-  if (k >= p.H) return;
-#pragma unroll
-  for (int i = 0; i < kBM * 8 / kConsumerThreads; ++i) {
-    const int r = (ctid >> 3) + i * (kConsumerThreads / 8);
-    if (r >= tile.rows) break;
-    const uint4 v = *reinterpret_cast<const uint4*>(a + swizzled_chunk(r, c));
-    *reinterpret_cast<uint4*>(p.a_out + (tile.m0 + r) * p.H + k) = v;
-  }
-}
 
 // kInterleave0: the GLU interleave is 0 (or there is no GLU), known at compile time.
 template <Activation A, int kCluster, bool kInterleave0>
@@ -313,7 +224,7 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
       // finds x_perm without another pass over x. Each feature block of a row block writes every
       // feature_tiles-th k block: the writes spread evenly over all tiles instead of saturating
       // HBM during the first feature block's tiles.
-      if (p.a_out != nullptr && kb % p.feature_tiles == tile.nt) store_a_stage(s.a[ring.stage], p, tile, kb, ctid);
+      if (p.a_out != nullptr && kb % p.feature_tiles == tile.nt) store_gathered_stage<kConsumerThreads>(s.a[ring.stage], p.a_out, tile, p.H, kb, ctid);
       warpgroup_wait<1>();  // the previous stage's WGMMAs are done: hand it back
       warpgroup_fence_operand(acc);
       if (prev >= 0) release_stage<kCluster>(&s.empty[prev], lane);
@@ -412,27 +323,7 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_activation_kernel(const __gri
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
 
   if (warp == 0) {
-    // Tiles per expert, prefix-summed 32 experts at a time.
-    int carry = 0;
-    for (int base = 0; base < p.E; base += 32) {
-      const int e = base + lane;
-      int n = 0;
-      if (e < p.E) {
-        int64_t begin, end;
-        kernels::group_rows(p.offsets, e, p.R, &begin, &end);
-        const int blocks = static_cast<int>((end - begin + kBM - 1) / kBM);
-        n = (blocks + kCluster - 1) / kCluster * p.feature_tiles;
-      }
-      int incl = n;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int up = __shfl_up_sync(kernels::kFullMask, incl, d);
-        if (lane >= d) incl += up;
-      }
-      if (e < p.E) s.tile_start[e] = carry + incl - n;
-      carry += __shfl_sync(kernels::kFullMask, incl, 31);
-    }
-    if (lane == 0) s.tile_start[p.E] = carry;
+    prefix_row_tiles<kBM, kCluster>(s.tile_start, p.offsets, p.E, p.R, p.feature_tiles, lane);
   } else if (warp == 1 && lane == 0) {
     // full: every producer thread's cp.async arrival (+ the TMA issuer's expect-tx arrival);
     // empty: every consumer warp of every CTA of the cluster.

@@ -97,6 +97,7 @@ struct Params {
   int64_t dw_stride;        // bytes
   void* const* dw_table;
   bool fp32, accumulate;
+  bool x_major;  // dW_e stored [N, M]
 };
 
 struct Tile {
@@ -257,7 +258,7 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
     for (int i = 0; i < size(acc); ++i) {
       const int a = tile.x0 + get<0>(coord(i)), b = tile.y0 + get<1>(coord(i));
       if (a >= p.N || b >= p.M) continue;
-      const int64_t at = static_cast<int64_t>(b) * p.N + a;
+      const int64_t at = p.x_major ? static_cast<int64_t>(a) * p.M + b : static_cast<int64_t>(b) * p.N + a;
       if (p.fp32) {
         float* q = reinterpret_cast<float*>(dw) + at;
         *q = p.accumulate ? *q + acc(i) : acc(i);
@@ -346,6 +347,7 @@ void launch_wgrad_gathered(const WgradGatheredArgs& a, cudaStream_t stream) {
   p.dw_table = a.dw_table;
   p.fp32 = a.dw_fp32;
   p.accumulate = a.accumulate;
+  p.x_major = a.x_major;
   int sms = a.sm_count;
   if (sms <= 0) {
     int device = 0;

@@ -5,7 +5,9 @@
 //
 // where row r of X is row r of a permuted buffer [R, N] (row_slots null) or -- gathering -- row
 // row_slots[r] / slots of the caller's x [T, N] (zeros where row_slots[r] < 0). The gathering form
-// is the fc1 weight gradient straight from x: the permuted copy x_perm never has to exist.
+// is the fc1 weight gradient straight from x: the permuted copy x_perm never has to exist. With
+// x_major the result is stored transposed, dW_e^T [N, M]: the fc2 weight gradient
+// dW2_e = dY_perm_e^T act_e [H, F] with X = dy gathered (N = H) and act in the dY role (M = F).
 // fp32 accumulation; dW_e written as bf16 or fp32, or accumulated into an fp32 main_grad; an empty
 // group writes a zero dW_e (or leaves main_grad as it is). Plain C++ interface; the kernel lives in
 // wgrad_gathered.cu.
@@ -28,12 +30,13 @@ struct WgradGatheredArgs {
   int64_t R = 0;
   int M = 0;  // multiple of 8
   int N = 0;  // multiple of 8
-  // dW_e [M, N] row-major: base + e * stride (single grouped) or table[e].
+  // dW_e [M, N] row-major ([N, M] with x_major): base + e * stride (single grouped) or table[e].
   void* dw_base = nullptr;
   int64_t dw_stride_bytes = 0;
   void* const* dw_table = nullptr;
   bool dw_fp32 = false;     // fp32 (else bf16) dW
   bool accumulate = false;  // fp32 dW += result (main_grad)
+  bool x_major = false;     // store dW_e^T [N, M]
   int sm_count = 0;         // SMs of the device (0: queried per launch)
 };
 

@@ -4,7 +4,8 @@
 //
 // Forward:  fc1 (+b1) -> act x p -> fc2 (+b2 p)     (fc1 to act x p in one kernel with fuse_fc1)
 // Backward: [fc2 wgrad] -> fc2 dgrad -> act bwd (+dp) -> fc1 dgrad -> [fc1 wgrad]
-//           (weight gradients deferred to backward_dw in delayed mode)
+//           (weight gradients deferred to backward_dw in delayed mode; fc2 dgrad to act bwd in one
+//           kernel with fuse_fc2_dgrad, which leaves act as it is: fc2's wgrad may run after it)
 //
 // Memory: the saved state holds h and act and refers to x_perm -- or, filled by forward_gathered
 // without x_perm_out, to x and the row map, from which the fc1 weight gradient gathers its rows
@@ -23,6 +24,7 @@
 #include "device/pointer_table.h"
 #include "device/state_check.h"
 #include "fused/fc1_activation.h"
+#include "fused/fc2_dgrad_activation.h"
 #include "fused/wgrad_gathered.h"
 #include "moe/activation_ops.h"
 #include "moe/bias_ops.h"
@@ -104,6 +106,7 @@ struct GroupedExperts::Impl {
   DeviceBuffer block;
   size_t block_bytes = 0, state_bytes = 0;
   uint16_t* dact_ws = nullptr;
+  float* dpp_partial_ws = nullptr;  // fused fc2 dgrad with F > 256: dprobs partial sums per feature block
   uint8_t* bias_ws = nullptr;
   size_t bias_ws_bytes = 0;
   uint8_t* gemm_ws = nullptr;
@@ -115,6 +118,14 @@ struct GroupedExperts::Impl {
       const char* why = fused::fc1_activation_unsupported(cfg.experts, cfg.hidden, cfg.ffn, cfg.activation);
       MOE_CHECK(why[0] == '\0', "config 'fuse_fc1': ", why);
       MOE_CHECK(cfg.dtype == DType::kBF16, "config 'fuse_fc1': the fused fc1 takes bf16 activations and weights");
+    }
+    if (cfg.fuse_fc2_dgrad) {
+      const char* why = fused::fc2_dgrad_activation_unsupported(cfg.experts, cfg.hidden, cfg.ffn, cfg.activation);
+      MOE_CHECK(why[0] == '\0', "config 'fuse_fc2_dgrad': ", why);
+      MOE_CHECK(cfg.dtype == DType::kBF16, "config 'fuse_fc2_dgrad': the fused fc2 dgrad takes bf16 activations and ",
+                "weights");
+    }
+    if (cfg.fuse_fc1 || cfg.fuse_fc2_dgrad) {
       int device = 0;
       MOE_CUDA_CHECK(cudaGetDevice(&device));
       MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
@@ -132,7 +143,9 @@ struct GroupedExperts::Impl {
   void plan_workspace(char* base) {
     const int64_t H = cfg.hidden, F = cfg.ffn, F1 = cfg.fc1_out();
     DeviceArena a(base);
-    if (cfg.delay_wgrad) dact_ws = a.take<uint16_t>(R * F);
+    if (cfg.delay_wgrad && !cfg.fuse_fc2_dgrad) dact_ws = a.take<uint16_t>(R * F);
+    const int feature_blocks = cfg.fuse_fc2_dgrad ? fused::fc2_dgrad_feature_blocks(F) : 1;
+    if (probs_in_act() && feature_blocks > 1) dpp_partial_ws = a.take<float>(R * feature_blocks);
     if (cfg.bias) {
       bias_ws_bytes = std::max(bias_grad_workspace_bytes(R, cfg.experts, H), bias_grad_workspace_bytes(R, cfg.experts, F1));
       bias_ws = a.take<uint8_t>(static_cast<int64_t>(bias_ws_bytes));
@@ -305,11 +318,25 @@ struct GroupedExperts::Impl {
   }
 
   void wgrad_fc1_gathered(const TensorView& dh, const Saved& v, cudaStream_t s);
+  void wgrad_fc2_gathered(const TensorView& dy, const TensorView& row_slots, int slots, const Saved& v,
+                          cudaStream_t s);
+  void fused_dgrad(const void* dY, const int32_t* row_slots, int slots, void* dY_out, const Saved& v,
+                   const TensorView& dpp, cudaStream_t s) const;
+  // The backward's checks shared by backward and backward_gathered; returns the saved inputs.
+  Saved check_backward(const SavedState& state, const TensorView& dx_perm, const TensorView& dpp,
+                       const char* call) const;
+  // After fc2's gradients: fc1 dgrad, then (unless delayed) fc1's weight gradients and the hooks.
+  void finish_backward(const SavedState& state, const Saved& v, const TensorView& dY, const TensorView& dx_perm,
+                       cudaStream_t s);
   void relocate_inputs(const SavedState& state, const TensorView& group_offsets, const TensorView& probs_perm,
                        const TensorView* dY) const;
   void wgrad_fc2(const TensorView& dY, const Saved& v, cudaStream_t s) {
     gemm.wgrad(dY, bf16_view(v.b.act, v.rows, cfg.ffn), v.g, dw2, accumulate(), gemm_workspace(), s);
     if (cfg.bias) bias_grad(dY, v.pp, v.g, db2, accumulate(), bias_workspace(), s);
+  }
+  // dprobs += <dY row, b2[e]>: the fc2 bias is scaled by the prob too.
+  void bias_dprobs_of(const TensorView& dY, const Saved& v, const TensorView& dpp, cudaStream_t s) const {
+    bias_dprobs(dY, b2, v.g, dpp, /*accumulate=*/true, s);
   }
   void wgrad_fc1(const TensorView& dh, const Saved& v, cudaStream_t s) {
     if (v.gathered) {
@@ -339,6 +366,53 @@ void GroupedExperts::Impl::wgrad_fc1_gathered(const TensorView& dh, const Saved&
   a.accumulate = accumulate();
   a.sm_count = sm_count;  // cached at construction (fuse_fc1, which gathered states need)
   fused::launch_wgrad_gathered(a, s);
+}
+
+// dW2_e = dY_perm_e^T act_e with the dY rows gathered from dy: the gathered weight gradient with
+// X = dy (N = H), act in the contiguous role (M = F), stored X-major ([H, F]).
+void GroupedExperts::Impl::wgrad_fc2_gathered(const TensorView& dy, const TensorView& row_slots, int slots,
+                                              const Saved& v, cudaStream_t s) {
+  fused::WgradGatheredArgs a;
+  a.dy = v.b.act;
+  a.x = dy.data;
+  a.row_slots = row_slots.ptr<const int32_t>();
+  a.slots = slots;
+  a.group_offsets = v.g.ptr<const int32_t>();
+  a.experts = cfg.experts;
+  a.R = v.rows;
+  a.M = static_cast<int>(cfg.ffn);
+  a.N = static_cast<int>(cfg.hidden);
+  a.dw_base = dw2.base();
+  a.dw_stride_bytes = dw2.expert_stride_bytes();
+  a.dw_table = const_cast<void* const*>(dw2.device_table());
+  a.dw_fp32 = dw2.dtype() == DType::kFP32;
+  a.accumulate = accumulate();
+  a.x_major = true;
+  a.sm_count = sm_count;
+  fused::launch_wgrad_gathered(a, s);
+}
+
+void GroupedExperts::Impl::fused_dgrad(const void* dY, const int32_t* row_slots, int slots, void* dY_out,
+                                       const Saved& v, const TensorView& dpp, cudaStream_t s) const {
+  fused::Fc2DgradActivationArgs f;
+  f.dy = dY;
+  f.row_slots = row_slots;
+  f.slots = slots;
+  f.dy_out = dY_out;
+  f.group_offsets = v.g.ptr<const int32_t>();
+  f.experts = cfg.experts;
+  f.R = v.rows;
+  f.H = static_cast<int>(cfg.hidden);
+  f.F = static_cast<int>(cfg.ffn);
+  f.w2 = w2.base();
+  f.w2_table = w2.device_table();
+  f.probs = v.pp.data != nullptr ? v.pp.ptr<const float>() : nullptr;
+  f.activation = cfg.activation;
+  f.h = v.b.h;
+  f.dprobs = dpp.data != nullptr ? dpp.ptr<float>() : nullptr;
+  f.dprobs_partial = dpp_partial_ws;
+  f.sm_count = sm_count;
+  fused::launch_fc2_dgrad_activation(f, s);
 }
 
 GroupedExperts::GroupedExperts(const ExpertsConfig& config) : impl_(std::make_unique<Impl>(config)) {}
@@ -463,54 +537,105 @@ void GroupedExperts::recompute(const TensorView& x_perm, const TensorView& g, co
   m.fill_header(state, x_perm, g, pp, rows);
 }
 
-void GroupedExperts::backward(const TensorView& dY, const TensorView& dx_perm, const TensorView& dpp,
-                              const SavedState& state, cudaStream_t s) {
-  Impl& m = *impl_;
-  const auto& c = m.cfg;
-  check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
-  check_state(state, "state", m.serial, StateKind::kExperts, {StateStatus::kFilled}, "GroupedExperts::backward");
-  MOE_CHECK(state.header(0).binding == m.binding, "argument 'state' of GroupedExperts::backward: the weights were ",
-            "rebound since its forward (set_weights between a forward and its backward)");
-  MOE_CHECK(c.delay_wgrad || m.have_grads, "GroupedExperts::backward: no gradient tensors bound (call set_grads first)");
-  const Impl::Saved v = m.saved(state);
-  m.check_x_perm(v, "GroupedExperts::backward");
-  const int64_t rows = v.rows, H = c.hidden, F = c.ffn, F1 = c.fc1_out();
-  check_device_tensor(dY, "dY", c.dtype, {rows, H});
-  check_device_tensor(dx_perm, "dx_perm", c.dtype, {rows, H});
-  if (m.probs_in_act())
+GroupedExperts::Impl::Saved GroupedExperts::Impl::check_backward(const SavedState& state, const TensorView& dx_perm,
+                                                                  const TensorView& dpp, const char* call) const {
+  check_state_capacity(state, "state", state_bytes, kStateHeaders);
+  check_state(state, "state", serial, StateKind::kExperts, {StateStatus::kFilled}, call);
+  MOE_CHECK(state.header(0).binding == binding, "argument 'state' of ", call, ": the weights were rebound since its ",
+            "forward (set_weights between a forward and its backward)");
+  MOE_CHECK(cfg.delay_wgrad || have_grads, call, ": no gradient tensors bound (call set_grads first)");
+  const Saved v = saved(state);
+  check_x_perm(v, call);
+  const int64_t rows = v.rows;
+  check_device_tensor(dx_perm, "dx_perm", cfg.dtype, {rows, cfg.hidden});
+  if (probs_in_act())
     check_device_tensor(dpp, "d_probs_perm", DType::kFP32, {rows}, 4);
   else
     MOE_CHECK(dpp.data == nullptr, "argument 'd_probs_perm': the experts do not apply probs (config.probs = at ",
               "combine); pass an empty view");
-  MOE_CHECK(!c.delay_wgrad || dx_perm.data != dY.data, "argument 'dx_perm': with delay_wgrad, dY is read again by ",
-            "backward_dw, so dx_perm must not be the buffer of dY");
   MOE_CHECK(dx_perm.data != v.x_perm.data || rows == 0, "argument 'dx_perm': the fc1 weight gradient reads the ",
             "saved x_perm after dx_perm is written, so dx_perm must not be the buffer of x_perm");
   MOE_CHECK(!v.gathered || dx_perm.data != v.from_x.x.data || rows == 0, "argument 'dx_perm': the fc1 weight ",
             "gradient gathers the saved x after dx_perm is written, so dx_perm must not be the buffer of x");
+  return v;
+}
 
-  if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);  // reads act before dact overwrites it
-  uint16_t* dact = c.delay_wgrad ? m.dact_ws : v.b.act;
-  uint16_t* dh = v.b.h;  // in place: the activation backward reads each h element before writing its gradient
-  m.gemm.dgrad(dY, m.w2, v.g, bf16_view(dact, rows, F), m.gemm_workspace(), s);
-  if (m.probs_in_act()) {
-    activation_backward(c.activation, bf16_view(v.b.h, rows, F1), v.pp, bf16_view(dact, rows, F), v.g,
-                        bf16_view(dh, rows, F1), dpp, s);
-    if (c.bias) bias_dprobs(dY, m.b2, v.g, dpp, /*accumulate=*/true, s);
-  } else {
-    activation_backward(c.activation, bf16_view(v.b.h, rows, F1), TensorView(), bf16_view(dact, rows, F), v.g,
-                        bf16_view(dh, rows, F1), TensorView(), s);
-  }
-  m.gemm.dgrad(bf16_view(dh, rows, F1), m.w1, v.g, dx_perm, m.gemm_workspace(), s);
+void GroupedExperts::Impl::finish_backward(const SavedState& state, const Saved& v, const TensorView& dY,
+                                           const TensorView& dx_perm, cudaStream_t s) {
+  const TensorView dh = bf16_view(v.b.h, v.rows, cfg.fc1_out());  // written over h
+  gemm.dgrad(dh, w1, v.g, dx_perm, gemm_workspace(), s);
   StateHeader& h = state.header(0);
-  if (c.delay_wgrad) {
+  if (cfg.delay_wgrad) {
     h.reserved[2] = reinterpret_cast<uint64_t>(dY.data);
     h.status = static_cast<int32_t>(StateStatus::kAwaitingWgrad);
     return;
   }
-  m.wgrad_fc1(bf16_view(dh, rows, F1), v, s);
-  h.status = static_cast<int32_t>(StateStatus::kConsumed);  // act now holds dact
-  for (Param p : kHookOrder) m.fire_hooks(p);
+  wgrad_fc1(dh, v, s);
+  h.status = static_cast<int32_t>(StateStatus::kConsumed);  // h holds dh (and act dact when unfused)
+  for (Param p : kHookOrder) fire_hooks(p);
+}
+
+void GroupedExperts::backward(const TensorView& dY, const TensorView& dx_perm, const TensorView& dpp,
+                              const SavedState& state, cudaStream_t s) {
+  Impl& m = *impl_;
+  const auto& c = m.cfg;
+  const Impl::Saved v = m.check_backward(state, dx_perm, dpp, "GroupedExperts::backward");
+  const int64_t rows = v.rows, H = c.hidden, F = c.ffn, F1 = c.fc1_out();
+  check_device_tensor(dY, "dY", c.dtype, {rows, H});
+  MOE_CHECK(!c.delay_wgrad || dx_perm.data != dY.data, "argument 'dx_perm': with delay_wgrad, dY is read again by ",
+            "backward_dw, so dx_perm must not be the buffer of dY");
+
+  if (c.fuse_fc2_dgrad) {
+    // act stays as it is: fc2's weight gradient may read it afterwards.
+    m.fused_dgrad(dY.data, nullptr, 1, nullptr, v, dpp, s);
+    if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);
+  } else {
+    if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);  // reads act before dact overwrites it
+    uint16_t* dact = c.delay_wgrad ? m.dact_ws : v.b.act;
+    m.gemm.dgrad(dY, m.w2, v.g, bf16_view(dact, rows, F), m.gemm_workspace(), s);
+    // In place: the activation backward reads each h element before writing its gradient.
+    activation_backward(c.activation, bf16_view(v.b.h, rows, F1), v.pp, bf16_view(dact, rows, F), v.g,
+                        bf16_view(v.b.h, rows, F1), m.probs_in_act() ? dpp : TensorView(), s);
+  }
+  if (m.probs_in_act() && c.bias) m.bias_dprobs_of(dY, v, dpp, s);
+  m.finish_backward(state, v, dY, dx_perm, s);
+}
+
+void GroupedExperts::backward_gathered(const TensorView& dy, const TensorView& row_slots, int slots,
+                                       const TensorView& dY_out, const TensorView& dx_perm, const TensorView& dpp,
+                                       const SavedState& state, cudaStream_t s) {
+  Impl& m = *impl_;
+  const auto& c = m.cfg;
+  constexpr const char* kCall = "GroupedExperts::backward_gathered";
+  MOE_CHECK(c.fuse_fc2_dgrad, kCall, ": needs config.fuse_fc2_dgrad (the fused fc2 dgrad gathers the rows)");
+  MOE_CHECK(m.probs_in_act(), kCall, ": needs the probs in the activation (config.probs): with probs at the ",
+            "combine the dY rows are scaled copies of dy");
+  const Impl::Saved v = m.check_backward(state, dx_perm, dpp, kCall);
+  const int64_t rows = v.rows, H = c.hidden;
+  MOE_CHECK(dy.ndim == 2 && dy.shape[1] == H, "argument 'dy': expected shape [T, ", H, "], got ", dy.shape_string());
+  check_device_tensor(dy, "dy", c.dtype, {dy.shape[0], H});
+  MOE_CHECK(slots >= 1, "argument 'slots': expected >= 1, got ", slots);
+  check_device_tensor(row_slots, "row_slots", DType::kInt32, {rows}, 4);
+  MOE_CHECK(dx_perm.data != dy.data || rows == 0, "argument 'dx_perm': must not be the buffer of dy");
+  if (dY_out.data != nullptr) {
+    check_device_tensor(dY_out, "dY_out", c.dtype, {rows, H});
+    MOE_CHECK(dY_out.data != dy.data, "argument 'dY_out': must not be the buffer of dy (the kernel gathers from dy ",
+              "while it writes dY_out)");
+    MOE_CHECK(!c.delay_wgrad || dx_perm.data != dY_out.data || rows == 0, "argument 'dx_perm': with delay_wgrad, ",
+              "dY_out is read again by backward_dw, so dx_perm must not be its buffer");
+  } else {
+    MOE_CHECK(!c.bias && !c.delay_wgrad, "argument 'dY_out': needed with ", c.bias ? "bias" : "delay_wgrad",
+              " (the gradients read the dY rows again); only without both may it be empty");
+  }
+
+  m.fused_dgrad(dy.data, row_slots.ptr<const int32_t>(), slots, dY_out.data, v, dpp, s);
+  if (dY_out.data != nullptr) {
+    if (c.bias) m.bias_dprobs_of(dY_out, v, dpp, s);
+    if (!c.delay_wgrad) m.wgrad_fc2(dY_out, v, s);
+  } else {
+    m.wgrad_fc2_gathered(dy, row_slots, slots, v, s);
+  }
+  m.finish_backward(state, v, dY_out, dx_perm, s);
 }
 
 void GroupedExperts::backward_dw(const SavedState& state, cudaStream_t s) {

@@ -6,6 +6,8 @@
 //           unless save_x_perm is off -> unpermute)
 // Backward: [recompute: permute + experts recompute] -> unpermute_bwd -> experts backward
 //           -> permute_bwd      (weight gradients deferred to backward_dw in delayed mode)
+//           (fuse_fc2_dgrad, probs in the activation: no unpermute_bwd -- the experts' fused fc2
+//           dgrad gathers the rows of dy through the dispatch map)
 //
 // Saved state (caller-owned), device block: the dispatch plan, x_perm (not with save_x_perm off: the
 // fc1 weight gradient then gathers the rows of the caller's x, whose address the state keeps), Y when
@@ -256,14 +258,22 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
   }
   void* dY = c.delay_wgrad ? m.at(state, m.layout.dY) : m.Y_ws;
   const TensorView dYv = bf16_view(dY, m.R, H), dx_perm = bf16_view(m.Y_ws, m.R, H);
-  if (m.probs_in_act()) {
+  if (m.probs_in_act() && c.fuse_fc2_dgrad) {
+    // The fused fc2 dgrad gathers the rows of dy itself; dY_perm is written (on the way) only where
+    // a later stage reads it: bias gradients, backward_dw, the fc2 weight gradient beside a saved
+    // x_perm. Otherwise the fc2 weight gradient gathers the rows of dy too.
+    const bool keep_dY = c.delay_wgrad || c.bias || !m.gathered();
+    m.experts.backward_gathered(dy, m.dispatcher.row_slots(plan), slots, keep_dY ? dYv : TensorView(), dx_perm,
+                                m.dpp(), es, s);
+  } else if (m.probs_in_act()) {
     m.dispatcher.unpermute_backward(plan, dy, dYv, MergeProbs::kNone, s);
+    m.experts.backward(dYv, dx_perm, m.dpp(), es, s);
   } else {
     // Probs merged at combine: their gradient <Y[row], dy[t]> comes from the combine's backward.
     const TensorView Yv = bf16_view(m.Ycomb_of(state), m.R, H);
     m.dispatcher.unpermute_backward(plan, dy, dYv, MergeProbs::kPlanned, s, nullptr, &Yv, &dprobs);
+    m.experts.backward(dYv, dx_perm, TensorView(), es, s);
   }
-  m.experts.backward(dYv, dx_perm, m.probs_in_act() ? m.dpp() : TensorView(), es, s);
   if (m.probs_in_act()) {
     const TensorView dpp = m.dpp();
     m.dispatcher.permute_backward(plan, dx_perm, dx, s, &dpp, &dprobs);

@@ -1,7 +1,7 @@
 // The expert layer GroupedMlp on the GPU against the CPU reference GroupedMlpRef: every variant,
 // both layouts, main_grad, delayed wgrad, recompute, edge cases, graph replay, saved-state misuse
-// and bad input -- each for the unfused path and for the fused fc1 (fuse_fc1), which must also
-// match the unfused path within the same bound.
+// and bad input -- each for the unfused path, for the fused fc1 (fuse_fc1) and for the fused fc2
+// dgrad (fuse_fc2_dgrad), which must also match the unfused path within the same bound.
 //
 // Tolerances: the reference runs in fp64 on the same bf16 inputs and rounds every intermediate the
 // layer stores in bf16 (emulate_bf16), so what remains is fp32 accumulation order and 1-ulp
@@ -214,6 +214,7 @@ struct Variant {
   bool fused = false;
   bool recompute = false;
   bool gathered = false;  // fused without x_perm (save_x_perm = false)
+  bool dgrad = false;     // fused fc2 dgrad + activation backward (fuse_fc2_dgrad)
 };
 
 std::string variant_name(const Variant& v) {
@@ -223,6 +224,7 @@ std::string variant_name(const Variant& v) {
   name += "_il" + std::to_string(v.interleave) + "_A" + std::to_string(v.align);
   if (v.recompute) name += "_recompute";
   if (v.gathered) name += "_noXPerm";
+  if (v.dgrad) name += "_fusedDgrad";
   for (char& ch : name)
     if (ch == '-') ch = '_';
   return name;
@@ -243,16 +245,18 @@ TEST_P(LayerVariants, MatchesReferenceInBothLayoutsBitwiseEqual) {
   c.cfg.fuse_fc1 = v.fused;
   c.cfg.recompute = v.recompute;
   c.cfg.save_x_perm = !v.gathered;
+  c.cfg.fuse_fc2_dgrad = v.dgrad;
   c.T = 53;
   Runner r(c);
   Outputs want = r.run_reference();
   Outputs grouped = r.run_gpu(WeightLayout::kSingleGrouped);
   compare(grouped, want, v.bias);
-  if (v.fused) {
-    // The fused fc1 against the unfused path it replaces (the GPU reference), same data.
+  if (v.fused || v.dgrad) {
+    // The fused kernels against the unfused path they replace (the GPU reference), same data.
     Case u = c;
     u.cfg.fuse_fc1 = false;
     u.cfg.save_x_perm = true;
+    u.cfg.fuse_fc2_dgrad = false;
     compare(grouped, Runner(u).run_gpu(WeightLayout::kSingleGrouped), v.bias);
   }
   Outputs per_expert = r.run_gpu(WeightLayout::kPerExpert);
@@ -305,6 +309,29 @@ INSTANTIATE_TEST_SUITE_P(
                       Variant{Activation::kSquaredReLU, false, ProbsPlacement::kAtCombine, 0, 16, true, false, true}),
     [](const ::testing::TestParamInfo<Variant>& info) { return variant_name(info.param); });
 
+// The fused fc2 dgrad + activation backward: every activation, GLU interleave 0 / 1 / 8 / 32, bias
+// on and off (bias: dY_perm is written on the way for its gradients), probs in the activation (dy
+// gathered inside the kernel) or at the combine (dY_perm from the combine's backward), A in
+// {0, 16, 128}, alone, with the fused fc1, without x_perm (no dY_perm either: the fc2 weight
+// gradient gathers dy), with recompute.
+INSTANTIATE_TEST_SUITE_P(
+    FusedDgrad, LayerVariants,
+    ::testing::Values(
+        Variant{Activation::kSwiGLU, false, ProbsPlacement::kInActivation, 0, 0, false, false, false, true},
+        Variant{Activation::kSwiGLU, true, ProbsPlacement::kAtCombine, 1, 16, false, false, false, true},
+        Variant{Activation::kGeGLU, true, ProbsPlacement::kInActivation, 32, 128, true, false, false, true},
+        Variant{Activation::kClampedSwiGLU, true, ProbsPlacement::kInActivation, 1, 0, true, false, false, true},
+        Variant{Activation::kClampedSwiGLU, false, ProbsPlacement::kAtCombine, 8, 128, true, false, false, true},
+        Variant{Activation::kSquaredReLU, true, ProbsPlacement::kInActivation, 0, 16, true, false, false, true},
+        Variant{Activation::kSwiGLU, true, ProbsPlacement::kInActivation, 0, 16, true, true, false, true},
+        Variant{Activation::kSwiGLU, false, ProbsPlacement::kInActivation, 0, 0, true, false, true, true},
+        Variant{Activation::kSwiGLU, false, ProbsPlacement::kInActivation, 1, 128, true, false, true, true},
+        Variant{Activation::kGeGLU, false, ProbsPlacement::kInActivation, 32, 16, true, false, true, true},
+        Variant{Activation::kClampedSwiGLU, true, ProbsPlacement::kInActivation, 8, 0, true, false, true, true},
+        Variant{Activation::kSquaredReLU, false, ProbsPlacement::kInActivation, 0, 128, true, false, true, true},
+        Variant{Activation::kSquaredReLU, false, ProbsPlacement::kAtCombine, 0, 0, true, false, true, true}),
+    [](const ::testing::TestParamInfo<Variant>& info) { return variant_name(info.param); });
+
 
 TEST(GroupedMlp, AccumulateIntoMainGradAndFp32Grads) {
   MOE_REQUIRE_GPU();
@@ -323,13 +350,15 @@ TEST(GroupedMlp, AccumulateIntoMainGradAndFp32Grads) {
 
 TEST(GroupedMlp, DelayedWgradEqualsImmediateAndHooksFireInOrder) {
   MOE_REQUIRE_GPU();
-  for (int mode : {0, 1, 2}) {
-  SCOPED_TRACE(mode == 0 ? "unfused" : mode == 1 ? "fused fc1" : "fused fc1 without x_perm");
+  // 3, 4: as 1, 2 with the fused fc2 dgrad (dY_perm written on the way: backward_dw reads it).
+  for (int mode : {0, 1, 2, 3, 4}) {
+  SCOPED_TRACE(::testing::Message() << "mode " << mode);
   Case c;
   c.cfg = small_config();
   c.cfg.bias = true;
   c.cfg.fuse_fc1 = mode > 0;
-  c.cfg.save_x_perm = mode < 2;
+  c.cfg.save_x_perm = mode != 2 && mode != 4;
+  c.cfg.fuse_fc2_dgrad = mode >= 3;
   c.T = 45;
   Runner immediate(c);
   Outputs a = immediate.run_gpu(WeightLayout::kSingleGrouped);
@@ -343,36 +372,39 @@ TEST(GroupedMlp, DelayedWgradEqualsImmediateAndHooksFireInOrder) {
   }
 }
 
-// A shape with several k blocks (H = 320: a partial one), feature blocks (F = 200: a partial one)
-// and 128-row blocks per expert, balanced and skewed routing: fused against the reference and
-// against the unfused path.
+// A shape with several k blocks (H = 320: a partial one), feature blocks (F = 200: a partial one;
+// F = 520: three 256-feature blocks of the fused fc2 dgrad, whose dprobs partials are summed, the
+// last one partial) and 128-row blocks per expert, balanced and skewed routing: fused against the
+// reference and against the unfused path.
 TEST(GroupedMlp, FusedFc1LargerShapes) {
   MOE_REQUIRE_GPU();
   for (double skew : {0.0, 3.0}) {
     for (Activation act : {Activation::kSwiGLU, Activation::kSquaredReLU}) {
-    for (bool gathered : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << "skew " << skew << " " << activation_name(act)
-                                        << (gathered ? " without x_perm" : ""));
+    for (int mode : {0, 1, 2, 3}) {  // x_perm, no x_perm, both + fused fc2 dgrad (bias off in 3)
+      const bool gathered = mode == 1 || mode == 3;
+      SCOPED_TRACE(::testing::Message() << "skew " << skew << " " << activation_name(act) << " mode " << mode);
       Case c;
       c.cfg.hidden = 320;
-      c.cfg.ffn = 200;
+      c.cfg.ffn = mode >= 2 ? 520 : 200;
       c.cfg.experts = 5;
       c.cfg.topk = 2;
       c.cfg.max_tokens = 700;
-      c.cfg.bias = true;
+      c.cfg.bias = mode != 3;
       c.cfg.activation.kind = act;
       c.cfg.fuse_fc1 = true;
       c.cfg.save_x_perm = !gathered;
+      c.cfg.fuse_fc2_dgrad = mode >= 2;
       c.T = 650;
       c.skew = skew;
       c.seed = 5;
       Runner r(c);
       Outputs fused = r.run_gpu(WeightLayout::kSingleGrouped);
-      compare(fused, r.run_reference(), true);
+      compare(fused, r.run_reference(), c.cfg.bias);
       Case u = c;
       u.cfg.fuse_fc1 = false;
       u.cfg.save_x_perm = true;
-      compare(fused, Runner(u).run_gpu(WeightLayout::kSingleGrouped), true);
+      u.cfg.fuse_fc2_dgrad = false;
+      compare(fused, Runner(u).run_gpu(WeightLayout::kSingleGrouped), c.cfg.bias);
     }
     }
   }
@@ -408,19 +440,23 @@ TEST(GroupedMlp, EdgeCases) {
     compare(Runner(c).run_gpu(WeightLayout::kSingleGrouped), want, false);
     c.cfg.save_x_perm = false;
     compare(Runner(c).run_gpu(WeightLayout::kSingleGrouped), want, false);
+    c.cfg.fuse_fc2_dgrad = true;
+    compare(Runner(c).run_gpu(WeightLayout::kSingleGrouped), want, false);
+    c.cfg.save_x_perm = true;
+    compare(Runner(c).run_gpu(WeightLayout::kSingleGrouped), want, false);
   }
 }
 
-// 0: unfused, 1: fused fc1, 2: fused fc1 without x_perm.
 class GraphReplay : public ::testing::TestWithParam<int> {};
 
 TEST_P(GraphReplay, WithNewDataEqualsEager) {
   MOE_REQUIRE_GPU();
   GroupedMlpConfig k = small_config();
-  k.bias = true;
   k.dispatch.align = 16;
   k.fuse_fc1 = GetParam() > 0;
-  k.save_x_perm = GetParam() < 2;
+  k.save_x_perm = GetParam() != 2 && GetParam() != 4;
+  k.fuse_fc2_dgrad = GetParam() >= 3;
+  k.bias = GetParam() != 4;  // without bias and x_perm no dY_perm exists: fc2's wgrad gathers dy
   const int E = k.experts, K = k.topk;
   const int64_t T = 50, H = k.hidden, F = k.ffn, F1 = k.fc1_out();
   std::mt19937_64 rng(3);
@@ -443,8 +479,9 @@ TEST_P(GraphReplay, WithNewDataEqualsEager) {
   TensorView dpv(dprobs.get(), DType::kFP32, {T, K});
 
   GroupedMlp layer(k);
-  layer.set_weights({W1.views, B1.views, W2.views, B2.views});
-  layer.set_grads({G1.views, GB1.views, G2.views, GB2.views});
+  const std::vector<TensorView> none;
+  layer.set_weights({W1.views, k.bias ? B1.views : none, W2.views, k.bias ? B2.views : none});
+  layer.set_grads({G1.views, k.bias ? GB1.views : none, G2.views, k.bias ? GB2.views : none});
   cudaStream_t s;
   MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   auto load = [&](uint64_t seed, double skew) {
@@ -495,10 +532,12 @@ TEST_P(GraphReplay, WithNewDataEqualsEager) {
   cudaStreamDestroy(s);
 }
 
-INSTANTIATE_TEST_SUITE_P(GroupedMlp, GraphReplay, ::testing::Values(0, 1, 2),
-                         [](const ::testing::TestParamInfo<int>& info) {
-                           return info.param == 0 ? "Unfused" : info.param == 1 ? "Fused" : "FusedNoXPerm";
-                         });
+// 0: unfused, 1: fused fc1, 2: fused fc1 without x_perm, 3 / 4: 1 / 2 with the fused fc2 dgrad.
+std::string graph_replay_name(const ::testing::TestParamInfo<int>& info) {
+  static const char* const kNames[] = {"Unfused", "Fused", "FusedNoXPerm", "FusedDgrad", "FusedDgradNoXPerm"};
+  return kNames[info.param];
+}
+INSTANTIATE_TEST_SUITE_P(GroupedMlp, GraphReplay, ::testing::Values(0, 1, 2, 3, 4), graph_replay_name);
 
 TEST(GroupedMlp, BadInputIsReported) {
   MOE_REQUIRE_GPU();

@@ -329,6 +329,7 @@ struct Variant {
   const char* name;
   bool bias, at_combine, delay, recompute;
   bool lean = false;  // the fused fc1 keeping no x_perm (a layer option): the state refers to each x
+  bool dgrad = false;  // the fused fc2 dgrad (in the layer: gathering dy, no dY_perm when lean without bias)
 };
 const Variant kVariants[] = {
     {"default", false, false, false, false},
@@ -338,6 +339,8 @@ const Variant kVariants[] = {
     {"recompute, probs at combine", false, true, false, true},
     {"fused fc1 without x_perm", true, false, false, false, true},
     {"fused fc1 without x_perm, delayed wgrad", true, true, true, false, true},
+    {"fused fc2 dgrad, no x_perm or dY_perm", false, false, false, false, true, true},
+    {"fused fc2 dgrad, bias, delayed wgrad", true, false, true, false, false, true},
 };
 
 GroupedMlpConfig config_of(const Variant& v) {
@@ -348,6 +351,7 @@ GroupedMlpConfig config_of(const Variant& v) {
   c.recompute = v.recompute;
   c.fuse_fc1 = v.lean;
   c.save_x_perm = !v.lean;
+  c.fuse_fc2_dgrad = v.dgrad;
   return c;
 }
 

@@ -1,0 +1,430 @@
+// The fused fc2 dgrad + activation backward kernel (fc2_dgrad_activation.h; design in docs/fused.md).
+//
+// Persistent and warp-specialized, one CTA per SM, 384 threads, the structure of the fused fc1:
+//   * warp group 0 (producer) gathers the dY rows of each 128-row tile straight from dy through the
+//     dispatch map with 16-byte cp.async (gather_rows.cuh), 64 columns (of H) at a time, into a
+//     4-stage ring. The fc2 weight tile -- 64 rows of H x 256 features of W2[e], MN-major for the
+//     WGMMA -- comes by TMA in four 64 x 64 boxes: two CTAs of a cluster, two row blocks of one
+//     expert, each load two boxes and multicast them to both. Per-expert weights (no single
+//     tensor for a TMA map) are copied by cp.async instead, each CTA its own.
+//   * warp groups 1 and 2 (consumers) run WGMMA 64x256x16 (A K-major, B MN-major) on rows 0-63 and
+//     64-127, then the epilogue from registers: round dact to bf16, read the saved pre-activation
+//     of the same features, write dh over it, sum dact x act for dprobs (a quad of lanes holds a
+//     row's 256 features: two shuffles, no atomics), optionally write the recomputed act x prob.
+// Tiles: (expert, cluster of 128-row blocks, feature block of 256) as in the fused fc1
+// (row_tiles.cuh). With more than one feature block, each writes its dprobs partial sum and a
+// second kernel adds them in feature-block order (deterministic).
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include <cuda.h>
+
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/bfloat16.h>
+
+#include "device/cuda_check.h"
+#include "fused/async_copy.cuh"
+#include "fused/cluster_launch.h"
+#include "fused/fc2_dgrad_activation.h"
+#include "fused/fragment_pack.cuh"
+#include "fused/gather_rows.cuh"
+#include "fused/pipeline.cuh"
+#include "fused/row_tiles.cuh"
+#include "fused/tensor_map.h"
+#include "kernels/activation_math.cuh"
+#include "moe/error.h"
+
+namespace moe::fused {
+namespace {
+
+using namespace cute;
+using bf16 = cutlass::bfloat16_t;
+using kernels::ActConsts;
+using kernels::ActOp;
+using kernels::kVec;
+
+constexpr int kBM = kGatherRows, kBN = 256, kBK = kGatherCols, kStages = 4, kCluster = 2;
+static_assert(kBM == 128 && kBK == 64, "the gathered A stage (gather_rows.cuh) is 128 x 64");
+constexpr int kProducerThreads = kGatherThreads, kConsumerThreads = 256;
+constexpr int kThreads = kProducerThreads + kConsumerThreads;
+constexpr int kStageBytesA = kBM * kBK * 2;                // 16 KiB
+constexpr int kBoxCols = 64;                               // one TMA box: 64 features (128 bytes) x 64 rows of H
+constexpr int kBoxBytes = kBoxCols * kBK * 2;              // 8 KiB
+constexpr int kStageBytesB = kBN * kBK * 2;                // 32 KiB: all four boxes land in every CTA
+constexpr int kBoxesPerCta = kBN / kBoxCols / kCluster;    // 2
+constexpr int kMaxExperts = 4096;
+constexpr int kProducerRegs = 88, kConsumerRegs = 208;     // as in the fused fc1: 128 * 88 + 256 * 208 <= 64K
+
+// A: K-major 128-byte swizzled (as the fused fc1's). B: MN-major, 64 consecutive features of one
+// row of H are 128 contiguous bytes; the atoms of one 64-feature box stack along K first, so that a
+// box is 8 KiB of contiguous shared memory, exactly what one TMA box writes.
+using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{},
+                                           make_shape(Int<kBM>{}, Int<kBK>{}, Int<kStages>{})));
+using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<bf16>{},
+                                           make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{}), Step<_2, _1, _3>{}));
+using TiledMma = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{},
+                                         Layout<Shape<_2, _1, _1>>{}));
+static_assert(cosize_v<SmemLayoutB> == kStages * kBN * kBK, "the weight stages are contiguous");
+
+struct SharedStorage {
+  alignas(1024) uint8_t a[kStages][kStageBytesA];
+  alignas(1024) bf16 b[cosize_v<SmemLayoutB>];
+  alignas(8) uint64_t full[kStages];   // producer -> consumers: the stage's copies and boxes landed
+  alignas(8) uint64_t empty[kStages];  // consumers of both CTAs -> producer: the stage's WGMMAs are done
+  int32_t tile_start[kMaxExperts + 1];  // only E + 1 entries are used (and allocated)
+};
+constexpr size_t kFixedSmemBytes = offsetof(SharedStorage, tile_start);
+
+struct Params {
+  CUtensorMap w2_map;  // TMA kernels: fc2 weights as a 3D [E, H, F] tensor (64 x 64 boxes)
+  const __nv_bfloat16* const* w2_table;  // cp.async kernels: W2[e] [H, F]
+  const __nv_bfloat16* dy;
+  __nv_bfloat16* dy_out;
+  const int32_t* row_slots;
+  int slots;
+  const int32_t* offsets;
+  int E;
+  int64_t R;
+  int H, F;
+  int feature_tiles;
+  const float* probs;
+  int interleave;
+  ActConsts consts;
+  __nv_bfloat16* h;
+  __nv_bfloat16* act_out;
+  float* dprobs;  // [R] (one feature block) or the partials [feature_tiles, R]; null: none
+};
+
+__device__ __forceinline__ RowTile decode_tile(int t, const int32_t* start, const Params& p, int rank) {
+  return decode_row_tile<kBM, kCluster>(t, start, p.offsets, p.E, p.R, p.feature_tiles, rank);
+}
+
+// Byte offset of the 16-byte chunk holding features f .. f + 7 of row k of a weight stage: the
+// unswizzled position from the layout's plain part, then the 128-byte swizzle on byte addresses
+// (bits 4-6 ^= bits 7-9; the stages are 1024-byte aligned).
+__device__ __forceinline__ uint32_t b_chunk_offset(int f, int k) {
+  const uint32_t linear = 2u * static_cast<uint32_t>(SmemLayoutB{}.layout_b()(f, k, 0));
+  return linear ^ ((linear >> 3) & 0x70u);
+}
+
+// The weight tile by cp.async (per-expert weights): thread copies features f0 + 8 (tid % 32) of
+// rows tid / 32 + 4 i of k block kb; zeros past F and H.
+__device__ __forceinline__ void copy_weight_stage(uint32_t dst, const __nv_bfloat16* w, const Params& p, int f0,
+                                                  int kb, int tid) {
+  const int f = f0 + 8 * (tid & 31);
+#pragma unroll
+  for (int i = 0; i < kBK / 4; ++i) {
+    const int kr = (tid >> 5) + 4 * i;
+    const int k = kb * kBK + kr;
+    const bool v = f < p.F && k < p.H;
+    cp_async_16(dst + b_chunk_offset(8 * (tid & 31), kr), v ? w + (static_cast<int64_t>(k) * p.F + f) : w, v);
+  }
+}
+
+template <bool kTma>
+__device__ void produce(SharedStorage& s, const Params& p, int total, int rank) {
+  const int tid = threadIdx.x;  // 0..127
+  const int c = tid & 7, r0 = tid >> 3;
+  const uint32_t a_dst = smem_u32(s.a[0]) + swizzled_chunk(r0, c);
+  const uint32_t b_dst = smem_u32(s.b);
+  const int k_blocks = (p.H + kBK - 1) / kBK;
+  RingPosition<kStages> ring;
+  ring.phase = 1;  // a fresh barrier counts as released for parity 1
+  for (int t = blockIdx.x / kCluster; t < total; t += gridDim.x / kCluster) {
+    const RowTile tile = decode_tile(t, s.tile_start, p, rank);
+    int a_row[kRowsPerThread];
+    gather_source_rows(a_row, tile, p.row_slots, p.slots, r0);
+    const int f0 = tile.nt * kBN;
+#pragma unroll 1
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      cutlass::arch::ClusterBarrier::wait(&s.empty[ring.stage], ring.phase);
+      if constexpr (!kTma) {
+        copy_weight_stage(b_dst + ring.stage * kStageBytesB, p.w2_table[tile.e], p, f0, kb, tid);
+      } else if (tid == 0) {
+        // All four boxes land here (ours and the peer's multicast); this CTA loads boxes
+        // 2 rank and 2 rank + 1. Features past F and rows past H arrive as zeros.
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[ring.stage], kStageBytesB);
+#pragma unroll
+        for (int b = 0; b < kBoxesPerCta; ++b) {
+          const int box = rank * kBoxesPerCta + b;
+          SM90_TMA_LOAD_MULTICAST_3D::copy(&p.w2_map, &s.full[ring.stage], static_cast<uint16_t>((1 << kCluster) - 1),
+                                           static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_LAST),
+                                           reinterpret_cast<char*>(s.b) + ring.stage * kStageBytesB + box * kBoxBytes,
+                                           f0 + box * kBoxCols, kb * kBK, tile.e);
+        }
+      }
+      gather_stage(a_dst + ring.stage * kStageBytesA, a_row, p.dy, p.H, kb, c);
+      // Arrives on full[stage] once this thread's copies have landed.
+      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
+      ring.advance();
+    }
+  }
+  cute::cp_async_wait<0>();
+}
+
+// The activation backward of 8 consecutive features f .. f + 7 of one row, from the bf16 dact
+// values `go`: dh written over h; returns sum go * act_unscaled; act x prob to act_row if given.
+template <Activation A>
+__device__ __forceinline__ float activation_backward8(const Params& p, __nv_bfloat16* h_row, __nv_bfloat16* act_row,
+                                                      int f, const float (&go)[kVec], float prob) {
+  constexpr bool kGated = A != Activation::kSquaredReLU;
+  const int F = p.F;
+  float g[kVec], l[kVec], dg[kVec], dl[kVec], act[kVec];
+  const bool alternating = kGated && p.interleave == 1;
+  const int gc = kGated ? kernels::gate_col(f, F, p.interleave) : f;
+  const int lc = kGated ? kernels::linear_col(f, F, p.interleave) : 0;
+  if (alternating) {
+    kernels::load_glu_alternating(h_row, f, g, l);
+  } else {
+    kernels::load_bf16x8(h_row + gc, g);
+    if constexpr (kGated) kernels::load_bf16x8(h_row + lc, l);
+  }
+  float dp = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    float a, dgi, dli;
+    ActOp<A>::grad(g[i], kGated ? l[i] : 0.0f, p.consts, a, dgi, dli);
+    dp += go[i] * a;
+    const float gp = go[i] * prob;
+    dg[i] = gp * dgi;
+    dl[i] = gp * dli;
+    act[i] = a * prob;
+  }
+  if (alternating) {
+    kernels::store_glu_alternating(h_row, f, dg, dl);
+  } else {
+    kernels::store_bf16x8(h_row + gc, dg);
+    if constexpr (kGated) kernels::store_bf16x8(h_row + lc, dl);
+  }
+  if (act_row != nullptr) kernels::store_bf16x8(act_row + f, act);
+  return dp;
+}
+
+template <Activation A>
+__device__ void consume(SharedStorage& s, const Params& p, int total, int rank) {
+  constexpr bool kGated = A != Activation::kSquaredReLU;
+  const int ctid = threadIdx.x - kProducerThreads;
+  const int lane = threadIdx.x & 31;
+  TiledMma mma;
+  Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<bf16*>(s.a[0])), SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(s.b), SmemLayoutB{});
+  auto thr = mma.get_thread_slice(ctid);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  Tensor acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
+  Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{}));
+  static_assert(size(decltype(acc){}) == 128, "64x256 per warp group: 128 accumulators per thread");
+
+  const int k_blocks = (p.H + kBK - 1) / kBK;
+  const int64_t h_cols = kGated ? 2 * static_cast<int64_t>(p.F) : p.F;
+  RingPosition<kStages> ring;
+  ring.phase = 0;
+  for (int t = blockIdx.x / kCluster; t < total; t += gridDim.x / kCluster) {
+    const RowTile tile = decode_tile(t, s.tile_start, p, rank);
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    int prev = -1;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      cutlass::arch::ClusterBarrier::wait(&s.full[ring.stage], ring.phase);
+      cutlass::arch::fence_view_async_shared();  // cp.async (generic proxy) writes -> WGMMA reads
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+#pragma unroll
+      for (int kk = 0; kk < size<2>(tCrA); ++kk) {
+        cute::gemm(mma, tCrA(_, _, kk, ring.stage), tCrB(_, _, kk, ring.stage), acc);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      // While the tensor cores run: the gathered dY rows out to dY_perm, spread over the feature
+      // blocks of a row block (each writes every feature_tiles-th k block), as in the fused fc1.
+      if (p.dy_out != nullptr && kb % p.feature_tiles == tile.nt)
+        store_gathered_stage<kConsumerThreads>(s.a[ring.stage], p.dy_out, tile, p.H, kb, ctid);
+      warpgroup_wait<1>();  // the previous stage's WGMMAs are done: hand it back
+      warpgroup_fence_operand(acc);
+      if (prev >= 0) release_stage<kCluster>(&s.empty[prev], lane);
+      prev = ring.stage;
+      ring.advance();
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    if (prev >= 0) release_stage<kCluster>(&s.empty[prev], lane);
+
+    // Epilogue. Accumulator index v0 + 2 v1 + 4 v2 is row r + 8 v1, feature 8 v2 + 2 (lane % 4) + v0;
+    // after a quad transpose of packed bf16 pairs each lane holds 8 consecutive features of a row
+    // (see the fused fc1), so h, dh and act move as 16-byte vectors. The bf16 packing is the
+    // rounding of dact the unfused path stores.
+    const int j = lane & 3;
+    const int r_first = get<0>(coord(0));
+#pragma unroll
+    for (int v1 = 0; v1 < 2; ++v1) {
+      const int r = r_first + 8 * v1;
+      const bool row_ok = r < tile.rows;
+      const int64_t row = tile.m0 + r;
+      const float prob = (p.probs != nullptr && row_ok) ? p.probs[row] : 1.0f;
+      __nv_bfloat16* h_row = p.h + row * h_cols;
+      __nv_bfloat16* act_row = p.act_out != nullptr ? p.act_out + row * p.F : nullptr;
+      float dp = 0.0f;
+#pragma unroll
+      for (int m = 0; m < kBN / 32; ++m) {
+        uint32_t in[4], out[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int i = 2 * v1 + 4 * (4 * m + q);
+          in[q] = pack_bf16x2(acc(i), acc(i + 1));
+        }
+        quad_transpose(in, out, j, lane);  // all lanes take part: before any row check
+        const int f = tile.nt * kBN + 8 * (4 * m + j);
+        if (!row_ok || f >= p.F) continue;
+        float go[kVec];
+        unpack_bf16x8(out, go);
+        dp += activation_backward8<A>(p, h_row, act_row, f, go, prob);
+      }
+      // The row's 256 features live in the 4 lanes of a quad: a fixed two-step sum.
+      dp += __shfl_xor_sync(kernels::kFullMask, dp, 1);
+      dp += __shfl_xor_sync(kernels::kFullMask, dp, 2);
+      if (p.dprobs != nullptr && row_ok && j == 0) p.dprobs[static_cast<int64_t>(tile.nt) * p.R + row] = dp;
+    }
+  }
+}
+
+template <Activation A, bool kTma>
+__global__ void __launch_bounds__(kThreads, 1) fc2_dgrad_activation_kernel(const __grid_constant__ Params p) {
+  const int rank = static_cast<int>(cute::block_rank_in_cluster());
+  extern __shared__ uint8_t smem_raw[];
+  // The swizzle is a function of the address bits: the tiles must start 1024-byte aligned.
+  SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (warp == 0) {
+    prefix_row_tiles<kBM, kCluster>(s.tile_start, p.offsets, p.E, p.R, p.feature_tiles, lane);
+  } else if (warp == 1 && lane == 0) {
+    // full: every producer thread's cp.async arrival (+ the TMA issuer's expect-tx arrival);
+    // empty: every consumer warp of both CTAs of the cluster.
+    for (int i = 0; i < kStages; ++i) {
+      cutlass::arch::ClusterBarrier::init(&s.full[i], kProducerThreads + (kTma ? 1 : 0));
+      cutlass::arch::ClusterBarrier::init(&s.empty[i], kCluster * kConsumerThreads / 32);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  if (kTma && threadIdx.x == 0) cute::prefetch_tma_descriptor(&p.w2_map);
+  // The peer's barriers must be initialized before anything arrives on them.
+  cute::cluster_sync();
+  const int total = s.tile_start[p.E];
+  if (threadIdx.x < kProducerThreads) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    produce<kTma>(s, p, total, rank);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+    consume<A>(s, p, total, rank);
+  }
+  // No CTA may leave while its peer can still multicast into it or arrive on its barriers.
+  cute::cluster_sync();
+}
+
+// dprobs[r] = sum over feature blocks, in block order, of the partials; rows past the last group
+// (never part of a tile) are left alone, as the unfused activation backward leaves them.
+__global__ void sum_dprobs_partials_kernel(const float* __restrict__ partial, int blocks, int64_t R,
+                                           const int32_t* __restrict__ offsets, int E, float* __restrict__ dprobs) {
+  const int64_t rows = kernels::clamped_offset(offsets, E, R);
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
+    float sum = 0.0f;
+    for (int b = 0; b < blocks; ++b) sum += partial[b * R + r];
+    dprobs[r] = sum;
+  }
+}
+
+size_t smem_bytes(int experts) { return 1024 + kFixedSmemBytes + sizeof(int32_t) * (experts + 1); }
+
+// fc2 weights [E, H, F] as a TMA tensor: 64-feature x 64-row boxes, 128-byte swizzle (the MN-major
+// layout the WGMMA reads), zeros past the edges.
+CUtensorMap weight_map(const void* base, int E, int H, int F) {
+  const uint64_t dims[3] = {static_cast<uint64_t>(F), static_cast<uint64_t>(H), static_cast<uint64_t>(E)};
+  const uint64_t strides[2] = {static_cast<uint64_t>(F) * 2, static_cast<uint64_t>(H) * F * 2};
+  const uint32_t box[3] = {kBoxCols, kBK, 1};
+  return bf16_tensor_map(base, 3, dims, strides, box, "fused fc2 dgrad");
+}
+
+template <Activation A>
+void launch_kernel(const Params& p, bool tma, int grid, cudaStream_t stream) {
+  if (tma) {
+    launch_clustered(fc2_dgrad_activation_kernel<A, true>, p, grid, kThreads, kCluster, smem_bytes(p.E),
+                     smem_bytes(kMaxExperts), stream);
+  } else {
+    launch_clustered(fc2_dgrad_activation_kernel<A, false>, p, grid, kThreads, kCluster, smem_bytes(p.E),
+                     smem_bytes(kMaxExperts), stream);
+  }
+}
+
+}  // namespace
+
+const char* fc2_dgrad_activation_unsupported(int experts, int64_t H, int64_t F, const ActivationParams& activation) {
+  if (experts < 1 || experts > kMaxExperts) return "the fused fc2 dgrad takes 1 to 4096 experts";
+  if (H < 8 || H % 8 != 0 || F < 8 || F % 8 != 0) return "the fused fc2 dgrad needs H and F multiples of 8";
+  if (H >= (int64_t(1) << 30) || F >= (int64_t(1) << 29)) return "the fused fc2 dgrad needs H < 2^30 and F < 2^29";
+  if (is_gated(activation.kind) && !(activation.glu_interleave == 0 || activation.glu_interleave == 1 ||
+                                     activation.glu_interleave % 8 == 0))
+    return "the fused fc2 dgrad needs a GLU interleave of 0, 1 or a multiple of 8";
+  return "";
+}
+
+int fc2_dgrad_feature_blocks(int64_t F) { return static_cast<int>((F + kBN - 1) / kBN); }
+
+void launch_fc2_dgrad_activation(const Fc2DgradActivationArgs& a, cudaStream_t stream) {
+  const char* why = fc2_dgrad_activation_unsupported(a.experts, a.H, a.F, a.activation);
+  MOE_CHECK(why[0] == '\0', "fused fc2 dgrad: ", why);
+  if (a.R == 0) return;
+  MOE_CHECK(a.R < (int64_t(1) << 31), "fused fc2 dgrad: needs fewer than 2^31 rows");
+  Params p;
+  p.dy = static_cast<const __nv_bfloat16*>(a.dy);
+  p.dy_out = static_cast<__nv_bfloat16*>(a.dy_out);
+  p.row_slots = a.row_slots;
+  p.slots = a.slots;
+  p.offsets = a.group_offsets;
+  p.E = a.experts;
+  p.R = a.R;
+  p.H = a.H;
+  p.F = a.F;
+  p.feature_tiles = fc2_dgrad_feature_blocks(a.F);
+  p.probs = a.probs;
+  p.interleave = a.activation.glu_interleave;
+  p.consts = ActConsts{a.activation.alpha, a.activation.limit, a.activation.offset};
+  p.h = static_cast<__nv_bfloat16*>(a.h);
+  p.act_out = static_cast<__nv_bfloat16*>(a.act_out);
+  const bool partials = a.dprobs != nullptr && p.feature_tiles > 1;
+  MOE_CHECK(!partials || a.dprobs_partial != nullptr, "fused fc2 dgrad: F > 256 needs the dprobs partial buffer");
+  p.dprobs = partials ? a.dprobs_partial : a.dprobs;
+  p.w2_table = reinterpret_cast<const __nv_bfloat16* const*>(a.w2_table);
+  const bool tma = a.w2_table == nullptr;
+  if (tma) {
+    p.w2_map = weight_map(a.w2, a.experts, a.H, a.F);
+  } else {
+    std::memset(&p.w2_map, 0, sizeof p.w2_map);
+  }
+  // At most one cluster tile per 2 * 128 rows plus one partial tile per expert, per feature block;
+  // the grid is a whole number of clusters.
+  const int64_t max_tiles = ((a.R + kCluster * kBM - 1) / (kCluster * kBM) + a.experts) * p.feature_tiles;
+  const int64_t clusters = std::max<int64_t>(1, std::min<int64_t>(max_tiles, a.sm_count / kCluster));
+  const int grid = static_cast<int>(clusters * kCluster);
+  switch (a.activation.kind) {
+    case Activation::kSwiGLU: launch_kernel<Activation::kSwiGLU>(p, tma, grid, stream); break;
+    case Activation::kGeGLU: launch_kernel<Activation::kGeGLU>(p, tma, grid, stream); break;
+    case Activation::kClampedSwiGLU: launch_kernel<Activation::kClampedSwiGLU>(p, tma, grid, stream); break;
+    case Activation::kSquaredReLU: launch_kernel<Activation::kSquaredReLU>(p, tma, grid, stream); break;
+  }
+  if (partials) {
+    const int threads = 256;
+    const int blocks = static_cast<int>(std::min<int64_t>((a.R + threads - 1) / threads, 4 * int64_t(a.sm_count)));
+    sum_dprobs_partials_kernel<<<std::max(blocks, 1), threads, 0, stream>>>(a.dprobs_partial, p.feature_tiles, a.R,
+                                                                            a.group_offsets, a.experts, a.dprobs);
+    MOE_CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace moe::fused

@@ -1,0 +1,72 @@
+// Row tiles of the fused grouped GEMMs over ragged expert groups: a tile is (expert, cluster of
+// 128-row blocks, feature block), numbered expert by expert (a cluster of kCluster CTAs takes
+// kCluster consecutive row blocks of one expert and shares the weight tile between them); empty
+// experts take no tile. The per-expert prefix of tile counts is computed on the device from the
+// group offsets at kernel start (graph-safe: no host read of group sizes).
+#pragma once
+
+#include <cstdint>
+
+#include "device/device_groups.cuh"
+
+namespace moe::fused {
+
+struct RowTile {
+  int e;
+  int64_t m0;  // first row
+  int rows;    // valid rows, 0..kBM (0: the cluster's last block lies past the expert's rows)
+  int nt;      // feature block
+};
+
+// start[e] = first tile of expert e, start[E] = tiles in all; one warp computes it, 32 experts at a
+// time (a warp-wide inclusive scan per batch).
+template <int kBM, int kCluster>
+__device__ void prefix_row_tiles(int32_t* start, const int32_t* offsets, int E, int64_t R, int feature_tiles,
+                                 int lane) {
+  constexpr uint32_t kFull = 0xffffffffu;
+  int carry = 0;
+  for (int base = 0; base < E; base += 32) {
+    const int e = base + lane;
+    int n = 0;
+    if (e < E) {
+      int64_t begin, end;
+      kernels::group_rows(offsets, e, R, &begin, &end);
+      const int blocks = static_cast<int>((end - begin + kBM - 1) / kBM);
+      n = (blocks + kCluster - 1) / kCluster * feature_tiles;
+    }
+    int incl = n;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int up = __shfl_up_sync(kFull, incl, d);
+      if (lane >= d) incl += up;
+    }
+    if (e < E) start[e] = carry + incl - n;
+    carry += __shfl_sync(kFull, incl, 31);
+  }
+  if (lane == 0) start[E] = carry;
+}
+
+// Tile t as CTA `rank` of its cluster sees it: row block kCluster * (cluster block) + rank.
+template <int kBM, int kCluster>
+__device__ __forceinline__ RowTile decode_row_tile(int t, const int32_t* start, const int32_t* offsets, int E,
+                                                   int64_t R, int feature_tiles, int rank) {
+  // The last expert whose first tile is <= t (empty experts share their successor's start).
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (start[mid] <= t) lo = mid;
+    else hi = mid - 1;
+  }
+  int64_t begin, end;
+  kernels::group_rows(offsets, lo, R, &begin, &end);
+  const int local = t - start[lo];
+  RowTile tile;
+  tile.e = lo;
+  tile.nt = local % feature_tiles;
+  tile.m0 = begin + (static_cast<int64_t>(local / feature_tiles) * kCluster + rank) * kBM;
+  const int64_t left = end - tile.m0;
+  tile.rows = left <= 0 ? 0 : (left < kBM ? static_cast<int>(left) : kBM);
+  return tile;
+}
+
+}  // namespace moe::fused
