@@ -191,6 +191,7 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
   const int ctid = threadIdx.x - kProducerThreads;
   const int lane = threadIdx.x & 31;
   TiledMma mma;
+  mma.accumulate_ = GMMA::ScaleOut::One;
   Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<bf16*>(s.a[0])), SmemLayoutA{});
   Tensor sB = make_tensor(make_smem_ptr(reinterpret_cast<bf16*>(s.b[0])), SmemLayoutB{});
   auto thr = mma.get_thread_slice(ctid);
@@ -207,7 +208,10 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
   ring.phase = 0;
   for (int t = blockIdx.x / kCluster; t < total; t += gridDim.x / kCluster) {
     const Tile tile = decode_tile<kCluster>(t, s.tile_start, p, rank);
-    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    // Cleared here rather than by a zero scale on the first WGMMA: the accumulators are then dead
+    // from the end of one tile's epilogue to the next tile's clear, so the epilogue gets their
+    // registers (with a zero scale they stay live around the tile loop: the WGMMA reads them).
+    clear(acc);
     int prev = -1;
     for (int kb = 0; kb < k_blocks; ++kb) {
       cutlass::arch::ClusterBarrier::wait(&s.full[ring.stage], ring.phase);
@@ -217,7 +221,6 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
 #pragma unroll
       for (int kk = 0; kk < size<2>(tCrA); ++kk) {
         cute::gemm(mma, tCrA(_, _, kk, ring.stage), tCrB(_, _, kk, ring.stage), acc);
-        mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
       // While the tensor cores run: the gathered rows of this stage out to x_perm, so the backward
