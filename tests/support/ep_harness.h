@@ -14,7 +14,10 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 #include "moe/error_word.h"
 #include "moe/expert_parallel.h"
@@ -410,6 +413,35 @@ inline std::vector<EpRankOut> run_ep_case(const EpCase& c, const EpWorld& w, con
     out[p].error_bits |= ranks[p].err->fetch_and_clear(w.stream[p]);
   }
   return out;
+}
+
+// Two runs of the same case (e.g. two transports) produced the same bits on every rank.
+inline void expect_same_outputs(const std::vector<EpRankOut>& got, const std::vector<EpRankOut>& want,
+                                const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t p = 0; p < want.size(); ++p) {
+    const std::string at = what + " rank " + std::to_string(p);
+    const EpRankOut &a = got[p], &b = want[p];
+    EXPECT_EQ(a.x_perm, b.x_perm) << at << " x_perm";
+    EXPECT_EQ(a.send, b.send) << at << " send buffer";
+    EXPECT_EQ(a.recv, b.recv) << at << " receive buffer";
+    EXPECT_EQ(a.group_offsets, b.group_offsets) << at << " group offsets";
+    EXPECT_EQ(a.counts, b.counts) << at << " local counts";
+    EXPECT_EQ(a.slot_rows, b.slot_rows) << at << " slot rows";
+    EXPECT_EQ(a.dropped, b.dropped) << at << " drop counts";
+    EXPECT_EQ(a.error_bits, b.error_bits) << at << " error bits";
+    EXPECT_EQ(a.y, b.y) << at << " y";
+    EXPECT_EQ(a.dY, b.dY) << at << " dY";
+    EXPECT_EQ(a.dx, b.dx) << at << " dx";
+    const std::vector<std::pair<const std::vector<float>*, const std::vector<float>*>> floats = {
+        {&a.probs_perm, &b.probs_perm}, {&a.send_probs, &b.send_probs}, {&a.recv_probs, &b.recv_probs},
+        {&a.dprobs_combine, &b.dprobs_combine}, {&a.dprobs_dispatch, &b.dprobs_dispatch}};
+    for (const auto& [x, y] : floats) {
+      ASSERT_EQ(x->size(), y->size()) << at;
+      EXPECT_TRUE(x->empty() || std::memcmp(x->data(), y->data(), x->size() * sizeof(float)) == 0)
+          << at << " fp32 outputs (probs_perm, send/recv probs, dprobs) differ";
+    }
+  }
 }
 
 }  // namespace moe::testing
