@@ -472,6 +472,101 @@ TEST(ExpertParallel, GraphReplayWithNewRoutingMatchesEager) {
   check_against_reference(c, b, got);
 }
 
+// Two micro-batches in flight on the same dispatchers (one state each): dispatch A, dispatch B,
+// combine B, combine A (identity experts: Y = x_perm, merging the given probs) == each one alone.
+TEST(ExpertParallel, MicroBatchesInFlightKeepTheirOwnState) {
+  MOE_REQUIRE_GPU();
+  EpCase c;
+  c.name = "P4 in flight";
+  c.P = 4;
+  c.E_local = 2;
+  c.k = 2;
+  c.A = 16;
+  c.C = 10;
+  c.skew = 1.0;
+  c.T = {20, 20, 9, 20};
+  InProcessWorld world(c.P);
+  const EpInputs a = make_ep_inputs(c, 41), b = make_ep_inputs(c, 42);
+  const int S = c.slots();
+  const int64_t row = c.H * elem_bytes(c.dt);
+
+  // Dispatch then combine of one micro-batch on its own ranks; y per rank.
+  auto combine = [&](std::vector<EpRank>& ranks, std::vector<SavedState>& states,
+                     std::vector<DevBuf<uint8_t>>& x_perm, std::vector<DevBuf<uint8_t>>& y) {
+    run_ranks(world.w, [&](int p) {
+      EpRank& r = ranks[p];
+      const TensorView probs(r.probs.get(), DType::kFP32, {r.T, S});
+      r.ep->combine(states[p], rows_view(c, x_perm[p], r.ep->rows()), rows_view(c, y[p], r.T), MergeProbs::kGiven,
+                    world.stream, &probs);
+    });
+  };
+  auto dispatch = [&](std::vector<EpRank>& ranks, std::vector<SavedState>& states,
+                      std::vector<DevBuf<uint8_t>>& x_perm) {
+    run_ranks(world.w, [&](int p) {
+      EpRank& r = ranks[p];
+      r.ep->plan_and_dispatch(routing_view(c, r), rows_view(c, r.x, r.T), r.err->device_ptr(), states[p],
+                              rows_view(c, x_perm[p], r.ep->rows()), world.stream);
+    });
+  };
+  auto buffers = [&](std::vector<EpRank>& ranks, bool per_token) {
+    std::vector<DevBuf<uint8_t>> v;
+    for (auto& r : ranks) v.emplace_back((per_token ? r.T : r.ep->rows()) * row);
+    return v;
+  };
+  auto alone = [&](const EpInputs& in, std::vector<Bytes>& xp_out, std::vector<Bytes>& y_out) {
+    std::vector<EpRank> ranks = make_ranks(c, world.w, in);
+    std::vector<SavedState> states;
+    for (auto& r : ranks) states.push_back(r.state);
+    auto xp = buffers(ranks, false), y = buffers(ranks, true);
+    dispatch(ranks, states, xp);
+    combine(ranks, states, xp, y);
+    sync_world(world.w);
+    for (int p = 0; p < c.P; ++p) {
+      xp_out.push_back(xp[p].download());
+      y_out.push_back(y[p].download());
+    }
+  };
+  std::vector<Bytes> xa, ya, xb, yb;
+  alone(a, xa, ya);
+  alone(b, xb, yb);
+
+  // Both in flight on the same dispatchers: B's routing and x in buffers of its own.
+  std::vector<EpRank> ranks = make_ranks(c, world.w, a);
+  std::vector<EpRank> rb = make_ranks(c, world.w, b);  // only B's routing and x buffers are used
+  std::vector<SavedState> sa, sb;
+  for (int p = 0; p < c.P; ++p) {
+    sa.push_back(ranks[p].state);
+    sb.push_back(ranks[p].ep->new_state());  // B's state on A's dispatcher
+  }
+  auto xpa = buffers(ranks, false), ypa = buffers(ranks, true), xpb = buffers(ranks, false), ypb = buffers(ranks, true);
+  run_ranks(world.w, [&](int p) {
+    ranks[p].ep->plan_and_dispatch(routing_view(c, ranks[p]), rows_view(c, ranks[p].x, ranks[p].T),
+                                   ranks[p].err->device_ptr(), sa[p], rows_view(c, xpa[p], ranks[p].ep->rows()),
+                                   world.stream);
+  });
+  run_ranks(world.w, [&](int p) {  // B through A's dispatchers, its own state
+    ranks[p].ep->plan_and_dispatch(routing_view(c, rb[p]), rows_view(c, rb[p].x, rb[p].T), ranks[p].err->device_ptr(),
+                                   sb[p], rows_view(c, xpb[p], ranks[p].ep->rows()), world.stream);
+  });
+  run_ranks(world.w, [&](int p) {
+    const TensorView probs(rb[p].probs.get(), DType::kFP32, {rb[p].T, S});
+    ranks[p].ep->combine(sb[p], rows_view(c, xpb[p], ranks[p].ep->rows()), rows_view(c, ypb[p], rb[p].T),
+                         MergeProbs::kGiven, world.stream, &probs);
+  });
+  run_ranks(world.w, [&](int p) {
+    const TensorView probs(ranks[p].probs.get(), DType::kFP32, {ranks[p].T, S});
+    ranks[p].ep->combine(sa[p], rows_view(c, xpa[p], ranks[p].ep->rows()), rows_view(c, ypa[p], ranks[p].T),
+                         MergeProbs::kGiven, world.stream, &probs);
+  });
+  sync_world(world.w);
+  for (int p = 0; p < c.P; ++p) {
+    EXPECT_EQ(xpa[p].download(), xa[p]) << "rank " << p << " x_perm of A";
+    EXPECT_EQ(xpb[p].download(), xb[p]) << "rank " << p << " x_perm of B";
+    EXPECT_EQ(ypa[p].download(), ya[p]) << "rank " << p << " y of A";
+    EXPECT_EQ(ypb[p].download(), yb[p]) << "rank " << p << " y of B";
+  }
+}
+
 TEST(ExpertParallel, HostCheckedArguments) {
   MOE_REQUIRE_GPU();
   EpCase c;
