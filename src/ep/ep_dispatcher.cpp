@@ -23,6 +23,7 @@ namespace {
 
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 constexpr int kMaxRanks = 1024;  // the pack plan's "experts" (moe::Dispatcher's limit)
+constexpr int kMaxLocalExperts = 1024;  // the local plan's experts (the same limit)
 
 bool is_arith_dtype(DType t) { return t == DType::kBF16 || t == DType::kFP16 || t == DType::kFP32; }
 
@@ -127,7 +128,8 @@ EpDispatcher::EpDispatcher(const EpDispatcherConfig& config, EpTransport& transp
   MOE_CHECK(c.ranks >= 1 && c.ranks <= kMaxRanks, "argument 'ranks': expected 1..", kMaxRanks, ", got ", c.ranks);
   MOE_CHECK(transport.ranks() == c.ranks, "argument 'transport': expected a group of ranks = ", c.ranks,
             ", got one of ", transport.ranks());
-  MOE_CHECK(c.local_experts >= 1, "argument 'local_experts': expected >= 1, got ", c.local_experts);
+  MOE_CHECK(c.local_experts >= 1 && c.local_experts <= kMaxLocalExperts, "argument 'local_experts': expected 1..",
+            kMaxLocalExperts, ", got ", c.local_experts);
   const int64_t E = int64_t{c.ranks} * c.local_experts;
   MOE_CHECK(E <= kInt32Max, "argument 'local_experts': ranks * local_experts = ", E, " does not fit int32");
   MOE_CHECK(is_arith_dtype(c.row_dtype), "argument 'row_dtype': expected bf16, fp16 or fp32, got ",
