@@ -1,0 +1,318 @@
+// Expert-parallel MoE layer forward per rank (docs/expert_parallel.md): the time of the
+// capacity-mode dispatch (pack + all-to-all + local permute), of the experts (moe::GroupedExperts
+// forward over the rank's E_local experts) and of the combine (gather + all-to-all back + slot
+// sum), and the bandwidth of the bare all-to-all of the rows.
+//
+// usage: bench_expert_parallel [SHAPE ...] [--ranks P] [--capacity-factor F] [--repeats N]
+//                               [--in-process]
+//   SHAPE: named shapes of docs/shapes.md, read per rank: T tokens per rank, E = E_local experts
+//   per rank, k; default qwen3-30b-a3b-ep8 and deepseek-v3-ep32.
+//   Transport: NCCL over the first P visible GPUs (P = all of them by default), one host thread
+//   per rank -- when the build has NCCL and there are >= 2 GPUs; otherwise (or with --in-process)
+//   P ranks simulated on one GPU (default P = 2), where the ranks run one after the other on one
+//   stream: the times are then of all ranks together, and the all-to-all is device-local copies.
+//   Capacity C per (source, destination) pair = ceil(F * T * k / P) (F = 1.25 by default).
+//   NVLink multicast is switched off (NCCL_NVLS_ENABLE=0) before NCCL starts.
+// Times: median over repeats of CUDA-event-timed eager calls after warm-up (bench/support); per
+// rank, then the median and the maximum over ranks. All-to-all bandwidth: bytes each rank sends to
+// the other ranks, (P - 1) * C * H * 2, over the median time of the rows exchange.
+// Not measured here: overlapping the experts of one chunk of the exchange with the transfer of the
+// next (not implemented).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "device/cuda_check.h"
+#include "moe/device_errors.h"
+#include "moe/error_word.h"
+#include "moe/expert_parallel.h"
+#include "moe/grouped_experts.h"
+#include "reference/routing_gen.h"
+#include "support/bench_util.h"
+#include "support/device_random.h"
+
+#if MOE_HAVE_NCCL
+#include <nccl.h>
+#endif
+
+namespace {
+
+using namespace moe;
+
+struct Rank {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  EpTransport* transport = nullptr;
+  std::unique_ptr<EpDispatcher> ep;
+  std::unique_ptr<GroupedExperts> ex;
+  SavedState state, estate;
+  std::unique_ptr<ErrorWord> err;
+  std::vector<DeviceBuffer> buffers;  // keeps every allocation alive
+  void *x = nullptr, *x_perm = nullptr, *Y = nullptr, *y = nullptr, *w1 = nullptr, *w2 = nullptr;
+  int32_t* idx = nullptr;
+  float* probs = nullptr;
+  bench::Timing dispatch, experts, combine, a2a;
+
+  void* alloc(size_t bytes) {
+    buffers.push_back(cuda_malloc_allocator().allocate(bytes));
+    return buffers.back().get();
+  }
+};
+
+void run_threads(int n, const std::function<void(int)>& fn, InProcessGroup* group) {
+  std::vector<std::exception_ptr> errors(n);
+  std::vector<std::thread> threads;
+  for (int p = 0; p < n; ++p)
+    threads.emplace_back([&, p] {
+      try {
+        fn(p);
+      } catch (...) {
+        errors[p] = std::current_exception();
+        if (group) group->abort();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  std::vector<std::string> names;
+  int repeats = 20, P = 0;
+  double factor = 1.25;
+  bool in_process = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--repeats" && i + 1 < argc)
+      repeats = std::atoi(argv[++i]);
+    else if (a == "--ranks" && i + 1 < argc)
+      P = std::atoi(argv[++i]);
+    else if (a == "--capacity-factor" && i + 1 < argc)
+      factor = std::atof(argv[++i]);
+    else if (a == "--in-process")
+      in_process = true;
+    else
+      names.push_back(a);
+  }
+  if (names.empty()) names = {"qwen3-30b-a3b-ep8", "deepseek-v3-ep32"};
+  int gpus = 0;
+  MOE_CUDA_CHECK(cudaGetDeviceCount(&gpus));
+  const bool use_nccl = !in_process && MOE_HAVE_NCCL && gpus >= 2;
+  if (P <= 0) P = use_nccl ? gpus : 2;
+  if (use_nccl && P > gpus) {
+    std::fprintf(stderr, "--ranks %d: only %d GPUs\n", P, gpus);
+    return 2;
+  }
+  std::printf("# %s; transport: %s, P = %d ranks; capacity factor %.2f\n", bench::device_description().c_str(),
+              use_nccl ? "NCCL, one GPU per rank" : "in-process (all ranks simulated on GPU 0)", P, factor);
+
+  std::unique_ptr<InProcessGroup> group;
+  std::vector<std::unique_ptr<EpTransport>> nccl_transports;
+#if MOE_HAVE_NCCL
+  std::vector<ncclComm_t> comms;
+#endif
+  std::vector<EpTransport*> transports(P);
+  std::vector<cudaStream_t> streams(P);
+  if (use_nccl) {
+#if MOE_HAVE_NCCL
+    setenv("NCCL_NVLS_ENABLE", "0", 1);  // no NVLink multicast
+    comms.resize(P);
+    std::vector<int> devs(P);
+    for (int p = 0; p < P; ++p) devs[p] = p;
+    if (ncclCommInitAll(comms.data(), P, devs.data()) != ncclSuccess) {
+      std::fprintf(stderr, "ncclCommInitAll failed\n");
+      return 1;
+    }
+    for (int p = 0; p < P; ++p) {
+      nccl_transports.push_back(std::make_unique<NcclTransport>(comms[p]));
+      transports[p] = nccl_transports[p].get();
+      MOE_CUDA_CHECK(cudaSetDevice(p));
+      MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[p], cudaStreamNonBlocking));
+    }
+#endif
+  } else {
+    group = std::make_unique<InProcessGroup>(P);
+    MOE_CUDA_CHECK(cudaSetDevice(0));
+    cudaStream_t s;
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    for (int p = 0; p < P; ++p) {
+      transports[p] = &group->endpoint(p);
+      streams[p] = s;
+    }
+  }
+
+  std::printf("%-20s %3s %7s %6s | %-16s %-16s %-16s %-9s | %-16s %8s\n", "shape", "P", "C", "drop%",
+              "dispatch ms", "experts ms", "combine ms", "sum ms", "all-to-all ms", "GB/s");
+  std::printf("%-20s %3s %7s %6s | %-16s %-16s %-16s %-9s | %-16s %8s\n", "", "", "", "", "med/max rank",
+              "med/max rank", "med/max rank", "med", "med/max rank", "per rank");
+  for (const std::string& name : names) {
+    const bench::Shape sh = bench::shape_by_name(name);
+    const int El = sh.E, k = sh.k, E = P * El;
+    const int64_t T = sh.T, H = sh.H, F = sh.F;
+    const int64_t C = static_cast<int64_t>(std::ceil(factor * T * k / P));
+    EpDispatcherConfig cfg;
+    cfg.ranks = P;
+    cfg.local_experts = El;
+    cfg.hidden = H;
+    cfg.topk = k;
+    cfg.align = 128;
+    cfg.capacity = C;
+    cfg.max_tokens = T;
+    ExpertsConfig ec;
+    ec.hidden = H;
+    ec.ffn = F;
+    ec.experts = El;
+    const int64_t F1 = ec.fc1_out();
+    // Device memory of one rank (rows of the exchange, x_perm / Y, the experts' activations, weights).
+    const int64_t R = P * C + int64_t{El} * 127;
+    const double per_rank = 2.0 * (2.0 * P * C * H + 2.0 * R * H + 2.0 * T * H + R * (F1 + F) * 2.0 +
+                                   double(El) * (F1 * H + H * F));
+    size_t free_b = 0, total_b = 0;
+    MOE_CUDA_CHECK(cudaSetDevice(0));
+    MOE_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    const double need = use_nccl ? per_rank : per_rank * P;
+    if (need > 0.85 * static_cast<double>(free_b)) {
+      std::printf("%-20s skipped: needs %.1f GiB on GPU 0, %.1f GiB free\n", name.c_str(), need / (1 << 30),
+                  double(free_b) / (1 << 30));
+      continue;
+    }
+
+    std::vector<Rank> ranks(P);
+    for (int p = 0; p < P; ++p) {
+      Rank& r = ranks[p];
+      r.device = use_nccl ? p : 0;
+      r.stream = streams[p];
+      r.transport = transports[p];
+      MOE_CUDA_CHECK(cudaSetDevice(r.device));
+      r.ep = std::make_unique<EpDispatcher>(cfg, *r.transport);
+      ExpertsConfig e = ec;
+      e.max_rows = r.ep->rows();
+      r.ex = std::make_unique<GroupedExperts>(e);
+      r.state = r.ep->new_state();
+      r.estate = r.ex->new_state();
+      r.err = std::make_unique<ErrorWord>();
+      const int64_t Rr = r.ep->rows();
+      r.x = r.alloc(T * H * 2);
+      r.y = r.alloc(T * H * 2);
+      r.x_perm = r.alloc(Rr * H * 2);
+      r.Y = r.alloc(Rr * H * 2);
+      r.w1 = r.alloc(El * F1 * H * 2);
+      r.w2 = r.alloc(El * H * F * 2);
+      bench::fill_random_bf16(r.x, T * H, 1 + p, 1.0f, r.stream);
+      bench::fill_random_bf16(r.w1, El * F1 * H, 100 + p, 1.0f / std::sqrt(float(H)), r.stream);
+      bench::fill_random_bf16(r.w2, El * H * F, 200 + p, 1.0f / std::sqrt(float(F)), r.stream);
+      ExpertTensors w;
+      w.fc1_weight = {TensorView(r.w1, DType::kBF16, {El, F1, H})};
+      w.fc2_weight = {TensorView(r.w2, DType::kBF16, {El, H, F})};
+      r.ex->set_weights(w);
+      const ref::Routing rt = ref::make_topk_routing(T, E, k, 1000 + p);
+      std::vector<float> pr(rt.probs.begin(), rt.probs.end());
+      r.idx = static_cast<int32_t*>(r.alloc(rt.indices.size() * 4 + 4));
+      r.probs = static_cast<float*>(r.alloc(pr.size() * 4 + 4));
+      MOE_CUDA_CHECK(cudaMemcpy(r.idx, rt.indices.data(), rt.indices.size() * 4, cudaMemcpyHostToDevice));
+      MOE_CUDA_CHECK(cudaMemcpy(r.probs, pr.data(), pr.size() * 4, cudaMemcpyHostToDevice));
+      MOE_CUDA_CHECK(cudaStreamSynchronize(r.stream));
+    }
+    auto dispatch = [&](int p) {
+      Rank& r = ranks[p];
+      RoutingView rv;
+      rv.indices = TensorView(r.idx, DType::kInt32, {T, k});
+      rv.probs = TensorView(r.probs, DType::kFP32, {T, k});
+      r.ep->plan_and_dispatch(rv, TensorView(r.x, DType::kBF16, {T, H}), r.err->device_ptr(), r.state,
+                              TensorView(r.x_perm, DType::kBF16, {r.ep->rows(), H}), r.stream);
+    };
+    auto experts = [&](int p) {
+      Rank& r = ranks[p];
+      r.estate.reset();  // the timing repeats the forward of one micro-batch; its backward never runs
+      const TensorView xp(r.x_perm, DType::kBF16, {r.ep->rows(), H}), Y(r.Y, DType::kBF16, {r.ep->rows(), H});
+      r.ex->forward(xp, r.ep->group_offsets(r.state), r.ep->probs_perm(r.state), Y, r.estate, r.stream);
+    };
+    auto combine = [&](int p) {
+      Rank& r = ranks[p];
+      r.ep->combine(r.state, TensorView(r.Y, DType::kBF16, {r.ep->rows(), H}), TensorView(r.y, DType::kBF16, {T, H}),
+                    MergeProbs::kNone, r.stream);
+    };
+    auto a2a = [&](int p) {
+      Rank& r = ranks[p];
+      const TensorView s = r.ep->send_buffer(), d = r.ep->recv_buffer();
+      const EpExchange x{s.data, d.data, static_cast<size_t>(C * H * 2)};
+      r.transport->all_to_all(&x, 1, r.stream);
+    };
+    const int warm = 3;
+    if (use_nccl) {
+      run_threads(P, [&](int p) {
+        Rank& r = ranks[p];
+        MOE_CUDA_CHECK(cudaSetDevice(r.device));
+        r.dispatch = bench::time_cuda([&] { dispatch(p); }, r.stream, warm, repeats);
+        r.experts = bench::time_cuda([&] { experts(p); }, r.stream, warm, repeats);
+        r.combine = bench::time_cuda([&] { combine(p); }, r.stream, warm, repeats);
+        r.a2a = bench::time_cuda([&] { a2a(p); }, r.stream, warm, repeats);
+      }, nullptr);
+    } else {  // every rank's call in one timed step, on the shared stream
+      auto all = [&](const std::function<void(int)>& f) {
+        return [&, f] { run_threads(P, [&](int p) { MOE_CUDA_CHECK(cudaSetDevice(0)); f(p); }, group.get()); };
+      };
+      const bench::Timing td = bench::time_cuda(all(dispatch), streams[0], warm, repeats);
+      const bench::Timing te = bench::time_cuda(all(experts), streams[0], warm, repeats);
+      const bench::Timing tc = bench::time_cuda(all(combine), streams[0], warm, repeats);
+      const bench::Timing ta = bench::time_cuda(all(a2a), streams[0], warm, repeats);
+      for (Rank& r : ranks) {
+        r.dispatch = td;
+        r.experts = te;
+        r.combine = tc;
+        r.a2a = ta;
+      }
+    }
+    int64_t drops = 0;
+    uint32_t bits = 0;
+    for (Rank& r : ranks) {
+      MOE_CUDA_CHECK(cudaSetDevice(r.device));
+      std::vector<int64_t> d(P);
+      MOE_CUDA_CHECK(cudaMemcpy(d.data(), r.ep->dropped(r.state).data, P * 8, cudaMemcpyDeviceToHost));
+      for (int64_t v : d) drops += v;
+      bits |= r.err->fetch_and_clear(r.stream) & ~uint32_t{kErrRowOverflow};  // drops are expected
+    }
+    if (bits) std::fprintf(stderr, "%s: unexpected error bits: %s\n", name.c_str(), describe_error_bits(bits).c_str());
+    auto stat = [&](bench::Timing Rank::*t, double* med, double* mx) {
+      std::vector<double> v;
+      for (Rank& r : ranks) v.push_back((r.*t).median_ms);
+      *med = median_of(v);
+      *mx = *std::max_element(v.begin(), v.end());
+    };
+    double dm, dx, em, ex, cm, cx, am, ax;
+    stat(&Rank::dispatch, &dm, &dx);
+    stat(&Rank::experts, &em, &ex);
+    stat(&Rank::combine, &cm, &cx);
+    stat(&Rank::a2a, &am, &ax);
+    const double gbs = double(P - 1) * C * H * 2 / (am * 1e-3) / 1e9;
+    std::printf("%-20s %3d %7lld %6.2f | %7.3f/%-8.3f %7.3f/%-8.3f %7.3f/%-8.3f %-9.3f | %7.3f/%-8.3f %8.1f\n",
+                name.c_str(), P, static_cast<long long>(C), 100.0 * drops / (double(T) * k * P), dm, dx, em, ex,
+                cm, cx, dm + em + cm, am, ax, gbs);
+    std::fflush(stdout);
+    for (Rank& r : ranks) {
+      MOE_CUDA_CHECK(cudaSetDevice(r.device));
+      MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+  }
+#if MOE_HAVE_NCCL
+  for (size_t p = 0; p < comms.size(); ++p) ncclCommDestroy(comms[p]);
+#endif
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "bench_expert_parallel: %s\n", e.what());
+  return 1;
+}

@@ -1,0 +1,198 @@
+// Expert parallelism on the GPU: the experts of one MoE layer split over P ranks, tokens moved by
+// an all-to-all (docs/expert_parallel.md). Two parts:
+//
+//  - EpTransport: the all-to-all of fixed-size blocks, enqueued on a stream, no host sync. Two
+//    implementations: NcclTransport (one rank per GPU, ncclSend/ncclRecv) and InProcessGroup's
+//    endpoints (P simulated ranks on one GPU, each rank a host thread, for tests and debugging).
+//  - EpDispatcher: the token dispatcher of one rank in capacity mode (graph-safe): pack by
+//    destination rank, exchange, local permute over the rank's E_local experts; the combine back to
+//    the source; both backwards. Every result equals the CPU reference
+//    (src/reference/ep_dispatch_ref.h) bitwise for data movement, and the combine sums a token's
+//    slots in slot order in fp32 exactly as the single-GPU moe::Dispatcher does.
+//
+// Usage per rank and micro-batch (every rank makes the same calls in the same order: each one
+// contains all-to-alls, which are collectives):
+//   state = ep.new_state();                                               // once, reusable
+//   ep.plan_and_dispatch(routing, x, err, state, x_perm, stream);        // x_perm [R_d, H]
+//   experts(x_perm, ep.group_offsets(state), ep.probs_perm(state)) -> Y  // e.g. moe::GroupedExperts
+//   ep.combine(state, Y, y, merge, stream);                               // y [T, H]
+//   backward: ep.combine_backward(state, dy, dY, ...) -> experts backward -> ep.dispatch_backward(...)
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include <cuda_runtime_api.h>
+
+#include "moe/dispatch.h"
+#include "moe/dtype.h"
+#include "moe/routing.h"
+#include "moe/saved_state.h"
+#include "moe/tensor.h"
+
+struct ncclComm;  // nccl.h: typedef struct ncclComm* ncclComm_t
+
+namespace moe {
+
+// One exchange of an all-to-all: each rank's `send` holds P blocks of `block_bytes` (block d, at
+// d * block_bytes, goes to rank d) and its `recv` receives P blocks (block s, at s * block_bytes,
+// from rank s). send and recv must not overlap.
+struct EpExchange {
+  const void* send = nullptr;
+  void* recv = nullptr;
+  size_t block_bytes = 0;
+};
+
+// The all-to-all between the P ranks of an expert-parallel group.
+class EpTransport {
+ public:
+  virtual ~EpTransport() = default;
+  virtual int rank() const = 0;
+  virtual int ranks() const = 0;
+  // A collective: every rank calls it with the same number of exchanges and the same block sizes.
+  // The exchanges are enqueued on `stream` (after the work already there; later work waits for
+  // them), with no host synchronisation and no allocation, so the call may be captured in a CUDA
+  // graph.
+  virtual void all_to_all(const EpExchange* exchanges, int count, cudaStream_t stream) = 0;
+  // The counts exchange of a dropless (host-sized) schedule: send int64 [P] (entry d for rank d)
+  // -> recv int64 [P] (entry s from rank s). One all_to_all of 8-byte blocks.
+  void all_to_all_counts(const int64_t* send, int64_t* recv, cudaStream_t stream);
+};
+
+// P simulated ranks on the current device. endpoint(r) is rank r's transport. The ranks are host
+// threads (one per rank) that all enqueue on the same stream: each all_to_all call waits on the
+// host until all P ranks have called it; the last one to arrive enqueues every rank's block copies
+// (cudaMemcpyAsync, device to device) on that stream and releases the others. Work a rank enqueued
+// before the call therefore precedes the copies, and work after it follows them. Capturable: begin
+// the capture on the shared stream (cudaStreamCaptureModeRelaxed, since the ranks' threads launch
+// into it), run the ranks' threads, join them, end the capture.
+// If a rank fails, abort() (called by the failing thread or its owner) wakes the waiting ranks,
+// whose calls then throw moe::Error instead of waiting forever.
+class InProcessGroup {
+ public:
+  explicit InProcessGroup(int ranks);
+  ~InProcessGroup();
+  InProcessGroup(const InProcessGroup&) = delete;
+  InProcessGroup& operator=(const InProcessGroup&) = delete;
+
+  int ranks() const;
+  EpTransport& endpoint(int rank);
+  void abort();
+  bool aborted() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// True when the library was built with NCCL (MOE_HAVE_NCCL).
+bool nccl_transport_available();
+
+// A rank of an NCCL communicator (not owned: the caller creates and destroys it). all_to_all is one
+// ncclGroupStart / ncclSend + ncclRecv per peer and exchange / ncclGroupEnd. The communicator's
+// device must be current when calling. Without NCCL in the build the constructor throws moe::Error.
+class NcclTransport final : public EpTransport {
+ public:
+  explicit NcclTransport(ncclComm* comm);
+  int rank() const override { return rank_; }
+  int ranks() const override { return ranks_; }
+  void all_to_all(const EpExchange* exchanges, int count, cudaStream_t stream) override;
+
+ private:
+  ncclComm* comm_ = nullptr;
+  int rank_ = 0;
+  int ranks_ = 0;
+};
+
+// Static configuration of one rank's dispatcher; the same on every rank.
+struct EpDispatcherConfig {
+  int ranks = 1;             // P; the transport's ranks() must equal it
+  int local_experts = 1;     // E_local; the routing covers E = P * E_local global experts
+  int64_t hidden = 0;        // H; H * dtype bytes a multiple of 16
+  DType row_dtype = DType::kBF16;  // bf16, fp16 or fp32
+  RoutingForm form = RoutingForm::kTopK;
+  int topk = 0;              // k (top-k form)
+  int align = 0;             // A of each local expert group: 0, 16, 32, 64, 128 or 256
+  int64_t capacity = 0;      // C: rows per (source, destination) pair; entries past it are dropped
+  int64_t max_tokens = 0;    // T_max of any rank's micro-batch
+  int64_t row_bound = -1;    // R_d of x_perm; -1 = P * C + E_local * (A - 1) (A > 0), P * C else
+};
+
+// One rank's expert-parallel token dispatcher in capacity mode (docs/expert_parallel.md).
+// Buffers: send and receive buffers [P * C, H] (d's block at d * C, s's block at s * C; unused
+// rows zero), workspaces sized at construction. Per-call methods only enqueue work on the stream:
+// no allocation, no host synchronisation, no host read of device data (capturable in a CUDA graph
+// and replayable with new routing). What the combine and the backwards need lives in the
+// caller-owned SavedState (any number in flight). Calls of one EpDispatcher must be stream-ordered
+// (its exchange workspaces are shared by all states).
+// Errors (OR-ed into this rank's error word): bad routing entries of its tokens (skipped, as the
+// single-GPU plan does) and kErrRowOverflow when one of its entries was past the capacity of its
+// pair (the entry is dropped: counted in dropped(), no contribution in combine, zero gradients);
+// kErrRowOverflow as well when its received groups exceed R_d (rows past R_d not written).
+class EpDispatcher {
+ public:
+  EpDispatcher(const EpDispatcherConfig& config, EpTransport& transport);  // throws moe::Error naming a bad field
+  ~EpDispatcher();
+  EpDispatcher(const EpDispatcher&) = delete;
+  EpDispatcher& operator=(const EpDispatcher&) = delete;
+
+  const EpDispatcherConfig& config() const;
+  int rank() const;
+  int64_t rows() const;          // R_d: rows of x_perm
+  int64_t exchange_rows() const;  // P * C: rows of the send and receive buffers
+  int slots_per_token() const;   // k (top-k form) or E (map form)
+
+  size_t state_bytes() const;
+  static constexpr int kStateHeaders = 2;
+  SavedState new_state(DeviceAllocator& allocator = cuda_malloc_allocator()) const;
+
+  // Routing of this rank's T tokens over the global experts (form per config) and x [T, H] ->
+  // x_perm [R_d, H] of this rank's local experts (pad rows and rows past the groups zero); the
+  // plan (send layout, local groups, probs_perm, drop counts) is written into `state`.
+  void plan_and_dispatch(const RoutingView& routing, const TensorView& x, uint32_t* error_word,
+                         const SavedState& state, const TensorView& x_perm, cudaStream_t stream) const;
+
+  // Combine: Y [R_d, H] (this rank's expert outputs; pad rows never read) -> y [T, H] of this
+  // rank's tokens = sum over the token's delivered slots, in slot order, of w * the returned row,
+  // fp32 accumulation; w per `merge` (kPlanned: the routing probs; kGiven: probs fp32 [T, slots]).
+  void combine(const SavedState& state, const TensorView& Y, const TensorView& y, MergeProbs merge,
+               cudaStream_t stream, const TensorView* probs = nullptr) const;
+
+  // Combine backward: dy [T, H] -> dY [R_d, H] = w * dy[token] at each delivered row (pad rows
+  // zero). With dprobs fp32 [T, slots]: <Y row, dy[t]> in fp32 when merging (Y [R_d, H], the
+  // combine's input, required then: its rows travel back again), zero for undelivered slots and
+  // everywhere without merging.
+  void combine_backward(const SavedState& state, const TensorView& dy, const TensorView& dY, MergeProbs merge,
+                        cudaStream_t stream, const TensorView* probs = nullptr, const TensorView* Y = nullptr,
+                        const TensorView* dprobs = nullptr) const;
+
+  // Dispatch backward: d_x_perm [R_d, H] (and d_probs_perm fp32 [R_d]) -> dx [T, H] = fp32 sum over
+  // the token's delivered rows in slot order; dprobs fp32 [T, slots] = the gradient at the slot's
+  // row (zero for undelivered slots, and everywhere without d_probs_perm).
+  void dispatch_backward(const SavedState& state, const TensorView& d_x_perm, const TensorView& dx,
+                         cudaStream_t stream, const TensorView* d_probs_perm = nullptr,
+                         const TensorView* dprobs = nullptr) const;
+
+  // Views into a filled state (valid while its memory lives):
+  int64_t tokens(const SavedState& state) const;          // T of the dispatch
+  TensorView group_offsets(const SavedState& state) const;  // int32 [E_local + 1] of x_perm
+  TensorView probs_perm(const SavedState& state) const;     // fp32 [R_d], zero on pad rows
+  TensorView local_counts(const SavedState& state, DType dtype = DType::kInt32) const;  // [E_local]
+  TensorView dropped(const SavedState& state) const;     // int64 [P]: entries of this source dropped per destination
+  TensorView slot_rows(const SavedState& state) const;   // int32 [T, slots]: send row of each slot, -1 if not sent
+  TensorView send_probs(const SavedState& state) const;  // fp32 [P * C]: prob of each send row (0 if unused)
+
+  // Workspace views (for tests): after plan_and_dispatch, until the next call of this dispatcher,
+  // the send buffer [P * C, H], the receive buffer [P * C, H] and the received probs fp32 [P * C]
+  // of that dispatch.
+  TensorView send_buffer() const;
+  TensorView recv_buffer() const;
+  TensorView recv_probs() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moe

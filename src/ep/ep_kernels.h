@@ -1,0 +1,58 @@
+// Launchers of the expert-parallel pack kernels (plain C++ signatures; kernels in src/ep/*.cu).
+// moe::EpDispatcher checks every argument before calling these: the launchers trust their
+// parameters and only enqueue work on the stream.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "moe/routing.h"
+
+namespace moe::kernels {
+
+// The routing of one source rank, on the device.
+struct EpRouting {
+  RoutingForm form = RoutingForm::kTopK;
+  int32_t T = 0;
+  int slots = 0;                     // k (top-k) or E (map)
+  int E = 0;                         // global experts P * E_local
+  const int32_t* indices = nullptr;  // top-k [T, k]
+  const uint8_t* map = nullptr;      // map [T, E]
+  const float* probs = nullptr;      // [T, slots]
+};
+
+// Validation and destination rank of every slot (ep_destinations.cu): slot_dest[i] = expert /
+// E_local for a valid entry, -1 for an empty or skipped one. Skipped entries raise their bit in
+// error_word, with exactly the checks (and their order) of the single-GPU plan.
+void launch_ep_slot_destinations(const EpRouting& r, int E_local, int32_t* slot_dest, uint32_t* error_word,
+                                 cudaStream_t stream);
+
+// The capacity layout of the send buffer (ep_capacity.cu). In: slot_dest, and the dropless pack
+// plan of the flat slots (pack_slot_row = its row, pack_offset = first row of each destination,
+// pack_count = entries per destination: a plan over P "experts" whose order inside a destination is
+// the flat slot index t * slots + s). Out: send_slot_row [T * slots] = d * C + rank within d, or
+// -1 when empty, skipped or past the capacity; send_row_slot [P * C] = the slot of each send row
+// (-1 unused); send_probs [P * C] and send_expert [P * C] = the prob and the destination-local
+// expert of each send row (0 and -1 unused); dropped [P] = max(count - C, 0), and kErrRowOverflow in
+// error_word when any. send_row_slot, send_probs and send_expert are fully written (unused rows
+// included).
+struct EpCapacityArgs {
+  EpRouting routing;
+  int P = 0;
+  int E_local = 0;
+  int32_t C = 0;
+  const int32_t* slot_dest = nullptr;
+  const int32_t* pack_slot_row = nullptr;
+  const int32_t* pack_offset = nullptr;
+  const int64_t* pack_count = nullptr;
+  int32_t* send_slot_row = nullptr;
+  int32_t* send_row_slot = nullptr;
+  float* send_probs = nullptr;
+  int32_t* send_expert = nullptr;
+  int64_t* dropped = nullptr;
+  uint32_t* error_word = nullptr;
+};
+void launch_ep_capacity(const EpCapacityArgs& a, cudaStream_t stream);
+
+}  // namespace moe::kernels

@@ -1,0 +1,64 @@
+// NcclTransport: the all-to-all over NCCL point-to-point calls, one group per all_to_all (every
+// exchange's P sends and P receives, the rank itself included). Built only with MOE_HAVE_NCCL.
+#include "moe/error.h"
+#include "moe/expert_parallel.h"
+
+#ifndef MOE_HAVE_NCCL
+#define MOE_HAVE_NCCL 0
+#endif
+
+#if MOE_HAVE_NCCL
+#include <nccl.h>
+
+#define MOE_NCCL_CHECK(call)                                                                              \
+  do {                                                                                                    \
+    ncclResult_t moe_nccl_status_ = (call);                                                               \
+    if (moe_nccl_status_ != ncclSuccess)                                                                  \
+      ::moe::detail::throw_error("NCCL error '", ncclGetErrorString(moe_nccl_status_), "' in ", #call,   \
+                                 " at ", __FILE__, ":", __LINE__);                                        \
+  } while (0)
+#endif
+
+namespace moe {
+
+bool nccl_transport_available() { return MOE_HAVE_NCCL != 0; }
+
+NcclTransport::NcclTransport(ncclComm* comm) : comm_(comm) {
+#if MOE_HAVE_NCCL
+  MOE_CHECK(comm != nullptr, "argument 'comm': expected an NCCL communicator, got null");
+  MOE_NCCL_CHECK(ncclCommUserRank(comm, &rank_));
+  MOE_NCCL_CHECK(ncclCommCount(comm, &ranks_));
+#else
+  detail::throw_error("NcclTransport: this build of moe-engine has no NCCL (MOE_HAVE_NCCL is 0)");
+#endif
+}
+
+void NcclTransport::all_to_all(const EpExchange* exchanges, int count, cudaStream_t stream) {
+  MOE_CHECK(count >= 0 && (count == 0 || exchanges != nullptr), "argument 'exchanges': expected ", count,
+            " exchanges, got null");
+  for (int j = 0; j < count; ++j)
+    MOE_CHECK(exchanges[j].block_bytes == 0 || (exchanges[j].send != nullptr && exchanges[j].recv != nullptr),
+              "argument 'exchanges[", j, "]': expected send and recv device pointers, got null");
+#if MOE_HAVE_NCCL
+  MOE_NCCL_CHECK(ncclGroupStart());
+  try {
+    for (int j = 0; j < count; ++j) {
+      const size_t bb = exchanges[j].block_bytes;
+      if (bb == 0) continue;
+      for (int p = 0; p < ranks_; ++p) {
+        MOE_NCCL_CHECK(ncclSend(static_cast<const char*>(exchanges[j].send) + p * bb, bb, ncclChar, p, comm_, stream));
+        MOE_NCCL_CHECK(ncclRecv(static_cast<char*>(exchanges[j].recv) + p * bb, bb, ncclChar, p, comm_, stream));
+      }
+    }
+  } catch (...) {
+    ncclGroupEnd();
+    throw;
+  }
+  MOE_NCCL_CHECK(ncclGroupEnd());
+#else
+  (void)stream;
+  detail::throw_error("NcclTransport::all_to_all: this build of moe-engine has no NCCL");
+#endif
+}
+
+}  // namespace moe

@@ -1,0 +1,601 @@
+// Expert-parallel dispatch and combine on the GPU (moe::EpDispatcher, docs/expert_parallel.md), P
+// ranks simulated on one GPU (InProcessGroup), against:
+//   - the CPU reference (src/reference/ep_dispatch_ref.h), bitwise: the send and receive buffers
+//     in capacity layout, x_perm, probs_perm, group offsets, local counts, the send row of every
+//     slot, per-pair drop counts and every rank's error bits;
+//   - the single-GPU moe::Dispatcher on all ranks' tokens concatenated in rank order (with the
+//     entries the capacity dropped emptied), bitwise: the expert groups of x_perm, the combine y,
+//     the combine backward's dY and dprobs, the dispatch backward's dx and dprobs. Both sides run
+//     the same fp32 kernels on the same rows in the same slot order, so the sums are equal to the
+//     bit; the single-GPU Dispatcher itself is tested against the fp64 reference in
+//     tests/gpu/test_dispatch.cu.
+// Pad rows of Y, d_x_perm and d_probs_perm hold NaN, so a read of one shows up in the outputs.
+// Graph capture of every op on every rank, replayed with new routing, equals an eager run bitwise.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moe/device_errors.h"
+#include "moe/dispatch.h"
+#include "moe/expert_parallel.h"
+#include "reference/ep_dispatch_ref.h"
+#include "support/ep_harness.h"
+#include "support/expect_error.h"
+#include "support/gpu.h"
+
+namespace moe {
+namespace {
+
+using namespace ::moe::testing;
+template <typename T>
+using DevBuf = ::moe::testing::DeviceBuffer<T>;
+
+// P simulated ranks on device 0, one shared stream.
+struct InProcessWorld {
+  std::unique_ptr<InProcessGroup> group;
+  cudaStream_t stream = nullptr;
+  EpWorld w;
+
+  explicit InProcessWorld(int P) : group(std::make_unique<InProcessGroup>(P)) {
+    MOE_CUDA_CHECK(cudaSetDevice(0));
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    w.P = P;
+    w.device.assign(P, 0);
+    w.stream.assign(P, stream);
+    for (int p = 0; p < P; ++p) w.transport.push_back(&group->endpoint(p));
+    w.abort = [g = group.get()] { g->abort(); };
+  }
+  ~InProcessWorld() { cudaStreamDestroy(stream); }
+};
+
+template <typename T>
+std::vector<T> widen(const std::vector<int32_t>& v) {
+  return std::vector<T>(v.begin(), v.end());
+}
+
+// Exact equality of value lists; reports the first difference.
+void expect_same(const std::vector<double>& got, const std::vector<double>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (!(got[i] == want[i] || (std::isnan(got[i]) && std::isnan(want[i])))) {
+      ADD_FAILURE() << what << ": first difference at " << i << ": got " << got[i] << ", want " << want[i];
+      return;
+    }
+}
+
+void expect_same_bytes(const void* got, const void* want, size_t n, const std::string& what) {
+  const auto* a = static_cast<const uint8_t*>(got);
+  const auto* b = static_cast<const uint8_t*>(want);
+  for (size_t i = 0; i < n; ++i)
+    if (a[i] != b[i]) {
+      ADD_FAILURE() << what << ": first differing byte at " << i << " of " << n;
+      return;
+    }
+}
+
+// ---- the reference side ----
+
+void check_against_reference(const EpCase& c, const EpInputs& in, const std::vector<EpRankOut>& out) {
+  const ref::EpPlan plan = ref::plan_ep_dispatch(in.routing, c.ref_config());
+  ref::RankBuffers x_perm, probs_perm, send, send_probs, recv, recv_probs;
+  ref::ep_dispatch(plan, in.x, c.H, x_perm, probs_perm);
+  ref::ep_pack(plan, in.x, c.H, send, send_probs);
+  ref::ep_exchange(plan, send, c.H, recv);
+  ref::ep_exchange(plan, send_probs, 1, recv_probs);
+  for (int p = 0; p < c.P; ++p) {
+    const std::string at = c.name + " rank " + std::to_string(p);
+    const EpRankOut& o = out[p];
+    EXPECT_EQ(o.error_bits, plan.error_bits[p]) << at << ": " << describe_error_bits(o.error_bits) << " vs "
+                                                << describe_error_bits(plan.error_bits[p]);
+    expect_same(decode(o.send, c.dt), send[p], at + " send buffer");
+    expect_same(to_double(o.send_probs), send_probs[p], at + " send probs");
+    expect_same(decode(o.recv, c.dt), recv[p], at + " receive buffer");
+    expect_same(to_double(o.recv_probs), recv_probs[p], at + " received probs");
+    expect_same(decode(o.x_perm, c.dt), x_perm[p], at + " x_perm");
+    expect_same(to_double(o.probs_perm), probs_perm[p], at + " probs_perm");
+    const ref::DispatchPlan& l = plan.local[p];
+    std::vector<int32_t> g(c.E_local + 1, 0);
+    for (int e = 0; e < c.E_local; ++e) g[e + 1] = static_cast<int32_t>(std::min(l.offset[e] + l.padded[e], l.R));
+    EXPECT_EQ(o.group_offsets, g) << at << " group offsets";
+    EXPECT_EQ(widen<int64_t>(o.counts), l.count) << at << " local counts";
+    EXPECT_EQ(widen<int64_t>(o.slot_rows), plan.send[p].slot_row) << at << " send row of each slot";
+    const std::vector<int64_t> drops(plan.dropped.begin() + p * c.P, plan.dropped.begin() + (p + 1) * c.P);
+    EXPECT_EQ(o.dropped, drops) << at << " drop counts per destination";
+  }
+}
+
+// ---- the single-GPU side ----
+
+// All ranks' routing in rank order, with the entries the capacity dropped emptied.
+ref::Routing concatenated_routing(const EpCase& c, const EpInputs& in) {
+  const ref::EpPlan plan = ref::plan_ep_dispatch(in.routing, c.ref_config());
+  ref::Routing all;
+  all.form = c.form;
+  all.E = c.E();
+  all.k = c.k;
+  for (int p = 0; p < c.P; ++p) {
+    ref::Routing r = in.routing[p];
+    for (size_t i = 0; i < r.probs.size(); ++i)
+      if (plan.slot_expert[p][i] >= 0 && plan.send[p].slot_row[i] < 0) {  // dropped at the capacity
+        if (c.form == RoutingForm::kTopK)
+          r.indices[i] = -1;
+        else
+          r.map[i] = 0;
+      }
+    all.T += r.T;
+    all.indices.insert(all.indices.end(), r.indices.begin(), r.indices.end());
+    all.map.insert(all.map.end(), r.map.begin(), r.map.end());
+    all.probs.insert(all.probs.end(), r.probs.begin(), r.probs.end());
+  }
+  return all;
+}
+
+void check_against_single_gpu(const EpCase& c, const EpInputs& in, const std::vector<EpRankOut>& out,
+                              uint64_t seed) {
+  const ref::Routing all = concatenated_routing(c, in);
+  const int E = c.E(), S = c.slots();
+  const int64_t T = all.T, row = c.H * elem_bytes(c.dt);
+  DispatcherConfig dc;
+  dc.max_tokens = T;
+  dc.num_experts = E;
+  dc.topk = c.k;
+  dc.hidden = c.H;
+  dc.form = c.form;
+  dc.row_dtype = c.dt;
+  dc.options.align = c.A;
+  if (c.form == RoutingForm::kMap) dc.options.row_bound = T * E + int64_t{E} * c.A;
+  Dispatcher d(dc);
+  SavedState plan = d.new_plan();
+  const int64_t R = d.rows();
+  ErrorWord err;
+  DevBuf<float> probs(std::vector<float>(all.probs.begin(), all.probs.end()));
+  DevBuf<int32_t> indices;
+  DevBuf<uint8_t> map;
+  RoutingView rv;
+  rv.form = c.form;
+  rv.probs = TensorView(probs.get(), DType::kFP32, {T, S});
+  if (c.form == RoutingForm::kTopK) {
+    indices = DevBuf<int32_t>(all.indices);
+    rv.indices = TensorView(indices.get(), DType::kInt32, {T, S});
+  } else {
+    map = DevBuf<uint8_t>(all.map);
+    rv.map = TensorView(map.get(), DType::kUInt8, {T, S});
+  }
+  std::vector<double> x_all;
+  for (const auto& x : in.x) x_all.insert(x_all.end(), x.begin(), x.end());
+  DevBuf<uint8_t> x(encode(x_all, c.dt)), x_perm(R * row), Y, y(T * row), dY(R * row), d_x_perm, dx(T * row),
+      dy;
+  DevBuf<float> dprobs_c(T * S), dprobs_d(T * S), d_probs_perm;
+  cudaStream_t s = nullptr;
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  d.plan(rv, err.device_ptr(), plan, s);
+  d.permute(plan, rows_view(c, x, T), rows_view(c, x_perm, R), s);
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  const std::vector<int32_t> g = download_view<int32_t>(d.group_offsets(plan));
+  const std::vector<int32_t> n = download_view<int32_t>(d.counts(plan));
+
+  // The same keyed rows as upload_backward_inputs, in the single-GPU layout.
+  EpCase one = c;
+  one.E_local = E;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  Y = DevBuf<uint8_t>(encode(
+      group_rows(one, 0, g, n, R, nan, [&](int e, int64_t j, int64_t h) { return keyed_value(seed, e, j, h, c.dt); }),
+      c.dt));
+  d_x_perm = DevBuf<uint8_t>(encode(group_rows(one, 0, g, n, R, nan,
+                                                     [&](int e, int64_t j, int64_t h) {
+                                                       return keyed_value(seed + 1, e, j, h, c.dt);
+                                                     }),
+                                          c.dt));
+  std::vector<float> dpp(static_cast<size_t>(R), std::numeric_limits<float>::quiet_NaN());
+  for (int e = 0; e < E; ++e)
+    for (int64_t j = 0; j < std::min<int64_t>(n[e], g[e + 1] - g[e]); ++j)
+      dpp[g[e] + j] = static_cast<float>(keyed_value(seed + 2, e, j, 0, DType::kFP32));
+  d_probs_perm = DevBuf<float>(dpp);
+  std::vector<double> dyv(static_cast<size_t>(T * c.H));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < c.H; ++h) dyv[t * c.H + h] = keyed_value(seed + 3, t, h, 0, c.dt);
+  dy = DevBuf<uint8_t>(encode(dyv, c.dt));
+
+  const TensorView Yv = rows_view(c, Y, R);
+  d.unpermute(plan, Yv, rows_view(c, y, T), MergeProbs::kPlanned, s);
+  const TensorView dpc(dprobs_c.get(), DType::kFP32, {T, S});
+  d.unpermute_backward(plan, rows_view(c, dy, T), rows_view(c, dY, R), MergeProbs::kPlanned, s, nullptr, &Yv, &dpc);
+  const TensorView dppv(d_probs_perm.get(), DType::kFP32, {R});
+  const TensorView dpd(dprobs_d.get(), DType::kFP32, {T, S});
+  d.permute_backward(plan, rows_view(c, d_x_perm, R), rows_view(c, dx, T), s, &dppv, &dpd);
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  cudaStreamDestroy(s);
+  const Bytes xp = x_perm.download(), yb = y.download(), dYb = dY.download(), dxb = dx.download();
+  const std::vector<float> dpcb = dprobs_c.download(), dpdb = dprobs_d.download();
+
+  int64_t first = 0;
+  for (int p = 0; p < c.P; ++p) {
+    const std::string at = c.name + " rank " + std::to_string(p);
+    const EpRankOut& o = out[p];
+    const int64_t Tp = c.T[p];
+    // Expert groups of x_perm (and of dY, pad rows included) equal the single-GPU ones.
+    for (int e = 0; e < c.E_local; ++e) {
+      const int ge = p * c.E_local + e;
+      const int64_t rows = o.group_offsets[e + 1] - o.group_offsets[e];
+      ASSERT_EQ(rows, g[ge + 1] - g[ge]) << at << " rows of expert " << ge;
+      expect_same_bytes(o.x_perm.data() + o.group_offsets[e] * row, xp.data() + g[ge] * row, rows * row,
+                        at + " x_perm group of expert " + std::to_string(ge));
+      expect_same_bytes(o.dY.data() + o.group_offsets[e] * row, dYb.data() + g[ge] * row, rows * row,
+                        at + " dY group of expert " + std::to_string(ge));
+    }
+    expect_same_bytes(o.y.data(), yb.data() + first * row, Tp * row, at + " y");
+    expect_same_bytes(o.dx.data(), dxb.data() + first * row, Tp * row, at + " dx");
+    expect_same_bytes(o.dprobs_combine.data(), dpcb.data() + first * S, Tp * S * 4, at + " combine dprobs");
+    expect_same_bytes(o.dprobs_dispatch.data(), dpdb.data() + first * S, Tp * S * 4, at + " dispatch dprobs");
+    // Rows of dY past the groups are zero.
+    for (int64_t b = o.group_offsets[c.E_local] * row; b < static_cast<int64_t>(o.dY.size()); ++b)
+      if (o.dY[b] != 0) {
+        ADD_FAILURE() << at << " dY: nonzero byte past the groups at " << b;
+        break;
+      }
+    first += Tp;
+  }
+}
+
+void run_case(const EpCase& c, bool single_gpu_check = true) {
+  SCOPED_TRACE(c.name);
+  InProcessWorld world(c.P);
+  const uint64_t seed = c.seed;
+  const EpInputs in = make_ep_inputs(c, seed);
+  const std::vector<EpRankOut> out = run_ep_case(c, world.w, in, seed + 100);
+  check_against_reference(c, in, out);
+  if (single_gpu_check) check_against_single_gpu(c, in, out, seed + 100);
+}
+
+// ---- cases ----
+
+TEST(ExpertParallel, TwoRanksNoDrops) {
+  MOE_REQUIRE_GPU();
+  EpCase c;
+  c.name = "P2 top-2 A0 no drops";
+  c.P = 2;
+  c.E_local = 3;
+  c.k = 2;
+  c.C = 200;
+  c.T = {40, 33};
+  run_case(c);
+}
+
+TEST(ExpertParallel, FourRanksSkewedWithDropsAndAnEmptyRank) {
+  MOE_REQUIRE_GPU();
+  EpCase c;
+  c.name = "P4 top-4 A16 skewed, drops, T=0 on rank 1";
+  c.P = 4;
+  c.E_local = 2;
+  c.k = 4;
+  c.A = 16;
+  c.C = 24;
+  c.skew = 1.5;
+  c.T = {64, 0, 50, 31};
+  c.seed = 2;
+  run_case(c);
+}
+
+TEST(ExpertParallel, EightRanksAlign128Drops) {
+  MOE_REQUIRE_GPU();
+  EpCase c;
+  c.name = "P8 top-2 A128 skewed";
+  c.P = 8;
+  c.E_local = 2;
+  c.k = 2;
+  c.A = 128;
+  c.C = 6;
+  c.skew = 2.0;
+  c.T = {20, 17, 3, 0, 25, 9, 30, 11};
+  c.H = 128;
+  c.seed = 3;
+  run_case(c);
+}
+
+TEST(ExpertParallel, MapFormWithDrops) {
+  MOE_REQUIRE_GPU();
+  EpCase c;
+  c.name = "P4 map A16";
+  c.form = RoutingForm::kMap;
+  c.P = 4;
+  c.E_local = 2;
+  c.k = 3;
+  c.A = 16;
+  c.C = 10;
+  c.T = {30, 25, 0, 17};
+  c.seed = 4;
+  run_case(c);
+}
+
+TEST(ExpertParallel, Fp32RowsAndEveryAlignment) {
+  MOE_REQUIRE_GPU();
+  for (int A : {0, 16, 128}) {
+    EpCase c;
+    c.name = "P2 fp32 A" + std::to_string(A);
+    c.P = 2;
+    c.E_local = 4;
+    c.k = 3;
+    c.A = A;
+    c.C = 20;
+    c.T = {21, 14};
+    c.H = 32;
+    c.dt = DType::kFP32;
+    c.seed = 5 + A;
+    run_case(c);
+  }
+}
+
+TEST(ExpertParallel, ZeroCapacityDropsEverything) {
+  MOE_REQUIRE_GPU();
+  EpCase c;
+  c.name = "P2 C=0";
+  c.P = 2;
+  c.E_local = 2;
+  c.k = 2;
+  c.C = 0;
+  c.T = {8, 5};
+  c.seed = 6;
+  run_case(c);
+}
+
+TEST(ExpertParallel, AllRanksEmpty) {
+  MOE_REQUIRE_GPU();
+  EpCase c;
+  c.name = "P4 T=0 everywhere";
+  c.P = 4;
+  c.E_local = 2;
+  c.k = 2;
+  c.A = 16;
+  c.C = 4;
+  c.T = {0, 0, 0, 0};
+  run_case(c);
+}
+
+// R_d smaller than the received groups: rows past it are not written and the bit is raised on the
+// destination (the reference gives which); the data movement still matches the reference.
+TEST(ExpertParallel, RowBoundOverflowFlagsTheDestination) {
+  MOE_REQUIRE_GPU();
+  EpCase c;
+  c.name = "P4 R_d = 8";
+  c.P = 4;
+  c.E_local = 2;
+  c.k = 2;
+  c.C = 16;
+  c.T = {16, 16, 16, 16};
+  c.row_bound = 8;
+  c.skew = 2.0;
+  c.seed = 7;
+  run_case(c, /*single_gpu_check=*/false);
+}
+
+// Bad routing entries on rank 1 only: skipped and flagged on rank 1, as the reference does.
+TEST(ExpertParallel, BadRoutingIsFlaggedOnItsSource) {
+  MOE_REQUIRE_GPU();
+  EpCase c;
+  c.name = "P2 bad routing on rank 1";
+  c.P = 2;
+  c.E_local = 2;
+  c.k = 2;
+  c.C = 64;
+  c.T = {6, 6};
+  InProcessWorld world(c.P);
+  EpInputs in = make_ep_inputs(c, 9);
+  in.routing[1].indices[0] = 7;                                   // out of range (E = 4)
+  in.routing[1].indices[3] = in.routing[1].indices[2];            // duplicate in token 1
+  in.routing[1].probs[4] = std::numeric_limits<double>::infinity();  // non-finite prob
+  const std::vector<EpRankOut> out = run_ep_case(c, world.w, in, 109);
+  check_against_reference(c, in, out);
+  EXPECT_EQ(out[0].error_bits, 0u);
+  EXPECT_EQ(out[1].error_bits, kErrExpertOutOfRange | kErrDuplicateExpert | kErrNonFiniteProb);
+}
+
+// Graph capture of dispatch, combine and both backwards on every rank; replay with new routing in
+// the same buffers == an eager run of that routing, bit for bit.
+TEST(ExpertParallel, GraphReplayWithNewRoutingMatchesEager) {
+  MOE_REQUIRE_GPU();
+  EpCase c;
+  c.name = "P4 graph";
+  c.P = 4;
+  c.E_local = 2;
+  c.k = 2;
+  c.A = 16;
+  c.C = 12;
+  c.skew = 1.0;
+  c.T = {24, 24, 24, 24};
+  InProcessWorld world(c.P);
+  const EpInputs a = make_ep_inputs(c, 11), b = make_ep_inputs(c, 12);
+
+  // Backward inputs that do not depend on the layout (no NaN): the same bytes in both runs.
+  auto fill_backward = [&](std::vector<EpRank>& ranks) {
+    for (int p = 0; p < c.P; ++p) {
+      EpRank& r = ranks[p];
+      const int64_t R = r.ep->rows();
+      r.Y.upload(encode(random_rows(R, c.H, c.dt, 50 + p), c.dt));
+      r.d_x_perm.upload(encode(random_rows(R, c.H, c.dt, 60 + p), c.dt));
+      r.dy.upload(encode(random_rows(r.T, c.H, c.dt, 70 + p), c.dt));
+      const std::vector<double> dpp = random_rows(R, 1, DType::kFP32, 80 + p);
+      r.d_probs_perm.upload(std::vector<float>(dpp.begin(), dpp.end()));
+    }
+  };
+
+  std::vector<EpRank> eager = make_ranks(c, world.w, b);
+  fill_backward(eager);
+  enqueue_dispatch(c, world.w, eager);
+  enqueue_combine_and_backward(c, world.w, eager);
+  sync_world(world.w);
+  std::vector<EpRankOut> want;
+  download_dispatch(world.w, eager, want);
+  download_backward(world.w, eager, want);
+
+  std::vector<EpRank> graphed = make_ranks(c, world.w, a);
+  fill_backward(graphed);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  // Relaxed: the ranks' threads launch into the capturing stream.
+  MOE_CUDA_CHECK(cudaStreamBeginCapture(world.stream, cudaStreamCaptureModeRelaxed));
+  enqueue_dispatch(c, world.w, graphed);
+  enqueue_combine_and_backward(c, world.w, graphed);
+  MOE_CUDA_CHECK(cudaStreamEndCapture(world.stream, &graph));
+  MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int p = 0; p < c.P; ++p) upload_routing(c, b, p, graphed[p]);
+  MOE_CUDA_CHECK(cudaGraphLaunch(exec, world.stream));
+  sync_world(world.w);
+  std::vector<EpRankOut> got;
+  download_dispatch(world.w, graphed, got);
+  download_backward(world.w, graphed, got);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+
+  for (int p = 0; p < c.P; ++p) {
+    const std::string at = "rank " + std::to_string(p);
+    EXPECT_EQ(got[p].x_perm, want[p].x_perm) << at;
+    EXPECT_EQ(got[p].send, want[p].send) << at;
+    EXPECT_EQ(got[p].recv, want[p].recv) << at;
+    EXPECT_EQ(got[p].probs_perm, want[p].probs_perm) << at;
+    EXPECT_EQ(got[p].group_offsets, want[p].group_offsets) << at;
+    EXPECT_EQ(got[p].slot_rows, want[p].slot_rows) << at;
+    EXPECT_EQ(got[p].dropped, want[p].dropped) << at;
+    EXPECT_EQ(got[p].error_bits, want[p].error_bits) << at;
+    EXPECT_EQ(got[p].y, want[p].y) << at;
+    EXPECT_EQ(got[p].dY, want[p].dY) << at;
+    EXPECT_EQ(got[p].dx, want[p].dx) << at;
+    expect_same_bytes(got[p].dprobs_combine.data(), want[p].dprobs_combine.data(),
+                      want[p].dprobs_combine.size() * 4, at + " combine dprobs");
+    expect_same_bytes(got[p].dprobs_dispatch.data(), want[p].dprobs_dispatch.data(),
+                      want[p].dprobs_dispatch.size() * 4, at + " dispatch dprobs");
+  }
+  // The replayed routing is b's: the reference agrees (data movement).
+  check_against_reference(c, b, got);
+}
+
+// Two micro-batches in flight on the same dispatchers (one state each): dispatch A, dispatch B,
+// combine B, combine A (identity experts: Y = x_perm, merging the given probs) == each one alone.
+TEST(ExpertParallel, MicroBatchesInFlightKeepTheirOwnState) {
+  MOE_REQUIRE_GPU();
+  EpCase c;
+  c.name = "P4 in flight";
+  c.P = 4;
+  c.E_local = 2;
+  c.k = 2;
+  c.A = 16;
+  c.C = 10;
+  c.skew = 1.0;
+  c.T = {20, 20, 9, 20};
+  InProcessWorld world(c.P);
+  const EpInputs a = make_ep_inputs(c, 41), b = make_ep_inputs(c, 42);
+  const int S = c.slots();
+  const int64_t row = c.H * elem_bytes(c.dt);
+
+  // Dispatch then combine of one micro-batch on its own ranks; y per rank.
+  auto combine = [&](std::vector<EpRank>& ranks, std::vector<SavedState>& states,
+                     std::vector<DevBuf<uint8_t>>& x_perm, std::vector<DevBuf<uint8_t>>& y) {
+    run_ranks(world.w, [&](int p) {
+      EpRank& r = ranks[p];
+      const TensorView probs(r.probs.get(), DType::kFP32, {r.T, S});
+      r.ep->combine(states[p], rows_view(c, x_perm[p], r.ep->rows()), rows_view(c, y[p], r.T), MergeProbs::kGiven,
+                    world.stream, &probs);
+    });
+  };
+  auto dispatch = [&](std::vector<EpRank>& ranks, std::vector<SavedState>& states,
+                      std::vector<DevBuf<uint8_t>>& x_perm) {
+    run_ranks(world.w, [&](int p) {
+      EpRank& r = ranks[p];
+      r.ep->plan_and_dispatch(routing_view(c, r), rows_view(c, r.x, r.T), r.err->device_ptr(), states[p],
+                              rows_view(c, x_perm[p], r.ep->rows()), world.stream);
+    });
+  };
+  auto buffers = [&](std::vector<EpRank>& ranks, bool per_token) {
+    std::vector<DevBuf<uint8_t>> v;
+    for (auto& r : ranks) v.emplace_back((per_token ? r.T : r.ep->rows()) * row);
+    return v;
+  };
+  auto alone = [&](const EpInputs& in, std::vector<Bytes>& xp_out, std::vector<Bytes>& y_out) {
+    std::vector<EpRank> ranks = make_ranks(c, world.w, in);
+    std::vector<SavedState> states;
+    for (auto& r : ranks) states.push_back(r.state);
+    auto xp = buffers(ranks, false), y = buffers(ranks, true);
+    dispatch(ranks, states, xp);
+    combine(ranks, states, xp, y);
+    sync_world(world.w);
+    for (int p = 0; p < c.P; ++p) {
+      xp_out.push_back(xp[p].download());
+      y_out.push_back(y[p].download());
+    }
+  };
+  std::vector<Bytes> xa, ya, xb, yb;
+  alone(a, xa, ya);
+  alone(b, xb, yb);
+
+  // Both in flight on the same dispatchers: B's routing and x in buffers of its own.
+  std::vector<EpRank> ranks = make_ranks(c, world.w, a);
+  std::vector<EpRank> rb = make_ranks(c, world.w, b);  // only B's routing and x buffers are used
+  std::vector<SavedState> sa, sb;
+  for (int p = 0; p < c.P; ++p) {
+    sa.push_back(ranks[p].state);
+    sb.push_back(ranks[p].ep->new_state());  // B's state on A's dispatcher
+  }
+  auto xpa = buffers(ranks, false), ypa = buffers(ranks, true), xpb = buffers(ranks, false), ypb = buffers(ranks, true);
+  run_ranks(world.w, [&](int p) {
+    ranks[p].ep->plan_and_dispatch(routing_view(c, ranks[p]), rows_view(c, ranks[p].x, ranks[p].T),
+                                   ranks[p].err->device_ptr(), sa[p], rows_view(c, xpa[p], ranks[p].ep->rows()),
+                                   world.stream);
+  });
+  run_ranks(world.w, [&](int p) {  // B through A's dispatchers, its own state
+    ranks[p].ep->plan_and_dispatch(routing_view(c, rb[p]), rows_view(c, rb[p].x, rb[p].T), ranks[p].err->device_ptr(),
+                                   sb[p], rows_view(c, xpb[p], ranks[p].ep->rows()), world.stream);
+  });
+  run_ranks(world.w, [&](int p) {
+    const TensorView probs(rb[p].probs.get(), DType::kFP32, {rb[p].T, S});
+    ranks[p].ep->combine(sb[p], rows_view(c, xpb[p], ranks[p].ep->rows()), rows_view(c, ypb[p], rb[p].T),
+                         MergeProbs::kGiven, world.stream, &probs);
+  });
+  run_ranks(world.w, [&](int p) {
+    const TensorView probs(ranks[p].probs.get(), DType::kFP32, {ranks[p].T, S});
+    ranks[p].ep->combine(sa[p], rows_view(c, xpa[p], ranks[p].ep->rows()), rows_view(c, ypa[p], ranks[p].T),
+                         MergeProbs::kGiven, world.stream, &probs);
+  });
+  sync_world(world.w);
+  for (int p = 0; p < c.P; ++p) {
+    EXPECT_EQ(xpa[p].download(), xa[p]) << "rank " << p << " x_perm of A";
+    EXPECT_EQ(xpb[p].download(), xb[p]) << "rank " << p << " x_perm of B";
+    EXPECT_EQ(ypa[p].download(), ya[p]) << "rank " << p << " y of A";
+    EXPECT_EQ(ypb[p].download(), yb[p]) << "rank " << p << " y of B";
+  }
+}
+
+TEST(ExpertParallel, HostCheckedArguments) {
+  MOE_REQUIRE_GPU();
+  EpCase c;
+  c.P = 2;
+  c.T = {4, 4};
+  InProcessGroup group(2);
+  EpDispatcher ep(c.config(), group.endpoint(0));
+  SavedState state = ep.new_state();
+  ErrorWord err;
+  DevBuf<float> probs(4 * 2);
+  DevBuf<int32_t> idx(4 * 2);
+  DevBuf<uint8_t> x(4 * c.H * 2), xp(ep.rows() * c.H * 2);
+  RoutingView rv;
+  rv.probs = TensorView(probs.get(), DType::kFP32, {4, 2});
+  rv.indices = TensorView(idx.get(), DType::kInt32, {4, 2});
+  const TensorView xv(x.get(), DType::kBF16, {4, c.H}), xpv(xp.get(), DType::kBF16, {ep.rows(), c.H});
+  expect_error_naming([&] { ep.plan_and_dispatch(rv, xv, nullptr, state, xpv, nullptr); }, "error_word");
+  expect_error_naming([&] { ep.plan_and_dispatch(rv, TensorView(x.get(), DType::kBF16, {3, c.H}), err.device_ptr(),
+                                                  state, xpv, nullptr); }, "'x'");
+  expect_error_naming([&] { ep.plan_and_dispatch(rv, xv, err.device_ptr(), state,
+                                                  TensorView(xp.get(), DType::kBF16, {1, c.H}), nullptr); },
+                      "x_perm");
+  RoutingView bad = rv;
+  bad.probs = TensorView(probs.get(), DType::kFP32, {8, 1});
+  expect_error_naming([&] { ep.plan_and_dispatch(bad, xv, err.device_ptr(), state, xpv, nullptr); },
+                      "routing.probs");
+  // Never filled: the combine refuses the state.
+  expect_error_naming([&] { ep.combine(state, xpv, xv, MergeProbs::kNone, nullptr); }, "state");
+}
+
+}  // namespace
+}  // namespace moe

@@ -1,0 +1,115 @@
+// Expert parallelism over NCCL (moe::NcclTransport): one process drives every GPU (ncclCommInitAll,
+// one host thread per rank), P = 2 and 4 ranks, one rank per GPU. Every output of every rank --
+// send and receive buffers, x_perm, probs_perm, groups, drops, error bits, combine, both
+// backwards -- must equal bit for bit the run of the same inputs over P ranks simulated on one GPU
+// (InProcessGroup), which tests/gpu/test_expert_parallel.cu checks against the CPU reference.
+// SKIPPED without NCCL in the build or with fewer GPUs than ranks. NVLink multicast (NVLS) is
+// switched off before NCCL starts: it must never be used here.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moe/expert_parallel.h"
+#include "support/ep_harness.h"
+#include "support/gpu.h"
+
+#if MOE_HAVE_NCCL
+#include <nccl.h>
+#endif
+
+namespace moe {
+namespace {
+
+using namespace ::moe::testing;
+
+std::vector<EpRankOut> run_in_process(const EpCase& c, const EpInputs& in, uint64_t seed) {
+  InProcessGroup group(c.P);
+  cudaStream_t s = nullptr;
+  MOE_CUDA_CHECK(cudaSetDevice(0));
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  EpWorld w;
+  w.P = c.P;
+  w.device.assign(c.P, 0);
+  w.stream.assign(c.P, s);
+  for (int p = 0; p < c.P; ++p) w.transport.push_back(&group.endpoint(p));
+  w.abort = [&] { group.abort(); };
+  std::vector<EpRankOut> out = run_ep_case(c, w, in, seed);
+  cudaStreamDestroy(s);
+  return out;
+}
+
+#if MOE_HAVE_NCCL
+std::vector<EpRankOut> run_nccl(const EpCase& c, const EpInputs& in, uint64_t seed) {
+  setenv("NCCL_NVLS_ENABLE", "0", 1);  // before NCCL initialises: no NVLink multicast
+  std::vector<ncclComm_t> comms(c.P);
+  std::vector<int> devices(c.P);
+  for (int p = 0; p < c.P; ++p) devices[p] = p;
+  const ncclResult_t st = ncclCommInitAll(comms.data(), c.P, devices.data());
+  if (st != ncclSuccess) ADD_FAILURE() << "ncclCommInitAll: " << ncclGetErrorString(st);
+  if (st != ncclSuccess) return {};
+  EpWorld w;
+  w.P = c.P;
+  w.device = devices;
+  std::vector<std::unique_ptr<NcclTransport>> transports;
+  for (int p = 0; p < c.P; ++p) {
+    MOE_CUDA_CHECK(cudaSetDevice(p));
+    cudaStream_t s = nullptr;
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    w.stream.push_back(s);
+    transports.push_back(std::make_unique<NcclTransport>(comms[p]));
+    EXPECT_EQ(transports[p]->rank(), p);
+    w.transport.push_back(transports[p].get());
+  }
+  std::vector<EpRankOut> out = run_ep_case(c, w, in, seed);
+  for (int p = 0; p < c.P; ++p) {
+    MOE_CUDA_CHECK(cudaSetDevice(p));
+    cudaStreamDestroy(w.stream[p]);
+    ncclCommDestroy(comms[p]);
+  }
+  MOE_CUDA_CHECK(cudaSetDevice(0));
+  return out;
+}
+#endif
+
+void run_both(const EpCase& c) {
+  MOE_REQUIRE_GPU();
+#if !MOE_HAVE_NCCL
+  GTEST_SKIP() << "built without NCCL: NcclTransport not tested";
+#else
+  int n = 0;
+  MOE_CUDA_CHECK(cudaGetDeviceCount(&n));
+  if (n < c.P) GTEST_SKIP() << c.P << " ranks need " << c.P << " GPUs, found " << n;
+  const EpInputs in = make_ep_inputs(c, c.seed);
+  const std::vector<EpRankOut> want = run_in_process(c, in, c.seed + 100);
+  const std::vector<EpRankOut> got = run_nccl(c, in, c.seed + 100);
+  ASSERT_EQ(got.size(), want.size());
+  expect_same_outputs(got, want, c.name + " NCCL vs in-process");
+#endif
+}
+
+EpCase nccl_case(int P, RoutingForm form) {
+  EpCase c;
+  c.name = "P" + std::to_string(P) + (form == RoutingForm::kTopK ? " top-k" : " map");
+  c.form = form;
+  c.P = P;
+  c.E_local = 4;
+  c.k = form == RoutingForm::kTopK ? 4 : 3;
+  c.A = 16;
+  c.C = 48;
+  c.H = 256;
+  c.skew = 1.5;  // some pairs overflow the capacity: drops and error bits are compared too
+  c.seed = 20 + P;
+  for (int p = 0; p < P; ++p) c.T.push_back(p == 1 ? 0 : 40 + 13 * p);  // rank 1 has no tokens
+  return c;
+}
+
+TEST(ExpertParallelNccl, TwoRanksTopKMatchesInProcess) { run_both(nccl_case(2, RoutingForm::kTopK)); }
+TEST(ExpertParallelNccl, TwoRanksMapMatchesInProcess) { run_both(nccl_case(2, RoutingForm::kMap)); }
+TEST(ExpertParallelNccl, FourRanksTopKMatchesInProcess) { run_both(nccl_case(4, RoutingForm::kTopK)); }
+TEST(ExpertParallelNccl, FourRanksMapMatchesInProcess) { run_both(nccl_case(4, RoutingForm::kMap)); }
+
+}  // namespace
+}  // namespace moe
