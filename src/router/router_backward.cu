@@ -143,14 +143,13 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) backward_kernel(Rou
     if (next < tile_end) load_row<NJ, kBF16>(p, next * RPW + L.slot, next * RPW + L.slot < p.T, base, raw);
     const int64_t ahead = tile + kPrefetchTiles * kRouterWarps;
     if (ahead < tile_end) prefetch_saved<NJ, kBF16>(a, ahead * RPW + L.slot, L, base, true);
-    if (t >= p.T) continue;  // the whole group
+    // Control flow is uniform across the warp: a group whose row is past T (the last tile) or was
+    // routed nowhere (non-finite input: zero gradient) computes along with its neighbours and only
+    // its reads of saved data and its store depend on it. Every collective below -- shuffles, redux
+    // over a group's mask, __syncwarp -- is executed by all 32 lanes of the warp together.
+    const bool live = t < p.T;  // the group's (all its lanes share t)
+    const bool routed = live && __ldg(a.selected + t * W) >= 0;
     float dz[NJ];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) dz[j] = 0.0f;
-    if (__ldg(a.selected + t * W) < 0) {  // a row with non-finite input: routed nowhere, zero gradient
-      store_grad_row<NJ, kBF16>(a, t, base, vmask, dz);
-      continue;
-    }
 
     // Scores (as the forward computed them).
     float mx = 0.0f, inv = 0.0f, lse = 0.0f;
@@ -173,7 +172,7 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) backward_kernel(Rou
     for (int j = 0; j < NJ; ++j) ubuf[base + j] = 0.0f;
     float S = 0.0f, GS = 0.0f, zm = -INFINITY;
     for (int j = L.lane_g; j < W; j += G) {
-      const int e = __ldg(a.selected + t * W + j);
+      const int e = routed ? __ldg(a.selected + t * W + j) : -1;
       float g = 0.0f, pv = 0.0f;
       if (e >= 0) {
         const bool kept = topk ? (j < k && __ldg(a.indices + t * k + j) == e) : a.map[t * E + e] != 0;
@@ -235,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) backward_kernel(Rou
     }
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
-      if (seq && ((vmask >> j) & 1u)) ua[j] += seq_scale * static_cast<float>(__ldg(a.seq_counts + b * E + base + j));
+      if (seq && routed && ((vmask >> j) & 1u)) ua[j] += seq_scale * static_cast<float>(__ldg(a.seq_counts + b * E + base + j));
     }
     if (soft) {
       float dot = 0.0f;
@@ -263,7 +262,11 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) backward_kernel(Rou
 #pragma unroll
       for (int j = 0; j < NJ; ++j) dz[j] += gz * __fmul_rn(ex[j], inv);
     }
-    store_grad_row<NJ, kBF16>(a, t, base, vmask, dz);
+    if (!routed) {  // a non-finite row's gradient is zero
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) dz[j] = 0.0f;
+    }
+    if (live) store_grad_row<NJ, kBF16>(a, t, base, vmask, dz);
   }
 }
 

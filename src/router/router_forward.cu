@@ -259,26 +259,36 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
   const int64_t block_end = (int64_t{blockIdx.x} + 1) * tiles_per_block;
   const int64_t tile_end = tiles < block_end ? tiles : block_end;
   int64_t tile = int64_t{blockIdx.x} * tiles_per_block + warp;
+  constexpr uint32_t kAllJ = (1u << NJ) - 1u;
+  const uint32_t id0 = K::id_of(base);  // key id of expert base; base + j has id0 - j
   RawRow<NJ, kBF16> raw;
   if (tile < tile_end) load_row<NJ, kBF16>(p, tile * RPW + L.slot, tile * RPW + L.slot < p.T, base, raw);
   for (int d = 2; d < kPrefetchTiles; ++d)
     if (tile + d * kRouterWarps < tile_end) prefetch_row<NJ, kBF16>(p, (tile + d * kRouterWarps) * RPW + L.slot, base);
+  // Control flow in this loop is uniform across the warp: `tile` is the warp's own, and a row group
+  // whose row is past T (in the last tile) or holds a non-finite logit runs the same instructions
+  // as the other groups of its warp with its stores and atomics switched off (`routed`). No lane
+  // leaves an iteration early, so every collective below -- shuffles, ballots, redux over a group's
+  // mask, __syncwarp -- is executed by all 32 lanes of the warp together, and every thread reaches
+  // the block barrier after the loop.
   for (; tile < tile_end; tile += kRouterWarps) {
     const int64_t t = tile * RPW + L.slot;
+    const bool live = t < p.T;  // the group's (all its lanes share t)
     float z[NJ];
     unpack_row<NJ, kBF16>(raw, z);
     const int64_t next = tile + kRouterWarps;  // prefetch: the next row's load overlaps this row's work
     if (next < tile_end) load_row<NJ, kBF16>(p, next * RPW + L.slot, next * RPW + L.slot < p.T, base, raw);
     const int64_t ahead = tile + kPrefetchTiles * kRouterWarps;  // and rows further on wait in L2
     if (ahead < tile_end) prefetch_row<NJ, kBF16>(p, ahead * RPW + L.slot, base);
-    if (t >= p.T) continue;  // the whole group
-    if (group_any(!bias_ok || !lane_finite<NJ>(z, vmask), L)) {
+    // A row past T was loaded as -inf: "not finite", and not live.
+    const bool bad = group_any(!bias_ok || !row_part_finite<NJ>(z, vmask), L);
+    const bool routed = live && !bad;
+    if (live && bad) {  // no collective inside: the group may take it alone
       bits |= kErrNonFiniteLogit;
       write_unrouted_row<NJ>(a, t, L, base, vmask);
-      continue;
     }
 
-    // Scores.
+    // Scores (of every row group; an unrouted group's values are never stored).
     float mx = 0.0f, inv = 0.0f, lse = 0.0f;
     float s[NJ];
 #pragma unroll
@@ -303,17 +313,19 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
         for (int j = 0; j < NJ; ++j) ss += s[j];
         is = 1.0f / group_sum(ss, L);
       }
+      if (routed) {
 #pragma unroll
-      for (int i = 0; i < NJ / 4; ++i) {
-        float4 c = my_acc[i];
-        c.x += soft ? s[4 * i] : s[4 * i] * is;
-        c.y += soft ? s[4 * i + 1] : s[4 * i + 1] * is;
-        c.z += soft ? s[4 * i + 2] : s[4 * i + 2] * is;
-        c.w += soft ? s[4 * i + 3] : s[4 * i + 3] * is;
-        my_acc[i] = c;
+        for (int i = 0; i < NJ / 4; ++i) {
+          float4 c = my_acc[i];
+          c.x += soft ? s[4 * i] : s[4 * i] * is;
+          c.y += soft ? s[4 * i + 1] : s[4 * i + 1] * is;
+          c.z += soft ? s[4 * i + 2] : s[4 * i + 2] * is;
+          c.w += soft ? s[4 * i + 3] : s[4 * i + 3] * is;
+          my_acc[i] = c;
+        }
       }
     }
-    if (want_lse && L.lane_g == 0) zacc += lse * lse;
+    if (want_lse && routed && L.lane_g == 0) zacc += lse * lse;
 
     // Selection values: sv, the biased score groups and the select pass compare; v orders the experts.
     float v[NJ];
@@ -358,33 +370,62 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
       }
     }
 
-    // Top-W: the lane sorts its keys once; each round the group's largest head wins and its lane
-    // pops it. Round w's key is slot w.
+    // Top-W. Keys of experts past E are 0, below every real key (-inf included), and never win:
+    // W <= E. Round w's winner (the group's largest remaining key) is slot w, which lane 0 of the
+    // group stages in shared memory.
     Key key[NJ];
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) key[j] = ((vmask >> j) & 1u) ? K::make(v[j], base + j) : Key{0};
-    sort_desc<NJ>(key);
-    for (int w = 0; w < W; ++w) {
-      const Key head = key[0];
-      const Key m = K::group_max(head, L);
-      if (head == m) {
+    for (int j = 0; j < NJ; ++j) key[j] = K::make_id(v[j], id0 - static_cast<uint32_t>(j));
+    if (vmask != kAllJ) {  // the row's last lane when E % NJ != 0, or a lane past E
 #pragma unroll
-        for (int j = 0; j < NJ - 1; ++j) key[j] = key[j + 1];
-        key[NJ - 1] = Key{0};
+      for (int j = 0; j < NJ; ++j)
+        if (!((vmask >> j) & 1u)) key[j] = Key{0};
+    }
+    if (W <= 2) {
+      // A lane gives at most W slots: its two largest keys suffice (3 integer ops a key, no sort).
+      Key t1 = key[0], t2 = Key{0};
+#pragma unroll
+      for (int j = 1; j < NJ; ++j) {
+        const Key x = key[j];
+        const Key lo = x < t1 ? x : t1;
+        t2 = lo > t2 ? lo : t2;
+        t1 = x > t1 ? x : t1;
       }
-      if (L.lane_g == 0) slots[w] = K::to_slot(m);
+      for (int w = 0; w < W; ++w) {
+        const Key m = K::group_max(t1, L);
+        if (t1 == m) {  // keys are unique (the expert id is part of them): one lane pops
+          t1 = t2;
+          t2 = Key{0};
+        }
+        if (L.lane_g == 0) slots[w] = K::to_slot(m);
+      }
+    } else {
+      // The lane sorts its keys once; each round the group's largest head wins and its lane pops it.
+      sort_desc<NJ>(key);
+      for (int w = 0; w < W; ++w) {
+        const Key head = key[0];
+        const Key m = K::group_max(head, L);
+        if (head == m) {
+#pragma unroll
+          for (int j = 0; j < NJ - 1; ++j) key[j] = key[j + 1];
+          key[NJ - 1] = Key{0};
+        }
+        if (L.lane_g == 0) slots[w] = K::to_slot(m);
+      }
     }
     __syncwarp(L.mask);
 
     // Slots, lane j holding slots j, j + G, ...: the expert and its prob source (score, or logit
-    // with softmax-after), then the sums the probs need.
+    // with softmax-after), then the sums the probs need. Without a bias the key's value is the
+    // logit itself (exact: bf16 in Key32, fp32 in Key64), so it is not read again.
     float den = 0.0f, zm = -INFINITY;
     for (int j = L.lane_g; j < W; j += G) {
       const Key m = K::from_slot(slots[j]);
-      const int e = K::value(m) == -INFINITY ? -1 : K::expert(m);  // -inf: an excluded group's expert
+      const float mv = K::value(m);
+      const int e = !routed || mv == -INFINITY ? -1 : K::expert(m);  // -inf: an excluded group's expert
       float pv = 0.0f;
       if (e >= 0) {
-        const float ze = logit_at<kBF16>(p, t, e);
+        const float ze = by_z ? mv : logit_at<kBF16>(p, t, e);
         pv = p.softmax_after ? ze : score_of(p, ze, mx, inv);
         if (j < k) {
           den += pv;
@@ -406,45 +447,46 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
       for (int j = 0; j < NJ; ++j) rowbuf[base + j] = __uint_as_float(kUnrouted);
       __syncwarp(L.mask);
     }
-    for (int j = L.lane_g; j < W; j += G) {
-      const uint2 sl = slots[j];
-      const int e = static_cast<int>(sl.x);
-      const float pv = __uint_as_float(sl.y);
-      const bool chosen = j < k;
-      float prob = pv;  // plain score; also every rounding candidate's
-      if (p.softmax_after)
-        prob = chosen ? expf(pv - zm) / den : 0.0f;
-      else if (p.normalize && chosen)
-        prob = pv / den;
-      prob *= p.alpha;
-      const int64_t i = t * W + j;
-      a.selected[i] = e;
-      if (chosen) atomicAdd(&sh.hist[e], 1);
-      if (!select) {
-        if (!chosen) continue;
-        if (a.form == RoutingForm::kTopK) {
-          a.indices[t * k + j] = e;
-          a.probs[t * k + j] = prob;
+    if (routed) {  // no collective inside
+      for (int j = L.lane_g; j < W; j += G) {
+        const uint2 sl = slots[j];
+        const int e = static_cast<int>(sl.x);
+        const float pv = __uint_as_float(sl.y);
+        const bool chosen = j < k;
+        float prob = pv;  // plain score; also every rounding candidate's
+        if (p.softmax_after)
+          prob = chosen ? expf(pv - zm) / den : 0.0f;
+        else if (p.normalize && chosen)
+          prob = pv / den;
+        prob *= p.alpha;
+        const int64_t i = t * W + j;
+        a.selected[i] = e;
+        if (chosen) atomicAdd(&sh.hist[e], 1);
+        if (!select) {
+          if (!chosen) continue;
+          if (a.form == RoutingForm::kTopK) {
+            a.indices[t * k + j] = e;
+            a.probs[t * k + j] = prob;
+          } else {
+            rowbuf[e] = prob;
+          }
         } else {
-          rowbuf[e] = prob;
+          a.slot_prob[i] = prob;
+          float key_value = 0.0f;
+          if (a.select == SelectKey::kProb) key_value = prob;
+          if (a.select == SelectKey::kScore && e >= 0) key_value = __fadd_rn(pv, sh.bias[e]);
+          a.slot_key[i] = key_value;
+          a.kept[i] = 0;
+          if (in_list(a, j, e)) atomicAdd(&sh.chist[e], 1);
         }
-      } else {
-        a.slot_prob[i] = prob;
-        float key_value = 0.0f;
-        if (a.select == SelectKey::kProb) key_value = prob;
-        if (a.select == SelectKey::kScore && e >= 0) key_value = __fadd_rn(pv, sh.bias[e]);
-        a.slot_key[i] = key_value;
-        a.kept[i] = 0;
-        if (in_list(a, j, e)) atomicAdd(&sh.chist[e], 1);
       }
     }
     if (stage_map) {
       __syncwarp(L.mask);
-      store_map_row<NJ>(a, t, base, vmask, rowbuf);
+      if (routed) store_map_row<NJ>(a, t, base, vmask, rowbuf);
     }
     __syncwarp(L.mask);  // slots and rowbuf are rewritten by the next row
   }
-
   bits = __reduce_or_sync(kFull, bits);
   if (lane == 0 && bits) atomicOr(a.error_word, bits);
   // Block sums: the warp's row groups by a butterfly, then the warps in order.
@@ -579,16 +621,18 @@ __global__ void __launch_bounds__(kThreads) seq_loss_kernel(RouterForwardArgs a)
     const int64_t r = tile * RPW + L.slot, t = first + r;
     RawRow<NJ, kBF16> raw;
     load_row<NJ, kBF16>(p, t, r < Ls, base, raw);
-    if (r >= Ls) continue;
+    // Uniform across the warp (as in route_rows_kernel): a group past the sequence or with a
+    // non-finite row computes along and adds nothing.
     float z[NJ];
     unpack_row<NJ, kBF16>(raw, z);
-    if (group_any(!bias_ok || !lane_finite<NJ>(z, vmask), L)) continue;
+    const bool bad = group_any(!bias_ok || !row_part_finite<NJ>(z, vmask), L);  // every lane, always
+    const bool counted = r < Ls && !bad;
     float s[NJ];
     if (soft) {
       float mx, inv, lse, ex[NJ];
       softmax_parts<NJ>(z, L, false, mx, inv, lse, ex);
 #pragma unroll
-      for (int j = 0; j < NJ; ++j) acc[j] += __fmul_rn(ex[j], inv);
+      for (int j = 0; j < NJ; ++j) s[j] = __fmul_rn(ex[j], inv);
     } else {
       float ss = 0.0f;
 #pragma unroll
@@ -598,9 +642,13 @@ __global__ void __launch_bounds__(kThreads) seq_loss_kernel(RouterForwardArgs a)
       }
       const float is = 1.0f / group_sum(ss, L);
 #pragma unroll
-      for (int j = 0; j < NJ; ++j) acc[j] += s[j] * is;
+      for (int j = 0; j < NJ; ++j) s[j] *= is;
     }
-    for (int j = L.lane_g; j < k; j += G) atomicAdd(&sh.hist[a.selected[t * W + j]], 1);
+    if (counted) {
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) acc[j] += s[j];
+      for (int j = L.lane_g; j < k; j += G) atomicAdd(&sh.hist[a.selected[t * W + j]], 1);
+    }
   }
   for (int o = G; o < 32; o *= 2) {
 #pragma unroll

@@ -161,6 +161,21 @@ __device__ __forceinline__ bool lane_finite(const float (&z)[NJ], uint32_t vmask
   return ok;
 }
 
+// True when the lane's existing experts (bit j of vmask) are all finite. A lane whose NJ experts all
+// exist folds the test into one FMA per logit (z * 0 is 0 for a finite z, NaN for an infinite or NaN
+// one); a partial lane (the row's last, E % NJ != 0) or an empty one tests each existing expert.
+template <int NJ>
+__device__ __forceinline__ bool row_part_finite(const float (&z)[NJ], uint32_t vmask) {
+  constexpr uint32_t kAll = (1u << NJ) - 1u;
+  if (vmask == kAll) {
+    float chk = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) chk = fmaf(z[j], 0.0f, chk);
+    return chk == 0.0f;
+  }
+  return lane_finite<NJ>(z, vmask);
+}
+
 // ---- scores ----
 
 // The score of one logit; the row code and the per-slot recomputation both call this, so a
@@ -198,9 +213,14 @@ __device__ __forceinline__ void softmax_parts(const float (&z)[NJ], const Lanes&
 
 struct Key32 {
   using T = uint32_t;
-  __device__ static T make(float v, int e) {
-    return (float_key(v) & 0xffff0000u) | static_cast<uint32_t>(0xffff - e);
+  // id: 0xffff - e (id_of), computed once per lane. v + 0 turns -0 into +0 (one FADD instead of
+  // float_key's compare and select); the low 16 bits of a bf16 value are zero.
+  __device__ static uint32_t id_of(int e) { return static_cast<uint32_t>(0xffff - e); }
+  __device__ static T make_id(float v, uint32_t id) {
+    const uint32_t b = __float_as_uint(__fadd_rn(v, 0.0f));
+    return ((b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u)) & 0xffff0000u) | id;
   }
+  __device__ static T make(float v, int e) { return make_id(v, id_of(e)); }
   __device__ static int expert(T k) { return 0xffff - static_cast<int>(k & 0xffffu); }
   __device__ static float value(T k) {  // a negative value's key has its low 16 bits set
     const uint32_t hi = k & 0xffff0000u;
@@ -213,9 +233,13 @@ struct Key32 {
 
 struct Key64 {
   using T = uint64_t;
-  __device__ static T make(float v, int e) {
-    return (static_cast<uint64_t>(float_key(v)) << 32) | static_cast<uint32_t>(0xffffffffu - static_cast<uint32_t>(e));
+  __device__ static uint32_t id_of(int e) { return 0xffffffffu - static_cast<uint32_t>(e); }
+  __device__ static T make_id(float v, uint32_t id) {
+    const uint32_t b = __float_as_uint(__fadd_rn(v, 0.0f));  // -0 -> +0
+    const uint32_t hi = b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
+    return (static_cast<uint64_t>(hi) << 32) | id;
   }
+  __device__ static T make(float v, int e) { return make_id(v, id_of(e)); }
   __device__ static int expert(T k) { return static_cast<int>(0xffffffffu - static_cast<uint32_t>(k)); }
   __device__ static float value(T k) { return key_float(static_cast<uint32_t>(k >> 32)); }
   __device__ static T group_max(T k, const Lanes& l) {
