@@ -453,6 +453,61 @@ TEST(Router, TiesAndNonFiniteLogits) {
   run_case(nan);
 }
 
+// Paths of the row kernels the cases above do not reach: the top-2 selection without a sort
+// (selection width W <= 2) with a partial lane (E % 8 != 0), rows past T in the warp's last tile,
+// and a rounding candidate as the second slot; rows of signed zeros, where -0 ties +0 (broken toward
+// the lower id) with 32-bit and 64-bit keys; non-finite rows beside live rows of the same warp and
+// tile, with the group limit, so that their stores are switched off while their warp's collectives
+// still run.
+TEST(Router, TopTwoSignedZerosAndPredicatedRows) {
+  MOE_REQUIRE_GPU();
+  auto signed_zero_rows = [](int E) {
+    return [E](std::vector<double>& z) {
+      const size_t T = z.size() / E;
+      for (size_t t = 0; t < T; t += 7)
+        for (int e = 0; e < E; ++e) z[t * E + e] = (e * 5 + t) % 3 == 0 ? -0.0 : 0.0;
+    };
+  };
+  auto norm = [](RouterConfig& c) { c.normalize_topk = true; };
+  Case z16 = make("E9 k2 bf16 (top-2, partial lane, tail rows, signed zeros)", 9, 2, 1001, norm, true);
+  z16.edit_logits = signed_zero_rows(9);
+  run_case(z16);
+  Case z32 = make("E9 k2 fp32 (64-bit keys)", 9, 2, 1001, norm);
+  z32.edit_logits = signed_zero_rows(9);
+  run_case(z32);
+  Case z40 = make("E40 k5 bf16 map, signed zeros (sorted path)", 40, 5, 333, [](RouterConfig& c) {
+    c.output_form = RoutingForm::kMap;
+  }, true);
+  z40.edit_logits = signed_zero_rows(40);
+  run_case(z40);
+  run_case(make("E512 k1 rounding up (W = 2: a candidate)", 512, 1, 777, [](RouterConfig& c) {
+    c.rounding = TokenRounding::kUp;
+    c.rounding_tile = 16;
+    c.output_form = RoutingForm::kMap;
+  }));
+  run_case(make("E256 k2 bf16 T 4097 aux + z (top-2, one row per warp)", 256, 2, 4097, [](RouterConfig& c) {
+    c.normalize_topk = true;
+    c.aux_loss_coeff = 0.01f;
+    c.z_loss_coeff = 0.001f;
+  }, true));
+  // E = 64: 8 lanes per row, 4 rows per warp; T = 1001 leaves one live row in the last tile.
+  Case bad = make("E64 G8/4 sigmoid bias, non-finite rows in partial tiles", 64, 6, 1001, [](RouterConfig& c) {
+    c.score = ScoreFunction::kSigmoid;
+    c.normalize_topk = true;
+    c.expert_bias = true;
+    c.num_groups = 8;
+    c.topk_groups = 4;
+    c.aux_loss_coeff = 0.01f;
+  });
+  bad.scale = 1.0;
+  bad.edit_logits = [](std::vector<double>& z) {
+    z[998 * 64 + 17] = std::numeric_limits<double>::quiet_NaN();  // tile of rows 996..999
+    z[1000 * 64 + 63] = -std::numeric_limits<double>::infinity();  // the last tile's only row
+    z[1 * 64 + 0] = std::numeric_limits<double>::infinity();
+  };
+  run_case(bad);
+}
+
 // The kernels' layouts: a token row in a group of G lanes (1..32), NJ experts per lane (8, or 16
 // past 256 experts) read with 16-byte vectors when E is a multiple of NJ and the logits are aligned,
 // element by element otherwise; several rows per warp with T not a multiple of them; many blocks
