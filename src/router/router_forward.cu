@@ -230,14 +230,21 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
 #pragma unroll
     for (int i = 0; i < NJ / 4; ++i) my_acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
-  // The bias, staged once per block (a non-finite one poisons every row).
-  bool finite_bias = true;
+  // The bias, staged once per block (a non-finite one poisons every row). Its finiteness goes
+  // through a shared flag and a plain barrier, read once into a register: with
+  // __syncthreads_and(...) ptxas re-issued the barrier reduction (BAR.RED + B2R) at its use inside
+  // the row loop of the 32-bit-key group-limit kernels, where rows past T skip it -- a block barrier
+  // reached by part of the block, which faulted on the H100 (illegal instruction).
+  __shared__ int bias_bad;
+  if (threadIdx.x == 0) bias_bad = 0;
+  __syncthreads();  // every thread, before the loop
   for (int e = threadIdx.x; e < G * NJ; e += kThreads) {
     const float b = bias_ptr && e < E ? __ldg(bias_ptr + e) : 0.0f;
-    finite_bias = finite_bias && fabsf(b) < INFINITY;
+    if (!(fabsf(b) < INFINITY)) bias_bad = 1;  // any writer writes 1
     sh.bias[e] = b;
   }
-  const bool bias_ok = __syncthreads_and(finite_bias);
+  __syncthreads();  // every thread, before the loop
+  const bool bias_ok = !kMayBias || *static_cast<volatile int*>(&bias_bad) == 0;  // one load, not re-read
 
   uint32_t vmask = 0;  // bit j: expert base + j exists
 #pragma unroll
