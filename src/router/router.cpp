@@ -2,6 +2,7 @@
 #include "moe/router.h"
 
 #include <cmath>
+#include <cstdint>
 
 #include "device/cuda_check.h"
 #include "device/device_arena.h"
@@ -11,6 +12,12 @@
 namespace moe {
 
 namespace {
+
+// 16-byte vector access to rows of E elements at `data`: rows start 16-byte aligned and every lane's
+// NJ experts lie inside the row.
+bool vector_rows(const void* data, int E) {
+  return E % kernels::router_experts_per_lane(E) == 0 && reinterpret_cast<uintptr_t>(data) % 16 == 0;
+}
 
 bool needs_select_pass(const RouterConfig& c) {
   return c.capacity_factor != 0.0 || c.rounding != TokenRounding::kNone;
@@ -32,7 +39,11 @@ struct Router::Impl {
   int W = 0;
   char* block = nullptr;
   size_t bytes = 0;
-  float *loss_partials = nullptr, *z_partials = nullptr, *seq_partials = nullptr;
+  int32_t *count_acc = nullptr, *cand_acc = nullptr;
+  unsigned long long* aux_acc = nullptr;
+  uint32_t* tickets = nullptr;
+  float* z_partials = nullptr;
+  double* seq_partials = nullptr;
   float *slot_prob = nullptr, *slot_key = nullptr;
   uint8_t* kept = nullptr;
   int32_t *cand_count = nullptr, *cand_offset = nullptr, *cand_cursor = nullptr, *list_slot = nullptr;
@@ -42,9 +53,13 @@ struct Router::Impl {
     const int E = cfg.num_experts;
     const int64_t slots = cfg.max_tokens * W;
     DeviceArena a(base);
-    loss_partials = a.take<float>(int64_t{kernels::kRouterMaxBlocks} * E);
+    // Accumulators and tickets: zero from the constructor on; each kernel's last block clears them.
+    count_acc = a.take<int32_t>(E);
+    cand_acc = a.take<int32_t>(E);
+    aux_acc = a.take<unsigned long long>(E);
+    tickets = a.take<uint32_t>(2);
     z_partials = a.take<float>(kernels::kRouterMaxBlocks);
-    seq_partials = a.take<float>(cfg.seq_aux_loss_coeff != 0.0f ? cfg.max_tokens : 0);
+    seq_partials = a.take<double>(cfg.seq_aux_loss_coeff != 0.0f ? cfg.max_tokens / cfg.seq_length : 0);
     const int64_t sel = needs_select_pass(cfg) ? slots : 0;
     slot_prob = a.take<float>(sel);
     slot_key = a.take<float>(sel);
@@ -63,7 +78,9 @@ struct Router::Impl {
     p.E = cfg.num_experts;
     p.k = cfg.topk;
     p.W = W;
+    p.G = kernels::router_lanes_per_row(cfg.num_experts);
     p.bf16 = logits.dtype == DType::kBF16;
+    p.vec = vector_rows(logits.data, cfg.num_experts);
     p.logits = logits.data;
     p.bias = bias;
     p.score = cfg.score;
@@ -152,6 +169,7 @@ void Router::forward(const TensorView& logits, const TensorView& bias, const Rou
   kernels::RouterForwardArgs a;
   a.p = m.row_params(logits, c.expert_bias ? bias.ptr<float>() : nullptr);
   a.form = c.output_form;
+  a.out_vec = c.output_form == RoutingForm::kMap && vector_rows(out.map.data, E) && vector_rows(out.probs.data, E);
   if (c.capacity_factor != 0.0)
     a.select = c.drop_policy == CapacityDropPolicy::kProb ? kernels::SelectKey::kProb : kernels::SelectKey::kPosition;
   else if (c.rounding != TokenRounding::kNone)
@@ -171,7 +189,10 @@ void Router::forward(const TensorView& logits, const TensorView& bias, const Rou
   a.seq_loss = out.seq_aux_loss.ptr<float>();
   a.z_loss = out.z_loss.ptr<float>();
   a.error_word = error_word;
-  a.loss_partials = m.loss_partials;
+  a.count_acc = m.count_acc;
+  a.cand_acc = m.cand_acc;
+  a.aux_acc = m.aux_acc;
+  a.tickets = m.tickets;
   a.z_partials = m.z_partials;
   a.seq_partials = m.seq_partials;
   a.slot_prob = m.slot_prob;
@@ -204,6 +225,7 @@ void Router::backward(const TensorView& logits, const RouterOutputs& saved, cons
   kernels::RouterBackwardArgs a;
   a.p = m.row_params(logits, nullptr);
   a.form = c.output_form;
+  a.out_vec = vector_rows(d_logits.data, E);
   a.indices = saved.indices.ptr<int32_t>();
   a.map = saved.map.ptr<uint8_t>();
   a.selected = saved.selected.ptr<int32_t>();

@@ -1,7 +1,9 @@
-// Router backward on the device: one warp per token row recomputes the row's scores from the
-// logits and turns the incoming gradients (probs, loss scalars) into d logits (docs/router.md).
-// The routing decisions come from the forward's saved outputs (selected, indices / map, counts),
-// so nothing is re-selected and a bias changed since the forward does not matter.
+// Router backward on the device: the forward's lane groups (router_math.cuh) recompute each row's
+// scores from the logits and turn the incoming gradients (probs, loss scalars) into d logits
+// (docs/router.md, Kernel design). The routing decisions come from the forward's saved outputs
+// (selected, indices / map, counts), so nothing is re-selected and a bias changed since the forward
+// does not matter. One pass over the logits; rows are read and d logits written with 16-byte
+// vectors, the next row prefetched.
 #include <cuda_bf16.h>
 
 #include "device/cuda_check.h"
@@ -12,131 +14,260 @@ namespace moe::kernels {
 namespace router {
 namespace {
 
-constexpr int kThreads = kRouterWarps * 32;
+// Per-slot data of a row in shared memory: expert, incoming gradient, prob source (score, or
+// logit with softmax-after).
+struct SlotGrad {
+  int e;
+  float g, pv, pad;
+};
 
-template <int NJ>
-__global__ void __launch_bounds__(kThreads) backward_kernel(RouterBackwardArgs a) {
+// [RG, G NJ] floats (the slot coefficients of a row), [RG, W] SlotGrad, [G NJ] floats (d aux / d a).
+__host__ __device__ inline size_t backward_smem(int G, int NJ, int W) {
+  const size_t RG = size_t{kRouterWarps} * (32 / G);
+  return sizeof(float) * RG * G * NJ + sizeof(SlotGrad) * RG * W + sizeof(float) * G * NJ;
+}
+
+// The lane's part of d logits row t.
+template <int NJ, bool kBF16>
+__device__ __forceinline__ void store_grad_row(const RouterBackwardArgs& a, int64_t t, int base, uint32_t vmask,
+                                               const float (&d)[NJ]) {
   const RouterRowParams& p = a.p;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t t = int64_t{blockIdx.x} * kRouterWarps + warp;
-  if (t >= p.T) return;  // the whole warp leaves: only warp-level sync below
-  const int E = p.E, k = p.k, W = p.W;
-  auto store = [&](int j, float v) {
-    const int e = j * 32 + lane;
-    if (e >= E) return;
-    if (p.bf16)
-      static_cast<__nv_bfloat16*>(a.d_logits)[t * E + e] = __float2bfloat16(v);
-    else
-      static_cast<float*>(a.d_logits)[t * E + e] = v;
-  };
-  const int my_e = lane < W ? a.selected[t * W + lane] : -1;
-  if (__shfl_sync(kFull, my_e, 0) < 0) {  // a row with non-finite input: routed nowhere
+  if (a.out_vec) {
+    if (base >= p.E) return;
+    if constexpr (kBF16) {
+      uint4* dst = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(a.d_logits) + t * p.E + base);
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) store(j, 0.0f);
+      for (int i = 0; i < NJ / 8; ++i) {
+        uint32_t w[4];
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+          const __nv_bfloat162 v = __floats2bfloat162_rn(d[8 * i + 2 * h], d[8 * i + 2 * h + 1]);
+          w[h] = *reinterpret_cast<const uint32_t*>(&v);
+        }
+        dst[i] = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    } else {
+      float4* dst = reinterpret_cast<float4*>(static_cast<float*>(a.d_logits) + t * p.E + base);
+#pragma unroll
+      for (int i = 0; i < NJ / 4; ++i) dst[i] = make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]);
+    }
     return;
-  }
-  const bool seq = p.seq_coeff != 0.0f && a.d_seq != nullptr;
-  const bool aux = p.aux_coeff != 0.0f && a.d_aux != nullptr;
-  const bool zl = p.z_coeff != 0.0f && a.d_z != nullptr;
-  float z[NJ];
-  load_row<NJ>(p, t, lane, z);
-  RowScores<NJ> sc;
-  row_scores<NJ>(p, lane, z, aux || seq, zl, sc);
-
-  // Incoming gradient of each kept slot (lane w holds slot w).
-  bool kept = false;
-  float g = 0.0f;
-  if (my_e >= 0) {
-    if (a.form == RoutingForm::kTopK)
-      kept = lane < k && a.indices[t * k + lane] == my_e;
-    else
-      kept = a.map[t * E + my_e] != 0;
-    if (kept && a.d_probs) g = a.form == RoutingForm::kTopK ? a.d_probs[t * k + lane] : a.d_probs[t * E + my_e];
-  }
-  float my_s = 0.0f, my_z = 0.0f;
-  for (int w = 0; w < W; ++w) {
-    const int e_w = __shfl_sync(kFull, my_e, w);
-    if (e_w < 0) continue;  // uniform
-    const float s_w = from_owner<NJ>(sc.s, e_w), z_w = from_owner<NJ>(z, e_w);
-    if (lane == w) {
-      my_s = s_w;
-      my_z = z_w;
-    }
-  }
-  // Slot contributions: d/ds of the slot's expert, or d/dz directly (softmax over the chosen).
-  const bool chosen = lane < k;
-  float c = lane < W ? p.alpha * g : 0.0f;
-  if (p.softmax_after) {
-    const float zm = warp_max(chosen ? my_z : -INFINITY);
-    const float ex = chosen ? expf(my_z - zm) : 0.0f;
-    const float pp = ex / warp_sum(ex);
-    const float G = warp_sum(chosen ? g * pp : 0.0f);
-    c = chosen ? p.alpha * pp * (g - G) : 0.0f;
-  } else if (p.normalize) {
-    const float S = warp_sum(chosen ? my_s : 0.0f);
-    const float G = warp_sum(chosen ? g * my_s : 0.0f) / S;
-    if (chosen) c = p.alpha * (g - G) / S;
-  }
-  float u[NJ], direct[NJ];
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) u[j] = direct[j] = 0.0f;
-  for (int w = 0; w < W; ++w) {
-    const int e_w = __shfl_sync(kFull, my_e, w);
-    const float c_w = __shfl_sync(kFull, c, w);
-    if (e_w >= 0 && lane == e_w % 32) {
-      if (p.softmax_after)
-        add_at<NJ>(direct, e_w / 32, c_w);
-      else
-        add_at<NJ>(u, e_w / 32, c_w);
-    }
-  }
-  // Balancing losses: d / d a (the balancing scores).
-  float ua[NJ];
-  const float T = static_cast<float>(p.T);
-  const float aux_scale = aux ? *a.d_aux * p.aux_coeff * E / (T * k) / T : 0.0f;
-  float seq_scale = 0.0f;
-  const int64_t b = seq ? t / p.seq_length : 0;
-  if (seq) {
-    const float L = static_cast<float>(p.seq_length), B = static_cast<float>(p.T / p.seq_length);
-    seq_scale = *a.d_seq * p.seq_coeff / B * (E / (k * L)) / L;
   }
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
-    const int e = j * 32 + lane;
-    ua[j] = 0.0f;
-    if (e < E) {
-      if (aux) ua[j] += aux_scale * static_cast<float>(a.selection_counts[e]);
-      if (seq) ua[j] += seq_scale * static_cast<float>(a.seq_counts[b * E + e]);
+    if (!((vmask >> j) & 1u)) continue;
+    const int64_t i = t * p.E + base + j;
+    if constexpr (kBF16)
+      static_cast<__nv_bfloat16*>(a.d_logits)[i] = __float2bfloat16(d[j]);
+    else
+      static_cast<float*>(a.d_logits)[i] = d[j];
+  }
+}
+
+// Asks the L2 for what row t's backward reads besides the register-loaded logits: the saved
+// routing (selected, indices or map) and the incoming d probs, and with logits the row itself.
+// Each of these was a DRAM round trip on the row's critical path (the first one decides whether the
+// row is routed at all), one row after another.
+template <int NJ, bool kBF16>
+__device__ __forceinline__ void prefetch_saved(const RouterBackwardArgs& a, int64_t t, const Lanes& l, int base,
+                                               bool logits) {
+  const RouterRowParams& p = a.p;
+  if (t >= p.T) return;
+  if (logits) prefetch_row<NJ, kBF16>(p, t, base);
+  if (a.form == RoutingForm::kTopK) {
+    if (l.lane_g == 0) {
+      prefetch_l2(a.selected + t * p.W);
+      prefetch_l2(a.indices + t * p.k);
+      if (a.d_probs) prefetch_l2(a.d_probs + t * p.k);
+    }
+  } else {
+    if (l.lane_g == 0) prefetch_l2(a.selected + t * p.W);
+    if (base < p.E) {
+      prefetch_l2(a.map + t * p.E + base);
+      if (a.d_probs) prefetch_l2(a.d_probs + t * p.E + base);
     }
   }
-  float dz[NJ];
-  if (p.score == ScoreFunction::kSoftmax) {
-    float dot = 0.0f;
+}
+
+template <int NJ, bool kBF16>
+__global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) backward_kernel(RouterBackwardArgs a, int32_t tiles_per_block) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const RouterRowParams& p = a.p;
+  const int E = p.E, k = p.k, W = p.W, G = p.G, RPW = 32 / G;
+  const Lanes L = lanes_of(G);
+  const int warp = threadIdx.x / 32;
+  const int rg = warp * RPW + L.slot;
+  const size_t RG = size_t{kRouterWarps} * RPW;
+  float* ubuf = reinterpret_cast<float*>(smem_raw) + rg * (G * NJ);
+  SlotGrad* slots = reinterpret_cast<SlotGrad*>(smem_raw + sizeof(float) * RG * G * NJ) + rg * W;
+  float* ua_aux = reinterpret_cast<float*>(smem_raw + sizeof(float) * RG * G * NJ + sizeof(SlotGrad) * RG * W);
+
+  const int base = L.lane_g * NJ;
+  uint32_t vmask = 0;
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) dot += (u[j] + ua[j]) * sc.s[j];
-    dot = warp_sum(dot);
+  for (int j = 0; j < NJ; ++j)
+    if (base + j < E) vmask |= 1u << j;
+  const bool seq = p.seq_coeff != 0.0f && a.d_seq != nullptr;
+  const bool aux = p.aux_coeff != 0.0f && a.d_aux != nullptr;
+  const bool zl = p.z_coeff != 0.0f && a.d_z != nullptr;
+  const bool soft = p.score == ScoreFunction::kSoftmax;
+  const bool topk = a.form == RoutingForm::kTopK;
+  // Row-independent factors: d loss / d a of the switch loss (per expert), the sequence loss scale,
+  // the z-loss factor (times lse per row).
+  const float T = static_cast<float>(p.T);
+  const float aux_scale = aux ? *a.d_aux * p.aux_coeff * E / (T * k) / T : 0.0f;
+  for (int e = threadIdx.x; e < G * NJ; e += kThreads)
+    ua_aux[e] = aux && e < E ? aux_scale * static_cast<float>(a.selection_counts[e]) : 0.0f;
+  __syncthreads();
+  float seq_scale = 0.0f;
+  if (seq) {
+    const float Ls = static_cast<float>(p.seq_length), B = static_cast<float>(p.T / p.seq_length);
+    seq_scale = *a.d_seq * p.seq_coeff / B * (E / (k * Ls)) / Ls;
+  }
+  const float gz_scale = zl ? *a.d_z * p.z_coeff / T * 2.0f : 0.0f;
+
+  const int64_t tiles = (int64_t{p.T} + RPW - 1) / RPW;
+  const int64_t block_end = (int64_t{blockIdx.x} + 1) * tiles_per_block;
+  const int64_t tile_end = tiles < block_end ? tiles : block_end;
+  int64_t tile = int64_t{blockIdx.x} * tiles_per_block + warp;
+  RawRow<NJ, kBF16> raw;
+  if (tile < tile_end) load_row<NJ, kBF16>(p, tile * RPW + L.slot, tile * RPW + L.slot < p.T, base, raw);
+  for (int d = 1; d < kPrefetchTiles; ++d)
+    if (tile + d * kRouterWarps < tile_end) prefetch_saved<NJ, kBF16>(a, (tile + d * kRouterWarps) * RPW + L.slot, L, base, d > 1);
+  prefetch_saved<NJ, kBF16>(a, tile * RPW + L.slot, L, base, false);
+  for (; tile < tile_end; tile += kRouterWarps) {
+    const int64_t t = tile * RPW + L.slot;
+    float z[NJ];
+    unpack_row<NJ, kBF16>(raw, z);
+    const int64_t next = tile + kRouterWarps;
+    if (next < tile_end) load_row<NJ, kBF16>(p, next * RPW + L.slot, next * RPW + L.slot < p.T, base, raw);
+    const int64_t ahead = tile + kPrefetchTiles * kRouterWarps;
+    if (ahead < tile_end) prefetch_saved<NJ, kBF16>(a, ahead * RPW + L.slot, L, base, true);
+    // Control flow is uniform across the warp: a group whose row is past T (the last tile) or was
+    // routed nowhere (non-finite input: zero gradient) computes along with its neighbours and only
+    // its reads of saved data and its store depend on it. Every collective below -- shuffles, redux
+    // over a group's mask, __syncwarp -- is executed by all 32 lanes of the warp together.
+    const bool live = t < p.T;  // the group's (all its lanes share t)
+    const bool routed = live && __ldg(a.selected + t * W) >= 0;
+    float dz[NJ];
+
+    // Scores (as the forward computed them).
+    float mx = 0.0f, inv = 0.0f, lse = 0.0f;
+    float ex[NJ], s[NJ];
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) dz[j] = sc.s[j] * (u[j] + ua[j] - dot) + direct[j];
-  } else {
-    float dot = 0.0f;
-    if (aux || seq) {
+    for (int j = 0; j < NJ; ++j) ex[j] = 0.0f;
+    if (soft || zl) softmax_parts<NJ>(z, L, zl, mx, inv, lse, ex);
 #pragma unroll
-      for (int j = 0; j < NJ; ++j) dot += ua[j] * sc.a[j];
-      dot = warp_sum(dot);
+    for (int j = 0; j < NJ; ++j) s[j] = soft ? __fmul_rn(ex[j], inv) : sigmoid_score(z[j]);
+    float ssum = 1.0f;
+    if (!soft && (aux || seq)) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) sum += s[j];
+      ssum = group_sum(sum, L);
+    }
+
+    // Slots (lane j holds slots j, j + G, ...): the expert, its incoming gradient, the sums.
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) ubuf[base + j] = 0.0f;
+    float S = 0.0f, GS = 0.0f, zm = -INFINITY;
+    for (int j = L.lane_g; j < W; j += G) {
+      const int e = routed ? __ldg(a.selected + t * W + j) : -1;
+      float g = 0.0f, pv = 0.0f;
+      if (e >= 0) {
+        const bool kept = topk ? (j < k && __ldg(a.indices + t * k + j) == e) : a.map[t * E + e] != 0;
+        if (kept && a.d_probs) g = topk ? __ldg(a.d_probs + t * k + j) : __ldg(a.d_probs + t * E + e);
+        const float ze = logit_at<kBF16>(p, t, e);
+        pv = p.softmax_after ? ze : score_of(p, ze, mx, inv);
+        if (j < k) {
+          S += pv;
+          GS += g * pv;
+          zm = fmaxf(zm, ze);
+        }
+      }
+      slots[j] = SlotGrad{e, g, pv, 0.0f};
+    }
+    float se = 0.0f, Gp = 0.0f, Gn = 0.0f;
+    if (p.softmax_after) {  // pp = exp(z - zm) / se over the chosen; Gp = sum g pp
+      zm = group_max(zm, L);
+      for (int j = L.lane_g; j < k; j += G) se += expf(slots[j].pv - zm);
+      se = group_sum(se, L);
+      for (int j = L.lane_g; j < k; j += G) Gp += slots[j].g * (expf(slots[j].pv - zm) / se);
+      Gp = group_sum(Gp, L);
+    } else if (p.normalize) {
+      S = group_sum(S, L);
+      Gn = group_sum(GS, L) / S;
+    }
+    __syncwarp(L.mask);  // ubuf zeroed by every lane before any slot writes it
+    // Slot coefficients: d/ds of the slot's expert, or d/dz directly (softmax over the chosen).
+    for (int j = L.lane_g; j < W; j += G) {
+      const SlotGrad sl = slots[j];
+      if (sl.e < 0) continue;
+      const bool chosen = j < k;
+      float c = p.alpha * sl.g;
+      if (p.softmax_after)
+        c = chosen ? p.alpha * (expf(sl.pv - zm) / se) * (sl.g - Gp) : 0.0f;
+      else if (p.normalize && chosen)
+        c = p.alpha * (sl.g - Gn) / S;
+      ubuf[sl.e] = c;  // the experts of a row's slots are distinct
+    }
+    __syncwarp(L.mask);
+    float u[NJ], direct[NJ];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const float c = ubuf[base + j];
+      u[j] = p.softmax_after ? 0.0f : c;
+      direct[j] = p.softmax_after ? c : 0.0f;
+    }
+    __syncwarp(L.mask);  // ubuf and slots are rewritten by the next row
+
+    // Balancing losses: d / d a (the balancing scores).
+    float ua[NJ];
+    const int64_t b = seq ? t / p.seq_length : 0;
+#pragma unroll
+    for (int i = 0; i < NJ / 4; ++i) {
+      const float4 q = reinterpret_cast<const float4*>(ua_aux + base)[i];
+      ua[4 * i] = q.x;
+      ua[4 * i + 1] = q.y;
+      ua[4 * i + 2] = q.z;
+      ua[4 * i + 3] = q.w;
     }
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
-      const float ds = u[j] + ((aux || seq) ? (ua[j] - dot) / sc.ssum : 0.0f);
-      dz[j] = ds * sc.s[j] * (1.0f - sc.s[j]) + direct[j];
+      if (seq && routed && ((vmask >> j) & 1u)) ua[j] += seq_scale * static_cast<float>(__ldg(a.seq_counts + b * E + base + j));
     }
-  }
-  if (zl) {
-    const float gz = *a.d_z * p.z_coeff / T * 2.0f * sc.lse;
+    if (soft) {
+      float dot = 0.0f;
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) dz[j] += gz * sc.sm[j];
-  }
+      for (int j = 0; j < NJ; ++j) dot += (u[j] + ua[j]) * s[j];
+      dot = group_sum(dot, L);
 #pragma unroll
-  for (int j = 0; j < NJ; ++j) store(j, dz[j]);
+      for (int j = 0; j < NJ; ++j) dz[j] = s[j] * (u[j] + ua[j] - dot) + direct[j];
+    } else {
+      float dot = 0.0f;
+      if (aux || seq) {
+        const float is = 1.0f / ssum;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) dot += ua[j] * (s[j] * is);
+        dot = group_sum(dot, L);
+      }
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const float ds = u[j] + ((aux || seq) ? (ua[j] - dot) / ssum : 0.0f);
+        dz[j] = ds * s[j] * (1.0f - s[j]) + direct[j];
+      }
+    }
+    if (zl) {
+      const float gz = gz_scale * lse;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) dz[j] += gz * __fmul_rn(ex[j], inv);
+    }
+    if (!routed) {  // a non-finite row's gradient is zero
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) dz[j] = 0.0f;
+    }
+    if (live) store_grad_row<NJ, kBF16>(a, t, base, vmask, dz);
+  }
 }
 
 template <typename C>
@@ -160,19 +291,21 @@ __global__ void __launch_bounds__(512) update_bias_kernel(const C* counts, float
 
 void launch_router_backward(const RouterBackwardArgs& a, cudaStream_t stream) {
   using namespace router;
-  if (a.p.T == 0) return;
-  const unsigned blocks = static_cast<unsigned>((a.p.T + kRouterWarps - 1) / kRouterWarps);
-  const int E = a.p.E;
-  if (E <= 32)
-    backward_kernel<1><<<blocks, kThreads, 0, stream>>>(a);
-  else if (E <= 64)
-    backward_kernel<2><<<blocks, kThreads, 0, stream>>>(a);
-  else if (E <= 128)
-    backward_kernel<4><<<blocks, kThreads, 0, stream>>>(a);
-  else if (E <= 256)
-    backward_kernel<8><<<blocks, kThreads, 0, stream>>>(a);
+  const RouterRowParams& p = a.p;
+  if (p.T == 0) return;
+  const int blocks = router_row_blocks(p.T, p.G);
+  const int64_t tiles = (int64_t{p.T} + 32 / p.G - 1) / (32 / p.G);
+  const auto tiles_per_block = static_cast<int32_t>((tiles + blocks - 1) / blocks);
+  const bool wide = router_experts_per_lane(p.E) == 16;
+  const size_t smem = backward_smem(p.G, wide ? 16 : 8, p.W);
+  if (wide && p.bf16)
+    backward_kernel<16, true><<<blocks, kThreads, smem, stream>>>(a, tiles_per_block);
+  else if (wide)
+    backward_kernel<16, false><<<blocks, kThreads, smem, stream>>>(a, tiles_per_block);
+  else if (p.bf16)
+    backward_kernel<8, true><<<blocks, kThreads, smem, stream>>>(a, tiles_per_block);
   else
-    backward_kernel<16><<<blocks, kThreads, 0, stream>>>(a);
+    backward_kernel<8, false><<<blocks, kThreads, smem, stream>>>(a, tiles_per_block);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

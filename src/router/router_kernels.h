@@ -1,6 +1,6 @@
 // Launchers of the router kernels (plain C++ signatures; the kernels live in router_*.cu).
 // moe::Router (router.cpp) checks every argument before calling these: the launchers trust their
-// parameters and only enqueue work on the stream.
+// parameters and only enqueue work on the stream. The kernel design is in docs/router.md.
 #pragma once
 
 #include <cstdint>
@@ -11,20 +11,33 @@
 
 namespace moe::kernels {
 
-// Rows per block of the row kernels: warps per block, and the most blocks (the partial sums of
-// the losses have one row per block).
+// Warps per block of the row kernels, and the most blocks of the forward row kernel (its loss
+// partial sums have one entry per block).
 constexpr int kRouterWarps = 8;
 constexpr int kRouterMaxBlocks = 1024;
 
-// Blocks of the forward row kernel for T tokens (a function of T only: the reduction order of the
-// losses depends on it, so it must not depend on the device).
-int router_row_blocks(int64_t T);
+// A token row lives in a group of G lanes (a power of two, 1..32); lane g of the group owns the
+// NJ consecutive experts [g NJ, g NJ + NJ), read with 16-byte loads. NJ = 8 (one 16-byte vector of
+// bf16), or 16 when E > 256; G is the smallest power of two with G NJ >= E.
+inline int router_experts_per_lane(int E) { return E > 256 ? 16 : 8; }
+inline int router_lanes_per_row(int E) {
+  const int nj = router_experts_per_lane(E), need = (E + nj - 1) / nj;
+  int g = 1;
+  while (g < need) g *= 2;
+  return g;
+}
+
+// Blocks of the row kernels for T tokens with G lanes per row. A function of (T, E) only -- the
+// reduction order of the losses depends on it, so it must not depend on the device.
+int router_row_blocks(int64_t T, int G);
 
 // What every row kernel needs to recompute a row's scores.
 struct RouterRowParams {
   int32_t T = 0;
   int E = 0, k = 0, W = 0;  // W: selection width
+  int G = 1;                // lanes per row (router_lanes_per_row)
   bool bf16 = false;        // logits dtype: bf16, else fp32
+  bool vec = false;         // rows read with 16-byte vectors: E % NJ == 0 and 16-byte aligned logits
   const void* logits = nullptr;
   const float* bias = nullptr;  // [E] or null
   ScoreFunction score = ScoreFunction::kSoftmax;
@@ -40,6 +53,7 @@ enum class SelectKey : uint8_t { kNone, kProb, kPosition, kScore };
 struct RouterForwardArgs {
   RouterRowParams p;
   RoutingForm form = RoutingForm::kTopK;
+  bool out_vec = false;                 // map form: map and probs rows stored with vectors
   SelectKey select = SelectKey::kNone;  // capacity (prob / position) or rounding (score): a select pass
   int64_t capacity = -1;                // capacity (kProb / kPosition)
   TokenRounding rounding = TokenRounding::kNone;
@@ -55,18 +69,22 @@ struct RouterForwardArgs {
   int32_t* seq_counts = nullptr;
   float *aux_loss = nullptr, *seq_loss = nullptr, *z_loss = nullptr;
   uint32_t* error_word = nullptr;
-  // Scratch (the router's).
-  float* loss_partials = nullptr;  // [kRouterMaxBlocks, E]
-  float* z_partials = nullptr;     // [kRouterMaxBlocks]
-  float* seq_partials = nullptr;   // [T_max]
-  float* slot_prob = nullptr;      // [T_max, W]
-  float* slot_key = nullptr;       // [T_max, W]
-  uint8_t* kept = nullptr;         // [T_max, W]
-  int32_t* cand_count = nullptr;   // [E]
-  int32_t* cand_offset = nullptr;  // [E]
-  int32_t* cand_cursor = nullptr;  // [E]
-  uint64_t* list_key = nullptr;    // [T_max * W]
-  int32_t* list_slot = nullptr;    // [T_max * W]
+  // Scratch (the router's). The accumulators and tickets are zero between calls: the last block of
+  // the kernel that fills them reads and clears them.
+  int32_t* count_acc = nullptr;             // [E] selection counts
+  int32_t* cand_acc = nullptr;              // [E] select-pass list entries
+  unsigned long long* aux_acc = nullptr;    // [E] sum_t a_{t,e} in fixed point (2^-32)
+  uint32_t* tickets = nullptr;              // [2] blocks done: row kernel, sequence kernel
+  float* z_partials = nullptr;              // [kRouterMaxBlocks]
+  double* seq_partials = nullptr;           // [T_max]
+  float* slot_prob = nullptr;               // [T_max, W]
+  float* slot_key = nullptr;                // [T_max, W]
+  uint8_t* kept = nullptr;                  // [T_max, W]
+  int32_t* cand_count = nullptr;            // [E]
+  int32_t* cand_offset = nullptr;           // [E]
+  int32_t* cand_cursor = nullptr;           // [E]
+  uint64_t* list_key = nullptr;             // [T_max * W]
+  int32_t* list_slot = nullptr;             // [T_max * W]
 };
 
 void launch_router_forward(const RouterForwardArgs& a, cudaStream_t stream);
@@ -74,6 +92,7 @@ void launch_router_forward(const RouterForwardArgs& a, cudaStream_t stream);
 struct RouterBackwardArgs {
   RouterRowParams p;
   RoutingForm form = RoutingForm::kTopK;
+  bool out_vec = false;  // d logits rows stored with 16-byte vectors
   const int32_t* indices = nullptr;
   const uint8_t* map = nullptr;
   const int32_t* selected = nullptr;

@@ -1,6 +1,11 @@
-// Device helpers of the router kernels: one warp holds one token row, lane l owning experts
-// l, l + 32, ... (NJ of them, E <= 32 * NJ). Every warp reduction is a fixed butterfly, so results
-// do not depend on scheduling.
+// Device helpers of the router kernels (docs/router.md, Kernel design).
+//
+// Layout: a token row lives in a group of G lanes (router_lanes_per_row); lane g of the group owns
+// the NJ consecutive experts [g NJ, g NJ + NJ), so a row is read with 16-byte vector loads and a
+// warp's load covers 32 / G consecutive rows, fully coalesced. Collectives run over the group's own
+// lanes (its mask), so the groups of one warp may diverge (a row past T, a non-finite row).
+// Every float reduction is a fixed butterfly (all lanes get the same bits: a + b == b + a), so
+// results do not depend on scheduling.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -12,136 +17,303 @@
 namespace moe::kernels::router {
 
 constexpr unsigned kFull = 0xffffffffu;
+constexpr int kThreads = kRouterWarps * 32;
+// Row tiles a warp asks the L2 for ahead of the tile it works on (prefetch_row).
+constexpr int kPrefetchTiles = 4;
 
-__device__ __forceinline__ float warp_sum(float v) {
+// ---- lane groups ----
+
+struct Lanes {
+  int G;          // lanes per row
+  int lane_g;     // lane within the group
+  int slot;       // group within the warp: the row offset inside the warp's tile of 32 / G rows
+  unsigned mask;  // the group's lanes
+};
+
+__device__ __forceinline__ Lanes lanes_of(int G) {
+  const int lane = threadIdx.x & 31;
+  Lanes l;
+  l.G = G;
+  l.lane_g = lane & (G - 1);
+  l.slot = lane / G;
+  l.mask = G == 32 ? kFull : ((1u << G) - 1u) << (l.slot * G);
+  return l;
+}
+
+// Monotone map of a float to uint32 (larger float -> larger key); -0 maps to +0's key so that the
+// two compare equal, as they do as floats (ties then break by id).
+__device__ __forceinline__ uint32_t float_key(float f) {
+  uint32_t b = __float_as_uint(f);
+  if (b == 0x80000000u) b = 0u;
+  return b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
+}
+__device__ __forceinline__ float key_float(uint32_t k) {
+  return __uint_as_float(k ^ (~static_cast<uint32_t>(static_cast<int32_t>(k) >> 31) | 0x80000000u));
+}
+
+__device__ __forceinline__ uint32_t group_max_u32(uint32_t v, const Lanes& l) {
+  return l.G > 1 ? __reduce_max_sync(l.mask, v) : v;
+}
+__device__ __forceinline__ float group_max(float v, const Lanes& l) {
+  return key_float(group_max_u32(float_key(v), l));
+}
+__device__ __forceinline__ float group_sum(float v, const Lanes& l) {
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(kFull, v, o);
+  for (int o = 1; o < 32; o *= 2)
+    if (o < l.G) v += __shfl_xor_sync(l.mask, v, o);
   return v;
 }
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
-  return v;
-}
+__device__ __forceinline__ bool group_any(bool b, const Lanes& l) { return (__ballot_sync(l.mask, b) & l.mask) != 0; }
 
-// Register j of a lane, by a runtime j (unrolled compare: keeps the array in registers).
-template <int NJ>
-__device__ __forceinline__ float pick(const float (&r)[NJ], int j) {
-  float out = 0.0f;
-#pragma unroll
-  for (int jj = 0; jj < NJ; ++jj)
-    if (jj == j) out = r[jj];
-  return out;
-}
-template <int NJ>
-__device__ __forceinline__ void add_at(float (&r)[NJ], int j, float v) {
-#pragma unroll
-  for (int jj = 0; jj < NJ; ++jj)
-    if (jj == j) r[jj] += v;
-}
+// ---- row loads ----
 
-// The value of expert e from its owner lane (all lanes call it with the same e >= 0).
-template <int NJ>
-__device__ __forceinline__ float from_owner(const float (&r)[NJ], int e) {
-  return __shfl_sync(kFull, pick<NJ>(r, e / 32), e % 32);
-}
+// The raw words of a lane's NJ logits: bf16 packs two per word (element 2i in the low half of word
+// i), fp32 one per word. Experts past E hold -inf, which never counts in a max, a sum of
+// exponentials or a selection.
+template <int NJ, bool kBF16>
+struct RawRow {
+  static constexpr int kWords = kBF16 ? NJ / 2 : NJ;
+  uint32_t w[kWords];
+};
 
-// Loads row t of the logits (lanes past E get -inf and never count).
-template <int NJ>
-__device__ __forceinline__ void load_row(const RouterRowParams& p, int64_t t, int lane, float (&z)[NJ]) {
+template <int NJ, bool kBF16>
+__device__ __forceinline__ void load_row(const RouterRowParams& p, int64_t t, bool valid, int base,
+                                         RawRow<NJ, kBF16>& r) {
+  constexpr int kWords = RawRow<NJ, kBF16>::kWords;
+  const uint32_t neg_inf = kBF16 ? 0xff80ff80u : 0xff800000u;
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) r.w[i] = neg_inf;
+  if (!valid || base >= p.E) return;
+  if (p.vec) {  // the lane's NJ experts: kWords / 4 aligned 16-byte vectors
+    const uint4* src = kBF16 ? reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.logits) + t * p.E + base)
+                             : reinterpret_cast<const uint4*>(static_cast<const float*>(p.logits) + t * p.E + base);
+#pragma unroll
+    for (int i = 0; i < kWords / 4; ++i) {
+      const uint4 v = __ldg(src + i);
+      r.w[4 * i] = v.x;
+      r.w[4 * i + 1] = v.y;
+      r.w[4 * i + 2] = v.z;
+      r.w[4 * i + 3] = v.w;
+    }
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
-    const int e = j * 32 + lane;
-    float v = -INFINITY;
-    if (e < p.E) {
-      const int64_t i = t * p.E + e;
-      v = p.bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.logits)[i])
-                 : __ldg(static_cast<const float*>(p.logits) + i);
+    const int e = base + j;
+    if (e >= p.E) continue;
+    const int64_t i = t * p.E + e;
+    if constexpr (kBF16) {
+      const uint32_t h = __ldg(reinterpret_cast<const unsigned short*>(p.logits) + i);
+      const int sh = 16 * (j & 1);
+      r.w[j / 2] = (r.w[j / 2] & ~(0xffffu << sh)) | (h << sh);
+    } else {
+      r.w[j] = __float_as_uint(__ldg(static_cast<const float*>(p.logits) + i));
     }
-    z[j] = v;
   }
 }
 
-// True when every logit of the row (and every bias) is finite -- the same on all lanes.
+// Asks the L2 for the line holding `ptr` (no register, no wait): the row loops call this a few
+// rows ahead of the row they load, so that many more bytes are in flight per SM than the one row a
+// warp keeps in registers -- with one prefetched row per warp, each row's DRAM latency was exposed
+// and the kernels ran far below the memory rate.
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
+}
+
+// The lane's part of row t (any t < T), prefetched into L2.
+template <int NJ, bool kBF16>
+__device__ __forceinline__ void prefetch_row(const RouterRowParams& p, int64_t t, int base) {
+  if (t >= p.T || base >= p.E) return;
+  const size_t esize = kBF16 ? 2 : 4;
+  prefetch_l2(static_cast<const char*>(p.logits) + (t * p.E + base) * esize);
+}
+
+template <int NJ, bool kBF16>
+__device__ __forceinline__ void unpack_row(const RawRow<NJ, kBF16>& r, float (&z)[NJ]) {
+  if constexpr (kBF16) {
+#pragma unroll
+    for (int i = 0; i < NJ / 2; ++i) {
+      z[2 * i] = __uint_as_float(r.w[i] << 16);
+      z[2 * i + 1] = __uint_as_float(r.w[i] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) z[j] = __uint_as_float(r.w[j]);
+  }
+}
+
+// One logit (a chosen expert's, re-read from the row just loaded: an L1 hit).
+template <bool kBF16>
+__device__ __forceinline__ float logit_at(const RouterRowParams& p, int64_t t, int e) {
+  const int64_t i = t * p.E + e;
+  if constexpr (kBF16)
+    return __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(p.logits) + i));
+  else
+    return __ldg(static_cast<const float*>(p.logits) + i);
+}
+
+// True when the lane's experts (bit j of vmask: expert base + j exists) are all finite.
 template <int NJ>
-__device__ __forceinline__ bool row_finite(const RouterRowParams& p, int lane, const float (&z)[NJ]) {
+__device__ __forceinline__ bool lane_finite(const float (&z)[NJ], uint32_t vmask) {
   bool ok = true;
 #pragma unroll
-  for (int j = 0; j < NJ; ++j) {
-    const int e = j * 32 + lane;
-    if (e < p.E) {
-      ok = ok && isfinite(z[j]);
-      if (p.bias) ok = ok && isfinite(__ldg(p.bias + e));
-    }
-  }
-  return __all_sync(kFull, ok);
+  for (int j = 0; j < NJ; ++j) ok = ok && (!((vmask >> j) & 1u) || fabsf(z[j]) < INFINITY);
+  return ok;
 }
 
-// Softmax over the row: sm (0 past E) and logsumexp.
+// True when the lane's existing experts (bit j of vmask) are all finite. A lane whose NJ experts all
+// exist folds the test into one FMA per logit (z * 0 is 0 for a finite z, NaN for an infinite or NaN
+// one); a partial lane (the row's last, E % NJ != 0) or an empty one tests each existing expert.
 template <int NJ>
-__device__ __forceinline__ void softmax_row(const RouterRowParams& p, int lane, const float (&z)[NJ], float (&sm)[NJ],
-                                            float& lse) {
-  float m = -INFINITY;
+__device__ __forceinline__ bool row_part_finite(const float (&z)[NJ], uint32_t vmask) {
+  constexpr uint32_t kAll = (1u << NJ) - 1u;
+  if (vmask == kAll) {
+    float chk = 0.0f;
 #pragma unroll
-  for (int j = 0; j < NJ; ++j) m = fmaxf(m, z[j]);
-  m = warp_max(m);
+    for (int j = 0; j < NJ; ++j) chk = fmaf(z[j], 0.0f, chk);
+    return chk == 0.0f;
+  }
+  return lane_finite<NJ>(z, vmask);
+}
+
+// ---- scores ----
+
+// The score of one logit; the row code and the per-slot recomputation both call this, so a
+// chosen expert's score has the same bits in both. __fmul_rn: never contracted into an FMA.
+__device__ __forceinline__ float softmax_score(float z, float mx, float inv) { return __fmul_rn(expf(z - mx), inv); }
+__device__ __forceinline__ float sigmoid_score(float z) { return 1.0f / (1.0f + expf(-z)); }
+__device__ __forceinline__ float score_of(const RouterRowParams& p, float z, float mx, float inv) {
+  return p.score == ScoreFunction::kSoftmax ? softmax_score(z, mx, inv) : sigmoid_score(z);
+}
+
+// Softmax pieces of a row: the max, the reciprocal of the sum of exp(z - max), the logsumexp (when
+// want_lse) and each exp(z - max).
+template <int NJ>
+__device__ __forceinline__ void softmax_parts(const float (&z)[NJ], const Lanes& l, bool want_lse, float& mx, float& inv, float& lse,
+                                              float (&ex)[NJ]) {
+  float m = z[0];
+#pragma unroll
+  for (int j = 1; j < NJ; ++j) m = fmaxf(m, z[j]);
+  mx = group_max(m, l);
   float sum = 0.0f;
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
-    sm[j] = j * 32 + lane < p.E ? expf(z[j] - m) : 0.0f;
-    sum += sm[j];
+    ex[j] = expf(z[j] - mx);
+    sum += ex[j];
   }
-  sum = warp_sum(sum);
-  const float inv = 1.0f / sum;
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) sm[j] *= inv;
-  lse = m + logf(sum);
+  sum = group_sum(sum, l);
+  inv = 1.0f / sum;
+  lse = want_lse ? mx + logf(sum) : 0.0f;  // only the z-loss needs it: a logf per row saved
 }
 
-template <int NJ>
-__device__ __forceinline__ void sigmoid_row(const RouterRowParams& p, int lane, const float (&z)[NJ], float (&s)[NJ]) {
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) s[j] = j * 32 + lane < p.E ? 1.0f / (1.0f + expf(-z[j])) : 0.0f;
-}
+// ---- selection keys ----
+// A key orders (value desc, expert asc) as one unsigned integer, so that a group's best entry is
+// one integer max. Key32 packs a bf16 value (16 bits, exact) with 0xffff - e; Key64 an fp32 value
+// with 0xffffffff - e. Experts past E have key 0, below every real key (-inf included).
 
-// The scores of a row: s (the score function); a, the balancing scores the losses use (softmax over
-// all experts, or sigmoid normalised to sum 1), when want_a; the logsumexp when want_lse, and with
-// a sigmoid score also the softmax sm (the z-loss gradient needs it; with softmax it is s).
-template <int NJ>
-struct RowScores {
-  float s[NJ];
-  float a[NJ];
-  float sm[NJ];
-  float lse = 0.0f;
-  float ssum = 1.0f;  // sigmoid: sum of s
+struct Key32 {
+  using T = uint32_t;
+  // id: 0xffff - e (id_of), computed once per lane. v + 0 turns -0 into +0 (one FADD instead of
+  // float_key's compare and select); the low 16 bits of a bf16 value are zero.
+  __device__ static uint32_t id_of(int e) { return static_cast<uint32_t>(0xffff - e); }
+  __device__ static T make_id(float v, uint32_t id) {
+    const uint32_t b = __float_as_uint(__fadd_rn(v, 0.0f));
+    return ((b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u)) & 0xffff0000u) | id;
+  }
+  __device__ static T make(float v, int e) { return make_id(v, id_of(e)); }
+  __device__ static int expert(T k) { return 0xffff - static_cast<int>(k & 0xffffu); }
+  __device__ static float value(T k) {  // a negative value's key has its low 16 bits set
+    const uint32_t hi = k & 0xffff0000u;
+    return key_float((hi & 0x80000000u) ? hi : (hi | 0xffffu));
+  }
+  __device__ static T group_max(T k, const Lanes& l) { return group_max_u32(k, l); }
+  __device__ static uint2 to_slot(T k) { return make_uint2(k, 0u); }
+  __device__ static T from_slot(uint2 s) { return s.x; }
 };
 
-template <int NJ>
-__device__ __forceinline__ void row_scores(const RouterRowParams& p, int lane, const float (&z)[NJ], bool want_a,
-                                           bool want_lse, RowScores<NJ>& r) {
-  if (p.score == ScoreFunction::kSoftmax) {
-    softmax_row<NJ>(p, lane, z, r.s, r.lse);
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) r.a[j] = r.sm[j] = r.s[j];
-    return;
+struct Key64 {
+  using T = uint64_t;
+  __device__ static uint32_t id_of(int e) { return 0xffffffffu - static_cast<uint32_t>(e); }
+  __device__ static T make_id(float v, uint32_t id) {
+    const uint32_t b = __float_as_uint(__fadd_rn(v, 0.0f));  // -0 -> +0
+    const uint32_t hi = b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
+    return (static_cast<uint64_t>(hi) << 32) | id;
   }
-  sigmoid_row<NJ>(p, lane, z, r.s);
-  if (want_a) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) sum += r.s[j];
-    r.ssum = warp_sum(sum);
-    const float inv = 1.0f / r.ssum;
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) r.a[j] = r.s[j] * inv;
+  __device__ static T make(float v, int e) { return make_id(v, id_of(e)); }
+  __device__ static int expert(T k) { return static_cast<int>(0xffffffffu - static_cast<uint32_t>(k)); }
+  __device__ static float value(T k) { return key_float(static_cast<uint32_t>(k >> 32)); }
+  __device__ static T group_max(T k, const Lanes& l) {
+    const uint32_t hi = static_cast<uint32_t>(k >> 32), lo = static_cast<uint32_t>(k);
+    const uint32_t mh = group_max_u32(hi, l);
+    const uint32_t ml = group_max_u32(hi == mh ? lo : 0u, l);
+    return (static_cast<uint64_t>(mh) << 32) | ml;
   }
-  if (want_lse) softmax_row<NJ>(p, lane, z, r.sm, r.lse);
+  __device__ static uint2 to_slot(T k) { return make_uint2(static_cast<uint32_t>(k), static_cast<uint32_t>(k >> 32)); }
+  __device__ static T from_slot(uint2 s) { return (static_cast<uint64_t>(s.y) << 32) | s.x; }
+};
+
+template <typename K>
+__device__ __forceinline__ void compare_swap(K& a, K& b) {  // a >= b afterwards
+  const bool swap = b > a;
+  const K hi = swap ? b : a, lo = swap ? a : b;
+  a = hi;
+  b = lo;
 }
 
-// Monotone map of a float to uint32 (larger float -> larger integer; -0 < +0 is harmless here).
-__device__ __forceinline__ uint32_t float_key(float f) {
-  const uint32_t b = __float_as_uint(f);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+// Sorts a lane's keys in descending order (a fixed network: 19 exchanges for 8, bitonic for 16).
+template <int NJ, typename K>
+__device__ __forceinline__ void sort_desc(K (&k)[NJ]) {
+  if constexpr (NJ == 8) {
+    compare_swap(k[0], k[2]), compare_swap(k[1], k[3]), compare_swap(k[4], k[6]), compare_swap(k[5], k[7]);
+    compare_swap(k[0], k[4]), compare_swap(k[1], k[5]), compare_swap(k[2], k[6]), compare_swap(k[3], k[7]);
+    compare_swap(k[0], k[1]), compare_swap(k[2], k[3]), compare_swap(k[4], k[5]), compare_swap(k[6], k[7]);
+    compare_swap(k[2], k[4]), compare_swap(k[3], k[5]);
+    compare_swap(k[1], k[4]), compare_swap(k[3], k[6]);
+    compare_swap(k[1], k[2]), compare_swap(k[3], k[4]), compare_swap(k[5], k[6]);
+  } else {
+#pragma unroll
+    for (int size = 2; size <= NJ; size *= 2)
+#pragma unroll
+      for (int stride = size / 2; stride > 0; stride /= 2)
+#pragma unroll
+        for (int i = 0; i < NJ; ++i) {
+          const int j = i ^ stride;
+          if (j > i) {
+            if ((i & size) == 0)
+              compare_swap(k[i], k[j]);
+            else
+              compare_swap(k[j], k[i]);
+          }
+        }
+  }
+}
+
+// ---- reductions across the blocks of a kernel ----
+
+// Sum over the block's threads in a fixed tree order (every thread gets the result).
+__device__ __forceinline__ double block_sum(double v, double* red) {
+  red[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = kThreads / 2; s > 0; s /= 2) {
+    if (static_cast<int>(threadIdx.x) < s) red[threadIdx.x] += red[threadIdx.x + s];
+    __syncthreads();
+  }
+  const double r = red[0];
+  __syncthreads();
+  return r;
+}
+
+// The last block of the grid to finish gets true (every block calls it once, from all threads,
+// after its last global write). The ticket counter is cleared by the caller once the last block is
+// done, so it is zero again for the next (stream-ordered) launch.
+__device__ __forceinline__ bool last_block_done(uint32_t* ticket) {
+  __shared__ bool last;
+  __threadfence();  // this block's writes and atomics are visible before its ticket
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (last) __threadfence();  // and every other block's are visible to this one
+  return last;
 }
 
 }  // namespace moe::kernels::router

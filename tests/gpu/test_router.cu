@@ -44,6 +44,7 @@ struct Case {
   bool bf16 = false;
   uint64_t seed = 1;
   double scale = 1.5;  // logits ~ N(0, scale)
+  int64_t offset = 0;  // logits and d logits start this many elements into their buffers (alignment)
   std::function<void(RouterConfig&)> edit;
   std::function<void(std::vector<double>&)> edit_logits;
 };
@@ -88,12 +89,14 @@ struct RouterRun {
   DeviceBuffer<uint8_t> map;
   DeviceBuffer<int64_t> counts64;
   bool bf16;
+  int64_t offset;  // elements before the logits (and d logits) in their buffers
 
-  RouterRun(const RouterConfig& c, int64_t T_, int W_, bool bf16_) : cfg(c), T(T_), W(W_), bf16(bf16_) {
+  RouterRun(const RouterConfig& c, int64_t T_, int W_, bool bf16_, int64_t offset_ = 0)
+      : cfg(c), T(T_), W(W_), bf16(bf16_), offset(offset_) {
     const int E = c.num_experts, k = c.topk;
     const bool map_form = c.output_form == RoutingForm::kMap;
-    logits = DeviceBuffer<uint8_t>(T * E * (bf16 ? 2 : 4));
-    dlogits = DeviceBuffer<uint8_t>(T * E * (bf16 ? 2 : 4));
+    logits = DeviceBuffer<uint8_t>((T * E + offset) * (bf16 ? 2 : 4));
+    dlogits = DeviceBuffer<uint8_t>((T * E + offset) * (bf16 ? 2 : 4));
     bias = DeviceBuffer<float>(E);
     probs = DeviceBuffer<float>(T * (map_form ? E : k));
     dprobs = DeviceBuffer<float>(T * (map_form ? E : k));
@@ -109,8 +112,9 @@ struct RouterRun {
     seqcounts = DeviceBuffer<int32_t>(B * E);
   }
 
+  size_t esize() const { return bf16 ? 2 : 4; }
   TensorView logits_view() const {
-    return TensorView(logits.get(), bf16 ? DType::kBF16 : DType::kFP32, {T, cfg.num_experts});
+    return TensorView(logits.get() + offset * esize(), bf16 ? DType::kBF16 : DType::kFP32, {T, cfg.num_experts});
   }
   RouterOutputs outputs() const {
     const int E = cfg.num_experts, k = cfg.topk;
@@ -147,19 +151,20 @@ struct RouterRun {
     return cfg.expert_bias ? TensorView(bias.get(), DType::kFP32, {cfg.num_experts}) : TensorView();
   }
   TensorView dlogits_view() const {
-    return TensorView(dlogits.get(), bf16 ? DType::kBF16 : DType::kFP32, {T, cfg.num_experts});
+    return TensorView(dlogits.get() + offset * esize(), bf16 ? DType::kBF16 : DType::kFP32, {T, cfg.num_experts});
   }
 
   void upload(const std::vector<double>& z, const std::vector<double>& b, const std::vector<double>& dp,
               const double (&dl)[3]) {
     std::vector<uint8_t> bytes(logits.size());
     for (size_t i = 0; i < z.size(); ++i) {
+      const size_t at = (offset + i) * esize();
       if (bf16) {
         const uint16_t h = float_to_bf16_bits(static_cast<float>(z[i]));
-        std::memcpy(&bytes[2 * i], &h, 2);
+        std::memcpy(&bytes[at], &h, 2);
       } else {
         const float f = static_cast<float>(z[i]);
-        std::memcpy(&bytes[4 * i], &f, 4);
+        std::memcpy(&bytes[at], &f, 4);
       }
     }
     logits.upload(bytes);
@@ -174,8 +179,11 @@ struct RouterRun {
     losses.fill_bytes(0xAB);
     counts64.fill_bytes(0xAB);
   }
-  void enqueue(const Router& r, uint32_t* err, cudaStream_t s) const {
+  // sync_between: wait for the forward before enqueueing the backward, so that a device fault is
+  // reported by the call that caused it (faults are sticky and surface at the next API call).
+  void enqueue(const Router& r, uint32_t* err, cudaStream_t s, bool sync_between = false) const {
     r.forward(logits_view(), bias_view(), outputs(), err, s);
+    if (sync_between) MOE_CUDA_CHECK(cudaStreamSynchronize(s));
     r.backward(logits_view(), outputs(), grads(), dlogits_view(), s);
   }
 
@@ -199,13 +207,14 @@ struct RouterRun {
                 counts64.download(), ew.fetch_and_clear(nullptr)};
   }
   double dlogit(const Host& h, size_t i) const {
+    const size_t at = (offset + i) * esize();
     if (bf16) {
       uint16_t v;
-      std::memcpy(&v, &h.dlogits[2 * i], 2);
+      std::memcpy(&v, &h.dlogits[at], 2);
       return bf16_bits_to_float(v);
     }
     float f;
-    std::memcpy(&f, &h.dlogits[4 * i], 4);
+    std::memcpy(&f, &h.dlogits[at], 4);
     return f;
   }
 };
@@ -297,12 +306,12 @@ void check(const Case& c, const RouterConfig& cfg, const RouterRun& run, const I
 void run_case(const Case& c) {
   const RouterConfig cfg = config_of(c);
   Router router(cfg);
-  RouterRun run(cfg, c.T, router.selection_width(), c.bf16);
+  RouterRun run(cfg, c.T, router.selection_width(), c.bf16, c.offset);
   const Inputs in = make_inputs(c, cfg, c.seed);
   run.upload(in.z, in.b, in.dp, in.dl);
   ErrorWord ew;
   run.poison();
-  run.enqueue(router, ew.device_ptr(), nullptr);
+  run.enqueue(router, ew.device_ptr(), nullptr, true);
   const auto first = run.download(ew);
   check(c, cfg, run, in, first);
   run.poison();
@@ -442,6 +451,164 @@ TEST(Router, TiesAndNonFiniteLogits) {
     z[999 * 64 + 0] = -std::numeric_limits<double>::infinity();
   };
   run_case(nan);
+}
+
+// Paths of the row kernels the cases above do not reach: the top-2 selection without a sort
+// (selection width W <= 2) with a partial lane (E % 8 != 0), rows past T in the warp's last tile,
+// and a rounding candidate as the second slot; rows of signed zeros, where -0 ties +0 (broken toward
+// the lower id) with 32-bit and 64-bit keys; non-finite rows beside live rows of the same warp and
+// tile, with the group limit, so that their stores are switched off while their warp's collectives
+// still run.
+TEST(Router, TopTwoSignedZerosAndPredicatedRows) {
+  MOE_REQUIRE_GPU();
+  auto signed_zero_rows = [](int E) {
+    return [E](std::vector<double>& z) {
+      const size_t T = z.size() / E;
+      for (size_t t = 0; t < T; t += 7)
+        for (int e = 0; e < E; ++e) z[t * E + e] = (e * 5 + t) % 3 == 0 ? -0.0 : 0.0;
+    };
+  };
+  auto norm = [](RouterConfig& c) { c.normalize_topk = true; };
+  Case z16 = make("E9 k2 bf16 (top-2, partial lane, tail rows, signed zeros)", 9, 2, 1001, norm, true);
+  z16.edit_logits = signed_zero_rows(9);
+  run_case(z16);
+  Case z32 = make("E9 k2 fp32 (64-bit keys)", 9, 2, 1001, norm);
+  z32.edit_logits = signed_zero_rows(9);
+  run_case(z32);
+  Case z40 = make("E40 k5 bf16 map, signed zeros (sorted path)", 40, 5, 333, [](RouterConfig& c) {
+    c.output_form = RoutingForm::kMap;
+  }, true);
+  z40.edit_logits = signed_zero_rows(40);
+  run_case(z40);
+  run_case(make("E512 k1 rounding up (W = 2: a candidate)", 512, 1, 777, [](RouterConfig& c) {
+    c.rounding = TokenRounding::kUp;
+    c.rounding_tile = 16;
+    c.output_form = RoutingForm::kMap;
+  }));
+  run_case(make("E256 k2 bf16 T 4097 aux + z (top-2, one row per warp)", 256, 2, 4097, [](RouterConfig& c) {
+    c.normalize_topk = true;
+    c.aux_loss_coeff = 0.01f;
+    c.z_loss_coeff = 0.001f;
+  }, true));
+  // E = 64: 8 lanes per row, 4 rows per warp; T = 1001 leaves one live row in the last tile.
+  Case bad = make("E64 G8/4 sigmoid bias, non-finite rows in partial tiles", 64, 6, 1001, [](RouterConfig& c) {
+    c.score = ScoreFunction::kSigmoid;
+    c.normalize_topk = true;
+    c.expert_bias = true;
+    c.num_groups = 8;
+    c.topk_groups = 4;
+    c.aux_loss_coeff = 0.01f;
+  });
+  bad.scale = 1.0;
+  bad.edit_logits = [](std::vector<double>& z) {
+    z[998 * 64 + 17] = std::numeric_limits<double>::quiet_NaN();  // tile of rows 996..999
+    z[1000 * 64 + 63] = -std::numeric_limits<double>::infinity();  // the last tile's only row
+    z[1 * 64 + 0] = std::numeric_limits<double>::infinity();
+  };
+  run_case(bad);
+}
+
+// The kernels' layouts: a token row in a group of G lanes (1..32), NJ experts per lane (8, or 16
+// past 256 experts) read with 16-byte vectors when E is a multiple of NJ and the logits are aligned,
+// element by element otherwise; several rows per warp with T not a multiple of them; many blocks
+// with several rows per warp (the prefetch); the group-limit fast path (a group spans a power-of-two
+// number of lanes) and its general path; 32-bit keys (bf16, no bias) and 64-bit keys.
+TEST(Router, LaneGroupLayouts) {
+  MOE_REQUIRE_GPU();
+  auto norm = [](RouterConfig& c) { c.normalize_topk = true; };
+  // Element loads: E not a multiple of 8 (bf16 and fp32), and aligned E with misaligned logits.
+  run_case(make("E36 k3 bf16 (element loads, partial lane)", 36, 3, 1003, norm, true));
+  run_case(make("E60 k5 fp32 map (element loads and stores)", 60, 5, 777, [](RouterConfig& c) {
+    c.output_form = RoutingForm::kMap;
+    c.aux_loss_coeff = 0.01f;
+  }));
+  Case mis = make("E64 k8 bf16 misaligned logits", 64, 8, 999, norm, true);
+  mis.offset = 3;
+  run_case(mis);
+  Case mis32 = make("E128 k4 fp32 misaligned logits, z-loss", 128, 4, 555, [](RouterConfig& c) {
+    c.z_loss_coeff = 0.001f;
+  });
+  mis32.offset = 1;
+  run_case(mis32);
+  // k = 1 and k = E, one and two lanes per row (32 and 16 rows per warp).
+  run_case(make("E8 k1 bf16 (one lane per row)", 8, 1, 1001, nullptr, true));
+  run_case(make("E8 k8 = E fp32 map", 8, 8, 333, [](RouterConfig& c) { c.output_form = RoutingForm::kMap; }));
+  run_case(make("E16 k16 = E bf16 norm", 16, 16, 517, norm, true));
+  run_case(make("E256 k1 bf16", 256, 1, 700, nullptr, true));
+  // E > 256: 16 experts per lane.
+  run_case(make("E384 k8 bf16 norm map", 384, 8, 300, [](RouterConfig& c) {
+    c.normalize_topk = true;
+    c.output_form = RoutingForm::kMap;
+  }, true));
+  run_case(make("E320 k6 fp32 aux + z", 320, 6, 400, [](RouterConfig& c) {
+    c.aux_loss_coeff = 0.01f;
+    c.z_loss_coeff = 0.001f;
+  }));
+  // Many blocks, several tiles per warp (the next row prefetched), losses summed across blocks.
+  run_case(make("E64 k8 bf16 T 70000 aux + z", 64, 8, 70000, [](RouterConfig& c) {
+    c.normalize_topk = true;
+    c.aux_loss_coeff = 0.01f;
+    c.z_loss_coeff = 0.001f;
+  }, true));
+  run_case(make("E256 k8 fp32 T 9001 softmax after", 256, 8, 9001, [](RouterConfig& c) {
+    c.softmax_after_topk = true;
+  }));
+}
+
+// The group-limit layouts, one test each so that a failure names its layout.
+// bf16 without a bias (32-bit keys) and group limit: fast path (16 experts per group: 2 lanes of a
+// group of 8 lanes per row, four rows per warp).
+TEST(Router, GroupLimitFastPathTwoLanesPerGroup) {
+  MOE_REQUIRE_GPU();
+  Case fast32 = make("E64 G4/2 bf16 softmax no bias", 64, 4, 1000, [](RouterConfig& c) {
+    c.num_groups = 4;
+    c.topk_groups = 2;
+    c.normalize_topk = true;
+  }, true);
+  fast32.scale = 1.0;
+  run_case(fast32);
+}
+
+// General path: 48 experts per group of E = 384 (16 per lane, 3 lanes per group), with a bias.
+TEST(Router, GroupLimitGeneralPathWide) {
+  MOE_REQUIRE_GPU();
+  Case wide = make("E384 G8/3 sigmoid bias bf16", 384, 8, 500, [](RouterConfig& c) {
+    c.score = ScoreFunction::kSigmoid;
+    c.normalize_topk = true;
+    c.expert_bias = true;
+    c.num_groups = 8;
+    c.topk_groups = 3;
+  }, true);
+  wide.scale = 1.0;
+  run_case(wide);
+}
+
+// General path: groups smaller than a lane's experts (E = 24: 4 experts per group, 8 per lane).
+TEST(Router, GroupLimitGeneralPathSmallGroups) {
+  MOE_REQUIRE_GPU();
+  Case small = make("E24 G6/3 sigmoid fp32", 24, 4, 800, [](RouterConfig& c) {
+    c.score = ScoreFunction::kSigmoid;
+    c.num_groups = 6;
+    c.topk_groups = 3;
+  });
+  small.scale = 1.0;
+  run_case(small);
+}
+
+// Fast path with one lane per group (8 experts per group), 64-bit keys (bias), seq loss.
+TEST(Router, GroupLimitFastPathOneLanePerGroupSeqLoss) {
+  MOE_REQUIRE_GPU();
+  Case one = make("E128 G16/4 sigmoid bias seq loss", 128, 6, 1024, [](RouterConfig& c) {
+    c.score = ScoreFunction::kSigmoid;
+    c.normalize_topk = true;
+    c.expert_bias = true;
+    c.num_groups = 16;
+    c.topk_groups = 4;
+    c.seq_aux_loss_coeff = 0.001f;
+    c.seq_length = 256;
+  });
+  one.scale = 1.0;
+  run_case(one);
 }
 
 // Calls with fewer tokens than max_tokens, and T = 0.
