@@ -171,46 +171,22 @@ __device__ void produce(SharedStorage& s, const Params& p, int total, int rank) 
   cute::cp_async_wait<0>();
 }
 
-// Columns of h holding features f .. f + 7 of a row, as two 16-byte vectors: the gate and the
-// linear halves, or (interleave 1) the 16 alternating columns from 2 f; without GLU one vector.
-template <bool kGated>
-__device__ __forceinline__ void h_columns(const Params& p, int f, int& c0, int& c1) {
-  if (!kGated) {
-    c0 = f;
-    c1 = f;
-  } else if (p.interleave == 1) {
-    c0 = 2 * f;
-    c1 = 2 * f + kVec;
-  } else {
-    c0 = kernels::gate_col(f, p.F, p.interleave);
-    c1 = kernels::linear_col(f, p.F, p.interleave);
-  }
-}
-
-// The activation backward of 8 consecutive features f .. f + 7 of one row from its h vectors
-// (u0, u1 as h_columns reads them) and the bf16 dact values `go`: dh written over h; returns
-// sum go * act_unscaled; act x prob to act_row if given.
+// The activation backward of 8 consecutive features f .. f + 7 of one row, from the bf16 dact
+// values `go`: dh written over h; returns sum go * act_unscaled; act x prob to act_row if given.
 template <Activation A>
 __device__ __forceinline__ float activation_backward8(const Params& p, __nv_bfloat16* h_row, __nv_bfloat16* act_row,
-                                                      int f, const uint4& u0, const uint4& u1, const float (&go)[kVec],
-                                                      float prob) {
+                                                      int f, const float (&go)[kVec], float prob) {
   constexpr bool kGated = A != Activation::kSquaredReLU;
+  const int F = p.F;
   float g[kVec], l[kVec], dg[kVec], dl[kVec], act[kVec];
   const bool alternating = kGated && p.interleave == 1;
+  const int gc = kGated ? kernels::gate_col(f, F, p.interleave) : f;
+  const int lc = kGated ? kernels::linear_col(f, F, p.interleave) : 0;
   if (alternating) {
-    float lo[kVec], hi[kVec];
-    kernels::unpack<__nv_bfloat16>(u0, lo);
-    kernels::unpack<__nv_bfloat16>(u1, hi);
-#pragma unroll
-    for (int i = 0; i < kVec / 2; ++i) {
-      g[i] = lo[2 * i];
-      l[i] = lo[2 * i + 1];
-      g[i + kVec / 2] = hi[2 * i];
-      l[i + kVec / 2] = hi[2 * i + 1];
-    }
+    kernels::load_glu_alternating(h_row, f, g, l);
   } else {
-    kernels::unpack<__nv_bfloat16>(u0, g);
-    if constexpr (kGated) kernels::unpack<__nv_bfloat16>(u1, l);
+    kernels::load_bf16x8(h_row + gc, g);
+    if constexpr (kGated) kernels::load_bf16x8(h_row + lc, l);
   }
   float dp = 0.0f;
 #pragma unroll
@@ -226,10 +202,8 @@ __device__ __forceinline__ float activation_backward8(const Params& p, __nv_bflo
   if (alternating) {
     kernels::store_glu_alternating(h_row, f, dg, dl);
   } else {
-    int c0, c1;
-    h_columns<kGated>(p, f, c0, c1);
-    kernels::store_bf16x8(h_row + c0, dg);
-    if constexpr (kGated) kernels::store_bf16x8(h_row + c1, dl);
+    kernels::store_bf16x8(h_row + gc, dg);
+    if constexpr (kGated) kernels::store_bf16x8(h_row + lc, dl);
   }
   if (act_row != nullptr) kernels::store_bf16x8(act_row + f, act);
   return dp;
@@ -290,11 +264,6 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
     // after a quad transpose of packed bf16 pairs each lane holds 8 consecutive features of a row
     // (see the fused fc1), so h, dh and act move as 16-byte vectors. The bf16 packing is the
     // rounding of dact the unfused path stores.
-    // The h loads of half a row's features are issued before their first store (a store may alias
-    // a later load in the compiler's eyes): four round trips to memory per tile instead of sixteen,
-    // within the consumers' register budget.
-    constexpr int kBlocks = kBN / 32;  // groups of 4 blocks of 8 features
-    constexpr int kBatch = kBlocks / 2;
     const int j = lane & 3;
     const int r_first = get<0>(coord(0));
 #pragma unroll
@@ -307,33 +276,19 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
       __nv_bfloat16* act_row = p.act_out != nullptr ? p.act_out + row * p.F : nullptr;
       float dp = 0.0f;
 #pragma unroll
-      for (int m0 = 0; m0 < kBlocks; m0 += kBatch) {
-        uint4 u0[kBatch], u1[kBatch];
+      for (int m = 0; m < kBN / 32; ++m) {
+        uint32_t in[4], out[4];
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          const int f = tile.nt * kBN + 8 * (4 * (m0 + b) + j);  // first feature of this lane's 8
-          if (!row_ok || f >= p.F) continue;
-          int c0, c1;
-          h_columns<kGated>(p, f, c0, c1);
-          u0[b] = *reinterpret_cast<const uint4*>(h_row + c0);
-          if constexpr (kGated) u1[b] = *reinterpret_cast<const uint4*>(h_row + c1);
+        for (int q = 0; q < 4; ++q) {
+          const int i = 2 * v1 + 4 * (4 * m + q);
+          in[q] = pack_bf16x2(acc(i), acc(i + 1));
         }
-#pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          const int m = m0 + b;
-          uint32_t in[4], out[4];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const int i = 2 * v1 + 4 * (4 * m + q);
-            in[q] = pack_bf16x2(acc(i), acc(i + 1));
-          }
-          quad_transpose(in, out, j, lane);  // all lanes take part: before any row check
-          const int f = tile.nt * kBN + 8 * (4 * m + j);
-          if (!row_ok || f >= p.F) continue;
-          float go[kVec];
-          unpack_bf16x8(out, go);
-          dp += activation_backward8<A>(p, h_row, act_row, f, u0[b], u1[b], go, prob);
-        }
+        quad_transpose(in, out, j, lane);  // all lanes take part: before any row check
+        const int f = tile.nt * kBN + 8 * (4 * m + j);
+        if (!row_ok || f >= p.F) continue;
+        float go[kVec];
+        unpack_bf16x8(out, go);
+        dp += activation_backward8<A>(p, h_row, act_row, f, go, prob);
       }
       // The row's 256 features live in the 4 lanes of a quad: a fixed two-step sum.
       dp += __shfl_xor_sync(kernels::kFullMask, dp, 1);
