@@ -317,9 +317,10 @@ struct GroupedExperts::Impl {
               ": it refers to neither x_perm nor x (relocate() or relocate_gathered() it first)");
   }
 
-  void wgrad_fc1_gathered(const TensorView& dh, const Saved& v, cudaStream_t s);
-  void wgrad_fc2_gathered(const TensorView& dy, const TensorView& row_slots, int slots, const Saved& v,
-                          cudaStream_t s);
+  // dW_e = Y_e^T X_e with the rows of X gathered through a row map (fused/wgrad_gathered.h): Y the
+  // contiguous [rows, M] operand, X the token-major rows; stored [N, M] when x_major.
+  void wgrad_gathered(const void* y, int64_t M, const Gathered& x, const ExpertMatrices& dw, bool x_major,
+                      const Saved& v, cudaStream_t s) const;
   void fused_dgrad(const void* dY, const int32_t* row_slots, int slots, void* dY_out, const Saved& v,
                    const TensorView& dpp, cudaStream_t s) const;
   // The backward's checks shared by backward and backward_gathered; returns the saved inputs.
@@ -340,7 +341,7 @@ struct GroupedExperts::Impl {
   }
   void wgrad_fc1(const TensorView& dh, const Saved& v, cudaStream_t s) {
     if (v.gathered) {
-      wgrad_fc1_gathered(dh, v, s);
+      wgrad_gathered(dh.data, cfg.fc1_out(), v.from_x, dw1, /*x_major=*/false, v, s);
     } else {
       gemm.wgrad(dh, v.x_perm, v.g, dw1, accumulate(), gemm_workspace(), s);
     }
@@ -348,47 +349,25 @@ struct GroupedExperts::Impl {
   }
 };
 
-void GroupedExperts::Impl::wgrad_fc1_gathered(const TensorView& dh, const Saved& v, cudaStream_t s) {
+void GroupedExperts::Impl::wgrad_gathered(const void* y, int64_t M, const Gathered& x, const ExpertMatrices& dw,
+                                          bool x_major, const Saved& v, cudaStream_t s) const {
   fused::WgradGatheredArgs a;
-  a.dy = dh.data;
-  a.x = v.from_x.x.data;
-  a.row_slots = v.from_x.row_slots.ptr<const int32_t>();
-  a.slots = v.from_x.slots;
+  a.dy = y;
+  a.x = x.x.data;
+  a.row_slots = x.row_slots.ptr<const int32_t>();
+  a.slots = x.slots;
   a.group_offsets = v.g.ptr<const int32_t>();
   a.experts = cfg.experts;
   a.R = v.rows;
-  a.M = static_cast<int>(cfg.fc1_out());
+  a.M = static_cast<int>(M);
   a.N = static_cast<int>(cfg.hidden);
-  a.dw_base = dw1.base();
-  a.dw_stride_bytes = dw1.expert_stride_bytes();
-  a.dw_table = const_cast<void* const*>(dw1.device_table());
-  a.dw_fp32 = dw1.dtype() == DType::kFP32;
+  a.dw_base = dw.base();
+  a.dw_stride_bytes = dw.expert_stride_bytes();
+  a.dw_table = const_cast<void* const*>(dw.device_table());
+  a.dw_fp32 = dw.dtype() == DType::kFP32;
   a.accumulate = accumulate();
-  a.sm_count = sm_count;  // cached at construction (fuse_fc1, which gathered states need)
-  fused::launch_wgrad_gathered(a, s);
-}
-
-// dW2_e = dY_perm_e^T act_e with the dY rows gathered from dy: the gathered weight gradient with
-// X = dy (N = H), act in the contiguous role (M = F), stored X-major ([H, F]).
-void GroupedExperts::Impl::wgrad_fc2_gathered(const TensorView& dy, const TensorView& row_slots, int slots,
-                                              const Saved& v, cudaStream_t s) {
-  fused::WgradGatheredArgs a;
-  a.dy = v.b.act;
-  a.x = dy.data;
-  a.row_slots = row_slots.ptr<const int32_t>();
-  a.slots = slots;
-  a.group_offsets = v.g.ptr<const int32_t>();
-  a.experts = cfg.experts;
-  a.R = v.rows;
-  a.M = static_cast<int>(cfg.ffn);
-  a.N = static_cast<int>(cfg.hidden);
-  a.dw_base = dw2.base();
-  a.dw_stride_bytes = dw2.expert_stride_bytes();
-  a.dw_table = const_cast<void* const*>(dw2.device_table());
-  a.dw_fp32 = dw2.dtype() == DType::kFP32;
-  a.accumulate = accumulate();
-  a.x_major = true;
-  a.sm_count = sm_count;
+  a.x_major = x_major;
+  a.sm_count = sm_count;  // cached at construction (the fused kernels, which gathered rows need)
   fused::launch_wgrad_gathered(a, s);
 }
 
@@ -585,12 +564,10 @@ void GroupedExperts::backward(const TensorView& dY, const TensorView& dx_perm, c
   MOE_CHECK(!c.delay_wgrad || dx_perm.data != dY.data, "argument 'dx_perm': with delay_wgrad, dY is read again by ",
             "backward_dw, so dx_perm must not be the buffer of dY");
 
+  if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);  // reads act before the unfused path writes dact over it
   if (c.fuse_fc2_dgrad) {
-    // act stays as it is: fc2's weight gradient may read it afterwards.
-    m.fused_dgrad(dY.data, nullptr, 1, nullptr, v, dpp, s);
-    if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);
+    m.fused_dgrad(dY.data, nullptr, 1, nullptr, v, dpp, s);  // leaves act as it is
   } else {
-    if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);  // reads act before dact overwrites it
     uint16_t* dact = c.delay_wgrad ? m.dact_ws : v.b.act;
     m.gemm.dgrad(dY, m.w2, v.g, bf16_view(dact, rows, F), m.gemm_workspace(), s);
     // In place: the activation backward reads each h element before writing its gradient.
@@ -633,7 +610,9 @@ void GroupedExperts::backward_gathered(const TensorView& dy, const TensorView& r
     if (c.bias) m.bias_dprobs_of(dY_out, v, dpp, s);
     if (!c.delay_wgrad) m.wgrad_fc2(dY_out, v, s);
   } else {
-    m.wgrad_fc2_gathered(dy, row_slots, slots, v, s);
+    // dW2_e = dY_perm_e^T act_e with the dY rows gathered from dy: X = dy (N = H), act the
+    // contiguous operand (M = F), stored X-major ([H, F]).
+    m.wgrad_gathered(v.b.act, c.ffn, Impl::Gathered{dy, row_slots, slots}, m.dw2, /*x_major=*/true, v, s);
   }
   m.finish_backward(state, v, dY_out, dx_perm, s);
 }
