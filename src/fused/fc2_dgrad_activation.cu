@@ -171,44 +171,6 @@ __device__ void produce(SharedStorage& s, const Params& p, int total, int rank) 
   cute::cp_async_wait<0>();
 }
 
-// The activation backward of 8 consecutive features f .. f + 7 of one row, from the bf16 dact
-// values `go`: dh written over h; returns sum go * act_unscaled; act x prob to act_row if given.
-template <Activation A>
-__device__ __forceinline__ float activation_backward8(const Params& p, __nv_bfloat16* h_row, __nv_bfloat16* act_row,
-                                                      int f, const float (&go)[kVec], float prob) {
-  constexpr bool kGated = A != Activation::kSquaredReLU;
-  const int F = p.F;
-  float g[kVec], l[kVec], dg[kVec], dl[kVec], act[kVec];
-  const bool alternating = kGated && p.interleave == 1;
-  const int gc = kGated ? kernels::gate_col(f, F, p.interleave) : f;
-  const int lc = kGated ? kernels::linear_col(f, F, p.interleave) : 0;
-  if (alternating) {
-    kernels::load_glu_alternating(h_row, f, g, l);
-  } else {
-    kernels::load_bf16x8(h_row + gc, g);
-    if constexpr (kGated) kernels::load_bf16x8(h_row + lc, l);
-  }
-  float dp = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kVec; ++i) {
-    float a, dgi, dli;
-    ActOp<A>::grad(g[i], kGated ? l[i] : 0.0f, p.consts, a, dgi, dli);
-    dp += go[i] * a;
-    const float gp = go[i] * prob;
-    dg[i] = gp * dgi;
-    dl[i] = gp * dli;
-    act[i] = a * prob;
-  }
-  if (alternating) {
-    kernels::store_glu_alternating(h_row, f, dg, dl);
-  } else {
-    kernels::store_bf16x8(h_row + gc, dg);
-    if constexpr (kGated) kernels::store_bf16x8(h_row + lc, dl);
-  }
-  if (act_row != nullptr) kernels::store_bf16x8(act_row + f, act);
-  return dp;
-}
-
 template <Activation A>
 __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) {
   constexpr bool kGated = A != Activation::kSquaredReLU;
@@ -288,7 +250,7 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
         if (!row_ok || f >= p.F) continue;
         float go[kVec];
         unpack_bf16x8(out, go);
-        dp += activation_backward8<A>(p, h_row, act_row, f, go, prob);
+        kernels::activation_backward_x8<A>(h_row, h_row, f, p.F, p.interleave, p.consts, go, prob, dp, act_row);
       }
       // The row's 256 features live in the 4 lanes of a quad: a fixed two-step sum.
       dp += __shfl_xor_sync(kernels::kFullMask, dp, 1);

@@ -44,32 +44,9 @@ __global__ void __launch_bounds__(kActThreads) activation_backward_kernel(const 
   __nv_bfloat16* dhr = a.dh + row * in_cols;
   float dp = 0.0f;
   for (int j = lane * kVec; j < F; j += 32 * kVec) {
-    float g[kVec], l[kVec], go[kVec], dg[kVec], dl[kVec];
-    const int cg = kGated ? gate_col(j, F, a.interleave) : j;
-    const int cl = kGated ? linear_col(j, F, a.interleave) : 0;
-    const bool alternating = kGated && a.interleave == 1;
-    if (alternating) {
-      load_glu_alternating(hr, j, g, l);
-    } else {
-      load_bf16x8(hr + cg, g);
-      if (kGated) load_bf16x8(hr + cl, l);
-    }
+    float go[kVec];
     load_bf16x8(dor + j, go);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      float act, dgi, dli;
-      ActOp<A>::grad(g[i], kGated ? l[i] : 0.0f, a.c, act, dgi, dli);
-      dp += go[i] * act;
-      const float gp = go[i] * p;
-      dg[i] = gp * dgi;
-      dl[i] = gp * dli;
-    }
-    if (alternating) {
-      store_glu_alternating(dhr, j, dg, dl);
-    } else {
-      store_bf16x8(dhr + cg, dg);
-      if (kGated) store_bf16x8(dhr + cl, dl);
-    }
+    activation_backward_x8<A>(hr, dhr, j, F, a.interleave, a.c, go, p, dp);
   }
   if (a.dprobs != nullptr) {
 #pragma unroll

@@ -133,6 +133,45 @@ __device__ __forceinline__ void store_glu_alternating(__nv_bfloat16* row, int j,
   store_bf16x8(row + 2 * j + kVec, hi);
 }
 
+// The backward of activation x prob for the 8 logical columns [j, j + 8) of a row, from the d_out
+// values `go` and the row's prob: reads h_row, writes dh (dh_row may be h_row: every element is
+// read before its gradient is written), adds go * act_unscaled (the prob's gradient) to dp column
+// by column, and writes the recomputed act x prob to act_row when one is given. fp32 math.
+template <Activation A>
+__device__ __forceinline__ void activation_backward_x8(const __nv_bfloat16* h_row, __nv_bfloat16* dh_row, int j,
+                                                        int F, int interleave, const ActConsts& c,
+                                                        const float (&go)[kVec], float prob, float& dp,
+                                                        __nv_bfloat16* act_row = nullptr) {
+  constexpr bool kGated = A != Activation::kSquaredReLU;
+  float g[kVec], l[kVec], dg[kVec], dl[kVec], act[kVec];
+  const bool alternating = kGated && interleave == 1;
+  const int cg = kGated ? gate_col(j, F, interleave) : j;
+  const int cl = kGated ? linear_col(j, F, interleave) : 0;
+  if (alternating) {
+    load_glu_alternating(h_row, j, g, l);
+  } else {
+    load_bf16x8(h_row + cg, g);
+    if (kGated) load_bf16x8(h_row + cl, l);
+  }
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    float a, dgi, dli;
+    ActOp<A>::grad(g[i], kGated ? l[i] : 0.0f, c, a, dgi, dli);
+    dp += go[i] * a;
+    const float gp = go[i] * prob;
+    dg[i] = gp * dgi;
+    dl[i] = gp * dli;
+    act[i] = a * prob;
+  }
+  if (alternating) {
+    store_glu_alternating(dh_row, j, dg, dl);
+  } else {
+    store_bf16x8(dh_row + cg, dg);
+    if (kGated) store_bf16x8(dh_row + cl, dl);
+  }
+  if (act_row != nullptr) store_bf16x8(act_row + j, act);
+}
+
 // Rows to process: all R, or the clamped end of the last group read on the device (graph-safe).
 __device__ __forceinline__ int64_t valid_rows(const int32_t* group_offsets, int groups, int64_t R) {
   return group_offsets == nullptr ? R : clamped_offset(group_offsets, groups, R);
