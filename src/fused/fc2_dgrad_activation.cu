@@ -34,6 +34,7 @@
 #include "device/cuda_check.h"
 #include "fused/async_copy.cuh"
 #include "fused/cluster_launch.h"
+#include "fused/consumer_loop.cuh"
 #include "fused/fc2_dgrad_activation.h"
 #include "fused/fragment_pack.cuh"
 #include "fused/gather_rows.cuh"
@@ -197,30 +198,15 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
     // from the end of one tile's epilogue to the next tile's clear, so the epilogue gets their
     // registers (with a zero scale they stay live around the tile loop: the WGMMA reads them).
     clear(acc);
-    int prev = -1;
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      cutlass::arch::ClusterBarrier::wait(&s.full[ring.stage], ring.phase);
-      cutlass::arch::fence_view_async_shared();  // cp.async (generic proxy) writes -> WGMMA reads
-      warpgroup_fence_operand(acc);
-      warpgroup_arrive();
-#pragma unroll
-      for (int kk = 0; kk < size<2>(tCrA); ++kk) {
-        cute::gemm(mma, tCrA(_, _, kk, ring.stage), tCrB(_, _, kk, ring.stage), acc);
-      }
-      warpgroup_commit_batch();
-      // While the tensor cores run: the gathered dY rows out to dY_perm, spread over the feature
-      // blocks of a row block (each writes every feature_tiles-th k block), as in the fused fc1.
-      if (p.dy_out != nullptr && kb % p.feature_tiles == tile.nt)
-        store_gathered_stage<kConsumerThreads>(s.a[ring.stage], p.dy_out, tile, p.H, kb, ctid);
-      warpgroup_wait<1>();  // the previous stage's WGMMAs are done: hand it back
-      warpgroup_fence_operand(acc);
-      if (prev >= 0) release_stage<kCluster>(&s.empty[prev], lane);
-      prev = ring.stage;
-      ring.advance();
-    }
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc);
-    if (prev >= 0) release_stage<kCluster>(&s.empty[prev], lane);
+    consume_k_blocks<kCluster>(
+        mma, tCrA, tCrB, acc, s.full, s.empty, ring, k_blocks, lane,
+        [](int, int) {},
+        // While the tensor cores run: the gathered dY rows out to dY_perm, spread over the feature
+        // blocks of a row block (each writes every feature_tiles-th k block), as in the fused fc1.
+        [&](int stage, int kb) {
+          if (p.dy_out != nullptr && kb % p.feature_tiles == tile.nt)
+            store_gathered_stage<kConsumerThreads>(s.a[stage], p.dy_out, tile, p.H, kb, ctid);
+        });
 
     // Epilogue. Accumulator index v0 + 2 v1 + 4 v2 is row r + 8 v1, feature 8 v2 + 2 (lane % 4) + v0;
     // after a quad transpose of packed bf16 pairs each lane holds 8 consecutive features of a row
@@ -272,11 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1) fc2_dgrad_activation_kernel(const
   } else if (warp == 1 && lane == 0) {
     // full: every producer thread's cp.async arrival (+ the TMA issuer's expect-tx arrival);
     // empty: every consumer warp of both CTAs of the cluster.
-    for (int i = 0; i < kStages; ++i) {
-      cutlass::arch::ClusterBarrier::init(&s.full[i], kProducerThreads + (kTma ? 1 : 0));
-      cutlass::arch::ClusterBarrier::init(&s.empty[i], kCluster * kConsumerThreads / 32);
-    }
-    cutlass::arch::fence_barrier_init();
+    init_stage_barriers<kStages>(s.full, s.empty, kProducerThreads + (kTma ? 1 : 0), kCluster * kConsumerThreads / 32);
   }
   if (kTma && threadIdx.x == 0) cute::prefetch_tma_descriptor(&p.w2_map);
   // The peer's barriers must be initialized before anything arrives on them.
@@ -372,11 +354,7 @@ void launch_fc2_dgrad_activation(const Fc2DgradActivationArgs& a, cudaStream_t s
   } else {
     std::memset(&p.w2_map, 0, sizeof p.w2_map);
   }
-  // At most one cluster tile per 2 * 128 rows plus one partial tile per expert, per feature block;
-  // the grid is a whole number of clusters.
-  const int64_t max_tiles = ((a.R + kCluster * kBM - 1) / (kCluster * kBM) + a.experts) * p.feature_tiles;
-  const int64_t clusters = std::max<int64_t>(1, std::min<int64_t>(max_tiles, a.sm_count / kCluster));
-  const int grid = static_cast<int>(clusters * kCluster);
+  const int grid = row_tile_grid<kBM>(a.R, a.experts, p.feature_tiles, kCluster, a.sm_count);
   switch (a.activation.kind) {
     case Activation::kSwiGLU: launch_kernel<Activation::kSwiGLU>(p, tma, grid, stream); break;
     case Activation::kGeGLU: launch_kernel<Activation::kGeGLU>(p, tma, grid, stream); break;

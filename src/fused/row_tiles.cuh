@@ -5,6 +5,7 @@
 // group offsets at kernel start (graph-safe: no host read of group sizes).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "device/device_groups.cuh"
@@ -67,6 +68,16 @@ __device__ __forceinline__ RowTile decode_row_tile(int t, const int32_t* start, 
   const int64_t left = end - tile.m0;
   tile.rows = left <= 0 ? 0 : (left < kBM ? static_cast<int>(left) : kBM);
   return tile;
+}
+
+// Grid of a persistent row-tile kernel, a whole number of clusters: at most one cluster tile per
+// kCluster * kBM rows plus one partial tile per expert, per feature block, and no more clusters than
+// the SMs hold (at least one).
+template <int kBM>
+inline int row_tile_grid(int64_t R, int experts, int feature_tiles, int cluster, int sm_count) {
+  const int64_t max_tiles = ((R + cluster * kBM - 1) / (cluster * kBM) + experts) * int64_t(feature_tiles);
+  const int64_t clusters = std::max<int64_t>(1, std::min<int64_t>(max_tiles, sm_count / cluster));
+  return static_cast<int>(clusters * cluster);
 }
 
 }  // namespace moe::fused

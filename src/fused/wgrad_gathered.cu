@@ -35,6 +35,7 @@
 #include "fused/async_copy.cuh"
 #include "fused/pipeline.cuh"
 #include "fused/cluster_launch.h"
+#include "fused/consumer_loop.cuh"
 #include "fused/tensor_map.h"
 #include "fused/wgrad_gathered.h"
 #include "moe/error.h"
@@ -213,6 +214,7 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
   const int ctid = threadIdx.x - kProducerThreads;
   const int lane = threadIdx.x & 31;
   TiledMma mma;
+  mma.accumulate_ = GMMA::ScaleOut::One;
   Tensor sX = make_tensor(make_smem_ptr(s.x), SmemLayoutX{});
   Tensor sY = make_tensor(make_smem_ptr(s.y), SmemLayoutY{});
   auto thr = mma.get_thread_slice(ctid);
@@ -228,27 +230,13 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
     const int64_t rows = tile.end - tile.begin;
     const int k_blocks = static_cast<int>((rows + kBK - 1) / kBK);
     clear(acc);  // an empty group's gradient is zero
-    mma.accumulate_ = GMMA::ScaleOut::One;
-    int prev = -1;
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      cutlass::arch::ClusterBarrier::wait(&s.full[ring.stage], ring.phase);
-      const int valid = static_cast<int>(std::min<int64_t>(rows - int64_t(kb) * kBK, kBK));
-      if (valid < kBK) zero_rows_past_group(s, ring.stage, valid, ctid);
-      cutlass::arch::fence_view_async_shared();  // cp.async (generic proxy) writes -> WGMMA reads
-      warpgroup_fence_operand(acc);
-      warpgroup_arrive();
-#pragma unroll
-      for (int kk = 0; kk < size<2>(tCrA); ++kk) cute::gemm(mma, tCrA(_, _, kk, ring.stage), tCrB(_, _, kk, ring.stage), acc);
-      warpgroup_commit_batch();
-      warpgroup_wait<1>();  // the previous stage's WGMMAs are done: hand it back
-      warpgroup_fence_operand(acc);
-      if (prev >= 0) release_stage<kCluster>(&s.empty[prev], lane);
-      prev = ring.stage;
-      ring.advance();
-    }
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc);
-    if (prev >= 0) release_stage<kCluster>(&s.empty[prev], lane);
+    consume_k_blocks<kCluster>(
+        mma, tCrA, tCrB, acc, s.full, s.empty, ring, k_blocks, lane,
+        [&](int stage, int kb) {
+          const int valid = static_cast<int>(std::min<int64_t>(rows - int64_t(kb) * kBK, kBK));
+          if (valid < kBK) zero_rows_past_group(s, stage, valid, ctid);
+        },
+        [](int, int) {});
 
     // Epilogue: accumulator (i) is X column a, dY column b of the tile, i.e. dW_e[b][a]; eight
     // consecutive X columns of one dY column come from the eight row groups of a warp.
@@ -277,11 +265,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_gathered_kernel(const __gri
   if (threadIdx.x == 32) {
     // full: every producer thread's cp.async arrival + the TMA issuer's expect-tx arrival;
     // empty: every consumer warp of both CTAs of the cluster.
-    for (int i = 0; i < kStages; ++i) {
-      cutlass::arch::ClusterBarrier::init(&s.full[i], kProducerThreads + 1);
-      cutlass::arch::ClusterBarrier::init(&s.empty[i], kCluster * kConsumerThreads / 32);
-    }
-    cutlass::arch::fence_barrier_init();
+    init_stage_barriers<kStages>(s.full, s.empty, kProducerThreads + 1, kCluster * kConsumerThreads / 32);
   }
   if (threadIdx.x == 0) cute::prefetch_tma_descriptor(&p.dy_map);
   // The peer's barriers must be initialized before anything arrives on them.
