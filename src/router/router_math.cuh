@@ -220,7 +220,6 @@ struct Key32 {
     const uint32_t b = __float_as_uint(__fadd_rn(v, 0.0f));
     return ((b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u)) & 0xffff0000u) | id;
   }
-  __device__ static T make(float v, int e) { return make_id(v, id_of(e)); }
   __device__ static int expert(T k) { return 0xffff - static_cast<int>(k & 0xffffu); }
   __device__ static float value(T k) {  // a negative value's key has its low 16 bits set
     const uint32_t hi = k & 0xffff0000u;
@@ -239,7 +238,6 @@ struct Key64 {
     const uint32_t hi = b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
     return (static_cast<uint64_t>(hi) << 32) | id;
   }
-  __device__ static T make(float v, int e) { return make_id(v, id_of(e)); }
   __device__ static int expert(T k) { return static_cast<int>(0xffffffffu - static_cast<uint32_t>(k)); }
   __device__ static float value(T k) { return key_float(static_cast<uint32_t>(k >> 32)); }
   __device__ static T group_max(T k, const Lanes& l) {
