@@ -40,12 +40,19 @@ __device__ __forceinline__ Lanes lanes_of(int G) {
   return l;
 }
 
+// The bits of a float, reordered so that unsigned order is float order (a negative value flips
+// every bit, a positive one its sign bit); -0 and +0 stay apart (callers that need them equal map
+// -0 to +0 first).
+__device__ __forceinline__ uint32_t ordered_bits(uint32_t b) {
+  return b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
+}
+
 // Monotone map of a float to uint32 (larger float -> larger key); -0 maps to +0's key so that the
 // two compare equal, as they do as floats (ties then break by id).
 __device__ __forceinline__ uint32_t float_key(float f) {
   uint32_t b = __float_as_uint(f);
   if (b == 0x80000000u) b = 0u;
-  return b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
+  return ordered_bits(b);
 }
 __device__ __forceinline__ float key_float(uint32_t k) {
   return __uint_as_float(k ^ (~static_cast<uint32_t>(static_cast<int32_t>(k) >> 31) | 0x80000000u));
@@ -217,8 +224,7 @@ struct Key32 {
   // float_key's compare and select); the low 16 bits of a bf16 value are zero.
   __device__ static uint32_t id_of(int e) { return static_cast<uint32_t>(0xffff - e); }
   __device__ static T make_id(float v, uint32_t id) {
-    const uint32_t b = __float_as_uint(__fadd_rn(v, 0.0f));
-    return ((b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u)) & 0xffff0000u) | id;
+    return (ordered_bits(__float_as_uint(__fadd_rn(v, 0.0f))) & 0xffff0000u) | id;
   }
   __device__ static int expert(T k) { return 0xffff - static_cast<int>(k & 0xffffu); }
   __device__ static float value(T k) {  // a negative value's key has its low 16 bits set
@@ -234,8 +240,7 @@ struct Key64 {
   using T = uint64_t;
   __device__ static uint32_t id_of(int e) { return 0xffffffffu - static_cast<uint32_t>(e); }
   __device__ static T make_id(float v, uint32_t id) {
-    const uint32_t b = __float_as_uint(__fadd_rn(v, 0.0f));  // -0 -> +0
-    const uint32_t hi = b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
+    const uint32_t hi = ordered_bits(__float_as_uint(__fadd_rn(v, 0.0f)));  // -0 -> +0 first
     return (static_cast<uint64_t>(hi) << 32) | id;
   }
   __device__ static int expert(T k) { return static_cast<int>(0xffffffffu - static_cast<uint32_t>(k)); }
