@@ -103,10 +103,7 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) backward_kernel(Rou
   float* ua_aux = reinterpret_cast<float*>(smem_raw + sizeof(float) * RG * G * NJ + sizeof(SlotGrad) * RG * W);
 
   const int base = L.lane_g * NJ;
-  uint32_t vmask = 0;
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-    if (base + j < E) vmask |= 1u << j;
+  const uint32_t vmask = lane_expert_mask<NJ>(base, E);
   const bool seq = p.seq_coeff != 0.0f && a.d_seq != nullptr;
   const bool aux = p.aux_coeff != 0.0f && a.d_aux != nullptr;
   const bool zl = p.z_coeff != 0.0f && a.d_z != nullptr;

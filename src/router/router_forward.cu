@@ -246,10 +246,7 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
   __syncthreads();  // every thread, before the loop
   const bool bias_ok = !kMayBias || *static_cast<volatile int*>(&bias_bad) == 0;  // one load, not re-read
 
-  uint32_t vmask = 0;  // bit j: expert base + j exists
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-    if (base + j < E) vmask |= 1u << j;
+  const uint32_t vmask = lane_expert_mask<NJ>(base, E);
   // Group limit: the fast path's lanes per expert group, and this lane's (first) group.
   const int gs = E / p.groups;
   const int group_lanes = (kGroups && gs % NJ == 0 && ((gs / NJ) & (gs / NJ - 1)) == 0) ? gs / NJ : 0;
@@ -508,15 +505,7 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
       acc[4 * i + 2] = c.z;
       acc[4 * i + 3] = c.w;
     }
-    for (int o = G; o < 32; o *= 2) {
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) acc[j] += __shfl_xor_sync(kFull, acc[j], o);
-    }
-    if (L.slot == 0) {
-#pragma unroll
-      for (int j = 0; j < NJ; ++j)
-        if ((vmask >> j) & 1u) warp_part[base + j] = acc[j];
-    }
+    store_warp_sums<NJ>(acc, L, base, vmask, warp_part);
   }
   if (want_lse) {
     for (int o = 1; o < 32; o *= 2) zacc += __shfl_xor_sync(kFull, zacc, o);
@@ -525,8 +514,7 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += kThreads) {
     if (want_a) {
-      float P = 0.0f;
-      for (int w = 0; w < kRouterWarps; ++w) P += sh.rowbuf[w * RPW * (G * NJ) + e];
+      const float P = sum_warp_parts(sh.rowbuf, RPW * (G * NJ), e);
       const auto fixed = static_cast<unsigned long long>(__float2ll_rn(P * 4294967296.0f));
       if (fixed) atomicAdd(a.aux_acc + e, fixed);
     }
@@ -608,10 +596,7 @@ __global__ void __launch_bounds__(kThreads) seq_loss_kernel(RouterForwardArgs a)
   for (int e = threadIdx.x; e < E; e += kThreads) sh.hist[e] = 0;
   __syncthreads();
   const int base = L.lane_g * NJ;
-  uint32_t vmask = 0;
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-    if (base + j < E) vmask |= 1u << j;
+  const uint32_t vmask = lane_expert_mask<NJ>(base, E);
   bool bias_ok = true;
 #pragma unroll
   for (int j = 0; j < NJ; ++j)
@@ -657,23 +642,13 @@ __global__ void __launch_bounds__(kThreads) seq_loss_kernel(RouterForwardArgs a)
       for (int j = L.lane_g; j < k; j += G) atomicAdd(&sh.hist[a.selected[t * W + j]], 1);
     }
   }
-  for (int o = G; o < 32; o *= 2) {
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) acc[j] += __shfl_xor_sync(kFull, acc[j], o);
-  }
-  float* warp_part = sh.rowbuf + warp * RPW * (G * NJ);
-  if (L.slot == 0) {
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-      if ((vmask >> j) & 1u) warp_part[base + j] = acc[j];
-  }
+  store_warp_sums<NJ>(acc, L, base, vmask, sh.rowbuf + warp * RPW * (G * NJ));
   __syncthreads();
   const float Lf = static_cast<float>(Ls);
   const float f_scale = static_cast<float>(E) / (static_cast<float>(k) * Lf);
   double term = 0.0;
   for (int e = threadIdx.x; e < E; e += kThreads) {
-    float P = 0.0f;
-    for (int w = 0; w < kRouterWarps; ++w) P += sh.rowbuf[w * RPW * (G * NJ) + e];
+    const float P = sum_warp_parts(sh.rowbuf, RPW * (G * NJ), e);
     const int32_t cnt = sh.hist[e];
     a.seq_counts[int64_t{blockIdx.x} * E + e] = cnt;
     term += f_scale * static_cast<float>(cnt) * (P / Lf);

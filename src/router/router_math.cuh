@@ -40,6 +40,16 @@ __device__ __forceinline__ Lanes lanes_of(int G) {
   return l;
 }
 
+// Bit j set: the lane's expert base + j exists (base + j < E).
+template <int NJ>
+__device__ __forceinline__ uint32_t lane_expert_mask(int base, int E) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+    if (base + j < E) m |= 1u << j;
+  return m;
+}
+
 // The bits of a float, reordered so that unsigned order is float order (a negative value flips
 // every bit, a positive one its sign bit); -0 and +0 stay apart (callers that need them equal map
 // -0 to +0 first).
@@ -292,6 +302,30 @@ __device__ __forceinline__ void sort_desc(K (&k)[NJ]) {
 }
 
 // ---- reductions across the blocks of a kernel ----
+
+// Per-expert sums of a block's rows (the balancing scores), first within each warp: the warp's row
+// groups add their lanes' acc by a butterfly and its first group writes the sums of the existing
+// experts to warp_part (the warp's stretch of rows_per_warp * G NJ floats).
+template <int NJ>
+__device__ __forceinline__ void store_warp_sums(float (&acc)[NJ], const Lanes& l, int base, uint32_t vmask,
+                                                float* warp_part) {
+  for (int o = l.G; o < 32; o *= 2) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) acc[j] += __shfl_xor_sync(kFull, acc[j], o);
+  }
+  if (l.slot == 0) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+      if ((vmask >> j) & 1u) warp_part[base + j] = acc[j];
+  }
+}
+// ... then, after a block barrier, expert e's sum over the warps in order (warp w's part at
+// parts + w * stride).
+__device__ __forceinline__ float sum_warp_parts(const float* parts, int stride, int e) {
+  float P = 0.0f;
+  for (int w = 0; w < kRouterWarps; ++w) P += parts[w * stride + e];
+  return P;
+}
 
 // Sum over the block's threads in a fixed tree order (every thread gets the result).
 __device__ __forceinline__ double block_sum(double v, double* red) {
