@@ -259,9 +259,7 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
   float zacc = 0.0f;
   uint32_t bits = 0;
 
-  const int64_t tiles = (int64_t{p.T} + RPW - 1) / RPW;
-  const int64_t block_end = (int64_t{blockIdx.x} + 1) * tiles_per_block;
-  const int64_t tile_end = tiles < block_end ? tiles : block_end;
+  const int64_t tile_end = block_tile_end(p.T, RPW, tiles_per_block);
   int64_t tile = int64_t{blockIdx.x} * tiles_per_block + warp;
   constexpr uint32_t kAllJ = (1u << NJ) - 1u;
   const uint32_t id0 = K::id_of(base);  // key id of expert base; base + j has id0 - j
@@ -798,11 +796,14 @@ void launch_rows(const RouterForwardArgs& a, int blocks, int32_t tiles_per_block
 }  // namespace
 }  // namespace router
 
-int router_row_blocks(int64_t T, int G) {
+RouterRowGrid router_row_grid(int64_t T, int G) {
   const int64_t rows_per_warp = 32 / G;
   const int64_t tiles = (T + rows_per_warp - 1) / rows_per_warp;
   const int64_t b = (tiles + kRouterWarps - 1) / kRouterWarps;
-  return static_cast<int>(std::clamp<int64_t>(b, 1, kRouterMaxBlocks));
+  RouterRowGrid g;
+  g.blocks = static_cast<int>(std::clamp<int64_t>(b, 1, kRouterMaxBlocks));
+  g.tiles_per_block = static_cast<int32_t>((tiles + g.blocks - 1) / g.blocks);
+  return g;
 }
 
 void launch_router_forward(const RouterForwardArgs& a, cudaStream_t stream) {
@@ -811,9 +812,7 @@ void launch_router_forward(const RouterForwardArgs& a, cudaStream_t stream) {
   const int E = p.E;
   const bool select = a.select != SelectKey::kNone;
   // The row kernel (one launch, whatever T: its last block writes the counts and losses).
-  const int blocks = router_row_blocks(p.T, p.G);
-  const int64_t tiles = (int64_t{p.T} + 32 / p.G - 1) / (32 / p.G);
-  const auto tiles_per_block = static_cast<int32_t>((tiles + blocks - 1) / blocks);
+  const RouterRowGrid grid = router_row_grid(p.T, p.G);
   const bool wide = router_experts_per_lane(E) == 16, groups = p.groups > 1;
   using Launch = void (*)(const RouterForwardArgs&, int, int32_t, cudaStream_t);
   static constexpr Launch kLaunch[2][2][2] = {  // [wide][bf16][groups]
@@ -821,7 +820,7 @@ void launch_router_forward(const RouterForwardArgs& a, cudaStream_t stream) {
        {launch_rows<8, true, false>, launch_rows<8, true, true>}},
       {{launch_rows<16, false, false>, launch_rows<16, false, true>},
        {launch_rows<16, true, false>, launch_rows<16, true, true>}}};
-  kLaunch[wide][p.bf16][groups](a, blocks, tiles_per_block, stream);
+  kLaunch[wide][p.bf16][groups](a, grid.blocks, grid.tiles_per_block, stream);
   if (select) {
     if (p.T > 0) {
       const int64_t n = int64_t{p.T} * p.W;

@@ -82,6 +82,14 @@ __device__ __forceinline__ float group_sum(float v, const Lanes& l) {
 }
 __device__ __forceinline__ bool group_any(bool b, const Lanes& l) { return (__ballot_sync(l.mask, b) & l.mask) != 0; }
 
+// The end of this block's tiles of rows_per_tile rows (router_row_grid): the block works on tiles
+// [blockIdx.x tiles_per_block, end), its warp w on the tiles w, w + kRouterWarps, ... of them.
+__device__ __forceinline__ int64_t block_tile_end(int32_t T, int rows_per_tile, int32_t tiles_per_block) {
+  const int64_t tiles = (int64_t{T} + rows_per_tile - 1) / rows_per_tile;
+  const int64_t block_end = (int64_t{blockIdx.x} + 1) * tiles_per_block;
+  return tiles < block_end ? tiles : block_end;
+}
+
 // ---- row loads ----
 
 // The raw words of a lane's NJ logits: bf16 packs two per word (element 2i in the low half of word
