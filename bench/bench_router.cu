@@ -19,7 +19,6 @@
 #include <cstdlib>
 #include <functional>
 #include <string>
-#include <vector>
 
 #include "device/cuda_check.h"
 #include "moe/error_word.h"
@@ -35,35 +34,6 @@ struct Variant {
   const char* name;
   void (*edit)(RouterConfig&);
 };
-
-// Median time of replays of a graph holding fn(); `flush` (when not null) is overwritten before each
-// timed replay, outside the timed interval.
-double graph_median_ms(const std::function<void()>& fn, cudaStream_t stream, int repeats, void* flush,
-                       size_t flush_bytes) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  fn();
-  MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 5; ++i) MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  std::vector<cudaEvent_t> ev(2 * repeats);
-  for (auto& e : ev) MOE_CUDA_CHECK(cudaEventCreate(&e));
-  for (int i = 0; i < repeats; ++i) {
-    if (flush) MOE_CUDA_CHECK(cudaMemsetAsync(flush, i & 0xff, flush_bytes, stream));
-    MOE_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
-    MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    MOE_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
-  }
-  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<float> ms(repeats);
-  for (int i = 0; i < repeats; ++i) MOE_CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
-  for (auto& e : ev) cudaEventDestroy(e);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  std::sort(ms.begin(), ms.end());
-  return repeats % 2 ? ms[repeats / 2] : 0.5 * (ms[repeats / 2 - 1] + ms[repeats / 2]);
-}
 
 }  // namespace
 
@@ -93,6 +63,10 @@ int main(int argc, char** argv) {
   const size_t flush_bytes = size_t{256} << 20;
   void* flush = nullptr;
   if (!warm_l2) MOE_CUDA_CHECK(cudaMalloc(&flush, flush_bytes));
+  // Before each timed replay (outside its events): overwrite the flush buffer, evicting the logits.
+  int flushes = 0;
+  std::function<void()> evict_l2;
+  if (flush) evict_l2 = [&] { MOE_CUDA_CHECK(cudaMemsetAsync(flush, flushes++ & 0xff, flush_bytes, stream)); };
   std::printf("device: %s\n", bench::device_description().c_str());
   std::printf("device-to-device copy bandwidth (read + write): %.0f GB/s (read %.0f GB/s)\n", copy_gbs,
               copy_read_gbs);
@@ -171,10 +145,13 @@ int main(int argc, char** argv) {
             g.d_aux_loss = TensorView(scalars + 2, DType::kFP32, {1});
             g.d_z_loss = TensorView(scalars + 3, DType::kFP32, {1});
             const TensorView dv(dlogits, dtype, {T, E});
-            const double f_ms = graph_median_ms([&] { router.forward(lv, bv, o, ew.device_ptr(), stream); }, stream,
-                                                repeats, flush, flush_bytes);
+            const double f_ms =
+                bench::time_cuda_graph([&] { router.forward(lv, bv, o, ew.device_ptr(), stream); }, stream, 5, repeats,
+                                       evict_l2)
+                    .median_ms;
             const double b_ms =
-                graph_median_ms([&] { router.backward(lv, o, g, dv, stream); }, stream, repeats, flush, flush_bytes);
+                bench::time_cuda_graph([&] { router.backward(lv, o, g, dv, stream); }, stream, 5, repeats, evict_l2)
+                    .median_ms;
             ew.check(stream);
             const double bytes = static_cast<double>(esize) * T * E;
             const double fg = bytes / (f_ms * 1e-3) / 1e9, bg = bytes / (b_ms * 1e-3) / 1e9;

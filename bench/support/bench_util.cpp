@@ -105,11 +105,13 @@ Timing summarize(std::vector<float> ms) {
   return t;
 }
 
-Timing time_launches(const std::function<void()>& launch, cudaStream_t stream, int warmup, int repeats) {
+Timing time_launches(const std::function<void()>& launch, cudaStream_t stream, int warmup, int repeats,
+                     const std::function<void()>& before_each) {
   for (int i = 0; i < warmup; ++i) launch();
   std::vector<cudaEvent_t> ev(2 * repeats);
   for (auto& e : ev) MOE_CUDA_CHECK(cudaEventCreate(&e));
   for (int i = 0; i < repeats; ++i) {
+    if (before_each) before_each();
     MOE_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
     launch();
     MOE_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
@@ -122,18 +124,21 @@ Timing time_launches(const std::function<void()>& launch, cudaStream_t stream, i
 }
 }  // namespace
 
-Timing time_cuda(const std::function<void()>& fn, cudaStream_t stream, int warmup, int repeats) {
-  return time_launches(fn, stream, warmup, repeats);
+Timing time_cuda(const std::function<void()>& fn, cudaStream_t stream, int warmup, int repeats,
+                 const std::function<void()>& before_each) {
+  return time_launches(fn, stream, warmup, repeats, before_each);
 }
 
-Timing time_cuda_graph(const std::function<void()>& fn, cudaStream_t stream, int warmup, int repeats) {
+Timing time_cuda_graph(const std::function<void()>& fn, cudaStream_t stream, int warmup, int repeats,
+                       const std::function<void()>& before_each) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   fn();
   MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  Timing t = time_launches([&] { MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, stream, warmup, repeats);
+  Timing t =
+      time_launches([&] { MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, stream, warmup, repeats, before_each);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   return t;

@@ -35,11 +35,14 @@ struct Timing {
 };
 
 // Times fn() (which enqueues work on `stream`) with CUDA events: `warmup` untimed runs, then
-// `repeats` timed runs, each bracketed by its own events.
-Timing time_cuda(const std::function<void()>& fn, cudaStream_t stream, int warmup = 5, int repeats = 20);
+// `repeats` timed runs, each bracketed by its own events. `before_each` (when given) enqueues work
+// before each timed run, outside its events (e.g. a write that evicts the inputs from L2).
+Timing time_cuda(const std::function<void()>& fn, cudaStream_t stream, int warmup = 5, int repeats = 20,
+                 const std::function<void()>& before_each = nullptr);
 
 // Captures fn() into a CUDA graph once and times its replays the same way.
-Timing time_cuda_graph(const std::function<void()>& fn, cudaStream_t stream, int warmup = 5, int repeats = 20);
+Timing time_cuda_graph(const std::function<void()>& fn, cudaStream_t stream, int warmup = 5, int repeats = 20,
+                       const std::function<void()>& before_each = nullptr);
 
 // Device-to-device copy bandwidth (bytes read + written per second, GB/s) of a `bytes` buffer.
 double copy_bandwidth_gbs(cudaStream_t stream, size_t bytes = size_t(2) << 30);

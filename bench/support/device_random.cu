@@ -2,6 +2,8 @@
 
 #include <cuda_bf16.h>
 
+#include <type_traits>
+
 #include "device/cuda_check.h"
 
 namespace moe::bench {
@@ -20,27 +22,31 @@ __device__ float value_at(uint64_t seed, int64_t i, float scale) {
   return static_cast<float>((2.0 * u - 1.0) * 1.7320508075688772 * scale);
 }
 
-__global__ void fill_bf16_kernel(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    out[i] = __float2bfloat16(value_at(seed, i, scale));
+// One kernel for every element type: the same value per index, rounded to T.
+template <typename T>
+__global__ void fill_kernel(T* out, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)
+      out[i] = __float2bfloat16(value_at(seed, i, scale));
+    else
+      out[i] = value_at(seed, i, scale);
+  }
 }
 
-__global__ void fill_fp32_kernel(float* out, int64_t n, uint64_t seed, float scale) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    out[i] = value_at(seed, i, scale);
+template <typename T>
+void fill(T* data, int64_t n, uint64_t seed, float scale, cudaStream_t stream) {
+  if (n == 0) return;
+  fill_kernel<T><<<1024, 256, 0, stream>>>(data, n, seed, scale);
+  MOE_CUDA_CHECK_LAUNCH();
 }
 }  // namespace
 
 void fill_random_bf16(void* data, int64_t n, uint64_t seed, float scale, cudaStream_t stream) {
-  if (n == 0) return;
-  fill_bf16_kernel<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(data), n, seed, scale);
-  MOE_CUDA_CHECK_LAUNCH();
+  fill(static_cast<__nv_bfloat16*>(data), n, seed, scale, stream);
 }
 
 void fill_random_fp32(float* data, int64_t n, uint64_t seed, float scale, cudaStream_t stream) {
-  if (n == 0) return;
-  fill_fp32_kernel<<<1024, 256, 0, stream>>>(data, n, seed, scale);
-  MOE_CUDA_CHECK_LAUNCH();
+  fill(data, n, seed, scale, stream);
 }
 
 }  // namespace moe::bench

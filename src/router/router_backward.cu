@@ -103,10 +103,7 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) backward_kernel(Rou
   float* ua_aux = reinterpret_cast<float*>(smem_raw + sizeof(float) * RG * G * NJ + sizeof(SlotGrad) * RG * W);
 
   const int base = L.lane_g * NJ;
-  uint32_t vmask = 0;
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-    if (base + j < E) vmask |= 1u << j;
+  const uint32_t vmask = lane_expert_mask<NJ>(base, E);
   const bool seq = p.seq_coeff != 0.0f && a.d_seq != nullptr;
   const bool aux = p.aux_coeff != 0.0f && a.d_aux != nullptr;
   const bool zl = p.z_coeff != 0.0f && a.d_z != nullptr;
@@ -126,9 +123,7 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) backward_kernel(Rou
   }
   const float gz_scale = zl ? *a.d_z * p.z_coeff / T * 2.0f : 0.0f;
 
-  const int64_t tiles = (int64_t{p.T} + RPW - 1) / RPW;
-  const int64_t block_end = (int64_t{blockIdx.x} + 1) * tiles_per_block;
-  const int64_t tile_end = tiles < block_end ? tiles : block_end;
+  const int64_t tile_end = block_tile_end(p.T, RPW, tiles_per_block);
   int64_t tile = int64_t{blockIdx.x} * tiles_per_block + warp;
   RawRow<NJ, kBF16> raw;
   if (tile < tile_end) load_row<NJ, kBF16>(p, tile * RPW + L.slot, tile * RPW + L.slot < p.T, base, raw);
@@ -293,19 +288,17 @@ void launch_router_backward(const RouterBackwardArgs& a, cudaStream_t stream) {
   using namespace router;
   const RouterRowParams& p = a.p;
   if (p.T == 0) return;
-  const int blocks = router_row_blocks(p.T, p.G);
-  const int64_t tiles = (int64_t{p.T} + 32 / p.G - 1) / (32 / p.G);
-  const auto tiles_per_block = static_cast<int32_t>((tiles + blocks - 1) / blocks);
+  const RouterRowGrid grid = router_row_grid(p.T, p.G);
   const bool wide = router_experts_per_lane(p.E) == 16;
   const size_t smem = backward_smem(p.G, wide ? 16 : 8, p.W);
   if (wide && p.bf16)
-    backward_kernel<16, true><<<blocks, kThreads, smem, stream>>>(a, tiles_per_block);
+    backward_kernel<16, true><<<grid.blocks, kThreads, smem, stream>>>(a, grid.tiles_per_block);
   else if (wide)
-    backward_kernel<16, false><<<blocks, kThreads, smem, stream>>>(a, tiles_per_block);
+    backward_kernel<16, false><<<grid.blocks, kThreads, smem, stream>>>(a, grid.tiles_per_block);
   else if (p.bf16)
-    backward_kernel<8, true><<<blocks, kThreads, smem, stream>>>(a, tiles_per_block);
+    backward_kernel<8, true><<<grid.blocks, kThreads, smem, stream>>>(a, grid.tiles_per_block);
   else
-    backward_kernel<8, false><<<blocks, kThreads, smem, stream>>>(a, tiles_per_block);
+    backward_kernel<8, false><<<grid.blocks, kThreads, smem, stream>>>(a, grid.tiles_per_block);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -246,10 +246,7 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
   __syncthreads();  // every thread, before the loop
   const bool bias_ok = !kMayBias || *static_cast<volatile int*>(&bias_bad) == 0;  // one load, not re-read
 
-  uint32_t vmask = 0;  // bit j: expert base + j exists
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-    if (base + j < E) vmask |= 1u << j;
+  const uint32_t vmask = lane_expert_mask<NJ>(base, E);
   // Group limit: the fast path's lanes per expert group, and this lane's (first) group.
   const int gs = E / p.groups;
   const int group_lanes = (kGroups && gs % NJ == 0 && ((gs / NJ) & (gs / NJ - 1)) == 0) ? gs / NJ : 0;
@@ -262,9 +259,7 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
   float zacc = 0.0f;
   uint32_t bits = 0;
 
-  const int64_t tiles = (int64_t{p.T} + RPW - 1) / RPW;
-  const int64_t block_end = (int64_t{blockIdx.x} + 1) * tiles_per_block;
-  const int64_t tile_end = tiles < block_end ? tiles : block_end;
+  const int64_t tile_end = block_tile_end(p.T, RPW, tiles_per_block);
   int64_t tile = int64_t{blockIdx.x} * tiles_per_block + warp;
   constexpr uint32_t kAllJ = (1u << NJ) - 1u;
   const uint32_t id0 = K::id_of(base);  // key id of expert base; base + j has id0 - j
@@ -508,15 +503,7 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
       acc[4 * i + 2] = c.z;
       acc[4 * i + 3] = c.w;
     }
-    for (int o = G; o < 32; o *= 2) {
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) acc[j] += __shfl_xor_sync(kFull, acc[j], o);
-    }
-    if (L.slot == 0) {
-#pragma unroll
-      for (int j = 0; j < NJ; ++j)
-        if ((vmask >> j) & 1u) warp_part[base + j] = acc[j];
-    }
+    store_warp_sums<NJ>(acc, L, base, vmask, warp_part);
   }
   if (want_lse) {
     for (int o = 1; o < 32; o *= 2) zacc += __shfl_xor_sync(kFull, zacc, o);
@@ -525,8 +512,7 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += kThreads) {
     if (want_a) {
-      float P = 0.0f;
-      for (int w = 0; w < kRouterWarps; ++w) P += sh.rowbuf[w * RPW * (G * NJ) + e];
+      const float P = sum_warp_parts(sh.rowbuf, RPW * (G * NJ), e);
       const auto fixed = static_cast<unsigned long long>(__float2ll_rn(P * 4294967296.0f));
       if (fixed) atomicAdd(a.aux_acc + e, fixed);
     }
@@ -608,10 +594,7 @@ __global__ void __launch_bounds__(kThreads) seq_loss_kernel(RouterForwardArgs a)
   for (int e = threadIdx.x; e < E; e += kThreads) sh.hist[e] = 0;
   __syncthreads();
   const int base = L.lane_g * NJ;
-  uint32_t vmask = 0;
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-    if (base + j < E) vmask |= 1u << j;
+  const uint32_t vmask = lane_expert_mask<NJ>(base, E);
   bool bias_ok = true;
 #pragma unroll
   for (int j = 0; j < NJ; ++j)
@@ -657,23 +640,13 @@ __global__ void __launch_bounds__(kThreads) seq_loss_kernel(RouterForwardArgs a)
       for (int j = L.lane_g; j < k; j += G) atomicAdd(&sh.hist[a.selected[t * W + j]], 1);
     }
   }
-  for (int o = G; o < 32; o *= 2) {
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) acc[j] += __shfl_xor_sync(kFull, acc[j], o);
-  }
-  float* warp_part = sh.rowbuf + warp * RPW * (G * NJ);
-  if (L.slot == 0) {
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-      if ((vmask >> j) & 1u) warp_part[base + j] = acc[j];
-  }
+  store_warp_sums<NJ>(acc, L, base, vmask, sh.rowbuf + warp * RPW * (G * NJ));
   __syncthreads();
   const float Lf = static_cast<float>(Ls);
   const float f_scale = static_cast<float>(E) / (static_cast<float>(k) * Lf);
   double term = 0.0;
   for (int e = threadIdx.x; e < E; e += kThreads) {
-    float P = 0.0f;
-    for (int w = 0; w < kRouterWarps; ++w) P += sh.rowbuf[w * RPW * (G * NJ) + e];
+    const float P = sum_warp_parts(sh.rowbuf, RPW * (G * NJ), e);
     const int32_t cnt = sh.hist[e];
     a.seq_counts[int64_t{blockIdx.x} * E + e] = cnt;
     term += f_scale * static_cast<float>(cnt) * (P / Lf);
@@ -823,11 +796,14 @@ void launch_rows(const RouterForwardArgs& a, int blocks, int32_t tiles_per_block
 }  // namespace
 }  // namespace router
 
-int router_row_blocks(int64_t T, int G) {
+RouterRowGrid router_row_grid(int64_t T, int G) {
   const int64_t rows_per_warp = 32 / G;
   const int64_t tiles = (T + rows_per_warp - 1) / rows_per_warp;
   const int64_t b = (tiles + kRouterWarps - 1) / kRouterWarps;
-  return static_cast<int>(std::clamp<int64_t>(b, 1, kRouterMaxBlocks));
+  RouterRowGrid g;
+  g.blocks = static_cast<int>(std::clamp<int64_t>(b, 1, kRouterMaxBlocks));
+  g.tiles_per_block = static_cast<int32_t>((tiles + g.blocks - 1) / g.blocks);
+  return g;
 }
 
 void launch_router_forward(const RouterForwardArgs& a, cudaStream_t stream) {
@@ -836,9 +812,7 @@ void launch_router_forward(const RouterForwardArgs& a, cudaStream_t stream) {
   const int E = p.E;
   const bool select = a.select != SelectKey::kNone;
   // The row kernel (one launch, whatever T: its last block writes the counts and losses).
-  const int blocks = router_row_blocks(p.T, p.G);
-  const int64_t tiles = (int64_t{p.T} + 32 / p.G - 1) / (32 / p.G);
-  const auto tiles_per_block = static_cast<int32_t>((tiles + blocks - 1) / blocks);
+  const RouterRowGrid grid = router_row_grid(p.T, p.G);
   const bool wide = router_experts_per_lane(E) == 16, groups = p.groups > 1;
   using Launch = void (*)(const RouterForwardArgs&, int, int32_t, cudaStream_t);
   static constexpr Launch kLaunch[2][2][2] = {  // [wide][bf16][groups]
@@ -846,7 +820,7 @@ void launch_router_forward(const RouterForwardArgs& a, cudaStream_t stream) {
        {launch_rows<8, true, false>, launch_rows<8, true, true>}},
       {{launch_rows<16, false, false>, launch_rows<16, false, true>},
        {launch_rows<16, true, false>, launch_rows<16, true, true>}}};
-  kLaunch[wide][p.bf16][groups](a, blocks, tiles_per_block, stream);
+  kLaunch[wide][p.bf16][groups](a, grid.blocks, grid.tiles_per_block, stream);
   if (select) {
     if (p.T > 0) {
       const int64_t n = int64_t{p.T} * p.W;

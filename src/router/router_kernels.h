@@ -27,9 +27,14 @@ inline int router_lanes_per_row(int E) {
   return g;
 }
 
-// Blocks of the row kernels for T tokens with G lanes per row. A function of (T, E) only -- the
-// reduction order of the losses depends on it, so it must not depend on the device.
-int router_row_blocks(int64_t T, int G);
+// Grid of the row kernels for T tokens with G lanes per row: a warp's tile is 32 / G rows, and
+// block b works on tiles [b tiles_per_block, (b + 1) tiles_per_block). A function of (T, E) only --
+// the reduction order of the losses depends on it, so it must not depend on the device.
+struct RouterRowGrid {
+  int blocks = 1;
+  int32_t tiles_per_block = 0;
+};
+RouterRowGrid router_row_grid(int64_t T, int G);
 
 // What every row kernel needs to recompute a row's scores.
 struct RouterRowParams {

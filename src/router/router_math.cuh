@@ -40,12 +40,29 @@ __device__ __forceinline__ Lanes lanes_of(int G) {
   return l;
 }
 
+// Bit j set: the lane's expert base + j exists (base + j < E).
+template <int NJ>
+__device__ __forceinline__ uint32_t lane_expert_mask(int base, int E) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+    if (base + j < E) m |= 1u << j;
+  return m;
+}
+
+// The bits of a float, reordered so that unsigned order is float order (a negative value flips
+// every bit, a positive one its sign bit); -0 and +0 stay apart (callers that need them equal map
+// -0 to +0 first).
+__device__ __forceinline__ uint32_t ordered_bits(uint32_t b) {
+  return b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
+}
+
 // Monotone map of a float to uint32 (larger float -> larger key); -0 maps to +0's key so that the
 // two compare equal, as they do as floats (ties then break by id).
 __device__ __forceinline__ uint32_t float_key(float f) {
   uint32_t b = __float_as_uint(f);
   if (b == 0x80000000u) b = 0u;
-  return b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
+  return ordered_bits(b);
 }
 __device__ __forceinline__ float key_float(uint32_t k) {
   return __uint_as_float(k ^ (~static_cast<uint32_t>(static_cast<int32_t>(k) >> 31) | 0x80000000u));
@@ -64,6 +81,14 @@ __device__ __forceinline__ float group_sum(float v, const Lanes& l) {
   return v;
 }
 __device__ __forceinline__ bool group_any(bool b, const Lanes& l) { return (__ballot_sync(l.mask, b) & l.mask) != 0; }
+
+// The end of this block's tiles of rows_per_tile rows (router_row_grid): the block works on tiles
+// [blockIdx.x tiles_per_block, end), its warp w on the tiles w, w + kRouterWarps, ... of them.
+__device__ __forceinline__ int64_t block_tile_end(int32_t T, int rows_per_tile, int32_t tiles_per_block) {
+  const int64_t tiles = (int64_t{T} + rows_per_tile - 1) / rows_per_tile;
+  const int64_t block_end = (int64_t{blockIdx.x} + 1) * tiles_per_block;
+  return tiles < block_end ? tiles : block_end;
+}
 
 // ---- row loads ----
 
@@ -217,10 +242,8 @@ struct Key32 {
   // float_key's compare and select); the low 16 bits of a bf16 value are zero.
   __device__ static uint32_t id_of(int e) { return static_cast<uint32_t>(0xffff - e); }
   __device__ static T make_id(float v, uint32_t id) {
-    const uint32_t b = __float_as_uint(__fadd_rn(v, 0.0f));
-    return ((b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u)) & 0xffff0000u) | id;
+    return (ordered_bits(__float_as_uint(__fadd_rn(v, 0.0f))) & 0xffff0000u) | id;
   }
-  __device__ static T make(float v, int e) { return make_id(v, id_of(e)); }
   __device__ static int expert(T k) { return 0xffff - static_cast<int>(k & 0xffffu); }
   __device__ static float value(T k) {  // a negative value's key has its low 16 bits set
     const uint32_t hi = k & 0xffff0000u;
@@ -235,11 +258,9 @@ struct Key64 {
   using T = uint64_t;
   __device__ static uint32_t id_of(int e) { return 0xffffffffu - static_cast<uint32_t>(e); }
   __device__ static T make_id(float v, uint32_t id) {
-    const uint32_t b = __float_as_uint(__fadd_rn(v, 0.0f));  // -0 -> +0
-    const uint32_t hi = b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
+    const uint32_t hi = ordered_bits(__float_as_uint(__fadd_rn(v, 0.0f)));  // -0 -> +0 first
     return (static_cast<uint64_t>(hi) << 32) | id;
   }
-  __device__ static T make(float v, int e) { return make_id(v, id_of(e)); }
   __device__ static int expert(T k) { return static_cast<int>(0xffffffffu - static_cast<uint32_t>(k)); }
   __device__ static float value(T k) { return key_float(static_cast<uint32_t>(k >> 32)); }
   __device__ static T group_max(T k, const Lanes& l) {
@@ -289,6 +310,30 @@ __device__ __forceinline__ void sort_desc(K (&k)[NJ]) {
 }
 
 // ---- reductions across the blocks of a kernel ----
+
+// Per-expert sums of a block's rows (the balancing scores), first within each warp: the warp's row
+// groups add their lanes' acc by a butterfly and its first group writes the sums of the existing
+// experts to warp_part (the warp's stretch of rows_per_warp * G NJ floats).
+template <int NJ>
+__device__ __forceinline__ void store_warp_sums(float (&acc)[NJ], const Lanes& l, int base, uint32_t vmask,
+                                                float* warp_part) {
+  for (int o = l.G; o < 32; o *= 2) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) acc[j] += __shfl_xor_sync(kFull, acc[j], o);
+  }
+  if (l.slot == 0) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+      if ((vmask >> j) & 1u) warp_part[base + j] = acc[j];
+  }
+}
+// ... then, after a block barrier, expert e's sum over the warps in order (warp w's part at
+// parts + w * stride).
+__device__ __forceinline__ float sum_warp_parts(const float* parts, int stride, int e) {
+  float P = 0.0f;
+  for (int w = 0; w < kRouterWarps; ++w) P += parts[w * stride + e];
+  return P;
+}
 
 // Sum over the block's threads in a fixed tree order (every thread gets the result).
 __device__ __forceinline__ double block_sum(double v, double* red) {

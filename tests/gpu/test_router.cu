@@ -331,6 +331,26 @@ Case make(const char* name, int E, int k, int64_t T, std::function<void(RouterCo
   return c;
 }
 
+// Group-limited routing (`groups` expert groups, the best `topk_groups` kept) on logits ~ N(0, 1):
+// sigmoid scores far from saturation, where near ties would be common.
+Case make_grouped(const char* name, int E, int k, int64_t T, int groups, int topk_groups,
+                  std::function<void(RouterConfig&)> edit, bool bf16 = false) {
+  Case c = make(name, E, k, T, [=](RouterConfig& cfg) {
+    cfg.num_groups = groups;
+    cfg.topk_groups = topk_groups;
+    if (edit) edit(cfg);
+  }, bf16);
+  c.scale = 1.0;
+  return c;
+}
+
+// Sigmoid scores with an expert bias, renormalised (DeepSeek-V3's routing, unscaled).
+void sigmoid_bias_norm(RouterConfig& c) {
+  c.score = ScoreFunction::kSigmoid;
+  c.normalize_topk = true;
+  c.expert_bias = true;
+}
+
 TEST(Router, SoftmaxVariants) {
   MOE_REQUIRE_GPU();
   run_case(make("mixtral E8 k2 norm", 8, 2, 3000, [](RouterConfig& c) { c.normalize_topk = true; }));
@@ -350,20 +370,11 @@ TEST(Router, SoftmaxVariants) {
 TEST(Router, SigmoidBiasGroups) {
   MOE_REQUIRE_GPU();
   auto dsv3 = [](RouterConfig& c) {
-    c.score = ScoreFunction::kSigmoid;
-    c.normalize_topk = true;
-    c.expert_bias = true;
-    c.num_groups = 8;
-    c.topk_groups = 4;
+    sigmoid_bias_norm(c);
     c.scaling_factor = 2.5f;
   };
-  // Logits ~ N(0, 1): sigmoid scores far from saturation, where near ties would be common.
-  Case ds = make("deepseek-v3 E256 k8 G8/4", 256, 8, 1000, dsv3);
-  ds.scale = 1.0;
-  run_case(ds);
-  Case dsb = make("deepseek-v3 bf16", 256, 8, 1000, dsv3, true);
-  dsb.scale = 1.0;
-  run_case(dsb);
+  run_case(make_grouped("deepseek-v3 E256 k8 G8/4", 256, 8, 1000, 8, 4, dsv3));
+  run_case(make_grouped("deepseek-v3 bf16", 256, 8, 1000, 8, 4, dsv3, true));
   run_case(make("sigmoid E64 k6 no norm, bias", 64, 6, 1000, [](RouterConfig& c) {
     c.score = ScoreFunction::kSigmoid;
     c.expert_bias = true;
@@ -491,15 +502,11 @@ TEST(Router, TopTwoSignedZerosAndPredicatedRows) {
     c.z_loss_coeff = 0.001f;
   }, true));
   // E = 64: 8 lanes per row, 4 rows per warp; T = 1001 leaves one live row in the last tile.
-  Case bad = make("E64 G8/4 sigmoid bias, non-finite rows in partial tiles", 64, 6, 1001, [](RouterConfig& c) {
-    c.score = ScoreFunction::kSigmoid;
-    c.normalize_topk = true;
-    c.expert_bias = true;
-    c.num_groups = 8;
-    c.topk_groups = 4;
-    c.aux_loss_coeff = 0.01f;
-  });
-  bad.scale = 1.0;
+  Case bad = make_grouped("E64 G8/4 sigmoid bias, non-finite rows in partial tiles", 64, 6, 1001, 8, 4,
+                          [](RouterConfig& c) {
+                            sigmoid_bias_norm(c);
+                            c.aux_loss_coeff = 0.01f;
+                          });
   bad.edit_logits = [](std::vector<double>& z) {
     z[998 * 64 + 17] = std::numeric_limits<double>::quiet_NaN();  // tile of rows 996..999
     z[1000 * 64 + 63] = -std::numeric_limits<double>::infinity();  // the last tile's only row
@@ -560,55 +567,31 @@ TEST(Router, LaneGroupLayouts) {
 // group of 8 lanes per row, four rows per warp).
 TEST(Router, GroupLimitFastPathTwoLanesPerGroup) {
   MOE_REQUIRE_GPU();
-  Case fast32 = make("E64 G4/2 bf16 softmax no bias", 64, 4, 1000, [](RouterConfig& c) {
-    c.num_groups = 4;
-    c.topk_groups = 2;
-    c.normalize_topk = true;
-  }, true);
-  fast32.scale = 1.0;
-  run_case(fast32);
+  run_case(make_grouped("E64 G4/2 bf16 softmax no bias", 64, 4, 1000, 4, 2,
+                        [](RouterConfig& c) { c.normalize_topk = true; }, true));
 }
 
 // General path: 48 experts per group of E = 384 (16 per lane, 3 lanes per group), with a bias.
 TEST(Router, GroupLimitGeneralPathWide) {
   MOE_REQUIRE_GPU();
-  Case wide = make("E384 G8/3 sigmoid bias bf16", 384, 8, 500, [](RouterConfig& c) {
-    c.score = ScoreFunction::kSigmoid;
-    c.normalize_topk = true;
-    c.expert_bias = true;
-    c.num_groups = 8;
-    c.topk_groups = 3;
-  }, true);
-  wide.scale = 1.0;
-  run_case(wide);
+  run_case(make_grouped("E384 G8/3 sigmoid bias bf16", 384, 8, 500, 8, 3, sigmoid_bias_norm, true));
 }
 
 // General path: groups smaller than a lane's experts (E = 24: 4 experts per group, 8 per lane).
 TEST(Router, GroupLimitGeneralPathSmallGroups) {
   MOE_REQUIRE_GPU();
-  Case small = make("E24 G6/3 sigmoid fp32", 24, 4, 800, [](RouterConfig& c) {
-    c.score = ScoreFunction::kSigmoid;
-    c.num_groups = 6;
-    c.topk_groups = 3;
-  });
-  small.scale = 1.0;
-  run_case(small);
+  run_case(make_grouped("E24 G6/3 sigmoid fp32", 24, 4, 800, 6, 3,
+                        [](RouterConfig& c) { c.score = ScoreFunction::kSigmoid; }));
 }
 
 // Fast path with one lane per group (8 experts per group), 64-bit keys (bias), seq loss.
 TEST(Router, GroupLimitFastPathOneLanePerGroupSeqLoss) {
   MOE_REQUIRE_GPU();
-  Case one = make("E128 G16/4 sigmoid bias seq loss", 128, 6, 1024, [](RouterConfig& c) {
-    c.score = ScoreFunction::kSigmoid;
-    c.normalize_topk = true;
-    c.expert_bias = true;
-    c.num_groups = 16;
-    c.topk_groups = 4;
+  run_case(make_grouped("E128 G16/4 sigmoid bias seq loss", 128, 6, 1024, 16, 4, [](RouterConfig& c) {
+    sigmoid_bias_norm(c);
     c.seq_aux_loss_coeff = 0.001f;
     c.seq_length = 256;
-  });
-  one.scale = 1.0;
-  run_case(one);
+  }));
 }
 
 // Calls with fewer tokens than max_tokens, and T = 0.
@@ -640,9 +623,7 @@ TEST(Router, GraphReplayMatchesEager) {
   MOE_REQUIRE_GPU();
   for (bool rounding : {false, true}) {
     Case c = make("graph", 256, 8, 1024, [rounding](RouterConfig& cfg) {
-      cfg.score = ScoreFunction::kSigmoid;
-      cfg.normalize_topk = true;
-      cfg.expert_bias = true;
+      sigmoid_bias_norm(cfg);
       cfg.num_groups = 8;
       cfg.topk_groups = 4;
       cfg.aux_loss_coeff = 0.01f;

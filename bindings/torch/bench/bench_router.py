@@ -15,17 +15,13 @@ import torch
 from moe_engine import Router
 
 
-def counted(i, p, E):
-    """Indices, probs and the per-expert counts (what the fused forward also returns)."""
-    counts = torch.zeros(E, device=i.device, dtype=torch.int32).scatter_add_(
-        0, i.flatten().long(), torch.ones(i.numel(), device=i.device, dtype=torch.int32))
-    return i.int(), p, counts
-
-
 def torch_route(z, k, kind, bias=None):
-    """The routing of each preset as plain PyTorch ops (the composition the fused router replaces)."""
+    """The routing of each preset as plain PyTorch ops (the composition the fused router replaces):
+    indices, probs and the per-expert counts (what the fused forward also returns)."""
     i, p = torch_topk(z, k, kind, bias)
-    return counted(i, p, z.shape[1])
+    counts = torch.zeros(z.shape[1], device=i.device, dtype=torch.int32).scatter_add_(
+        0, i.flatten().long(), torch.ones(i.numel(), device=i.device, dtype=torch.int32))
+    return i, p, counts
 
 
 def torch_topk(z, k, kind, bias=None):
@@ -75,10 +71,10 @@ def main():
     variants = [("mixtral", 8, 2), ("qwen3", 128, 8), ("olmoe", 64, 8), ("gpt_oss", 128, 4), ("deepseek", 256, 8)]
     variants += [("qwen3", E, k) for E in (64, 128, 256) for k in (2, 8) if (E, k) != (128, 8)]
     speedups_f, speedups_fb = [], []
+    presets = {"mixtral": Router.mixtral, "qwen3": Router.qwen3, "olmoe": Router.olmoe, "gpt_oss": Router.gpt_oss,
+               "deepseek": Router.deepseek_v3}
     for dtype, T, (kind, E, k) in [(d, T, v) for d in args.dtype for T in args.tokens for v in variants]:
-        make = {"mixtral": Router.mixtral, "qwen3": Router.qwen3, "olmoe": Router.olmoe,
-                "gpt_oss": Router.gpt_oss, "deepseek": Router.deepseek_v3}[kind]
-        router = make(E, k, T).cuda()
+        router = presets[kind](E, k, T).cuda()
         z = torch.randn(T, E, device="cuda", dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
                         requires_grad=True)
         bias = router.expert_bias if kind == "deepseek" else None
