@@ -14,6 +14,7 @@
 #include "device/state_check.h"
 #include "ep/ep_kernels.h"
 #include "kernels/dispatch_kernels.h"
+#include "kernels/routing_args.h"
 #include "moe/error.h"
 #include "moe/expert_parallel.h"
 
@@ -199,29 +200,15 @@ void EpDispatcher::plan_and_dispatch(const RoutingView& routing, const TensorVie
                                      const SavedState& state, const TensorView& x_perm, cudaStream_t stream) const {
   const Impl& m = *impl_;
   const EpDispatcherConfig& c = m.cfg;
-  MOE_CHECK(routing.form == c.form, "argument 'routing.form': expected the dispatcher's form (",
-            c.form == RoutingForm::kTopK ? "top-k" : "map", ")");
-  MOE_CHECK(error_word != nullptr, "argument 'error_word': expected a device pointer, got null");
-  MOE_CHECK(routing.probs.ndim == 2, "argument 'routing.probs': expected shape [T, ", m.slots, "], got ",
-            routing.probs.shape_string());
-  const int64_t T = routing.probs.shape[0];
-  MOE_CHECK(T <= c.max_tokens, "argument 'routing.probs': T = ", T, " exceeds max_tokens = ", c.max_tokens);
-  check_device_tensor(routing.probs, "routing.probs", DType::kFP32, {T, m.slots}, 4);
+  const int64_t T = kernels::check_routing_args(routing, error_word, c.form, m.slots, c.max_tokens);
   kernels::EpRouting r;
   r.form = c.form;
   r.T = static_cast<int32_t>(T);
   r.slots = m.slots;
   r.E = c.ranks * c.local_experts;
+  r.indices = c.form == RoutingForm::kTopK ? routing.indices.ptr<int32_t>() : nullptr;
+  r.map = c.form == RoutingForm::kMap ? routing.map.ptr<uint8_t>() : nullptr;
   r.probs = routing.probs.ptr<float>();
-  if (c.form == RoutingForm::kTopK) {
-    check_device_tensor(routing.indices, "routing.indices", DType::kInt32, {T, m.slots}, 4);
-    r.indices = routing.indices.ptr<int32_t>();
-  } else {
-    const DType md = routing.map.dtype;
-    check_device_tensor(routing.map, "routing.map", md == DType::kBool ? DType::kBool : DType::kUInt8,
-                        {T, m.slots}, 1);
-    r.map = routing.map.ptr<uint8_t>();
-  }
   m.check_rows(x, "x", T);
   m.check_rows(x_perm, "x_perm", m.R);
   check_state_capacity(state, "state", state_bytes(), kStateHeaders);
