@@ -34,24 +34,6 @@ using namespace ::moe::testing;
 template <typename T>
 using DevBuf = ::moe::testing::DeviceBuffer<T>;
 
-// P simulated ranks on device 0, one shared stream.
-struct InProcessWorld {
-  std::unique_ptr<InProcessGroup> group;
-  cudaStream_t stream = nullptr;
-  EpWorld w;
-
-  explicit InProcessWorld(int P) : group(std::make_unique<InProcessGroup>(P)) {
-    MOE_CUDA_CHECK(cudaSetDevice(0));
-    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    w.P = P;
-    w.device.assign(P, 0);
-    w.stream.assign(P, stream);
-    for (int p = 0; p < P; ++p) w.transport.push_back(&group->endpoint(p));
-    w.abort = [g = group.get()] { g->abort(); };
-  }
-  ~InProcessWorld() { cudaStreamDestroy(stream); }
-};
-
 template <typename T>
 std::vector<T> widen(const std::vector<int32_t>& v) {
   return std::vector<T>(v.begin(), v.end());

@@ -139,15 +139,9 @@ TEST(ExpertParallelExperts, MatchesGroupedMlpOnConcatenatedTokens) {
   }
 
   // ---- P simulated ranks, E_local experts each ----
-  InProcessGroup group(c.P);
-  cudaStream_t s = nullptr;
-  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  EpWorld w;
-  w.P = c.P;
-  w.device.assign(c.P, 0);
-  w.stream.assign(c.P, s);
-  for (int p = 0; p < c.P; ++p) w.transport.push_back(&group.endpoint(p));
-  w.abort = [&] { group.abort(); };
+  InProcessWorld world(c.P);
+  const EpWorld& w = world.w;
+  const cudaStream_t s = world.stream;
   std::vector<EpRank> ranks = make_ranks(c, w, in);
   struct RankExperts {
     std::unique_ptr<GroupedExperts> ex;
@@ -217,7 +211,6 @@ TEST(ExpertParallelExperts, MatchesGroupedMlpOnConcatenatedTokens) {
     append(db2, download_param(rx[p].GB2, bf));
     first += Tp;
   }
-  cudaStreamDestroy(s);
   expect_close(dw1, dw1_one, "fc1.weight grad");
   expect_close(dw2, dw2_one, "fc2.weight grad");
   expect_close(db1, db1_one, "fc1.bias grad");

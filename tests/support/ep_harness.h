@@ -166,6 +166,26 @@ struct EpWorld {
   std::function<void()> abort;         // wakes ranks blocked in a collective after a failure
 };
 
+// P simulated ranks on device 0 (InProcessGroup), sharing one stream.
+struct InProcessWorld {
+  std::unique_ptr<InProcessGroup> group;
+  cudaStream_t stream = nullptr;
+  EpWorld w;
+
+  explicit InProcessWorld(int P) : group(std::make_unique<InProcessGroup>(P)) {
+    MOE_CUDA_CHECK(cudaSetDevice(0));
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    w.P = P;
+    w.device.assign(P, 0);
+    w.stream.assign(P, stream);
+    for (int p = 0; p < P; ++p) w.transport.push_back(&group->endpoint(p));
+    w.abort = [g = group.get()] { g->abort(); };
+  }
+  ~InProcessWorld() { cudaStreamDestroy(stream); }
+  InProcessWorld(const InProcessWorld&) = delete;
+  InProcessWorld& operator=(const InProcessWorld&) = delete;
+};
+
 // fn(p) on P threads, each on its rank's device; rethrows the first failure after all joined.
 inline void run_ranks(const EpWorld& w, const std::function<void(int)>& fn) {
   std::vector<std::exception_ptr> errors(w.P);
