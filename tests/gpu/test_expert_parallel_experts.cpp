@@ -104,18 +104,8 @@ TEST(ExpertParallelExperts, MatchesGroupedMlpOnConcatenatedTokens) {
     auto GB1 = make_param(zeros(b1.size()), E, {F1}, bf, L), GB2 = make_param(zeros(b2.size()), E, {H}, bf, L);
     layer.set_weights({W1.views, B1.views, W2.views, B2.views});
     layer.set_grads({G1.views, GB1.views, G2.views, GB2.views});
-    ref::Routing all;
-    all.form = RoutingForm::kTopK;
-    all.E = E;
-    all.k = c.k;
-    std::vector<double> x_all;
-    for (int p = 0; p < c.P; ++p) {
-      all.T += in.routing[p].T;
-      all.indices.insert(all.indices.end(), in.routing[p].indices.begin(), in.routing[p].indices.end());
-      all.probs.insert(all.probs.end(), in.routing[p].probs.begin(), in.routing[p].probs.end());
-      x_all.insert(x_all.end(), in.x[p].begin(), in.x[p].end());
-    }
-    DevBuf<uint16_t> x(to_bf16(x_all)), y(T_all * H), dy(to_bf16(dy_all)), dx(T_all * H);
+    const ref::Routing all = concatenate_routing(c, in.routing);
+    DevBuf<uint16_t> x(to_bf16(concatenate_rows(in.x))), y(T_all * H), dy(to_bf16(dy_all)), dx(T_all * H);
     DevBuf<float> probs(std::vector<float>(all.probs.begin(), all.probs.end())), dprobs(T_all * S);
     DevBuf<int32_t> idx(all.indices);
     RoutingView rv;

@@ -4,6 +4,7 @@
 // Outputs come back as bytes, so two runs can be compared bit for bit.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -154,6 +155,27 @@ inline EpInputs make_ep_inputs(const EpCase& c, uint64_t seed) {
     in.x.push_back(random_rows(c.T[p], c.H, c.dt, s + 17));
   }
   return in;
+}
+
+// All ranks as one batch: their routings (global expert ids) and their rows in rank order.
+inline ref::Routing concatenate_routing(const EpCase& c, const std::vector<ref::Routing>& routing) {
+  ref::Routing all;
+  all.form = c.form;
+  all.E = c.E();
+  all.k = c.k;
+  for (const ref::Routing& r : routing) {
+    all.T += r.T;
+    all.indices.insert(all.indices.end(), r.indices.begin(), r.indices.end());
+    all.map.insert(all.map.end(), r.map.begin(), r.map.end());
+    all.probs.insert(all.probs.end(), r.probs.begin(), r.probs.end());
+  }
+  return all;
+}
+
+inline std::vector<double> concatenate_rows(const ref::RankBuffers& rows) {
+  std::vector<double> all;
+  for (const auto& r : rows) all.insert(all.end(), r.begin(), r.end());
+  return all;
 }
 
 // ---- a world of ranks ----
@@ -381,37 +403,50 @@ inline std::vector<double> group_rows(const EpCase& c, int rank, const std::vect
   return v;
 }
 
-// The backward inputs, from the dispatch's layout: Y and d_x_perm rows keyed by (global expert, row
-// in group), pad rows NaN (reading one shows); dy per token; d_probs_perm keyed like the rows.
-inline void upload_backward_inputs(const EpCase& c, const EpWorld& w, const EpInputs& in,
-                                   std::vector<EpRank>& ranks, const std::vector<EpRankOut>& out, uint64_t seed) {
+// The backward inputs of one rank, keyed so that any layout of the same rows gets the same values:
+// Y and d_x_perm rows by (global expert, row in group), pad rows NaN (reading one shows);
+// d_probs_perm keyed like the rows; dy by global token (the rank's tokens are first .. first + T).
+// g, counts: the rank's group offsets and local counts; R its rows.
+struct KeyedBackwardInputs {
+  std::vector<double> Y, d_x_perm, dy;
+  std::vector<float> d_probs_perm;
+};
+
+inline KeyedBackwardInputs keyed_backward_inputs(const EpCase& c, int rank, const std::vector<int32_t>& g,
+                                                 const std::vector<int32_t>& counts, int64_t R, int64_t first,
+                                                 int64_t T, uint64_t seed) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
+  KeyedBackwardInputs b;
+  b.Y = group_rows(c, rank, g, counts, R, nan,
+                   [&](int e, int64_t j, int64_t h) { return keyed_value(seed, e, j, h, c.dt); });
+  b.d_x_perm = group_rows(c, rank, g, counts, R, nan,
+                          [&](int e, int64_t j, int64_t h) { return keyed_value(seed + 1, e, j, h, c.dt); });
+  b.d_probs_perm.assign(static_cast<size_t>(R), std::numeric_limits<float>::quiet_NaN());
+  for (int e = 0; e < c.E_local; ++e) {
+    const int64_t rows = std::min<int64_t>(counts[e], g[e + 1] - g[e]);
+    for (int64_t j = 0; j < rows; ++j)
+      b.d_probs_perm[g[e] + j] =
+          static_cast<float>(keyed_value(seed + 2, rank * c.E_local + e, j, 0, DType::kFP32));
+  }
+  b.dy.resize(static_cast<size_t>(T * c.H));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < c.H; ++h) b.dy[t * c.H + h] = keyed_value(seed + 3, first + t, h, 0, c.dt);
+  return b;
+}
+
+// Every rank's keyed backward inputs, from the dispatch's layout (out: group offsets and counts).
+inline void upload_backward_inputs(const EpCase& c, const EpWorld& w, std::vector<EpRank>& ranks,
+                                   const std::vector<EpRankOut>& out, uint64_t seed) {
   int64_t first = 0;
   for (int p = 0; p < c.P; ++p) {
     MOE_CUDA_CHECK(cudaSetDevice(w.device[p]));
     EpRank& r = ranks[p];
-    const int64_t R = r.ep->rows();
-    const auto& g = out[p].group_offsets;
-    const auto& n = out[p].counts;
-    r.Y.upload(encode(group_rows(c, p, g, n, R, nan,
-                                 [&](int e, int64_t j, int64_t h) { return keyed_value(seed, e, j, h, c.dt); }),
-                      c.dt));
-    r.d_x_perm.upload(encode(group_rows(c, p, g, n, R, nan,
-                                        [&](int e, int64_t j, int64_t h) {
-                                          return keyed_value(seed + 1, e, j, h, c.dt);
-                                        }),
-                             c.dt));
-    std::vector<float> dpp(static_cast<size_t>(R), std::numeric_limits<float>::quiet_NaN());
-    for (int e = 0; e < c.E_local; ++e) {
-      const int64_t rows = std::min<int64_t>(n[e], g[e + 1] - g[e]);
-      for (int64_t j = 0; j < rows; ++j)
-        dpp[g[e] + j] = static_cast<float>(keyed_value(seed + 2, p * c.E_local + e, j, 0, DType::kFP32));
-    }
-    r.d_probs_perm.upload(dpp);
-    std::vector<double> dy(static_cast<size_t>(r.T * c.H));
-    for (int64_t t = 0; t < r.T; ++t)
-      for (int64_t h = 0; h < c.H; ++h) dy[t * c.H + h] = keyed_value(seed + 3, first + t, h, 0, c.dt);
-    r.dy.upload(encode(dy, c.dt));
+    const KeyedBackwardInputs b =
+        keyed_backward_inputs(c, p, out[p].group_offsets, out[p].counts, r.ep->rows(), first, r.T, seed);
+    r.Y.upload(encode(b.Y, c.dt));
+    r.d_x_perm.upload(encode(b.d_x_perm, c.dt));
+    r.d_probs_perm.upload(b.d_probs_perm);
+    r.dy.upload(encode(b.dy, c.dt));
     first += r.T;
   }
 }
@@ -424,7 +459,7 @@ inline std::vector<EpRankOut> run_ep_case(const EpCase& c, const EpWorld& w, con
   sync_world(w);
   std::vector<EpRankOut> out;
   download_dispatch(w, ranks, out);
-  upload_backward_inputs(c, w, in, ranks, out, seed);
+  upload_backward_inputs(c, w, ranks, out, seed);
   enqueue_combine_and_backward(c, w, ranks);
   sync_world(w);
   download_backward(w, ranks, out);
