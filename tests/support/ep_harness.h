@@ -22,14 +22,12 @@
 
 #include "moe/error_word.h"
 #include "moe/expert_parallel.h"
-#include "moe/float_convert.h"
 #include "reference/ep_dispatch_ref.h"
 #include "reference/routing_gen.h"
 #include "support/gpu.h"
+#include "support/row_codec.h"
 
 namespace moe::testing {
-
-using Bytes = std::vector<uint8_t>;
 
 struct EpCase {
   std::string name;
@@ -79,46 +77,6 @@ struct EpCase {
 };
 
 // ---- values ----
-
-inline int elem_bytes(DType dt) { return dtype_bits(dt) / 8; }
-
-inline double round_to(double v, DType dt) {
-  const float f = static_cast<float>(v);
-  if (dt == DType::kBF16) return round_to_bf16(f);
-  if (dt == DType::kFP16) return round_to_fp16(f);
-  return f;
-}
-
-inline Bytes encode(const std::vector<double>& v, DType dt) {
-  Bytes b(v.size() * elem_bytes(dt));
-  for (size_t i = 0; i < v.size(); ++i) {
-    const float f = static_cast<float>(v[i]);
-    if (dt == DType::kFP32) {
-      std::memcpy(&b[4 * i], &f, 4);
-    } else {
-      const uint16_t h = dt == DType::kBF16 ? float_to_bf16_bits(f) : float_to_fp16_bits(f);
-      std::memcpy(&b[2 * i], &h, 2);
-    }
-  }
-  return b;
-}
-
-inline std::vector<double> decode(const Bytes& b, DType dt) {
-  const size_t n = b.size() / elem_bytes(dt);
-  std::vector<double> v(n);
-  for (size_t i = 0; i < n; ++i) {
-    if (dt == DType::kFP32) {
-      float f;
-      std::memcpy(&f, &b[4 * i], 4);
-      v[i] = f;
-    } else {
-      uint16_t h;
-      std::memcpy(&h, &b[2 * i], 2);
-      v[i] = dt == DType::kBF16 ? bf16_bits_to_float(h) : fp16_bits_to_float(h);
-    }
-  }
-  return v;
-}
 
 inline std::vector<double> to_double(const std::vector<float>& f) { return std::vector<double>(f.begin(), f.end()); }
 
