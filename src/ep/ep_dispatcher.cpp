@@ -105,6 +105,14 @@ struct EpDispatcher::Impl {
     transport->all_to_all(&x, 1, stream);
   }
 
+  // Each received row's expert output Y (in receive order, zero for empty rows) back to its source:
+  // on return the send buffer holds them in send-row order.
+  void return_rows(const TensorView& Y, const SavedState& local_plan, cudaStream_t stream) const {
+    kernels::launch_permute_rows(Y.data, ws.recv, row_bytes, nullptr, nullptr, 0,
+                                 local->slot_rows(local_plan).ptr<int32_t>(), 1, static_cast<int32_t>(PC), stream);
+    exchange_rows(ws.recv, ws.send, stream);
+  }
+
   // Merging weights of the source's sum: the routing probs by send row, or the given ones by slot.
   void merge_weights(MergeProbs merge, const TensorView* probs, const EpStateLayout& s, int64_t T, const char* call,
                      const float** by_row, const float** by_slot) const {
@@ -270,10 +278,7 @@ void EpDispatcher::combine(const SavedState& state, const TensorView& Y, const T
   const float *by_row, *by_slot;
   m.merge_weights(merge, probs, s, T, "combine", &by_row, &by_slot);
   const SavedState local = m.local_state(state);
-  // Each received row's expert output, in receive order (zero for empty rows), back to its source.
-  kernels::launch_permute_rows(Y.data, m.ws.recv, m.row_bytes, nullptr, nullptr, 0,
-                               m.local->slot_rows(local).ptr<int32_t>(), 1, static_cast<int32_t>(m.PC), stream);
-  m.exchange_rows(m.ws.recv, m.ws.send, stream);
+  m.return_rows(Y, local, stream);
   // On the source: the token's slots in slot order, fp32, exactly the single-GPU combine.
   kernels::launch_combine(m.cfg.row_dtype, m.ws.send, y.data, m.cfg.hidden, s.send_slot_row, m.slots,
                           static_cast<int32_t>(T), by_row, by_slot, nullptr, nullptr, stream);
@@ -296,11 +301,8 @@ void EpDispatcher::combine_backward(const SavedState& state, const TensorView& d
   const float *by_row, *by_slot;
   m.merge_weights(merge, probs, s, T, "combine_backward", &by_row, &by_slot);
   const SavedState local = m.local_state(state);
-  if (want_dot) {  // the Y rows travel back to the source again, as in the forward
-    kernels::launch_permute_rows(Y->data, m.ws.recv, m.row_bytes, nullptr, nullptr, 0,
-                                 m.local->slot_rows(local).ptr<int32_t>(), 1, static_cast<int32_t>(m.PC), stream);
-    m.exchange_rows(m.ws.recv, m.ws.send, stream);
-  }
+  // The Y rows travel back to the source again, as in the forward.
+  if (want_dot) m.return_rows(*Y, local, stream);
   if (dprobs && T > 0) MOE_CUDA_CHECK(cudaMemsetAsync(dprobs->data, 0, sizeof(float) * T * m.slots, stream));
   // On the source: each send row's gradient w * dy[t] (and <Y row, dy[t]>), zero on unused rows.
   kernels::launch_scale_rows_backward(m.cfg.row_dtype, dy.data, want_dot ? m.ws.send : nullptr, m.ws.recv,
