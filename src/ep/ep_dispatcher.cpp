@@ -112,20 +112,6 @@ struct EpDispatcher::Impl {
                                  local->slot_rows(local_plan).ptr<int32_t>(), 1, static_cast<int32_t>(PC), stream);
     exchange_rows(ws.recv, ws.send, stream);
   }
-
-  // Merging weights of the source's sum: the routing probs by send row, or the given ones by slot.
-  void merge_weights(MergeProbs merge, const TensorView* probs, const EpStateLayout& s, int64_t T, const char* call,
-                     const float** by_row, const float** by_slot) const {
-    *by_row = nullptr;
-    *by_slot = nullptr;
-    if (merge == MergeProbs::kPlanned) *by_row = s.send_probs;
-    if (merge == MergeProbs::kGiven) {
-      MOE_CHECK(probs != nullptr, "argument 'probs' of EpDispatcher::", call,
-                ": expected the merging probs fp32 [T, slots] with MergeProbs::kGiven, got none");
-      check_device_tensor(*probs, "probs", DType::kFP32, {T, slots}, 4);
-      *by_slot = probs->ptr<float>();
-    }
-  }
 };
 
 EpDispatcher::EpDispatcher(const EpDispatcherConfig& config, EpTransport& transport)
@@ -276,7 +262,8 @@ void EpDispatcher::combine(const SavedState& state, const TensorView& Y, const T
   m.check_rows(Y, "Y", m.R);
   m.check_rows(y, "y", T);
   const float *by_row, *by_slot;
-  m.merge_weights(merge, probs, s, T, "combine", &by_row, &by_slot);
+  // Merging weights of the source's sum: the routing probs by send row, or the given ones by slot.
+  kernels::merge_weights(merge, probs, s.send_probs, T, m.slots, "EpDispatcher::combine", &by_row, &by_slot);
   const SavedState local = m.local_state(state);
   m.return_rows(Y, local, stream);
   // On the source: the token's slots in slot order, fp32, exactly the single-GPU combine.
@@ -299,7 +286,8 @@ void EpDispatcher::combine_backward(const SavedState& state, const TensorView& d
   if (want_dot) m.check_rows(*Y, "Y", m.R);
   if (dprobs) check_device_tensor(*dprobs, "dprobs", DType::kFP32, {T, m.slots}, 4);
   const float *by_row, *by_slot;
-  m.merge_weights(merge, probs, s, T, "combine_backward", &by_row, &by_slot);
+  kernels::merge_weights(merge, probs, s.send_probs, T, m.slots, "EpDispatcher::combine_backward", &by_row,
+                         &by_slot);
   const SavedState local = m.local_state(state);
   // The Y rows travel back to the source again, as in the forward.
   if (want_dot) m.return_rows(*Y, local, stream);

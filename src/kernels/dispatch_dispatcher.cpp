@@ -72,19 +72,6 @@ struct Dispatcher::Impl {
     MOE_CHECK(is_arith_dtype(cfg.row_dtype), "Dispatcher::", op, ": row dtype ", dtype_name(cfg.row_dtype),
               " moves through permute only; expected bf16, fp16 or fp32");
   }
-  // Merging weights: the plan's probs_perm (by row) or the given probs (by slot).
-  void merge_weights(MergeProbs merge, const TensorView* probs, const PlanLayout& p, int64_t T, const char* call,
-                     const float** by_row, const float** by_slot) const {
-    *by_row = nullptr;
-    *by_slot = nullptr;
-    if (merge == MergeProbs::kPlanned) *by_row = p.probs_perm;
-    if (merge == MergeProbs::kGiven) {
-      MOE_CHECK(probs != nullptr, "argument 'probs' of Dispatcher::", call,
-                ": expected the merging probs fp32 [T, slots] with MergeProbs::kGiven, got none");
-      check_device_tensor(*probs, "probs", DType::kFP32, {T, slots}, 4);
-      *by_slot = probs->ptr<float>();
-    }
-  }
 };
 
 Dispatcher::Dispatcher(const DispatcherConfig& config) : impl_(std::make_unique<Impl>()) {
@@ -213,7 +200,7 @@ void Dispatcher::unpermute(const SavedState& plan, const TensorView& Y, const Te
   m.check_rows(Y, "Y", m.R);
   m.check_rows(y, "y", T);
   const float *by_row, *by_slot;
-  m.merge_weights(merge, probs, p, T, "unpermute", &by_row, &by_slot);
+  kernels::merge_weights(merge, probs, p.probs_perm, T, m.slots, "Dispatcher::unpermute", &by_row, &by_slot);
   kernels::launch_combine(m.cfg.row_dtype, Y.data, y.data, m.cfg.hidden, p.slot_row, m.slots,
                           static_cast<int32_t>(T), by_row, by_slot, nullptr, nullptr, stream);
 }
@@ -232,7 +219,8 @@ void Dispatcher::unpermute_backward(const SavedState& plan, const TensorView& dy
   MOE_CHECK(!want_dot || Y != nullptr, "argument 'Y': the combine's input is needed for dprobs when merging probs");
   if (want_dot) m.check_rows(*Y, "Y", m.R);
   const float *by_row, *by_slot;
-  m.merge_weights(merge, probs, p, T, "unpermute_backward", &by_row, &by_slot);
+  kernels::merge_weights(merge, probs, p.probs_perm, T, m.slots, "Dispatcher::unpermute_backward", &by_row,
+                         &by_slot);
   if (dprobs) {
     check_device_tensor(*dprobs, "dprobs", DType::kFP32, {T, m.slots}, 4);
     // Slots without a row (and every slot without merged probs) have a zero gradient.

@@ -1,4 +1,4 @@
-// Argument checks of a device routing (see routing_args.h).
+// Argument checks of a device routing and of merging probs (see routing_args.h).
 #include "kernels/routing_args.h"
 
 #include "moe/error.h"
@@ -25,6 +25,19 @@ int64_t check_routing_args(const RoutingView& routing, const uint32_t* error_wor
                         1);
   }
   return T;
+}
+
+void merge_weights(MergeProbs merge, const TensorView* probs, const float* planned_by_row, int64_t T, int slots,
+                   const char* call, const float** by_row, const float** by_slot) {
+  *by_row = nullptr;
+  *by_slot = nullptr;
+  if (merge == MergeProbs::kPlanned) *by_row = planned_by_row;
+  if (merge == MergeProbs::kGiven) {
+    MOE_CHECK(probs != nullptr, "argument 'probs' of ", call,
+              ": expected the merging probs fp32 [T, slots] with MergeProbs::kGiven, got none");
+    check_device_tensor(*probs, "probs", DType::kFP32, {T, slots}, 4);
+    *by_slot = probs->ptr<float>();
+  }
 }
 
 }  // namespace moe::kernels
