@@ -46,6 +46,8 @@ namespace {
 
 using namespace moe;
 
+constexpr int kAlign = 128;  // rows per local expert group padded to a multiple of this
+
 struct Rank {
   int device = 0;
   cudaStream_t stream = nullptr;
@@ -169,7 +171,7 @@ int main(int argc, char** argv) try {
     cfg.local_experts = El;
     cfg.hidden = H;
     cfg.topk = k;
-    cfg.align = 128;
+    cfg.align = kAlign;
     cfg.capacity = C;
     cfg.max_tokens = T;
     ExpertsConfig ec;
@@ -178,7 +180,7 @@ int main(int argc, char** argv) try {
     ec.experts = El;
     const int64_t F1 = ec.fc1_out();
     // Device memory of one rank (rows of the exchange, x_perm / Y, the experts' activations, weights).
-    const int64_t R = P * C + int64_t{El} * 127;
+    const int64_t R = P * C + int64_t{El} * (kAlign - 1);  // the dispatcher's default row bound
     const double per_rank = 2.0 * (2.0 * P * C * H + 2.0 * R * H + 2.0 * T * H + R * (F1 + F) * 2.0 +
                                    double(El) * (F1 * H + H * F));
     size_t free_b = 0, total_b = 0;

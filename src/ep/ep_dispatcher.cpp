@@ -14,6 +14,7 @@
 #include "device/state_check.h"
 #include "ep/ep_kernels.h"
 #include "kernels/dispatch_kernels.h"
+#include "kernels/routing_args.h"
 #include "moe/error.h"
 #include "moe/expert_parallel.h"
 
@@ -104,18 +105,12 @@ struct EpDispatcher::Impl {
     transport->all_to_all(&x, 1, stream);
   }
 
-  // Merging weights of the source's sum: the routing probs by send row, or the given ones by slot.
-  void merge_weights(MergeProbs merge, const TensorView* probs, const EpStateLayout& s, int64_t T, const char* call,
-                     const float** by_row, const float** by_slot) const {
-    *by_row = nullptr;
-    *by_slot = nullptr;
-    if (merge == MergeProbs::kPlanned) *by_row = s.send_probs;
-    if (merge == MergeProbs::kGiven) {
-      MOE_CHECK(probs != nullptr, "argument 'probs' of EpDispatcher::", call,
-                ": expected the merging probs fp32 [T, slots] with MergeProbs::kGiven, got none");
-      check_device_tensor(*probs, "probs", DType::kFP32, {T, slots}, 4);
-      *by_slot = probs->ptr<float>();
-    }
+  // Each received row's expert output Y (in receive order, zero for empty rows) back to its source:
+  // on return the send buffer holds them in send-row order.
+  void return_rows(const TensorView& Y, const SavedState& local_plan, cudaStream_t stream) const {
+    kernels::launch_permute_rows(Y.data, ws.recv, row_bytes, nullptr, nullptr, 0,
+                                 local->slot_rows(local_plan).ptr<int32_t>(), 1, static_cast<int32_t>(PC), stream);
+    exchange_rows(ws.recv, ws.send, stream);
   }
 };
 
@@ -199,29 +194,15 @@ void EpDispatcher::plan_and_dispatch(const RoutingView& routing, const TensorVie
                                      const SavedState& state, const TensorView& x_perm, cudaStream_t stream) const {
   const Impl& m = *impl_;
   const EpDispatcherConfig& c = m.cfg;
-  MOE_CHECK(routing.form == c.form, "argument 'routing.form': expected the dispatcher's form (",
-            c.form == RoutingForm::kTopK ? "top-k" : "map", ")");
-  MOE_CHECK(error_word != nullptr, "argument 'error_word': expected a device pointer, got null");
-  MOE_CHECK(routing.probs.ndim == 2, "argument 'routing.probs': expected shape [T, ", m.slots, "], got ",
-            routing.probs.shape_string());
-  const int64_t T = routing.probs.shape[0];
-  MOE_CHECK(T <= c.max_tokens, "argument 'routing.probs': T = ", T, " exceeds max_tokens = ", c.max_tokens);
-  check_device_tensor(routing.probs, "routing.probs", DType::kFP32, {T, m.slots}, 4);
+  const int64_t T = kernels::check_routing_args(routing, error_word, c.form, m.slots, c.max_tokens);
   kernels::EpRouting r;
   r.form = c.form;
   r.T = static_cast<int32_t>(T);
   r.slots = m.slots;
   r.E = c.ranks * c.local_experts;
+  r.indices = c.form == RoutingForm::kTopK ? routing.indices.ptr<int32_t>() : nullptr;
+  r.map = c.form == RoutingForm::kMap ? routing.map.ptr<uint8_t>() : nullptr;
   r.probs = routing.probs.ptr<float>();
-  if (c.form == RoutingForm::kTopK) {
-    check_device_tensor(routing.indices, "routing.indices", DType::kInt32, {T, m.slots}, 4);
-    r.indices = routing.indices.ptr<int32_t>();
-  } else {
-    const DType md = routing.map.dtype;
-    check_device_tensor(routing.map, "routing.map", md == DType::kBool ? DType::kBool : DType::kUInt8,
-                        {T, m.slots}, 1);
-    r.map = routing.map.ptr<uint8_t>();
-  }
   m.check_rows(x, "x", T);
   m.check_rows(x_perm, "x_perm", m.R);
   check_state_capacity(state, "state", state_bytes(), kStateHeaders);
@@ -281,12 +262,10 @@ void EpDispatcher::combine(const SavedState& state, const TensorView& Y, const T
   m.check_rows(Y, "Y", m.R);
   m.check_rows(y, "y", T);
   const float *by_row, *by_slot;
-  m.merge_weights(merge, probs, s, T, "combine", &by_row, &by_slot);
+  // Merging weights of the source's sum: the routing probs by send row, or the given ones by slot.
+  kernels::merge_weights(merge, probs, s.send_probs, T, m.slots, "EpDispatcher::combine", &by_row, &by_slot);
   const SavedState local = m.local_state(state);
-  // Each received row's expert output, in receive order (zero for empty rows), back to its source.
-  kernels::launch_permute_rows(Y.data, m.ws.recv, m.row_bytes, nullptr, nullptr, 0,
-                               m.local->slot_rows(local).ptr<int32_t>(), 1, static_cast<int32_t>(m.PC), stream);
-  m.exchange_rows(m.ws.recv, m.ws.send, stream);
+  m.return_rows(Y, local, stream);
   // On the source: the token's slots in slot order, fp32, exactly the single-GPU combine.
   kernels::launch_combine(m.cfg.row_dtype, m.ws.send, y.data, m.cfg.hidden, s.send_slot_row, m.slots,
                           static_cast<int32_t>(T), by_row, by_slot, nullptr, nullptr, stream);
@@ -307,13 +286,11 @@ void EpDispatcher::combine_backward(const SavedState& state, const TensorView& d
   if (want_dot) m.check_rows(*Y, "Y", m.R);
   if (dprobs) check_device_tensor(*dprobs, "dprobs", DType::kFP32, {T, m.slots}, 4);
   const float *by_row, *by_slot;
-  m.merge_weights(merge, probs, s, T, "combine_backward", &by_row, &by_slot);
+  kernels::merge_weights(merge, probs, s.send_probs, T, m.slots, "EpDispatcher::combine_backward", &by_row,
+                         &by_slot);
   const SavedState local = m.local_state(state);
-  if (want_dot) {  // the Y rows travel back to the source again, as in the forward
-    kernels::launch_permute_rows(Y->data, m.ws.recv, m.row_bytes, nullptr, nullptr, 0,
-                                 m.local->slot_rows(local).ptr<int32_t>(), 1, static_cast<int32_t>(m.PC), stream);
-    m.exchange_rows(m.ws.recv, m.ws.send, stream);
-  }
+  // The Y rows travel back to the source again, as in the forward.
+  if (want_dot) m.return_rows(*Y, local, stream);
   if (dprobs && T > 0) MOE_CUDA_CHECK(cudaMemsetAsync(dprobs->data, 0, sizeof(float) * T * m.slots, stream));
   // On the source: each send row's gradient w * dy[t] (and <Y row, dy[t]>), zero on unused rows.
   kernels::launch_scale_rows_backward(m.cfg.row_dtype, dy.data, want_dot ? m.ws.send : nullptr, m.ws.recv,

@@ -24,7 +24,7 @@ struct EpRouting {
 
 // Validation and destination rank of every slot (ep_destinations.cu): slot_dest[i] = expert /
 // E_local for a valid entry, -1 for an empty or skipped one. Skipped entries raise their bit in
-// error_word, with exactly the checks (and their order) of the single-GPU plan.
+// error_word: the single-GPU plan's checks, through its SlotReader.
 void launch_ep_slot_destinations(const EpRouting& r, int E_local, int32_t* slot_dest, uint32_t* error_word,
                                  cudaStream_t stream);
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "device/cuda_check.h"
+#include "ep/exchange_check.h"
 #include "moe/error.h"
 #include "moe/expert_parallel.h"
 
@@ -100,11 +101,7 @@ struct InProcessGroup::Impl {
 
 namespace {
 void Endpoint::all_to_all(const EpExchange* exchanges, int count, cudaStream_t stream) {
-  MOE_CHECK(count >= 0 && (count == 0 || exchanges != nullptr), "argument 'exchanges': expected ", count,
-            " exchanges, got null");
-  for (int j = 0; j < count; ++j)
-    MOE_CHECK(exchanges[j].block_bytes == 0 || (exchanges[j].send != nullptr && exchanges[j].recv != nullptr),
-              "argument 'exchanges[", j, "]': expected send and recv device pointers, got null");
+  check_exchanges(exchanges, count);
   group_->all_to_all(rank_, exchanges, count, stream);
 }
 }  // namespace

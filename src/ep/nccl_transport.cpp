@@ -1,5 +1,6 @@
 // NcclTransport: the all-to-all over NCCL point-to-point calls, one group per all_to_all (every
 // exchange's P sends and P receives, the rank itself included). Built only with MOE_HAVE_NCCL.
+#include "ep/exchange_check.h"
 #include "moe/error.h"
 #include "moe/expert_parallel.h"
 
@@ -34,11 +35,7 @@ NcclTransport::NcclTransport(ncclComm* comm) : comm_(comm) {
 }
 
 void NcclTransport::all_to_all(const EpExchange* exchanges, int count, cudaStream_t stream) {
-  MOE_CHECK(count >= 0 && (count == 0 || exchanges != nullptr), "argument 'exchanges': expected ", count,
-            " exchanges, got null");
-  for (int j = 0; j < count; ++j)
-    MOE_CHECK(exchanges[j].block_bytes == 0 || (exchanges[j].send != nullptr && exchanges[j].recv != nullptr),
-              "argument 'exchanges[", j, "]': expected send and recv device pointers, got null");
+  check_exchanges(exchanges, count);
 #if MOE_HAVE_NCCL
   MOE_NCCL_CHECK(ncclGroupStart());
   try {

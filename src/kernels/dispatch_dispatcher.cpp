@@ -5,6 +5,7 @@
 #include "device/cuda_check.h"
 #include "device/device_arena.h"
 #include "kernels/dispatch_kernels.h"
+#include "kernels/routing_args.h"
 #include "moe/dispatch.h"
 #include "moe/error.h"
 #include "device/state_check.h"
@@ -71,19 +72,6 @@ struct Dispatcher::Impl {
     MOE_CHECK(is_arith_dtype(cfg.row_dtype), "Dispatcher::", op, ": row dtype ", dtype_name(cfg.row_dtype),
               " moves through permute only; expected bf16, fp16 or fp32");
   }
-  // Merging weights: the plan's probs_perm (by row) or the given probs (by slot).
-  void merge_weights(MergeProbs merge, const TensorView* probs, const PlanLayout& p, int64_t T, const char* call,
-                     const float** by_row, const float** by_slot) const {
-    *by_row = nullptr;
-    *by_slot = nullptr;
-    if (merge == MergeProbs::kPlanned) *by_row = p.probs_perm;
-    if (merge == MergeProbs::kGiven) {
-      MOE_CHECK(probs != nullptr, "argument 'probs' of Dispatcher::", call,
-                ": expected the merging probs fp32 [T, slots] with MergeProbs::kGiven, got none");
-      check_device_tensor(*probs, "probs", DType::kFP32, {T, slots}, 4);
-      *by_slot = probs->ptr<float>();
-    }
-  }
 };
 
 Dispatcher::Dispatcher(const DispatcherConfig& config) : impl_(std::make_unique<Impl>()) {
@@ -127,31 +115,16 @@ void Dispatcher::plan(const RoutingView& routing, uint32_t* error_word, const Sa
                       cudaStream_t stream) const {
   const Impl& m = *impl_;
   const DispatcherConfig& c = m.cfg;
-  MOE_CHECK(routing.form == c.form, "argument 'routing.form': expected the dispatcher's form (",
-            c.form == RoutingForm::kTopK ? "top-k" : "map", ")");
-  MOE_CHECK(error_word != nullptr, "argument 'error_word': expected a device pointer, got null");
-  MOE_CHECK(routing.probs.ndim == 2, "argument 'routing.probs': expected shape [T, ", m.slots, "], got ",
-            routing.probs.shape_string());
-  const int64_t T = routing.probs.shape[0];
-  MOE_CHECK(T <= c.max_tokens, "argument 'routing.probs': T = ", T, " exceeds max_tokens = ", c.max_tokens);
-  // Routing is read element by element: 4-byte (1-byte map) alignment is enough.
-  check_device_tensor(routing.probs, "routing.probs", DType::kFP32, {T, m.slots}, 4);
-  kernels::PlanArgs a;
-  if (c.form == RoutingForm::kTopK) {
-    check_device_tensor(routing.indices, "routing.indices", DType::kInt32, {T, m.slots}, 4);
-    a.indices = routing.indices.ptr<int32_t>();
-  } else {
-    const DType md = routing.map.dtype;
-    check_device_tensor(routing.map, "routing.map", md == DType::kBool ? DType::kBool : DType::kUInt8, {T, m.slots},
-                        1);
-    a.map = routing.map.ptr<uint8_t>();
-  }
+  const int64_t T = kernels::check_routing_args(routing, error_word, c.form, m.slots, c.max_tokens);
   check_state_capacity(plan, "plan", m.plan_bytes, kPlanHeaders);
   const PlanLayout p = m.carve(static_cast<char*>(plan.device()));
+  kernels::PlanArgs a;
   a.form = c.form;
   a.T = static_cast<int32_t>(T);
   a.E = c.num_experts;
   a.slots = m.slots;
+  a.indices = c.form == RoutingForm::kTopK ? routing.indices.ptr<int32_t>() : nullptr;
+  a.map = c.form == RoutingForm::kMap ? routing.map.ptr<uint8_t>() : nullptr;
   a.probs = routing.probs.ptr<float>();
   a.R = static_cast<int32_t>(m.R);
   a.align = c.options.align;
@@ -227,7 +200,7 @@ void Dispatcher::unpermute(const SavedState& plan, const TensorView& Y, const Te
   m.check_rows(Y, "Y", m.R);
   m.check_rows(y, "y", T);
   const float *by_row, *by_slot;
-  m.merge_weights(merge, probs, p, T, "unpermute", &by_row, &by_slot);
+  kernels::merge_weights(merge, probs, p.probs_perm, T, m.slots, "Dispatcher::unpermute", &by_row, &by_slot);
   kernels::launch_combine(m.cfg.row_dtype, Y.data, y.data, m.cfg.hidden, p.slot_row, m.slots,
                           static_cast<int32_t>(T), by_row, by_slot, nullptr, nullptr, stream);
 }
@@ -246,7 +219,8 @@ void Dispatcher::unpermute_backward(const SavedState& plan, const TensorView& dy
   MOE_CHECK(!want_dot || Y != nullptr, "argument 'Y': the combine's input is needed for dprobs when merging probs");
   if (want_dot) m.check_rows(*Y, "Y", m.R);
   const float *by_row, *by_slot;
-  m.merge_weights(merge, probs, p, T, "unpermute_backward", &by_row, &by_slot);
+  kernels::merge_weights(merge, probs, p.probs_perm, T, m.slots, "Dispatcher::unpermute_backward", &by_row,
+                         &by_slot);
   if (dprobs) {
     check_device_tensor(*dprobs, "dprobs", DType::kFP32, {T, m.slots}, 4);
     // Slots without a row (and every slot without merged probs) have a zero gradient.

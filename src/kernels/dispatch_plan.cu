@@ -12,12 +12,13 @@
 //   4. assign:   walk each chunk again in the same order; a slot's row is offset[e] + (rows of e in
 //                earlier chunks) + (rows of e earlier in this chunk), i.e. offset[e] + #{t' < t
 //                routed to e}. Writes slot_row, row_slot and probs_perm.
-// Every kernel reads the routing through SlotReader::expert, so all four agree on which entries
-// are skipped; only the count kernel raises their error bits.
+// Every kernel reads the routing through SlotReader::expert (slot_reader.cuh), so all four agree on
+// which entries are skipped; only the count kernel raises their error bits.
 #include <cub/block/block_scan.cuh>
 
 #include "device/cuda_check.h"
 #include "kernels/dispatch_kernels.h"
+#include "kernels/slot_reader.cuh"
 #include "device/vec16.cuh"
 #include "moe/device_errors.h"
 
@@ -34,47 +35,6 @@ int chunk_groups(RoutingForm form, int E) {
   const int g = form == RoutingForm::kMap ? E / 32 : E / 128;
   return g < 1 ? 1 : g;
 }
-
-struct SlotReader {
-  RoutingForm form;
-  int32_t n;  // T * slots
-  int slots;
-  int E;
-  const int32_t* indices;
-  const uint8_t* map;
-  const float* probs;
-
-  // The expert of flat slot i, or -1 when the slot is empty, skipped or past the end. A skipped
-  // entry ORs its reason into `bits`; checks in the order of the CPU reference (routing_ref.h).
-  __device__ __forceinline__ int expert(int32_t i, uint32_t& bits, float& prob) const {
-    prob = 0.0f;
-    if (i >= n) return -1;
-    int e;
-    if (form == RoutingForm::kTopK) {
-      e = __ldg(indices + i);
-      if (e == -1) return -1;  // empty slot
-      if (e < 0 || e >= E) {
-        bits |= kErrExpertOutOfRange;
-        return -1;
-      }
-      // A repeat of an earlier slot of the row is skipped: the first occurrence stays.
-      for (int32_t j = i - i % slots; j < i; ++j)
-        if (__ldg(indices + j) == e) {
-          bits |= kErrDuplicateExpert;
-          return -1;
-        }
-    } else {
-      if (__ldg(map + i) == 0) return -1;
-      e = i % slots;  // map form: slot e is expert e
-    }
-    prob = __ldg(probs + i);
-    if (!isfinite(prob)) {
-      bits |= kErrNonFiniteProb;
-      return -1;
-    }
-    return e;
-  }
-};
 
 // 1. Per-chunk, per-expert counts.
 __global__ void __launch_bounds__(kWarps * 32)

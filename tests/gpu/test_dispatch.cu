@@ -32,34 +32,22 @@
 #include "reference/routing_ref.h"
 #include "support/gpu.h"
 #include "support/expect_error.h"
+#include "support/row_codec.h"
 
 namespace moe {
 namespace {
 
 using testing::DeviceBuffer;
-using Bytes = std::vector<uint8_t>;
+using testing::Bytes;
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 using ::moe::testing::expect_error_naming;
 
 // ---- host encoding of rows ----
 
-int elem_bytes(DType dt) { return dtype_bits(dt) / 8; }
-
-// Rounds to fp32 first (what the device computes in), then to the row dtype.
-Bytes encode(const std::vector<double>& v, DType dt) {
-  Bytes b(v.size() * elem_bytes(dt));
-  for (size_t i = 0; i < v.size(); ++i) {
-    const float f = static_cast<float>(v[i]);
-    if (dt == DType::kFP32) {
-      std::memcpy(&b[4 * i], &f, 4);
-    } else {
-      const uint16_t h = dt == DType::kBF16 ? float_to_bf16_bits(f) : float_to_fp16_bits(f);
-      std::memcpy(&b[2 * i], &h, 2);
-    }
-  }
-  return b;
-}
+using testing::elem_bytes;
+using testing::encode;
+using testing::round_to;
 
 double decode_one(const Bytes& b, size_t i, DType dt) {
   if (dt == DType::kFP32) {
@@ -70,13 +58,6 @@ double decode_one(const Bytes& b, size_t i, DType dt) {
   uint16_t h;
   std::memcpy(&h, &b[2 * i], 2);
   return dt == DType::kBF16 ? bf16_bits_to_float(h) : fp16_bits_to_float(h);
-}
-
-double round_to(double v, DType dt) {
-  const float f = static_cast<float>(v);
-  if (dt == DType::kBF16) return round_to_bf16(f);
-  if (dt == DType::kFP16) return round_to_fp16(f);
-  return f;
 }
 
 // Unit roundoff of the row dtype (relative error of one rounding to it).

@@ -34,24 +34,6 @@ using namespace ::moe::testing;
 template <typename T>
 using DevBuf = ::moe::testing::DeviceBuffer<T>;
 
-// P simulated ranks on device 0, one shared stream.
-struct InProcessWorld {
-  std::unique_ptr<InProcessGroup> group;
-  cudaStream_t stream = nullptr;
-  EpWorld w;
-
-  explicit InProcessWorld(int P) : group(std::make_unique<InProcessGroup>(P)) {
-    MOE_CUDA_CHECK(cudaSetDevice(0));
-    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    w.P = P;
-    w.device.assign(P, 0);
-    w.stream.assign(P, stream);
-    for (int p = 0; p < P; ++p) w.transport.push_back(&group->endpoint(p));
-    w.abort = [g = group.get()] { g->abort(); };
-  }
-  ~InProcessWorld() { cudaStreamDestroy(stream); }
-};
-
 template <typename T>
 std::vector<T> widen(const std::vector<int32_t>& v) {
   return std::vector<T>(v.begin(), v.end());
@@ -119,12 +101,9 @@ void check_against_reference(const EpCase& c, const EpInputs& in, const std::vec
 // All ranks' routing in rank order, with the entries the capacity dropped emptied.
 ref::Routing concatenated_routing(const EpCase& c, const EpInputs& in) {
   const ref::EpPlan plan = ref::plan_ep_dispatch(in.routing, c.ref_config());
-  ref::Routing all;
-  all.form = c.form;
-  all.E = c.E();
-  all.k = c.k;
+  std::vector<ref::Routing> kept = in.routing;
   for (int p = 0; p < c.P; ++p) {
-    ref::Routing r = in.routing[p];
+    ref::Routing& r = kept[p];
     for (size_t i = 0; i < r.probs.size(); ++i)
       if (plan.slot_expert[p][i] >= 0 && plan.send[p].slot_row[i] < 0) {  // dropped at the capacity
         if (c.form == RoutingForm::kTopK)
@@ -132,12 +111,8 @@ ref::Routing concatenated_routing(const EpCase& c, const EpInputs& in) {
         else
           r.map[i] = 0;
       }
-    all.T += r.T;
-    all.indices.insert(all.indices.end(), r.indices.begin(), r.indices.end());
-    all.map.insert(all.map.end(), r.map.begin(), r.map.end());
-    all.probs.insert(all.probs.end(), r.probs.begin(), r.probs.end());
   }
-  return all;
+  return concatenate_routing(c, kept);
 }
 
 void check_against_single_gpu(const EpCase& c, const EpInputs& in, const std::vector<EpRankOut>& out,
@@ -171,11 +146,8 @@ void check_against_single_gpu(const EpCase& c, const EpInputs& in, const std::ve
     map = DevBuf<uint8_t>(all.map);
     rv.map = TensorView(map.get(), DType::kUInt8, {T, S});
   }
-  std::vector<double> x_all;
-  for (const auto& x : in.x) x_all.insert(x_all.end(), x.begin(), x.end());
-  DevBuf<uint8_t> x(encode(x_all, c.dt)), x_perm(R * row), Y, y(T * row), dY(R * row), d_x_perm, dx(T * row),
-      dy;
-  DevBuf<float> dprobs_c(T * S), dprobs_d(T * S), d_probs_perm;
+  DevBuf<uint8_t> x(encode(concatenate_rows(in.x), c.dt)), x_perm(R * row), y(T * row), dY(R * row), dx(T * row);
+  DevBuf<float> dprobs_c(T * S), dprobs_d(T * S);
   cudaStream_t s = nullptr;
   MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   d.plan(rv, err.device_ptr(), plan, s);
@@ -184,27 +156,12 @@ void check_against_single_gpu(const EpCase& c, const EpInputs& in, const std::ve
   const std::vector<int32_t> g = download_view<int32_t>(d.group_offsets(plan));
   const std::vector<int32_t> n = download_view<int32_t>(d.counts(plan));
 
-  // The same keyed rows as upload_backward_inputs, in the single-GPU layout.
+  // The same keyed rows as upload_backward_inputs, in the single-GPU layout (one rank, all E experts).
   EpCase one = c;
   one.E_local = E;
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  Y = DevBuf<uint8_t>(encode(
-      group_rows(one, 0, g, n, R, nan, [&](int e, int64_t j, int64_t h) { return keyed_value(seed, e, j, h, c.dt); }),
-      c.dt));
-  d_x_perm = DevBuf<uint8_t>(encode(group_rows(one, 0, g, n, R, nan,
-                                                     [&](int e, int64_t j, int64_t h) {
-                                                       return keyed_value(seed + 1, e, j, h, c.dt);
-                                                     }),
-                                          c.dt));
-  std::vector<float> dpp(static_cast<size_t>(R), std::numeric_limits<float>::quiet_NaN());
-  for (int e = 0; e < E; ++e)
-    for (int64_t j = 0; j < std::min<int64_t>(n[e], g[e + 1] - g[e]); ++j)
-      dpp[g[e] + j] = static_cast<float>(keyed_value(seed + 2, e, j, 0, DType::kFP32));
-  d_probs_perm = DevBuf<float>(dpp);
-  std::vector<double> dyv(static_cast<size_t>(T * c.H));
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < c.H; ++h) dyv[t * c.H + h] = keyed_value(seed + 3, t, h, 0, c.dt);
-  dy = DevBuf<uint8_t>(encode(dyv, c.dt));
+  const KeyedBackwardInputs keyed = keyed_backward_inputs(one, 0, g, n, R, 0, T, seed);
+  DevBuf<uint8_t> Y(encode(keyed.Y, c.dt)), d_x_perm(encode(keyed.d_x_perm, c.dt)), dy(encode(keyed.dy, c.dt));
+  DevBuf<float> d_probs_perm(keyed.d_probs_perm);
 
   const TensorView Yv = rows_view(c, Y, R);
   d.unpermute(plan, Yv, rows_view(c, y, T), MergeProbs::kPlanned, s);

@@ -104,18 +104,8 @@ TEST(ExpertParallelExperts, MatchesGroupedMlpOnConcatenatedTokens) {
     auto GB1 = make_param(zeros(b1.size()), E, {F1}, bf, L), GB2 = make_param(zeros(b2.size()), E, {H}, bf, L);
     layer.set_weights({W1.views, B1.views, W2.views, B2.views});
     layer.set_grads({G1.views, GB1.views, G2.views, GB2.views});
-    ref::Routing all;
-    all.form = RoutingForm::kTopK;
-    all.E = E;
-    all.k = c.k;
-    std::vector<double> x_all;
-    for (int p = 0; p < c.P; ++p) {
-      all.T += in.routing[p].T;
-      all.indices.insert(all.indices.end(), in.routing[p].indices.begin(), in.routing[p].indices.end());
-      all.probs.insert(all.probs.end(), in.routing[p].probs.begin(), in.routing[p].probs.end());
-      x_all.insert(x_all.end(), in.x[p].begin(), in.x[p].end());
-    }
-    DevBuf<uint16_t> x(to_bf16(x_all)), y(T_all * H), dy(to_bf16(dy_all)), dx(T_all * H);
+    const ref::Routing all = concatenate_routing(c, in.routing);
+    DevBuf<uint16_t> x(to_bf16(concatenate_rows(in.x))), y(T_all * H), dy(to_bf16(dy_all)), dx(T_all * H);
     DevBuf<float> probs(std::vector<float>(all.probs.begin(), all.probs.end())), dprobs(T_all * S);
     DevBuf<int32_t> idx(all.indices);
     RoutingView rv;
@@ -139,15 +129,9 @@ TEST(ExpertParallelExperts, MatchesGroupedMlpOnConcatenatedTokens) {
   }
 
   // ---- P simulated ranks, E_local experts each ----
-  InProcessGroup group(c.P);
-  cudaStream_t s = nullptr;
-  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  EpWorld w;
-  w.P = c.P;
-  w.device.assign(c.P, 0);
-  w.stream.assign(c.P, s);
-  for (int p = 0; p < c.P; ++p) w.transport.push_back(&group.endpoint(p));
-  w.abort = [&] { group.abort(); };
+  InProcessWorld world(c.P);
+  const EpWorld& w = world.w;
+  const cudaStream_t s = world.stream;
   std::vector<EpRank> ranks = make_ranks(c, w, in);
   struct RankExperts {
     std::unique_ptr<GroupedExperts> ex;
@@ -217,7 +201,6 @@ TEST(ExpertParallelExperts, MatchesGroupedMlpOnConcatenatedTokens) {
     append(db2, download_param(rx[p].GB2, bf));
     first += Tp;
   }
-  cudaStreamDestroy(s);
   expect_close(dw1, dw1_one, "fc1.weight grad");
   expect_close(dw2, dw2_one, "fc2.weight grad");
   expect_close(db1, db1_one, "fc1.bias grad");

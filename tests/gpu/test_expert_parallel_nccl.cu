@@ -26,19 +26,8 @@ namespace {
 using namespace ::moe::testing;
 
 std::vector<EpRankOut> run_in_process(const EpCase& c, const EpInputs& in, uint64_t seed) {
-  InProcessGroup group(c.P);
-  cudaStream_t s = nullptr;
-  MOE_CUDA_CHECK(cudaSetDevice(0));
-  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  EpWorld w;
-  w.P = c.P;
-  w.device.assign(c.P, 0);
-  w.stream.assign(c.P, s);
-  for (int p = 0; p < c.P; ++p) w.transport.push_back(&group.endpoint(p));
-  w.abort = [&] { group.abort(); };
-  std::vector<EpRankOut> out = run_ep_case(c, w, in, seed);
-  cudaStreamDestroy(s);
-  return out;
+  InProcessWorld world(c.P);
+  return run_ep_case(c, world.w, in, seed);
 }
 
 #if MOE_HAVE_NCCL

@@ -4,6 +4,7 @@
 // Outputs come back as bytes, so two runs can be compared bit for bit.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -21,14 +22,12 @@
 
 #include "moe/error_word.h"
 #include "moe/expert_parallel.h"
-#include "moe/float_convert.h"
 #include "reference/ep_dispatch_ref.h"
 #include "reference/routing_gen.h"
 #include "support/gpu.h"
+#include "support/row_codec.h"
 
 namespace moe::testing {
-
-using Bytes = std::vector<uint8_t>;
 
 struct EpCase {
   std::string name;
@@ -79,46 +78,6 @@ struct EpCase {
 
 // ---- values ----
 
-inline int elem_bytes(DType dt) { return dtype_bits(dt) / 8; }
-
-inline double round_to(double v, DType dt) {
-  const float f = static_cast<float>(v);
-  if (dt == DType::kBF16) return round_to_bf16(f);
-  if (dt == DType::kFP16) return round_to_fp16(f);
-  return f;
-}
-
-inline Bytes encode(const std::vector<double>& v, DType dt) {
-  Bytes b(v.size() * elem_bytes(dt));
-  for (size_t i = 0; i < v.size(); ++i) {
-    const float f = static_cast<float>(v[i]);
-    if (dt == DType::kFP32) {
-      std::memcpy(&b[4 * i], &f, 4);
-    } else {
-      const uint16_t h = dt == DType::kBF16 ? float_to_bf16_bits(f) : float_to_fp16_bits(f);
-      std::memcpy(&b[2 * i], &h, 2);
-    }
-  }
-  return b;
-}
-
-inline std::vector<double> decode(const Bytes& b, DType dt) {
-  const size_t n = b.size() / elem_bytes(dt);
-  std::vector<double> v(n);
-  for (size_t i = 0; i < n; ++i) {
-    if (dt == DType::kFP32) {
-      float f;
-      std::memcpy(&f, &b[4 * i], 4);
-      v[i] = f;
-    } else {
-      uint16_t h;
-      std::memcpy(&h, &b[2 * i], 2);
-      v[i] = dt == DType::kBF16 ? bf16_bits_to_float(h) : fp16_bits_to_float(h);
-    }
-  }
-  return v;
-}
-
 inline std::vector<double> to_double(const std::vector<float>& f) { return std::vector<double>(f.begin(), f.end()); }
 
 // A value in [-1, 1) representable in dt, a pure function of its key (the same rows whatever the
@@ -156,6 +115,27 @@ inline EpInputs make_ep_inputs(const EpCase& c, uint64_t seed) {
   return in;
 }
 
+// All ranks as one batch: their routings (global expert ids) and their rows in rank order.
+inline ref::Routing concatenate_routing(const EpCase& c, const std::vector<ref::Routing>& routing) {
+  ref::Routing all;
+  all.form = c.form;
+  all.E = c.E();
+  all.k = c.k;
+  for (const ref::Routing& r : routing) {
+    all.T += r.T;
+    all.indices.insert(all.indices.end(), r.indices.begin(), r.indices.end());
+    all.map.insert(all.map.end(), r.map.begin(), r.map.end());
+    all.probs.insert(all.probs.end(), r.probs.begin(), r.probs.end());
+  }
+  return all;
+}
+
+inline std::vector<double> concatenate_rows(const ref::RankBuffers& rows) {
+  std::vector<double> all;
+  for (const auto& r : rows) all.insert(all.end(), r.begin(), r.end());
+  return all;
+}
+
 // ---- a world of ranks ----
 
 struct EpWorld {
@@ -164,6 +144,26 @@ struct EpWorld {
   std::vector<cudaStream_t> stream;    // [P]
   std::vector<EpTransport*> transport;  // [P]
   std::function<void()> abort;         // wakes ranks blocked in a collective after a failure
+};
+
+// P simulated ranks on device 0 (InProcessGroup), sharing one stream.
+struct InProcessWorld {
+  std::unique_ptr<InProcessGroup> group;
+  cudaStream_t stream = nullptr;
+  EpWorld w;
+
+  explicit InProcessWorld(int P) : group(std::make_unique<InProcessGroup>(P)) {
+    MOE_CUDA_CHECK(cudaSetDevice(0));
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    w.P = P;
+    w.device.assign(P, 0);
+    w.stream.assign(P, stream);
+    for (int p = 0; p < P; ++p) w.transport.push_back(&group->endpoint(p));
+    w.abort = [g = group.get()] { g->abort(); };
+  }
+  ~InProcessWorld() { cudaStreamDestroy(stream); }
+  InProcessWorld(const InProcessWorld&) = delete;
+  InProcessWorld& operator=(const InProcessWorld&) = delete;
 };
 
 // fn(p) on P threads, each on its rank's device; rethrows the first failure after all joined.
@@ -361,37 +361,50 @@ inline std::vector<double> group_rows(const EpCase& c, int rank, const std::vect
   return v;
 }
 
-// The backward inputs, from the dispatch's layout: Y and d_x_perm rows keyed by (global expert, row
-// in group), pad rows NaN (reading one shows); dy per token; d_probs_perm keyed like the rows.
-inline void upload_backward_inputs(const EpCase& c, const EpWorld& w, const EpInputs& in,
-                                   std::vector<EpRank>& ranks, const std::vector<EpRankOut>& out, uint64_t seed) {
+// The backward inputs of one rank, keyed so that any layout of the same rows gets the same values:
+// Y and d_x_perm rows by (global expert, row in group), pad rows NaN (reading one shows);
+// d_probs_perm keyed like the rows; dy by global token (the rank's tokens are first .. first + T).
+// g, counts: the rank's group offsets and local counts; R its rows.
+struct KeyedBackwardInputs {
+  std::vector<double> Y, d_x_perm, dy;
+  std::vector<float> d_probs_perm;
+};
+
+inline KeyedBackwardInputs keyed_backward_inputs(const EpCase& c, int rank, const std::vector<int32_t>& g,
+                                                 const std::vector<int32_t>& counts, int64_t R, int64_t first,
+                                                 int64_t T, uint64_t seed) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
+  KeyedBackwardInputs b;
+  b.Y = group_rows(c, rank, g, counts, R, nan,
+                   [&](int e, int64_t j, int64_t h) { return keyed_value(seed, e, j, h, c.dt); });
+  b.d_x_perm = group_rows(c, rank, g, counts, R, nan,
+                          [&](int e, int64_t j, int64_t h) { return keyed_value(seed + 1, e, j, h, c.dt); });
+  b.d_probs_perm.assign(static_cast<size_t>(R), std::numeric_limits<float>::quiet_NaN());
+  for (int e = 0; e < c.E_local; ++e) {
+    const int64_t rows = std::min<int64_t>(counts[e], g[e + 1] - g[e]);
+    for (int64_t j = 0; j < rows; ++j)
+      b.d_probs_perm[g[e] + j] =
+          static_cast<float>(keyed_value(seed + 2, rank * c.E_local + e, j, 0, DType::kFP32));
+  }
+  b.dy.resize(static_cast<size_t>(T * c.H));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < c.H; ++h) b.dy[t * c.H + h] = keyed_value(seed + 3, first + t, h, 0, c.dt);
+  return b;
+}
+
+// Every rank's keyed backward inputs, from the dispatch's layout (out: group offsets and counts).
+inline void upload_backward_inputs(const EpCase& c, const EpWorld& w, std::vector<EpRank>& ranks,
+                                   const std::vector<EpRankOut>& out, uint64_t seed) {
   int64_t first = 0;
   for (int p = 0; p < c.P; ++p) {
     MOE_CUDA_CHECK(cudaSetDevice(w.device[p]));
     EpRank& r = ranks[p];
-    const int64_t R = r.ep->rows();
-    const auto& g = out[p].group_offsets;
-    const auto& n = out[p].counts;
-    r.Y.upload(encode(group_rows(c, p, g, n, R, nan,
-                                 [&](int e, int64_t j, int64_t h) { return keyed_value(seed, e, j, h, c.dt); }),
-                      c.dt));
-    r.d_x_perm.upload(encode(group_rows(c, p, g, n, R, nan,
-                                        [&](int e, int64_t j, int64_t h) {
-                                          return keyed_value(seed + 1, e, j, h, c.dt);
-                                        }),
-                             c.dt));
-    std::vector<float> dpp(static_cast<size_t>(R), std::numeric_limits<float>::quiet_NaN());
-    for (int e = 0; e < c.E_local; ++e) {
-      const int64_t rows = std::min<int64_t>(n[e], g[e + 1] - g[e]);
-      for (int64_t j = 0; j < rows; ++j)
-        dpp[g[e] + j] = static_cast<float>(keyed_value(seed + 2, p * c.E_local + e, j, 0, DType::kFP32));
-    }
-    r.d_probs_perm.upload(dpp);
-    std::vector<double> dy(static_cast<size_t>(r.T * c.H));
-    for (int64_t t = 0; t < r.T; ++t)
-      for (int64_t h = 0; h < c.H; ++h) dy[t * c.H + h] = keyed_value(seed + 3, first + t, h, 0, c.dt);
-    r.dy.upload(encode(dy, c.dt));
+    const KeyedBackwardInputs b =
+        keyed_backward_inputs(c, p, out[p].group_offsets, out[p].counts, r.ep->rows(), first, r.T, seed);
+    r.Y.upload(encode(b.Y, c.dt));
+    r.d_x_perm.upload(encode(b.d_x_perm, c.dt));
+    r.d_probs_perm.upload(b.d_probs_perm);
+    r.dy.upload(encode(b.dy, c.dt));
     first += r.T;
   }
 }
@@ -404,7 +417,7 @@ inline std::vector<EpRankOut> run_ep_case(const EpCase& c, const EpWorld& w, con
   sync_world(w);
   std::vector<EpRankOut> out;
   download_dispatch(w, ranks, out);
-  upload_backward_inputs(c, w, in, ranks, out, seed);
+  upload_backward_inputs(c, w, ranks, out, seed);
   enqueue_combine_and_backward(c, w, ranks);
   sync_world(w);
   download_backward(w, ranks, out);
