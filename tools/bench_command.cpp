@@ -30,7 +30,7 @@ struct BenchArgs {
   bool no_check = false;
   bool no_x_perm = false;
   std::string fc1 = "auto";
-  std::string dgrad = "unfused";
+  std::string dgrad = "auto";
   double skew = 0.0;
   int align = 0;
   int repeats = 20;
@@ -42,6 +42,13 @@ struct BenchArgs {
 // docs/fused.md). The PyTorch module's default mirrors this (bindings/torch/moe_engine/module.py).
 bool uses_fused_fc1(const std::string& mode, const bench::Shape& s) {
   return mode == "fused" || (mode == "auto" && s.F <= 1024);
+}
+
+// The fused fc2 dgrad keeps the same time as the unfused path at F = 256 and a state without act
+// (R x F x 2 bytes less per micro-batch); at larger F it is slower (see docs/fused.md). The PyTorch
+// module's default mirrors this.
+bool uses_fused_fc2_dgrad(const std::string& mode, const bench::Shape& s) {
+  return mode == "fused" || (mode == "auto" && s.F <= 256);
 }
 
 double tflops(double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0; }
@@ -103,7 +110,7 @@ void run_bench(const BenchArgs& a) {
   for (const auto& s : shapes) {
     o.fuse_fc1 = uses_fused_fc1(a.fc1, s);
     o.save_x_perm = !(o.fuse_fc1 && a.no_x_perm);
-    o.fuse_fc2_dgrad = a.dgrad == "fused";
+    o.fuse_fc2_dgrad = uses_fused_fc2_dgrad(a.dgrad, s);
     std::string fc1_name = !o.fuse_fc1 ? "unfused" : o.save_x_perm ? "fused" : "fused-g";
     if (o.fuse_fc2_dgrad) fc1_name += "+d";
     bench::LayerBenchResult r = bench::run_layer_bench(s, o);
@@ -179,8 +186,9 @@ void setup_bench(CLI::App& app) {
   sub->add_flag("--no-x-perm", args->no_x_perm, "With the fused fc1: keep no x_perm, the fc1 weight gradient gathers "
                 "the rows of x (less memory; shown as fc1 'fused-g')");
   sub->add_option("--dgrad", args->dgrad, "fused (fc2 dgrad gathering dy + activation backward + dprobs in one "
-                  "kernel; shown as '+d' in the fc1 column) or unfused (separate kernels, the reference path)")
-      ->check(CLI::IsMember({"fused", "unfused"}));
+                  "kernel; shown as '+d' in the fc1 column), unfused (separate kernels, the reference path) or auto (fused "
+                  "where it costs no time: F <= 256)")
+      ->check(CLI::IsMember({"auto", "fused", "unfused"}));
   sub->add_flag("--no-check", args->no_check, "Skip the sampled comparison with the CPU reference");
   sub->callback([args] { run_bench(*args); });
 }

@@ -14,6 +14,10 @@
 // the op's workspace holds what one backward needs only while it runs: dact
 // (delayed: act must survive until backward_dw; otherwise dact overwrites act once fc2's wgrad
 // has read it), the bias-gradient workspace and the GEMM call workspace.
+// With fuse_fc2_dgrad (not delayed) the state holds h only: act lives in the workspace, where the
+// forward's fc2 reads it and the fused fc2 dgrad writes it again from h (the same fp32 math and
+// rounding, so bitwise the forward's act) for fc2's weight gradient -- R x F x 2 bytes less per
+// micro-batch in flight.
 #include "moe/grouped_experts.h"
 
 #include <array>
@@ -106,6 +110,7 @@ struct GroupedExperts::Impl {
   DeviceBuffer block;
   size_t block_bytes = 0, state_bytes = 0;
   uint16_t* dact_ws = nullptr;
+  uint16_t* act_ws = nullptr;  // act, when the state does not keep it (saves_act() false)
   float* dpp_partial_ws = nullptr;  // fused fc2 dgrad with F > 256: dprobs partial sums per feature block
   uint8_t* bias_ws = nullptr;
   size_t bias_ws_bytes = 0;
@@ -138,12 +143,17 @@ struct GroupedExperts::Impl {
   }
 
   bool probs_in_act() const { return cfg.probs == ProbsPlacement::kInActivation; }
+  // Whether a state keeps act: the unfused backward writes dact over it (or, delayed, backward_dw
+  // reads it after the forward's act workspace may have been reused); the fused fc2 dgrad
+  // recomputes it from h.
+  bool saves_act() const { return !cfg.fuse_fc2_dgrad || cfg.delay_wgrad; }
   bool accumulate() const { return cfg.wgrad == WgradMode::kAccumulate; }
 
   void plan_workspace(char* base) {
     const int64_t H = cfg.hidden, F = cfg.ffn, F1 = cfg.fc1_out();
     DeviceArena a(base);
     if (cfg.delay_wgrad && !cfg.fuse_fc2_dgrad) dact_ws = a.take<uint16_t>(R * F);
+    if (!saves_act()) act_ws = a.take<uint16_t>(R * F);
     const int feature_blocks = cfg.fuse_fc2_dgrad ? fused::fc2_dgrad_feature_blocks(F) : 1;
     if (probs_in_act() && feature_blocks > 1) dpp_partial_ws = a.take<float>(R * feature_blocks);
     if (cfg.bias) {
@@ -159,7 +169,7 @@ struct GroupedExperts::Impl {
     DeviceArena a(base);
     StateBuffers b;
     b.h = a.take<uint16_t>(R * F1);
-    b.act = a.take<uint16_t>(R * F);
+    b.act = saves_act() ? a.take<uint16_t>(R * F) : act_ws;
     if (bytes) *bytes = a.used();
     return b;
   }
@@ -388,6 +398,7 @@ void GroupedExperts::Impl::fused_dgrad(const void* dY, const int32_t* row_slots,
   f.probs = v.pp.data != nullptr ? v.pp.ptr<const float>() : nullptr;
   f.activation = cfg.activation;
   f.h = v.b.h;
+  f.act_out = saves_act() ? nullptr : v.b.act;  // recomputed for fc2's weight gradient
   f.dprobs = dpp.data != nullptr ? dpp.ptr<float>() : nullptr;
   f.dprobs_partial = dpp_partial_ws;
   f.sm_count = sm_count;
@@ -564,10 +575,11 @@ void GroupedExperts::backward(const TensorView& dY, const TensorView& dx_perm, c
   MOE_CHECK(!c.delay_wgrad || dx_perm.data != dY.data, "argument 'dx_perm': with delay_wgrad, dY is read again by ",
             "backward_dw, so dx_perm must not be the buffer of dY");
 
-  if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);  // reads act before the unfused path writes dact over it
   if (c.fuse_fc2_dgrad) {
-    m.fused_dgrad(dY.data, nullptr, 1, nullptr, v, dpp, s);  // leaves act as it is
+    m.fused_dgrad(dY.data, nullptr, 1, nullptr, v, dpp, s);  // leaves act as it is, or writes it again
+    if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);
   } else {
+    if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);  // reads act before dact is written over it
     uint16_t* dact = c.delay_wgrad ? m.dact_ws : v.b.act;
     m.gemm.dgrad(dY, m.w2, v.g, bf16_view(dact, rows, F), m.gemm_workspace(), s);
     // In place: the activation backward reads each h element before writing its gradient.

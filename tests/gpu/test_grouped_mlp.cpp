@@ -350,11 +350,18 @@ TEST(GroupedMlp, AccumulateIntoMainGradAndFp32Grads) {
 
 TEST(GroupedMlp, DelayedWgradEqualsImmediateAndHooksFireInOrder) {
   MOE_REQUIRE_GPU();
-  // 3, 4: as 1, 2 with the fused fc2 dgrad (dY_perm written on the way: backward_dw reads it).
+  // 3, 4: as 1, 2 with the fused fc2 dgrad (dY_perm written on the way: backward_dw reads it). The
+  // immediate backward then takes act recomputed by the fused kernel (the state keeps none), the
+  // delayed one the forward's act: fc2's weight gradient is bitwise equal only if they are, so each
+  // activation is run.
   for (int mode : {0, 1, 2, 3, 4}) {
-  SCOPED_TRACE(::testing::Message() << "mode " << mode);
+  for (Activation act : {Activation::kSwiGLU, Activation::kGeGLU, Activation::kClampedSwiGLU,
+                         Activation::kSquaredReLU}) {
+  if (mode < 3 && act != Activation::kSwiGLU) continue;
+  SCOPED_TRACE(::testing::Message() << "mode " << mode << " " << activation_name(act));
   Case c;
   c.cfg = small_config();
+  c.cfg.activation.kind = act;
   c.cfg.bias = true;
   c.cfg.fuse_fc1 = mode > 0;
   c.cfg.save_x_perm = mode != 2 && mode != 4;
@@ -369,6 +376,23 @@ TEST(GroupedMlp, DelayedWgradEqualsImmediateAndHooksFireInOrder) {
   EXPECT_EQ(b.hook_order, (std::vector<int>{static_cast<int>(Param::kFc2Weight), static_cast<int>(Param::kFc2Bias),
                                             static_cast<int>(Param::kFc1Weight), static_cast<int>(Param::kFc1Bias)}));
   compare(b, delayed.run_reference(), true);
+  }
+  }
+}
+
+// With the fused fc2 dgrad (not delayed) a micro-batch in flight keeps no act: the state is R x F x 2
+// bytes smaller than the unfused path's.
+TEST(GroupedMlp, FusedDgradStateKeepsNoAct) {
+  MOE_REQUIRE_GPU();
+  for (bool x_perm : {true, false}) {
+    GroupedMlpConfig cfg = small_config();
+    cfg.fuse_fc1 = true;
+    cfg.save_x_perm = x_perm;
+    const size_t act_bytes = static_cast<size_t>(cfg.row_bound() * cfg.ffn * 2);
+    GroupedMlp unfused(cfg);
+    cfg.fuse_fc2_dgrad = true;
+    GroupedMlp fused(cfg);
+    EXPECT_EQ(unfused.state_bytes() - fused.state_bytes(), act_bytes) << "x_perm " << x_perm;
   }
 }
 

@@ -86,10 +86,15 @@ def measure(name, no_x_perm=False):
     flops = 18 * T * k * H * Fd
     res = {"shape": name}
 
+    # Every step starts from gradients set to None (as SonicMoE's method does), so no side pays an
+    # extra pass accumulating into the previous step's .grad.
     def torch_step():
+        x.grad = w1.grad = w2.grad = None
         torch_moe(x, idx, probs, w1, w2).backward(dy)
 
     def ours_step():
+        x.grad = None
+        mod.zero_grad(set_to_none=True)
         mod(x, idx, probs).backward(dy)
 
     def ours_forward():
@@ -144,6 +149,8 @@ def measure(name, no_x_perm=False):
                 lean(x, idx, probs)
 
         def lean_step():
+            x.grad = None
+            lean.zero_grad(set_to_none=True)
             lean(x, idx, probs).backward(dy)
 
         res["lean_fwd_graph_ms"] = median_ms(graphed(lean_forward))

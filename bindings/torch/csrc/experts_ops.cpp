@@ -28,7 +28,7 @@ HandleRegistry<ExpertsState>& registry() {
 int64_t experts_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t max_rows, const std::string& activation,
                        int64_t glu_interleave, double alpha, double limit, double offset, bool bias,
                        bool probs_at_combine, bool per_expert, bool accumulate, bool fp32_wgrad, bool delay_wgrad,
-                       bool fuse_fc1) {
+                       bool fuse_fc1, bool fuse_fc2_dgrad) {
   return translate_errors([&] {
     ExpertsConfig c;
     c.hidden = hidden;
@@ -38,6 +38,7 @@ int64_t experts_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t max
     set_expert_options(c, activation, glu_interleave, alpha, limit, offset, bias, probs_at_combine, per_expert,
                        accumulate, fp32_wgrad, delay_wgrad);
     c.fuse_fc1 = fuse_fc1;
+    c.fuse_fc2_dgrad = fuse_fc2_dgrad;
     return registry().add(std::make_unique<ExpertsState>(c));
   });
 }
@@ -120,7 +121,7 @@ void experts_backward_dw(int64_t handle, const at::Tensor& state, const at::Tens
 TORCH_LIBRARY_FRAGMENT(moe_engine, m) {
   m.def("experts_create(int hidden, int ffn, int experts, int max_rows, str activation, int glu_interleave, "
         "float alpha, float limit, float offset, bool bias, bool probs_at_combine, bool per_expert, "
-        "bool accumulate, bool fp32_wgrad, bool delay_wgrad, bool fuse_fc1=False) -> int",
+        "bool accumulate, bool fp32_wgrad, bool delay_wgrad, bool fuse_fc1=False, bool fuse_fc2_dgrad=False) -> int",
         &experts_create);
   m.def("experts_destroy(int handle) -> ()", &experts_destroy);
   m.def("experts_state_bytes(int handle) -> int", &experts_state_bytes);

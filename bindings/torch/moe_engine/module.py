@@ -33,7 +33,12 @@ the rows of x, with no separate permute); same results within bf16 rounding, sam
 the fc1 weight gradient gathers the rows of x itself, so a micro-batch in flight holds
 rows x hidden_size x 2 bytes less; x is then saved for backward (as autograd does for any input).
 GroupedMLP's default (None) picks it where it was measured faster on the H100: ffn_hidden_size <=
-1024 (and at most 4096 experts, the kernel's limit); GroupedExperts fuses only when asked."""
+1024 (and at most 4096 experts, the kernel's limit); GroupedExperts fuses only when asked.
+`fuse_fc2_dgrad`: in backward, fc2's data gradient, the activation backward and the probs' gradient in
+one kernel (GroupedMLP: which also gathers the rows of dy, with no separate pass building them); the
+same dh as the unfused path within bf16 rounding, and a saved state without the activation (it is
+recomputed from the pre-activation). GroupedMLP's default (None) picks it for ffn_hidden_size <= 256,
+where it costs no time; GroupedExperts fuses only when asked."""
 import torch
 from torch import nn
 
@@ -47,6 +52,11 @@ _ORDER = (("fc2", "weight"), ("fc2", "bias"), ("fc1", "weight"), ("fc1", "bias")
 def _fuse_fc1(choice, ffn_hidden_size, num_experts):
     # Mirrors `moe-engine bench --fc1 auto` (tools/bench_command.cpp).
     return (ffn_hidden_size <= 1024 and num_experts <= 4096) if choice is None else bool(choice)
+
+
+def _fuse_fc2_dgrad(choice, ffn_hidden_size, num_experts):
+    # Mirrors `moe-engine bench --dgrad auto` (tools/bench_command.cpp).
+    return (ffn_hidden_size <= 256 and num_experts <= 4096) if choice is None else bool(choice)
 
 
 class _ExpertModule(nn.Module):
@@ -205,11 +215,13 @@ class GroupedMLP(_ExpertModule):
                  glu_interleave=0, bias=False, probs_at_combine=False, align=0, pre_padded=False, row_bound=-1,
                  map_routing=False, per_expert_weights=False, accumulate_into_main_grad=False,
                  wgrad_dtype=torch.bfloat16, delay_wgrad=False, recompute=False, clamp_alpha=1.702,
-                 clamp_limit=7.0, clamp_offset=1.0, device=None, init_std=None, fuse_fc1=None, save_x_perm=True):
+                 clamp_limit=7.0, clamp_offset=1.0, device=None, init_std=None, fuse_fc1=None, save_x_perm=True,
+                 fuse_fc2_dgrad=None):
         super().__init__()
         self.topk = topk
         self.recompute = recompute
         self.fuse_fc1 = _fuse_fc1(fuse_fc1, ffn_hidden_size, num_experts)
+        self.fuse_fc2_dgrad = _fuse_fc2_dgrad(fuse_fc2_dgrad, ffn_hidden_size, num_experts)
         self.save_x_perm = save_x_perm
         # Whether backward (and backward_dw) read the forward's x again.
         self.reads_x = recompute or not save_x_perm
@@ -219,7 +231,7 @@ class GroupedMLP(_ExpertModule):
                                        probs_at_combine, align, pre_padded, row_bound, map_routing,
                                        per_expert_weights, accumulate_into_main_grad,
                                        wgrad_dtype == torch.float32, delay_wgrad, recompute, self.fuse_fc1,
-                                       save_x_perm)
+                                       save_x_perm, self.fuse_fc2_dgrad)
         self._state_bytes = _ops.mlp_state_bytes(self._handle)
         self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
                            accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std)
@@ -263,14 +275,14 @@ class GroupedExperts(_ExpertModule):
                  glu_interleave=0, bias=False, probs_at_combine=False, per_expert_weights=False,
                  accumulate_into_main_grad=False, wgrad_dtype=torch.bfloat16, delay_wgrad=False,
                  clamp_alpha=1.702, clamp_limit=7.0, clamp_offset=1.0, device=None, init_std=None,
-                 fuse_fc1=None):
+                 fuse_fc1=None, fuse_fc2_dgrad=None):
         super().__init__()
         self.probs_at_combine = probs_at_combine
         self._handle = _ops.experts_create(hidden_size, ffn_hidden_size, num_experts, max_rows, activation,
                                            glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias,
                                            probs_at_combine, per_expert_weights, accumulate_into_main_grad,
                                            wgrad_dtype == torch.float32, delay_wgrad,
-                                           bool(fuse_fc1))
+                                           bool(fuse_fc1), bool(fuse_fc2_dgrad))
         self._state_bytes = _ops.experts_state_bytes(self._handle)
         self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
                            accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std)

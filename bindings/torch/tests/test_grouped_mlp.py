@@ -74,6 +74,7 @@ def run_both(mod, x, idx, probs, kind="swiglu", interleave=0, probs_at_combine=F
     return ours, ref
 
 
+@pytest.mark.parametrize("fuse_fc2_dgrad", [False, True])
 @pytest.mark.parametrize("fuse_fc1,save_x_perm", [(False, True), (True, True), (True, False)])
 @pytest.mark.parametrize("kind,bias,interleave,at_combine,per_expert", [
     ("swiglu", False, 0, False, False),
@@ -83,9 +84,10 @@ def run_both(mod, x, idx, probs, kind="swiglu", interleave=0, probs_at_combine=F
     ("clamped-swiglu", True, 32, False, True),
     ("squared-relu", True, 0, True, False),
 ])
-def test_matches_reference(kind, bias, interleave, at_combine, per_expert, fuse_fc1, save_x_perm):
+def test_matches_reference(kind, bias, interleave, at_combine, per_expert, fuse_fc1, save_x_perm, fuse_fc2_dgrad):
     mod, x, idx, probs = make(activation=kind, bias=bias, glu_interleave=interleave, probs_at_combine=at_combine,
-                              per_expert_weights=per_expert, fuse_fc1=fuse_fc1, save_x_perm=save_x_perm)
+                              per_expert_weights=per_expert, fuse_fc1=fuse_fc1, save_x_perm=save_x_perm,
+                              fuse_fc2_dgrad=fuse_fc2_dgrad)
     with torch.no_grad():  # non-zero biases, so that adding them is tested too
         for name, q in mod.named_parameters():
             if ".bias" in name:
@@ -94,6 +96,16 @@ def test_matches_reference(kind, bias, interleave, at_combine, per_expert, fuse_
     for name in ref:
         assert ours[name] is not None, name
         assert rel_err(ours[name], ref[name]) < 2e-2, (name, rel_err(ours[name], ref[name]))
+
+
+def test_fused_dgrad_state_keeps_no_activation():
+    # The fused fc2 dgrad recomputes the activation from the saved pre-activation: a forward in
+    # flight keeps rows x F x 2 bytes less (rows = T * k here).
+    unfused, *_ = make(fuse_fc2_dgrad=False)
+    fused, *_ = make(fuse_fc2_dgrad=True)
+    assert fused.fuse_fc2_dgrad and not unfused.fuse_fc2_dgrad
+    assert unfused.state_bytes() - fused.state_bytes() == 48 * 2 * 64 * 2
+    assert make(F=512)[0].fuse_fc2_dgrad is False  # the default fuses only where it costs no time
 
 
 def test_layouts_bitwise_equal_and_state_dict_converts():
