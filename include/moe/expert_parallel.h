@@ -163,15 +163,15 @@ struct EpBackwardOptions {
 // rows [P * b_j, P * b_(j+1)), b_j = floor(j * C / chunks), with peer d's block of b_(j+1) - b_j rows
 // at P * b_j + d * (b_(j+1) - b_j) -- unchunked, d's block at d * C. x_perm [R_d, H] is chunks
 // blocks of R_c rows, block j holding chunk j's received rows in its own expert groups (one block
-// when chunks = 1). Workspaces sized at construction. Per-call methods only enqueue work on the stream:
-// no allocation, no host synchronisation, no host read of device data (capturable in a CUDA graph
-// and replayable with new routing). What the combine and the backwards need lives in the
-// caller-owned SavedState (any number in flight). Calls of one EpDispatcher must be stream-ordered
-// (its exchange workspaces are shared by all states).
+// when chunks = 1). Workspaces sized at construction. Per-call methods only enqueue work on the
+// stream: no allocation, no host synchronisation, no host read of device data (capturable in a
+// CUDA graph and replayable with new routing). What the combine and the backwards need lives in
+// the caller-owned SavedState (any number in flight). Calls of one EpDispatcher must be
+// stream-ordered (its exchange workspaces and events are shared by all states).
 // Errors (OR-ed into this rank's error word): bad routing entries of its tokens (skipped, as the
 // single-GPU plan does) and kErrRowOverflow when one of its entries was past the capacity of its
 // pair (the entry is dropped: counted in dropped(), no contribution in combine, zero gradients);
-// kErrRowOverflow as well when its received groups exceed R_d (rows past R_d not written).
+// kErrRowOverflow as well when a chunk's received groups exceed R_c (rows past it not written).
 class EpDispatcher {
  public:
   EpDispatcher(const EpDispatcherConfig& config, EpTransport& transport);  // throws moe::Error naming a bad field

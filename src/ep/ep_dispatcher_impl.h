@@ -120,7 +120,8 @@ struct EpDispatcher::Impl {
   // Combine backward on the source: each send row's gradient w * dy[t] (and <Y row, dy[t]> into
   // dprobs, Y rows read from the send buffer) into the receive buffer, zero on unused rows.
   void scale_grads(const EpStateLayout& s, int64_t T, const TensorView& dy, const float* by_row,
-                   const float* by_slot, bool merging, const TensorView* dprobs, bool read_Y, cudaStream_t stream) const;
+                   const float* by_slot, bool merging, const TensorView* dprobs, bool read_Y,
+                   cudaStream_t stream) const;
   // Combine backward on the destination: chunk j's received gradients (send buffer) onto block j of dY.
   void grads_to_rows(const SavedState& state, int j, const TensorView& dY, cudaStream_t stream) const;
   // Dispatch backward on the destination: block j of d_x_perm (and d_probs_perm) into chunk j of

@@ -160,7 +160,9 @@ TEST(ExpertParallelNccl, TwoRanksOverlappedMatchesInProcess) {
   run_overlapped(overlap_case(2, 3, RoutingForm::kTopK));
   run_overlapped(overlap_case(2, 5, RoutingForm::kMap));
 }
-TEST(ExpertParallelNccl, FourRanksOverlappedMatchesInProcess) { run_overlapped(overlap_case(4, 3, RoutingForm::kTopK)); }
+TEST(ExpertParallelNccl, FourRanksOverlappedMatchesInProcess) {
+  run_overlapped(overlap_case(4, 3, RoutingForm::kTopK));
+}
 
 }  // namespace
 }  // namespace moe
