@@ -17,10 +17,17 @@
 //   experts(x_perm, ep.group_offsets(state), ep.probs_perm(state)) -> Y  // e.g. moe::GroupedExperts
 //   ep.combine(state, Y, y, merge, stream);                               // y [T, H]
 //   backward: ep.combine_backward(state, dy, dY, ...) -> experts backward -> ep.dispatch_backward(...)
+//
+// Overlapped (config.chunks = n > 1): the exchange in n chunks, the experts of chunk j running on
+// the compute stream while chunk j + 1 moves on a communication stream:
+//   ep.forward_overlapped(routing, x, err, state, x_perm, Y, y, merge, experts, stream, comm_stream);
+//   ep.backward_overlapped(state, dy, dY, d_x_perm, dx, merge, experts_backward, stream, comm_stream);
+// where experts(chunk, stream) runs the experts on one chunk's rows (its own expert groups).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include <cuda_runtime_api.h>
@@ -116,20 +123,55 @@ struct EpDispatcherConfig {
   int align = 0;             // A of each local expert group: 0, 16, 32, 64, 128 or 256
   int64_t capacity = 0;      // C: rows per (source, destination) pair; entries past it are dropped
   int64_t max_tokens = 0;    // T_max of any rank's micro-batch
-  int64_t row_bound = -1;    // R_d of x_perm; -1 = P * C + E_local * (A - 1) (A > 0), P * C else
+  // R_c: rows of each chunk's block of x_perm (R_d = chunks * R_c); -1 = P * c + E_local * (A - 1)
+  // (A > 0), P * c else, with c = ceil(C / chunks) (chunks = 1: P * C + E_local * (A - 1)).
+  int64_t row_bound = -1;
+  // n: the exchange split into n chunks (1..64, and at most max(C, 1)); chunk j carries the rows
+  // [floor(j * C / n), floor((j + 1) * C / n)) of every (source, destination) pair's block, and its
+  // received rows form their own expert groups (block j of x_perm). Results are bitwise those of
+  // chunks = 1 for any experts that compute each row on its own (moe::GroupedExperts's outputs and
+  // activation gradients; not its weight gradients, which sum over a chunk's rows).
+  int chunks = 1;
+};
+
+// One chunk's rows handed to the caller's experts by the overlapped pipeline: views of block
+// `index` of the caller's tensors (rows [index * R_c, (index + 1) * R_c)) and of the state.
+struct EpChunk {
+  int index = 0;             // j, 0 <= j < chunks
+  TensorView in;             // forward: x_perm [R_c, H]; backward: dY [R_c, H]
+  TensorView out;            // forward: Y [R_c, H] to write; backward: d_x_perm [R_c, H] to write
+  TensorView group_offsets;  // int32 [E_local + 1] of this block (g[0] = 0)
+  TensorView probs_perm;     // fp32 [R_c], zero on pad rows
+  TensorView d_probs_perm;   // backward: fp32 [R_c] to write (empty when the caller passed none)
+};
+// Enqueues the experts (or their backward) of one chunk on `stream`, the pipeline's compute
+// stream. Called once per chunk, in chunk order, on the calling thread.
+using EpChunkFn = std::function<void(const EpChunk& chunk, cudaStream_t stream)>;
+
+// Optional inputs and outputs of EpDispatcher::backward_overlapped (those of combine_backward and
+// dispatch_backward).
+struct EpBackwardOptions {
+  const TensorView* probs = nullptr;           // MergeProbs::kGiven: fp32 [T, slots]
+  const TensorView* Y = nullptr;               // [R_d, H], the forward's experts output: dprobs_combine when merging
+  const TensorView* dprobs_combine = nullptr;  // fp32 [T, slots]: combine_backward's dprobs
+  const TensorView* d_probs_perm = nullptr;    // fp32 [R_d]: the experts' backward writes it per chunk
+  const TensorView* dprobs = nullptr;          // fp32 [T, slots]: dispatch_backward's dprobs
 };
 
 // One rank's expert-parallel token dispatcher in capacity mode (docs/expert_parallel.md).
-// Buffers: send and receive buffers [P * C, H] (d's block at d * C, s's block at s * C; unused
-// rows zero), workspaces sized at construction. Per-call methods only enqueue work on the stream:
-// no allocation, no host synchronisation, no host read of device data (capturable in a CUDA graph
-// and replayable with new routing). What the combine and the backwards need lives in the
-// caller-owned SavedState (any number in flight). Calls of one EpDispatcher must be stream-ordered
-// (its exchange workspaces are shared by all states).
+// Buffers: send and receive buffers [P * C, H] (unused rows zero) in the chunk layout: chunk j is
+// rows [P * b_j, P * b_(j+1)), b_j = floor(j * C / chunks), with peer d's block of b_(j+1) - b_j rows
+// at P * b_j + d * (b_(j+1) - b_j) -- unchunked, d's block at d * C. x_perm [R_d, H] is chunks
+// blocks of R_c rows, block j holding chunk j's received rows in its own expert groups (one block
+// when chunks = 1). Workspaces sized at construction. Per-call methods only enqueue work on the
+// stream: no allocation, no host synchronisation, no host read of device data (capturable in a
+// CUDA graph and replayable with new routing). What the combine and the backwards need lives in
+// the caller-owned SavedState (any number in flight). Calls of one EpDispatcher must be
+// stream-ordered (its exchange workspaces and events are shared by all states).
 // Errors (OR-ed into this rank's error word): bad routing entries of its tokens (skipped, as the
 // single-GPU plan does) and kErrRowOverflow when one of its entries was past the capacity of its
 // pair (the entry is dropped: counted in dropped(), no contribution in combine, zero gradients);
-// kErrRowOverflow as well when its received groups exceed R_d (rows past R_d not written).
+// kErrRowOverflow as well when a chunk's received groups exceed R_c (rows past it not written).
 class EpDispatcher {
  public:
   EpDispatcher(const EpDispatcherConfig& config, EpTransport& transport);  // throws moe::Error naming a bad field
@@ -139,17 +181,21 @@ class EpDispatcher {
 
   const EpDispatcherConfig& config() const;
   int rank() const;
-  int64_t rows() const;          // R_d: rows of x_perm
+  int64_t rows() const;          // R_d = chunks * R_c: rows of x_perm
+  int chunks() const;            // n
+  int64_t chunk_rows() const;    // R_c: rows of one chunk's block of x_perm
   int64_t exchange_rows() const;  // P * C: rows of the send and receive buffers
   int slots_per_token() const;   // k (top-k form) or E (map form)
 
   size_t state_bytes() const;
-  static constexpr int kStateHeaders = 2;
+  int state_headers() const;  // 1 + chunks
+  static constexpr int kStateHeaders = 2;  // state_headers() when chunks = 1
   SavedState new_state(DeviceAllocator& allocator = cuda_malloc_allocator()) const;
 
   // Routing of this rank's T tokens over the global experts (form per config) and x [T, H] ->
   // x_perm [R_d, H] of this rank's local experts (pad rows and rows past the groups zero); the
-  // plan (send layout, local groups, probs_perm, drop counts) is written into `state`.
+  // plan (send layout, local groups, probs_perm, drop counts) is written into `state`. With
+  // chunks > 1, every chunk's block of x_perm (group_offsets(state, j)) is filled, all on `stream`.
   void plan_and_dispatch(const RoutingView& routing, const TensorView& x, uint32_t* error_word,
                          const SavedState& state, const TensorView& x_perm, cudaStream_t stream) const;
 
@@ -174,11 +220,41 @@ class EpDispatcher {
                          cudaStream_t stream, const TensorView* d_probs_perm = nullptr,
                          const TensorView* dprobs = nullptr) const;
 
-  // Views into a filled state (valid while its memory lives):
+  // The overlapped forward: the same results, bit for bit, as
+  //   plan_and_dispatch(routing, x, error_word, state, x_perm, stream);
+  //   experts(chunk j) for j = 0 .. chunks - 1 (the caller's function: x_perm block j -> Y block j);
+  //   combine(state, Y, y, merge, stream, probs);
+  // with the all-to-alls on `comm_stream`: chunk j + 1 moves while the experts of chunk j run on
+  // `stream`. The pack, every local permute, the experts, the gathers and the final sum run on
+  // `stream`; comm_stream waits for the pack and for each chunk's experts through CUDA events, and
+  // `stream` waits for each chunk's arrival and for the last return. On return, comm_stream's work
+  // is joined into `stream` (later work on `stream` follows all of it). No host synchronisation, no
+  // allocation: capturable (begin the capture on `stream`; comm_stream joins through the events).
+  // comm_stream must differ from `stream` for any overlap (equal streams serialise, still correct);
+  // with the in-process transport every rank passes the same comm_stream (the transport's one
+  // stream), so the overlap is only functional there. x_perm, Y [R_d, H].
+  void forward_overlapped(const RoutingView& routing, const TensorView& x, uint32_t* error_word,
+                          const SavedState& state, const TensorView& x_perm, const TensorView& Y, const TensorView& y,
+                          MergeProbs merge, const EpChunkFn& experts, cudaStream_t stream, cudaStream_t comm_stream,
+                          const TensorView* probs = nullptr) const;
+
+  // The overlapped backward: bit for bit
+  //   combine_backward(state, dy, dY, merge, stream, opt.probs, opt.Y, opt.dprobs_combine);
+  //   experts_backward(chunk j) for j = 0 .. chunks - 1 (dY block j -> d_x_perm, d_probs_perm block j);
+  //   dispatch_backward(state, d_x_perm, dx, stream, opt.d_probs_perm, opt.dprobs);
+  // with the all-to-alls on comm_stream, as forward_overlapped. With opt.dprobs_combine when merging,
+  // the Y rows travel back first (not overlapped). dY, d_x_perm [R_d, H].
+  void backward_overlapped(const SavedState& state, const TensorView& dy, const TensorView& dY,
+                           const TensorView& d_x_perm, const TensorView& dx, MergeProbs merge,
+                           const EpChunkFn& experts_backward, cudaStream_t stream, cudaStream_t comm_stream,
+                           const EpBackwardOptions& opt = {}) const;
+
+  // Views into a filled state (valid while its memory lives). `chunk`: 0 .. chunks - 1 (0, the only
+  // one, when chunks = 1); its views describe block `chunk` of x_perm (offsets relative to it).
   int64_t tokens(const SavedState& state) const;          // T of the dispatch
-  TensorView group_offsets(const SavedState& state) const;  // int32 [E_local + 1] of x_perm
-  TensorView probs_perm(const SavedState& state) const;     // fp32 [R_d], zero on pad rows
-  TensorView local_counts(const SavedState& state, DType dtype = DType::kInt32) const;  // [E_local]
+  TensorView group_offsets(const SavedState& state, int chunk = 0) const;  // int32 [E_local + 1]
+  TensorView probs_perm(const SavedState& state, int chunk = 0) const;     // fp32 [R_c], zero on pad rows
+  TensorView local_counts(const SavedState& state, DType dtype = DType::kInt32, int chunk = 0) const;  // [E_local]
   TensorView dropped(const SavedState& state) const;     // int64 [P]: entries of this source dropped per destination
   TensorView slot_rows(const SavedState& state) const;   // int32 [T, slots]: send row of each slot, -1 if not sent
   TensorView send_probs(const SavedState& state) const;  // fp32 [P * C]: prob of each send row (0 if unused)

@@ -1,8 +1,10 @@
 // The capacity layout of a source rank's send buffer (docs/expert_parallel.md, Capacity): the
 // dropless pack plan ranks every entry inside its destination d in pack order (token, then slot);
-// the first C of them take rows d * C + rank, every later one is dropped -- counted, flagged, never
-// written. Both kernels are a pure function of the plan (no atomics whose order could matter).
+// the first C of them take the send rows of (d, rank) in the chunk layout (src/ep/chunk_layout.h:
+// d * C + rank unchunked), every later one is dropped -- counted, flagged, never written. Both
+// kernels are a pure function of the plan (no atomics whose order could matter).
 #include "device/cuda_check.h"
+#include "ep/chunk_layout.h"
 #include "ep/ep_kernels.h"
 #include "moe/device_errors.h"
 
@@ -31,7 +33,8 @@ __global__ void __launch_bounds__(kThreads) capacity_rows_kernel(EpCapacityArgs 
   if (d >= 0) {
     const int32_t rank_in_d = a.pack_slot_row[i] - a.pack_offset[d];
     if (rank_in_d < a.C) {
-      row = d * a.C + rank_in_d;
+      const ep::ChunkLayout chunks{a.P, a.C, a.chunks};
+      row = static_cast<int32_t>(chunks.row(d, rank_in_d));
       const int expert = rt.form == RoutingForm::kTopK ? rt.indices[i] : static_cast<int>(i % rt.slots);
       a.send_row_slot[row] = static_cast<int32_t>(i);
       a.send_probs[row] = rt.probs[i];  // bitwise the routing's prob: it travels with its row

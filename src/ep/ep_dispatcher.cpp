@@ -1,22 +1,17 @@
-// moe::EpDispatcher: argument checks, workspaces and state layout, and the stages of each op
-// (docs/expert_parallel.md). The single-GPU moe::Dispatcher does two of the stages:
-//  - the pack plan: the flat slots i = t * slots + s of this source, seen as a top-k routing with
-//    k = 1 over P "experts" (their destination ranks), so a destination's entries are ranked in
-//    pack order (token, then slot) deterministically; ep_capacity.cu maps those ranks to the
-//    capacity layout (d * C + rank, drops past C);
-//  - the local stage: the receive buffer seen as a top-k routing with k = 1 over the E_local local
-//    experts (expert-major, then receive order), and its permute / backward.
-// Everything between them is row movement (permute_rows with a row map) and the all-to-alls.
+// moe::EpDispatcher: argument checks, workspaces and state layout, the stages of each op
+// (ep_dispatcher_impl.h) and the stage-by-stage methods, all on the caller's one stream
+// (docs/expert_parallel.md). The overlapped pipeline over the same stages is ep_overlap.cpp.
+#include <algorithm>
 #include <limits>
 
 #include "device/cuda_check.h"
 #include "device/device_arena.h"
 #include "device/state_check.h"
+#include "ep/ep_dispatcher_impl.h"
 #include "ep/ep_kernels.h"
 #include "kernels/dispatch_kernels.h"
 #include "kernels/routing_args.h"
 #include "moe/error.h"
-#include "moe/expert_parallel.h"
 
 namespace moe {
 
@@ -30,89 +25,168 @@ bool is_arith_dtype(DType t) { return t == DType::kBF16 || t == DType::kFP16 || 
 
 }  // namespace
 
-// The dispatcher's own part of a state (the local plan follows it).
-struct EpStateLayout {
-  int32_t* send_slot_row = nullptr;  // [T_max * slots]
-  int32_t* send_row_slot = nullptr;  // [P * C]
-  float* send_probs = nullptr;       // [P * C]
-  int64_t* dropped = nullptr;        // [P]
-};
+// ---- Impl: layout ----
 
-// Per-dispatcher workspaces (shared by all states: calls are stream-ordered).
-struct EpWorkspace {
-  void* send = nullptr;          // [P * C, H]: the source side of every exchange
-  void* recv = nullptr;          // [P * C, H]: the destination side
-  int32_t* send_expert = nullptr;  // [P * C]
-  int32_t* recv_expert = nullptr;  // [P * C]
-  float* recv_probs = nullptr;     // [P * C]
-  float* back_probs = nullptr;     // [P * C]: d_probs of the dispatch backward at the source
-  int32_t* slot_dest = nullptr;    // [T_max * slots]
-};
+EpDispatcher::Impl::~Impl() {
+  for (cudaEvent_t e : events) cudaEventDestroy(e);  // no throw from a destructor
+}
 
-struct EpDispatcher::Impl {
-  EpDispatcherConfig cfg;
-  EpTransport* transport = nullptr;
-  uint64_t serial = next_op_serial();
-  int P = 0, slots = 0;
-  int64_t C = 0, PC = 0, R = 0, row_bytes = 0;
-  std::unique_ptr<Dispatcher> pack, local;
-  SavedState pack_plan;
-  DeviceBuffer ws_memory;
-  EpWorkspace ws;
-  size_t own_bytes = 0, local_bytes = 0;
+EpStateLayout EpDispatcher::Impl::carve_state(char* base, size_t* bytes) const {
+  DeviceArena a(base);
+  EpStateLayout s;
+  s.send_slot_row = a.take<int32_t>(cfg.max_tokens * slots);
+  s.send_row_slot = a.take<int32_t>(PC);
+  s.send_probs = a.take<float>(PC);
+  s.dropped = a.take<int64_t>(P);
+  if (bytes) *bytes = a.used();
+  return s;
+}
 
-  EpStateLayout carve_state(char* base, size_t* bytes = nullptr) const {
-    DeviceArena a(base);
-    EpStateLayout s;
-    s.send_slot_row = a.take<int32_t>(cfg.max_tokens * slots);
-    s.send_row_slot = a.take<int32_t>(PC);
-    s.send_probs = a.take<float>(PC);
-    s.dropped = a.take<int64_t>(P);
-    if (bytes) *bytes = a.used();
-    return s;
-  }
-  EpWorkspace carve_workspace(char* base, size_t* bytes = nullptr) const {
-    DeviceArena a(base);
-    EpWorkspace w;
-    w.send = a.take<char>(PC * row_bytes);
-    w.recv = a.take<char>(PC * row_bytes);
-    w.send_expert = a.take<int32_t>(PC);
-    w.recv_expert = a.take<int32_t>(PC);
-    w.recv_probs = a.take<float>(PC);
-    w.back_probs = a.take<float>(PC);
-    w.slot_dest = a.take<int32_t>(cfg.max_tokens * slots);
-    if (bytes) *bytes = a.used();
-    return w;
-  }
+EpWorkspace EpDispatcher::Impl::carve_workspace(char* base, size_t* bytes) const {
+  DeviceArena a(base);
+  EpWorkspace w;
+  w.send = a.take<char>(PC * row_bytes);
+  w.recv = a.take<char>(PC * row_bytes);
+  w.send_expert = a.take<int32_t>(PC);
+  w.recv_expert = a.take<int32_t>(PC);
+  w.recv_probs = a.take<float>(PC);
+  w.back_probs = a.take<float>(PC);
+  w.slot_dest = a.take<int32_t>(cfg.max_tokens * slots);
+  if (bytes) *bytes = a.used();
+  return w;
+}
 
-  SavedState local_state(const SavedState& state) const { return state.slice(own_bytes, local_bytes, 1, 1); }
+EpStateLayout EpDispatcher::Impl::filled(const SavedState& state, const char* call, int64_t* T) const {
+  check_state_capacity(state, "state", state_bytes(), state_headers());
+  check_state(state, "state", serial, StateKind::kDispatchPlan, {StateStatus::kFilled}, call);
+  *T = state.header(0).tokens;
+  return carve_state(static_cast<char*>(state.device()));
+}
 
-  // The layout of a filled state of this dispatcher, and its T.
-  EpStateLayout filled(const SavedState& state, const char* call, int64_t* T) const {
-    check_state_capacity(state, "state", own_bytes + local_bytes, kStateHeaders);
-    check_state(state, "state", serial, StateKind::kDispatchPlan, {StateStatus::kFilled}, call);
-    *T = state.header(0).tokens;
-    return carve_state(static_cast<char*>(state.device()));
-  }
+void EpDispatcher::Impl::check_chunk(int chunk) const {
+  MOE_CHECK(chunk >= 0 && chunk < n, "argument 'chunk': expected 0..", n - 1, " (config.chunks = ", n, "), got ",
+            chunk);
+}
 
-  TensorView rows_view(void* p, int64_t rows) const { return TensorView(p, cfg.row_dtype, {rows, cfg.hidden}); }
-  void check_rows(const TensorView& t, const char* name, int64_t rows) const {
-    check_device_tensor(t, name, cfg.row_dtype, {rows, cfg.hidden});
-  }
+void EpDispatcher::Impl::exchange(std::initializer_list<Lane> lanes, int j0, int j1, cudaStream_t stream) const {
+  std::array<EpExchange, 3 * kEpMaxChunks> xs;
+  int count = 0;
+  for (int j = j0; j < j1; ++j)
+    for (const Lane& l : lanes) {
+      const int64_t first = layout.first_row(j) * l.bytes;
+      xs[count++] = {static_cast<const char*>(l.send) + first, static_cast<char*>(l.recv) + first,
+                     static_cast<size_t>(layout.size(j) * l.bytes)};
+    }
+  transport->all_to_all(xs.data(), count, stream);
+}
 
-  void exchange_rows(const void* send, void* recv, cudaStream_t stream) const {
-    const EpExchange x{send, recv, static_cast<size_t>(C * row_bytes)};
-    transport->all_to_all(&x, 1, stream);
-  }
+// ---- Impl: stages ----
 
-  // Each received row's expert output Y (in receive order, zero for empty rows) back to its source:
-  // on return the send buffer holds them in send-row order.
-  void return_rows(const TensorView& Y, const SavedState& local_plan, cudaStream_t stream) const {
-    kernels::launch_permute_rows(Y.data, ws.recv, row_bytes, nullptr, nullptr, 0,
-                                 local->slot_rows(local_plan).ptr<int32_t>(), 1, static_cast<int32_t>(PC), stream);
-    exchange_rows(ws.recv, ws.send, stream);
-  }
-};
+void EpDispatcher::Impl::pack_rows(const RoutingView& routing, int64_t T, const TensorView& x, uint32_t* error_word,
+                                   const EpStateLayout& s, cudaStream_t stream) const {
+  kernels::EpRouting r;
+  r.form = cfg.form;
+  r.T = static_cast<int32_t>(T);
+  r.slots = slots;
+  r.E = cfg.ranks * cfg.local_experts;
+  r.indices = cfg.form == RoutingForm::kTopK ? routing.indices.ptr<int32_t>() : nullptr;
+  r.map = cfg.form == RoutingForm::kMap ? routing.map.ptr<uint8_t>() : nullptr;
+  r.probs = routing.probs.ptr<float>();
+  const int64_t n_slots = T * slots;
+  kernels::launch_ep_slot_destinations(r, cfg.local_experts, ws.slot_dest, error_word, stream);
+  RoutingView flat;
+  flat.form = RoutingForm::kTopK;
+  flat.indices = TensorView(ws.slot_dest, DType::kInt32, {n_slots, 1});
+  flat.probs = TensorView(routing.probs.data, DType::kFP32, {n_slots, 1});
+  pack->plan(flat, error_word, pack_plan, stream);
+  kernels::EpCapacityArgs a;
+  a.routing = r;
+  a.P = P;
+  a.E_local = cfg.local_experts;
+  a.C = static_cast<int32_t>(C);
+  a.chunks = n;
+  a.slot_dest = ws.slot_dest;
+  a.pack_slot_row = pack->slot_rows(pack_plan).ptr<int32_t>();
+  a.pack_offset = pack->offsets(pack_plan, DType::kInt32).ptr<int32_t>();
+  a.pack_count = pack->counts(pack_plan, DType::kInt64).ptr<int64_t>();
+  a.send_slot_row = s.send_slot_row;
+  a.send_row_slot = s.send_row_slot;
+  a.send_probs = s.send_probs;
+  a.send_expert = ws.send_expert;
+  a.dropped = s.dropped;
+  a.error_word = error_word;
+  kernels::launch_ep_capacity(a, stream);
+  kernels::launch_permute_rows(x.data, ws.send, row_bytes, nullptr, nullptr, 0, s.send_row_slot, slots,
+                               static_cast<int32_t>(PC), stream);
+}
+
+void EpDispatcher::Impl::exchange_forward(const EpStateLayout& s, int j0, int j1, cudaStream_t stream) const {
+  exchange({{ws.send, ws.recv, row_bytes},
+            {ws.send_expert, ws.recv_expert, int64_t{sizeof(int32_t)}},
+            {s.send_probs, ws.recv_probs, int64_t{sizeof(float)}}},
+           j0, j1, stream);
+}
+
+void EpDispatcher::Impl::receive_chunk(const SavedState& state, int j, uint32_t* error_word, const TensorView& x_perm,
+                                       cudaStream_t stream) const {
+  const int64_t rows = chunk_exchange_rows(j), first = layout.first_row(j);
+  RoutingView recv;
+  recv.form = RoutingForm::kTopK;
+  recv.indices = TensorView(ws.recv_expert + first, DType::kInt32, {rows, 1});
+  recv.probs = TensorView(ws.recv_probs + first, DType::kFP32, {rows, 1});
+  const SavedState plan = local_state(state, j);
+  local->plan(recv, error_word, plan, stream);
+  local->permute(plan, rows_view(chunk_rows(ws.recv, j), rows), block(x_perm, j), stream);
+}
+
+void EpDispatcher::Impl::gather_chunk(const SavedState& state, int j, const TensorView& Y, cudaStream_t stream) const {
+  kernels::launch_permute_rows(block(Y, j).data, chunk_rows(ws.recv, j), row_bytes, nullptr, nullptr, 0,
+                               local->slot_rows(local_state(state, j)).ptr<int32_t>(), 1,
+                               static_cast<int32_t>(chunk_exchange_rows(j)), stream);
+}
+
+void EpDispatcher::Impl::sum_slots(const EpStateLayout& s, int64_t T, const TensorView& y, const float* by_row,
+                                   const float* by_slot, cudaStream_t stream) const {
+  kernels::launch_combine(cfg.row_dtype, ws.send, y.data, cfg.hidden, s.send_slot_row, slots,
+                          static_cast<int32_t>(T), by_row, by_slot, nullptr, nullptr, stream);
+}
+
+void EpDispatcher::Impl::scale_grads(const EpStateLayout& s, int64_t T, const TensorView& dy, const float* by_row,
+                                     const float* by_slot, bool merging, const TensorView* dprobs, bool read_Y,
+                                     cudaStream_t stream) const {
+  if (dprobs && T > 0) MOE_CUDA_CHECK(cudaMemsetAsync(dprobs->data, 0, sizeof(float) * T * slots, stream));
+  kernels::launch_scale_rows_backward(cfg.row_dtype, dy.data, read_Y ? ws.send : nullptr, ws.recv, cfg.hidden,
+                                      s.send_row_slot, slots, static_cast<int32_t>(PC), by_row, by_slot, merging,
+                                      read_Y ? dprobs->ptr<float>() : nullptr, stream);
+}
+
+void EpDispatcher::Impl::grads_to_rows(const SavedState& state, int j, const TensorView& dY,
+                                       cudaStream_t stream) const {
+  local->permute(local_state(state, j), rows_view(chunk_rows(ws.send, j), chunk_exchange_rows(j)), block(dY, j),
+                 stream);
+}
+
+void EpDispatcher::Impl::grads_to_receive_order(const SavedState& state, int j, const TensorView& d_x_perm,
+                                                const TensorView* d_probs_perm, cudaStream_t stream) const {
+  const int64_t rows = chunk_exchange_rows(j);
+  const TensorView d_recv_probs(ws.recv_probs + layout.first_row(j), DType::kFP32, {rows, 1});
+  const TensorView dpp = d_probs_perm ? probs_block(*d_probs_perm, j) : TensorView();
+  local->permute_backward(local_state(state, j), block(d_x_perm, j), rows_view(chunk_rows(ws.recv, j), rows), stream,
+                          d_probs_perm ? &dpp : nullptr, &d_recv_probs);
+}
+
+void EpDispatcher::Impl::exchange_grads_back(int j0, int j1, cudaStream_t stream) const {
+  exchange({{ws.recv, ws.send, row_bytes}, {ws.recv_probs, ws.back_probs, int64_t{sizeof(float)}}}, j0, j1, stream);
+}
+
+void EpDispatcher::Impl::sum_grads(const EpStateLayout& s, int64_t T, const TensorView& dx, bool with_probs,
+                                   const TensorView* dprobs, cudaStream_t stream) const {
+  kernels::launch_combine(cfg.row_dtype, ws.send, dx.data, cfg.hidden, s.send_slot_row, slots,
+                          static_cast<int32_t>(T), nullptr, nullptr, with_probs ? ws.back_probs : nullptr,
+                          dprobs ? dprobs->ptr<float>() : nullptr, stream);
+}
+
+// ---- construction ----
 
 EpDispatcher::EpDispatcher(const EpDispatcherConfig& config, EpTransport& transport)
     : impl_(std::make_unique<Impl>()) {
@@ -120,6 +194,7 @@ EpDispatcher::EpDispatcher(const EpDispatcherConfig& config, EpTransport& transp
   const EpDispatcherConfig& c = config;
   m.cfg = c;
   m.transport = &transport;
+  m.serial = next_op_serial();
   MOE_CHECK(c.ranks >= 1 && c.ranks <= kMaxRanks, "argument 'ranks': expected 1..", kMaxRanks, ", got ", c.ranks);
   MOE_CHECK(transport.ranks() == c.ranks, "argument 'transport': expected a group of ranks = ", c.ranks,
             ", got one of ", transport.ranks());
@@ -138,13 +213,21 @@ EpDispatcher::EpDispatcher(const EpDispatcherConfig& config, EpTransport& transp
             c.capacity);
   MOE_CHECK(c.max_tokens >= 0, "argument 'max_tokens': expected >= 0, got ", c.max_tokens);
   MOE_CHECK(c.row_bound >= -1, "argument 'row_bound': expected >= 0, or -1 for the default, got ", c.row_bound);
+  // Every chunk carries at least one row of each pair (an empty chunk would be an exchange of
+  // nothing); at most kEpMaxChunks, far past any useful overlap, so one exchange list of all chunks
+  // fits on the stack.
+  const int64_t max_chunks = std::min<int64_t>(kEpMaxChunks, std::max<int64_t>(c.capacity, 1));
+  MOE_CHECK(c.chunks >= 1 && c.chunks <= max_chunks, "argument 'chunks': expected 1..", max_chunks,
+            " (at most 64 and at most capacity = ", c.capacity, "), got ", c.chunks);
   m.P = c.ranks;
   m.slots = c.form == RoutingForm::kTopK ? c.topk : static_cast<int>(E);
+  m.n = c.chunks;
   m.C = c.capacity;
   m.PC = m.P * m.C;
   MOE_CHECK(m.PC <= kInt32Max / 2, "argument 'capacity': ranks * capacity = ", m.PC,
             " does not fit the int32 row indices");
   m.row_bytes = dtype_bytes(c.row_dtype, c.hidden);
+  m.layout = ep::ChunkLayout{m.P, m.C, m.n};
 
   // Pack plan: T_max * slots one-slot "tokens" over P destination ranks, dropless (R = T_max * slots).
   DispatcherConfig pc;
@@ -155,9 +238,10 @@ EpDispatcher::EpDispatcher(const EpDispatcherConfig& config, EpTransport& transp
   pc.row_dtype = DType::kFP32;
   pc.form = RoutingForm::kTopK;
   m.pack = std::make_unique<Dispatcher>(pc);
-  // Local stage: the P * C received rows, one slot each, over the E_local local experts.
+  // Local stage: the received rows of one chunk (at most P * ceil(C / n)), one slot each, over the
+  // E_local local experts; one plan per chunk in the state.
   DispatcherConfig lc;
-  lc.max_tokens = m.PC;
+  lc.max_tokens = m.P * m.layout.max_size();
   lc.num_experts = c.local_experts;
   lc.topk = 1;
   lc.hidden = c.hidden;
@@ -166,15 +250,25 @@ EpDispatcher::EpDispatcher(const EpDispatcherConfig& config, EpTransport& transp
   lc.options.align = c.align;
   lc.options.row_bound = c.row_bound;
   m.local = std::make_unique<Dispatcher>(lc);
-  m.R = m.local->rows();
+  m.Rc = m.local->rows();
+  m.R = m.n * m.Rc;
+  MOE_CHECK(m.R <= kInt32Max, "argument 'chunks': chunks * R_c = ", m.R, " rows of x_perm do not fit int32");
 
   m.carve_state(nullptr, &m.own_bytes);
-  m.local_bytes = m.local->plan_bytes();
+  m.local_bytes = (m.local->plan_bytes() + 255) / 256 * 256;  // each chunk's plan 256-byte aligned
   size_t ws_bytes = 0;
   m.carve_workspace(nullptr, &ws_bytes);
   m.ws_memory = cuda_malloc_allocator().allocate(ws_bytes);
   m.ws = m.carve_workspace(static_cast<char*>(m.ws_memory.get()));
   m.pack_plan = m.pack->new_plan();
+  // The overlapped pipeline's events: the pack, the join, the Y rows gathered and returned (its
+  // backward), each chunk's arrival and each chunk's return.
+  m.events.reserve(4 + 2 * m.n);
+  for (int i = 0; i < 4 + 2 * m.n; ++i) {
+    cudaEvent_t e = nullptr;
+    MOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    m.events.push_back(e);
+  }
 }
 
 EpDispatcher::~EpDispatcher() = default;
@@ -182,75 +276,30 @@ EpDispatcher::~EpDispatcher() = default;
 const EpDispatcherConfig& EpDispatcher::config() const { return impl_->cfg; }
 int EpDispatcher::rank() const { return impl_->transport->rank(); }
 int64_t EpDispatcher::rows() const { return impl_->R; }
+int EpDispatcher::chunks() const { return impl_->n; }
+int64_t EpDispatcher::chunk_rows() const { return impl_->Rc; }
 int64_t EpDispatcher::exchange_rows() const { return impl_->PC; }
 int EpDispatcher::slots_per_token() const { return impl_->slots; }
-size_t EpDispatcher::state_bytes() const { return impl_->own_bytes + impl_->local_bytes; }
+size_t EpDispatcher::state_bytes() const { return impl_->state_bytes(); }
+int EpDispatcher::state_headers() const { return impl_->state_headers(); }
 
 SavedState EpDispatcher::new_state(DeviceAllocator& allocator) const {
-  return SavedState::allocate(state_bytes(), kStateHeaders, allocator);
+  return SavedState::allocate(state_bytes(), state_headers(), allocator);
 }
+
+// ---- the stage-by-stage methods (one stream) ----
 
 void EpDispatcher::plan_and_dispatch(const RoutingView& routing, const TensorView& x, uint32_t* error_word,
                                      const SavedState& state, const TensorView& x_perm, cudaStream_t stream) const {
   const Impl& m = *impl_;
-  const EpDispatcherConfig& c = m.cfg;
-  const int64_t T = kernels::check_routing_args(routing, error_word, c.form, m.slots, c.max_tokens);
-  kernels::EpRouting r;
-  r.form = c.form;
-  r.T = static_cast<int32_t>(T);
-  r.slots = m.slots;
-  r.E = c.ranks * c.local_experts;
-  r.indices = c.form == RoutingForm::kTopK ? routing.indices.ptr<int32_t>() : nullptr;
-  r.map = c.form == RoutingForm::kMap ? routing.map.ptr<uint8_t>() : nullptr;
-  r.probs = routing.probs.ptr<float>();
+  const int64_t T = kernels::check_routing_args(routing, error_word, m.cfg.form, m.slots, m.cfg.max_tokens);
   m.check_rows(x, "x", T);
   m.check_rows(x_perm, "x_perm", m.R);
-  check_state_capacity(state, "state", state_bytes(), kStateHeaders);
+  check_state_capacity(state, "state", m.state_bytes(), m.state_headers());
   const EpStateLayout s = m.carve_state(static_cast<char*>(state.device()));
-  const EpWorkspace& w = m.ws;
-  const int64_t n = T * m.slots;
-
-  // 1. Pack: destinations (validation on this source), their ranks in pack order, the capacity
-  //    layout, then the rows into the send buffer.
-  kernels::launch_ep_slot_destinations(r, c.local_experts, w.slot_dest, error_word, stream);
-  RoutingView flat;
-  flat.form = RoutingForm::kTopK;
-  flat.indices = TensorView(w.slot_dest, DType::kInt32, {n, 1});
-  flat.probs = TensorView(routing.probs.data, DType::kFP32, {n, 1});
-  m.pack->plan(flat, error_word, m.pack_plan, stream);
-  kernels::EpCapacityArgs a;
-  a.routing = r;
-  a.P = m.P;
-  a.E_local = c.local_experts;
-  a.C = static_cast<int32_t>(m.C);
-  a.slot_dest = w.slot_dest;
-  a.pack_slot_row = m.pack->slot_rows(m.pack_plan).ptr<int32_t>();
-  a.pack_offset = m.pack->offsets(m.pack_plan, DType::kInt32).ptr<int32_t>();
-  a.pack_count = m.pack->counts(m.pack_plan, DType::kInt64).ptr<int64_t>();
-  a.send_slot_row = s.send_slot_row;
-  a.send_row_slot = s.send_row_slot;
-  a.send_probs = s.send_probs;
-  a.send_expert = w.send_expert;
-  a.dropped = s.dropped;
-  a.error_word = error_word;
-  kernels::launch_ep_capacity(a, stream);
-  kernels::launch_permute_rows(x.data, w.send, m.row_bytes, nullptr, nullptr, 0, s.send_row_slot, m.slots,
-                               static_cast<int32_t>(m.PC), stream);
-
-  // 2. Exchange: rows, their local experts and their probs.
-  const EpExchange xs[3] = {{w.send, w.recv, static_cast<size_t>(m.C * m.row_bytes)},
-                            {w.send_expert, w.recv_expert, static_cast<size_t>(m.C) * sizeof(int32_t)},
-                            {s.send_probs, w.recv_probs, static_cast<size_t>(m.C) * sizeof(float)}};
-  m.transport->all_to_all(xs, 3, stream);
-
-  // 3. Local permute over this rank's experts.
-  RoutingView recv;
-  recv.form = RoutingForm::kTopK;
-  recv.indices = TensorView(w.recv_expert, DType::kInt32, {m.PC, 1});
-  recv.probs = TensorView(w.recv_probs, DType::kFP32, {m.PC, 1});
-  const SavedState local = m.local_state(state);
-  m.local->plan(recv, error_word, local, stream);
-  m.local->permute(local, m.rows_view(w.recv, m.PC), x_perm, stream);
+  m.pack_rows(routing, T, x, error_word, s, stream);
+  m.exchange_forward(s, 0, m.n, stream);
+  for (int j = 0; j < m.n; ++j) m.receive_chunk(state, j, error_word, x_perm, stream);
   mark_filled(state, m.serial, StateKind::kDispatchPlan, T);
 }
 
@@ -264,11 +313,10 @@ void EpDispatcher::combine(const SavedState& state, const TensorView& Y, const T
   const float *by_row, *by_slot;
   // Merging weights of the source's sum: the routing probs by send row, or the given ones by slot.
   kernels::merge_weights(merge, probs, s.send_probs, T, m.slots, "EpDispatcher::combine", &by_row, &by_slot);
-  const SavedState local = m.local_state(state);
-  m.return_rows(Y, local, stream);
+  for (int j = 0; j < m.n; ++j) m.gather_chunk(state, j, Y, stream);
+  m.exchange({{m.ws.recv, m.ws.send, m.row_bytes}}, 0, m.n, stream);
   // On the source: the token's slots in slot order, fp32, exactly the single-GPU combine.
-  kernels::launch_combine(m.cfg.row_dtype, m.ws.send, y.data, m.cfg.hidden, s.send_slot_row, m.slots,
-                          static_cast<int32_t>(T), by_row, by_slot, nullptr, nullptr, stream);
+  m.sum_slots(s, T, y, by_row, by_slot, stream);
 }
 
 void EpDispatcher::combine_backward(const SavedState& state, const TensorView& dy, const TensorView& dY,
@@ -288,17 +336,15 @@ void EpDispatcher::combine_backward(const SavedState& state, const TensorView& d
   const float *by_row, *by_slot;
   kernels::merge_weights(merge, probs, s.send_probs, T, m.slots, "EpDispatcher::combine_backward", &by_row,
                          &by_slot);
-  const SavedState local = m.local_state(state);
   // The Y rows travel back to the source again, as in the forward.
-  if (want_dot) m.return_rows(*Y, local, stream);
-  if (dprobs && T > 0) MOE_CUDA_CHECK(cudaMemsetAsync(dprobs->data, 0, sizeof(float) * T * m.slots, stream));
-  // On the source: each send row's gradient w * dy[t] (and <Y row, dy[t]>), zero on unused rows.
-  kernels::launch_scale_rows_backward(m.cfg.row_dtype, dy.data, want_dot ? m.ws.send : nullptr, m.ws.recv,
-                                      m.cfg.hidden, s.send_row_slot, m.slots, static_cast<int32_t>(m.PC), by_row,
-                                      by_slot, merging, want_dot ? dprobs->ptr<float>() : nullptr, stream);
-  m.exchange_rows(m.ws.recv, m.ws.send, stream);
+  if (want_dot) {
+    for (int j = 0; j < m.n; ++j) m.gather_chunk(state, j, *Y, stream);
+    m.exchange({{m.ws.recv, m.ws.send, m.row_bytes}}, 0, m.n, stream);
+  }
+  m.scale_grads(s, T, dy, by_row, by_slot, merging, dprobs, want_dot, stream);
+  m.exchange({{m.ws.recv, m.ws.send, m.row_bytes}}, 0, m.n, stream);
   // On the destination: each received row's gradient onto its x_perm row (pad rows zero).
-  m.local->permute(local, m.rows_view(m.ws.send, m.PC), dY, stream);
+  for (int j = 0; j < m.n; ++j) m.grads_to_rows(state, j, dY, stream);
 }
 
 void EpDispatcher::dispatch_backward(const SavedState& state, const TensorView& d_x_perm, const TensorView& dx,
@@ -311,38 +357,37 @@ void EpDispatcher::dispatch_backward(const SavedState& state, const TensorView& 
   m.check_rows(dx, "dx", T);
   if (d_probs_perm) check_device_tensor(*d_probs_perm, "d_probs_perm", DType::kFP32, {m.R}, 4);
   if (dprobs) check_device_tensor(*dprobs, "dprobs", DType::kFP32, {T, m.slots}, 4);
-  const SavedState local = m.local_state(state);
   // On the destination: each received row's gradient (its one x_perm row) in receive order.
-  const TensorView d_recv_probs(m.ws.recv_probs, DType::kFP32, {m.PC, 1});
-  m.local->permute_backward(local, d_x_perm, m.rows_view(m.ws.recv, m.PC), stream, d_probs_perm, &d_recv_probs);
-  const EpExchange xs[2] = {{m.ws.recv, m.ws.send, static_cast<size_t>(m.C * m.row_bytes)},
-                            {m.ws.recv_probs, m.ws.back_probs, static_cast<size_t>(m.C) * sizeof(float)}};
-  m.transport->all_to_all(xs, 2, stream);
+  for (int j = 0; j < m.n; ++j) m.grads_to_receive_order(state, j, d_x_perm, d_probs_perm, stream);
+  m.exchange_grads_back(0, m.n, stream);
   // On the source: dx[t] = the token's rows summed in slot order; dprobs at each slot's row.
-  kernels::launch_combine(m.cfg.row_dtype, m.ws.send, dx.data, m.cfg.hidden, s.send_slot_row, m.slots,
-                          static_cast<int32_t>(T), nullptr, nullptr, d_probs_perm ? m.ws.back_probs : nullptr,
-                          dprobs ? dprobs->ptr<float>() : nullptr, stream);
+  m.sum_grads(s, T, dx, d_probs_perm != nullptr, dprobs, stream);
 }
+
+// ---- views ----
 
 int64_t EpDispatcher::tokens(const SavedState& state) const {
   int64_t T = 0;
   impl_->filled(state, "EpDispatcher::tokens", &T);
   return T;
 }
-TensorView EpDispatcher::group_offsets(const SavedState& state) const {
+TensorView EpDispatcher::group_offsets(const SavedState& state, int chunk) const {
   int64_t T = 0;
   impl_->filled(state, "EpDispatcher::group_offsets", &T);
-  return impl_->local->group_offsets(impl_->local_state(state));
+  impl_->check_chunk(chunk);
+  return impl_->local->group_offsets(impl_->local_state(state, chunk));
 }
-TensorView EpDispatcher::probs_perm(const SavedState& state) const {
+TensorView EpDispatcher::probs_perm(const SavedState& state, int chunk) const {
   int64_t T = 0;
   impl_->filled(state, "EpDispatcher::probs_perm", &T);
-  return impl_->local->probs_perm(impl_->local_state(state));
+  impl_->check_chunk(chunk);
+  return impl_->local->probs_perm(impl_->local_state(state, chunk));
 }
-TensorView EpDispatcher::local_counts(const SavedState& state, DType dtype) const {
+TensorView EpDispatcher::local_counts(const SavedState& state, DType dtype, int chunk) const {
   int64_t T = 0;
   impl_->filled(state, "EpDispatcher::local_counts", &T);
-  return impl_->local->counts(impl_->local_state(state), dtype);
+  impl_->check_chunk(chunk);
+  return impl_->local->counts(impl_->local_state(state, chunk), dtype);
 }
 TensorView EpDispatcher::dropped(const SavedState& state) const {
   int64_t T = 0;

@@ -31,8 +31,9 @@ void launch_ep_slot_destinations(const EpRouting& r, int E_local, int32_t* slot_
 // The capacity layout of the send buffer (ep_capacity.cu). In: slot_dest, and the dropless pack
 // plan of the flat slots (pack_slot_row = its row, pack_offset = first row of each destination,
 // pack_count = entries per destination: a plan over P "experts" whose order inside a destination is
-// the flat slot index t * slots + s). Out: send_slot_row [T * slots] = d * C + rank within d, or
-// -1 when empty, skipped or past the capacity; send_row_slot [P * C] = the slot of each send row
+// the flat slot index t * slots + s). Out: send_slot_row [T * slots] = the send row of (d, rank
+// within d) in the chunk layout of `chunks` chunks (src/ep/chunk_layout.h; d * C + rank when
+// chunks = 1), or -1 when empty, skipped or past the capacity; send_row_slot [P * C] = the slot of each send row
 // (-1 unused); send_probs [P * C] and send_expert [P * C] = the prob and the destination-local
 // expert of each send row (0 and -1 unused); dropped [P] = max(count - C, 0), and kErrRowOverflow in
 // error_word when any. send_row_slot, send_probs and send_expert are fully written (unused rows
@@ -42,6 +43,7 @@ struct EpCapacityArgs {
   int P = 0;
   int E_local = 0;
   int32_t C = 0;
+  int chunks = 1;
   const int32_t* slot_dest = nullptr;
   const int32_t* pack_slot_row = nullptr;
   const int32_t* pack_offset = nullptr;

@@ -3,17 +3,23 @@
 // send and receive buffers, x_perm, probs_perm, groups, drops, error bits, combine, both
 // backwards -- must equal bit for bit the run of the same inputs over P ranks simulated on one GPU
 // (InProcessGroup), which tests/gpu/test_expert_parallel.cu checks against the CPU reference.
+// The overlapped pipeline (chunks > 1, a communication stream per rank beside its compute stream)
+// with the row-local stand-in experts must equal the in-process overlapped run bit for bit, which
+// tests/gpu/test_expert_parallel_overlap.cpp checks against the unchunked step, and its token-side
+// outputs the unchunked step directly.
 // SKIPPED without NCCL in the build or with fewer GPUs than ranks. NVLink multicast (NVLS) is
 // switched off before NCCL starts: it must never be used here.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "moe/expert_parallel.h"
 #include "support/ep_harness.h"
+#include "support/ep_overlap_harness.h"
 #include "support/gpu.h"
 
 #if MOE_HAVE_NCCL
@@ -25,13 +31,16 @@ namespace {
 
 using namespace ::moe::testing;
 
+using Runner = std::function<std::vector<EpRankOut>(const EpWorld&)>;
+
 std::vector<EpRankOut> run_in_process(const EpCase& c, const EpInputs& in, uint64_t seed) {
   InProcessWorld world(c.P);
   return run_ep_case(c, world.w, in, seed);
 }
 
 #if MOE_HAVE_NCCL
-std::vector<EpRankOut> run_nccl(const EpCase& c, const EpInputs& in, uint64_t seed) {
+// `run` on a world of c.P NCCL ranks, one per GPU, each with a compute and a communication stream.
+std::vector<EpRankOut> run_nccl(const EpCase& c, const Runner& run) {
   setenv("NCCL_NVLS_ENABLE", "0", 1);  // before NCCL initialises: no NVLink multicast
   std::vector<ncclComm_t> comms(c.P);
   std::vector<int> devices(c.P);
@@ -48,14 +57,18 @@ std::vector<EpRankOut> run_nccl(const EpCase& c, const EpInputs& in, uint64_t se
     cudaStream_t s = nullptr;
     MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     w.stream.push_back(s);
+    cudaStream_t k = nullptr;
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&k, cudaStreamNonBlocking));
+    w.comm.push_back(k);
     transports.push_back(std::make_unique<NcclTransport>(comms[p]));
     EXPECT_EQ(transports[p]->rank(), p);
     w.transport.push_back(transports[p].get());
   }
-  std::vector<EpRankOut> out = run_ep_case(c, w, in, seed);
+  std::vector<EpRankOut> out = run(w);
   for (int p = 0; p < c.P; ++p) {
     MOE_CUDA_CHECK(cudaSetDevice(p));
     cudaStreamDestroy(w.stream[p]);
+    cudaStreamDestroy(w.comm[p]);
     ncclCommDestroy(comms[p]);
   }
   MOE_CUDA_CHECK(cudaSetDevice(0));
@@ -63,19 +76,55 @@ std::vector<EpRankOut> run_nccl(const EpCase& c, const EpInputs& in, uint64_t se
 }
 #endif
 
-void run_both(const EpCase& c) {
-  MOE_REQUIRE_GPU();
+// Why P NCCL ranks cannot run here (no NCCL in the build, fewer GPUs than ranks); empty if they can.
+std::string nccl_unavailable(int P) {
 #if !MOE_HAVE_NCCL
-  GTEST_SKIP() << "built without NCCL: NcclTransport not tested";
+  (void)P;
+  return "built without NCCL: NcclTransport not tested";
 #else
   int n = 0;
   MOE_CUDA_CHECK(cudaGetDeviceCount(&n));
-  if (n < c.P) GTEST_SKIP() << c.P << " ranks need " << c.P << " GPUs, found " << n;
+  return n >= P ? "" : std::to_string(P) + " ranks need " + std::to_string(P) + " GPUs, found " + std::to_string(n);
+#endif
+}
+
+void run_both(const EpCase& c) {
+  MOE_REQUIRE_GPU();
+  const std::string why = nccl_unavailable(c.P);
+  if (!why.empty()) GTEST_SKIP() << why;
+#if MOE_HAVE_NCCL
   const EpInputs in = make_ep_inputs(c, c.seed);
   const std::vector<EpRankOut> want = run_in_process(c, in, c.seed + 100);
-  const std::vector<EpRankOut> got = run_nccl(c, in, c.seed + 100);
+  const std::vector<EpRankOut> got = run_nccl(c, [&](const EpWorld& w) { return run_ep_case(c, w, in, c.seed + 100); });
   ASSERT_EQ(got.size(), want.size());
   expect_same_outputs(got, want, c.name + " NCCL vs in-process");
+#endif
+}
+
+// The overlapped step over NCCL against the in-process overlapped step (every output) and the
+// in-process unchunked step (token-side outputs).
+void run_overlapped(EpCase c) {
+  MOE_REQUIRE_GPU();
+  const std::string why = nccl_unavailable(c.P);
+  if (!why.empty()) GTEST_SKIP() << why;
+#if MOE_HAVE_NCCL
+  const EpInputs in = make_ep_inputs(c, c.seed);
+  std::vector<EpRankOut> want, base;
+  {
+    InProcessWorld world(c.P, /*own_compute_streams=*/true);
+    want = run_layer_step(c, world.w, in, c.seed, EpPath::kOverlapped);
+  }
+  {
+    EpCase one = c;
+    one.chunks = 1;
+    InProcessWorld world(c.P);
+    base = run_layer_step(one, world.w, in, c.seed, EpPath::kStages);
+  }
+  const std::vector<EpRankOut> got =
+      run_nccl(c, [&](const EpWorld& w) { return run_layer_step(c, w, in, c.seed, EpPath::kOverlapped); });
+  ASSERT_EQ(got.size(), want.size());
+  expect_same_outputs(got, want, c.name + " NCCL overlapped vs in-process overlapped");
+  expect_same_token_outputs(got, base, c.name + " NCCL overlapped vs in-process unchunked");
 #endif
 }
 
@@ -99,6 +148,21 @@ TEST(ExpertParallelNccl, TwoRanksTopKMatchesInProcess) { run_both(nccl_case(2, R
 TEST(ExpertParallelNccl, TwoRanksMapMatchesInProcess) { run_both(nccl_case(2, RoutingForm::kMap)); }
 TEST(ExpertParallelNccl, FourRanksTopKMatchesInProcess) { run_both(nccl_case(4, RoutingForm::kTopK)); }
 TEST(ExpertParallelNccl, FourRanksMapMatchesInProcess) { run_both(nccl_case(4, RoutingForm::kMap)); }
+
+EpCase overlap_case(int P, int chunks, RoutingForm form) {
+  EpCase c = nccl_case(P, form);
+  c.chunks = chunks;  // C = 48: 3 chunks of 16 rows per pair, or 5 of 9 or 10
+  c.name += " " + std::to_string(chunks) + " chunks overlapped";
+  return c;
+}
+
+TEST(ExpertParallelNccl, TwoRanksOverlappedMatchesInProcess) {
+  run_overlapped(overlap_case(2, 3, RoutingForm::kTopK));
+  run_overlapped(overlap_case(2, 5, RoutingForm::kMap));
+}
+TEST(ExpertParallelNccl, FourRanksOverlappedMatchesInProcess) {
+  run_overlapped(overlap_case(4, 3, RoutingForm::kTopK));
+}
 
 }  // namespace
 }  // namespace moe

@@ -43,6 +43,7 @@ struct EpCase {
   double skew = 0.0;
   uint64_t seed = 1;
   int64_t row_bound = -1;
+  int chunks = 1;
 
   int E() const { return P * E_local; }
   int slots() const { return form == RoutingForm::kTopK ? k : E(); }
@@ -63,6 +64,7 @@ struct EpCase {
     c.capacity = C;
     c.max_tokens = T_max();
     c.row_bound = row_bound;
+    c.chunks = chunks;
     return c;
   }
   ref::EpConfig ref_config() const {
@@ -141,27 +143,42 @@ inline std::vector<double> concatenate_rows(const ref::RankBuffers& rows) {
 struct EpWorld {
   int P = 0;
   std::vector<int> device;             // [P]
-  std::vector<cudaStream_t> stream;    // [P]
+  std::vector<cudaStream_t> stream;    // [P] each rank's (compute) stream
+  std::vector<cudaStream_t> comm;      // [P] each rank's communication stream of the overlapped pipeline
   std::vector<EpTransport*> transport;  // [P]
   std::function<void()> abort;         // wakes ranks blocked in a collective after a failure
 };
 
-// P simulated ranks on device 0 (InProcessGroup), sharing one stream.
+// P simulated ranks on device 0 (InProcessGroup), sharing one stream: the transport's, every
+// rank's communication stream. With own_compute_streams each rank computes on a stream of its own
+// (the overlapped pipeline then really runs the ranks' compute concurrently with the shared
+// stream's copies; the stage-by-stage methods, which exchange on the compute stream, need the
+// shared one).
 struct InProcessWorld {
   std::unique_ptr<InProcessGroup> group;
   cudaStream_t stream = nullptr;
+  std::vector<cudaStream_t> own;  // [P] with own_compute_streams
   EpWorld w;
 
-  explicit InProcessWorld(int P) : group(std::make_unique<InProcessGroup>(P)) {
+  explicit InProcessWorld(int P, bool own_compute_streams = false) : group(std::make_unique<InProcessGroup>(P)) {
     MOE_CUDA_CHECK(cudaSetDevice(0));
     MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     w.P = P;
     w.device.assign(P, 0);
     w.stream.assign(P, stream);
+    w.comm.assign(P, stream);
+    if (own_compute_streams) {
+      own.resize(P);
+      for (int p = 0; p < P; ++p) MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&own[p], cudaStreamNonBlocking));
+      w.stream = own;
+    }
     for (int p = 0; p < P; ++p) w.transport.push_back(&group->endpoint(p));
     w.abort = [g = group.get()] { g->abort(); };
   }
-  ~InProcessWorld() { cudaStreamDestroy(stream); }
+  ~InProcessWorld() {
+    for (cudaStream_t s : own) cudaStreamDestroy(s);
+    cudaStreamDestroy(stream);
+  }
   InProcessWorld(const InProcessWorld&) = delete;
   InProcessWorld& operator=(const InProcessWorld&) = delete;
 };
@@ -189,6 +206,7 @@ inline void sync_world(const EpWorld& w) {
   for (int p = 0; p < w.P; ++p) {
     MOE_CUDA_CHECK(cudaSetDevice(w.device[p]));
     MOE_CUDA_CHECK(cudaStreamSynchronize(w.stream[p]));
+    if (p < static_cast<int>(w.comm.size())) MOE_CUDA_CHECK(cudaStreamSynchronize(w.comm[p]));
   }
 }
 
@@ -314,7 +332,9 @@ inline Bytes download_bytes(const TensorView& v) {
   return h;
 }
 
-// After a (synchronised) dispatch: everything the forward produced, the workspaces included.
+// After a (synchronised) dispatch: everything the forward produced, the workspaces included; the
+// per-chunk views (probs_perm, group offsets, local counts) of every chunk, concatenated in chunk
+// order.
 inline void download_dispatch(const EpWorld& w, std::vector<EpRank>& ranks, std::vector<EpRankOut>& out) {
   out.resize(ranks.size());
   for (size_t p = 0; p < ranks.size(); ++p) {
@@ -326,9 +346,17 @@ inline void download_dispatch(const EpWorld& w, std::vector<EpRank>& ranks, std:
     o.recv = download_bytes(r.ep->recv_buffer());
     o.recv_probs = download_view<float>(r.ep->recv_probs());
     o.send_probs = download_view<float>(r.ep->send_probs(r.state));
-    o.probs_perm = download_view<float>(r.ep->probs_perm(r.state));
-    o.group_offsets = download_view<int32_t>(r.ep->group_offsets(r.state));
-    o.counts = download_view<int32_t>(r.ep->local_counts(r.state));
+    o.probs_perm.clear();
+    o.group_offsets.clear();
+    o.counts.clear();
+    for (int j = 0; j < r.ep->chunks(); ++j) {
+      const std::vector<float> pp = download_view<float>(r.ep->probs_perm(r.state, j));
+      const std::vector<int32_t> g = download_view<int32_t>(r.ep->group_offsets(r.state, j));
+      const std::vector<int32_t> n = download_view<int32_t>(r.ep->local_counts(r.state, DType::kInt32, j));
+      o.probs_perm.insert(o.probs_perm.end(), pp.begin(), pp.end());
+      o.group_offsets.insert(o.group_offsets.end(), g.begin(), g.end());
+      o.counts.insert(o.counts.end(), n.begin(), n.end());
+    }
     o.slot_rows = download_view<int32_t>(r.ep->slot_rows(r.state));
     o.dropped = download_view<int64_t>(r.ep->dropped(r.state));
     o.error_bits = r.err->fetch_and_clear(w.stream[p]);
