@@ -8,7 +8,7 @@
 // side by side, with the gain serial / overlapped and whether y is bitwise the same.
 //
 // usage: bench_expert_parallel [SHAPE ...] [--ranks P] [--capacity-factor F] [--repeats N]
-//                               [--chunks n] [--graph] [--in-process]
+//                               [--chunks n] [--comm-sms S] [--graph] [--in-process]
 //   SHAPE: named shapes of docs/shapes.md, read per rank: T tokens per rank, E = E_local experts
 //   per rank, k; default qwen3-30b-a3b-ep8 and deepseek-v3-ep32.
 //   Transport: NCCL over the first P visible GPUs (P = all of them by default), one host thread
@@ -19,6 +19,9 @@
 //   --chunks n: chunks of the overlapped pipeline (default 4; 1..64 and at most C). The
 //   communication stream of each rank has the highest stream priority, so that the all-to-all's
 //   blocks are scheduled ahead of waiting GEMM blocks.
+//   --comm-sms S: the chunked pipeline's experts use at most (SMs - S) SMs (ExpertsConfig::max_sms),
+//   leaving S to the all-to-all that overlaps them (default 0: every SM; the serial run always uses
+//   every SM).
 //   --graph: the three forwards of the pipeline table are captured in a CUDA graph per rank and
 //   the replays timed (NCCL only; the in-process ranks' threads cannot share a thread-local capture).
 //   NVLink multicast is switched off (NCCL_NVLS_ENABLE=0) before NCCL starts.
@@ -128,7 +131,7 @@ struct PipelineRow {
 
 int main(int argc, char** argv) try {
   std::vector<std::string> names;
-  int repeats = 20, P = 0, chunks = 4;
+  int repeats = 20, P = 0, chunks = 4, comm_sms = 0;
   double factor = 1.25;
   bool in_process = false, graph = false;
   for (int i = 1; i < argc; ++i) {
@@ -141,6 +144,8 @@ int main(int argc, char** argv) try {
       factor = std::atof(argv[++i]);
     else if (a == "--chunks" && i + 1 < argc)
       chunks = std::atoi(argv[++i]);
+    else if (a == "--comm-sms" && i + 1 < argc)
+      comm_sms = std::atoi(argv[++i]);
     else if (a == "--graph")
       graph = true;
     else if (a == "--in-process")
@@ -165,10 +170,15 @@ int main(int argc, char** argv) try {
     std::fprintf(stderr, "--graph: NCCL ranks only (in-process ranks share one stream from several threads)\n");
     return 2;
   }
-  std::printf("# %s; transport: %s, P = %d ranks; capacity factor %.2f; pipeline: %d chunks%s\n",
+  if (comm_sms < 0) {
+    std::fprintf(stderr, "--comm-sms %d: expected >= 0\n", comm_sms);
+    return 2;
+  }
+  std::printf("# %s; transport: %s, P = %d ranks; capacity factor %.2f; pipeline: %d chunks%s, %d SMs left to "
+              "communication\n",
               bench::device_description().c_str(),
               use_nccl ? "NCCL, one GPU per rank" : "in-process (all ranks simulated on GPU 0)", P, factor, chunks,
-              graph ? ", graph-captured" : ", eager");
+              graph ? ", graph-captured" : ", eager", comm_sms);
 
   std::unique_ptr<InProcessGroup> group;
   std::vector<std::unique_ptr<EpTransport>> nccl_transports;
@@ -285,6 +295,11 @@ int main(int argc, char** argv) try {
       cn.chunks = chunks;
       r.epn = std::make_unique<EpDispatcher>(cn, *r.transport);
       e.max_rows = r.epn->chunk_rows();
+      if (comm_sms > 0) {
+        int sms = 0;
+        MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, r.device));
+        e.max_sms = std::max(1, sms - comm_sms);
+      }
       r.exn = std::make_unique<GroupedExperts>(e);
       r.exn->set_weights(w);
       r.staten = r.epn->new_state();

@@ -93,8 +93,10 @@ struct GemmProblem {
 class GroupedGemm {
  public:
   // Static bounds: at most `max_experts` groups per call, token-side matrices of at most
-  // `max_rows` rows (R). Holds no device memory.
-  GroupedGemm(int max_experts, int64_t max_rows);
+  // `max_rows` rows (R). Holds no device memory. max_sms > 0: the persistent kernels use at most
+  // that many SMs, rounded down to an even count of at least 2 (clusters of 2 CTAs); 0: all of the
+  // device's.
+  GroupedGemm(int max_experts, int64_t max_rows, int max_sms = 0);
   ~GroupedGemm();
   GroupedGemm(const GroupedGemm&) = delete;
   GroupedGemm& operator=(const GroupedGemm&) = delete;

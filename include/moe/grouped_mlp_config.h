@@ -53,6 +53,11 @@ struct ExpertsConfig {
   // fc2 dgrad and the activation backward (dh, dprobs) in one kernel (docs/fused.md): dact never
   // reaches memory; same roundings of dh as the unfused path, which stays the reference.
   bool fuse_fc2_dgrad = false;
+  // 0: the persistent GEMM kernels take every SM of the device. n > 0: at most n SMs, so that work
+  // running beside the experts (the all-to-all of an overlapped expert-parallel pipeline) finds
+  // SMs free instead of waiting for a GEMM to finish (rounded down to an even count of at least 2:
+  // the kernels run clusters of 2 CTAs). Bitwise the same results.
+  int max_sms = 0;
 
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
   void validate() const;  // throws moe::Error naming the bad field
@@ -93,6 +98,7 @@ struct GroupedMlpConfig {
   // through the dispatch map (probs in the activation): no separate pass builds dY_perm. Without
   // bias, delay_wgrad or saved x_perm, dY_perm never exists: the fc2 weight gradient gathers dy too.
   bool fuse_fc2_dgrad = false;
+  int max_sms = 0;  // see ExpertsConfig::max_sms
 
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
   int64_t row_bound() const;  // R resolved from dispatch options

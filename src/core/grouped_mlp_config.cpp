@@ -37,6 +37,7 @@ void ExpertsConfig::validate() const {
   validate_expert_fields(hidden, ffn, experts, activation, dtype, wgrad_dtype);
   MOE_CHECK(max_rows >= 0 && max_rows < (int64_t(1) << 31), "config 'max_rows': expected 0..2^31-1, got ",
             max_rows);
+  MOE_CHECK(max_sms >= 0, "config 'max_sms': expected 0 (every SM) or a positive count, got ", max_sms);
 }
 
 ExpertsConfig GroupedMlpConfig::experts_config() const {
@@ -55,6 +56,7 @@ ExpertsConfig GroupedMlpConfig::experts_config() const {
   e.dtype = dtype;
   e.fuse_fc1 = fuse_fc1;
   e.fuse_fc2_dgrad = fuse_fc2_dgrad;
+  e.max_sms = max_sms;
   return e;
 }
 
@@ -81,6 +83,7 @@ void GroupedMlpConfig::validate() const {
             "delay_wgrad (the delayed weight gradients need the saved activations)");
   MOE_CHECK(save_x_perm || fuse_fc1, "config 'save_x_perm': false needs fuse_fc1 (the fused kernels gather the ",
             "rows of x)");
+  MOE_CHECK(max_sms >= 0, "config 'max_sms': expected 0 (every SM) or a positive count, got ", max_sms);
   (void)row_bound();  // throws for map form without an explicit bound
 }
 

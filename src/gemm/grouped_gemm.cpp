@@ -129,7 +129,7 @@ struct GroupedGemm::Impl {
   }
 };
 
-GroupedGemm::GroupedGemm(int max_experts, int64_t max_rows) : impl_(std::make_unique<Impl>()) {
+GroupedGemm::GroupedGemm(int max_experts, int64_t max_rows, int max_sms) : impl_(std::make_unique<Impl>()) {
   MOE_CHECK(max_experts >= 1 && max_experts <= 65535, "argument 'max_experts': expected 1..65535, got ", max_experts);
   MOE_CHECK(max_rows >= 0 && max_rows < (int64_t(1) << 31), "argument 'max_rows': expected 0..2^31-1, got ",
             max_rows);
@@ -138,7 +138,11 @@ GroupedGemm::GroupedGemm(int max_experts, int64_t max_rows) : impl_(std::make_un
   s.max_rows = max_rows;
   int device = 0;
   MOE_CUDA_CHECK(cudaGetDevice(&device));
+  MOE_CHECK(max_sms >= 0, "argument 'max_sms': expected 0 (every SM) or a positive count, got ", max_sms);
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&s.sm_count, cudaDevAttrMultiProcessorCount, device));
+  // Rounded down to whole clusters of 2 CTAs (the largest cluster of the compiled kernels: CUTLASS
+  // cannot launch a persistent grid of 3 CTAs in clusters of 2).
+  if (max_sms > 0) s.sm_count = std::max(2, std::min(s.sm_count, max_sms) / 2 * 2);
   // The largest workspace any compiled configuration needs (TMA descriptors per SM).
   size_t workspace = 0;
   int n = 0;

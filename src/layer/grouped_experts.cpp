@@ -20,6 +20,7 @@
 // micro-batch in flight.
 #include "moe/grouped_experts.h"
 
+#include <algorithm>
 #include <array>
 #include <string>
 
@@ -118,7 +119,7 @@ struct GroupedExperts::Impl {
   size_t gemm_ws_bytes = 0;
   int sm_count = 0;
 
-  explicit Impl(const ExpertsConfig& c) : cfg((c.validate(), c)), R(c.max_rows), gemm(c.experts, c.max_rows) {
+  explicit Impl(const ExpertsConfig& c) : cfg((c.validate(), c)), R(c.max_rows), gemm(c.experts, c.max_rows, c.max_sms) {
     if (cfg.fuse_fc1) {
       const char* why = fused::fc1_activation_unsupported(cfg.experts, cfg.hidden, cfg.ffn, cfg.activation);
       MOE_CHECK(why[0] == '\0', "config 'fuse_fc1': ", why);
@@ -130,10 +131,11 @@ struct GroupedExperts::Impl {
       MOE_CHECK(cfg.dtype == DType::kBF16, "config 'fuse_fc2_dgrad': the fused fc2 dgrad takes bf16 activations and ",
                 "weights");
     }
-    if (cfg.fuse_fc1 || cfg.fuse_fc2_dgrad) {
+    {  // the persistent fused kernels' grid (the CUTLASS ones take the same bound through gemm)
       int device = 0;
       MOE_CUDA_CHECK(cudaGetDevice(&device));
       MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+      if (cfg.max_sms > 0) sm_count = std::max(2, std::min(sm_count, cfg.max_sms) / 2 * 2);  // as GroupedGemm
     }
     gemm_ws_bytes = gemm.workspace_bytes();
     plan_workspace(nullptr);

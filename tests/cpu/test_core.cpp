@@ -157,6 +157,15 @@ TEST(GroupedMlpConfig, ValidatesFields) {
   bad = c;
   bad.routing_form = RoutingForm::kMap;
   expect_error_naming([&] { bad.validate(); }, "row_bound");
+  bad = c;
+  bad.max_sms = -1;
+  expect_error_naming([&] { bad.validate(); }, "max_sms");
+  ExpertsConfig e = c.experts_config();
+  EXPECT_EQ(e.max_sms, 0);
+  e.max_sms = -2;
+  expect_error_naming([&] { e.validate(); }, "max_sms");
+  bad.max_sms = 100;
+  EXPECT_EQ(bad.experts_config().max_sms, 100);
 }
 
 }  // namespace

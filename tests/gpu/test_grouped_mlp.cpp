@@ -380,6 +380,27 @@ TEST(GroupedMlp, DelayedWgradEqualsImmediateAndHooksFireInOrder) {
   }
 }
 
+// max_sms bounds the persistent kernels' grids (SMs left to work beside the layer): the same tiles
+// with the same accumulation order, so bitwise the same results; 3 SMs (odd: a cluster of 2 CTAs
+// takes 2) makes every CTA loop over many tiles.
+TEST(GroupedMlp, MaxSmsGivesBitwiseTheSameResults) {
+  MOE_REQUIRE_GPU();
+  for (int mode : {0, 1}) {  // unfused; fused fc1 + fused fc2 dgrad without x_perm
+    SCOPED_TRACE(::testing::Message() << "mode " << mode);
+    Case c;
+    c.cfg = small_config();
+    c.cfg.bias = mode == 0;
+    c.cfg.fuse_fc1 = mode == 1;
+    c.cfg.save_x_perm = mode == 0;
+    c.cfg.fuse_fc2_dgrad = mode == 1;
+    c.T = 61;
+    c.skew = 1.0;
+    const Outputs all = Runner(c).run_gpu(WeightLayout::kSingleGrouped);
+    c.cfg.max_sms = 3;
+    expect_bitwise(all, Runner(c).run_gpu(WeightLayout::kSingleGrouped));
+  }
+}
+
 // With the fused fc2 dgrad (not delayed) a micro-batch in flight keeps no act: the state is R x F x 2
 // bytes smaller than the unfused path's.
 TEST(GroupedMlp, FusedDgradStateKeepsNoAct) {
