@@ -29,12 +29,14 @@ def params_of(mod):
 class Composed(torch.nn.Module):
     """Dispatcher + GroupedExperts + unpermute: the layer built from the public pieces."""
 
-    def __init__(self, layer_kwargs):
+    def __init__(self, layer_kwargs, fuse_fc2_dgrad):
         super().__init__()
         at_combine = layer_kwargs.get("probs_at_combine", False)
         self.d = Dispatcher(T, E, H, topk=K, align=layer_kwargs.get("align", 0))
         kw = {k: v for k, v in layer_kwargs.items() if k not in ("align", "recompute")}
-        self.experts = GroupedExperts(H, F, E, self.d.rows, **kw)
+        # The layer's choice of the fused fc2 dgrad (its dprobs sums in another order than the
+        # unfused activation backward's, so both sides must take the same kernels to agree bitwise).
+        self.experts = GroupedExperts(H, F, E, self.d.rows, fuse_fc2_dgrad=fuse_fc2_dgrad, **kw)
         self.at_combine = at_combine
 
     def forward(self, x, idx, probs):
@@ -49,7 +51,7 @@ def make(kind, kwargs):
         return GroupedMLP(H, F, E, K, max_tokens=T, **kwargs)
     # The layer's initial weights (made first after the seed, as make("layer") does), copied in.
     ref = GroupedMLP(H, F, E, K, max_tokens=T, **kwargs)
-    mod = Composed(kwargs)
+    mod = Composed(kwargs, ref.fuse_fc2_dgrad)
     with torch.no_grad():
         for (_, a), (_, b) in zip(mod.experts.named_parameters(), ref.named_parameters()):
             a.copy_(b)
