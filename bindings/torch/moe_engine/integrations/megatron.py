@@ -207,11 +207,26 @@ class MegatronGroupedMLP(GroupedExperts):
             return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
+    def _mark_main_grad(self):
+        # As TE's layers do: the flag is set where DDP put it (False), never created -- its presence
+        # is how _after_backward and backward_dw tell a DDP-managed parameter.
+        for q in self._flat_params():
+            if hasattr(q, "grad_added_to_main_grad"):
+                q.grad_added_to_main_grad = True
+
     def backward_dw(self):
         """Delayed mode: the weight gradients of the oldest pending backward (fc2's, then fc1's),
         then the wgrad hooks (register_wgrad_hook's, then DDP's on linear_fc2, then on linear_fc1),
-        as TEGroupedMLP.backward_dw does. MoELayer.backward_dw() calls it."""
+        as TEGroupedMLP.backward_dw does. MoELayer.backward_dw() calls it.
+
+        With gradient accumulation fusion, each DDP-managed parameter gets the placeholder gradient
+        first (as TE's layers leave one from their backward): DDP's hook asserts that param.grad is
+        set when it overlaps the gradient reduction, and drops it."""
         super().backward_dw()
+        if self.accumulate_into_main_grad:
+            for q in self._flat_params():
+                if hasattr(q, "grad_added_to_main_grad") and q.grad is None:
+                    q.grad = self._placeholder_grad(q)
         self.linear_fc2._trigger_wgrad_accumulation_and_reduce_hooks()
         self.linear_fc1._trigger_wgrad_accumulation_and_reduce_hooks()
 
