@@ -26,7 +26,6 @@ the prob scale, fc2 and the bias add; moe_engine in its fused epilogues. The pro
 each side's distance to an fp32 reference by 2e-2 (a few bf16 roundings of relative size <= 2^-8);
 two such budgets add to 4e-2. A wrong expert, prob, bias or gate/linear layout gives errors of
 order 1. Every failure message prints the measured error."""
-import copy
 import dataclasses
 import functools
 import importlib.util
