@@ -63,8 +63,10 @@ class _ExpertModule(nn.Module):
     """Parameters, gradient buffers and wgrad hooks shared by GroupedMLP and GroupedExperts."""
 
     # The submodule names that hold fc1's and fc2's parameters (and so the state-dict keys and the
-    # names the wgrad hooks get). A subclass may rename them, e.g. Megatron's linear_fc1/linear_fc2.
+    # names the wgrad hooks get). A subclass may rename them, e.g. Megatron's linear_fc1/linear_fc2,
+    # and give them a class of its own (_OWNER_CLASS: an nn.Module constructed without arguments).
     _OWNER_NAMES = {"fc1": "fc1", "fc2": "fc2"}
+    _OWNER_CLASS = nn.Module
 
     def _setup_params(self, hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
                       accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std):
@@ -84,7 +86,7 @@ class _ExpertModule(nn.Module):
                         ("fc2", "weight"): (hidden_size, ffn_hidden_size), ("fc2", "bias"): (hidden_size,)}
         device = torch.device("cuda") if device is None else torch.device(device)
         for p in ("fc1", "fc2"):
-            setattr(self, self._OWNER_NAMES[p], nn.Module())
+            setattr(self, self._OWNER_NAMES[p], self._OWNER_CLASS())
         for (p, s), shape in self._shapes.items():
             if s == "bias" and not bias:
                 continue

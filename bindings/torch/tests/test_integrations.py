@@ -531,14 +531,20 @@ def test_megatron_delayed_wgrad_runs_hooks_in_order():
         q.main_grad = torch.zeros(q.shape, device=DEV)
     order = []
     mod.register_wgrad_hook(lambda name, q: order.append(name))
-    mod.register_wgrad_accumulation_and_reduce_hooks(lambda *unused: order.append("ddp"))
+    # Megatron DDP's registration under delay_wgrad_compute: one hook per parameter, on every module
+    # that has the method and holds the parameter -- exactly one here (linear_fc1 / linear_fc2).
+    for n, q in mod.named_parameters():
+        owners = [m for m in mod.modules() if hasattr(m, "register_wgrad_accumulation_and_reduce_hooks")
+                  and any(q is p for p in m.parameters())]
+        assert len(owners) == 1, n
+        owners[0].register_wgrad_accumulation_and_reduce_hooks(lambda *unused, n=n: order.append("ddp " + n))
     xr = x.clone().requires_grad_()
     mod(xr, tpe, probs)[0].backward(dy)
     assert order == [] and all(torch.count_nonzero(q.main_grad) == 0 for q in mod.parameters())
     mod.backward_dw()
     names = [f"{o}.{w}{i}" for o, w in (("linear_fc2", "weight"), ("linear_fc2", "bias"), ("linear_fc1", "weight"),
                                          ("linear_fc1", "bias")) for i in range(ME)]
-    assert order == names + ["ddp"]
+    assert order == names + ["ddp " + n for n in names]  # each once, fc2's before fc1's
     for (n, q), (_, b) in zip(mod.named_parameters(), base.named_parameters()):
         assert rel_err(q.main_grad, b.grad.float()) < 1e-2, n
 
@@ -564,6 +570,9 @@ def test_megatron_state_dicts_grouped_per_expert_sequential_and_optimizer_state(
     # SequentialMLP's spelling, both ways.
     seq = grouped_to_sequential_keys(dict(grouped.state_dict()), "", ME)
     assert "local_experts.2.linear_fc1.weight" in seq and "linear_fc1.weight" not in seq
+    # The linears' _extra_state (None from Megatron's local linears, a tensor from TE's) is dropped.
+    seq["local_experts.0.linear_fc1._extra_state"] = None
+    seq["linear_fc2._extra_state"] = torch.empty(0)
     from_seq = MegatronGroupedMLP(ME, megatron_config(), max_rows=32, per_expert_weights=False)
     from_seq.load_state_dict(seq)
     assert torch.equal(from_seq.linear_fc2.bias, grouped.linear_fc2.bias)

@@ -31,18 +31,28 @@ Megatron's data-parallel wrapper (DistributedDataParallel) meets this module as 
     every parameter that carries `grad_added_to_main_grad`, and sets that flag, so that DDP's
     per-parameter hooks on the gradient accumulators fire and skip the add -- what Megatron's own
     layers do;
-  - delay_wgrad_compute: the parameters carry `skip_backward_post_hook`; DDP then registers its
-    hooks with `register_wgrad_accumulation_and_reduce_hooks(hook)`, and `backward_dw()` calls them
-    after the weight gradients of the oldest pending backward are final (fc2 before fc1).
+  - delay_wgrad_compute: the parameters carry `skip_backward_post_hook`; DDP then registers one
+    hook per parameter with `register_wgrad_accumulation_and_reduce_hooks(hook)` on the module that
+    holds it -- here `linear_fc1` / `linear_fc2`, as on TE's grouped linears (DDP registers a hook on
+    every module in the tree that has the method and holds the parameter, so the outer module must
+    not have it) -- and `backward_dw()` calls them once the weight gradients of the oldest pending
+    backward are final: fc2's hooks, then fc1's.
+
+Megatron builds its experts from `MoESubmodules.experts`, a callable taking
+`(num_local_experts, config, *, pg_collection, name)`; this class takes that call as it is:
+    MoESubmodules(experts=functools.partial(MegatronGroupedMLP, max_rows=...), ...)
 
 Checkpoints (plain state dicts; `load_state_dict` and the helpers below): grouped <-> per-expert
 (`linear_fc1.weight` <-> `linear_fc1.weight{i}`), and SequentialMLP's spelling
-`local_experts.{i}.linear_fc1.weight` in either direction of the load. Optimizer states keyed by
-parameter name convert the same way (`normalize_optimizer_state`). Megatron's distributed
+`local_experts.{i}.linear_fc1.weight` in either direction of the load. The linears' `_extra_state`
+entries (None from Megatron's local linears, FP8 scaling metadata from TE's) are dropped on load:
+the experts run in bf16 and keep no such state. Optimizer states keyed by parameter name convert
+the same way (`normalize_optimizer_state`). Megatron's distributed
 checkpoint format (`sharded_state_dict` with ShardedTensors) is not provided yet."""
 import re
 
 import torch
+from torch import nn
 
 from ..module import GroupedExperts
 from ..state_dict import normalize_expert_keys
@@ -94,6 +104,24 @@ def _check_config(config):
         raise ValueError("moe_engine: moe_mlp_glu_interleave_size needs gated_linear_unit")
 
 
+class _LinearOwner(nn.Module):
+    """Holds linear_fc1's (or linear_fc2's) parameters and, like TE's grouped linears, the hooks
+    Megatron's DDP registers for them under delay_wgrad_compute."""
+
+    def __init__(self):
+        super().__init__()
+        self._wgrad_accumulation_and_reduce_hooks = []
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook):
+        """Megatron DDP (delay_wgrad_compute): hook() for one of this module's parameters, called
+        by the experts module's backward_dw() once that parameter's gradient is final."""
+        self._wgrad_accumulation_and_reduce_hooks.append(hook)
+
+    def _trigger_wgrad_accumulation_and_reduce_hooks(self):
+        for hook in self._wgrad_accumulation_and_reduce_hooks:
+            hook()
+
+
 class MegatronGroupedMLP(GroupedExperts):
     """TEGroupedMLP's place in a Megatron MoE layer, on moe_engine.GroupedExperts.
 
@@ -105,6 +133,7 @@ class MegatronGroupedMLP(GroupedExperts):
     None, `config.moe_engine_max_rows` is read."""
 
     _OWNER_NAMES = {"fc1": _OWNERS[0], "fc2": _OWNERS[1]}
+    _OWNER_CLASS = _LinearOwner
 
     def __init__(self, num_local_experts, config, submodules=None, pg_collection=None, name=None, max_rows=None,
                  per_expert_weights=True, device=None, init_std=None):
@@ -129,7 +158,6 @@ class MegatronGroupedMLP(GroupedExperts):
         self.num_local_experts = num_local_experts
         self.max_rows = max_rows
         self.apply_probs_on_input = apply_probs_on_input
-        self._ddp_wgrad_hooks = []
         # TE's expert parameters: allreduce=False routes their gradients to the expert-data-parallel
         # buckets of Megatron's DDP (extensions/transformer_engine.py, _set_expert_parameter_attributes).
         use_expert_pgs = ((getattr(config, "expert_model_parallel_size", 1) or 1) > 1 or
@@ -179,17 +207,34 @@ class MegatronGroupedMLP(GroupedExperts):
             return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
-    def register_wgrad_accumulation_and_reduce_hooks(self, hook):
-        """Megatron DDP (delay_wgrad_compute): hook() is called at the end of each backward_dw()."""
-        self._ddp_wgrad_hooks.append(hook)
+    def _mark_main_grad(self):
+        # As TE's layers do: the flag is set where DDP put it (False), never created -- its presence
+        # is how _after_backward and backward_dw tell a DDP-managed parameter.
+        for q in self._flat_params():
+            if hasattr(q, "grad_added_to_main_grad"):
+                q.grad_added_to_main_grad = True
 
     def backward_dw(self):
+        """Delayed mode: the weight gradients of the oldest pending backward (fc2's, then fc1's),
+        then the wgrad hooks (register_wgrad_hook's, then DDP's on linear_fc2, then on linear_fc1),
+        as TEGroupedMLP.backward_dw does. MoELayer.backward_dw() calls it.
+
+        With gradient accumulation fusion, each DDP-managed parameter gets the placeholder gradient
+        first (as TE's layers leave one from their backward): DDP's hook asserts that param.grad is
+        set when it overlaps the gradient reduction, and drops it."""
         super().backward_dw()
-        for hook in self._ddp_wgrad_hooks:
-            hook()
+        if self.accumulate_into_main_grad:
+            for q in self._flat_params():
+                if hasattr(q, "grad_added_to_main_grad") and q.grad is None:
+                    q.grad = self._placeholder_grad(q)
+        self.linear_fc2._trigger_wgrad_accumulation_and_reduce_hooks()
+        self.linear_fc1._trigger_wgrad_accumulation_and_reduce_hooks()
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _normalize_keys(self, state_dict, prefix, *args, **kwargs):
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            if _EXTRA_STATE.fullmatch(key[len(prefix):]):
+                del state_dict[key]
         sequential_to_grouped_keys(state_dict, prefix, self.num_local_experts)
         super()._normalize_keys(state_dict, prefix, *args, **kwargs)
         if not self.per_expert_weights:
@@ -221,6 +266,7 @@ def group_offsets(tokens_per_expert, device):
     return out
 
 
+_EXTRA_STATE = re.compile(r"(local_experts\.\d+\.)?linear_fc[12]\._extra_state")
 _SEQUENTIAL = re.compile(r"local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
 
 
