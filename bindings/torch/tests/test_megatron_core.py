@@ -25,7 +25,14 @@ round at different places -- Megatron after fc1, the bias add, the activation, t
 the prob scale, fc2 and the bias add; moe_engine in its fused epilogues. The project's tests bound
 each side's distance to an fp32 reference by 2e-2 (a few bf16 roundings of relative size <= 2^-8);
 two such budgets add to 4e-2. A wrong expert, prob, bias or gate/linear layout gives errors of
-order 1. Every failure message prints the measured error."""
+order 1. Every failure message prints the measured error.
+
+Biases: megatron-core 0.19's local expert MLP cannot run add_bias_linear under autograd (MLP.forward
+adds the prob-scaled fc2 bias in place into the output of RowParallelLinear's custom autograd
+Function, which PyTorch refuses: "Output 0 of _ReduceFromModelParallelRegionBackward is a view and
+is being modified inplace"), so the reference comparisons run without biases; the checkpoint round
+trip keeps them (and compares the forwards under no_grad). Our biased path is checked against a
+plain-PyTorch reference in test_integrations.py."""
 import dataclasses
 import functools
 import importlib.util
@@ -89,7 +96,7 @@ def megatron_world():
         torch.distributed.destroy_process_group()
 
 
-def make_config(dispatcher="allgather", bias=True, **over):
+def make_config(dispatcher="allgather", bias=False, **over):
     kw = dict(num_layers=1, hidden_size=H, num_attention_heads=4, ffn_hidden_size=FFN, num_moe_experts=E,
               moe_ffn_hidden_size=FFN, moe_router_topk=K, moe_token_dispatcher_type=dispatcher,
               moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
@@ -194,7 +201,7 @@ def check_same_expert_inputs(ours_in, ref_in):
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
-@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("bias", [False])  # see the module docstring: Megatron's reference fails with biases
 def test_moe_layer_matches_sequential_mlp(dispatcher, bias):
     config = make_config(dispatcher, bias)
     ref = randomized_reference(config, seed=2)
@@ -312,7 +319,8 @@ def test_delayed_wgrad_hooks_fire_once_fc2_before_fc1():
     assert all(torch.count_nonzero(q.main_grad) == 0 for q in experts.parameters()), "wgrad computed in backward"
     mine.backward_dw()  # MoELayer.backward_dw(routed_experts=True) -> experts.backward_dw()
     names = [n for n, _ in fired]
-    order = [f"experts.{o}.{w}{i}" for o in ("linear_fc2", "linear_fc1") for w in ("weight", "bias") for i in range(E)]
+    kinds = ("weight", "bias") if config.add_bias_linear else ("weight",)
+    order = [f"experts.{o}.{w}{i}" for o in ("linear_fc2", "linear_fc1") for w in kinds for i in range(E)]
     assert names == order, f"DDP hooks fired {names}; expected each expert parameter once, fc2's then fc1's: {order}"
     # main_grad was final when each hook ran.
     at_hook = dict(fired)
@@ -325,7 +333,7 @@ def test_delayed_wgrad_hooks_fire_once_fc2_before_fc1():
 
 
 def test_checkpoints_sequential_per_expert_grouped_round_trip():
-    config = make_config()
+    config = make_config(bias=True)
     ref = randomized_reference(config, seed=9)
     ref_sd = {k: v for k, v in ref.state_dict().items()}
     assert any(k.endswith("linear_fc1._extra_state") for k in ref_sd), \
@@ -357,6 +365,7 @@ def test_checkpoints_sequential_per_expert_grouped_round_trip():
             assert torch.equal(fresh_sd[k], v), f"SequentialMLP -> ours -> SequentialMLP changed {k}"
     # And the layers compute the same: the reloaded reference and the grouped layer on one input.
     x, dy = inputs(11)
-    y_ref, _, _ = run(fresh, x, dy, backward=False)
-    y, _, _ = run(grouped, x, dy, backward=False)
+    with torch.no_grad():  # Megatron's biased local MLP runs only without autograd (module docstring)
+        y_ref, _, _ = run(fresh, x, dy, backward=False)
+        y, _, _ = run(grouped, x, dy, backward=False)
     check_close("grouped layer output after the round trip", y, y_ref)
