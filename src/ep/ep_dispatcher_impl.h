@@ -113,6 +113,9 @@ struct EpDispatcher::Impl {
   // 4. Block j of Y gathered into chunk j of the receive buffer in receive order (zero for empty
   //    rows and rows past R_c), ready for the exchange back into the send buffer.
   void gather_chunk(const SavedState& state, int j, const TensorView& Y, cudaStream_t stream) const;
+  // What the overlapped pipeline's experts callable gets for chunk j: `in` -> `out`, blocks j of
+  // [R, H] buffers, with the chunk's local groups and probs (ep_overlap.cpp).
+  EpChunk chunk(const SavedState& state, int j, const TensorView& in, const TensorView& out) const;
   // 5. On the source: each token's slots in slot order, fp32, from the returned rows in the send
   //    buffer (the single-GPU combine kernel).
   void sum_slots(const EpStateLayout& s, int64_t T, const TensorView& y, const float* by_row, const float* by_slot,

@@ -37,6 +37,16 @@ void order(cudaEvent_t e, cudaStream_t from, cudaStream_t to) {
 
 }  // namespace
 
+EpChunk EpDispatcher::Impl::chunk(const SavedState& state, int j, const TensorView& in, const TensorView& out) const {
+  EpChunk c;
+  c.index = j;
+  c.in = block(in, j);
+  c.out = block(out, j);
+  c.group_offsets = local->group_offsets(local_state(state, j));
+  c.probs_perm = local->probs_perm(local_state(state, j));
+  return c;
+}
+
 void EpDispatcher::forward_overlapped(const RoutingView& routing, const TensorView& x, uint32_t* error_word,
                                       const SavedState& state, const TensorView& x_perm, const TensorView& Y,
                                       const TensorView& y, MergeProbs merge, const EpChunkFn& experts,
@@ -65,13 +75,7 @@ void EpDispatcher::forward_overlapped(const RoutingView& routing, const TensorVi
   for (int j = 0; j < m.n; ++j) {
     MOE_CUDA_CHECK(cudaStreamWaitEvent(stream, ev(arrived(j)), 0));
     m.receive_chunk(state, j, error_word, x_perm, stream);
-    EpChunk c;
-    c.index = j;
-    c.in = m.block(x_perm, j);
-    c.out = m.block(Y, j);
-    c.group_offsets = m.local->group_offsets(m.local_state(state, j));
-    c.probs_perm = m.local->probs_perm(m.local_state(state, j));
-    experts(c, stream);
+    experts(m.chunk(state, j, x_perm, Y), stream);
     m.gather_chunk(state, j, Y, stream);
     order(ev(ready(j)), stream, comm_stream);
     m.exchange({{m.ws.recv, m.ws.send, m.row_bytes}}, j, j + 1, comm_stream);
@@ -123,12 +127,7 @@ void EpDispatcher::backward_overlapped(const SavedState& state, const TensorView
   for (int j = 0; j < m.n; ++j) {
     MOE_CUDA_CHECK(cudaStreamWaitEvent(stream, ev(arrived(j)), 0));
     m.grads_to_rows(state, j, dY, stream);
-    EpChunk c;
-    c.index = j;
-    c.in = m.block(dY, j);
-    c.out = m.block(d_x_perm, j);
-    c.group_offsets = m.local->group_offsets(m.local_state(state, j));
-    c.probs_perm = m.local->probs_perm(m.local_state(state, j));
+    EpChunk c = m.chunk(state, j, dY, d_x_perm);
     if (opt.d_probs_perm) c.d_probs_perm = m.probs_block(*opt.d_probs_perm, j);
     experts_backward(c, stream);
     // Dispatch backward: chunk j's gradients (and d_probs) back to their sources.

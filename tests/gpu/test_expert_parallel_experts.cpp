@@ -37,23 +37,6 @@ using namespace ::moe::testing::layer_data;
 template <typename T>
 using DevBuf = ::moe::testing::DeviceBuffer<T>;
 
-TensorView slice_view(const DeviceParam& p, int64_t first_expert, std::vector<int64_t> shape, DType t) {
-  int64_t per = 1;
-  for (size_t i = 1; i < shape.size(); ++i) per *= shape[i];
-  TensorView v;
-  v.data = static_cast<char*>(p.views[0].data) + first_expert * per * (dtype_bits(t) / 8);
-  v.dtype = t;
-  v.device = Device::kCUDA;
-  v.ndim = static_cast<int>(shape.size());
-  int64_t stride = 1;
-  for (int i = v.ndim - 1; i >= 0; --i) {
-    v.shape[i] = shape[i];
-    v.strides[i] = stride;
-    stride *= shape[i];
-  }
-  return v;
-}
-
 TEST(ExpertParallelExperts, MatchesGroupedMlpOnConcatenatedTokens) {
   MOE_REQUIRE_GPU();
   EpCase c;
@@ -153,10 +136,10 @@ TEST(ExpertParallelExperts, MatchesGroupedMlpOnConcatenatedTokens) {
     r.GB1 = make_param(zeros(size_t(El) * F1), El, {F1}, bf, L);
     r.GB2 = make_param(zeros(size_t(El) * H), El, {H}, bf, L);
     const int64_t e0 = int64_t{p} * El;
-    r.ex->set_weights({{slice_view(W1, e0, {El, F1, H}, bf)},
-                       {slice_view(B1, e0, {El, F1}, bf)},
-                       {slice_view(W2, e0, {El, H, F}, bf)},
-                       {slice_view(B2, e0, {El, H}, bf)}});
+    r.ex->set_weights({{layer_data::expert_slice(W1, e0, {El, F1, H}, bf)},
+                       {layer_data::expert_slice(B1, e0, {El, F1}, bf)},
+                       {layer_data::expert_slice(W2, e0, {El, H, F}, bf)},
+                       {layer_data::expert_slice(B2, e0, {El, H}, bf)}});
     r.ex->set_grads({r.G1.views, r.GB1.views, r.G2.views, r.GB2.views});
     r.d_probs_perm = DevBuf<float>(ranks[p].ep->rows());
     ranks[p].dy.upload(

@@ -229,23 +229,6 @@ TEST(ExpertParallelOverlap, ChunkedAndOverlappedStepsMatchUnchunked) {
 
 // ---- with moe::GroupedExperts ----
 
-TensorView expert_slice(const layer_data::DeviceParam& p, int64_t first_expert, std::vector<int64_t> shape, DType t) {
-  int64_t per = 1;
-  for (size_t i = 1; i < shape.size(); ++i) per *= shape[i];
-  TensorView v;
-  v.data = static_cast<char*>(p.views[0].data) + first_expert * per * (dtype_bits(t) / 8);
-  v.dtype = t;
-  v.device = Device::kCUDA;
-  v.ndim = static_cast<int>(shape.size());
-  int64_t stride = 1;
-  for (int i = v.ndim - 1; i >= 0; --i) {
-    v.shape[i] = shape[i];
-    v.strides[i] = stride;
-    stride *= shape[i];
-  }
-  return v;
-}
-
 // Rank p's experts (its slice of the same weights) with fp32 main_grad accumulation (a chunked
 // backward calls the experts' backward once per chunk), and one saved state per chunk.
 struct RankExperts {
@@ -301,10 +284,10 @@ TEST(ExpertParallelOverlap, GroupedExpertsChunkedMatchesUnchunked) {
         r.GB1 = make_param(zeros(size_t(El) * F1), El, {F1}, DType::kFP32, L);
         r.GB2 = make_param(zeros(size_t(El) * H), El, {H}, DType::kFP32, L);
         const int64_t e0 = int64_t{p} * El;
-        r.ex->set_weights({{expert_slice(W1, e0, {El, F1, H}, bf)},
-                           {expert_slice(B1, e0, {El, F1}, bf)},
-                           {expert_slice(W2, e0, {El, H, F}, bf)},
-                           {expert_slice(B2, e0, {El, H}, bf)}});
+        r.ex->set_weights({{layer_data::expert_slice(W1, e0, {El, F1, H}, bf)},
+                           {layer_data::expert_slice(B1, e0, {El, F1}, bf)},
+                           {layer_data::expert_slice(W2, e0, {El, H, F}, bf)},
+                           {layer_data::expert_slice(B2, e0, {El, H}, bf)}});
         r.ex->set_grads({r.G1.views, r.GB1.views, r.G2.views, r.GB2.views});
         GroupedExperts* ex = r.ex.get();
         std::vector<SavedState>* st = &r.states;

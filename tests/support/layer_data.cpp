@@ -122,4 +122,21 @@ std::vector<double> download_param(const DeviceParam& p, DType t) {
   return out;
 }
 
+TensorView expert_slice(const DeviceParam& p, int64_t first_expert, std::vector<int64_t> shape, DType t) {
+  int64_t per = 1;
+  for (size_t i = 1; i < shape.size(); ++i) per *= shape[i];
+  TensorView v;
+  v.data = static_cast<char*>(p.views[0].data) + first_expert * per * (dtype_bits(t) / 8);
+  v.dtype = t;
+  v.device = Device::kCUDA;
+  v.ndim = static_cast<int>(shape.size());
+  int64_t stride = 1;
+  for (int i = v.ndim - 1; i >= 0; --i) {
+    v.shape[i] = shape[i];
+    v.strides[i] = stride;
+    stride *= shape[i];
+  }
+  return v;
+}
+
 }  // namespace moe::testing::layer_data

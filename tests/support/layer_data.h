@@ -32,4 +32,8 @@ DeviceParam make_param(const std::vector<double>& host, int E, std::vector<int64
                        WeightLayout layout);
 std::vector<double> download_param(const DeviceParam& p, DType t);
 
+// The experts [first_expert, first_expert + shape[0]) of a single-grouped parameter as one view
+// (e.g. an expert-parallel rank's slice of the same weights); shape = [experts, rows...].
+TensorView expert_slice(const DeviceParam& p, int64_t first_expert, std::vector<int64_t> shape, DType t);
+
 }  // namespace moe::testing::layer_data
