@@ -382,22 +382,31 @@ TEST(GroupedMlp, DelayedWgradEqualsImmediateAndHooksFireInOrder) {
 
 // max_sms bounds the persistent kernels' grids (SMs left to work beside the layer): the same tiles
 // with the same accumulation order, so bitwise the same results; 3 SMs (odd: a cluster of 2 CTAs
-// takes 2) makes every CTA loop over many tiles.
+// takes 2) makes every CTA loop over many tiles. Mode 2 has more k blocks (H = 640: 10) than the
+// fused kernels have pipeline stages, so each CTA's stage ring wraps within a tile and across its
+// many tiles, and is checked against the reference too.
 TEST(GroupedMlp, MaxSmsGivesBitwiseTheSameResults) {
   MOE_REQUIRE_GPU();
-  for (int mode : {0, 1}) {  // unfused; fused fc1 + fused fc2 dgrad without x_perm
+  for (int mode : {0, 1, 2}) {  // unfused; fused fc1 + fused fc2 dgrad without x_perm; the same, H = 640
     SCOPED_TRACE(::testing::Message() << "mode " << mode);
     Case c;
     c.cfg = small_config();
     c.cfg.bias = mode == 0;
-    c.cfg.fuse_fc1 = mode == 1;
+    c.cfg.fuse_fc1 = mode >= 1;
     c.cfg.save_x_perm = mode == 0;
-    c.cfg.fuse_fc2_dgrad = mode == 1;
-    c.T = 61;
+    c.cfg.fuse_fc2_dgrad = mode >= 1;
+    if (mode == 2) {
+      c.cfg.hidden = 640;
+      c.cfg.max_tokens = 300;
+    }
+    c.T = mode == 2 ? 300 : 61;
     c.skew = 1.0;
-    const Outputs all = Runner(c).run_gpu(WeightLayout::kSingleGrouped);
+    Runner r(c);
+    const Outputs all = r.run_gpu(WeightLayout::kSingleGrouped);
     c.cfg.max_sms = 3;
-    expect_bitwise(all, Runner(c).run_gpu(WeightLayout::kSingleGrouped));
+    const Outputs few = Runner(c).run_gpu(WeightLayout::kSingleGrouped);
+    expect_bitwise(all, few);
+    if (mode == 2) compare(few, r.run_reference(), false);
   }
 }
 
