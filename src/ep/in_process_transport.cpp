@@ -75,9 +75,9 @@ struct GroupCore {
                 " used another stream than rank 0: the simulated ranks share one stream");
       if (!first.variable)
         for (size_t j = 0; j < first.fixed.size(); ++j)
-          MOE_CHECK(pending[r].fixed[j].block_bytes == first.fixed[j].block_bytes, "InProcessGroup::all_to_all: exchange ",
-                    j, " has blocks of ", pending[r].fixed[j].block_bytes, " bytes on rank ", r, ", ",
-                    first.fixed[j].block_bytes, " on rank 0");
+          MOE_CHECK(pending[r].fixed[j].block_bytes == first.fixed[j].block_bytes,
+                    "InProcessGroup::all_to_all: exchange ", j, " has blocks of ", pending[r].fixed[j].block_bytes,
+                    " bytes on rank ", r, ", ", first.fixed[j].block_bytes, " on rank 0");
     }
     if (first.variable) {
       for (size_t j = 0; j < first.var.size(); ++j)

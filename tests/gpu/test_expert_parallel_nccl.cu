@@ -174,8 +174,8 @@ TEST(ExpertParallelNccl, FourRanksDroplessMatchesInProcess) {
   run_both(dropless_case(4, RoutingForm::kMap), /*concentrate=*/true);
 }
 
-// Too many rows for rank 0: every NCCL rank throws (none is left in a collective), then the same
-// dispatchers run a routing that fits, equal to the in-process run.
+// Too many rows for rank 0: every NCCL rank throws (none is left in a collective), then a routing
+// that fits runs over the same communicators, equal to the in-process run.
 TEST(ExpertParallelNccl, TwoRanksDroplessMaxRowsErrorThenUsable) {
   EpCase c = dropless_case(2, RoutingForm::kTopK);
   MOE_REQUIRE_GPU();
