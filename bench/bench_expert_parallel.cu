@@ -5,10 +5,12 @@
 // whole forward (dispatch + experts + combine) as one timed call, unchunked on one stream
 // ("serial"), in n chunks on one stream ("chunked": the cost of chunking alone), and in n chunks
 // with the all-to-alls on a communication stream ("overlapped": EpDispatcher::forward_overlapped),
-// side by side, with the gain serial / overlapped and whether y is bitwise the same.
+// side by side, with the gain serial / overlapped and whether y is bitwise the same. With
+// --dropless, a third table: the dropless eager mode's dispatch and combine per rank beside the
+// capacity mode's.
 //
 // usage: bench_expert_parallel [SHAPE ...] [--ranks P] [--capacity-factor F] [--repeats N]
-//                               [--chunks n] [--comm-sms S] [--graph] [--in-process]
+//                               [--chunks n] [--comm-sms S] [--graph] [--in-process] [--dropless]
 //   SHAPE: named shapes of docs/shapes.md, read per rank: T tokens per rank, E = E_local experts
 //   per rank, k; default qwen3-30b-a3b-ep8 and deepseek-v3-ep32.
 //   Transport: NCCL over the first P visible GPUs (P = all of them by default), one host thread
@@ -24,6 +26,10 @@
 //   every SM).
 //   --graph: the three forwards of the pipeline table are captured in a CUDA graph per rank and
 //   the replays timed (NCCL only; the in-process ranks' threads cannot share a thread-local capture).
+//   --dropless: also time EpMode::kDroplessEager (dropless_max_rows = its default, P * T * min(k,
+//   E_local)): its dispatch (with the counts exchange and its one host synchronisation) and its
+//   combine, always eager (the mode is not capturable), beside the capacity mode's eager times,
+//   and the most rows any rank received against the capacity mode's P * C.
 //   NVLink multicast is switched off (NCCL_NVLS_ENABLE=0) before NCCL starts.
 // Times: median over repeats of CUDA-event-timed eager calls after warm-up (bench/support); per
 // rank, then the median and the maximum over ranks. All-to-all bandwidth: bytes each rank sends to
@@ -81,6 +87,12 @@ struct Rank {
   int32_t* idx = nullptr;
   float* probs = nullptr;
   bench::Timing dispatch, experts, combine, a2a, serial, chunked, overlapped;
+  // --dropless: the dropless eager dispatcher, its state and x_perm (also its combine's Y: identity
+  // experts), its y; its times.
+  std::unique_ptr<EpDispatcher> epd;
+  SavedState stated;
+  void *xd_perm = nullptr, *yd = nullptr;
+  bench::Timing d_dispatch, d_combine;
 
   void* alloc(size_t bytes) {
     buffers.push_back(cuda_malloc_allocator().allocate(bytes));
@@ -127,13 +139,22 @@ struct PipelineRow {
   bool same_y = false;
 };
 
+// One line of the dropless table.
+struct DroplessRow {
+  std::string name;
+  int P = 0;
+  int64_t PC = 0, max_received = 0;
+  double cap_med = 0, cap_max = 0, dis_med = 0, dis_max = 0, dcom_med = 0, dcom_max = 0, cap_com_med = 0,
+         cap_com_max = 0;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) try {
   std::vector<std::string> names;
   int repeats = 20, P = 0, chunks = 4, comm_sms = 0;
   double factor = 1.25;
-  bool in_process = false, graph = false;
+  bool in_process = false, graph = false, dropless = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--repeats" && i + 1 < argc)
@@ -150,6 +171,8 @@ int main(int argc, char** argv) try {
       graph = true;
     else if (a == "--in-process")
       in_process = true;
+    else if (a == "--dropless")
+      dropless = true;
     else
       names.push_back(a);
   }
@@ -219,6 +242,7 @@ int main(int argc, char** argv) try {
   }
 
   std::vector<PipelineRow> pipeline;
+  std::vector<DroplessRow> dropless_rows;
   std::printf("%-20s %3s %7s %6s | %-16s %-16s %-16s %-9s | %-16s %8s\n", "shape", "P", "C", "drop%",
               "dispatch ms", "experts ms", "combine ms", "sum ms", "all-to-all ms", "GB/s");
   std::printf("%-20s %3s %7s %6s | %-16s %-16s %-16s %-9s | %-16s %8s\n", "", "", "", "", "med/max rank",
@@ -255,7 +279,10 @@ int main(int argc, char** argv) try {
     size_t free_b = 0, total_b = 0;
     MOE_CUDA_CHECK(cudaSetDevice(0));
     MOE_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    const double need = use_nccl ? per_rank : per_rank * P;
+    // --dropless: buffers of max(T * k, M) rows twice, x_perm of M + E_local * (A - 1) rows.
+    const int64_t Md = P * T * std::min<int64_t>(k, El), Rd = Md + int64_t{El} * (kAlign - 1);
+    const double per_rank_dropless = dropless ? 2.0 * (2.0 * std::max(T * k, Md) * H + Rd * H + T * H) : 0.0;
+    const double need = (use_nccl ? 1 : P) * (per_rank + per_rank_dropless);
     if (need > 0.85 * static_cast<double>(free_b)) {
       std::printf("%-20s skipped: needs %.1f GiB on GPU 0, %.1f GiB free\n", name.c_str(), need / (1 << 30),
                   double(free_b) / (1 << 30));
@@ -304,6 +331,14 @@ int main(int argc, char** argv) try {
       r.exn->set_weights(w);
       r.staten = r.epn->new_state();
       for (int j = 0; j < chunks; ++j) r.estaten.push_back(r.exn->new_state());
+      if (dropless) {
+        EpDispatcherConfig cd = cfg;
+        cd.mode = EpMode::kDroplessEager;
+        r.epd = std::make_unique<EpDispatcher>(cd, *r.transport);
+        r.stated = r.epd->new_state();
+        r.xd_perm = r.alloc(r.epd->rows() * H * 2);
+        r.yd = r.alloc(T * H * 2);
+      }
       r.xn_perm = r.alloc(r.epn->rows() * H * 2);
       r.Yn = r.alloc(r.epn->rows() * H * 2);
       r.yn = r.alloc(T * H * 2);
@@ -340,6 +375,20 @@ int main(int argc, char** argv) try {
       const EpExchange x{s.data, d.data, static_cast<size_t>(C * H * 2)};
       r.transport->all_to_all(&x, 1, r.stream);
     };
+    // The dropless eager mode: dispatch, and combine with identity experts (Y = x_perm).
+    auto d_dispatch = [&](int p) {
+      Rank& r = ranks[p];
+      RoutingView rv;
+      rv.indices = TensorView(r.idx, DType::kInt32, {T, k});
+      rv.probs = TensorView(r.probs, DType::kFP32, {T, k});
+      r.epd->plan_and_dispatch(rv, TensorView(r.x, DType::kBF16, {T, H}), r.err->device_ptr(), r.stated,
+                               TensorView(r.xd_perm, DType::kBF16, {r.epd->rows(), H}), r.stream);
+    };
+    auto d_combine = [&](int p) {
+      Rank& r = ranks[p];
+      r.epd->combine(r.stated, TensorView(r.xd_perm, DType::kBF16, {r.epd->rows(), H}),
+                     TensorView(r.yd, DType::kBF16, {T, H}), MergeProbs::kNone, r.stream);
+    };
     // The whole forward, unchunked on one stream.
     auto serial = [&](int p) {
       dispatch(p);
@@ -375,6 +424,10 @@ int main(int argc, char** argv) try {
         r.serial = timer([&] { serial(p); }, r.stream, warm, repeats, nullptr);
         r.chunked = timer([&] { chunked(p, false); }, r.stream, warm, repeats, nullptr);
         r.overlapped = timer([&] { chunked(p, true); }, r.stream, warm, repeats, nullptr);
+        if (dropless) {
+          r.d_dispatch = bench::time_cuda([&] { d_dispatch(p); }, r.stream, warm, repeats);
+          r.d_combine = bench::time_cuda([&] { d_combine(p); }, r.stream, warm, repeats);
+        }
       }, nullptr);
     } else {  // every rank's call in one timed step, on the shared stream
       auto all = [&](const std::function<void(int)>& f) {
@@ -387,7 +440,14 @@ int main(int argc, char** argv) try {
       const bench::Timing ts = bench::time_cuda(all(serial), streams[0], warm, repeats);
       const bench::Timing tn = bench::time_cuda(all([&](int p) { chunked(p, false); }), streams[0], warm, repeats);
       const bench::Timing to = bench::time_cuda(all([&](int p) { chunked(p, true); }), streams[0], warm, repeats);
+      bench::Timing tdd, tdc;
+      if (dropless) {
+        tdd = bench::time_cuda(all(d_dispatch), streams[0], warm, repeats);
+        tdc = bench::time_cuda(all(d_combine), streams[0], warm, repeats);
+      }
       for (Rank& r : ranks) {
+        r.d_dispatch = tdd;
+        r.d_combine = tdc;
         r.dispatch = td;
         r.experts = te;
         r.combine = tc;
@@ -435,6 +495,24 @@ int main(int argc, char** argv) try {
     stat(&Rank::chunked, &row.chunked_med, &row.chunked_max);
     stat(&Rank::overlapped, &row.over_med, &row.over_max);
     pipeline.push_back(row);
+    if (dropless) {
+      DroplessRow d;
+      d.name = name;
+      d.P = P;
+      d.PC = P * C;
+      for (Rank& r : ranks) {
+        int64_t received = 0;
+        for (int64_t n : r.epd->received_rows(r.stated)) received += n;
+        d.max_received = std::max(d.max_received, received);
+      }
+      d.cap_med = dm;
+      d.cap_max = dx;
+      d.cap_com_med = cm;
+      d.cap_com_max = cx;
+      stat(&Rank::d_dispatch, &d.dis_med, &d.dis_max);
+      stat(&Rank::d_combine, &d.dcom_med, &d.dcom_max);
+      dropless_rows.push_back(d);
+    }
     const double gbs = double(P - 1) * C * H * 2 / (am * 1e-3) / 1e9;
     std::printf("%-20s %3d %7lld %6.2f | %7.3f/%-8.3f %7.3f/%-8.3f %7.3f/%-8.3f %-9.3f | %7.3f/%-8.3f %8.1f\n",
                 name.c_str(), P, static_cast<long long>(C), 100.0 * drops / (double(T) * k * P), dm, dx, em, ex,
@@ -458,6 +536,19 @@ int main(int argc, char** argv) try {
     std::printf("%-20s %3d %3d | %7.3f/%-8.3f %7.3f/%-8.3f %7.3f/%-8.3f | %5.2fx %5.2fx | %s\n", r.name.c_str(), r.P,
                 r.n, r.serial_med, r.serial_max, r.chunked_med, r.chunked_max, r.over_med, r.over_max,
                 r.serial_med / r.over_med, r.serial_max / r.over_max, r.same_y ? "yes" : "NO");
+  if (dropless) {
+    std::printf("\n# dropless eager (EpMode::kDroplessEager, eager calls, one host synchronisation per dispatch) "
+                "beside capacity mode (eager), per rank; rows: the most any rank received (dropless) vs P * C\n");
+    std::printf("%-20s %3s | %-9s %-9s | %-16s %-16s %-6s | %-16s %-16s %-6s\n", "shape", "P", "rows", "P * C",
+                "dispatch cap ms", "dispatch drop ms", "ratio", "combine cap ms", "combine drop ms", "ratio");
+    std::printf("%-20s %3s | %-9s %-9s | %-16s %-16s %-6s | %-16s %-16s %-6s\n", "", "", "max rank", "", "med/max rank",
+                "med/max rank", "med", "med/max rank", "med/max rank", "med");
+    for (const DroplessRow& d : dropless_rows)
+      std::printf("%-20s %3d | %-9lld %-9lld | %7.3f/%-8.3f %7.3f/%-8.3f %5.2fx | %7.3f/%-8.3f %7.3f/%-8.3f %5.2fx\n",
+                  d.name.c_str(), d.P, static_cast<long long>(d.max_received), static_cast<long long>(d.PC), d.cap_med,
+                  d.cap_max, d.dis_med, d.dis_max, d.dis_med / d.cap_med, d.cap_com_med, d.cap_com_max, d.dcom_med,
+                  d.dcom_max, d.dcom_med / d.cap_com_med);
+  }
   bool all_same = true;
   for (const PipelineRow& r : pipeline) all_same = all_same && r.same_y;
 #if MOE_HAVE_NCCL

@@ -1,12 +1,15 @@
 // Expert parallelism on the GPU: the experts of one MoE layer split over P ranks, tokens moved by
 // an all-to-all (docs/expert_parallel.md). Two parts:
 //
-//  - EpTransport: the all-to-all of fixed-size blocks, enqueued on a stream, no host sync. Two
-//    implementations: NcclTransport (one rank per GPU, ncclSend/ncclRecv) and InProcessGroup's
-//    endpoints (P simulated ranks on one GPU, each rank a host thread, for tests and debugging).
-//  - EpDispatcher: the token dispatcher of one rank in capacity mode (graph-safe): pack by
-//    destination rank, exchange, local permute over the rank's E_local experts; the combine back to
-//    the source; both backwards. Every result equals the CPU reference
+//  - EpTransport: the all-to-all of fixed-size blocks (and its variable-size form, sizes per peer
+//    known on the host), enqueued on a stream, no host sync. Two implementations: NcclTransport (one
+//    rank per GPU, ncclSend/ncclRecv) and InProcessGroup's endpoints (P simulated ranks on one GPU,
+//    each rank a host thread, for tests and debugging).
+//  - EpDispatcher: the token dispatcher of one rank: pack by destination rank, exchange, local
+//    permute over the rank's E_local experts; the combine back to the source; both backwards. Two
+//    modes (EpDispatcherConfig::mode): capacity (graph-safe: a static capacity per pair, overflow
+//    dropped and flagged) and dropless eager (never drops: one host synchronisation per dispatch
+//    reads how many rows each pair sends; not capturable). Every result equals the CPU reference
 //    (src/reference/ep_dispatch_ref.h) bitwise for data movement, and the combine sums a token's
 //    slots in slot order in fp32 exactly as the single-GPU moe::Dispatcher does.
 //
@@ -29,6 +32,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 
@@ -51,6 +55,20 @@ struct EpExchange {
   size_t block_bytes = 0;
 };
 
+// One exchange of a variable-size all-to-all (the dropless mode's rows): this rank sends
+// send_bytes[d] bytes from send + send_offsets[d] to each rank d and receives recv_bytes[s] bytes
+// from each rank s into recv + recv_offsets[s]. The four are host arrays of P entries; recv_bytes[s]
+// must equal what rank s sends to this rank (its send_bytes[this rank]), which the counts exchange
+// told both. Zero-byte entries move nothing. send and recv must not overlap.
+struct EpVarExchange {
+  const void* send = nullptr;
+  void* recv = nullptr;
+  const size_t* send_bytes = nullptr;    // [P]
+  const size_t* send_offsets = nullptr;  // [P]
+  const size_t* recv_bytes = nullptr;    // [P]
+  const size_t* recv_offsets = nullptr;  // [P]
+};
+
 // The all-to-all between the P ranks of an expert-parallel group.
 class EpTransport {
  public:
@@ -62,6 +80,11 @@ class EpTransport {
   // them), with no host synchronisation and no allocation, so the call may be captured in a CUDA
   // graph.
   virtual void all_to_all(const EpExchange* exchanges, int count, cudaStream_t stream) = 0;
+  // The variable-size all-to-all: a collective (every rank calls it with the same number of
+  // exchanges, and the sizes of every pair agree between its two ranks); enqueued on `stream` as
+  // all_to_all, no host synchronisation. The per-peer sizes are host values, so a captured call
+  // would replay the sizes of its capture: callers use it eagerly (the dropless mode).
+  virtual void all_to_all_v(const EpVarExchange* exchanges, int count, cudaStream_t stream) = 0;
   // The counts exchange of a dropless (host-sized) schedule: send int64 [P] (entry d for rank d)
   // -> recv int64 [P] (entry s from rank s). One all_to_all of 8-byte blocks.
   void all_to_all_counts(const int64_t* send, int64_t* recv, cudaStream_t stream);
@@ -70,7 +93,8 @@ class EpTransport {
 // P simulated ranks on the current device. endpoint(r) is rank r's transport. The ranks are host
 // threads (one per rank) that all enqueue on the same stream: each all_to_all call waits on the
 // host until all P ranks have called it; the last one to arrive enqueues every rank's block copies
-// (cudaMemcpyAsync, device to device) on that stream and releases the others. Work a rank enqueued
+// (cudaMemcpyAsync, device to device) on that stream and releases the others (all_to_all_v the
+// same, after checking that the sizes of every pair agree). Work a rank enqueued
 // before the call therefore precedes the copies, and work after it follows them. Capturable: begin
 // the capture on the shared stream (cudaStreamCaptureModeRelaxed, since the ranks' threads launch
 // into it), run the ranks' threads, join them, end the capture.
@@ -97,7 +121,8 @@ class InProcessGroup {
 bool nccl_transport_available();
 
 // A rank of an NCCL communicator (not owned: the caller creates and destroys it). all_to_all is one
-// ncclGroupStart / ncclSend + ncclRecv per peer and exchange / ncclGroupEnd. The communicator's
+// ncclGroupStart / ncclSend + ncclRecv per peer and exchange / ncclGroupEnd; all_to_all_v the same
+// with each peer's own sizes (a zero-byte send or receive is left out on both sides). The communicator's
 // device must be current when calling. Without NCCL in the build the constructor throws moe::Error.
 class NcclTransport final : public EpTransport {
  public:
@@ -105,6 +130,7 @@ class NcclTransport final : public EpTransport {
   int rank() const override { return rank_; }
   int ranks() const override { return ranks_; }
   void all_to_all(const EpExchange* exchanges, int count, cudaStream_t stream) override;
+  void all_to_all_v(const EpVarExchange* exchanges, int count, cudaStream_t stream) override;
 
  private:
   ncclComm* comm_ = nullptr;
@@ -112,8 +138,24 @@ class NcclTransport final : public EpTransport {
   int ranks_ = 0;
 };
 
+// How the rows of each (source, destination) pair are sized (docs/expert_parallel.md, Capacity and
+// dropless mode).
+enum class EpMode : int32_t {
+  // A static capacity C per pair: fixed-size exchanges, no host synchronisation, capturable in a
+  // CUDA graph; entries past C are dropped (counted, flagged with kErrRowOverflow).
+  kCapacity = 0,
+  // Every entry is sent: plan_and_dispatch exchanges the per-pair row counts, reads them on the
+  // host (one stream synchronisation), then moves exactly those rows (variable-size exchange).
+  // NOT capturable: every method refuses a stream that is capturing a CUDA graph. Buffers are sized
+  // at construction for config.dropless_max_rows; a dispatch that would receive more rows on any
+  // rank throws moe::Error on every rank (nothing dropped, nothing moved). chunks must be 1 (the
+  // overlapped pipeline is capacity mode only).
+  kDroplessEager = 1,
+};
+
 // Static configuration of one rank's dispatcher; the same on every rank.
 struct EpDispatcherConfig {
+  EpMode mode = EpMode::kCapacity;
   int ranks = 1;             // P; the transport's ranks() must equal it
   int local_experts = 1;     // E_local; the routing covers E = P * E_local global experts
   int64_t hidden = 0;        // H; H * dtype bytes a multiple of 16
@@ -122,15 +164,22 @@ struct EpDispatcherConfig {
   int topk = 0;              // k (top-k form)
   int align = 0;             // A of each local expert group: 0, 16, 32, 64, 128 or 256
   int64_t capacity = 0;      // C: rows per (source, destination) pair; entries past it are dropped
+                             // (capacity mode; unused in dropless mode)
   int64_t max_tokens = 0;    // T_max of any rank's micro-batch
+  // Dropless mode: the most rows any rank may receive in one dispatch (its receive buffer, and with
+  // R_d its x_perm, are sized for it). -1 = the worst case P * T_max * min(slots, E_local) (every
+  // token of every source routed to one rank's experts). The send side is T_max * slots rows.
+  int64_t dropless_max_rows = -1;
   // R_c: rows of each chunk's block of x_perm (R_d = chunks * R_c); -1 = P * c + E_local * (A - 1)
-  // (A > 0), P * c else, with c = ceil(C / chunks) (chunks = 1: P * C + E_local * (A - 1)).
+  // (A > 0), P * c else, with c = ceil(C / chunks) (chunks = 1: P * C + E_local * (A - 1)). Dropless
+  // mode: R_d; -1 = M + E_local * (A - 1) (A > 0), M else, M = the dropless_max_rows in effect.
   int64_t row_bound = -1;
   // n: the exchange split into n chunks (1..64, and at most max(C, 1)); chunk j carries the rows
   // [floor(j * C / n), floor((j + 1) * C / n)) of every (source, destination) pair's block, and its
   // received rows form their own expert groups (block j of x_perm). Results are bitwise those of
   // chunks = 1 for any experts that compute each row on its own (moe::GroupedExperts's outputs and
-  // activation gradients; not its weight gradients, which sum over a chunk's rows).
+  // activation gradients; not its weight gradients, which sum over a chunk's rows). Capacity mode
+  // only: 1 in dropless mode.
   int chunks = 1;
 };
 
@@ -158,7 +207,8 @@ struct EpBackwardOptions {
   const TensorView* dprobs = nullptr;          // fp32 [T, slots]: dispatch_backward's dprobs
 };
 
-// One rank's expert-parallel token dispatcher in capacity mode (docs/expert_parallel.md).
+// One rank's expert-parallel token dispatcher (docs/expert_parallel.md). What follows describes
+// capacity mode; dropless mode (config.mode = kDroplessEager) differs as stated at the end.
 // Buffers: send and receive buffers [P * C, H] (unused rows zero) in the chunk layout: chunk j is
 // rows [P * b_j, P * b_(j+1)), b_j = floor(j * C / chunks), with peer d's block of b_(j+1) - b_j rows
 // at P * b_j + d * (b_(j+1) - b_j) -- unchunked, d's block at d * C. x_perm [R_d, H] is chunks
@@ -172,6 +222,21 @@ struct EpBackwardOptions {
 // single-GPU plan does) and kErrRowOverflow when one of its entries was past the capacity of its
 // pair (the entry is dropped: counted in dropped(), no contribution in combine, zero gradients);
 // kErrRowOverflow as well when a chunk's received groups exceed R_c (rows past it not written).
+//
+// Dropless mode: nothing is dropped (dropped() is zero). plan_and_dispatch packs the send buffer
+// back to back (destination d's rows from the sum of the counts of the destinations before it), all
+// ranks exchange their per-destination counts (each rank receives the whole P x P count matrix),
+// the stream is synchronised once and the counts read on the host; the rows, their local experts
+// and their probs then move by a variable-size exchange into a receive buffer packed back to back
+// in source-rank order, which is permuted as in capacity mode. The rank's per-peer row counts are
+// kept in the state's headers (state_headers() = 2 + ceil(P / 4)), so combine and both backwards
+// move exactly those rows with no further synchronisation. The buffers hold
+// max(T_max * slots, dropless_max_rows) rows (exchange_rows()); only the first sent / received
+// rows of a dispatch are meaningful. If any rank would receive more than dropless_max_rows rows,
+// every rank's plan_and_dispatch throws moe::Error naming 'dropless_max_rows' (the same counts on
+// every rank: no rank is left waiting in a collective) and resets its state; the dispatcher stays
+// usable. Every method throws when `stream` is capturing a CUDA graph (the sizes are host values
+// of one dispatch); forward_overlapped / backward_overlapped are refused.
 class EpDispatcher {
  public:
   EpDispatcher(const EpDispatcherConfig& config, EpTransport& transport);  // throws moe::Error naming a bad field
@@ -184,12 +249,14 @@ class EpDispatcher {
   int64_t rows() const;          // R_d = chunks * R_c: rows of x_perm
   int chunks() const;            // n
   int64_t chunk_rows() const;    // R_c: rows of one chunk's block of x_perm
-  int64_t exchange_rows() const;  // P * C: rows of the send and receive buffers
+  int64_t exchange_rows() const;  // rows of the send and receive buffers: P * C (dropless: above)
   int slots_per_token() const;   // k (top-k form) or E (map form)
+  EpMode mode() const;
+  int64_t dropless_max_rows() const;  // dropless mode: the bound in effect (the default resolved); 0 else
 
   size_t state_bytes() const;
-  int state_headers() const;  // 1 + chunks
-  static constexpr int kStateHeaders = 2;  // state_headers() when chunks = 1
+  int state_headers() const;  // 1 + chunks (dropless mode: 2 + ceil(P / 4))
+  static constexpr int kStateHeaders = 2;  // state_headers() in capacity mode when chunks = 1
   SavedState new_state(DeviceAllocator& allocator = cuda_malloc_allocator()) const;
 
   // Routing of this rank's T tokens over the global experts (form per config) and x [T, H] ->
@@ -257,11 +324,18 @@ class EpDispatcher {
   TensorView local_counts(const SavedState& state, DType dtype = DType::kInt32, int chunk = 0) const;  // [E_local]
   TensorView dropped(const SavedState& state) const;     // int64 [P]: entries of this source dropped per destination
   TensorView slot_rows(const SavedState& state) const;   // int32 [T, slots]: send row of each slot, -1 if not sent
-  TensorView send_probs(const SavedState& state) const;  // fp32 [P * C]: prob of each send row (0 if unused)
+  TensorView send_probs(const SavedState& state) const;  // fp32 [P * C]: prob of each send row (0 if unused);
+                                                         // dropless: [sent rows]
+  // Rows of each peer's block moved by the dispatch that filled the state (host values): [P] rows
+  // sent to each destination, [P] rows received from each source. Capacity mode: C each (the
+  // fixed blocks, unused rows included); dropless mode: the counts read on the host.
+  std::vector<int64_t> sent_rows(const SavedState& state) const;
+  std::vector<int64_t> received_rows(const SavedState& state) const;
 
   // Workspace views (for tests): after plan_and_dispatch, until the next call of this dispatcher,
   // the send buffer [P * C, H], the receive buffer [P * C, H] and the received probs fp32 [P * C]
-  // of that dispatch.
+  // of that dispatch (dropless: [exchange_rows()], of which the first sent / received rows are the
+  // dispatch's).
   TensorView send_buffer() const;
   TensorView recv_buffer() const;
   TensorView recv_probs() const;

@@ -1,6 +1,8 @@
 // moe::EpDispatcher: argument checks, workspaces and state layout, the stages of each op
 // (ep_dispatcher_impl.h) and the stage-by-stage methods, all on the caller's one stream
-// (docs/expert_parallel.md). The overlapped pipeline over the same stages is ep_overlap.cpp.
+// (docs/expert_parallel.md). The overlapped pipeline over the same stages is ep_overlap.cpp; the
+// dropless mode's ops, which the methods here hand over to after their argument checks, are
+// ep_dropless.cpp.
 #include <algorithm>
 #include <limits>
 
@@ -29,14 +31,15 @@ bool is_arith_dtype(DType t) { return t == DType::kBF16 || t == DType::kFP16 || 
 
 EpDispatcher::Impl::~Impl() {
   for (cudaEvent_t e : events) cudaEventDestroy(e);  // no throw from a destructor
+  if (host_counts) cudaFreeHost(host_counts);
 }
 
 EpStateLayout EpDispatcher::Impl::carve_state(char* base, size_t* bytes) const {
   DeviceArena a(base);
   EpStateLayout s;
   s.send_slot_row = a.take<int32_t>(cfg.max_tokens * slots);
-  s.send_row_slot = a.take<int32_t>(PC);
-  s.send_probs = a.take<float>(PC);
+  s.send_row_slot = a.take<int32_t>(S);
+  s.send_probs = a.take<float>(S);
   s.dropped = a.take<int64_t>(P);
   if (bytes) *bytes = a.used();
   return s;
@@ -45,13 +48,17 @@ EpStateLayout EpDispatcher::Impl::carve_state(char* base, size_t* bytes) const {
 EpWorkspace EpDispatcher::Impl::carve_workspace(char* base, size_t* bytes) const {
   DeviceArena a(base);
   EpWorkspace w;
-  w.send = a.take<char>(PC * row_bytes);
-  w.recv = a.take<char>(PC * row_bytes);
-  w.send_expert = a.take<int32_t>(PC);
-  w.recv_expert = a.take<int32_t>(PC);
-  w.recv_probs = a.take<float>(PC);
-  w.back_probs = a.take<float>(PC);
+  w.send = a.take<char>(B * row_bytes);
+  w.recv = a.take<char>(B * row_bytes);
+  w.send_expert = a.take<int32_t>(B);
+  w.recv_expert = a.take<int32_t>(B);
+  w.recv_probs = a.take<float>(B);
+  w.back_probs = a.take<float>(B);
   w.slot_dest = a.take<int32_t>(cfg.max_tokens * slots);
+  if (dropless) {
+    w.count_send = a.take<int64_t>(int64_t{P} * P);
+    w.count_recv = a.take<int64_t>(int64_t{P} * P);
+  }
   if (bytes) *bytes = a.used();
   return w;
 }
@@ -82,8 +89,7 @@ void EpDispatcher::Impl::exchange(std::initializer_list<Lane> lanes, int j0, int
 
 // ---- Impl: stages ----
 
-void EpDispatcher::Impl::pack_rows(const RoutingView& routing, int64_t T, const TensorView& x, uint32_t* error_word,
-                                   const EpStateLayout& s, cudaStream_t stream) const {
+kernels::EpRouting EpDispatcher::Impl::ep_routing(const RoutingView& routing, int64_t T) const {
   kernels::EpRouting r;
   r.form = cfg.form;
   r.T = static_cast<int32_t>(T);
@@ -92,13 +98,24 @@ void EpDispatcher::Impl::pack_rows(const RoutingView& routing, int64_t T, const 
   r.indices = cfg.form == RoutingForm::kTopK ? routing.indices.ptr<int32_t>() : nullptr;
   r.map = cfg.form == RoutingForm::kMap ? routing.map.ptr<uint8_t>() : nullptr;
   r.probs = routing.probs.ptr<float>();
-  const int64_t n_slots = T * slots;
+  return r;
+}
+
+void EpDispatcher::Impl::plan_pack(const kernels::EpRouting& r, const RoutingView& routing, uint32_t* error_word,
+                                   cudaStream_t stream) const {
+  const int64_t n_slots = int64_t{r.T} * slots;
   kernels::launch_ep_slot_destinations(r, cfg.local_experts, ws.slot_dest, error_word, stream);
   RoutingView flat;
   flat.form = RoutingForm::kTopK;
   flat.indices = TensorView(ws.slot_dest, DType::kInt32, {n_slots, 1});
   flat.probs = TensorView(routing.probs.data, DType::kFP32, {n_slots, 1});
   pack->plan(flat, error_word, pack_plan, stream);
+}
+
+void EpDispatcher::Impl::pack_rows(const RoutingView& routing, int64_t T, const TensorView& x, uint32_t* error_word,
+                                   const EpStateLayout& s, cudaStream_t stream) const {
+  const kernels::EpRouting r = ep_routing(routing, T);
+  plan_pack(r, routing, error_word, stream);
   kernels::EpCapacityArgs a;
   a.routing = r;
   a.P = P;
@@ -151,12 +168,13 @@ void EpDispatcher::Impl::sum_slots(const EpStateLayout& s, int64_t T, const Tens
                           static_cast<int32_t>(T), by_row, by_slot, nullptr, nullptr, stream);
 }
 
-void EpDispatcher::Impl::scale_grads(const EpStateLayout& s, int64_t T, const TensorView& dy, const float* by_row,
+void EpDispatcher::Impl::scale_grads(const EpStateLayout& s, int64_t T, int64_t send_rows, const TensorView& dy,
+                                     const float* by_row,
                                      const float* by_slot, bool merging, const TensorView* dprobs, bool read_Y,
                                      cudaStream_t stream) const {
   if (dprobs && T > 0) MOE_CUDA_CHECK(cudaMemsetAsync(dprobs->data, 0, sizeof(float) * T * slots, stream));
   kernels::launch_scale_rows_backward(cfg.row_dtype, dy.data, read_Y ? ws.send : nullptr, ws.recv, cfg.hidden,
-                                      s.send_row_slot, slots, static_cast<int32_t>(PC), by_row, by_slot, merging,
+                                      s.send_row_slot, slots, static_cast<int32_t>(send_rows), by_row, by_slot, merging,
                                       read_Y ? dprobs->ptr<float>() : nullptr, stream);
 }
 
@@ -195,6 +213,8 @@ EpDispatcher::EpDispatcher(const EpDispatcherConfig& config, EpTransport& transp
   m.cfg = c;
   m.transport = &transport;
   m.serial = next_op_serial();
+  MOE_CHECK(c.mode == EpMode::kCapacity || c.mode == EpMode::kDroplessEager,
+            "argument 'mode': expected EpMode::kCapacity or EpMode::kDroplessEager, got ", static_cast<int>(c.mode));
   MOE_CHECK(c.ranks >= 1 && c.ranks <= kMaxRanks, "argument 'ranks': expected 1..", kMaxRanks, ", got ", c.ranks);
   MOE_CHECK(transport.ranks() == c.ranks, "argument 'transport': expected a group of ranks = ", c.ranks,
             ", got one of ", transport.ranks());
@@ -216,16 +236,33 @@ EpDispatcher::EpDispatcher(const EpDispatcherConfig& config, EpTransport& transp
   // Every chunk carries at least one row of each pair (an empty chunk would be an exchange of
   // nothing); at most kEpMaxChunks, far past any useful overlap, so one exchange list of all chunks
   // fits on the stack.
-  const int64_t max_chunks = std::min<int64_t>(kEpMaxChunks, std::max<int64_t>(c.capacity, 1));
-  MOE_CHECK(c.chunks >= 1 && c.chunks <= max_chunks, "argument 'chunks': expected 1..", max_chunks,
-            " (at most 64 and at most capacity = ", c.capacity, "), got ", c.chunks);
+  m.dropless = c.mode == EpMode::kDroplessEager;
   m.P = c.ranks;
   m.slots = c.form == RoutingForm::kTopK ? c.topk : static_cast<int>(E);
+  if (m.dropless) {
+    MOE_CHECK(c.chunks == 1, "argument 'chunks': the overlapped pipeline is capacity mode only, expected 1 with ",
+              "mode = EpMode::kDroplessEager, got ", c.chunks);
+    MOE_CHECK(c.dropless_max_rows >= -1, "argument 'dropless_max_rows': expected >= 0 rows, or -1 for the worst ",
+              "case, got ", c.dropless_max_rows);
+    // A token reaches a rank at most once per local expert, so P * T_max * min(slots, E_local) rows
+    // is what one rank can receive at most.
+    m.M = c.dropless_max_rows >= 0 ? c.dropless_max_rows
+                                   : m.P * c.max_tokens * std::min<int64_t>(m.slots, c.local_experts);
+    m.S = c.max_tokens * m.slots;
+    m.B = std::max(m.S, m.M);
+    MOE_CHECK(m.B <= kInt32Max / 2, "argument 'dropless_max_rows': max(T_max * slots, dropless_max_rows) = ", m.B,
+              " does not fit the int32 row indices");
+  } else {
+    const int64_t max_chunks = std::min<int64_t>(kEpMaxChunks, std::max<int64_t>(c.capacity, 1));
+    MOE_CHECK(c.chunks >= 1 && c.chunks <= max_chunks, "argument 'chunks': expected 1..", max_chunks,
+              " (at most 64 and at most capacity = ", c.capacity, "), got ", c.chunks);
+    m.C = c.capacity;
+    m.PC = m.P * m.C;
+    MOE_CHECK(m.PC <= kInt32Max / 2, "argument 'capacity': ranks * capacity = ", m.PC,
+              " does not fit the int32 row indices");
+    m.S = m.B = m.PC;
+  }
   m.n = c.chunks;
-  m.C = c.capacity;
-  m.PC = m.P * m.C;
-  MOE_CHECK(m.PC <= kInt32Max / 2, "argument 'capacity': ranks * capacity = ", m.PC,
-            " does not fit the int32 row indices");
   m.row_bytes = dtype_bytes(c.row_dtype, c.hidden);
   m.layout = ep::ChunkLayout{m.P, m.C, m.n};
 
@@ -238,10 +275,10 @@ EpDispatcher::EpDispatcher(const EpDispatcherConfig& config, EpTransport& transp
   pc.row_dtype = DType::kFP32;
   pc.form = RoutingForm::kTopK;
   m.pack = std::make_unique<Dispatcher>(pc);
-  // Local stage: the received rows of one chunk (at most P * ceil(C / n)), one slot each, over the
-  // E_local local experts; one plan per chunk in the state.
+  // Local stage: the received rows of one chunk (at most P * ceil(C / n); dropless: M), one slot
+  // each, over the E_local local experts; one plan per chunk in the state.
   DispatcherConfig lc;
-  lc.max_tokens = m.P * m.layout.max_size();
+  lc.max_tokens = m.dropless ? m.M : m.P * m.layout.max_size();
   lc.num_experts = c.local_experts;
   lc.topk = 1;
   lc.hidden = c.hidden;
@@ -261,6 +298,12 @@ EpDispatcher::EpDispatcher(const EpDispatcherConfig& config, EpTransport& transp
   m.ws_memory = cuda_malloc_allocator().allocate(ws_bytes);
   m.ws = m.carve_workspace(static_cast<char*>(m.ws_memory.get()));
   m.pack_plan = m.pack->new_plan();
+  if (m.dropless) {
+    // The count matrix lands here: pinned, so its copy is a plain DMA before the one synchronisation.
+    void* h = nullptr;
+    MOE_CUDA_CHECK(cudaMallocHost(&h, sizeof(int64_t) * m.P * m.P));
+    m.host_counts = static_cast<int64_t*>(h);
+  }
   // The overlapped pipeline's events: the pack, the join, the Y rows gathered and returned (its
   // backward), each chunk's arrival and each chunk's return.
   m.events.reserve(4 + 2 * m.n);
@@ -278,8 +321,10 @@ int EpDispatcher::rank() const { return impl_->transport->rank(); }
 int64_t EpDispatcher::rows() const { return impl_->R; }
 int EpDispatcher::chunks() const { return impl_->n; }
 int64_t EpDispatcher::chunk_rows() const { return impl_->Rc; }
-int64_t EpDispatcher::exchange_rows() const { return impl_->PC; }
+int64_t EpDispatcher::exchange_rows() const { return impl_->B; }
 int EpDispatcher::slots_per_token() const { return impl_->slots; }
+EpMode EpDispatcher::mode() const { return impl_->cfg.mode; }
+int64_t EpDispatcher::dropless_max_rows() const { return impl_->M; }
 size_t EpDispatcher::state_bytes() const { return impl_->state_bytes(); }
 int EpDispatcher::state_headers() const { return impl_->state_headers(); }
 
@@ -297,6 +342,12 @@ void EpDispatcher::plan_and_dispatch(const RoutingView& routing, const TensorVie
   m.check_rows(x_perm, "x_perm", m.R);
   check_state_capacity(state, "state", m.state_bytes(), m.state_headers());
   const EpStateLayout s = m.carve_state(static_cast<char*>(state.device()));
+  if (m.dropless) {
+    m.check_eager(stream, "EpDispatcher::plan_and_dispatch");
+    m.dispatch_dropless(routing, T, x, error_word, state, s, x_perm, stream);
+    mark_filled(state, m.serial, StateKind::kDispatchPlan, T);
+    return;
+  }
   m.pack_rows(routing, T, x, error_word, s, stream);
   m.exchange_forward(s, 0, m.n, stream);
   for (int j = 0; j < m.n; ++j) m.receive_chunk(state, j, error_word, x_perm, stream);
@@ -313,6 +364,12 @@ void EpDispatcher::combine(const SavedState& state, const TensorView& Y, const T
   const float *by_row, *by_slot;
   // Merging weights of the source's sum: the routing probs by send row, or the given ones by slot.
   kernels::merge_weights(merge, probs, s.send_probs, T, m.slots, "EpDispatcher::combine", &by_row, &by_slot);
+  if (m.dropless) {
+    m.check_eager(stream, "EpDispatcher::combine");
+    m.return_Y_dropless(state, m.peer_rows(state), Y, stream);
+    m.sum_slots(s, T, y, by_row, by_slot, stream);
+    return;
+  }
   for (int j = 0; j < m.n; ++j) m.gather_chunk(state, j, Y, stream);
   m.exchange({{m.ws.recv, m.ws.send, m.row_bytes}}, 0, m.n, stream);
   // On the source: the token's slots in slot order, fp32, exactly the single-GPU combine.
@@ -336,12 +393,18 @@ void EpDispatcher::combine_backward(const SavedState& state, const TensorView& d
   const float *by_row, *by_slot;
   kernels::merge_weights(merge, probs, s.send_probs, T, m.slots, "EpDispatcher::combine_backward", &by_row,
                          &by_slot);
+  if (m.dropless) {
+    m.check_eager(stream, "EpDispatcher::combine_backward");
+    m.combine_backward_dropless(state, s, T, dy, dY, by_row, by_slot, merging, want_dot ? Y : nullptr, dprobs,
+                                stream);
+    return;
+  }
   // The Y rows travel back to the source again, as in the forward.
   if (want_dot) {
     for (int j = 0; j < m.n; ++j) m.gather_chunk(state, j, *Y, stream);
     m.exchange({{m.ws.recv, m.ws.send, m.row_bytes}}, 0, m.n, stream);
   }
-  m.scale_grads(s, T, dy, by_row, by_slot, merging, dprobs, want_dot, stream);
+  m.scale_grads(s, T, m.PC, dy, by_row, by_slot, merging, dprobs, want_dot, stream);
   m.exchange({{m.ws.recv, m.ws.send, m.row_bytes}}, 0, m.n, stream);
   // On the destination: each received row's gradient onto its x_perm row (pad rows zero).
   for (int j = 0; j < m.n; ++j) m.grads_to_rows(state, j, dY, stream);
@@ -357,6 +420,11 @@ void EpDispatcher::dispatch_backward(const SavedState& state, const TensorView& 
   m.check_rows(dx, "dx", T);
   if (d_probs_perm) check_device_tensor(*d_probs_perm, "d_probs_perm", DType::kFP32, {m.R}, 4);
   if (dprobs) check_device_tensor(*dprobs, "dprobs", DType::kFP32, {T, m.slots}, 4);
+  if (m.dropless) {
+    m.check_eager(stream, "EpDispatcher::dispatch_backward");
+    m.dispatch_backward_dropless(state, s, T, d_x_perm, dx, d_probs_perm, dprobs, stream);
+    return;
+  }
   // On the destination: each received row's gradient (its one x_perm row) in receive order.
   for (int j = 0; j < m.n; ++j) m.grads_to_receive_order(state, j, d_x_perm, d_probs_perm, stream);
   m.exchange_grads_back(0, m.n, stream);
@@ -402,12 +470,21 @@ TensorView EpDispatcher::slot_rows(const SavedState& state) const {
 TensorView EpDispatcher::send_probs(const SavedState& state) const {
   int64_t T = 0;
   const EpStateLayout s = impl_->filled(state, "EpDispatcher::send_probs", &T);
-  return TensorView(s.send_probs, DType::kFP32, {impl_->PC});
+  const int64_t rows = impl_->dropless ? impl_->peer_rows(state).send_total : impl_->PC;
+  return TensorView(s.send_probs, DType::kFP32, {rows});
 }
-TensorView EpDispatcher::send_buffer() const { return impl_->rows_view(impl_->ws.send, impl_->PC); }
-TensorView EpDispatcher::recv_buffer() const { return impl_->rows_view(impl_->ws.recv, impl_->PC); }
-TensorView EpDispatcher::recv_probs() const {
-  return TensorView(impl_->ws.recv_probs, DType::kFP32, {impl_->PC});
+std::vector<int64_t> EpDispatcher::sent_rows(const SavedState& state) const {
+  int64_t T = 0;
+  impl_->filled(state, "EpDispatcher::sent_rows", &T);
+  return impl_->dropless ? impl_->peer_rows(state).send : std::vector<int64_t>(impl_->P, impl_->C);
 }
+std::vector<int64_t> EpDispatcher::received_rows(const SavedState& state) const {
+  int64_t T = 0;
+  impl_->filled(state, "EpDispatcher::received_rows", &T);
+  return impl_->dropless ? impl_->peer_rows(state).recv : std::vector<int64_t>(impl_->P, impl_->C);
+}
+TensorView EpDispatcher::send_buffer() const { return impl_->rows_view(impl_->ws.send, impl_->B); }
+TensorView EpDispatcher::recv_buffer() const { return impl_->rows_view(impl_->ws.recv, impl_->B); }
+TensorView EpDispatcher::recv_probs() const { return TensorView(impl_->ws.recv_probs, DType::kFP32, {impl_->B}); }
 
 }  // namespace moe

@@ -57,4 +57,27 @@ struct EpCapacityArgs {
 };
 void launch_ep_capacity(const EpCapacityArgs& a, cudaStream_t stream);
 
+// The dropless layout of the send buffer (ep_dropless_pack.cu): the pack plan's rows themselves (its
+// destinations' blocks back to back, each in pack order), nothing dropped. In: slot_dest and the
+// pack plan's pack_slot_row, as for launch_ep_capacity. Out: send_slot_row [T * slots] = the pack
+// row of each valid slot, -1 else; for each used send row (the first sum(counts) rows, all used)
+// send_row_slot, send_probs and send_expert as launch_ep_capacity writes them (later rows are not
+// written: the dispatcher only reads the rows counted on the host). Then count_blocks [P * P] =
+// pack_count [P] repeated P times, the send side of the counts exchange (each rank sends its whole
+// count vector to every rank, so every rank learns the whole matrix).
+struct EpDroplessArgs {
+  EpRouting routing;
+  int P = 0;
+  int E_local = 0;
+  const int32_t* slot_dest = nullptr;
+  const int32_t* pack_slot_row = nullptr;
+  const int64_t* pack_count = nullptr;
+  int32_t* send_slot_row = nullptr;
+  int32_t* send_row_slot = nullptr;
+  float* send_probs = nullptr;
+  int32_t* send_expert = nullptr;
+  int64_t* count_blocks = nullptr;
+};
+void launch_ep_dropless(const EpDroplessArgs& a, cudaStream_t stream);
+
 }  // namespace moe::kernels

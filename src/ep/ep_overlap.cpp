@@ -52,6 +52,8 @@ void EpDispatcher::forward_overlapped(const RoutingView& routing, const TensorVi
                                       const TensorView& y, MergeProbs merge, const EpChunkFn& experts,
                                       cudaStream_t stream, cudaStream_t comm_stream, const TensorView* probs) const {
   const Impl& m = *impl_;
+  MOE_CHECK(!m.dropless, "argument 'mode' (config) of EpDispatcher::forward_overlapped: the overlapped pipeline is ",
+            "capacity mode only, got EpMode::kDroplessEager");
   const int64_t T = kernels::check_routing_args(routing, error_word, m.cfg.form, m.slots, m.cfg.max_tokens);
   m.check_rows(x, "x", T);
   m.check_rows(x_perm, "x_perm", m.R);
@@ -89,6 +91,8 @@ void EpDispatcher::backward_overlapped(const SavedState& state, const TensorView
                                        const EpChunkFn& experts_backward, cudaStream_t stream,
                                        cudaStream_t comm_stream, const EpBackwardOptions& opt) const {
   const Impl& m = *impl_;
+  MOE_CHECK(!m.dropless, "argument 'mode' (config) of EpDispatcher::backward_overlapped: the overlapped pipeline is ",
+            "capacity mode only, got EpMode::kDroplessEager");
   int64_t T = 0;
   const EpStateLayout s = m.filled(state, "EpDispatcher::backward_overlapped", &T);
   m.check_rows(dy, "dy", T);
@@ -118,7 +122,7 @@ void EpDispatcher::backward_overlapped(const SavedState& state, const TensorView
     order(ev(kReturned), comm_stream, stream);
   }
   // Combine backward on the source, then each chunk's gradients to the destinations.
-  m.scale_grads(s, T, dy, by_row, by_slot, merging, opt.dprobs_combine, want_dot, stream);
+  m.scale_grads(s, T, m.PC, dy, by_row, by_slot, merging, opt.dprobs_combine, want_dot, stream);
   order(ev(kPacked), stream, comm_stream);
   for (int j = 0; j < m.n; ++j) {
     m.exchange({{m.ws.recv, m.ws.send, m.row_bytes}}, j, j + 1, comm_stream);

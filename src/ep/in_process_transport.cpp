@@ -1,8 +1,10 @@
 // InProcessGroup: P simulated ranks on one device (see include/moe/expert_parallel.h). Each rank
-// is a host thread; an all_to_all is a host barrier at which the last rank to arrive enqueues every
-// rank's block copies on the shared stream. The barrier orders enqueueing only (no device sync).
+// is a host thread; an all_to_all (or all_to_all_v) is a host barrier at which the last rank to
+// arrive checks that every rank made the same call and enqueues every rank's copies on the shared
+// stream. The barrier orders enqueueing only (no device sync).
 #include <condition_variable>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "device/cuda_check.h"
@@ -22,10 +24,26 @@ class Endpoint final : public EpTransport {
   int rank() const override { return rank_; }
   int ranks() const override { return ranks_; }
   void all_to_all(const EpExchange* exchanges, int count, cudaStream_t stream) override;
+  void all_to_all_v(const EpVarExchange* exchanges, int count, cudaStream_t stream) override;
 
  private:
   GroupCore* group_;
   int rank_, ranks_;
+};
+
+// One rank's variable-size exchange, its host arrays copied (the caller's may go once it returns).
+struct VarCall {
+  const char* send = nullptr;
+  char* recv = nullptr;
+  std::vector<size_t> send_bytes, send_offsets, recv_bytes, recv_offsets;
+};
+
+// One rank's call of the current round: fixed-size blocks or per-peer sizes.
+struct Call {
+  bool variable = false;
+  std::vector<EpExchange> fixed;
+  std::vector<VarCall> var;
+  size_t count() const { return variable ? var.size() : fixed.size(); }
 };
 
 struct GroupCore {
@@ -35,7 +53,7 @@ struct GroupCore {
   int arrived = 0;
   uint64_t generation = 0;
   bool aborted = false;
-  std::vector<std::vector<EpExchange>> pending;  // [P] the calls of the current round
+  std::vector<Call> pending;                     // [P] the calls of the current round
   std::vector<cudaStream_t> streams;             // [P]
 
   void fail_locked() {
@@ -43,35 +61,60 @@ struct GroupCore {
     cv.notify_all();
   }
 
-  // The last rank's part: every block of every exchange, s -> d, on the shared stream.
+  // The last rank's part: the calls agree, then every block of every exchange, s -> d, on the
+  // shared stream. Everything is checked before the first copy is enqueued.
   void enqueue_copies() {
-    const std::vector<EpExchange>& first = pending[0];
+    const Call& first = pending[0];
     for (int r = 1; r < P; ++r) {
-      MOE_CHECK(pending[r].size() == first.size(), "InProcessGroup::all_to_all: rank ", r, " exchanges ",
-                pending[r].size(), " buffers, rank 0 ", first.size(), ": every rank must make the same call");
+      MOE_CHECK(pending[r].variable == first.variable, "InProcessGroup: rank ", r, " called ",
+                pending[r].variable ? "all_to_all_v" : "all_to_all", ", rank 0 ",
+                first.variable ? "all_to_all_v" : "all_to_all", ": every rank must make the same call");
+      MOE_CHECK(pending[r].count() == first.count(), "InProcessGroup::all_to_all: rank ", r, " exchanges ",
+                pending[r].count(), " buffers, rank 0 ", first.count(), ": every rank must make the same call");
       MOE_CHECK(streams[r] == streams[0], "InProcessGroup::all_to_all: rank ", r,
                 " used another stream than rank 0: the simulated ranks share one stream");
-      for (size_t j = 0; j < first.size(); ++j)
-        MOE_CHECK(pending[r][j].block_bytes == first[j].block_bytes, "InProcessGroup::all_to_all: exchange ", j,
-                  " has blocks of ", pending[r][j].block_bytes, " bytes on rank ", r, ", ", first[j].block_bytes,
-                  " on rank 0");
+      if (!first.variable)
+        for (size_t j = 0; j < first.fixed.size(); ++j)
+          MOE_CHECK(pending[r].fixed[j].block_bytes == first.fixed[j].block_bytes,
+                    "InProcessGroup::all_to_all: exchange ", j, " has blocks of ", pending[r].fixed[j].block_bytes,
+                    " bytes on rank ", r, ", ", first.fixed[j].block_bytes, " on rank 0");
     }
-    for (size_t j = 0; j < first.size(); ++j) {
-      const size_t bb = first[j].block_bytes;
+    if (first.variable) {
+      for (size_t j = 0; j < first.var.size(); ++j)
+        for (int s = 0; s < P; ++s)
+          for (int d = 0; d < P; ++d)
+            MOE_CHECK(pending[s].var[j].send_bytes[d] == pending[d].var[j].recv_bytes[s],
+                      "InProcessGroup::all_to_all_v: exchange ", j, ": rank ", s, " sends ",
+                      pending[s].var[j].send_bytes[d], " bytes to rank ", d, ", which expects ",
+                      pending[d].var[j].recv_bytes[s]);
+      for (size_t j = 0; j < first.var.size(); ++j)
+        for (int s = 0; s < P; ++s)
+          for (int d = 0; d < P; ++d) {
+            const VarCall &from = pending[s].var[j], &to = pending[d].var[j];
+            const size_t n = from.send_bytes[d];
+            if (n == 0) continue;
+            MOE_CUDA_CHECK(cudaMemcpyAsync(to.recv + to.recv_offsets[s], from.send + from.send_offsets[d], n,
+                                           cudaMemcpyDeviceToDevice, streams[0]));
+          }
+      return;
+    }
+    for (size_t j = 0; j < first.fixed.size(); ++j) {
+      const size_t bb = first.fixed[j].block_bytes;
       if (bb == 0) continue;
       for (int s = 0; s < P; ++s)
         for (int d = 0; d < P; ++d) {
-          const char* from = static_cast<const char*>(pending[s][j].send) + d * bb;
-          char* to = static_cast<char*>(pending[d][j].recv) + s * bb;
+          const char* from = static_cast<const char*>(pending[s].fixed[j].send) + d * bb;
+          char* to = static_cast<char*>(pending[d].fixed[j].recv) + s * bb;
           MOE_CUDA_CHECK(cudaMemcpyAsync(to, from, bb, cudaMemcpyDeviceToDevice, streams[0]));
         }
     }
   }
 
-  void all_to_all(int rank, const EpExchange* exchanges, int count, cudaStream_t stream) {
+  // One rank's arrival at the barrier with its call.
+  void arrive(int rank, Call call, cudaStream_t stream) {
     std::unique_lock<std::mutex> lock(mu);
     MOE_CHECK(!aborted, "InProcessGroup::all_to_all (rank ", rank, "): the group was aborted by a failing rank");
-    pending[rank].assign(exchanges, exchanges + count);
+    pending[rank] = std::move(call);
     streams[rank] = stream;
     if (++arrived == P) {
       try {
@@ -102,7 +145,27 @@ struct InProcessGroup::Impl {
 namespace {
 void Endpoint::all_to_all(const EpExchange* exchanges, int count, cudaStream_t stream) {
   check_exchanges(exchanges, count);
-  group_->all_to_all(rank_, exchanges, count, stream);
+  Call c;
+  c.fixed.assign(exchanges, exchanges + count);
+  group_->arrive(rank_, std::move(c), stream);
+}
+
+void Endpoint::all_to_all_v(const EpVarExchange* exchanges, int count, cudaStream_t stream) {
+  check_var_exchanges(exchanges, count, ranks_);
+  Call c;
+  c.variable = true;
+  for (int j = 0; j < count; ++j) {
+    const EpVarExchange& x = exchanges[j];
+    VarCall v;
+    v.send = static_cast<const char*>(x.send);
+    v.recv = static_cast<char*>(x.recv);
+    v.send_bytes.assign(x.send_bytes, x.send_bytes + ranks_);
+    v.send_offsets.assign(x.send_offsets, x.send_offsets + ranks_);
+    v.recv_bytes.assign(x.recv_bytes, x.recv_bytes + ranks_);
+    v.recv_offsets.assign(x.recv_offsets, x.recv_offsets + ranks_);
+    c.var.push_back(std::move(v));
+  }
+  group_->arrive(rank_, std::move(c), stream);
 }
 }  // namespace
 

@@ -1,5 +1,6 @@
 // NcclTransport: the all-to-all over NCCL point-to-point calls, one group per all_to_all (every
-// exchange's P sends and P receives, the rank itself included). Built only with MOE_HAVE_NCCL.
+// exchange's P sends and P receives, the rank itself included); all_to_all_v likewise with each
+// peer's own sizes. Built only with MOE_HAVE_NCCL.
 #include "ep/exchange_check.h"
 #include "moe/error.h"
 #include "moe/expert_parallel.h"
@@ -55,6 +56,35 @@ void NcclTransport::all_to_all(const EpExchange* exchanges, int count, cudaStrea
 #else
   (void)stream;
   detail::throw_error("NcclTransport::all_to_all: this build of moe-engine has no NCCL");
+#endif
+}
+
+void NcclTransport::all_to_all_v(const EpVarExchange* exchanges, int count, cudaStream_t stream) {
+  check_var_exchanges(exchanges, count, ranks_);
+#if MOE_HAVE_NCCL
+  // One group for every exchange: the peers' transfers proceed together. A zero-byte transfer is
+  // left out; the peer leaves out its side too (the sizes of a pair agree on both ranks).
+  MOE_NCCL_CHECK(ncclGroupStart());
+  try {
+    for (int j = 0; j < count; ++j) {
+      const EpVarExchange& x = exchanges[j];
+      for (int p = 0; p < ranks_; ++p) {
+        if (x.send_bytes[p] > 0)
+          MOE_NCCL_CHECK(ncclSend(static_cast<const char*>(x.send) + x.send_offsets[p], x.send_bytes[p], ncclChar, p,
+                                  comm_, stream));
+        if (x.recv_bytes[p] > 0)
+          MOE_NCCL_CHECK(
+              ncclRecv(static_cast<char*>(x.recv) + x.recv_offsets[p], x.recv_bytes[p], ncclChar, p, comm_, stream));
+      }
+    }
+  } catch (...) {
+    ncclGroupEnd();
+    throw;
+  }
+  MOE_NCCL_CHECK(ncclGroupEnd());
+#else
+  (void)stream;
+  detail::throw_error("NcclTransport::all_to_all_v: this build of moe-engine has no NCCL");
 #endif
 }
 

@@ -6,17 +6,21 @@
 // The overlapped pipeline (chunks > 1, a communication stream per rank beside its compute stream)
 // with the row-local stand-in experts must equal the in-process overlapped run bit for bit, which
 // tests/gpu/test_expert_parallel_overlap.cpp checks against the unchunked step, and its token-side
-// outputs the unchunked step directly.
+// outputs the unchunked step directly. The dropless eager mode (variable-size ncclSend / ncclRecv
+// per peer) likewise against its in-process run, which tests/gpu/test_expert_parallel_dropless.cu
+// checks against the reference.
 // SKIPPED without NCCL in the build or with fewer GPUs than ranks. NVLink multicast (NVLS) is
 // switched off before NCCL starts: it must never be used here.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "moe/error.h"
 #include "moe/expert_parallel.h"
 #include "support/ep_harness.h"
 #include "support/ep_overlap_harness.h"
@@ -88,12 +92,14 @@ std::string nccl_unavailable(int P) {
 #endif
 }
 
-void run_both(const EpCase& c) {
+// concentrate: every entry on rank 0's experts (tests/support/ep_harness.h).
+void run_both(const EpCase& c, bool concentrate = false) {
   MOE_REQUIRE_GPU();
   const std::string why = nccl_unavailable(c.P);
   if (!why.empty()) GTEST_SKIP() << why;
 #if MOE_HAVE_NCCL
-  const EpInputs in = make_ep_inputs(c, c.seed);
+  EpInputs in = make_ep_inputs(c, c.seed);
+  if (concentrate) concentrate_routing(c, in);
   const std::vector<EpRankOut> want = run_in_process(c, in, c.seed + 100);
   const std::vector<EpRankOut> got = run_nccl(c, [&](const EpWorld& w) { return run_ep_case(c, w, in, c.seed + 100); });
   ASSERT_EQ(got.size(), want.size());
@@ -148,6 +154,67 @@ TEST(ExpertParallelNccl, TwoRanksTopKMatchesInProcess) { run_both(nccl_case(2, R
 TEST(ExpertParallelNccl, TwoRanksMapMatchesInProcess) { run_both(nccl_case(2, RoutingForm::kMap)); }
 TEST(ExpertParallelNccl, FourRanksTopKMatchesInProcess) { run_both(nccl_case(4, RoutingForm::kTopK)); }
 TEST(ExpertParallelNccl, FourRanksMapMatchesInProcess) { run_both(nccl_case(4, RoutingForm::kMap)); }
+
+EpCase dropless_case(int P, RoutingForm form) {
+  EpCase c = nccl_case(P, form);
+  c.mode = EpMode::kDroplessEager;
+  c.name += " dropless";
+  return c;
+}
+
+// Skewed routing (past the capacity-mode cases' C = 48 on some pairs: here nothing drops), then
+// every entry on rank 0 (its receive is the largest possible), rank 1 without tokens in both.
+TEST(ExpertParallelNccl, TwoRanksDroplessMatchesInProcess) {
+  run_both(dropless_case(2, RoutingForm::kTopK));
+  run_both(dropless_case(2, RoutingForm::kTopK), /*concentrate=*/true);
+  run_both(dropless_case(2, RoutingForm::kMap));
+}
+TEST(ExpertParallelNccl, FourRanksDroplessMatchesInProcess) {
+  run_both(dropless_case(4, RoutingForm::kTopK));
+  run_both(dropless_case(4, RoutingForm::kMap), /*concentrate=*/true);
+}
+
+// Too many rows for rank 0: every NCCL rank throws (none is left in a collective), then a routing
+// that fits runs over the same communicators, equal to the in-process run.
+TEST(ExpertParallelNccl, TwoRanksDroplessMaxRowsErrorThenUsable) {
+  EpCase c = dropless_case(2, RoutingForm::kTopK);
+  MOE_REQUIRE_GPU();
+  const std::string why = nccl_unavailable(c.P);
+  if (!why.empty()) GTEST_SKIP() << why;
+#if MOE_HAVE_NCCL
+  c.T = {40, 24};
+  c.dropless_max_rows = 100;  // rank 0 would receive (40 + 24) * 4 = 256 rows concentrated
+  EpInputs too_many = make_ep_inputs(c, 9);
+  concentrate_routing(c, too_many);
+  EpInputs fits = make_ep_inputs(c, 10);
+  // Token t of each rank: two entries on rank t % 2 (experts 4 (t % 2) + s), its other slots
+  // empty: (20 + 12) * 2 = 64 rows per destination.
+  for (int p = 0; p < c.P; ++p)
+    for (int64_t t = 0; t < c.T[p]; ++t)
+      for (int s = 0; s < c.k; ++s)
+        fits.routing[p].indices[t * c.k + s] = s < 2 ? static_cast<int32_t>(4 * (t % 2) + s) : -1;
+  const std::vector<EpRankOut> want = run_in_process(c, fits, 111);
+  const std::vector<EpRankOut> got = run_nccl(c, [&](const EpWorld& w) {
+    std::vector<EpRank> ranks = make_ranks(c, w, too_many);
+    std::atomic<int> failures{0};
+    run_ranks(w, [&](int p) {
+      try {
+        EpRank& r = ranks[p];
+        r.ep->plan_and_dispatch(routing_view(c, r), rows_view(c, r.x, r.T), r.err->device_ptr(), r.state,
+                                rows_view(c, r.x_perm, r.ep->rows()), w.stream[p]);
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("dropless_max_rows"), std::string::npos) << e.what();
+        ++failures;
+      }
+    });
+    EXPECT_EQ(failures.load(), c.P);
+    sync_world(w);
+    return run_ep_case(c, w, fits, 111);
+  });
+  ASSERT_EQ(got.size(), want.size());
+  expect_same_outputs(got, want, c.name + " after the max-rows error, NCCL vs in-process");
+#endif
+}
 
 EpCase overlap_case(int P, int chunks, RoutingForm form) {
   EpCase c = nccl_case(P, form);

@@ -44,7 +44,10 @@ struct EpCase {
   uint64_t seed = 1;
   int64_t row_bound = -1;
   int chunks = 1;
+  EpMode mode = EpMode::kCapacity;
+  int64_t dropless_max_rows = -1;
 
+  bool dropless() const { return mode == EpMode::kDroplessEager; }
   int E() const { return P * E_local; }
   int slots() const { return form == RoutingForm::kTopK ? k : E(); }
   int64_t T_max() const {
@@ -65,15 +68,24 @@ struct EpCase {
     c.max_tokens = T_max();
     c.row_bound = row_bound;
     c.chunks = chunks;
+    c.mode = mode;
+    c.dropless_max_rows = dropless_max_rows;
     return c;
+  }
+  // Dropless mode: the receive bound and R_d the dispatcher documents (EpDispatcherConfig), worked
+  // out here independently; the reference's x_perm gets the same R_d, so a dispatcher that sized
+  // its x_perm otherwise fails the comparison.
+  int64_t dropless_rows() const {
+    return dropless_max_rows >= 0 ? dropless_max_rows : P * T_max() * std::min<int64_t>(slots(), E_local);
   }
   ref::EpConfig ref_config() const {
     ref::EpConfig c;
     c.P = P;
     c.E_local = E_local;
     c.align = A;
-    c.capacity = C;
+    c.capacity = dropless() ? -1 : C;
     c.row_bound = row_bound;
+    if (dropless() && row_bound < 0) c.row_bound = dropless_rows() + (A > 0 ? int64_t{E_local} * (A - 1) : 0);
     return c;
   }
 };
@@ -115,6 +127,23 @@ inline EpInputs make_ep_inputs(const EpCase& c, uint64_t seed) {
     in.x.push_back(random_rows(c.T[p], c.H, c.dt, s + 17));
   }
   return in;
+}
+
+// Every valid entry of every rank on rank 0's experts, expert 0 in every token (top-k: token t's
+// slot s holds expert (s + t) % k, so expert 0 moves through the slots; needs k <= E_local; map
+// form: expert 0 added to every token): no capacity short of all the tokens holds expert 0's rows.
+inline void concentrate_routing(const EpCase& c, EpInputs& in) {
+  for (int p = 0; p < c.P; ++p) {
+    ref::Routing& r = in.routing[p];
+    for (int64_t t = 0; t < r.T; ++t) {
+      if (c.form == RoutingForm::kTopK)
+        for (int s = 0; s < c.k; ++s) r.indices[t * c.k + s] = static_cast<int32_t>((s + t) % c.k);
+      else if (!r.map[t * c.E()]) {
+        r.map[t * c.E()] = 1;
+        r.probs[t * c.E()] = (1 + t % 7) / 8.0;  // exact in fp32
+      }
+    }
+  }
 }
 
 // All ranks as one batch: their routings (global expert ids) and their rows in rank order.
@@ -345,6 +374,15 @@ inline void download_dispatch(const EpWorld& w, std::vector<EpRank>& ranks, std:
     o.send = download_bytes(r.ep->send_buffer());
     o.recv = download_bytes(r.ep->recv_buffer());
     o.recv_probs = download_view<float>(r.ep->recv_probs());
+    if (r.ep->mode() == EpMode::kDroplessEager) {  // the dispatch's rows are the first sent / received ones
+      int64_t sent = 0, received = 0;
+      for (int64_t n : r.ep->sent_rows(r.state)) sent += n;
+      for (int64_t n : r.ep->received_rows(r.state)) received += n;
+      const size_t row = o.send.size() / static_cast<size_t>(r.ep->exchange_rows());
+      o.send.resize(static_cast<size_t>(sent) * row);
+      o.recv.resize(static_cast<size_t>(received) * row);
+      o.recv_probs.resize(static_cast<size_t>(received));
+    }
     o.send_probs = download_view<float>(r.ep->send_probs(r.state));
     o.probs_perm.clear();
     o.group_offsets.clear();
