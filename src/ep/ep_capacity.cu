@@ -6,6 +6,7 @@
 #include "device/cuda_check.h"
 #include "ep/chunk_layout.h"
 #include "ep/ep_kernels.h"
+#include "ep/send_row.cuh"
 #include "moe/device_errors.h"
 
 namespace moe::kernels {
@@ -35,10 +36,7 @@ __global__ void __launch_bounds__(kThreads) capacity_rows_kernel(EpCapacityArgs 
     if (rank_in_d < a.C) {
       const ep::ChunkLayout chunks{a.P, a.C, a.chunks};
       row = static_cast<int32_t>(chunks.row(d, rank_in_d));
-      const int expert = rt.form == RoutingForm::kTopK ? rt.indices[i] : static_cast<int>(i % rt.slots);
-      a.send_row_slot[row] = static_cast<int32_t>(i);
-      a.send_probs[row] = rt.probs[i];  // bitwise the routing's prob: it travels with its row
-      a.send_expert[row] = expert - d * a.E_local;
+      fill_send_row(rt, i, row, d, a.E_local, a.send_row_slot, a.send_probs, a.send_expert);
     }
   }
   a.send_slot_row[i] = row;

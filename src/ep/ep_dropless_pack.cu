@@ -5,6 +5,7 @@
 // A pure function of the plan (no atomics whose order could matter).
 #include "device/cuda_check.h"
 #include "ep/ep_kernels.h"
+#include "ep/send_row.cuh"
 
 namespace moe::kernels {
 namespace {
@@ -20,10 +21,7 @@ __global__ void __launch_bounds__(kThreads) dropless_rows_kernel(EpDroplessArgs 
   int32_t row = -1;
   if (d >= 0) {
     row = a.pack_slot_row[i];
-    const int expert = rt.form == RoutingForm::kTopK ? rt.indices[i] : static_cast<int>(i % rt.slots);
-    a.send_row_slot[row] = static_cast<int32_t>(i);
-    a.send_probs[row] = rt.probs[i];  // bitwise the routing's prob: it travels with its row
-    a.send_expert[row] = expert - d * a.E_local;
+    fill_send_row(rt, i, row, d, a.E_local, a.send_row_slot, a.send_probs, a.send_expert);
   }
   a.send_slot_row[i] = row;
 }

@@ -23,6 +23,26 @@
 
 namespace moe {
 
+#if MOE_HAVE_NCCL
+namespace {
+
+// One NCCL group around `enqueue` (its ncclSend / ncclRecv calls): the transfers proceed together.
+// The group is closed even when enqueueing throws.
+template <class Enqueue>
+void nccl_group(Enqueue&& enqueue) {
+  MOE_NCCL_CHECK(ncclGroupStart());
+  try {
+    enqueue();
+  } catch (...) {
+    ncclGroupEnd();
+    throw;
+  }
+  MOE_NCCL_CHECK(ncclGroupEnd());
+}
+
+}  // namespace
+#endif
+
 bool nccl_transport_available() { return MOE_HAVE_NCCL != 0; }
 
 NcclTransport::NcclTransport(ncclComm* comm) : comm_(comm) {
@@ -38,8 +58,7 @@ NcclTransport::NcclTransport(ncclComm* comm) : comm_(comm) {
 void NcclTransport::all_to_all(const EpExchange* exchanges, int count, cudaStream_t stream) {
   check_exchanges(exchanges, count);
 #if MOE_HAVE_NCCL
-  MOE_NCCL_CHECK(ncclGroupStart());
-  try {
+  nccl_group([&] {
     for (int j = 0; j < count; ++j) {
       const size_t bb = exchanges[j].block_bytes;
       if (bb == 0) continue;
@@ -48,11 +67,7 @@ void NcclTransport::all_to_all(const EpExchange* exchanges, int count, cudaStrea
         MOE_NCCL_CHECK(ncclRecv(static_cast<char*>(exchanges[j].recv) + p * bb, bb, ncclChar, p, comm_, stream));
       }
     }
-  } catch (...) {
-    ncclGroupEnd();
-    throw;
-  }
-  MOE_NCCL_CHECK(ncclGroupEnd());
+  });
 #else
   (void)stream;
   detail::throw_error("NcclTransport::all_to_all: this build of moe-engine has no NCCL");
@@ -62,10 +77,9 @@ void NcclTransport::all_to_all(const EpExchange* exchanges, int count, cudaStrea
 void NcclTransport::all_to_all_v(const EpVarExchange* exchanges, int count, cudaStream_t stream) {
   check_var_exchanges(exchanges, count, ranks_);
 #if MOE_HAVE_NCCL
-  // One group for every exchange: the peers' transfers proceed together. A zero-byte transfer is
-  // left out; the peer leaves out its side too (the sizes of a pair agree on both ranks).
-  MOE_NCCL_CHECK(ncclGroupStart());
-  try {
+  // One group for every exchange. A zero-byte transfer is left out; the peer leaves out its side
+  // too (the sizes of a pair agree on both ranks).
+  nccl_group([&] {
     for (int j = 0; j < count; ++j) {
       const EpVarExchange& x = exchanges[j];
       for (int p = 0; p < ranks_; ++p) {
@@ -77,11 +91,7 @@ void NcclTransport::all_to_all_v(const EpVarExchange* exchanges, int count, cuda
               ncclRecv(static_cast<char*>(x.recv) + x.recv_offsets[p], x.recv_bytes[p], ncclChar, p, comm_, stream));
       }
     }
-  } catch (...) {
-    ncclGroupEnd();
-    throw;
-  }
-  MOE_NCCL_CHECK(ncclGroupEnd());
+  });
 #else
   (void)stream;
   detail::throw_error("NcclTransport::all_to_all_v: this build of moe-engine has no NCCL");
