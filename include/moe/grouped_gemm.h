@@ -103,6 +103,8 @@ class GroupedGemm {
 
   // Device bytes of one call's workspace for up to `experts` groups (default: max_experts).
   size_t workspace_bytes(int experts = 0) const;
+  // SMs the persistent kernels' grids use (max_sms resolved against the device).
+  int sm_count() const;
 
   // Enqueues the product on `stream`. workspace: device uint8 of at least workspace_bytes(E)
   // bytes, 256-byte aligned, not used by any other launch in flight.

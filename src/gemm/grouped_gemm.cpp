@@ -153,6 +153,8 @@ GroupedGemm::GroupedGemm(int max_experts, int64_t max_rows, int max_sms) : impl_
 
 GroupedGemm::~GroupedGemm() = default;
 
+int GroupedGemm::sm_count() const { return impl_->sm_count; }
+
 int GroupedGemm::max_experts() const { return impl_->max_experts; }
 int64_t GroupedGemm::max_rows() const { return impl_->max_rows; }
 

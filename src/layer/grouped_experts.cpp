@@ -131,12 +131,7 @@ struct GroupedExperts::Impl {
       MOE_CHECK(cfg.dtype == DType::kBF16, "config 'fuse_fc2_dgrad': the fused fc2 dgrad takes bf16 activations and ",
                 "weights");
     }
-    {  // the persistent fused kernels' grid (the CUTLASS ones take the same bound through gemm)
-      int device = 0;
-      MOE_CUDA_CHECK(cudaGetDevice(&device));
-      MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-      if (cfg.max_sms > 0) sm_count = std::max(2, std::min(sm_count, cfg.max_sms) / 2 * 2);  // as GroupedGemm
-    }
+    sm_count = gemm.sm_count();  // the fused kernels' persistent grids: the same SMs as the GEMMs'
     gemm_ws_bytes = gemm.workspace_bytes();
     plan_workspace(nullptr);
     block = cuda_malloc_allocator().allocate(block_bytes);

@@ -49,14 +49,14 @@ _GATED = {"swiglu", "geglu", "clamped-swiglu"}
 _ORDER = (("fc2", "weight"), ("fc2", "bias"), ("fc1", "weight"), ("fc1", "bias"))
 
 
+def _fused_default(choice, ffn_hidden_size, num_experts, max_ffn):
+    # A fused kernel where it was measured no slower (ffn_hidden_size <= max_ffn, and at most 4096
+    # experts, the kernels' limit), unless chosen; mirrors `moe-engine bench --fc1 / --dgrad auto`.
+    return (ffn_hidden_size <= max_ffn and num_experts <= 4096) if choice is None else bool(choice)
+
+
 def _fuse_fc1(choice, ffn_hidden_size, num_experts):
-    # Mirrors `moe-engine bench --fc1 auto` (tools/bench_command.cpp).
-    return (ffn_hidden_size <= 1024 and num_experts <= 4096) if choice is None else bool(choice)
-
-
-def _fuse_fc2_dgrad(choice, ffn_hidden_size, num_experts):
-    # Mirrors `moe-engine bench --dgrad auto` (tools/bench_command.cpp).
-    return (ffn_hidden_size <= 256 and num_experts <= 4096) if choice is None else bool(choice)
+    return _fused_default(choice, ffn_hidden_size, num_experts, 1024)
 
 
 class _ExpertModule(nn.Module):
@@ -223,7 +223,7 @@ class GroupedMLP(_ExpertModule):
         self.topk = topk
         self.recompute = recompute
         self.fuse_fc1 = _fuse_fc1(fuse_fc1, ffn_hidden_size, num_experts)
-        self.fuse_fc2_dgrad = _fuse_fc2_dgrad(fuse_fc2_dgrad, ffn_hidden_size, num_experts)
+        self.fuse_fc2_dgrad = _fused_default(fuse_fc2_dgrad, ffn_hidden_size, num_experts, 256)
         self.save_x_perm = save_x_perm
         # Whether backward (and backward_dw) read the forward's x again.
         self.reads_x = recompute or not save_x_perm
