@@ -1,17 +1,24 @@
 // The fused fc2 dgrad + activation backward kernel (fc2_dgrad_activation.h; design in docs/fused.md).
 //
-// Persistent and warp-specialized, one CTA per SM, 384 threads, the structure of the fused fc1:
-//   * warp group 0 (producer) gathers the dY rows of each 128-row tile straight from dy through the
+// Persistent and warp-specialized, one CTA per SM, 384 threads:
+//   * warp group 0 (producer) gathers the dY rows of each 64-row tile straight from dy through the
 //     dispatch map with 16-byte cp.async (gather_rows.cuh), 64 columns (of H) at a time, into a
-//     4-stage ring. The fc2 weight tile -- 64 rows of H x 256 features of W2[e], MN-major for the
+//     5-stage ring. The fc2 weight tile -- 64 rows of H x 256 features of W2[e], MN-major for the
 //     WGMMA -- comes by TMA in four 64 x 64 boxes: two CTAs of a cluster, two row blocks of one
 //     expert, each load two boxes and multicast them to both. Per-expert weights (no single
 //     tensor for a TMA map) are copied by cp.async instead, each CTA its own.
-//   * warp groups 1 and 2 (consumers) run WGMMA 64x256x16 (A K-major, B MN-major) on rows 0-63 and
-//     64-127, then the epilogue from registers: round dact to bf16, read the saved pre-activation
-//     of the same features, write dh over it, sum dact x act for dprobs (a quad of lanes holds a
-//     row's 256 features: two shuffles, no atomics), optionally write the recomputed act x prob.
-// Tiles: (expert, cluster of 128-row blocks, feature block of 256) as in the fused fc1
+//   * warp groups 1 and 2 (consumers) take the CTA's tiles in turn (ping-pong): each runs WGMMA
+//     64x256x16 (A K-major, B MN-major) over a whole tile, then its epilogue from registers -- round
+//     dact to bf16, read the saved pre-activation of the same features, write dh over it, sum
+//     dact x act for dprobs (a quad of lanes holds a row's 256 features: two shuffles, no atomics),
+//     optionally write the recomputed act x prob -- while the other warp group's main loop keeps
+//     the tensor cores busy. The epilogue waits on memory (h in, dh and act out); without the
+//     overlap the tensor cores idle through it.
+// The two consumer warp groups read one stage ring in tile order: a warp group skips the stages of
+// the other's tiles, and an order barrier lets it start a main loop only after the other has
+// finished its previous one. That keeps every wait on a stage barrier at most one phase ahead of
+// it (a parity wait two phases ahead would pass on the wrong phase).
+// Tiles: (expert, cluster of 64-row blocks, feature block of 256) as in the fused fc1
 // (row_tiles.cuh). With more than one feature block, each writes its dprobs partial sum and a
 // second kernel adds them in feature-block order (deterministic).
 #include <cuda_bf16.h>
@@ -53,17 +60,18 @@ using kernels::ActConsts;
 using kernels::ActOp;
 using kernels::kVec;
 
-constexpr int kBM = kGatherRows, kBN = 256, kBK = kGatherCols, kStages = 4, kCluster = 2;
-static_assert(kBM == 128 && kBK == 64, "the gathered A stage (gather_rows.cuh) is 128 x 64");
-constexpr int kProducerThreads = kGatherThreads, kConsumerThreads = 256;
-constexpr int kThreads = kProducerThreads + kConsumerThreads;
-constexpr int kStageBytesA = kBM * kBK * 2;                // 16 KiB
+constexpr int kBM = 64, kBN = 256, kBK = kGatherCols, kStages = 5, kCluster = 2;
+static_assert(kBK == 64, "the gathered A stage (gather_rows.cuh) is 64 columns wide");
+constexpr int kRows = rows_per_thread(kBM);                // rows of a tile one producer thread copies
+constexpr int kProducerThreads = kGatherThreads, kGroupThreads = 128, kConsumerGroups = 2;
+constexpr int kThreads = kProducerThreads + kConsumerGroups * kGroupThreads;
+constexpr int kStageBytesA = kBM * kBK * 2;                // 8 KiB
 constexpr int kBoxCols = 64;                               // one TMA box: 64 features (128 bytes) x 64 rows of H
 constexpr int kBoxBytes = kBoxCols * kBK * 2;              // 8 KiB
 constexpr int kStageBytesB = kBN * kBK * 2;                // 32 KiB: all four boxes land in every CTA
 constexpr int kBoxesPerCta = kBN / kBoxCols / kCluster;    // 2
 constexpr int kMaxExperts = 4096;
-constexpr int kProducerRegs = 88, kConsumerRegs = 208;     // as in the fused fc1: 128 * 88 + 256 * 208 <= 64K
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;     // 128 * 56 + 256 * 224 <= 64K
 
 // A: K-major 128-byte swizzled (as the fused fc1's). B: MN-major, 64 consecutive features of one
 // row of H are 128 contiguous bytes; the atoms of one 64-feature box stack along K first, so that a
@@ -73,7 +81,7 @@ using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{},
 using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<bf16>{},
                                            make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{}), Step<_2, _1, _3>{}));
 using TiledMma = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{},
-                                         Layout<Shape<_2, _1, _1>>{}));
+                                         Layout<Shape<_1, _1, _1>>{}));  // one warp group per tile
 static_assert(cosize_v<SmemLayoutB> == kStages * kBN * kBK, "the weight stages are contiguous");
 
 struct SharedStorage {
@@ -81,6 +89,7 @@ struct SharedStorage {
   alignas(1024) bf16 b[cosize_v<SmemLayoutB>];
   alignas(8) uint64_t full[kStages];   // producer -> consumers: the stage's copies and boxes landed
   alignas(8) uint64_t empty[kStages];  // consumers of both CTAs -> producer: the stage's WGMMAs are done
+  alignas(8) uint64_t order[kConsumerGroups];  // consumer warp group g may start its next main loop
   int32_t tile_start[kMaxExperts + 1];  // only E + 1 entries are used (and allocated)
 };
 constexpr size_t kFixedSmemBytes = offsetof(SharedStorage, tile_start);
@@ -142,7 +151,7 @@ __device__ void produce(SharedStorage& s, const Params& p, int total, int rank) 
   ring.phase = 1;  // a fresh barrier counts as released for parity 1
   for (int t = blockIdx.x / kCluster; t < total; t += gridDim.x / kCluster) {
     const RowTile tile = decode_tile(t, s.tile_start, p, rank);
-    int a_row[kRowsPerThread];
+    int a_row[kRows];
     gather_source_rows(a_row, tile, p.row_slots, p.slots, r0);
     const int f0 = tile.nt * kBN;
 #pragma unroll 1
@@ -176,12 +185,13 @@ template <Activation A>
 __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) {
   constexpr bool kGated = A != Activation::kSquaredReLU;
   const int ctid = threadIdx.x - kProducerThreads;
+  const int group = ctid / kGroupThreads, gtid = ctid % kGroupThreads;
   const int lane = threadIdx.x & 31;
   TiledMma mma;
   mma.accumulate_ = GMMA::ScaleOut::One;
   Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<bf16*>(s.a[0])), SmemLayoutA{});
   Tensor sB = make_tensor(make_smem_ptr(s.b), SmemLayoutB{});
-  auto thr = mma.get_thread_slice(ctid);
+  auto thr = mma.get_thread_slice(gtid);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
   Tensor acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
@@ -192,12 +202,21 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
   const int64_t h_cols = kGated ? 2 * static_cast<int64_t>(p.F) : p.F;
   RingPosition<kStages> ring;
   ring.phase = 0;
-  for (int t = blockIdx.x / kCluster; t < total; t += gridDim.x / kCluster) {
+  ring.skip(group * k_blocks);  // warp group 1's first tile is the CTA's second
+  uint32_t order_phase = 0;
+  const int stride = gridDim.x / kCluster;
+  // Turn i of the CTA (its i-th tile) belongs to warp group i % 2.
+  for (int turn = group, t = blockIdx.x / kCluster + group * stride; t < total;
+       turn += kConsumerGroups, t += kConsumerGroups * stride) {
     const RowTile tile = decode_tile(t, s.tile_start, p, rank);
     // Cleared here rather than by a zero scale on the first WGMMA: the accumulators are then dead
     // from the end of one tile's epilogue to the next tile's clear, so the epilogue gets their
     // registers (with a zero scale they stay live around the tile loop: the WGMMA reads them).
     clear(acc);
+    if (turn > 0) {  // the other warp group's previous main loop has passed all its stage waits
+      cutlass::arch::ClusterBarrier::wait(&s.order[group], order_phase);
+      order_phase ^= 1;
+    }
     consume_k_blocks<kCluster>(
         mma, tCrA, tCrB, acc, s.full, s.empty, ring, k_blocks, lane,
         [](int, int) {},
@@ -205,8 +224,12 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
         // blocks of a row block (each writes every feature_tiles-th k block), as in the fused fc1.
         [&](int stage, int kb) {
           if (p.dy_out != nullptr && kb % p.feature_tiles == tile.nt)
-            store_gathered_stage<kConsumerThreads>(s.a[stage], p.dy_out, tile, p.H, kb, ctid);
+            store_gathered_stage<kGroupThreads, kBM>(s.a[stage], p.dy_out, tile, p.H, kb, gtid);
         });
+    // The ring passes to the other warp group for the next tile; this one skips that tile's stages.
+    __syncwarp();
+    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.order[group ^ 1]);
+    ring.skip(k_blocks);
 
     // Epilogue. Accumulator index v0 + 2 v1 + 4 v2 is row r + 8 v1, feature 8 v2 + 2 (lane % 4) + v0;
     // after a quad transpose of packed bf16 pairs each lane holds 8 consecutive features of a row
@@ -257,8 +280,10 @@ __global__ void __launch_bounds__(kThreads, 1) fc2_dgrad_activation_kernel(const
     prefix_row_tiles<kBM, kCluster>(s.tile_start, p.offsets, p.E, p.R, p.feature_tiles, lane);
   } else if (warp == 1 && lane == 0) {
     // full: every producer thread's cp.async arrival (+ the TMA issuer's expect-tx arrival);
-    // empty: every consumer warp of both CTAs of the cluster.
-    init_stage_barriers<kStages>(s.full, s.empty, kProducerThreads + (kTma ? 1 : 0), kCluster * kConsumerThreads / 32);
+    // empty: the warps of the consumer warp group that took the stage, in both CTAs of the cluster;
+    // order: the warps of the other consumer warp group.
+    for (int g = 0; g < kConsumerGroups; ++g) cutlass::arch::ClusterBarrier::init(&s.order[g], kGroupThreads / 32);
+    init_stage_barriers<kStages>(s.full, s.empty, kProducerThreads + (kTma ? 1 : 0), kCluster * kGroupThreads / 32);
   }
   if (kTma && threadIdx.x == 0) cute::prefetch_tma_descriptor(&p.w2_map);
   // The peer's barriers must be initialized before anything arrives on them.

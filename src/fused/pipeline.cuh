@@ -19,6 +19,12 @@ struct RingPosition {
       phase ^= 1;
     }
   }
+  // Moves past n positions (a ping-pong consumer skipping the other warp group's stages).
+  __device__ __forceinline__ void skip(int n) {
+    const int s = stage + n;
+    phase ^= static_cast<uint32_t>(s / kStages) & 1u;
+    stage = s % kStages;
+  }
 };
 
 // Called by every consumer warp (the barrier counts one arrival per warp of each CTA).
