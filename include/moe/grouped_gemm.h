@@ -46,9 +46,14 @@ class ExpertMatrices {
   // parameters are bound, not inside a captured region).
   static ExpertMatrices per_expert(const std::vector<TensorView>& ts, const char* name = "weights");
 
+  // The same storage read as transposes: the stored [rows, cols] matrices are W_e^T, so W_e is
+  // [cols, rows] (Hugging Face's transposed experts). The grouped GEMMs read them in place.
+  ExpertMatrices as_transposed() const;
+
   int experts() const { return experts_; }
-  int64_t rows() const { return rows_; }
+  int64_t rows() const { return rows_; }  // of W_e (the stored matrices' cols when transposed)
   int64_t cols() const { return cols_; }
+  bool transposed() const { return transposed_; }
   DType dtype() const { return dtype_; }
   bool is_grouped() const { return table_ == nullptr; }
   // Single grouped: base address and distance between experts in bytes. Per expert: device table.
@@ -59,6 +64,7 @@ class ExpertMatrices {
  private:
   int experts_ = 0;
   int64_t rows_ = 0, cols_ = 0;
+  bool transposed_ = false;
   DType dtype_ = DType::kBF16;
   void* base_ = nullptr;
   int64_t stride_bytes_ = 0;
@@ -82,6 +88,7 @@ struct GemmProblem {
   TensorView a;              // fprop: X [rows, K]; dgrad and wgrad: dY [rows, N]
   TensorView b;              // wgrad: X [rows, K]; unused otherwise
   ExpertMatrices w;          // fprop, dgrad: the weights W_e [N, K]; wgrad: the output dW_e [N, K]
+                             // (either may be stored transposed, [K, N]: ExpertMatrices::as_transposed)
   TensorView d;              // fprop: Y [rows, N]; dgrad: dX [rows, K]; unused by wgrad
   TensorView group_offsets;  // int32 [E + 1], device
   GemmEpilogue epilogue = GemmEpilogue::kStore;

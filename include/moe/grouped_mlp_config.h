@@ -58,6 +58,12 @@ struct ExpertsConfig {
   // SMs free instead of waiting for a GEMM to finish (rounded down to an even count of at least 2:
   // the kernels run clusters of 2 CTAs). Bitwise the same results.
   int max_sms = 0;
+  // Each expert's weight matrices stored transposed: fc1.weight [E, H, fc1_out] and fc2.weight
+  // [E, F, H] (per expert [H, fc1_out] and [F, H]), their gradients in the same shapes -- the
+  // orientation of Hugging Face's transposed experts (GPT-OSS: gate_up_proj [E, H, 2F]). Read in
+  // place by the grouped GEMMs (docs/gemm.md, transposed weights); the fused kernels read the
+  // standard orientation only, so fuse_fc1 and fuse_fc2_dgrad must be off.
+  bool transposed_weights = false;
 
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
   void validate() const;  // throws moe::Error naming the bad field
@@ -99,6 +105,7 @@ struct GroupedMlpConfig {
   // bias, delay_wgrad or saved x_perm, dY_perm never exists: the fc2 weight gradient gathers dy too.
   bool fuse_fc2_dgrad = false;
   int max_sms = 0;  // see ExpertsConfig::max_sms
+  bool transposed_weights = false;  // see ExpertsConfig::transposed_weights
 
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
   int64_t row_bound() const;  // R resolved from dispatch options

@@ -31,6 +31,14 @@ void validate_expert_fields(int64_t hidden, int64_t ffn, int experts, const Acti
   MOE_CHECK(wgrad_dtype == DType::kBF16 || wgrad_dtype == DType::kFP32,
             "config 'wgrad_dtype': expected bf16 or fp32, got ", dtype_name(wgrad_dtype));
 }
+
+// The fused kernels load weight tiles in the standard orientation ([E, fc1_out, H], [E, H, F]).
+void validate_transposed(bool transposed, bool fuse_fc1, bool fuse_fc2_dgrad) {
+  MOE_CHECK(!(transposed && fuse_fc1), "config 'transposed_weights': the fused fc1 reads weights in the ",
+            "[E, fc1_out, H] orientation only; set fuse_fc1 = false");
+  MOE_CHECK(!(transposed && fuse_fc2_dgrad), "config 'transposed_weights': the fused fc2 dgrad reads weights in ",
+            "the [E, H, F] orientation only; set fuse_fc2_dgrad = false");
+}
 }  // namespace
 
 void ExpertsConfig::validate() const {
@@ -38,6 +46,7 @@ void ExpertsConfig::validate() const {
   MOE_CHECK(max_rows >= 0 && max_rows < (int64_t(1) << 31), "config 'max_rows': expected 0..2^31-1, got ",
             max_rows);
   MOE_CHECK(max_sms >= 0, "config 'max_sms': expected 0 (every SM) or a positive count, got ", max_sms);
+  validate_transposed(transposed_weights, fuse_fc1, fuse_fc2_dgrad);
 }
 
 ExpertsConfig GroupedMlpConfig::experts_config() const {
@@ -57,6 +66,7 @@ ExpertsConfig GroupedMlpConfig::experts_config() const {
   e.fuse_fc1 = fuse_fc1;
   e.fuse_fc2_dgrad = fuse_fc2_dgrad;
   e.max_sms = max_sms;
+  e.transposed_weights = transposed_weights;
   return e;
 }
 
@@ -81,6 +91,7 @@ void GroupedMlpConfig::validate() const {
   validate_dispatch_options(dispatch);
   MOE_CHECK(!(recompute && delay_wgrad), "config 'recompute': activation recompute is not combinable with ",
             "delay_wgrad (the delayed weight gradients need the saved activations)");
+  validate_transposed(transposed_weights, fuse_fc1, fuse_fc2_dgrad);
   MOE_CHECK(save_x_perm || fuse_fc1, "config 'save_x_perm': false needs fuse_fc1 (the fused kernels gather the ",
             "rows of x)");
   MOE_CHECK(max_sms >= 0, "config 'max_sms': expected 0 (every SM) or a positive count, got ", max_sms);

@@ -54,4 +54,12 @@ ExpertMatrices ExpertMatrices::per_expert(const std::vector<TensorView>& ts, con
   return m;
 }
 
+ExpertMatrices ExpertMatrices::as_transposed() const {
+  ExpertMatrices m = *this;
+  m.rows_ = cols_;
+  m.cols_ = rows_;
+  m.transposed_ = !transposed_;
+  return m;
+}
+
 }  // namespace moe

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "device/cuda_check.h"
 #include "gemm/grouped_gemm_prep.h"
@@ -259,8 +260,19 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
   p.offsets = pr.group_offsets.ptr<const int32_t>();
   p.error_word = pr.error_word;
 
+  // Transposed expert matrices (stored W_e^T, [K, N] row-major) are the other major order of the
+  // same B operand: fprop becomes the dgrad-shaped product (B N-major), dgrad the fprop-shaped one
+  // (B K-major) with the roles of N and K exchanged, and wgrad computes dW_e^T = X_e^T dY_e, its
+  // token-side operands exchanged. So the compiled kernels serve both orientations.
+  if (w.transposed()) {
+    if (pr.op == GemmOp::kFprop) p.op = Op::kDgrad;
+    else if (pr.op == GemmOp::kDgrad) p.op = Op::kFprop;
+    else std::swap(p.a, p.b_tokens);
+    std::swap(p.N, p.K);
+  }
+
   bool along_n = false;
-  const gemm::KernelEntry* k = s.kernel(p.op, ab, out, accumulate, N, K, &along_n);
+  const gemm::KernelEntry* k = s.kernel(p.op, ab, out, accumulate, p.N, p.K, &along_n);
   void* cutlass_ws = nullptr;
   const gemm::ArgArrays arrays = s.carve(workspace.data, w.experts(), &cutlass_ws);
   gemm::launch_prep(p, arrays, stream);

@@ -44,12 +44,8 @@ constexpr std::array<Param, 4> kHookOrder = {Param::kFc2Weight, Param::kFc2Bias,
 
 // The views of one parameter in a layout, checked.
 void check_param_views(const std::vector<TensorView>& views, const char* name, int64_t E, WeightLayout layout,
-                       std::initializer_list<int64_t> expert_shape, DType dtype) {
-  if (layout == WeightLayout::kSingleGrouped) {
-    MOE_CHECK(views.size() == 1, "argument '", name, "': single-grouped layout expects 1 tensor, got ", views.size());
-    std::vector<int64_t> s{E};
-    s.insert(s.end(), expert_shape);
-    const TensorView& v = views[0];
+                       const std::vector<int64_t>& expert_shape, DType dtype) {
+  auto check_view = [&](const TensorView& v, const std::vector<int64_t>& s) {
     check_device(v, name, Device::kCUDA);
     check_dtype(v, name, dtype);
     MOE_CHECK(v.ndim == static_cast<int>(s.size()), "argument '", name, "': expected ", s.size(), " dims, got ",
@@ -59,10 +55,16 @@ void check_param_views(const std::vector<TensorView>& views, const char* name, i
                 v.shape_string());
     check_contiguous(v, name);
     check_pointer(v, name, 16);
+  };
+  if (layout == WeightLayout::kSingleGrouped) {
+    MOE_CHECK(views.size() == 1, "argument '", name, "': single-grouped layout expects 1 tensor, got ", views.size());
+    std::vector<int64_t> s{E};
+    s.insert(s.end(), expert_shape.begin(), expert_shape.end());
+    check_view(views[0], s);
   } else {
     MOE_CHECK(static_cast<int64_t>(views.size()) == E, "argument '", name, "': per-expert layout expects ", E,
               " tensors, got ", views.size());
-    for (const TensorView& v : views) check_device_tensor(v, name, dtype, expert_shape);
+    for (const TensorView& v : views) check_view(v, expert_shape);
   }
 }
 
@@ -178,9 +180,15 @@ struct GroupedExperts::Impl {
     return TensorView(bias_ws, DType::kUInt8, {static_cast<int64_t>(bias_ws_bytes)}, Device::kCUDA);
   }
 
-  static ExpertMatrices matrices(const std::vector<TensorView>& views, WeightLayout layout, const char* name) {
-    return layout == WeightLayout::kSingleGrouped ? ExpertMatrices::grouped(views[0], name)
-                                                  : ExpertMatrices::per_expert(views, name);
+  // The expert matrices of a weight (or its gradient), in the configured orientation.
+  ExpertMatrices matrices(const std::vector<TensorView>& views, WeightLayout layout, const char* name) const {
+    ExpertMatrices m = layout == WeightLayout::kSingleGrouped ? ExpertMatrices::grouped(views[0], name)
+                                                              : ExpertMatrices::per_expert(views, name);
+    return cfg.transposed_weights ? m.as_transposed() : m;
+  }
+  // The stored shape of one expert's matrix W_e [rows, cols]: transposed when so configured.
+  std::vector<int64_t> stored(int64_t rows, int64_t cols) const {
+    return cfg.transposed_weights ? std::vector<int64_t>{cols, rows} : std::vector<int64_t>{rows, cols};
   }
   // Bias rows; per-expert layout uploads the E row pointers into table slot `slot` (synchronously:
   // this happens when parameters are bound, never inside forward/backward).
@@ -419,12 +427,12 @@ void GroupedExperts::set_weights(const ExpertTensors& w) {
   Impl& m = *impl_;
   const auto& c = m.cfg;
   const WeightLayout L = c.layout;
-  check_param_views(w.fc1_weight, "fc1.weight", c.experts, L, {c.fc1_out(), c.hidden}, c.dtype);
-  check_param_views(w.fc2_weight, "fc2.weight", c.experts, L, {c.hidden, c.ffn}, c.dtype);
+  check_param_views(w.fc1_weight, "fc1.weight", c.experts, L, m.stored(c.fc1_out(), c.hidden), c.dtype);
+  check_param_views(w.fc2_weight, "fc2.weight", c.experts, L, m.stored(c.hidden, c.ffn), c.dtype);
   m.check_bias_views(w.fc1_bias, "fc1.bias", L, c.fc1_out(), c.dtype);
   m.check_bias_views(w.fc2_bias, "fc2.bias", L, c.hidden, c.dtype);
-  m.w1 = Impl::matrices(w.fc1_weight, L, "fc1.weight");
-  m.w2 = Impl::matrices(w.fc2_weight, L, "fc2.weight");
+  m.w1 = m.matrices(w.fc1_weight, L, "fc1.weight");
+  m.w2 = m.matrices(w.fc2_weight, L, "fc2.weight");
   if (c.bias) {
     m.b1 = m.rows(w.fc1_bias, L, 0);
     m.b2 = m.rows(w.fc2_bias, L, 1);
@@ -440,12 +448,12 @@ void GroupedExperts::set_grads(const ExpertTensors& g) {
   const int E = c.experts;
   const WeightLayout L1 = layout_of(g.fc1_weight, 2, E), L2 = layout_of(g.fc2_weight, 2, E);
   const WeightLayout Lb1 = layout_of(g.fc1_bias, 1, E), Lb2 = layout_of(g.fc2_bias, 1, E);
-  check_param_views(g.fc1_weight, "fc1.weight grad", E, L1, {c.fc1_out(), c.hidden}, t);
-  check_param_views(g.fc2_weight, "fc2.weight grad", E, L2, {c.hidden, c.ffn}, t);
+  check_param_views(g.fc1_weight, "fc1.weight grad", E, L1, m.stored(c.fc1_out(), c.hidden), t);
+  check_param_views(g.fc2_weight, "fc2.weight grad", E, L2, m.stored(c.hidden, c.ffn), t);
   m.check_bias_views(g.fc1_bias, "fc1.bias grad", Lb1, c.fc1_out(), t);
   m.check_bias_views(g.fc2_bias, "fc2.bias grad", Lb2, c.hidden, t);
-  m.dw1 = Impl::matrices(g.fc1_weight, L1, "fc1.weight grad");
-  m.dw2 = Impl::matrices(g.fc2_weight, L2, "fc2.weight grad");
+  m.dw1 = m.matrices(g.fc1_weight, L1, "fc1.weight grad");
+  m.dw2 = m.matrices(g.fc2_weight, L2, "fc2.weight grad");
   if (c.bias) {
     m.db1 = m.rows(g.fc1_bias, Lb1, 2);
     m.db2 = m.rows(g.fc2_bias, Lb2, 3);

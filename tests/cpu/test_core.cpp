@@ -166,6 +166,17 @@ TEST(GroupedMlpConfig, ValidatesFields) {
   expect_error_naming([&] { e.validate(); }, "max_sms");
   bad.max_sms = 100;
   EXPECT_EQ(bad.experts_config().max_sms, 100);
+  // Transposed weights: the unfused path only (the fused kernels read the standard orientation).
+  bad = c;
+  bad.transposed_weights = true;
+  bad.validate();
+  EXPECT_TRUE(bad.experts_config().transposed_weights);
+  bad.fuse_fc1 = true;
+  expect_error_naming([&] { bad.validate(); }, "transposed_weights");
+  expect_error_naming([&] { bad.experts_config().validate(); }, "fuse_fc1");
+  bad.fuse_fc1 = false;
+  bad.fuse_fc2_dgrad = true;
+  expect_error_naming([&] { bad.validate(); }, "fuse_fc2_dgrad");
 }
 
 }  // namespace

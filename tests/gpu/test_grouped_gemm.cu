@@ -436,6 +436,107 @@ TEST(GroupedGemm, WeightLayoutsGiveBitwiseIdenticalResults) {
   }
 }
 
+// Each expert's [rows, cols] matrix of [E, rows, cols] transposed: [E, cols, rows].
+template <class T>
+std::vector<T> transpose_experts(const std::vector<T>& v, int E, int64_t rows, int64_t cols) {
+  std::vector<T> t(v.size());
+  for (int e = 0; e < E; ++e)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) t[(e * cols + c) * rows + r] = v[(e * rows + r) * cols + c];
+  return t;
+}
+
+// Bytes as elements of T.
+template <class T>
+std::vector<T> elements(const std::vector<uint8_t>& bytes) {
+  std::vector<T> v(bytes.size() / sizeof(T));
+  std::memcpy(v.data(), bytes.data(), v.size() * sizeof(T));
+  return v;
+}
+
+// Expert matrices stored transposed (W_e^T [K, N], read through as_transposed()) in both weight
+// layouts: fprop, dgrad and the three wgrad epilogues match the CPU reference and are bitwise the
+// results of the standard orientation, with uneven and empty groups and N, K not tile multiples.
+TEST(GroupedGemm, TransposedExpertMatricesMatchTheStandardOrientation) {
+  MOE_REQUIRE_GPU();
+  const std::vector<int> sizes = {0, 130, 77, 0, 256, 9};
+  const auto off = offsets_from_sizes(sizes);
+  Problem p(int(sizes.size()), 136, 264, off.back() + 5, off, 17);
+  TestGemm gg(p.E, p.R);
+  cudaStream_t stream = nullptr;
+  const int64_t nk = p.N * p.K;
+  const std::vector<Bits> wt = transpose_experts(p.w, p.E, p.N, p.K);
+  DeviceBuffer<Bits> d_wt(wt);
+  std::vector<DeviceBuffer<Bits>> wt_sep;
+  std::vector<TensorView> wt_views;
+  for (int e = 0; e < p.E; ++e) {
+    wt_sep.emplace_back(std::vector<Bits>(wt.begin() + e * nk, wt.begin() + (e + 1) * nk));
+    wt_views.emplace_back(wt_sep.back().get(), DType::kBF16, std::initializer_list<int64_t>{p.K, p.N});
+  }
+  const ExpertMatrices grouped_t =
+      ExpertMatrices::grouped(TensorView(d_wt.get(), DType::kBF16, {int64_t(p.E), p.K, p.N}), "w").as_transposed();
+  const ExpertMatrices per_t = ExpertMatrices::per_expert(wt_views, "w").as_transposed();
+  ASSERT_TRUE(grouped_t.transposed() && grouped_t.rows() == p.N && grouped_t.cols() == p.K);
+
+  DeviceBuffer<Bits> y0(p.R * p.N), dx0(p.R * p.K);
+  gg.fprop(p.x_view(), p.w_grouped(), p.off_view(), TensorView(y0.get(), DType::kBF16, {p.R, p.N}), stream);
+  gg.dgrad(p.dy_view(), p.w_grouped(), p.off_view(), TensorView(dx0.get(), DType::kBF16, {p.R, p.K}), stream);
+  const std::vector<Bits> y_std = y0.download(), dx_std = dx0.download();
+  for (const ExpertMatrices* w : {&grouped_t, &per_t}) {
+    const std::string what = w == &grouped_t ? "grouped, transposed" : "per expert, transposed";
+    DeviceBuffer<Bits> y(p.R * p.N), dx(p.R * p.K);
+    y.fill_bytes(0xFF);
+    dx.fill_bytes(0xFF);
+    gg.fprop(p.x_view(), *w, p.off_view(), TensorView(y.get(), DType::kBF16, {p.R, p.N}), stream);
+    gg.dgrad(p.dy_view(), *w, p.off_view(), TensorView(dx.get(), DType::kBF16, {p.R, p.K}), stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<Bits> yg = y.download(), dxg = dx.download();
+    check_rows_bf16(yg, expect_fprop(p), p.used_rows(), p.N, what + " fprop");
+    check_rows_bf16(dxg, expect_dgrad(p), p.used_rows(), p.K, what + " dgrad");
+    for (int64_t i = 0; i < p.used_rows() * p.N; ++i) ASSERT_EQ(yg[i], y_std[i]) << what << " fprop element " << i;
+    for (int64_t i = 0; i < p.used_rows() * p.K; ++i) ASSERT_EQ(dxg[i], dx_std[i]) << what << " dgrad element " << i;
+  }
+
+  // wgrad into transposed gradients [E, K, N]: bf16 and fp32 written (empty experts zero-filled
+  // over poison), fp32 accumulated (empty experts untouched); compared in the [E, N, K] order.
+  const Expected ex = expect_wgrad(p);
+  std::mt19937_64 rng(5);
+  const std::vector<float> prior = random_f32(p.E * nk, rng);
+  for (int mode = 0; mode < 3; ++mode) {
+    const bool acc = mode == 2;
+    const DType dt = mode == 0 ? DType::kBF16 : DType::kFP32;
+    const size_t eb = mode == 0 ? 2 : 4;
+    DeviceBuffer<uint8_t> g_std(p.E * nk * eb), g_t(p.E * nk * eb);
+    if (acc) {
+      std::vector<uint8_t> a(p.E * nk * 4), b(p.E * nk * 4);
+      const std::vector<float> prior_t = transpose_experts(prior, p.E, p.N, p.K);
+      std::memcpy(a.data(), prior.data(), a.size());
+      std::memcpy(b.data(), prior_t.data(), b.size());
+      g_std = DeviceBuffer<uint8_t>(a);
+      g_t = DeviceBuffer<uint8_t>(b);
+    } else {
+      g_std.fill_bytes(0xFF);
+      g_t.fill_bytes(0xFF);
+    }
+    gg.wgrad(p.dy_view(), p.x_view(), p.off_view(),
+             ExpertMatrices::grouped(TensorView(g_std.get(), dt, {int64_t(p.E), p.N, p.K}), "dw"), acc, stream);
+    gg.wgrad(p.dy_view(), p.x_view(), p.off_view(),
+             ExpertMatrices::grouped(TensorView(g_t.get(), dt, {int64_t(p.E), p.K, p.N}), "dw").as_transposed(), acc,
+             stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::string what = std::string("wgrad ") + dtype_name(dt) + (acc ? " accumulate" : "");
+    if (mode == 0) {
+      const std::vector<Bits> got = transpose_experts(elements<Bits>(g_t.download()), p.E, p.K, p.N);
+      check_wgrad_bf16(got, ex, what);
+      EXPECT_EQ(got, elements<Bits>(g_std.download())) << what;
+    } else {
+      const std::vector<float> got = transpose_experts(elements<float>(g_t.download()), p.E, p.K, p.N);
+      check_wgrad_f32(got, ex, acc ? prior : std::vector<float>(), what);
+      EXPECT_EQ(std::memcmp(got.data(), elements<float>(g_std.download()).data(), got.size() * 4), 0) << what;
+    }
+  }
+}
+
 TEST(GroupedGemm, GraphReplayWithNewGroupSizesEqualsEager) {
   MOE_REQUIRE_GPU();
   const int E = 6;

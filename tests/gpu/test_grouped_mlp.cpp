@@ -42,6 +42,15 @@ std::vector<double*> table(std::vector<double>& v, int E) {
   return t;
 }
 
+// Each expert's [rows, cols] matrix of a host [E, rows, cols] block, transposed: [E, cols, rows].
+std::vector<double> transpose_experts(const std::vector<double>& v, int E, int64_t rows, int64_t cols) {
+  std::vector<double> t(v.size());
+  for (int e = 0; e < E; ++e)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) t[(e * cols + c) * rows + r] = v[(e * rows + r) * cols + c];
+  return t;
+}
+
 // Everything of one test case: config, data, both implementations, results.
 struct Case {
   GroupedMlpConfig cfg;
@@ -117,10 +126,16 @@ struct Runner {
     const int64_t H = k.hidden, F = k.ffn, F1 = k.fc1_out();
     Outputs o;
     GroupedMlp layer(k);
-    auto W1 = make_param(w1, E, {F1, H}, DType::kBF16, layout);
-    auto W2 = make_param(w2, E, {H, F}, DType::kBF16, layout);
-    auto G1 = make_param(g1, E, {F1, H}, gtype, layout);
-    auto G2 = make_param(g2, E, {H, F}, gtype, layout);
+    // transposed_weights: every expert matrix (weights and their gradients) stored [cols, rows].
+    const bool tw = k.transposed_weights;
+    auto weight = [&](const std::vector<double>& v, int64_t rows, int64_t cols, DType t) {
+      return tw ? make_param(transpose_experts(v, E, rows, cols), E, {cols, rows}, t, layout)
+                : make_param(v, E, {rows, cols}, t, layout);
+    };
+    auto W1 = weight(w1, F1, H, DType::kBF16);
+    auto W2 = weight(w2, H, F, DType::kBF16);
+    auto G1 = weight(g1, F1, H, gtype);
+    auto G2 = weight(g2, H, F, gtype);
     DeviceParam B1, B2, GB1, GB2;
     if (k.bias) {
       B1 = make_param(b1, E, {F1}, DType::kBF16, layout);
@@ -165,6 +180,10 @@ struct Runner {
     o.dprobs.assign(dp.begin(), dp.end());
     o.dw1 = download_param(G1, gtype);
     o.dw2 = download_param(G2, gtype);
+    if (tw) {  // back to the [E, rows, cols] order of the reference
+      o.dw1 = transpose_experts(o.dw1, E, H, F1);
+      o.dw2 = transpose_experts(o.dw2, E, F, H);
+    }
     if (k.bias) {
       o.db1 = download_param(GB1, gtype);
       o.db2 = download_param(GB2, gtype);
@@ -332,6 +351,35 @@ INSTANTIATE_TEST_SUITE_P(
         Variant{Activation::kSquaredReLU, false, ProbsPlacement::kAtCombine, 0, 0, true, false, true, true}),
     [](const ::testing::TestParamInfo<Variant>& info) { return variant_name(info.param); });
 
+
+// Weights and gradients stored transposed per expert (Hugging Face's GPT-OSS orientation): the
+// same results as the standard orientation, in both weight layouts, with GPT-OSS's activation
+// (clamped swiglu, gate and linear alternating) and biases, fp32 main_grad accumulation and delayed
+// weight gradients.
+TEST(GroupedMlp, TransposedWeightsMatchTheReferenceAndTheStandardOrientation) {
+  MOE_REQUIRE_GPU();
+  for (int variant = 0; variant < 3; ++variant) {
+    SCOPED_TRACE("variant " + std::to_string(variant));
+    Case c;
+    c.cfg = small_config();
+    c.cfg.activation.kind = Activation::kClampedSwiGLU;
+    c.cfg.activation.glu_interleave = 1;
+    c.cfg.bias = true;
+    c.cfg.wgrad = variant == 1 ? WgradMode::kAccumulate : WgradMode::kWrite;
+    c.cfg.delay_wgrad = variant == 2;
+    c.T = 57;
+    c.seed = 31 + variant;
+    Runner r(c);
+    const Outputs want = r.run_reference();
+    const Outputs standard = r.run_gpu(WeightLayout::kSingleGrouped);
+    r.c.cfg.transposed_weights = true;
+    for (WeightLayout layout : {WeightLayout::kSingleGrouped, WeightLayout::kPerExpert}) {
+      const Outputs got = r.run_gpu(layout);
+      compare(got, want, true);
+      expect_bitwise(got, standard);
+    }
+  }
+}
 
 TEST(GroupedMlp, AccumulateIntoMainGradAndFp32Grads) {
   MOE_REQUIRE_GPU();
@@ -616,6 +664,13 @@ TEST(GroupedMlp, BadInputIsReported) {
   expect_error([&] { layer.set_weights({W2.views, {}, W1.views, {}}); }, "fc1.weight");
   layer.set_weights({W1.views, {}, W2.views, {}});
   expect_error([&] { layer.set_weights({W1.views, W1.views, W2.views, {}}); }, "fc1.bias");
+  {  // transposed weights: fc2.weight [E, F, H] expected where [E, H, F] came (here fc1_out = H,
+     // so fc1.weight's shape is the same in both orientations)
+    GroupedMlpConfig kt = k;
+    kt.transposed_weights = true;
+    GroupedMlp transposed(kt);
+    expect_error([&] { transposed.set_weights({W1.views, {}, W2.views, {}}); }, "fc2.weight");
+  }
   TensorView wrong(x.get(), DType::kBF16, {T, H / 2});
   expect_error([&] { layer.forward(wrong, rv, yv, st, nullptr); }, "'x'");
   DeviceBuffer<uint16_t> big((k.max_tokens + 1) * H);

@@ -27,7 +27,8 @@ int64_t mlp_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t topk, i
                    const std::string& activation, int64_t glu_interleave, double alpha, double limit, double offset,
                    bool bias, bool probs_at_combine, int64_t align, bool pre_padded, int64_t row_bound,
                    bool map_routing, bool per_expert, bool accumulate, bool fp32_wgrad, bool delay_wgrad,
-                   bool recompute, bool fuse_fc1, bool save_x_perm, bool fuse_fc2_dgrad) {
+                   bool recompute, bool fuse_fc1, bool save_x_perm, bool fuse_fc2_dgrad,
+                   bool transposed_weights) {
   return translate_errors([&] {
     GroupedMlpConfig c;
     c.hidden = hidden;
@@ -45,6 +46,7 @@ int64_t mlp_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t topk, i
     c.fuse_fc1 = fuse_fc1;
     c.save_x_perm = save_x_perm;
     c.fuse_fc2_dgrad = fuse_fc2_dgrad;
+    c.transposed_weights = transposed_weights;
     return registry().add(std::make_unique<MlpState>(c));
   });
 }
@@ -142,7 +144,8 @@ TORCH_LIBRARY_FRAGMENT(moe_engine, m) {
   m.def("mlp_create(int hidden, int ffn, int experts, int topk, int max_tokens, str activation, int glu_interleave, "
         "float alpha, float limit, float offset, bool bias, bool probs_at_combine, int align, bool pre_padded, "
         "int row_bound, bool map_routing, bool per_expert, bool accumulate, bool fp32_wgrad, bool delay_wgrad, "
-        "bool recompute, bool fuse_fc1=False, bool save_x_perm=True, bool fuse_fc2_dgrad=False) -> int",
+        "bool recompute, bool fuse_fc1=False, bool save_x_perm=True, bool fuse_fc2_dgrad=False, "
+        "bool transposed_weights=False) -> int",
         &mlp_create);
   m.def("mlp_destroy(int handle) -> ()", &mlp_destroy);
   m.def("state_headers() -> int[]", &state_headers);

@@ -7,9 +7,10 @@ reference (the class's own forward on an fp32 copy of the module): output and ev
 (hidden states, routing weights, gate_up_proj / up_proj, down_proj, biases); the weights the op
 reads are the module's own tensors (addresses, and an in-place change seen by the next call);
 expert-parallel sentinels; T changing between calls, growing the layer while an older forward is
-in flight; the blocks and a whole model switched with experts_implementation="moe_engine".
-GPT-OSS: its experts are transposed in transformers 5.17 (gate_up_proj [E, H, 2F]), so the test
-asserts the clear NotImplementedError instead; non-bf16 weights raise ValueError.
+in flight; the blocks and a whole model switched with experts_implementation="moe_engine". GPT-OSS's experts
+are transposed in transformers 5.17 (gate_up_proj [E, H, 2F], alternating gate / up columns,
+biases, clamped SwiGLU) and are read in that orientation, in place. Non-bf16 weights raise
+ValueError.
 
 Megatron (no megatron-core needed: a duck-typed config): MegatronGroupedMLP against a plain PyTorch
 per-expert reference and against GroupedExperts on the same permuted rows, main_grad accumulation
@@ -190,7 +191,7 @@ def compare_to_references(experts, x, idx, w, seed=99, sentinel=None):
     return ours
 
 
-CASES = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "relu2"]
+CASES = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "relu2"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -204,7 +205,7 @@ def test_hf_experts_match_grouped_mm_and_fp32_eager(case):
     compare_to_references(experts, x, idx, w.bfloat16())
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe", "relu2"])
+@pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss", "relu2"])
 def test_hf_weights_are_read_in_place(case, monkeypatch):
     hf = _transformers()[1]
 
@@ -228,8 +229,9 @@ def test_hf_weights_are_read_in_place(case, monkeypatch):
     x = (torch.randn(40, H, device=DEV) * 0.5).bfloat16()
     idx, w = random_routing(40, E, K, seed=4)
     hf.moe_engine_experts_forward(experts, x, idx, w)
-    names = (["gate_up_proj", "down_proj"] if case != "relu2"
-             else ["up_proj", "up_proj_bias", "down_proj", "down_proj_bias"])
+    names = {"qwen3_moe": ["gate_up_proj", "down_proj"],
+             "gpt_oss": ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"],
+             "relu2": ["up_proj", "up_proj_bias", "down_proj", "down_proj_bias"]}[case]
     want = {n: getattr(experts, n).data_ptr() for n in names}
     assert sorted(rec.seen[-1]) == sorted(want.values())
     # An in-place change of the module's weights is what the next call computes with.
@@ -296,15 +298,18 @@ def test_hf_reserve_before_graph_capture():
     assert hf.layer_tokens(experts) == 1024
 
 
-def test_hf_gpt_oss_transposed_weights_raise_a_clear_error():
+def test_hf_gpt_oss_experts_are_transposed_and_checked_in_that_orientation():
     hf = _transformers()[1]
     block, _ = hf_block("gpt_oss")
     experts = block.experts
-    assert experts.is_transposed  # transformers 5.17: gate_up_proj [E, H, 2F]
-    x = (torch.randn(8, H, device=DEV) * 0.5).bfloat16()
-    idx, w = random_routing(8, E, K, seed=9)
-    with pytest.raises(NotImplementedError, match=r"is_transposed.*gate_up_proj"):
-        hf.moe_engine_experts_forward(experts, x, idx, w)
+    assert experts.is_transposed  # transformers 5.17: gate_up_proj [E, H, 2F], down_proj [E, F, H]
+    assert tuple(experts.gate_up_proj.shape) == (E, H, 2 * FFN)
+    spec = hf.describe(experts)
+    assert spec.transposed and (spec.hidden, spec.ffn, spec.experts, spec.interleave) == (H, FFN, E, 1)
+    # A weight in the other orientation is named, not silently misread.
+    experts.down_proj = torch.nn.Parameter(experts.down_proj.detach().transpose(1, 2).contiguous())
+    with pytest.raises(ValueError, match=r"down_proj"):
+        hf.describe(experts)
 
 
 def test_hf_non_bf16_weights_raise_naming_the_attribute():
@@ -316,7 +321,7 @@ def test_hf_non_bf16_weights_raise_naming_the_attribute():
         hf.moe_engine_experts_forward(experts, x, idx, w)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"])
 def test_hf_block_with_experts_implementation_moe_engine(family):
     block, config = hf_block(family, seed=11)
     x = (torch.randn(2, 40, H, device=DEV) * 0.5).bfloat16()

@@ -19,8 +19,9 @@ What the function reads from the experts module (the attributes the 5.17 experts
   - `gate_up_proj` [E, 2F, H] (gated, `has_gate`) or `up_proj` [E, F, H] (not gated, NemotronH);
     `down_proj` [E, H, F]; `gate_up_proj_bias` / `up_proj_bias` [E, 2F] and `down_proj_bias` [E, H]
     when `has_bias`. Transposed modules (`is_transposed`, GPT-OSS: gate_up_proj [E, H, 2F],
-    down_proj [E, F, H]) are refused: the GEMMs cannot read that orientation in place yet and the
-    weights are never copied.
+    down_proj [E, F, H], gradients in the same shapes) are read in that orientation, in place too
+    (GroupedMlpConfig::transposed_weights: the grouped GEMMs take either major order; the fused fc1
+    is not used for them).
   - the GLU layout from `is_concatenated`: True -> gate rows then up rows (glu_interleave 0), False
     -> alternating rows (glu_interleave 1, GPT-OSS).
   - the activation from the class's `_apply_gate`: the default gate of moe.py
@@ -60,11 +61,11 @@ class _Spec:
     """The static description of one experts module, derived from its attributes."""
 
     __slots__ = ("w1_name", "b1_name", "w1", "b1", "w2", "b2", "hidden", "ffn", "experts", "activation",
-                 "interleave", "alpha", "limit", "offset")
+                 "interleave", "alpha", "limit", "offset", "transposed")
 
     def key(self, topk):
         return (self.hidden, self.ffn, self.experts, topk, self.activation, self.interleave, self.alpha,
-                self.limit, self.offset, self.b1 is not None)
+                self.limit, self.offset, self.b1 is not None, self.transposed)
 
 
 def _module_flag(mod, name, default):
@@ -164,28 +165,31 @@ def describe(mod):
     """The _Spec of an experts module (validated), or NotImplementedError / ValueError naming the
     attribute that moe_engine cannot use."""
     cls = _class_name(mod)
-    if _module_flag(mod, "is_transposed", False):
-        raise NotImplementedError(
-            f"moe_engine: {cls}.is_transposed is True ({cls}.gate_up_proj is [E, H, 2F], down_proj [E, F, H]); "
-            "moe_engine reads expert weights in the [E, out, in] orientation only (gate_up_proj [E, 2F, H], "
-            "down_proj [E, H, F]) and never copies them; transposed weights are not supported yet")
+    # is_transposed (GPT-OSS): gate_up_proj [E, H, 2F] and down_proj [E, F, H], read in place as well.
+    transposed = _module_flag(mod, "is_transposed", False)
     has_gate = _module_flag(mod, "has_gate", True)
     has_bias = _module_flag(mod, "has_bias", False)
     spec = _Spec()
     spec.w1_name = "gate_up_proj" if has_gate else "up_proj"
     spec.b1_name = spec.w1_name + "_bias"
     w1, w2 = getattr(mod, spec.w1_name, None), getattr(mod, "down_proj", None)
+    orient = "[E, in, out]" if transposed else "[E, out, in]"
     if not isinstance(w1, torch.Tensor) or w1.dim() != 3:
-        raise ValueError(f"moe_engine: {cls}.{spec.w1_name} should be an [E, out, in] expert weight tensor")
+        raise ValueError(f"moe_engine: {cls}.{spec.w1_name} should be an {orient} expert weight tensor")
     if not isinstance(w2, torch.Tensor) or w2.dim() != 3:
-        raise ValueError(f"moe_engine: {cls}.down_proj should be an [E, H, F] expert weight tensor")
-    E, fc1_out, H = w1.shape
-    F = w2.shape[2]
+        raise ValueError(f"moe_engine: {cls}.down_proj should be an {orient} expert weight tensor")
+    if transposed:
+        E, H, fc1_out = w1.shape
+        F = w2.shape[1]
+    else:
+        E, fc1_out, H = w1.shape
+        F = w2.shape[2]
     if has_gate and fc1_out != 2 * F:
-        raise ValueError(f"moe_engine: {cls}.gate_up_proj has {fc1_out} rows, expected 2 * F = {2 * F} "
+        raise ValueError(f"moe_engine: {cls}.gate_up_proj has {fc1_out} output features, expected 2 * F = {2 * F} "
                          f"(F from down_proj {tuple(w2.shape)})")
-    _check_weight(mod, spec.w1_name, w1, (E, fc1_out, H))
-    _check_weight(mod, "down_proj", w2, (E, H, F))
+    _check_weight(mod, spec.w1_name, w1, (E, H, fc1_out) if transposed else (E, fc1_out, H))
+    _check_weight(mod, "down_proj", w2, (E, F, H) if transposed else (E, H, F))
+    spec.transposed = transposed
     spec.w1, spec.w2 = w1, w2
     spec.b1 = spec.b2 = None
     if has_bias:
@@ -208,13 +212,15 @@ class _Layer:
     contexts of forwards still waiting for their backward."""
 
     def __init__(self, key, max_tokens, device):
-        H, F, E, k, activation, interleave, alpha, limit, offset, bias = key
+        H, F, E, k, activation, interleave, alpha, limit, offset, bias, transposed = key
         self.key, self.max_tokens, self.topk = key, max_tokens, k
-        # The fused fc1 where GroupedMLP's default takes it (measured faster there: F <= 1024).
-        fuse_fc1 = _fuse_fc1(None, F, E)
+        # The fused fc1 where GroupedMLP's default takes it (measured faster there: F <= 1024); it
+        # reads the [E, out, in] orientation only, so transposed experts run the unfused path.
+        fuse_fc1 = _fuse_fc1(None, F, E) and not transposed
         with torch.cuda.device(device):
             self.handle = _ops.mlp_create(H, F, E, k, max_tokens, activation, interleave, alpha, limit, offset, bias,
-                                          False, 0, False, -1, False, False, False, False, False, False, fuse_fc1)
+                                          False, 0, False, -1, False, False, False, False, False, False, fuse_fc1,
+                                          True, False, transposed)
         self.state_bytes = _ops.mlp_state_bytes(self.handle)
 
     def __del__(self):
