@@ -26,11 +26,13 @@
 #include "reference/grouped_gemm_ref.h"
 #include "support/gpu.h"
 #include "support/expect_error.h"
+#include "support/layer_data.h"
 
 namespace moe {
 namespace {
 
 using testing::DeviceBuffer;
+using testing::layer_data::transpose_experts;
 using Bits = uint16_t;
 
 // The engine and one call workspace of its own (the engine holds no device memory; every call
@@ -434,16 +436,6 @@ TEST(GroupedGemm, WeightLayoutsGiveBitwiseIdenticalResults) {
             << "wgrad " << dtype_name(dt) << (acc ? " accumulate" : "") << ": expert " << e << " differs";
     }
   }
-}
-
-// Each expert's [rows, cols] matrix of [E, rows, cols] transposed: [E, cols, rows].
-template <class T>
-std::vector<T> transpose_experts(const std::vector<T>& v, int E, int64_t rows, int64_t cols) {
-  std::vector<T> t(v.size());
-  for (int e = 0; e < E; ++e)
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) t[(e * cols + c) * rows + r] = v[(e * rows + r) * cols + c];
-  return t;
 }
 
 // Bytes as elements of T.

@@ -42,15 +42,6 @@ std::vector<double*> table(std::vector<double>& v, int E) {
   return t;
 }
 
-// Each expert's [rows, cols] matrix of a host [E, rows, cols] block, transposed: [E, cols, rows].
-std::vector<double> transpose_experts(const std::vector<double>& v, int E, int64_t rows, int64_t cols) {
-  std::vector<double> t(v.size());
-  for (int e = 0; e < E; ++e)
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) t[(e * cols + c) * rows + r] = v[(e * rows + r) * cols + c];
-  return t;
-}
-
 // Everything of one test case: config, data, both implementations, results.
 struct Case {
   GroupedMlpConfig cfg;

@@ -14,6 +14,17 @@
 namespace moe::testing::layer_data {
 
 std::vector<double> random_bf16_values(size_t n, double scale, std::mt19937_64& rng);
+
+// Each expert's [rows, cols] matrix of a host [E, rows, cols] block, transposed: [E, cols, rows]
+// (the transposed-weights orientation).
+template <class T>
+std::vector<T> transpose_experts(const std::vector<T>& v, int E, int64_t rows, int64_t cols) {
+  std::vector<T> t(v.size());
+  for (int e = 0; e < E; ++e)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) t[(e * cols + c) * rows + r] = v[(e * rows + r) * cols + c];
+  return t;
+}
 std::vector<uint16_t> to_bf16(const std::vector<double>& v);
 std::vector<double> from_bf16(const std::vector<uint16_t>& b);
 std::vector<double> grad_to_double(const DeviceBuffer<uint8_t>& buf, DType t, size_t n);
