@@ -136,6 +136,8 @@ class GroupedGemm {
   static std::vector<std::string> configs(GemmOp op, DType out_dtype = DType::kBF16);
   // Forces a configuration by name ("" = back to the heuristic) and the tile order inside a group
   // (false: along M). Configuration of the engine, for benchmarks and tests; throws on an unknown name.
+  // Products on transposed expert matrices run the other op's kernel (fprop <-> dgrad) and take
+  // that op's forced configuration; chosen_config reports the standard orientation's choice.
   void force_config(GemmOp op, const std::string& name, bool raster_along_n = false);
 
   int max_experts() const;

@@ -47,6 +47,10 @@ bool is_weight_dtype(DType t) {
 // ExpertWeightsSpec
 
 ExpertWeightsSpec ExpertWeightsSpec::from_config(const GroupedMlpConfig& c) {
+  // Checkpoints and their conversions describe the standard orientation; a square matrix in the
+  // other one would otherwise be taken without a shape error.
+  MOE_CHECK(!c.transposed_weights, "config 'transposed_weights': checkpoint weights are described in the ",
+            "standard orientation ([E, fc1_out, H], [E, H, F]) only");
   ExpertWeightsSpec s;
   s.hidden = c.hidden;
   s.ffn = c.ffn;

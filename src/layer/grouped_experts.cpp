@@ -366,6 +366,7 @@ struct GroupedExperts::Impl {
 
 void GroupedExperts::Impl::wgrad_gathered(const void* y, int64_t M, const Gathered& x, const ExpertMatrices& dw,
                                           bool x_major, const Saved& v, cudaStream_t s) const {
+  MOE_CHECK(!dw.transposed(), "gathered weight gradient: transposed weight gradients are not supported");
   fused::WgradGatheredArgs a;
   a.dy = y;
   a.x = x.x.data;
@@ -689,6 +690,10 @@ void GroupedExperts::relocate_gathered(const SavedState& state, const TensorView
   check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
   check_state(state, "state", m.serial, StateKind::kExperts, {StateStatus::kFilled, StateStatus::kAwaitingWgrad},
               "GroupedExperts::relocate_gathered");
+  // The gathered weight gradient writes the standard orientation only (and forward_gathered, which
+  // needs the fused fc1, is refused with transposed weights).
+  MOE_CHECK(!m.cfg.transposed_weights, "GroupedExperts::relocate_gathered: config 'transposed_weights' keeps ",
+            "x_perm for the fc1 weight gradient (use relocate())");
   const int64_t rows = state.header(0).tokens;
   MOE_CHECK(x.ndim == 2 && x.shape[1] == m.cfg.hidden, "argument 'x': expected shape [T, ", m.cfg.hidden, "], got ",
             x.shape_string());

@@ -38,6 +38,8 @@ void check_params(const ExpertParams& p, const GroupedMlpConfig& c, const char* 
 GroupedMlpRef::GroupedMlpRef(const GroupedMlpConfig& config, bool emulate_bf16)
     : config_(config), emulate_bf16_(emulate_bf16), hooks_(4) {
   config_.validate();
+  MOE_CHECK(!config_.transposed_weights, "config 'transposed_weights': the reference takes weights in the standard ",
+            "orientation (its tests transpose them on the host)");
 }
 
 void GroupedMlpRef::set_weights(const ExpertParams& weights) {

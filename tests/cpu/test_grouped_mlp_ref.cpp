@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "moe/activation.h"
+#include "moe/checkpoint.h"
 #include "moe/error.h"
 #include "moe/float_convert.h"
 #include "moe/grouped_mlp_config.h"
@@ -544,6 +545,10 @@ TEST(GroupedMlpRef, BadArgumentsNameTheArgument) {
   GroupedMlpConfig bad = c;
   bad.hidden = 12;
   expect_error_naming([&] { GroupedMlpRef l(bad); }, "hidden");
+  bad = c;
+  bad.transposed_weights = true;  // the reference takes the standard orientation only
+  expect_error_naming([&] { GroupedMlpRef l(bad); }, "transposed_weights");
+  expect_error_naming([&] { ExpertWeightsSpec::from_config(bad); }, "transposed_weights");
 }
 
 }  // namespace
