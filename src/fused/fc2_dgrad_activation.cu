@@ -71,7 +71,7 @@ constexpr int kBoxBytes = kBoxCols * kBK * 2;              // 8 KiB
 constexpr int kStageBytesB = kBN * kBK * 2;                // 32 KiB: all four boxes land in every CTA
 constexpr int kBoxesPerCta = kBN / kBoxCols / kCluster;    // 2
 constexpr int kMaxExperts = 4096;
-constexpr int kProducerRegs = 56, kConsumerRegs = 224;     // 128 * 56 + 256 * 224 <= 64K
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;     // 128 * 56 + 256 * 224 = 384 * 168, the launch pool
 
 // A: K-major 128-byte swizzled (as the fused fc1's). B: MN-major, 64 consecutive features of one
 // row of H are 128 contiguous bytes; the atoms of one 64-feature box stack along K first, so that a
