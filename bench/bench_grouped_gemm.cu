@@ -13,6 +13,10 @@
 // after a warm-up, R rounds each time one batch (>= ~4 ms) of every candidate in rotating order, and
 // the median per-launch time over the rounds is reported.
 //
+// --fp8 adds the FP8 block-scaled products (E4M3, 1x128 token blocks, 128x128 weight blocks,
+// docs/gemm.md) to the same interleaved measurements: operands quantized once beforehand (not
+// timed), fprop and dgrad writing bf16, wgrad fp32 (written, or accumulated into main_grad).
+//
 // --groups-json writes the group sizes so that bench/torch_grouped_mm.py times torch._grouped_mm on
 // exactly the same groups (the same way, beside torch's own cuBLAS); --json writes our figures for
 // that script's side-by-side table.
@@ -27,11 +31,13 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "device/cuda_check.h"
 #include "moe/grouped_gemm.h"
+#include "moe/quantize.h"
 #include "reference/routing_gen.h"
 #include "support/bench_util.h"
 
@@ -156,6 +162,44 @@ std::vector<double> interleaved_ms(const std::vector<Candidate>& cands, cudaStre
   return med;
 }
 
+// The FP8 operands of one (shape, fc): every copy the three products read, quantized from the
+// bf16 buffers (docs/gemm.md, FP8).
+struct Fp8Operands {
+  static constexpr int64_t kB = 128;
+  static int64_t blocks(int64_t n) { return (n + kB - 1) / kB; }
+  DeviceMem xr, xrs, xc, xcs, dyr, dyrs, dyc, dycs, wr, wrs, wc, wcs;
+  Fp8Operands(const void* x, const void* dy, const void* w, int64_t R, int64_t N, int64_t K, int64_t E,
+              cudaStream_t s)
+      : xr(R * K), xrs(R * blocks(K) * 4), xc(R * K), xcs(blocks(R) * K * 4), dyr(R * N), dyrs(R * blocks(N) * 4),
+        dyc(R * N), dycs(blocks(R) * N * 4), wr(E * N * K), wrs(E * blocks(N) * blocks(K) * 4), wc(E * N * K),
+        wcs(E * blocks(N) * blocks(K) * 4) {
+    using moe::QuantizedTensor;
+    moe::QuantConfig rowwise, columnwise, weights;
+    columnwise.rowwise = false, columnwise.columnwise = true, columnwise.scale_layout = moe::ScaleLayout::kMNMajor;
+    weights.blocking = moe::QuantBlocking::k2D, weights.columnwise = true;
+    auto token = [&](const void* src, int64_t cols, const DeviceMem& r, const DeviceMem& rs, const DeviceMem& c,
+                     const DeviceMem& cs) {
+      const TensorView v(const_cast<void*>(src), DType::kBF16, {R, cols});
+      QuantizedTensor q;
+      q.rowwise_data = TensorView(r.p, DType::kFP8E4M3, {R, cols});
+      q.rowwise_scale = TensorView(rs.p, DType::kFP32, {R, blocks(cols)});
+      moe::quantize(rowwise, v, q, s);
+      QuantizedTensor qc;
+      qc.columnwise_data = TensorView(c.p, DType::kFP8E4M3, {cols, R});
+      qc.columnwise_scale = TensorView(cs.p, DType::kFP32, {blocks(R), cols});
+      moe::quantize(columnwise, v, qc, s);
+    };
+    token(x, K, xr, xrs, xc, xcs);
+    token(dy, N, dyr, dyrs, dyc, dycs);
+    QuantizedTensor qw;
+    qw.rowwise_data = TensorView(wr.p, DType::kFP8E4M3, {E, N, K});
+    qw.rowwise_scale = TensorView(wrs.p, DType::kFP32, {E, blocks(N), blocks(K)});
+    qw.columnwise_data = TensorView(wc.p, DType::kFP8E4M3, {E, K, N});
+    qw.columnwise_scale = TensorView(wcs.p, DType::kFP32, {E, blocks(K), blocks(N)});
+    moe::quantize(weights, TensorView(const_cast<void*>(w), DType::kBF16, {E, N, K}), qw, s);
+  }
+};
+
 double tflops(double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0; }
 
 // Row-major C[m, n] = A[m, k] * op(B) through cuBLAS (column-major): computes C^T = op(B)^T A^T.
@@ -178,12 +222,13 @@ int main(int argc, char** argv) {
   CLI::App app{"Grouped GEMM (fprop/dgrad/wgrad) TFLOP/s on the named shapes, beside cuBLAS dense"};
   std::vector<std::string> shapes;
   std::string json_out, groups_out;
-  bool all_configs = false;
+  bool all_configs = false, fp8 = false;
   int rounds = 9;
   double skew = 1.0;
   app.add_option("--shape", shapes, "named shapes (default: all)");
   app.add_option("--json", json_out, "write our figures to this JSON file");
   app.add_option("--groups-json", groups_out, "write the group sizes (for torch_grouped_mm.py)");
+  app.add_flag("--fp8", fp8, "also time the FP8 block-scaled products in the same measurements");
   app.add_flag("--all-configs", all_configs, "also time every compiled tile configuration and raster order");
   app.add_option("--rounds", rounds, "interleaved timing rounds per measurement (median reported)");
   app.add_option("--skew", skew, "Zipf-like skew of the skewed routing");
@@ -198,8 +243,8 @@ int main(int argc, char** argv) {
   CUBLAS_CHECK(cublasSetStream(blas, stream));
   std::printf("device: %s\n", moe::bench::device_description().c_str());
   std::printf("TFLOP/s = 2*T*k*N*K / median time (padding rows not counted); groups padded to 128 rows\n");
-  std::printf("%-18s %-8s %-3s %-9s %6s %6s %7s %8s %8s %8s  %s\n", "shape", "routing", "fc", "op", "N", "K",
-              "rows", "ours", "graph", "cublas", "config [alternatives]");
+  std::printf("%-18s %-8s %-3s %-9s %6s %6s %7s %8s %8s %8s%s  %s\n", "shape", "routing", "fc", "op", "N", "K",
+              "rows", "ours", "graph", "cublas", fp8 ? "      fp8 fp8graph  fp8/bf16" : "", "config [alternatives]");
 
   nlohmann::json results = nlohmann::json::array(), groups_json = nlohmann::json::array();
   for (const std::string& name : shapes) {
@@ -233,12 +278,45 @@ int main(int argc, char** argv) {
         const ExpertMatrices mmg =
             ExpertMatrices::grouped(TensorView(mg.p, DType::kFP32, {s.E, N, K}), "main_grad");
         const double flops = 2.0 * double(g.useful) * double(N) * double(K);
+        std::unique_ptr<Fp8Operands> q;
+        if (fp8) q = std::make_unique<Fp8Operands>(x.p, dy.p, w.p, R, N, K, int64_t(s.E), stream);
+        auto fp8_run = [&](GemmOp op, bool accumulate) {
+          using moe::GemmProblem;
+          const int64_t E = s.E;
+          const auto nb = Fp8Operands::blocks(N), kb = Fp8Operands::blocks(K), rb = Fp8Operands::blocks(R);
+          GemmProblem p;
+          p.op = op;
+          p.group_offsets = offs;
+          if (op == GemmOp::kFprop) {
+            p.a = TensorView(q->xr.p, DType::kFP8E4M3, {R, K});
+            p.a_scale = TensorView(q->xrs.p, DType::kFP32, {R, kb});
+            p.w = ExpertMatrices::grouped(TensorView(q->wr.p, DType::kFP8E4M3, {E, N, K}), "w");
+            p.w_scale = ExpertMatrices::grouped(TensorView(q->wrs.p, DType::kFP32, {E, nb, kb}), "w_scale", 4);
+            p.d = ty;
+          } else if (op == GemmOp::kDgrad) {
+            p.a = TensorView(q->dyr.p, DType::kFP8E4M3, {R, N});
+            p.a_scale = TensorView(q->dyrs.p, DType::kFP32, {R, nb});
+            p.w = ExpertMatrices::grouped(TensorView(q->wc.p, DType::kFP8E4M3, {E, K, N}), "w").as_transposed();
+            p.w_scale =
+                ExpertMatrices::grouped(TensorView(q->wcs.p, DType::kFP32, {E, kb, nb}), "w_scale", 4).as_transposed();
+            p.d = tdx;
+          } else {
+            p.a = TensorView(q->dyc.p, DType::kFP8E4M3, {N, R});
+            p.a_scale = TensorView(q->dycs.p, DType::kFP32, {rb, N});
+            p.b = TensorView(q->xc.p, DType::kFP8E4M3, {K, R});
+            p.b_scale = TensorView(q->xcs.p, DType::kFP32, {rb, K});
+            p.w = mmg;
+            p.epilogue = accumulate ? moe::GemmEpilogue::kAccumulate : moe::GemmEpilogue::kStore;
+          }
+          return [&gg, p, &ws, &stream] { gg.run(p, ws, stream); };
+        };
 
         struct OpRun {
           const char* label;
           GemmOp op;
           DType out;
           std::function<void()> ours, dense;
+          bool accumulate = false;
         };
         const std::vector<OpRun> runs = {
             {"fprop", GemmOp::kFprop, DType::kBF16, [&] { gg.fprop(tx, mw, offs, ty, ws, stream); },
@@ -247,13 +325,39 @@ int main(int argc, char** argv) {
              [&] { dense_gemm(blas, dy.p, w.p, dx.p, R, K, N, false, false); }},
             {"wgrad", GemmOp::kWgrad, DType::kBF16, [&] { gg.wgrad(tdy, tx, offs, mdw, false, ws, stream); },
              [&] { dense_gemm(blas, dy.p, x.p, dw.p, N, K, R, true, false); }},
-            {"wgrad_acc", GemmOp::kWgrad, DType::kFP32, [&] { gg.wgrad(tdy, tx, offs, mmg, true, ws, stream); }, nullptr},
+            {"wgrad_acc", GemmOp::kWgrad, DType::kFP32, [&] { gg.wgrad(tdy, tx, offs, mmg, true, ws, stream); }, nullptr,
+             true},
         };
         for (const OpRun& r : runs) {
           gg.force_config(r.op, "");
           const std::string chosen = gg.chosen_config(r.op, N, K, r.out);
           std::vector<Candidate> cands = {{"ours", r.ours, false}, {"graph", r.ours, true}};
           if (r.dense) cands.push_back({"cublas", r.dense, false});
+          size_t fp8_at = 0;
+          // FP8 dgrad runs the fprop-form kernels, so its configuration is forced as fprop's.
+          const GemmOp fp8_op = r.op == GemmOp::kWgrad ? GemmOp::kWgrad : GemmOp::kFprop;
+          const DType fp8_out = r.op == GemmOp::kWgrad ? DType::kFP32 : DType::kBF16;
+          std::vector<std::pair<std::string, bool>> fp8_alt;
+          if (fp8) {  // fp32 wgrad output either way: the bf16 row compares against a written fp32 gradient
+            fp8_at = cands.size();
+            const std::function<void()> f = fp8_run(r.op, r.accumulate);
+            const std::function<void()> heuristic = [&gg, f, fp8_op] {
+              gg.force_config(fp8_op, "");
+              f();
+            };
+            cands.push_back({"fp8", heuristic, false});
+            cands.push_back({"fp8_graph", heuristic, true});
+            if (all_configs)
+              for (const std::string& c : GroupedGemm::configs(fp8_op, fp8_out, DType::kFP8E4M3))
+                for (bool along_n : {false, true}) {
+                  fp8_alt.push_back({c, along_n});
+                  cands.push_back({c + (along_n ? "/N" : "/M"), [&gg, f, fp8_op, c, along_n] {
+                                     gg.force_config(fp8_op, c, along_n);
+                                     f();
+                                   },
+                                   false});
+                }
+          }
           // Alternatives: every compiled configuration in both tile orders (force_config before each
           // launch, since all candidates share one GroupedGemm).
           std::vector<std::pair<std::string, bool>> alt_cfg;
@@ -274,15 +378,29 @@ int main(int argc, char** argv) {
           };
           const std::vector<double> ms = interleaved_ms(cands, stream, rounds);
           gg.force_config(r.op, "");
+          gg.force_config(fp8_op, "");
           const double dense = r.dense ? tflops(flops, ms[2]) : 0.0;
           nlohmann::json rec = {{"shape", s.name}, {"routing", routing}, {"fc", fc}, {"op", r.label}, {"N", N},
                                 {"K", K}, {"E", s.E}, {"rows", R}, {"useful_rows", g.useful},
                                 {"config", chosen}, {"ours_ms", ms[0]}, {"ours_tflops", tflops(flops, ms[0])},
                                 {"ours_graph_tflops", tflops(flops, ms[1])}, {"cublas_tflops", dense}};
+          std::string fp8_cols;
+          if (fp8) {
+            rec["fp8_tflops"] = tflops(flops, ms[fp8_at]);
+            rec["fp8_graph_tflops"] = tflops(flops, ms[fp8_at + 1]);
+            char buf[64];
+            std::snprintf(buf, sizeof buf, " %8.1f %8.1f %8.2fx", tflops(flops, ms[fp8_at]),
+                          tflops(flops, ms[fp8_at + 1]), ms[0] / ms[fp8_at]);
+            fp8_cols = buf;
+          }
           std::string alts;
           if (all_configs) {
             nlohmann::json alt = nlohmann::json::object();
-            for (size_t i = cands.size() - alt_cfg.size(); i < cands.size(); ++i) {
+            // The FP8 alternatives follow the two FP8 candidates; the bf16 alternatives come last.
+            std::vector<size_t> alt_at;
+            for (size_t i = 0; i < fp8_alt.size(); ++i) alt_at.push_back(fp8_at + 2 + i);
+            for (size_t i = 0; i < alt_cfg.size(); ++i) alt_at.push_back(cands.size() - alt_cfg.size() + i);
+            for (size_t i : alt_at) {
               alt[cands[i].label] = tflops(flops, ms[i]);
               char buf[96];
               std::snprintf(buf, sizeof buf, " %s=%.0f", cands[i].label.c_str(), tflops(flops, ms[i]));
@@ -291,9 +409,9 @@ int main(int argc, char** argv) {
             rec["alternatives"] = alt;
           }
           results.push_back(rec);
-          std::printf("%-18s %-8s fc%d %-9s %6lld %6lld %7lld %8.1f %8.1f %8.1f  %s%s\n", s.name, routing, fc, r.label,
-                      (long long)N, (long long)K, (long long)R, tflops(flops, ms[0]), tflops(flops, ms[1]), dense,
-                      chosen.c_str(), alts.c_str());
+          std::printf("%-18s %-8s fc%d %-9s %6lld %6lld %7lld %8.1f %8.1f %8.1f%s  %s%s\n", s.name, routing, fc,
+                      r.label, (long long)N, (long long)K, (long long)R, tflops(flops, ms[0]), tflops(flops, ms[1]),
+                      dense, fp8_cols.c_str(), chosen.c_str(), alts.c_str());
           std::fflush(stdout);
         }
       }

@@ -39,12 +39,17 @@ namespace moe {
 class ExpertMatrices {
  public:
   ExpertMatrices() = default;
+  // Every matrix's address must be a multiple of `alignment` bytes: 16 for the operands and outputs
+  // of the GEMMs (TMA), 4 for the fp32 scales of FP8 weights (GemmProblem::w_scale), which are read
+  // element by element and whose matrices are often not multiples of 16 bytes.
+  //
   // Single grouped layout: one contiguous [E, rows, cols] device view.
-  static ExpertMatrices grouped(const TensorView& t, const char* name = "weights");
+  static ExpertMatrices grouped(const TensorView& t, const char* name = "weights", int alignment = 16);
   // Per-expert layout: E contiguous [rows, cols] device views of one dtype. Their addresses are
   // copied once into a device table owned by the result (a synchronous upload: do this when the
   // parameters are bound, not inside a captured region).
-  static ExpertMatrices per_expert(const std::vector<TensorView>& ts, const char* name = "weights");
+  static ExpertMatrices per_expert(const std::vector<TensorView>& ts, const char* name = "weights",
+                                   int alignment = 16);
 
   // The same storage read as transposes: the stored [rows, cols] matrices are W_e^T, so W_e is
   // [cols, rows] (Hugging Face's transposed experts). The grouped GEMMs read them in place.
@@ -55,6 +60,7 @@ class ExpertMatrices {
   int64_t cols() const { return cols_; }
   bool transposed() const { return transposed_; }
   DType dtype() const { return dtype_; }
+  int alignment() const { return alignment_; }  // bytes every matrix's address is a multiple of
   bool is_grouped() const { return table_ == nullptr; }
   // Single grouped: base address and distance between experts in bytes. Per expert: device table.
   void* base() const { return base_; }
@@ -65,6 +71,7 @@ class ExpertMatrices {
   int experts_ = 0;
   int64_t rows_ = 0, cols_ = 0;
   bool transposed_ = false;
+  int alignment_ = 16;
   DType dtype_ = DType::kBF16;
   void* base_ = nullptr;
   int64_t stride_bytes_ = 0;
@@ -81,8 +88,21 @@ enum class GemmEpilogue : uint8_t {
   kAccumulate,  // D (fp32) += result: wgrad into a main_grad ("gradient accumulation fusion")
 };
 
-// One grouped product. Operand dtypes are those of the views; today's kernels take bf16 operands
-// and write bf16 (or fp32 for wgrad).
+// One grouped product. Operand dtypes are those of the views: bf16 operands write bf16 (or fp32 /
+// accumulate for wgrad); FP8 E4M3 operands with block scaling (docs/gemm.md, FP8) write bf16 (fprop,
+// dgrad) or fp32 / accumulate (wgrad). FP8 tensor cores read both operands along the reduction, so
+// FP8 products take the quantized copies (moe/quantize.h, FP8 block) that are contiguous along it,
+// every scale an fp32 scale_inv:
+//   fprop  a = X rowwise 1x128 [rows, K], a_scale [rows, ceil(K/128)] (kRowMajor);
+//          w = W rowwise 128x128 [E][N, K], w_scale [E][ceil(N/128), ceil(K/128)] (kRowMajor)
+//   dgrad  a = dY rowwise 1x128 [rows, N], a_scale [rows, ceil(N/128)] (kRowMajor);
+//          w = the weights' columnwise 128x128 copy W^T [E][K, N] viewed as_transposed(), w_scale
+//          its scales [E][ceil(K/128), ceil(N/128)] viewed as_transposed() too
+//   wgrad  a = dY columnwise 1x128 (dY^T) [N, rows], a_scale [ceil(rows/128), N] (kMNMajor);
+//          b = X columnwise 1x128 (X^T) [K, rows], b_scale [ceil(rows/128), K] (kMNMajor);
+//          every group must start on a 128-token block (pad the dispatch to A = 128): a group that
+//          does not is skipped and raises kErrUnalignedGroup in error_word
+// Every FP8 dimension (N, K, and rows for wgrad) must be a multiple of 16 (16-byte TMA rows).
 struct GemmProblem {
   GemmOp op = GemmOp::kFprop;
   TensorView a;              // fprop: X [rows, K]; dgrad and wgrad: dY [rows, N]
@@ -91,6 +111,9 @@ struct GemmProblem {
                              // (either may be stored transposed, [K, N]: ExpertMatrices::as_transposed)
   TensorView d;              // fprop: Y [rows, N]; dgrad: dX [rows, K]; unused by wgrad
   TensorView group_offsets;  // int32 [E + 1], device
+  TensorView a_scale;        // FP8 only (see above)
+  TensorView b_scale;        // FP8 wgrad only
+  ExpertMatrices w_scale;    // FP8 fprop and dgrad only, oriented as w (made with alignment 4 or 16)
   GemmEpilogue epilogue = GemmEpilogue::kStore;
   // Optional device error word (moe::ErrorWord): offsets that are not 0-based, decrease or run past
   // the rows raise kErrBadGroupOffsets (the groups are clamped either way, never read out of bounds).
@@ -133,7 +156,8 @@ class GroupedGemm {
   // heuristic's unless forced -- as "name/M" or "name/N" (the scheduler's tile order inside a group),
   // and the names of every compiled configuration of that op. For benchmarks and tests.
   std::string chosen_config(GemmOp op, int64_t N, int64_t K, DType out_dtype = DType::kBF16) const;
-  static std::vector<std::string> configs(GemmOp op, DType out_dtype = DType::kBF16);
+  // operands: kBF16 or kFP8E4M3 (FP8 dgrad runs the fprop-form kernels: list and force them as fprop).
+  static std::vector<std::string> configs(GemmOp op, DType out_dtype = DType::kBF16, DType operands = DType::kBF16);
   // Forces a configuration by name ("" = back to the heuristic) and the tile order inside a group
   // (false: along M). Configuration of the engine, for benchmarks and tests; throws on an unknown name.
   // Products on transposed expert matrices run the other op's kernel (fprop <-> dgrad) and take

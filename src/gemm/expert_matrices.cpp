@@ -9,18 +9,23 @@
 namespace moe {
 namespace {
 
-void check_view(const TensorView& t, const std::string& name) {
+void check_view(const TensorView& t, const std::string& name, int alignment) {
   check_device(t, name.c_str(), Device::kCUDA);
   check_contiguous(t, name.c_str());
-  // 16 bytes: the TMA units of the grouped GEMM address every matrix in 16-byte steps.
-  check_pointer(t, name.c_str(), 16);
+  check_pointer(t, name.c_str(), alignment);
+}
+
+void check_alignment(int alignment, const char* name) {
+  MOE_CHECK(alignment == 4 || alignment == 16, "argument '", name, "': expected an alignment of 16 (GEMM operands) or 4 "
+            "(FP8 scales), got ", alignment);
 }
 
 }  // namespace
 
-ExpertMatrices ExpertMatrices::grouped(const TensorView& t, const char* name) {
+ExpertMatrices ExpertMatrices::grouped(const TensorView& t, const char* name, int alignment) {
+  check_alignment(alignment, name);
   MOE_CHECK(t.ndim == 3, "argument '", name, "': expected a [E, rows, cols] tensor, got shape ", t.shape_string());
-  check_view(t, name);
+  check_view(t, name, alignment);
   MOE_CHECK(t.shape[0] >= 1, "argument '", name, "': expected at least one expert, got shape ", t.shape_string());
   ExpertMatrices m;
   m.experts_ = static_cast<int>(t.shape[0]);
@@ -29,10 +34,15 @@ ExpertMatrices ExpertMatrices::grouped(const TensorView& t, const char* name) {
   m.dtype_ = t.dtype;
   m.base_ = t.data;
   m.stride_bytes_ = dtype_bytes(t.dtype, t.shape[1] * t.shape[2]);
+  // Every matrix, not only the first, must be aligned.
+  MOE_CHECK(m.stride_bytes_ % alignment == 0, "argument '", name, "': expected ", alignment,
+            "-byte aligned matrices, but one matrix is ", m.stride_bytes_, " bytes");
+  m.alignment_ = alignment;
   return m;
 }
 
-ExpertMatrices ExpertMatrices::per_expert(const std::vector<TensorView>& ts, const char* name) {
+ExpertMatrices ExpertMatrices::per_expert(const std::vector<TensorView>& ts, const char* name, int alignment) {
+  check_alignment(alignment, name);
   MOE_CHECK(!ts.empty(), "argument '", name, "': expected at least one expert tensor, got none");
   ExpertMatrices m;
   m.experts_ = static_cast<int>(ts.size());
@@ -43,7 +53,7 @@ ExpertMatrices ExpertMatrices::per_expert(const std::vector<TensorView>& ts, con
   for (size_t e = 0; e < ts.size(); ++e) {
     const std::string n = std::string(name) + std::to_string(e);
     MOE_CHECK(ts[e].ndim == 2, "argument '", n, "': expected a [rows, cols] tensor, got shape ", ts[e].shape_string());
-    check_view(ts[e], n);
+    check_view(ts[e], n, alignment);
     check_dtype(ts[e], n.c_str(), m.dtype_);
     check_shape(ts[e], n.c_str(), {m.rows_, m.cols_});
     MOE_CHECK(ts[e].data != nullptr, "argument '", n, "': expected a non-null pointer");
@@ -51,6 +61,7 @@ ExpertMatrices ExpertMatrices::per_expert(const std::vector<TensorView>& ts, con
   }
   m.table_owner_ = upload_pointer_table(ptrs);
   m.table_ = static_cast<const void* const*>(m.table_owner_.get());
+  m.alignment_ = alignment;
   return m;
 }
 

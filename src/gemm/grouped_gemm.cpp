@@ -37,12 +37,44 @@ void check_dim(int64_t v, const char* name, const char* what) {
             " to be a positive multiple of ", kAlign, " (16-byte aligned bf16 rows for TMA) below 2^31, got ", v);
 }
 
-// The per-call workspace: argument arrays (shapes, 4 pointer arrays, 4 leading-dimension arrays)
-// then CUTLASS's workspace, each piece 256-byte aligned.
+// The per-call workspace: argument arrays (shapes, 4 pointer arrays, 4 leading-dimension arrays,
+// 2 FP8 scale pointer arrays) then CUTLASS's workspace, each piece 256-byte aligned.
 struct CallLayout {
   size_t shapes = 0, arr = 0, cutlass = 0;
-  size_t total() const { return shapes + 8 * arr + cutlass; }
+  size_t total() const { return shapes + 10 * arr + cutlass; }
 };
+
+constexpr int64_t kFp8Block = 128;  // FP8 block scaling: elements per scale block
+int64_t blocks_of(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
+
+// An fp32 scale_inv tensor of exactly `shape`, on the device, contiguous.
+void check_scale(const TensorView& t, const char* name, std::initializer_list<int64_t> shape) {
+  MOE_CHECK(t.ndim > 0, "argument '", name, "': FP8 operands need their fp32 scale_inv tensor, got none");
+  check_dtype(t, name, DType::kFP32);
+  check_device(t, name, Device::kCUDA);
+  check_shape(t, name, shape);
+  MOE_CHECK(t.data != nullptr || t.numel() == 0, "argument '", name, "': expected device memory, got a null pointer");
+  check_contiguous(t, name);
+  check_pointer(t, name, 4);
+}
+
+// The weights' FP8 scales: per expert [ceil(N/128), ceil(K/128)] fp32, oriented as the weights.
+void check_weight_scale(const ExpertMatrices& s, const ExpertMatrices& w) {
+  MOE_CHECK(s.experts() == w.experts(), "argument 'w_scale': FP8 weights need one scale_inv matrix per expert (",
+            w.experts(), "), got ", s.experts());
+  MOE_CHECK(s.dtype() == DType::kFP32, "argument 'w_scale': expected dtype fp32, got ", dtype_name(s.dtype()));
+  MOE_CHECK(s.transposed() == w.transposed(), "argument 'w_scale': expected the orientation of w (",
+            w.transposed() ? "transposed" : "rowwise", ")");
+  MOE_CHECK(s.rows() == blocks_of(w.rows()) && s.cols() == blocks_of(w.cols()), "argument 'w_scale': expected [",
+            blocks_of(w.rows()), ", ", blocks_of(w.cols()), "] scale matrices (128 x 128 blocks of [", w.rows(), ", ",
+            w.cols(), "]), got [", s.rows(), ", ", s.cols(), "]");
+}
+
+// FP8 dimensions: 16-byte rows of one-byte elements.
+void check_fp8_dim(int64_t v, const char* name, const char* what) {
+  MOE_CHECK(v % 16 == 0, "argument '", name, "': FP8 operands need ", what,
+            " to be a multiple of 16 (16-byte TMA rows), got ", v);
+}
 
 }  // namespace
 
@@ -84,6 +116,8 @@ struct GroupedGemm::Impl {
     a.ld_b = reinterpret_cast<int64_t*>(take(l.arr));
     a.ld_c = reinterpret_cast<int64_t*>(take(l.arr));
     a.ld_d = reinterpret_cast<int64_t*>(take(l.arr));
+    a.ptr_sfa = reinterpret_cast<const float**>(take(l.arr));
+    a.ptr_sfb = reinterpret_cast<const float**>(take(l.arr));
     *cutlass_ws = take(l.cutlass);
     return a;
   }
@@ -93,7 +127,7 @@ struct GroupedGemm::Impl {
   const gemm::KernelEntry* kernel(Op op, DType ab, DType out, bool accumulate, int64_t N, int64_t K,
                                   bool* raster_along_n) const {
     const Forced& f = forced[int(op)];
-    gemm::TileChoice c = gemm::choose_tiles(op, N, K);
+    gemm::TileChoice c = ab == DType::kFP8E4M3 ? gemm::choose_fp8_tiles(op, N, K) : gemm::choose_tiles(op, N, K);
     if (!f.name.empty() && gemm::find_kernel(op, ab, out, accumulate, f.name.c_str()))
       c = {f.name.c_str(), f.raster_along_n};
     const gemm::KernelEntry* k = gemm::find_kernel(op, ab, out, accumulate, c.name);
@@ -173,20 +207,22 @@ std::string GroupedGemm::chosen_config(GemmOp op, int64_t N, int64_t K, DType ou
   return std::string(k->name) + (along_n ? "/N" : "/M");
 }
 
-std::vector<std::string> GroupedGemm::configs(GemmOp op, DType out_dtype) {
+std::vector<std::string> GroupedGemm::configs(GemmOp op, DType out_dtype, DType operands) {
   std::vector<std::string> names;
   int n = 0;
   const gemm::KernelEntry* const* all = gemm::kernel_registry(&n);
   for (int i = 0; i < n; ++i)
-    if (all[i]->caps.op == to_op(op) && all[i]->caps.out == out_dtype) names.push_back(all[i]->name);
+    if (all[i]->caps.op == to_op(op) && all[i]->caps.ab == operands && all[i]->caps.out == out_dtype)
+      names.push_back(all[i]->name);
   return names;
 }
 
 void GroupedGemm::force_config(GemmOp op, const std::string& name, bool raster_along_n) {
   if (!name.empty()) {
     bool known = false;
-    for (DType out : {DType::kBF16, DType::kFP32})
-      known = known || gemm::find_kernel(to_op(op), DType::kBF16, out, false, name.c_str()) != nullptr;
+    for (DType ab : {DType::kBF16, DType::kFP8E4M3})
+      for (DType out : {DType::kBF16, DType::kFP32})
+        known = known || gemm::find_kernel(to_op(op), ab, out, false, name.c_str()) != nullptr;
     MOE_CHECK(known, "argument 'name': no ", gemm_op_name(op), " configuration named '", name, "'");
   }
   impl_->forced[int(op)] = {name, raster_along_n};
@@ -198,11 +234,15 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
   const bool accumulate = pr.epilogue == GemmEpilogue::kAccumulate;
   const char* wname = pr.op == GemmOp::kWgrad ? "dw" : "w";
   MOE_CHECK(w.experts() >= 1, "argument '", wname, "': expected expert matrices, got none");
-  check_matrix(pr.a, pr.op == GemmOp::kFprop ? "x" : "dy", DType::kBF16);
+  MOE_CHECK(w.alignment() >= 16, "argument '", wname, "': GEMM operands need 16-byte aligned matrices (TMA), got ",
+            "expert matrices made with alignment ", w.alignment());
+  const bool fp8 = pr.a.dtype == DType::kFP8E4M3;
+  check_matrix(pr.a, pr.op == GemmOp::kFprop ? "x" : "dy", fp8 ? DType::kFP8E4M3 : DType::kBF16);
   const DType ab = pr.a.dtype;
-  const int64_t rows = pr.a.shape[0];
+  // FP8 wgrad reads dY's columnwise copy [N, rows]: the tokens run along its columns.
+  const int64_t rows = fp8 && pr.op == GemmOp::kWgrad ? pr.a.shape[1] : pr.a.shape[0];
   int64_t N = 0, K = 0;
-  DType out = ab;
+  DType out = DType::kBF16;  // fprop and dgrad write bf16 (from bf16 or FP8 operands); wgrad: dw's dtype
   gemm::PrepParams p{};
   p.op = to_op(pr.op);
   p.groups = w.experts();
@@ -217,7 +257,15 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
       MOE_CHECK(w.dtype() == ab, "argument 'w': expected dtype ", dtype_name(ab), " (as x), got ", dtype_name(w.dtype()));
       MOE_CHECK(w.cols() == K, "argument 'w': expected [", N, ", ", K, "] expert matrices (K of x), got [", N, ", ",
                 w.cols(), "]");
-      check_matrix(pr.d, "y", ab);
+      if (fp8) {
+        MOE_CHECK(!w.transposed(), "argument 'w': FP8 fprop reads the weights' rowwise copy W [N, K], got a "
+                                   "transposed view");
+        check_fp8_dim(K, "x", "K (columns)");
+        check_fp8_dim(N, "w", "N (rows)");
+        check_scale(pr.a_scale, "x_scale", {rows, blocks_of(K)});
+        check_weight_scale(pr.w_scale, w);
+      }
+      check_matrix(pr.d, "y", DType::kBF16);
       check_shape(pr.d, "y", {rows, N});
       p.d = static_cast<char*>(pr.d.data);
       break;
@@ -229,17 +277,38 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
                 dtype_name(w.dtype()));
       MOE_CHECK(w.rows() == N, "argument 'w': expected [", N, ", ", K, "] expert matrices (N of dy), got [", w.rows(),
                 ", ", K, "]");
-      check_matrix(pr.d, "dx", ab);
+      if (fp8) {
+        MOE_CHECK(w.transposed(), "argument 'w': FP8 dgrad reads the weights' columnwise copy W^T [K, N] (viewed "
+                                  "as_transposed()), got the rowwise orientation");
+        check_fp8_dim(N, "dy", "N (columns)");
+        check_fp8_dim(K, "w", "K (columns)");
+        check_scale(pr.a_scale, "dy_scale", {rows, blocks_of(N)});
+        check_weight_scale(pr.w_scale, w);
+      }
+      check_matrix(pr.d, "dx", DType::kBF16);
       check_shape(pr.d, "dx", {rows, K});
       p.d = static_cast<char*>(pr.d.data);
       break;
     case GemmOp::kWgrad:
       check_matrix(pr.b, "x", ab);
-      N = pr.a.shape[1], K = pr.b.shape[1];
-      check_dim(N, "dy", "N (columns)");
-      check_dim(K, "x", "K (columns)");
-      MOE_CHECK(pr.b.shape[0] == rows, "argument 'x': expected ", rows, " rows (as dy), got shape ",
-                pr.b.shape_string());
+      if (fp8) {  // the columnwise copies dY^T [N, rows] and X^T [K, rows]
+        N = pr.a.shape[0], K = pr.b.shape[0];
+        check_dim(N, "dy", "N (rows of the columnwise copy)");
+        check_dim(K, "x", "K (rows of the columnwise copy)");
+        MOE_CHECK(pr.b.shape[1] == rows, "argument 'x': expected ", rows, " tokens (columns, as dy), got shape ",
+                  pr.b.shape_string());
+        check_fp8_dim(rows, "dy", "the tokens (columns of the columnwise copy)");
+        check_scale(pr.a_scale, "dy_scale", {blocks_of(rows), N});
+        check_scale(pr.b_scale, "x_scale", {blocks_of(rows), K});
+        MOE_CHECK(w.dtype() == DType::kFP32, "argument 'dw': FP8 wgrad writes an fp32 gradient, got dtype ",
+                  dtype_name(w.dtype()));
+      } else {
+        N = pr.a.shape[1], K = pr.b.shape[1];
+        check_dim(N, "dy", "N (columns)");
+        check_dim(K, "x", "K (columns)");
+        MOE_CHECK(pr.b.shape[0] == rows, "argument 'x': expected ", rows, " rows (as dy), got shape ",
+                  pr.b.shape_string());
+      }
       MOE_CHECK(w.rows() == N && w.cols() == K, "argument 'dw': expected [", N, ", ", K, "] expert matrices, got [",
                 w.rows(), ", ", w.cols(), "]");
       out = w.dtype();
@@ -259,6 +328,13 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
   s.check_workspace(workspace, w.experts());
   p.offsets = pr.group_offsets.ptr<const int32_t>();
   p.error_word = pr.error_word;
+  if (fp8) {
+    p.fp8 = true;
+    p.a_scale = static_cast<const float*>(pr.a_scale.data);
+    p.b_scale = static_cast<const float*>(pr.b_scale.data);
+    p.w_scale = {static_cast<const char*>(pr.w_scale.base()), pr.w_scale.expert_stride_bytes(),
+                 pr.w_scale.device_table()};
+  }
 
   // Transposed expert matrices (stored W_e^T, [K, N] row-major) are the other major order of the
   // same B operand: fprop becomes the dgrad-shaped product (B N-major), dgrad the fprop-shaped one
@@ -267,7 +343,7 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
   if (w.transposed()) {
     if (pr.op == GemmOp::kFprop) p.op = Op::kDgrad;
     else if (pr.op == GemmOp::kDgrad) p.op = Op::kFprop;
-    else std::swap(p.a, p.b_tokens);
+    else std::swap(p.a, p.b_tokens), std::swap(p.a_scale, p.b_scale);
     std::swap(p.N, p.K);
   }
 
@@ -287,6 +363,7 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
   a.ptr_b = arrays.ptr_b, a.ld_b = arrays.ld_b;
   a.ptr_c = arrays.ptr_c, a.ld_c = arrays.ld_c;
   a.ptr_d = arrays.ptr_d, a.ld_d = arrays.ld_d;
+  a.ptr_sfa = arrays.ptr_sfa, a.ptr_sfb = arrays.ptr_sfb;
   a.sm_count = s.sm_count;
   a.raster_along_n = along_n;
   a.workspace = cutlass_ws;

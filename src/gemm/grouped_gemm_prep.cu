@@ -23,31 +23,47 @@ __global__ void prep_kernel(PrepParams p, ArgArrays out) {
   }
   int64_t start, end;
   kernels::group_rows(p.offsets, e, p.rows, &start, &end);
-  const int32_t m = static_cast<int32_t>(end - start);
+  int32_t m = static_cast<int32_t>(end - start);
   const int32_t N = static_cast<int32_t>(p.N), K = static_cast<int32_t>(p.K);
-  constexpr int64_t kBF16 = 2;  // bytes of the bf16 operands
+  const int64_t eb = p.fp8 ? 1 : 2;  // bytes of an operand element
   const char* w = expert_ptr(p.weights, e);
   int32_t* shape = out.shapes + 3 * e;
   switch (p.op) {
     case Op::kFprop:  // Y_e [m, N] = X_e [m, K] W_e^T
       shape[0] = m, shape[1] = N, shape[2] = K;
-      out.ptr_a[e] = p.a + start * p.K * kBF16, out.ld_a[e] = p.K;
+      out.ptr_a[e] = p.a + start * p.K * eb, out.ld_a[e] = p.K;
       out.ptr_b[e] = w, out.ld_b[e] = p.K;
-      out.ptr_d[e] = p.d + start * p.N * kBF16, out.ld_d[e] = p.N;
+      out.ptr_d[e] = p.d + start * p.N * 2, out.ld_d[e] = p.N;
+      if (p.fp8) {
+        out.ptr_sfa[e] = p.a_scale + start * ((p.K + 127) / 128);
+        out.ptr_sfb[e] = reinterpret_cast<const float*>(expert_ptr(p.w_scale, e));
+      }
       break;
     case Op::kDgrad:  // dX_e [m, K] = dY_e [m, N] W_e
       shape[0] = m, shape[1] = K, shape[2] = N;
-      out.ptr_a[e] = p.a + start * p.N * kBF16, out.ld_a[e] = p.N;
+      out.ptr_a[e] = p.a + start * p.N * eb, out.ld_a[e] = p.N;
       out.ptr_b[e] = w, out.ld_b[e] = p.K;
-      out.ptr_d[e] = p.d + start * p.K * kBF16, out.ld_d[e] = p.K;
+      out.ptr_d[e] = p.d + start * p.K * 2, out.ld_d[e] = p.K;
       break;
     case Op::kWgrad:  // dW_e [N, K] = dY_e^T X_e, reduction over the group's m rows.
+      if (p.fp8 && m > 0 && start % 128 != 0) {
+        // Its scale blocks would straddle groups (and its TMA base could be misaligned).
+        if (p.error_word != nullptr) atomicOr(p.error_word, kErrUnalignedGroup);
+        m = 0;
+      }
       // An empty group becomes a GEMM with no tiles (M = 0): a ragged-K GEMM with K = 0 is never
       // launched (it has hung CUTLASS elsewhere), and dW_e is zero-filled separately in write mode
       // or left untouched when accumulating.
       shape[0] = m > 0 ? N : 0, shape[1] = m > 0 ? K : 0, shape[2] = m;
-      out.ptr_a[e] = p.a + start * p.N * kBF16, out.ld_a[e] = p.N;
-      out.ptr_b[e] = p.b_tokens + start * p.K * kBF16, out.ld_b[e] = p.K;
+      if (p.fp8) {  // columnwise copies: the group is columns [start, start + m) of rows of p.rows
+        out.ptr_a[e] = p.a + start, out.ld_a[e] = p.rows;
+        out.ptr_b[e] = p.b_tokens + start, out.ld_b[e] = p.rows;
+        out.ptr_sfa[e] = p.a_scale + (start / 128) * p.N;
+        out.ptr_sfb[e] = p.b_scale + (start / 128) * p.K;
+      } else {
+        out.ptr_a[e] = p.a + start * p.N * eb, out.ld_a[e] = p.N;
+        out.ptr_b[e] = p.b_tokens + start * p.K * eb, out.ld_b[e] = p.K;
+      }
       out.ptr_c[e] = w, out.ld_c[e] = p.K;  // read only when accumulating (beta = 1)
       out.ptr_d[e] = const_cast<char*>(w), out.ld_d[e] = p.K;
       break;

@@ -31,6 +31,8 @@ struct ArgArrays {
   int64_t* ld_b;
   int64_t* ld_c;
   int64_t* ld_d;
+  const float** ptr_sfa;  // FP8 only
+  const float** ptr_sfb;
 };
 
 struct PrepParams {
@@ -46,6 +48,15 @@ struct PrepParams {
   char* d = nullptr;
   ExpertPtrs weights;  // fprop/dgrad: W; wgrad: dW (also C when accumulating)
   uint32_t* error_word = nullptr;  // optional: kErrBadGroupOffsets for offsets that had to be clamped
+  // FP8 block scaling (fp8 = true): operands of one byte with fp32 scale_inv tensors. The fprop
+  // form reads a_scale [rows, ceil(K / 128)] and w_scale per expert; wgrad reads the tokens'
+  // columnwise copies (a = dY^T [N, rows], b_tokens = X^T [K, rows]) and their scales
+  // a_scale [ceil(rows / 128), N], b_scale [ceil(rows / 128), K]. A wgrad group must start on a
+  // 128-token block: one that does not is skipped and raises kErrUnalignedGroup.
+  bool fp8 = false;
+  const float* a_scale = nullptr;
+  const float* b_scale = nullptr;
+  ExpertPtrs w_scale;
 };
 
 // One thread per group; enqueued on `stream`.

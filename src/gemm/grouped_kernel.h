@@ -16,6 +16,9 @@ namespace moe::gemm {
 //   fprop  Y  = X  W^T : A = X  row-major (K-major), B = W  [N,K] K-major,  D row-major
 //   dgrad  dX = dY W   : A = dY row-major (K-major), B = W  [N,K] N-major,  D row-major
 //   wgrad  dW = dY^T X : A = dY M-major,             B = X  [m,K] N-major,  D row-major, K = m ragged
+// FP8 configurations are all "TN" (both operands K-major, sm90_grouped_kernel.cuh): the fprop-op
+// kernel also runs dgrad on the weights' columnwise copy, the wgrad-op kernel reads the tokens'
+// columnwise copies (A = dY^T [N, m], B = X^T [K, m]).
 enum class Op : uint8_t { kFprop, kDgrad, kWgrad };
 
 
@@ -34,6 +37,8 @@ struct GroupedArgs {
   const int64_t* ld_c = nullptr;
   void* const* ptr_d = nullptr;
   const int64_t* ld_d = nullptr;
+  const float* const* ptr_sfa = nullptr;  // FP8 only: each group's scale_inv of A and B
+  const float* const* ptr_sfb = nullptr;
   float alpha = 1.0f;
   float beta = 0.0f;  // fp32 kernels: 1 accumulates into D
   int sm_count = 0;

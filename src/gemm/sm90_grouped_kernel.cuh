@@ -1,6 +1,7 @@
 // The one CUTLASS 4.2 kernel template behind every configuration: an sm90 pointer-array grouped
 // GEMM (TMA + WGMMA, warp-specialized, persistent group tile scheduler) with problem shapes that
-// live only on the device. Included by exactly one .cu per configuration.
+// live only on the device, on bf16 operands or on FP8 E4M3 operands with per-block fp32 scales
+// applied in the main loop. Included by exactly one .cu per configuration.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,7 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
+#include <cutlass/detail/blockwise_scale_layout.hpp>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/epilogue/fusion/operations.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
@@ -42,23 +44,52 @@ struct OpLayouts<Op::kWgrad> {
 
 struct Cooperative {
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using KernelFp8Block = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 struct Pingpong {
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using KernelFp8Block = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
-// kOp: which product; ElementD: bf16 or float; ElementC: void (no source) or float (beta * C);
-// Tile/Cluster: cute shapes; Schedule: Cooperative or Pingpong.
-template <Op kOp, class ElementD, class ElementC, class Tile, class Cluster, class Schedule>
-struct Sm90GroupedGemm {
-  using ElementAB = cutlass::bfloat16_t;
+// bf16 operands in the layouts of op kOp.
+template <Op kOp>
+struct Bf16Operands {
+  static constexpr bool kScaled = false;
+  using Element = cutlass::bfloat16_t;
+  using LayoutA = typename OpLayouts<kOp>::A*;
+  using LayoutB = typename OpLayouts<kOp>::B*;
+  template <class Schedule>
+  using KernelSchedule = typename Schedule::Kernel;
+};
+
+// FP8 E4M3 operands with block scaling (docs/gemm.md, FP8). FP8 WGMMA reads both operands
+// K-major, so every FP8 product is "TN": A [m, red] and B [n, red] with the reduction contiguous
+// (dgrad reads the weights' columnwise copy, wgrad the tokens' columnwise copies). The fp32
+// scale_inv of A comes per row and 128-block of the reduction (granularity 1 x 128), that of B per
+// kGranN rows and 128-block (128 x 128 weight blocks, or 1 x 128 token blocks in wgrad). The
+// pointer-array mainloop derives each group's scale layout from its problem shape: scales packed
+// [m][red/128] (K-major) or [red/128][m] (MN-major, leading dimension m) behind each group's pointer.
+template <int kGranN, cute::GMMA::Major kMajorSFA, cute::GMMA::Major kMajorSFB>
+struct Fp8BlockOperands {
+  static constexpr bool kScaled = true;
+  using Element = cutlass::float_e4m3_t;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kGranN, 128, kMajorSFA, kMajorSFB>;
+  using LayoutA = cute::tuple<cutlass::layout::RowMajor*, decltype(ScaleConfig::deduce_layoutSFA())*>;
+  using LayoutB = cute::tuple<cutlass::layout::ColumnMajor*, decltype(ScaleConfig::deduce_layoutSFB())*>;
+  template <class Schedule>
+  using KernelSchedule = typename Schedule::KernelFp8Block;
+};
+
+// Operands: Bf16Operands<op> or Fp8BlockOperands<...>; ElementD: bf16 or float; ElementC: void (no
+// source) or float (beta * C); Tile/Cluster: cute shapes; Schedule: Cooperative or Pingpong.
+template <class Operands, class ElementD, class ElementC, class Tile, class Cluster, class Schedule>
+struct Sm90Gemm {
+  using ElementAB = typename Operands::Element;
   using ElementAcc = float;
   using ElementDOut = ElementD;  // for the registry key (caps_of)
   using ElementCIn = ElementC;
-  using LayoutA = typename OpLayouts<kOp>::A;
-  using LayoutB = typename OpLayouts<kOp>::B;
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignAB = 16 / sizeof(ElementAB);  // 16-byte TMA alignment
   static constexpr int kAlignD = 16 / sizeof(ElementD);
@@ -72,10 +103,10 @@ struct Sm90GroupedGemm {
       cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAcc, ElementC, ElementAcc>>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA*, kAlignAB, ElementAB, LayoutB*,
-      kAlignAB, ElementAcc, Tile, Cluster,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename Operands::LayoutA, kAlignAB, ElementAB,
+      typename Operands::LayoutB, kAlignAB, ElementAcc, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      typename Schedule::Kernel>::CollectiveOp;
+      typename Operands::template KernelSchedule<Schedule>>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -99,10 +130,19 @@ struct Sm90GroupedGemm {
                           reinterpret_cast<typename ProblemShape::UnderlyingProblemShape*>(
                               const_cast<int32_t*>(a.problem_shapes)),
                           nullptr};
-    args.mainloop = {reinterpret_cast<const ElementAB**>(const_cast<const void**>(a.ptr_a)),
-                     reinterpret_cast<StrideA*>(const_cast<int64_t*>(a.ld_a)),
-                     reinterpret_cast<const ElementAB**>(const_cast<const void**>(a.ptr_b)),
-                     reinterpret_cast<StrideB*>(const_cast<int64_t*>(a.ld_b))};
+    auto& ml = args.mainloop;
+    ml.ptr_A = reinterpret_cast<const ElementAB**>(const_cast<const void**>(a.ptr_a));
+    ml.dA = reinterpret_cast<StrideA*>(const_cast<int64_t*>(a.ld_a));
+    ml.ptr_B = reinterpret_cast<const ElementAB**>(const_cast<const void**>(a.ptr_b));
+    ml.dB = reinterpret_cast<StrideB*>(const_cast<int64_t*>(a.ld_b));
+    if constexpr (Operands::kScaled) {
+      ml.ptr_SFA = const_cast<const float**>(a.ptr_sfa);
+      ml.ptr_SFB = const_cast<const float**>(a.ptr_sfb);
+      // The grouped mainloop derives each group's scale layout from its problem shape; the layout
+      // arrays are never read.
+      ml.layout_SFA = nullptr;
+      ml.layout_SFB = nullptr;
+    }
     auto& ep = args.epilogue;
     ep.thread.alpha = a.alpha;
     ep.thread.beta = a.beta;
@@ -153,6 +193,23 @@ struct Sm90GroupedGemm {
   }
 };
 
+// The bf16 configurations: operand layouts fixed by the op.
+template <Op kOp, class ElementD, class ElementC, class Tile, class Cluster, class Schedule>
+using Sm90GroupedGemm = Sm90Gemm<Bf16Operands<kOp>, ElementD, ElementC, Tile, Cluster, Schedule>;
+
+// The FP8 block-scaled configurations ("TN", see Fp8BlockOperands):
+//   fprop form (fprop, and dgrad on the weights' columnwise copy): activation scales per row and
+//     128-block of the reduction stored row-major [rows, red/128] (K-major, a group's scales start
+//     at its first row), weight scales per 128 x 128 block, row-major per expert (K-major);
+//   wgrad form: both operands are the tokens' columnwise copies, 1 x 128 blocks along the tokens,
+//     scales stored [tokens/128, rows] (MN-major, a group's scales start at its first 128-token block).
+template <class ElementD, class ElementC, class Tile, class Cluster, class Schedule>
+using Sm90Fp8FpropGemm = Sm90Gemm<Fp8BlockOperands<128, cute::GMMA::Major::K, cute::GMMA::Major::K>, ElementD,
+                                  ElementC, Tile, Cluster, Schedule>;
+template <class ElementD, class ElementC, class Tile, class Cluster, class Schedule>
+using Sm90Fp8WgradGemm = Sm90Gemm<Fp8BlockOperands<1, cute::GMMA::Major::MN, cute::GMMA::Major::MN>, ElementD,
+                                  ElementC, Tile, Cluster, Schedule>;
+
 }  // namespace moe::gemm
 
 namespace moe::gemm {
@@ -160,6 +217,7 @@ template <class T>
 constexpr DType dtype_of() {
   if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) return DType::kBF16;
   else if constexpr (std::is_same_v<T, cutlass::half_t>) return DType::kFP16;
+  else if constexpr (std::is_same_v<T, cutlass::float_e4m3_t>) return DType::kFP8E4M3;
   else return DType::kFP32;
 }
 

@@ -27,4 +27,13 @@ TileChoice choose_tiles(Op op, int64_t N, int64_t K) {
   return {"coop_128x256x64_c2x1", false};
 }
 
+// FP8 (measured on deepseek-v3-ep32 and mixtral-8x7b, docs/gemm.md): cooperative 128x128x128 beats
+// ping-pong 64x128x128 by 1.3-1.5x in both forms (ping-pong was dropped). The fprop form walks each
+// expert along N when its output is at most 4096 wide (1.03-1.07x), along M for wider outputs
+// (along N costs up to 9% there); wgrad follows the bf16 rule.
+TileChoice choose_fp8_tiles(Op op, int64_t N, int64_t K) {
+  if (op == Op::kWgrad) return {"fp8_coop_128x128x128_c2x1", N > K};
+  return {"fp8_coop_128x128x128_c1x2", N <= 4096};
+}
+
 }  // namespace moe::gemm

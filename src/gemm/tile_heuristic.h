@@ -16,5 +16,7 @@ struct TileChoice {
 };
 
 TileChoice choose_tiles(Op op, int64_t N, int64_t K);
+// The same for FP8 block-scaled operands (op kFprop serves fprop and dgrad, see grouped_kernel.h).
+TileChoice choose_fp8_tiles(Op op, int64_t N, int64_t K);
 
 }  // namespace moe::gemm

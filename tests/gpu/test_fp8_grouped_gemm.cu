@@ -1,0 +1,474 @@
+// FP8 block-scaled grouped GEMMs (fprop, dgrad on the weights' columnwise copy, wgrad on the tokens'
+// columnwise copies) against a dequantize-then-fp64 reference: the operands are quantized by the
+// GPU kernels (checked bitwise against the CPU reference quantizer here too), dequantized by the
+// CPU reference and multiplied in fp64. Uneven, empty and partial-block groups, N and K that are
+// not multiples of 128 (partial scale blocks), both weight layouts (bitwise identical), transposed
+// weight gradients (within the bound), main_grad accumulation, CUDA graph replay with new groups and data (bitwise
+// equal to eager), a wgrad group off the 128-token grid (reported, skipped), zero rows, bad input.
+//
+// Data: normal values times 2^u per scale block, u uniform in [-6, 6], so block scales differ by
+// up to 2^12: a scale applied to the wrong block, or not at all, is off by orders of magnitude.
+//
+// Tolerance: |gpu - ref| <= 2^-8 |ref| (bf16 output; 0 for fp32) + 2^-9 * sum|a b| + 2^-22 |c|.
+// The reference multiplies exactly the dequantized operands, so the only errors are the output
+// rounding and the accumulation: FP8 WGMMA sums its products in an accumulator narrower than fp32
+// (about 14 significant bits, DeepSeek-V3 report, section 3.3), which the kernel promotes into fp32
+// with the two blocks' scales after every 128-long block of the reduction; 2^-9 * sum|a b| bounds
+// a 14-bit accumulator's truncation over one block with margin (the largest error / bound seen is
+// printed: 0.2-0.9 on the H100).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "moe/device_errors.h"
+#include "moe/error.h"
+#include "moe/float_convert.h"
+#include "moe/grouped_gemm.h"
+#include "moe/quantize.h"
+#include "reference/grouped_gemm_ref.h"
+#include "reference/quantize_ref.h"
+#include "support/expect_error.h"
+#include "support/gpu.h"
+
+namespace moe {
+namespace {
+
+using testing::DeviceBuffer;
+using testing::expect_error_naming;
+
+constexpr double kAccumulation = 1.0 / 512;  // 2^-9 of sum|a b|, see the header
+constexpr double kBf16Output = 1.0 / 256;    // 2^-8 of |ref|
+
+// bf16 bits of B matrices [M, K]: normal(0, 1) times 2^u, u drawn per block of br x bc elements.
+std::vector<uint16_t> block_scaled(int64_t B, int64_t M, int64_t K, int64_t br, int64_t bc, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_int_distribution<int> mag(-6, 6);
+  const int64_t rb = (M + br - 1) / br, cb = (K + bc - 1) / bc;
+  std::vector<int> u(static_cast<size_t>(B * rb * cb));
+  for (int& v : u) v = mag(rng);
+  std::vector<uint16_t> x(static_cast<size_t>(B * M * K));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t c = 0; c < K; ++c)
+        x[(b * M + r) * K + c] = float_to_bf16_bits(std::ldexp(nd(rng), u[(b * rb + r / br) * cb + c / bc]));
+  return x;
+}
+
+QuantConfig fp8_config(bool two_d, bool rowwise, bool columnwise, ScaleLayout layout) {
+  QuantConfig c;
+  c.format = QuantFormat::kFP8Block;
+  c.blocking = two_d ? QuantBlocking::k2D : QuantBlocking::k1D;
+  c.rowwise = rowwise;
+  c.columnwise = columnwise;
+  c.scale_layout = layout;
+  return c;
+}
+// Activations and gradients for fprop / dgrad: rowwise 1x128, scales [rows, blocks] row-major.
+QuantConfig token_rowwise() { return fp8_config(false, true, false, ScaleLayout::kRowMajor); }
+// Tokens for wgrad: columnwise 128x1 (blocks along the tokens), scales [token blocks, cols].
+QuantConfig token_columnwise() { return fp8_config(false, false, true, ScaleLayout::kMNMajor); }
+// Weights: 128x128 blocks, both copies.
+QuantConfig weight_2d() { return fp8_config(true, true, true, ScaleLayout::kRowMajor); }
+
+// One tensor quantized by the GPU (device copies) and by the CPU reference (host bytes).
+struct Quant {
+  QuantConfig c;
+  int64_t B, M, K;
+  bool batched;
+  DeviceBuffer<uint8_t> rdata, cdata;
+  DeviceBuffer<float> rscale, cscale;
+  ref::Quantized host;
+
+  Quant(const QuantConfig& cfg, const std::vector<uint16_t>& x, int64_t B_, int64_t M_, int64_t K_, bool batched_,
+        cudaStream_t stream)
+      : c(cfg), B(B_), M(M_), K(K_), batched(batched_) {
+    const ScaleShape rs = scale_shape(c, M, K), cs = scale_shape(c, K, M);
+    if (c.rowwise) rdata = DeviceBuffer<uint8_t>(B * M * K), rscale = DeviceBuffer<float>(B * rs.rows * rs.cols);
+    if (c.columnwise) cdata = DeviceBuffer<uint8_t>(B * M * K), cscale = DeviceBuffer<float>(B * cs.rows * cs.cols);
+    DeviceBuffer<uint16_t> dx(x);
+    QuantizedTensor q;
+    if (c.rowwise) q.rowwise_data = view(rdata.get(), DType::kFP8E4M3, M, K), q.rowwise_scale = view(rscale.get(), DType::kFP32, rs.rows, rs.cols);
+    if (c.columnwise) q.columnwise_data = view(cdata.get(), DType::kFP8E4M3, K, M), q.columnwise_scale = view(cscale.get(), DType::kFP32, cs.rows, cs.cols);
+    quantize(c, view(dx.get(), DType::kBF16, M, K), q, stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    host = ref::quantize(c, x, B, M, K);
+    // The operands of the test are the reference's bytes (the quantizer has its own bitwise tests).
+    if (c.rowwise) EXPECT_TRUE(same_bytes(rdata, host.rowwise_data) && same_bytes(rscale, host.rowwise_scale));
+    if (c.columnwise) EXPECT_TRUE(same_bytes(cdata, host.columnwise_data) && same_bytes(cscale, host.columnwise_scale));
+  }
+  TensorView view(void* p, DType t, int64_t r, int64_t k) const {
+    return batched ? TensorView(p, t, {B, r, k}) : TensorView(p, t, {r, k});
+  }
+  template <class T>
+  static bool same_bytes(const DeviceBuffer<T>& d, const std::vector<uint8_t>& h) {
+    const std::vector<T> v = d.download();
+    return v.size() * sizeof(T) == h.size() && std::memcmp(v.data(), h.data(), h.size()) == 0;
+  }
+  // fp64 values of a copy, as the reference dequantizes it ([B, M, K] rowwise, [B, K, M] columnwise).
+  std::vector<double> values(bool columnwise) const {
+    const std::vector<float> f = ref::dequantize(c, host, columnwise, B, M, K);
+    return std::vector<double>(f.begin(), f.end());
+  }
+  int64_t scale_rows(bool columnwise) const { return columnwise ? scale_shape(c, K, M).rows : scale_shape(c, M, K).rows; }
+  int64_t scale_cols(bool columnwise) const { return columnwise ? scale_shape(c, K, M).cols : scale_shape(c, M, K).cols; }
+};
+
+std::vector<double> transpose(const std::vector<double>& v, int64_t rows, int64_t cols) {
+  std::vector<double> t(v.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) t[c * rows + r] = v[r * cols + c];
+  return t;
+}
+std::vector<double> absolute(std::vector<double> v) {
+  for (double& x : v) x = std::fabs(x);
+  return v;
+}
+std::vector<int32_t> offsets_from_sizes(const std::vector<int>& sizes) {
+  std::vector<int32_t> off{0};
+  for (int s : sizes) off.push_back(off.back() + s);
+  return off;
+}
+ref::Groups groups_of(const std::vector<int32_t>& off) {
+  ref::Groups g;
+  for (size_t e = 0; e + 1 < off.size(); ++e) g.offset.push_back(off[e]), g.rows.push_back(off[e + 1] - off[e]);
+  return g;
+}
+std::vector<const double*> expert_ptrs(const std::vector<double>& w, int E, int64_t n) {
+  std::vector<const double*> p;
+  for (int e = 0; e < E; ++e) p.push_back(w.data() + e * n);
+  return p;
+}
+
+struct Engine {
+  Engine(int E, int64_t R) : gg(E, R), ws(gg.workspace_bytes()) {}
+  GroupedGemm gg;
+  DeviceBuffer<uint8_t> ws;
+  TensorView workspace() const { return TensorView(ws.get(), DType::kUInt8, {int64_t(ws.size())}); }
+  void run(const GemmProblem& p, cudaStream_t s) const { gg.run(p, workspace(), s); }
+};
+
+// Every element of got within the bound of value; returns (and prints) the largest error / bound.
+double check_within(const std::vector<float>& got, const std::vector<double>& value, const std::vector<double>& abs_sum,
+                    double out_rel, const std::vector<double>* prior, const std::string& what) {
+  int bad = 0;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double c = prior ? std::fabs((*prior)[i]) : 0.0;
+    const double err = std::fabs(double(got[i]) - value[i]);
+    const double bound = out_rel * std::fabs(value[i]) + kAccumulation * abs_sum[i] + 0x1p-22 * c;
+    if (bound > 0) worst = std::max(worst, err / bound);
+    if (!(err <= bound) && bad++ < 8)
+      ADD_FAILURE() << what << ": element " << i << " got " << got[i] << " want " << value[i] << " (bound " << bound
+                    << ")";
+  }
+  std::printf("%s: largest |gpu - ref| / bound = %.3f\n", what.c_str(), worst);
+  return worst;
+}
+std::vector<float> bf16_to_float(const std::vector<uint16_t>& b) {
+  std::vector<float> f(b.size());
+  for (size_t i = 0; i < b.size(); ++i) f[i] = bf16_bits_to_float(b[i]);
+  return f;
+}
+
+// One fprop/dgrad problem: E experts W [N, K], groups of the R token rows.
+struct TokenProblem {
+  int E;
+  int64_t N, K, R;
+  std::vector<int32_t> off;
+  DeviceBuffer<int32_t> d_off;
+  cudaStream_t stream;
+  Quant x, dy, w;
+
+  TokenProblem(int E_, int64_t N_, int64_t K_, std::vector<int> sizes, uint64_t seed, cudaStream_t s)
+      : E(E_), N(N_), K(K_), R(0), off(offsets_from_sizes(sizes)), d_off(off), stream(s),
+        x(token_rowwise(), block_scaled(1, off.back(), K_, 1, 128, seed), 1, off.back(), K_, false, s),
+        dy(token_rowwise(), block_scaled(1, off.back(), N_, 1, 128, seed + 1), 1, off.back(), N_, false, s),
+        w(weight_2d(), block_scaled(E_, N_, K_, 128, 128, seed + 2), E_, N_, K_, true, s) {
+    R = off.back();
+  }
+  TensorView offsets() const { return TensorView(d_off.get(), DType::kInt32, {int64_t(E) + 1}); }
+  GemmProblem fprop(const TensorView& y) const {
+    GemmProblem p;
+    p.op = GemmOp::kFprop;
+    p.a = TensorView(x.rdata.get(), DType::kFP8E4M3, {R, K});
+    p.a_scale = TensorView(x.rscale.get(), DType::kFP32, {R, x.scale_cols(false)});
+    p.w = ExpertMatrices::grouped(TensorView(w.rdata.get(), DType::kFP8E4M3, {int64_t(E), N, K}), "w");
+    p.w_scale = ExpertMatrices::grouped(
+        TensorView(w.rscale.get(), DType::kFP32, {int64_t(E), w.scale_rows(false), w.scale_cols(false)}), "w_scale", 4);
+    p.d = y;
+    p.group_offsets = offsets();
+    return p;
+  }
+  GemmProblem dgrad(const TensorView& dx) const {
+    GemmProblem p;
+    p.op = GemmOp::kDgrad;
+    p.a = TensorView(dy.rdata.get(), DType::kFP8E4M3, {R, N});
+    p.a_scale = TensorView(dy.rscale.get(), DType::kFP32, {R, dy.scale_cols(false)});
+    p.w = ExpertMatrices::grouped(TensorView(w.cdata.get(), DType::kFP8E4M3, {int64_t(E), K, N}), "w").as_transposed();
+    p.w_scale = ExpertMatrices::grouped(TensorView(w.cscale.get(), DType::kFP32,
+                                                   {int64_t(E), w.scale_rows(true), w.scale_cols(true)}),
+                                        "w_scale", 4)
+                    .as_transposed();
+    p.d = dx;
+    p.group_offsets = offsets();
+    return p;
+  }
+};
+
+class Fp8GroupedGemm : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    MOE_REQUIRE_GPU();
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  }
+  void TearDown() override {
+    if (stream) cudaStreamDestroy(stream);
+  }
+  cudaStream_t stream = nullptr;
+};
+
+TEST_F(Fp8GroupedGemm, FpropAndDgradMatchTheDequantizedReference) {
+  struct Case {
+    int E;
+    int64_t N, K;
+    std::vector<int> sizes;
+  };
+  // N and K not multiples of 128 (partial scale blocks in both operands), empty groups, groups
+  // shorter than a tile, one long group.
+  const Case cases[] = {{4, 400, 336, {130, 0, 77, 301}}, {3, 256, 512, {0, 640, 16}}, {1, 128, 128, {5}}};
+  for (const Case& cs : cases) {
+    const TokenProblem p(cs.E, cs.N, cs.K, cs.sizes, 7 + cs.N, stream);
+    const Engine eng(cs.E, p.R);
+    const std::string tag = "E=" + std::to_string(cs.E) + " N=" + std::to_string(cs.N) + " K=" + std::to_string(cs.K);
+    const ref::Groups g = groups_of(p.off);
+    const std::vector<double> xd = p.x.values(false), dyd = p.dy.values(false), wd = p.w.values(false);
+    const std::vector<double> xa = absolute(xd), dya = absolute(dyd), wa = absolute(wd);
+
+    DeviceBuffer<uint16_t> y(p.R * cs.N), dx(p.R * cs.K);
+    eng.run(p.fprop(TensorView(y.get(), DType::kBF16, {p.R, cs.N})), stream);
+    eng.run(p.dgrad(TensorView(dx.get(), DType::kBF16, {p.R, cs.K})), stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+    std::vector<double> yv(p.R * cs.N), ya(p.R * cs.N), dxv(p.R * cs.K), dxa(p.R * cs.K);
+    ref::grouped_fprop(g, xd.data(), expert_ptrs(wd, cs.E, cs.N * cs.K).data(), cs.N, cs.K, yv.data());
+    ref::grouped_fprop(g, xa.data(), expert_ptrs(wa, cs.E, cs.N * cs.K).data(), cs.N, cs.K, ya.data());
+    ref::grouped_dgrad(g, dyd.data(), expert_ptrs(wd, cs.E, cs.N * cs.K).data(), cs.N, cs.K, dxv.data());
+    ref::grouped_dgrad(g, dya.data(), expert_ptrs(wa, cs.E, cs.N * cs.K).data(), cs.N, cs.K, dxa.data());
+    check_within(bf16_to_float(y.download()), yv, ya, kBf16Output, nullptr, "fprop " + tag);
+    check_within(bf16_to_float(dx.download()), dxv, dxa, kBf16Output, nullptr, "dgrad " + tag);
+  }
+}
+
+TEST_F(Fp8GroupedGemm, BothWeightLayoutsAreBitwiseEqual) {
+  const TokenProblem p(3, 256, 384, {200, 0, 150}, 11, stream);
+  const Engine eng(3, p.R);
+  DeviceBuffer<uint16_t> y1(p.R * p.N), y2(p.R * p.N), dx1(p.R * p.K), dx2(p.R * p.K);
+  GemmProblem f = p.fprop(TensorView(y1.get(), DType::kBF16, {p.R, p.N}));
+  GemmProblem d = p.dgrad(TensorView(dx1.get(), DType::kBF16, {p.R, p.K}));
+  eng.run(f, stream);
+  eng.run(d, stream);
+  // Per-expert views of the same bytes: the weights and their scales.
+  auto per_expert = [&](void* base, DType t, int64_t r, int64_t c, const char* name) {
+    std::vector<TensorView> v;
+    for (int e = 0; e < p.E; ++e) v.push_back(TensorView(static_cast<char*>(base) + dtype_bytes(t, e * r * c), t, {r, c}));
+    return ExpertMatrices::per_expert(v, name, t == DType::kFP32 ? 4 : 16);
+  };
+  f.w = per_expert(p.w.rdata.get(), DType::kFP8E4M3, p.N, p.K, "w");
+  f.w_scale = per_expert(p.w.rscale.get(), DType::kFP32, p.w.scale_rows(false), p.w.scale_cols(false), "w_scale");
+  f.d = TensorView(y2.get(), DType::kBF16, {p.R, p.N});
+  d.w = per_expert(p.w.cdata.get(), DType::kFP8E4M3, p.K, p.N, "w").as_transposed();
+  d.w_scale =
+      per_expert(p.w.cscale.get(), DType::kFP32, p.w.scale_rows(true), p.w.scale_cols(true), "w_scale").as_transposed();
+  d.d = TensorView(dx2.get(), DType::kBF16, {p.R, p.K});
+  eng.run(f, stream);
+  eng.run(d, stream);
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_EQ(y1.download(), y2.download());
+  EXPECT_EQ(dx1.download(), dx2.download());
+}
+
+// wgrad: dW_e [N, K] = dY_e^T X_e from the columnwise copies, groups on the 128-token grid.
+struct WgradProblem {
+  int E;
+  int64_t N, K, R;
+  std::vector<int32_t> off;
+  DeviceBuffer<int32_t> d_off;
+  Quant dy, x;
+  WgradProblem(int E_, int64_t N_, int64_t K_, std::vector<int> sizes, uint64_t seed, cudaStream_t s)
+      : E(E_), N(N_), K(K_), R(0), off(offsets_from_sizes(sizes)), d_off(off),
+        dy(token_columnwise(), block_scaled(1, off.back(), N_, 128, 1, seed), 1, off.back(), N_, false, s),
+        x(token_columnwise(), block_scaled(1, off.back(), K_, 128, 1, seed + 1), 1, off.back(), K_, false, s) {
+    R = off.back();
+  }
+  GemmProblem problem(const ExpertMatrices& dw, bool accumulate) const {
+    GemmProblem p;
+    p.op = GemmOp::kWgrad;
+    p.a = TensorView(dy.cdata.get(), DType::kFP8E4M3, {N, R});
+    p.a_scale = TensorView(dy.cscale.get(), DType::kFP32, {dy.scale_rows(true), dy.scale_cols(true)});
+    p.b = TensorView(x.cdata.get(), DType::kFP8E4M3, {K, R});
+    p.b_scale = TensorView(x.cscale.get(), DType::kFP32, {x.scale_rows(true), x.scale_cols(true)});
+    p.w = dw;
+    p.group_offsets = TensorView(d_off.get(), DType::kInt32, {int64_t(E) + 1});
+    p.epilogue = accumulate ? GemmEpilogue::kAccumulate : GemmEpilogue::kStore;
+    return p;
+  }
+};
+
+TEST_F(Fp8GroupedGemm, WgradMatchesTheDequantizedReference) {
+  // Groups start on the 128-token grid (the dispatch pads to A = 128); the last one ends off it.
+  const WgradProblem p(5, 272, 400, {256, 0, 128, 384, 208}, 23, stream);
+  const Engine eng(p.E, p.R);
+  const ref::Groups g = groups_of(p.off);
+  // The reference reads the tokens' copies back in token-major order.
+  const std::vector<double> dyd = transpose(p.dy.values(true), p.N, p.R), xd = transpose(p.x.values(true), p.K, p.R);
+  const std::vector<double> dya = absolute(dyd), xa = absolute(xd);
+  const int64_t NK = p.N * p.K;
+  std::vector<double> want(p.E * NK, 0.0), asum(p.E * NK, 0.0);
+  std::vector<double*> wp, ap;
+  for (int e = 0; e < p.E; ++e) wp.push_back(want.data() + e * NK), ap.push_back(asum.data() + e * NK);
+  ref::grouped_wgrad(g, dyd.data(), xd.data(), p.N, p.K, wp.data(), false);
+  ref::grouped_wgrad(g, dya.data(), xa.data(), p.N, p.K, ap.data(), false);
+
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+  std::vector<float> prior(p.E * NK);
+  for (float& f : prior) f = u(rng);
+
+  // Written (the empty expert gets zeros over the poison), accumulated into a main_grad, and
+  // written transposed (dW_e^T [K, N], the orientation of transposed weights).
+  DeviceBuffer<float> dw(p.E * NK), main_grad(prior), dwt(p.E * NK);
+  dw.fill_bytes(0xFF);
+  eng.run(p.problem(ExpertMatrices::grouped(TensorView(dw.get(), DType::kFP32, {int64_t(p.E), p.N, p.K}), "dw"), false),
+          stream);
+  eng.run(p.problem(ExpertMatrices::grouped(TensorView(main_grad.get(), DType::kFP32, {int64_t(p.E), p.N, p.K}), "dw"),
+                    true),
+          stream);
+  eng.run(p.problem(ExpertMatrices::grouped(TensorView(dwt.get(), DType::kFP32, {int64_t(p.E), p.K, p.N}), "dw")
+                        .as_transposed(),
+                    false),
+          stream);
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+  check_within(dw.download(), want, asum, 0.0, nullptr, "wgrad write");
+  std::vector<double> acc(p.E * NK), priord(prior.begin(), prior.end());
+  for (size_t i = 0; i < acc.size(); ++i) acc[i] = prior[i] + want[i];
+  check_within(main_grad.download(), acc, asum, 0.0, &priord, "wgrad accumulate");
+  // The transposed product exchanges the operands' roles inside the FP8 tensor-core accumulation,
+  // so it is within the same bound rather than bitwise equal.
+  const std::vector<float> t = dwt.download();
+  std::vector<float> back(t.size());
+  for (int e = 0; e < p.E; ++e)
+    for (int64_t n = 0; n < p.N; ++n)
+      for (int64_t k = 0; k < p.K; ++k) back[e * NK + n * p.K + k] = t[e * NK + k * p.N + n];
+  check_within(back, want, asum, 0.0, nullptr, "wgrad write transposed");
+}
+
+TEST_F(Fp8GroupedGemm, WgradGroupOffTheTokenGridIsReportedAndSkipped) {
+  // Expert 1 starts at token 64: its scale blocks would straddle experts 0 and 1.
+  const WgradProblem p(2, 128, 128, {64, 192}, 31, stream);
+  const Engine eng(p.E, p.R);
+  DeviceBuffer<float> dw(p.E * p.N * p.K);
+  dw.fill_bytes(0);
+  DeviceBuffer<uint32_t> err(std::vector<uint32_t>{0});
+  GemmProblem pr = p.problem(ExpertMatrices::grouped(TensorView(dw.get(), DType::kFP32, {2, p.N, p.K}), "dw"), true);
+  pr.error_word = err.get();
+  eng.run(pr, stream);
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_EQ(err.download()[0], uint32_t(kErrUnalignedGroup)) << describe_error_bits(err.download()[0]);
+  const std::vector<float> got = dw.download();
+  EXPECT_TRUE(std::all_of(got.begin() + p.N * p.K, got.end(), [](float v) { return v == 0.0f; }))
+      << "the skipped group's main_grad is left as it was";
+  EXPECT_TRUE(std::any_of(got.begin(), got.begin() + p.N * p.K, [](float v) { return v != 0.0f; }))
+      << "the aligned group is computed";
+}
+
+TEST_F(Fp8GroupedGemm, GraphReplayWithNewGroupsIsBitwiseEager) {
+  const int E = 4;
+  const int64_t N = 256, K = 256, R = 512;
+  const std::vector<int> s1 = {100, 0, 300, 112}, s2 = {0, 512, 0, 0};
+  // Two problems with the same buffer shapes: the graph runs on the first one's device buffers,
+  // into which the second one's data and offsets are copied before the replay.
+  TokenProblem a(E, N, K, s1, 41, stream), b(E, N, K, s2, 43, stream);
+  const Engine eng(E, R);
+  DeviceBuffer<uint16_t> y(R * N), y_eager(R * N);
+  y.fill_bytes(0), y_eager.fill_bytes(0);
+  eng.run(b.fprop(TensorView(y_eager.get(), DType::kBF16, {R, N})), stream);
+
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  eng.run(a.fprop(TensorView(y.get(), DType::kBF16, {R, N})), stream);
+  MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  auto copy = [&](void* dst, const void* src, size_t bytes) {
+    MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+  };
+  copy(a.x.rdata.get(), b.x.rdata.get(), a.x.rdata.size());
+  copy(a.x.rscale.get(), b.x.rscale.get(), a.x.rscale.size() * sizeof(float));
+  copy(a.w.rdata.get(), b.w.rdata.get(), a.w.rdata.size());
+  copy(a.w.rscale.get(), b.w.rscale.get(), a.w.rscale.size() * sizeof(float));
+  copy(a.d_off.get(), b.d_off.get(), a.d_off.size() * sizeof(int32_t));
+  MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_EQ(y.download(), y_eager.download());
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+TEST_F(Fp8GroupedGemm, ZeroRowsAreValid) {
+  const TokenProblem p(2, 128, 128, {0, 0}, 3, stream);
+  const Engine eng(2, 16);
+  DeviceBuffer<uint16_t> y(16);
+  GemmProblem f = p.fprop(TensorView(y.get(), DType::kBF16, {0, 128}));
+  EXPECT_NO_THROW(eng.run(f, stream));
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+TEST_F(Fp8GroupedGemm, BadInputNamesTheArgument) {
+  const TokenProblem p(2, 128, 256, {64, 64}, 5, stream);
+  const Engine eng(2, p.R);
+  DeviceBuffer<uint16_t> y(p.R * p.N), dx(p.R * p.K);
+  const TensorView yv(y.get(), DType::kBF16, {p.R, p.N}), dxv(dx.get(), DType::kBF16, {p.R, p.K});
+  GemmProblem f = p.fprop(yv);
+  f.a_scale = TensorView();
+  expect_error_naming([&] { eng.run(f, stream); }, "'x_scale'");
+  f = p.fprop(yv);
+  f.a_scale = TensorView(p.x.rscale.get(), DType::kFP32, {p.R, 1});
+  expect_error_naming([&] { eng.run(f, stream); }, "'x_scale'");
+  f = p.fprop(yv);
+  f.w_scale = ExpertMatrices();
+  expect_error_naming([&] { eng.run(f, stream); }, "'w_scale'");
+  f = p.fprop(yv);
+  f.w = f.w.as_transposed();  // a transposed view where fprop needs the rowwise copy
+  expect_error_naming([&] { eng.run(f, stream); }, "'w'");
+  GemmProblem d = p.dgrad(dxv);
+  d.w = p.fprop(yv).w;  // the rowwise copy where dgrad needs the columnwise one
+  expect_error_naming([&] { eng.run(d, stream); }, "'w'");
+  f = p.fprop(yv);
+  f.d = TensorView(y.get(), DType::kFP32, {p.R / 2, p.N});  // FP8 products write bf16
+  expect_error_naming([&] { eng.run(f, stream); }, "'y'");
+  // FP8 wgrad writes fp32 only.
+  const WgradProblem wp(2, 128, 128, {128, 128}, 9, stream);
+  DeviceBuffer<uint16_t> dwb(2 * 128 * 128);
+  expect_error_naming(
+      [&] {
+        eng.run(wp.problem(ExpertMatrices::grouped(TensorView(dwb.get(), DType::kBF16, {2, 128, 128}), "dw"), false),
+                stream);
+      },
+      "'dw'");
+  // Tokens (the columns of the columnwise copies) not a multiple of 16.
+  DeviceBuffer<float> dwf(2 * 128 * 128);
+  GemmProblem w = wp.problem(ExpertMatrices::grouped(TensorView(dwf.get(), DType::kFP32, {2, 128, 128}), "dw"), false);
+  w.a = TensorView(wp.dy.cdata.get(), DType::kFP8E4M3, {128, 120});
+  w.b = TensorView(wp.x.cdata.get(), DType::kFP8E4M3, {128, 120});
+  expect_error_naming([&] { eng.run(w, stream); }, "'dy'");
+}
+
+}  // namespace
+}  // namespace moe
