@@ -125,8 +125,15 @@ class GroupedExperts {
                          const TensorView& group_offsets, const TensorView& probs_perm,
                          const TensorView* dY = nullptr) const;
 
-  // Device memory held by the op (backward workspaces, GEMM call workspace, bias workspace).
+  // Device memory held by the op (backward workspaces, GEMM call workspace, bias workspace; with
+  // FP8, the quantized weight copies and the token copies).
   size_t workspace_bytes() const;
+
+  // Device error word (docs/semantics.md, errors): the FP8 weight gradients raise
+  // kErrUnalignedGroup for an expert whose rows do not start on a 128-row boundary (that expert's
+  // gradient is skipped). check_errors syncs `stream`: call it outside graphs.
+  uint32_t* device_error_word() const;
+  void check_errors(cudaStream_t stream);
 
  private:
   struct Impl;

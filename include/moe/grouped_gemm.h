@@ -90,7 +90,7 @@ enum class GemmEpilogue : uint8_t {
 
 // One grouped product. Operand dtypes are those of the views: bf16 operands write bf16 (or fp32 /
 // accumulate for wgrad); FP8 E4M3 operands with block scaling (docs/gemm.md, FP8) write bf16 (fprop,
-// dgrad) or fp32 / accumulate (wgrad). FP8 tensor cores read both operands along the reduction, so
+// dgrad) or bf16 / fp32 / accumulate (wgrad). FP8 tensor cores read both operands along the reduction, so
 // FP8 products take the quantized copies (moe/quantize.h, FP8 block) that are contiguous along it,
 // every scale an fp32 scale_inv:
 //   fprop  a = X rowwise 1x128 [rows, K], a_scale [rows, ceil(K/128)] (kRowMajor);

@@ -32,6 +32,12 @@ enum class WgradMode : uint8_t {
 enum class Param : uint8_t { kFc2Weight, kFc2Bias, kFc1Weight, kFc1Bias };
 const char* param_name(Param p);  // "fc1.weight", ...
 
+// Quantized compute of the experts (docs/layer.md, FP8). kBlock: every GEMM operand is quantized
+// to FP8 E4M3 with block scaling (1x128 blocks for tokens, 128x128 for weights, fp32 scales, the
+// recipe of TransformerEngine's Float8BlockScaling / DeepSeek-V3) and the FP8 grouped GEMMs run;
+// h, the activation, the bias and all gradients between the GEMMs stay bf16.
+enum class Fp8Recipe : uint8_t { kNone, kBlock };
+
 // The experts alone (GroupedExperts): the expert MLP over rows already dispatched into ragged
 // groups, x_perm [rows <= max_rows, H].
 struct ExpertsConfig {
@@ -64,6 +70,12 @@ struct ExpertsConfig {
   // place by the grouped GEMMs (docs/gemm.md, transposed weights); the fused kernels read the
   // standard orientation only, so fuse_fc1 and fuse_fc2_dgrad must be off.
   bool transposed_weights = false;
+  // FP8 compute (see Fp8Recipe). kBlock needs: H and F multiples of 16, max_rows a multiple of 16,
+  // the unfused path (fuse_fc1 and fuse_fc2_dgrad off), the standard weight orientation, no
+  // delay_wgrad; every expert's rows must start on a 128-row boundary (dispatch with A = 128): the
+  // FP8 weight gradients read 128-token scale blocks (a group that does not is skipped and raises
+  // kErrUnalignedGroup, see GroupedExperts::check_errors).
+  Fp8Recipe fp8 = Fp8Recipe::kNone;
 
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
   void validate() const;  // throws moe::Error naming the bad field

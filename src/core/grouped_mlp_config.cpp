@@ -39,6 +39,20 @@ void validate_transposed(bool transposed, bool fuse_fc1, bool fuse_fc2_dgrad) {
   MOE_CHECK(!(transposed && fuse_fc2_dgrad), "config 'transposed_weights': the fused fc2 dgrad reads weights in ",
             "the [E, H, F] orientation only; set fuse_fc2_dgrad = false");
 }
+// The FP8 recipe's requirements (ExpertsConfig::fp8).
+void validate_fp8(Fp8Recipe fp8, int64_t hidden, int64_t ffn, bool fuse_fc1, bool fuse_fc2_dgrad, bool transposed,
+                  bool delay_wgrad) {
+  if (fp8 == Fp8Recipe::kNone) return;
+  MOE_CHECK(fp8 == Fp8Recipe::kBlock, "config 'fp8': unknown recipe ", int(fp8));
+  MOE_CHECK(hidden % 16 == 0 && ffn % 16 == 0, "config 'fp8': FP8 operands need hidden and ffn multiples of 16 ",
+            "(16-byte rows), got ", hidden, " and ", ffn);
+  MOE_CHECK(!fuse_fc1 && !fuse_fc2_dgrad, "config 'fp8': the FP8 experts run the unfused path; set fuse_fc1 and ",
+            "fuse_fc2_dgrad to false");
+  MOE_CHECK(!transposed, "config 'fp8': the FP8 experts read weights in the standard orientation; set ",
+            "transposed_weights to false");
+  MOE_CHECK(!delay_wgrad, "config 'fp8': delayed weight gradients are not offered with FP8 yet; set delay_wgrad to ",
+            "false");
+}
 }  // namespace
 
 void ExpertsConfig::validate() const {
@@ -47,6 +61,9 @@ void ExpertsConfig::validate() const {
             max_rows);
   MOE_CHECK(max_sms >= 0, "config 'max_sms': expected 0 (every SM) or a positive count, got ", max_sms);
   validate_transposed(transposed_weights, fuse_fc1, fuse_fc2_dgrad);
+  validate_fp8(fp8, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights, delay_wgrad);
+  MOE_CHECK(fp8 == Fp8Recipe::kNone || max_rows % 16 == 0, "config 'max_rows': the FP8 weight gradients read the ",
+            "tokens' columnwise copies, whose rows need a multiple of 16 tokens; got ", max_rows);
 }
 
 ExpertsConfig GroupedMlpConfig::experts_config() const {

@@ -15,6 +15,7 @@ const KernelEntry& entry_dgrad_pong_128x128x64_c2x1();
 const KernelEntry& entry_wgrad_coop_128x256x64_c2x1();
 const KernelEntry& entry_wgrad_coop_128x256x64_c2x1_f32();
 const KernelEntry& entry_fp8_fprop_coop_128x128x128_c1x2();
+const KernelEntry& entry_fp8_wgrad_coop_128x128x128_c2x1();
 const KernelEntry& entry_fp8_wgrad_coop_128x128x128_c2x1_f32();
 
 const KernelEntry* const* kernel_registry(int* count) {
@@ -28,6 +29,7 @@ const KernelEntry* const* kernel_registry(int* count) {
       &entry_wgrad_coop_128x256x64_c2x1(),
       &entry_wgrad_coop_128x256x64_c2x1_f32(),
       &entry_fp8_fprop_coop_128x128x128_c1x2(),
+      &entry_fp8_wgrad_coop_128x128x128_c2x1(),
       &entry_fp8_wgrad_coop_128x128x128_c2x1_f32(),
   };
   *count = static_cast<int>(sizeof(entries) / sizeof(entries[0]));

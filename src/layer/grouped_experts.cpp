@@ -31,9 +31,11 @@
 #include "fused/fc1_activation.h"
 #include "fused/fc2_dgrad_activation.h"
 #include "fused/wgrad_gathered.h"
+#include "layer/fp8_experts.h"
 #include "moe/activation_ops.h"
 #include "moe/bias_ops.h"
 #include "moe/error.h"
+#include "moe/error_word.h"
 #include "moe/grouped_gemm.h"
 
 namespace moe {
@@ -89,6 +91,7 @@ constexpr int32_t kGatheredHeader = 1;
 // row_slots, slots.
 struct StateBuffers {
   uint16_t *h = nullptr, *act = nullptr;  // h becomes dh in backward
+  Fp8ExpertsRecipe::SavedCopies fp8;      // FP8 recipe: the columnwise copies of x_perm and act
 };
 
 }  // namespace
@@ -98,6 +101,8 @@ struct GroupedExperts::Impl {
   uint64_t serial = next_op_serial();
   int64_t R = 0;
   GroupedGemm gemm;
+  std::unique_ptr<Fp8ExpertsRecipe> fp8;  // config.fp8 != kNone
+  ErrorWord errors;                       // FP8 weight gradients: groups off the 128-row grid
   std::array<std::vector<Hook>, 4> hooks;
 
   // Bound parameters and gradients; binding counts weight bindings (a forward records it).
@@ -135,6 +140,7 @@ struct GroupedExperts::Impl {
     }
     sm_count = gemm.sm_count();  // the fused kernels' persistent grids: the same SMs as the GEMMs'
     gemm_ws_bytes = gemm.workspace_bytes();
+    if (cfg.fp8 != Fp8Recipe::kNone) fp8 = std::make_unique<Fp8ExpertsRecipe>(cfg);
     plan_workspace(nullptr);
     block = cuda_malloc_allocator().allocate(block_bytes);
     plan_workspace(static_cast<char*>(block.get()));
@@ -145,7 +151,8 @@ struct GroupedExperts::Impl {
   // Whether a state keeps act: the unfused backward writes dact over it (or, delayed, backward_dw
   // reads it after the forward's act workspace may have been reused); the fused fc2 dgrad
   // recomputes it from h.
-  bool saves_act() const { return !cfg.fuse_fc2_dgrad || cfg.delay_wgrad; }
+  // With FP8 the weight gradient reads act's columnwise copy instead.
+  bool saves_act() const { return !fp8 && (!cfg.fuse_fc2_dgrad || cfg.delay_wgrad); }
   bool accumulate() const { return cfg.wgrad == WgradMode::kAccumulate; }
 
   void plan_workspace(char* base) {
@@ -160,6 +167,7 @@ struct GroupedExperts::Impl {
       bias_ws = a.take<uint8_t>(static_cast<int64_t>(bias_ws_bytes));
     }
     gemm_ws = a.take<uint8_t>(static_cast<int64_t>(gemm_ws_bytes));
+    if (fp8) fp8->plan_workspace(a);
     block_bytes = a.used();
   }
 
@@ -169,6 +177,7 @@ struct GroupedExperts::Impl {
     StateBuffers b;
     b.h = a.take<uint16_t>(R * F1);
     b.act = saves_act() ? a.take<uint16_t>(R * F) : act_ws;
+    if (fp8) b.fp8 = fp8->plan_state(a);
     if (bytes) *bytes = a.used();
     return b;
   }
@@ -223,6 +232,8 @@ struct GroupedExperts::Impl {
               cfg.hidden, "], got ", x_perm.shape_string());
     const int64_t rows = x_perm.shape[0];
     MOE_CHECK(rows <= R, "argument 'x_perm': ", rows, " rows exceed config.max_rows = ", R);
+    MOE_CHECK(!fp8 || rows % 16 == 0, "argument 'x_perm': the FP8 experts need rows in multiples of 16 (the ",
+              "weight gradients' columnwise copies), got ", rows);
     check_device_tensor(x_perm, "x_perm", cfg.dtype, {rows, cfg.hidden});
     check_device_tensor(group_offsets, "group_offsets", DType::kInt32, {int64_t(cfg.experts) + 1}, 4);
     if (probs_in_act())
@@ -238,9 +249,28 @@ struct GroupedExperts::Impl {
                    int64_t rows, cudaStream_t s) const {
     if (cfg.fuse_fc1) return fused_activations(x_perm.data, nullptr, 1, g, pp, b, rows, s);
     const int64_t F = cfg.ffn, F1 = cfg.fc1_out();
-    gemm.fprop(x_perm, w1, g, bf16_view(b.h, rows, F1), gemm_workspace(), s);
+    if (fp8) {
+      fp8->quantize(x_perm, /*rowwise=*/true, b.fp8.x_col, b.fp8.x_col_scale, s);
+      fp8->fprop(1, gemm, gemm_workspace(), g, bf16_view(b.h, rows, F1), s);
+    } else {
+      gemm.fprop(x_perm, w1, g, bf16_view(b.h, rows, F1), gemm_workspace(), s);
+    }
     if (cfg.bias) bias_add(bf16_view(b.h, rows, F1), b1, TensorView(), g, s);
     activation_forward(cfg.activation, bf16_view(b.h, rows, F1), pp, g, bf16_view(b.act, rows, F), s);
+    if (fp8) fp8->quantize(bf16_view(b.act, rows, F), /*rowwise=*/false, b.fp8.act_col, b.fp8.act_col_scale, s);
+  }
+
+  // fc2 of a forward: Y = act W2^T (+ b2 p).
+  void fc2_forward(const StateBuffers& b, const TensorView& g, const TensorView& pp, const TensorView& Y, int64_t rows,
+                   cudaStream_t s) const {
+    const TensorView act = bf16_view(b.act, rows, cfg.ffn);
+    if (fp8) {
+      fp8->quantize(act, /*rowwise=*/true, nullptr, nullptr, s);
+      fp8->fprop(2, gemm, gemm_workspace(), g, Y, s);
+    } else {
+      gemm.fprop(act, w2, g, Y, gemm_workspace(), s);
+    }
+    if (cfg.bias) bias_add(Y, b2, pp, g, s);
   }
 
   // The same in one kernel; A rows from `a` directly (row_slots null) or gathered through row_slots.
@@ -346,16 +376,27 @@ struct GroupedExperts::Impl {
                        cudaStream_t s);
   void relocate_inputs(const SavedState& state, const TensorView& group_offsets, const TensorView& probs_perm,
                        const TensorView* dY) const;
+  // FP8: from dY's columnwise copy in the recipe's workspace (the backward quantized it) and act's
+  // saved one.
   void wgrad_fc2(const TensorView& dY, const Saved& v, cudaStream_t s) {
-    gemm.wgrad(dY, bf16_view(v.b.act, v.rows, cfg.ffn), v.g, dw2, accumulate(), gemm_workspace(), s);
+    if (fp8)
+      fp8->wgrad(gemm, gemm_workspace(), v.g, v.rows, fp8->col_workspace(), fp8->col_workspace_scale(), cfg.hidden,
+                 v.b.fp8.act_col, v.b.fp8.act_col_scale, cfg.ffn, dw2, accumulate(), errors.device_ptr(), s);
+    else
+      gemm.wgrad(dY, bf16_view(v.b.act, v.rows, cfg.ffn), v.g, dw2, accumulate(), gemm_workspace(), s);
     if (cfg.bias) bias_grad(dY, v.pp, v.g, db2, accumulate(), bias_workspace(), s);
   }
   // dprobs += <dY row, b2[e]>: the fc2 bias is scaled by the prob too.
   void bias_dprobs_of(const TensorView& dY, const Saved& v, const TensorView& dpp, cudaStream_t s) const {
     bias_dprobs(dY, b2, v.g, dpp, /*accumulate=*/true, s);
   }
+  // FP8: from dh's columnwise copy in the recipe's workspace and x_perm's saved one.
   void wgrad_fc1(const TensorView& dh, const Saved& v, cudaStream_t s) {
-    if (v.gathered) {
+    if (fp8) {
+      fp8->wgrad(gemm, gemm_workspace(), v.g, v.rows, fp8->col_workspace(), fp8->col_workspace_scale(),
+                 cfg.fc1_out(), v.b.fp8.x_col, v.b.fp8.x_col_scale, cfg.hidden, dw1, accumulate(),
+                 errors.device_ptr(), s);
+    } else if (v.gathered) {
       wgrad_gathered(dh.data, cfg.fc1_out(), v.from_x, dw1, /*x_major=*/false, v, s);
     } else {
       gemm.wgrad(dh, v.x_perm, v.g, dw1, accumulate(), gemm_workspace(), s);
@@ -419,6 +460,8 @@ uint64_t GroupedExperts::weight_binding() const { return impl_->have_weights ? i
 bool GroupedExperts::grads_bound() const { return impl_->have_grads; }
 size_t GroupedExperts::state_bytes() const { return impl_->state_bytes; }
 size_t GroupedExperts::workspace_bytes() const { return impl_->block_bytes; }
+uint32_t* GroupedExperts::device_error_word() const { return impl_->errors.device_ptr(); }
+void GroupedExperts::check_errors(cudaStream_t stream) { impl_->errors.check(stream); }
 
 SavedState GroupedExperts::new_state(DeviceAllocator& allocator) const {
   return SavedState::allocate(impl_->state_bytes, kStateHeaders, allocator);
@@ -434,6 +477,7 @@ void GroupedExperts::set_weights(const ExpertTensors& w) {
   m.check_bias_views(w.fc2_bias, "fc2.bias", L, c.hidden, c.dtype);
   m.w1 = m.matrices(w.fc1_weight, L, "fc1.weight");
   m.w2 = m.matrices(w.fc2_weight, L, "fc2.weight");
+  if (m.fp8) m.fp8->bind_weights(w.fc1_weight, w.fc2_weight);
   if (c.bias) {
     m.b1 = m.rows(w.fc1_bias, L, 0);
     m.b2 = m.rows(w.fc2_bias, L, 1);
@@ -474,9 +518,9 @@ void GroupedExperts::forward(const TensorView& x_perm, const TensorView& g, cons
   check_device_tensor(Y, "Y", m.cfg.dtype, {rows, m.cfg.hidden});
   check_state_fillable(state, "state", m.state_bytes, kStateHeaders, "GroupedExperts::forward");
   const StateBuffers b = m.state_layout(static_cast<char*>(state.device()));
+  if (m.fp8) m.fp8->quantize_weights(s);
   m.activations(x_perm, g, pp, b, rows, s);
-  m.gemm.fprop(bf16_view(b.act, rows, m.cfg.ffn), m.w2, g, Y, m.gemm_workspace(), s);
-  if (m.cfg.bias) bias_add(Y, m.b2, pp, g, s);
+  m.fc2_forward(b, g, pp, Y, rows, s);
   m.fill_header(state, x_perm, g, pp, rows);
 }
 
@@ -513,8 +557,7 @@ void GroupedExperts::forward_gathered(const TensorView& x, const TensorView& row
   check_state_fillable(state, "state", m.state_bytes, kStateHeaders, "GroupedExperts::forward_gathered");
   const StateBuffers b = m.state_layout(static_cast<char*>(state.device()));
   m.fused_activations(x.data, row_slots.ptr<const int32_t>(), slots, g, pp, b, rows, s, x_perm_out.data);
-  m.gemm.fprop(bf16_view(b.act, rows, c.ffn), m.w2, g, Y, m.gemm_workspace(), s);
-  if (c.bias) bias_add(Y, m.b2, pp, g, s);
+  m.fc2_forward(b, g, pp, Y, rows, s);
   // Without x_perm_out, the fc1 weight gradient gathers the rows of x.
   const Impl::Gathered from_x{x, row_slots, slots};
   m.fill_header(state, x_perm_out, g, pp, rows, x_perm_out.data == nullptr ? &from_x : nullptr);
@@ -529,6 +572,7 @@ void GroupedExperts::recompute(const TensorView& x_perm, const TensorView& g, co
   if (state.status() != StateStatus::kEmpty && state.status() != StateStatus::kConsumed)
     check_state(state, "state", m.serial, StateKind::kExperts, {StateStatus::kFilled}, "GroupedExperts::recompute");
   const StateBuffers b = m.state_layout(static_cast<char*>(state.device()));
+  if (m.fp8) m.fp8->quantize_weights(s);
   m.activations(x_perm, g, pp, b, rows, s);
   m.fill_header(state, x_perm, g, pp, rows);
 }
@@ -559,7 +603,12 @@ GroupedExperts::Impl::Saved GroupedExperts::Impl::check_backward(const SavedStat
 void GroupedExperts::Impl::finish_backward(const SavedState& state, const Saved& v, const TensorView& dY,
                                            const TensorView& dx_perm, cudaStream_t s) {
   const TensorView dh = bf16_view(v.b.h, v.rows, cfg.fc1_out());  // written over h
-  gemm.dgrad(dh, w1, v.g, dx_perm, gemm_workspace(), s);
+  if (fp8) {  // dh rowwise for the dgrad, columnwise for the weight gradient below
+    fp8->quantize(dh, /*rowwise=*/true, fp8->col_workspace(), fp8->col_workspace_scale(), s);
+    fp8->dgrad(1, gemm, gemm_workspace(), v.g, dx_perm, s);
+  } else {
+    gemm.dgrad(dh, w1, v.g, dx_perm, gemm_workspace(), s);
+  }
   StateHeader& h = state.header(0);
   if (cfg.delay_wgrad) {
     h.reserved[2] = reinterpret_cast<uint64_t>(dY.data);
@@ -584,6 +633,14 @@ void GroupedExperts::backward(const TensorView& dY, const TensorView& dx_perm, c
   if (c.fuse_fc2_dgrad) {
     m.fused_dgrad(dY.data, nullptr, 1, nullptr, v, dpp, s);  // leaves act as it is, or writes it again
     if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);
+  } else if (m.fp8) {
+    // dY rowwise for the dgrad, columnwise for the weight gradient; dact goes to act's workspace
+    // (the weight gradient reads act's saved columnwise copy).
+    m.fp8->quantize(dY, /*rowwise=*/true, m.fp8->col_workspace(), m.fp8->col_workspace_scale(), s);
+    m.fp8->dgrad(2, m.gemm, m.gemm_workspace(), v.g, bf16_view(v.b.act, rows, F), s);
+    m.wgrad_fc2(dY, v, s);
+    activation_backward(c.activation, bf16_view(v.b.h, rows, F1), v.pp, bf16_view(v.b.act, rows, F), v.g,
+                        bf16_view(v.b.h, rows, F1), m.probs_in_act() ? dpp : TensorView(), s);
   } else {
     if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);  // reads act before dact is written over it
     uint16_t* dact = c.delay_wgrad ? m.dact_ws : v.b.act;

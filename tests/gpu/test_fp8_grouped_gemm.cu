@@ -356,6 +356,12 @@ TEST_F(Fp8GroupedGemm, WgradMatchesTheDequantizedReference) {
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
 
   check_within(dw.download(), want, asum, 0.0, nullptr, "wgrad write");
+  // bf16 written: one more rounding (2^-8 of |ref|).
+  DeviceBuffer<uint16_t> dwb(p.E * NK);
+  eng.run(p.problem(ExpertMatrices::grouped(TensorView(dwb.get(), DType::kBF16, {int64_t(p.E), p.N, p.K}), "dw"), false),
+          stream);
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  check_within(bf16_to_float(dwb.download()), want, asum, kBf16Output, nullptr, "wgrad write bf16");
   std::vector<double> acc(p.E * NK), priord(prior.begin(), prior.end());
   for (size_t i = 0; i < acc.size(); ++i) acc[i] = prior[i] + want[i];
   check_within(main_grad.download(), acc, asum, 0.0, &priord, "wgrad accumulate");
@@ -453,12 +459,12 @@ TEST_F(Fp8GroupedGemm, BadInputNamesTheArgument) {
   f = p.fprop(yv);
   f.d = TensorView(y.get(), DType::kFP32, {p.R / 2, p.N});  // FP8 products write bf16
   expect_error_naming([&] { eng.run(f, stream); }, "'y'");
-  // FP8 wgrad writes fp32 only.
+  // FP8 wgrad writes bf16 or fp32.
   const WgradProblem wp(2, 128, 128, {128, 128}, 9, stream);
   DeviceBuffer<uint16_t> dwb(2 * 128 * 128);
   expect_error_naming(
       [&] {
-        eng.run(wp.problem(ExpertMatrices::grouped(TensorView(dwb.get(), DType::kBF16, {2, 128, 128}), "dw"), false),
+        eng.run(wp.problem(ExpertMatrices::grouped(TensorView(dwb.get(), DType::kFP16, {2, 128, 128}), "dw"), false),
                 stream);
       },
       "'dw'");

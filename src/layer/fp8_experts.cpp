@@ -1,0 +1,168 @@
+// Fp8ExpertsRecipe: quantize + FP8 grouped GEMM steps of the FP8 experts (see fp8_experts.h).
+#include "layer/fp8_experts.h"
+
+#include <algorithm>
+
+#include "moe/error.h"
+#include "moe/quantize.h"
+
+namespace moe {
+namespace {
+
+constexpr int64_t kBlock = 128;
+int64_t blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
+
+QuantConfig fp8_config(QuantBlocking blocking, bool rowwise, bool columnwise, ScaleLayout layout) {
+  QuantConfig c;
+  c.format = QuantFormat::kFP8Block;
+  c.blocking = blocking;
+  c.rowwise = rowwise;
+  c.columnwise = columnwise;
+  c.scale_layout = layout;
+  return c;
+}
+
+}  // namespace
+
+Fp8ExpertsRecipe::Fp8ExpertsRecipe(const ExpertsConfig& config) : cfg_(config), R_(config.max_rows) {
+  w_[0].N = cfg_.fc1_out(), w_[0].K = cfg_.hidden;  // fc1.weight [fc1_out, H]
+  w_[1].N = cfg_.hidden, w_[1].K = cfg_.ffn;        // fc2.weight [H, F]
+  tok_cols_ = std::max({cfg_.hidden, cfg_.ffn, cfg_.fc1_out()});
+}
+
+void Fp8ExpertsRecipe::plan_weight(DeviceArena& a, Weight& w) {
+  const int64_t E = cfg_.experts, nb = blocks(w.N), kb = blocks(w.K);
+  w.row = a.take<uint8_t>(E * w.N * w.K);
+  w.col = a.take<uint8_t>(E * w.N * w.K);
+  w.row_scale = a.take<float>(E * nb * kb);
+  w.col_scale = a.take<float>(E * nb * kb);
+  if (w.row == nullptr) return;  // measuring pass
+  w.row_m = ExpertMatrices::grouped(TensorView(w.row, DType::kFP8E4M3, {E, w.N, w.K}), "fc weight (fp8)");
+  w.row_scale_m = ExpertMatrices::grouped(TensorView(w.row_scale, DType::kFP32, {E, nb, kb}), "fc weight scale", 4);
+  // The columnwise copy W^T [K, N] is read by dgrad as transposed expert matrices.
+  w.col_m =
+      ExpertMatrices::grouped(TensorView(w.col, DType::kFP8E4M3, {E, w.K, w.N}), "fc weight (fp8)").as_transposed();
+  w.col_scale_m =
+      ExpertMatrices::grouped(TensorView(w.col_scale, DType::kFP32, {E, kb, nb}), "fc weight scale", 4).as_transposed();
+}
+
+void Fp8ExpertsRecipe::plan_workspace(DeviceArena& a) {
+  plan_weight(a, w_[0]);
+  plan_weight(a, w_[1]);
+  row_ = a.take<uint8_t>(R_ * tok_cols_);
+  row_scale_ = a.take<float>(R_ * blocks(tok_cols_));
+  col_ = a.take<uint8_t>(R_ * tok_cols_);
+  col_scale_ = a.take<float>(blocks(R_) * tok_cols_);
+}
+
+Fp8ExpertsRecipe::SavedCopies Fp8ExpertsRecipe::plan_state(DeviceArena& a) const {
+  SavedCopies c;
+  c.x_col = a.take<uint8_t>(R_ * cfg_.hidden);
+  c.x_col_scale = a.take<float>(blocks(R_) * cfg_.hidden);
+  c.act_col = a.take<uint8_t>(R_ * cfg_.ffn);
+  c.act_col_scale = a.take<float>(blocks(R_) * cfg_.ffn);
+  return c;
+}
+
+void Fp8ExpertsRecipe::bind_weights(const std::vector<TensorView>& fc1, const std::vector<TensorView>& fc2) {
+  w_[0].bf16 = fc1;
+  w_[1].bf16 = fc2;
+}
+
+void Fp8ExpertsRecipe::quantize_weight(const Weight& w, cudaStream_t s) const {
+  const QuantConfig c = fp8_config(QuantBlocking::k2D, true, true, ScaleLayout::kRowMajor);
+  const int64_t nb = blocks(w.N), kb = blocks(w.K);
+  if (w.bf16.size() == 1 && w.bf16[0].ndim == 3) {  // single grouped: one batched quantize
+    const int64_t E = cfg_.experts;
+    QuantizedTensor q;
+    q.rowwise_data = TensorView(w.row, DType::kFP8E4M3, {E, w.N, w.K});
+    q.rowwise_scale = TensorView(w.row_scale, DType::kFP32, {E, nb, kb});
+    q.columnwise_data = TensorView(w.col, DType::kFP8E4M3, {E, w.K, w.N});
+    q.columnwise_scale = TensorView(w.col_scale, DType::kFP32, {E, kb, nb});
+    moe::quantize(c, w.bf16[0], q, s);
+    return;
+  }
+  // Per expert: each matrix into its slice of the grouped copy (a batch quantizes bitwise like its
+  // matrices one by one, docs/quantization.md).
+  for (size_t e = 0; e < w.bf16.size(); ++e) {
+    QuantizedTensor q;
+    q.rowwise_data = TensorView(w.row + e * w.N * w.K, DType::kFP8E4M3, {w.N, w.K});
+    q.rowwise_scale = TensorView(w.row_scale + e * nb * kb, DType::kFP32, {nb, kb});
+    q.columnwise_data = TensorView(w.col + e * w.N * w.K, DType::kFP8E4M3, {w.K, w.N});
+    q.columnwise_scale = TensorView(w.col_scale + e * nb * kb, DType::kFP32, {kb, nb});
+    moe::quantize(c, w.bf16[e], q, s);
+  }
+}
+
+void Fp8ExpertsRecipe::quantize_weights(cudaStream_t s) const {
+  quantize_weight(w_[0], s);
+  quantize_weight(w_[1], s);
+}
+
+void Fp8ExpertsRecipe::quantize(const TensorView& a, bool rowwise, uint8_t* col, float* col_scale,
+                                cudaStream_t s) const {
+  const int64_t rows = a.shape[0], cols = a.shape[1];
+  if (rowwise) {
+    QuantizedTensor q;
+    q.rowwise_data = TensorView(row_, DType::kFP8E4M3, {rows, cols});
+    q.rowwise_scale = TensorView(row_scale_, DType::kFP32, {rows, blocks(cols)});
+    moe::quantize(fp8_config(QuantBlocking::k1D, true, false, ScaleLayout::kRowMajor), a, q, s);
+  }
+  if (col != nullptr) {
+    // kMNMajor: [ceil(rows / 128), cols] (cols is a multiple of 16, so no padding), the layout the
+    // FP8 weight gradient reads.
+    QuantizedTensor q;
+    q.columnwise_data = TensorView(col, DType::kFP8E4M3, {cols, rows});
+    q.columnwise_scale = TensorView(col_scale, DType::kFP32, {blocks(rows), cols});
+    moe::quantize(fp8_config(QuantBlocking::k1D, false, true, ScaleLayout::kMNMajor), a, q, s);
+  }
+}
+
+void Fp8ExpertsRecipe::fprop(int fc, const GroupedGemm& gemm, const TensorView& ws, const TensorView& g,
+                             const TensorView& y, cudaStream_t s) const {
+  const Weight& w = w_[fc - 1];
+  const int64_t rows = y.shape[0];
+  GemmProblem p;
+  p.op = GemmOp::kFprop;
+  p.a = TensorView(row_, DType::kFP8E4M3, {rows, w.K});
+  p.a_scale = TensorView(row_scale_, DType::kFP32, {rows, blocks(w.K)});
+  p.w = w.row_m;
+  p.w_scale = w.row_scale_m;
+  p.d = y;
+  p.group_offsets = g;
+  gemm.run(p, ws, s);
+}
+
+void Fp8ExpertsRecipe::dgrad(int fc, const GroupedGemm& gemm, const TensorView& ws, const TensorView& g,
+                             const TensorView& dx, cudaStream_t s) const {
+  const Weight& w = w_[fc - 1];
+  const int64_t rows = dx.shape[0];
+  GemmProblem p;
+  p.op = GemmOp::kDgrad;
+  p.a = TensorView(row_, DType::kFP8E4M3, {rows, w.N});
+  p.a_scale = TensorView(row_scale_, DType::kFP32, {rows, blocks(w.N)});
+  p.w = w.col_m;
+  p.w_scale = w.col_scale_m;
+  p.d = dx;
+  p.group_offsets = g;
+  gemm.run(p, ws, s);
+}
+
+void Fp8ExpertsRecipe::wgrad(const GroupedGemm& gemm, const TensorView& ws, const TensorView& g, int64_t rows,
+                             const uint8_t* dy_col, const float* dy_col_scale, int64_t N, const uint8_t* x_col,
+                             const float* x_col_scale, int64_t K, const ExpertMatrices& dw, bool accumulate,
+                             uint32_t* error_word, cudaStream_t s) const {
+  GemmProblem p;
+  p.op = GemmOp::kWgrad;
+  p.a = TensorView(const_cast<uint8_t*>(dy_col), DType::kFP8E4M3, {N, rows});
+  p.a_scale = TensorView(const_cast<float*>(dy_col_scale), DType::kFP32, {blocks(rows), N});
+  p.b = TensorView(const_cast<uint8_t*>(x_col), DType::kFP8E4M3, {K, rows});
+  p.b_scale = TensorView(const_cast<float*>(x_col_scale), DType::kFP32, {blocks(rows), K});
+  p.w = dw;
+  p.group_offsets = g;
+  p.epilogue = accumulate ? GemmEpilogue::kAccumulate : GemmEpilogue::kStore;
+  p.error_word = error_word;
+  gemm.run(p, ws, s);
+}
+
+}  // namespace moe

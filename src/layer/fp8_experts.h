@@ -1,0 +1,93 @@
+// The FP8 block-scaling recipe of GroupedExperts (ExpertsConfig::fp8 = kBlock, docs/layer.md, FP8):
+// which tensor is quantized where, the quantized copies of the weights, and the FP8 products. Every
+// GEMM operand is E4M3 with fp32 block scales (docs/quantization.md, FP8 block); everything between
+// the GEMMs (h, the activation, dact, dh, bias, probs) stays bf16 as in the bf16 path.
+//
+//   forward   x_perm -> rowwise (fc1 fprop)  + columnwise, saved (fc1 wgrad)
+//             act    -> rowwise (fc2 fprop)  + columnwise, saved (fc2 wgrad)
+//   backward  dY     -> rowwise (fc2 dgrad)  + columnwise (fc2 wgrad)
+//             dh     -> rowwise (fc1 dgrad)  + columnwise (fc1 wgrad)
+//   weights   128x128 blocks, rowwise (fprop) and columnwise (dgrad), at every forward
+//
+// Quantizing the weights at every forward (and recompute) makes the copies a pure function of the
+// bf16 weights at that moment: an eval forward between two train steps, or new weights after an
+// optimizer step, can never leave a stale copy behind. Both weight layouts quantize into one grouped
+// copy (the per-expert layout one expert at a time), so their results are bitwise equal.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "device/device_arena.h"
+#include "moe/grouped_gemm.h"
+#include "moe/grouped_mlp_config.h"
+#include "moe/tensor.h"
+
+namespace moe {
+
+class Fp8ExpertsRecipe {
+ public:
+  explicit Fp8ExpertsRecipe(const ExpertsConfig& config);
+
+  // The op's workspace (two passes of the arena: measure, then carve).
+  void plan_workspace(DeviceArena& arena);
+  // The FP8 part of a saved state: the columnwise copies the weight gradients read.
+  struct SavedCopies {
+    uint8_t* x_col = nullptr;  // [H, rows]
+    float* x_col_scale = nullptr;
+    uint8_t* act_col = nullptr;  // [F, rows]
+    float* act_col_scale = nullptr;
+  };
+  SavedCopies plan_state(DeviceArena& arena) const;
+
+  // The bf16 weights' views as bound (either layout), kept for quantize_weights.
+  void bind_weights(const std::vector<TensorView>& fc1_weight, const std::vector<TensorView>& fc2_weight);
+  void quantize_weights(cudaStream_t stream) const;
+
+  // Quantizes a bf16 [rows, cols]: rowwise into the token workspace (read by the next fprop or
+  // dgrad) when `rowwise`; columnwise into (col, col_scale) when col is given.
+  void quantize(const TensorView& a, bool rowwise, uint8_t* col, float* col_scale, cudaStream_t stream) const;
+  // The transient columnwise copy of dY or dh (backward), for the weight gradient that follows.
+  uint8_t* col_workspace() const { return col_; }
+  float* col_workspace_scale() const { return col_scale_; }
+
+  // fc (1 or 2): y [rows, N] = q(a) W^T from the token workspace's rowwise copy of a [rows, K]
+  // (rows = y's).
+  void fprop(int fc, const GroupedGemm& gemm, const TensorView& gemm_ws, const TensorView& g, const TensorView& y,
+             cudaStream_t stream) const;
+  // fc (1 or 2): dx [rows, K] = q(dy) W from the token workspace's rowwise copy of dy [rows, N]
+  // (rows = dx's).
+  void dgrad(int fc, const GroupedGemm& gemm, const TensorView& gemm_ws, const TensorView& g, const TensorView& dx,
+             cudaStream_t stream) const;
+  // dW [N, K] = q(dy)^T q(x) over `rows` tokens, from columnwise copies dy^T [N, rows], x^T [K, rows].
+  void wgrad(const GroupedGemm& gemm, const TensorView& gemm_ws, const TensorView& g, int64_t rows,
+             const uint8_t* dy_col, const float* dy_col_scale, int64_t N, const uint8_t* x_col,
+             const float* x_col_scale, int64_t K, const ExpertMatrices& dw, bool accumulate, uint32_t* error_word,
+             cudaStream_t stream) const;
+
+ private:
+  struct Weight {
+    int64_t N = 0, K = 0;  // W_e [N, K]
+    uint8_t *row = nullptr, *col = nullptr;
+    float *row_scale = nullptr, *col_scale = nullptr;
+    std::vector<TensorView> bf16;  // as bound
+    ExpertMatrices row_m, row_scale_m, col_m, col_scale_m;  // views of the copies for the GEMMs
+  };
+  void plan_weight(DeviceArena& arena, Weight& w);
+  void quantize_weight(const Weight& w, cudaStream_t stream) const;
+
+  ExpertsConfig cfg_;
+  int64_t R_ = 0;
+  Weight w_[2];
+  // Token workspace: the rowwise copy of the operand of the next fprop / dgrad ([rows, cols], scales
+  // [rows, ceil(cols / 128)]) and the transient columnwise copy of dY or dh.
+  int64_t tok_cols_ = 0;
+  uint8_t* row_ = nullptr;
+  float* row_scale_ = nullptr;
+  uint8_t* col_ = nullptr;
+  float* col_scale_ = nullptr;
+};
+
+}  // namespace moe

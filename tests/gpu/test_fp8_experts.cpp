@@ -1,0 +1,290 @@
+// GroupedExperts with the FP8 block-scaling recipe (ExpertsConfig::fp8 = kBlock): forward and
+// backward against the bf16 experts on the same data, both weight layouts bitwise equal, a CUDA
+// graph replayed with new data bitwise equal to eager, train / eval / train with weights changed
+// between the steps equal to train / train (no stale quantized weights), an expert off the 128-row
+// grid reported, bad configurations named.
+//
+// Tolerance against the bf16 experts: relative L2 error <= 0.15 for every output and gradient.
+// Each quantized operand carries E4M3 rounding (at most 2^-4 relative per element, about 2.5% RMS
+// for values spread over binades); an output passes through at most four quantized operands on its
+// way (x, W1, act, W2 for Y; dY, W2, dh, W1 for dx), so its normwise error is expected below ~7%
+// (printed), where a scale applied to the wrong block or a wrong copy gives errors of order 100%.
+// The FP8 GEMMs' own accuracy against a dequantize-then-fp64 reference is in test_fp8_grouped_gemm.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "moe/error.h"
+#include "moe/grouped_experts.h"
+#include "support/expect_error.h"
+#include "support/gpu.h"
+#include "support/layer_data.h"
+
+namespace moe {
+namespace {
+
+using testing::DeviceBuffer;
+using testing::expect_error_naming;
+using namespace testing::layer_data;
+
+constexpr double kNormwise = 0.15;
+
+double relative_l2(const std::vector<double>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) num += (got[i] - want[i]) * (got[i] - want[i]), den += want[i] * want[i];
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+ExpertsConfig experts_config(Activation act, bool bias, ProbsPlacement probs, WgradMode wgrad, Fp8Recipe fp8,
+                             WeightLayout layout) {
+  ExpertsConfig c;
+  c.hidden = 256;
+  c.ffn = 384;
+  c.experts = 4;
+  c.max_rows = 768;
+  c.activation.kind = act;
+  c.bias = bias;
+  c.probs = probs;
+  c.layout = layout;
+  c.wgrad = wgrad;
+  c.wgrad_dtype = DType::kFP32;
+  c.fp8 = fp8;
+  return c;
+}
+
+// Inputs of one micro-batch: x_perm, probs_perm, dY in expert groups of 128-aligned rows.
+struct Inputs {
+  int64_t rows;
+  std::vector<int32_t> off;
+  DeviceBuffer<uint16_t> x, dY;
+  DeviceBuffer<float> probs;
+  DeviceBuffer<int32_t> g;
+  Inputs(const ExpertsConfig& c, const std::vector<int>& sizes, uint64_t seed) {
+    off = {0};
+    for (int s : sizes) off.push_back(off.back() + s);
+    rows = off.back();
+    std::mt19937_64 rng(seed);
+    x = DeviceBuffer<uint16_t>(to_bf16(random_bf16_values(rows * c.hidden, 1.0, rng)));
+    dY = DeviceBuffer<uint16_t>(to_bf16(random_bf16_values(rows * c.hidden, 1.0, rng)));
+    std::uniform_real_distribution<float> u(0.1f, 1.0f);
+    std::vector<float> p(rows);
+    for (float& v : p) v = u(rng);
+    probs = DeviceBuffer<float>(p);
+    g = DeviceBuffer<int32_t>(off);
+  }
+  // Copies another micro-batch's data into these buffers (same shapes), on the stream.
+  void copy_from(const Inputs& o, cudaStream_t s) {
+    MOE_CUDA_CHECK(cudaMemcpyAsync(x.get(), o.x.get(), x.size() * 2, cudaMemcpyDeviceToDevice, s));
+    MOE_CUDA_CHECK(cudaMemcpyAsync(dY.get(), o.dY.get(), dY.size() * 2, cudaMemcpyDeviceToDevice, s));
+    MOE_CUDA_CHECK(cudaMemcpyAsync(probs.get(), o.probs.get(), probs.size() * 4, cudaMemcpyDeviceToDevice, s));
+    MOE_CUDA_CHECK(cudaMemcpyAsync(g.get(), o.g.get(), g.size() * 4, cudaMemcpyDeviceToDevice, s));
+  }
+};
+
+// One GroupedExperts with its parameters, gradients, state and outputs at fixed addresses.
+struct ExpertsRun {
+  ExpertsConfig c;
+  GroupedExperts ex;
+  DeviceParam W1, W2, B1, B2, G1, G2, GB1, GB2;
+  SavedState state, eval_state;
+  DeviceBuffer<uint16_t> y, dx;
+  DeviceBuffer<float> dprobs;
+
+  ExpertsRun(const ExpertsConfig& cfg, uint64_t seed) : c(cfg), ex(cfg) {
+    const int E = c.experts;
+    const int64_t H = c.hidden, F = c.ffn, F1 = c.fc1_out();
+    std::mt19937_64 rng(seed);
+    W1 = make_param(random_bf16_values(E * F1 * H, 0.1, rng), E, {F1, H}, DType::kBF16, c.layout);
+    W2 = make_param(random_bf16_values(E * H * F, 0.1, rng), E, {H, F}, DType::kBF16, c.layout);
+    B1 = make_param(random_bf16_values(E * F1, 0.5, rng), E, {F1}, DType::kBF16, c.layout);
+    B2 = make_param(random_bf16_values(E * H, 0.5, rng), E, {H}, DType::kBF16, c.layout);
+    G1 = make_param(std::vector<double>(E * F1 * H, 0.5), E, {F1, H}, DType::kFP32, c.layout);
+    G2 = make_param(std::vector<double>(E * H * F, 0.5), E, {H, F}, DType::kFP32, c.layout);
+    GB1 = make_param(std::vector<double>(E * F1, 0.5), E, {F1}, DType::kFP32, c.layout);
+    GB2 = make_param(std::vector<double>(E * H, 0.5), E, {H}, DType::kFP32, c.layout);
+    const bool b = c.bias;
+    ex.set_weights({W1.views, b ? B1.views : std::vector<TensorView>{}, W2.views, b ? B2.views : std::vector<TensorView>{}});
+    ex.set_grads({G1.views, b ? GB1.views : std::vector<TensorView>{}, G2.views, b ? GB2.views : std::vector<TensorView>{}});
+    state = ex.new_state();
+    eval_state = ex.new_state();
+    y = DeviceBuffer<uint16_t>(c.max_rows * H);
+    dx = DeviceBuffer<uint16_t>(c.max_rows * H);
+    dprobs = DeviceBuffer<float>(c.max_rows);
+  }
+  bool probs_in_act() const { return c.probs == ProbsPlacement::kInActivation; }
+  TensorView rows_view(const DeviceBuffer<uint16_t>& b, int64_t rows) const {
+    return TensorView(b.get(), DType::kBF16, {rows, c.hidden});
+  }
+  TensorView pp(const Inputs& in) const {
+    return probs_in_act() ? TensorView(in.probs.get(), DType::kFP32, {in.rows}) : TensorView();
+  }
+  TensorView g(const Inputs& in) const { return TensorView(in.g.get(), DType::kInt32, {int64_t(c.experts) + 1}); }
+  void forward(const Inputs& in, cudaStream_t s) {
+    ex.forward(rows_view(in.x, in.rows), g(in), pp(in), rows_view(y, in.rows), state, s);
+  }
+  void eval_forward(const Inputs& in, cudaStream_t s) {
+    ex.forward(rows_view(in.x, in.rows), g(in), pp(in), rows_view(y, in.rows), eval_state, s);
+  }
+  void backward(const Inputs& in, cudaStream_t s) {
+    ex.backward(rows_view(in.dY, in.rows), rows_view(dx, in.rows),
+                probs_in_act() ? TensorView(dprobs.get(), DType::kFP32, {in.rows}) : TensorView(), state, s);
+  }
+  // Every output and gradient, as doubles: y, dx, dprobs, dW1, dW2, db1, db2.
+  std::vector<std::vector<double>> results(const Inputs& in) const {
+    std::vector<std::vector<double>> r;
+    const size_t n = size_t(in.rows * c.hidden);
+    std::vector<double> yy = from_bf16(y.download()), xx = from_bf16(dx.download());
+    yy.resize(n), xx.resize(n);
+    r.push_back(yy);
+    r.push_back(xx);
+    std::vector<float> dp = dprobs.download();
+    r.push_back(probs_in_act() ? std::vector<double>(dp.begin(), dp.begin() + in.rows) : std::vector<double>{});
+    r.push_back(download_param(G1, DType::kFP32));
+    r.push_back(download_param(G2, DType::kFP32));
+    if (c.bias) r.push_back(download_param(GB1, DType::kFP32)), r.push_back(download_param(GB2, DType::kFP32));
+    return r;
+  }
+};
+
+const char* const kNames[] = {"y", "dx_perm", "dprobs", "fc1.weight grad", "fc2.weight grad", "fc1.bias grad",
+                              "fc2.bias grad"};
+
+class Fp8Experts : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    MOE_REQUIRE_GPU();
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  }
+  void TearDown() override {
+    if (stream) cudaStreamDestroy(stream);
+  }
+  cudaStream_t stream = nullptr;
+};
+
+TEST_F(Fp8Experts, CloseToTheBf16ExpertsAndBothLayoutsBitwiseEqual) {
+  struct Case {
+    Activation act;
+    bool bias;
+    ProbsPlacement probs;
+    WgradMode wgrad;
+  };
+  const Case cases[] = {{Activation::kSwiGLU, true, ProbsPlacement::kInActivation, WgradMode::kWrite},
+                        {Activation::kSquaredReLU, false, ProbsPlacement::kAtCombine, WgradMode::kAccumulate},
+                        {Activation::kGeGLU, true, ProbsPlacement::kInActivation, WgradMode::kAccumulate}};
+  for (const Case& k : cases) {
+    const ExpertsConfig bf16 = experts_config(k.act, k.bias, k.probs, k.wgrad, Fp8Recipe::kNone, WeightLayout::kSingleGrouped);
+    const ExpertsConfig fp8 = experts_config(k.act, k.bias, k.probs, k.wgrad, Fp8Recipe::kBlock, WeightLayout::kSingleGrouped);
+    const ExpertsConfig fp8_pe = experts_config(k.act, k.bias, k.probs, k.wgrad, Fp8Recipe::kBlock, WeightLayout::kPerExpert);
+    const Inputs in(bf16, {256, 0, 128, 384}, 5);
+    ExpertsRun ref(bf16, 9), q(fp8, 9), qp(fp8_pe, 9);  // the same parameter values
+    for (ExpertsRun* r : {&ref, &q, &qp}) {
+      r->forward(in, stream);
+      r->backward(in, stream);
+    }
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_NO_THROW(q.ex.check_errors(stream));
+    const auto want = ref.results(in), got = q.results(in), got_pe = qp.results(in);
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (want[i].empty()) continue;
+      const double e = relative_l2(got[i], want[i]);
+      std::printf("%s bias=%d: %s relative L2 error vs bf16 = %.4f\n", activation_name(k.act), k.bias, kNames[i], e);
+      EXPECT_LE(e, kNormwise) << kNames[i];
+      EXPECT_EQ(got[i], got_pe[i]) << kNames[i] << ": the weight layouts differ";
+    }
+  }
+}
+
+TEST_F(Fp8Experts, GraphReplayWithNewDataIsBitwiseEager) {
+  const ExpertsConfig c = experts_config(Activation::kSwiGLU, true, ProbsPlacement::kInActivation, WgradMode::kWrite,
+                                         Fp8Recipe::kBlock, WeightLayout::kSingleGrouped);
+  Inputs a(c, {128, 256, 0, 384}, 1), b(c, {0, 512, 128, 128}, 2);
+  ExpertsRun eager(c, 3), graphed(c, 3);
+  eager.forward(b, stream);
+  eager.backward(b, stream);
+
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  graphed.forward(a, stream);
+  graphed.backward(a, stream);
+  MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  a.copy_from(b, stream);
+  MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_EQ(graphed.results(b), eager.results(b));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+TEST_F(Fp8Experts, TrainEvalTrainEqualsTrainTrain) {
+  // Between the two steps the weights change in place (an optimizer step): an eval forward in
+  // between must not leave quantized weights that the second step would use.
+  const ExpertsConfig c = experts_config(Activation::kSwiGLU, true, ProbsPlacement::kInActivation, WgradMode::kWrite,
+                                         Fp8Recipe::kBlock, WeightLayout::kSingleGrouped);
+  const Inputs step1(c, {128, 128, 256, 256}, 11), eval(c, {384, 0, 0, 384}, 12), step2(c, {256, 256, 0, 256}, 13);
+  std::mt19937_64 rng(99);
+  const std::vector<uint16_t> w1_new = to_bf16(random_bf16_values(size_t(c.experts * c.fc1_out() * c.hidden), 0.1, rng));
+  ExpertsRun with_eval(c, 21), without(c, 21), fresh(c, 21);
+  for (ExpertsRun* r : {&with_eval, &without}) {
+    r->forward(step1, stream);
+    r->backward(step1, stream);
+  }
+  for (ExpertsRun* r : {&with_eval, &without, &fresh}) {
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    MOE_CUDA_CHECK(cudaMemcpy(r->W1.bufs[0].get(), w1_new.data(), w1_new.size() * 2, cudaMemcpyHostToDevice));
+  }
+  with_eval.eval_forward(eval, stream);
+  for (ExpertsRun* r : {&with_eval, &without, &fresh}) {
+    r->forward(step2, stream);
+    r->backward(step2, stream);
+  }
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const auto a = with_eval.results(step2), b = without.results(step2), f = fresh.results(step2);
+  // Gradients written (not accumulated): the second step's own values.
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(a, f) << "the second step must use the new weights";
+}
+
+TEST_F(Fp8Experts, ExpertOffTheRowGridIsReported) {
+  const ExpertsConfig c = experts_config(Activation::kSwiGLU, false, ProbsPlacement::kInActivation, WgradMode::kWrite,
+                                         Fp8Recipe::kBlock, WeightLayout::kSingleGrouped);
+  const Inputs in(c, {64, 192, 0, 0}, 4);  // expert 1 starts at row 64
+  ExpertsRun r(c, 5);
+  r.forward(in, stream);
+  r.backward(in, stream);
+  expect_error_naming([&] { r.ex.check_errors(stream); }, "128-token block");
+  EXPECT_NO_THROW(r.ex.check_errors(stream)) << "check_errors clears the word";
+}
+
+TEST_F(Fp8Experts, BadConfigurationsNameTheField) {
+  ExpertsConfig c = experts_config(Activation::kSwiGLU, false, ProbsPlacement::kInActivation, WgradMode::kWrite,
+                                   Fp8Recipe::kBlock, WeightLayout::kSingleGrouped);
+  ExpertsConfig bad = c;
+  bad.fuse_fc1 = true;
+  expect_error_naming([&] { bad.validate(); }, "'fp8'");
+  bad = c;
+  bad.delay_wgrad = true;
+  expect_error_naming([&] { bad.validate(); }, "'fp8'");
+  bad = c;
+  bad.max_rows = 760;
+  expect_error_naming([&] { bad.validate(); }, "'max_rows'");
+  bad = c;
+  bad.ffn = 200;  // a multiple of 8, not of 16
+  expect_error_naming([&] { bad.validate(); }, "'fp8'");
+  // Rows of a call: multiples of 16.
+  ExpertsRun r(c, 1);
+  const Inputs in(c, {128, 0, 0, 0}, 2);
+  expect_error_naming([&] {
+    r.ex.forward(TensorView(in.x.get(), DType::kBF16, {120, c.hidden}), r.g(in),
+                 TensorView(in.probs.get(), DType::kFP32, {120}), TensorView(r.y.get(), DType::kBF16, {120, c.hidden}),
+                 r.state, stream);
+  }, "'x_perm'");
+}
+
+}  // namespace
+}  // namespace moe
