@@ -8,6 +8,7 @@
 #include <string>
 
 #include "moe/activation.h"
+#include "moe/grouped_mlp_config.h"
 #include "support/bench_util.h"
 
 namespace moe::bench {
@@ -19,6 +20,10 @@ struct LayerBenchOptions {
   bool fuse_fc1 = true;   // the fused fc1 (gather + GEMM + bias + activation x prob); false: unfused
   bool save_x_perm = true;  // false (fused only): no x_perm, the fc1 weight gradient gathers the rows of x
   bool fuse_fc2_dgrad = false;  // fc2 dgrad gathering dy + activation backward in one kernel
+  Fp8Recipe fp8 = Fp8Recipe::kNone;  // FP8 experts (needs align 128 and the unfused path)
+  // kOnRequest: the weights are quantized once after binding, outside the timed runs (as in a step
+  // with several micro-batches); kEveryForward: inside every forward.
+  Fp8WeightRefresh fp8_weight_refresh = Fp8WeightRefresh::kEveryForward;
   bool check = true;      // compare sampled tokens with the CPU reference first
   int sample_tokens = 8;  // tokens checked
   int warmup = 3;

@@ -129,6 +129,11 @@ class GroupedExperts {
   // FP8, the quantized weight copies and the token copies).
   size_t workspace_bytes() const;
 
+  // FP8 (config.fp8_weight_refresh = kOnRequest): quantizes the bound bf16 weights into the copies
+  // the following forwards and backwards use. Graph-capturable. Call it after every change of the
+  // weights; a forward refuses to run when no refresh followed the last set_weights.
+  void refresh_fp8_weights(cudaStream_t stream);
+
   // Device error word (docs/semantics.md, errors): the FP8 weight gradients raise
   // kErrUnalignedGroup for an expert whose rows do not start on a 128-row boundary (that expert's
   // gradient is skipped). check_errors syncs `stream`: call it outside graphs.

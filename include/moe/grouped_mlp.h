@@ -69,7 +69,11 @@ class GroupedMlp {
   // save_x_perm = false reads the forward's x again (see backward).
   void backward_dw(const SavedState& state, cudaStream_t stream, const TensorView* x = nullptr);
 
-  // Device error word of the dispatch (docs/semantics.md, errors): check_errors syncs -- call
+  // FP8 experts with config.fp8_weight_refresh = kOnRequest: see GroupedExperts::refresh_fp8_weights.
+  void refresh_fp8_weights(cudaStream_t stream);
+
+  // Device error word of the dispatch (docs/semantics.md, errors; check_errors also reports the
+  // experts' own word, GroupedExperts::check_errors): check_errors syncs -- call
   // outside graphs.
   uint32_t* device_error_word() const;
   void check_errors(cudaStream_t stream);

@@ -38,6 +38,13 @@ const char* param_name(Param p);  // "fc1.weight", ...
 // h, the activation, the bias and all gradients between the GEMMs stay bf16.
 enum class Fp8Recipe : uint8_t { kNone, kBlock };
 
+// When the FP8 experts quantize their bf16 weights. kEveryForward: every forward (and recompute)
+// does, so the copies always match the weights (a read of the weights and a write of two FP8 copies
+// per forward). kOnRequest: only refresh_fp8_weights() does -- call it after every change of the
+// weights (once per optimizer step, before the first micro-batch; it is graph-capturable), and the
+// forwards in between reuse the copies.
+enum class Fp8WeightRefresh : uint8_t { kEveryForward, kOnRequest };
+
 // The experts alone (GroupedExperts): the expert MLP over rows already dispatched into ragged
 // groups, x_perm [rows <= max_rows, H].
 struct ExpertsConfig {
@@ -76,6 +83,7 @@ struct ExpertsConfig {
   // FP8 weight gradients read 128-token scale blocks (a group that does not is skipped and raises
   // kErrUnalignedGroup, see GroupedExperts::check_errors).
   Fp8Recipe fp8 = Fp8Recipe::kNone;
+  Fp8WeightRefresh fp8_weight_refresh = Fp8WeightRefresh::kEveryForward;
 
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
   void validate() const;  // throws moe::Error naming the bad field
@@ -118,6 +126,10 @@ struct GroupedMlpConfig {
   bool fuse_fc2_dgrad = false;
   int max_sms = 0;  // see ExpertsConfig::max_sms
   bool transposed_weights = false;  // see ExpertsConfig::transposed_weights
+  // FP8 compute of the experts (see ExpertsConfig::fp8): needs dispatch.align = 128 (each expert's
+  // rows start on a 128-row boundary); the row bound is rounded up to a multiple of 16.
+  Fp8Recipe fp8 = Fp8Recipe::kNone;
+  Fp8WeightRefresh fp8_weight_refresh = Fp8WeightRefresh::kEveryForward;
 
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
   int64_t row_bound() const;  // R resolved from dispatch options

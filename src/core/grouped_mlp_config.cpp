@@ -15,7 +15,9 @@ const char* param_name(Param p) {
 }
 
 int64_t GroupedMlpConfig::row_bound() const {
-  return resolve_row_bound(dispatch, routing_form, max_tokens, topk, experts);
+  const int64_t r = resolve_row_bound(dispatch, routing_form, max_tokens, topk, experts);
+  // The FP8 weight gradients read columnwise token copies whose rows are multiples of 16 tokens.
+  return fp8 == Fp8Recipe::kNone ? r : (r + 15) / 16 * 16;
 }
 
 namespace {
@@ -84,6 +86,8 @@ ExpertsConfig GroupedMlpConfig::experts_config() const {
   e.fuse_fc2_dgrad = fuse_fc2_dgrad;
   e.max_sms = max_sms;
   e.transposed_weights = transposed_weights;
+  e.fp8 = fp8;
+  e.fp8_weight_refresh = fp8_weight_refresh;
   return e;
 }
 
@@ -109,6 +113,9 @@ void GroupedMlpConfig::validate() const {
   MOE_CHECK(!(recompute && delay_wgrad), "config 'recompute': activation recompute is not combinable with ",
             "delay_wgrad (the delayed weight gradients need the saved activations)");
   validate_transposed(transposed_weights, fuse_fc1, fuse_fc2_dgrad);
+  validate_fp8(fp8, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights, delay_wgrad);
+  MOE_CHECK(fp8 == Fp8Recipe::kNone || dispatch.align == 128, "config 'fp8': the FP8 weight gradients need each ",
+            "expert's rows to start on a 128-row boundary; set dispatch.align to 128 (got ", dispatch.align, ")");
   MOE_CHECK(save_x_perm || fuse_fc1, "config 'save_x_perm': false needs fuse_fc1 (the fused kernels gather the ",
             "rows of x)");
   MOE_CHECK(max_sms >= 0, "config 'max_sms': expected 0 (every SM) or a positive count, got ", max_sms);

@@ -108,6 +108,7 @@ struct GroupedExperts::Impl {
   // Bound parameters and gradients; binding counts weight bindings (a forward records it).
   bool have_weights = false, have_grads = false;
   uint64_t binding = 0;
+  uint64_t fp8_refreshed = 0;  // the binding the FP8 weight copies were last made from (kOnRequest)
   ExpertMatrices w1, w2, dw1, dw2;
   ExpertRows b1, b2, db1, db2;
   // Device tables of per-expert bias row pointers (b1, b2, db1, db2): a new table per binding, the
@@ -217,6 +218,14 @@ struct GroupedExperts::Impl {
       return;
     }
     check_param_views(views, name, cfg.experts, layout, {n}, dtype);
+  }
+
+  // FP8: the weight copies a forward uses -- made now (kEveryForward), or checked to be current.
+  void fp8_weights(cudaStream_t s, const char* call) const {
+    if (!fp8) return;
+    if (cfg.fp8_weight_refresh == Fp8WeightRefresh::kEveryForward) return fp8->quantize_weights(s);
+    MOE_CHECK(fp8_refreshed == binding, call, ": the FP8 weight copies were not made since the last set_weights ",
+              "(config.fp8_weight_refresh = on request: call refresh_fp8_weights after every change of the weights)");
   }
 
   void fire_hooks(Param p) {
@@ -461,6 +470,13 @@ bool GroupedExperts::grads_bound() const { return impl_->have_grads; }
 size_t GroupedExperts::state_bytes() const { return impl_->state_bytes; }
 size_t GroupedExperts::workspace_bytes() const { return impl_->block_bytes; }
 uint32_t* GroupedExperts::device_error_word() const { return impl_->errors.device_ptr(); }
+void GroupedExperts::refresh_fp8_weights(cudaStream_t stream) {
+  Impl& m = *impl_;
+  MOE_CHECK(m.fp8 != nullptr, "GroupedExperts::refresh_fp8_weights: the experts do not run FP8 (config.fp8)");
+  MOE_CHECK(m.have_weights, "GroupedExperts::refresh_fp8_weights: no weights bound (call set_weights first)");
+  m.fp8->quantize_weights(stream);
+  m.fp8_refreshed = m.binding;
+}
 void GroupedExperts::check_errors(cudaStream_t stream) { impl_->errors.check(stream); }
 
 SavedState GroupedExperts::new_state(DeviceAllocator& allocator) const {
@@ -518,7 +534,7 @@ void GroupedExperts::forward(const TensorView& x_perm, const TensorView& g, cons
   check_device_tensor(Y, "Y", m.cfg.dtype, {rows, m.cfg.hidden});
   check_state_fillable(state, "state", m.state_bytes, kStateHeaders, "GroupedExperts::forward");
   const StateBuffers b = m.state_layout(static_cast<char*>(state.device()));
-  if (m.fp8) m.fp8->quantize_weights(s);
+  m.fp8_weights(s, "GroupedExperts::forward");
   m.activations(x_perm, g, pp, b, rows, s);
   m.fc2_forward(b, g, pp, Y, rows, s);
   m.fill_header(state, x_perm, g, pp, rows);
@@ -572,7 +588,7 @@ void GroupedExperts::recompute(const TensorView& x_perm, const TensorView& g, co
   if (state.status() != StateStatus::kEmpty && state.status() != StateStatus::kConsumed)
     check_state(state, "state", m.serial, StateKind::kExperts, {StateStatus::kFilled}, "GroupedExperts::recompute");
   const StateBuffers b = m.state_layout(static_cast<char*>(state.device()));
-  if (m.fp8) m.fp8->quantize_weights(s);
+  m.fp8_weights(s, "GroupedExperts::recompute");
   m.activations(x_perm, g, pp, b, rows, s);
   m.fill_header(state, x_perm, g, pp, rows);
 }

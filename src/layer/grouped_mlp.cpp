@@ -301,7 +301,11 @@ void GroupedMlp::backward_dw(const SavedState& state, cudaStream_t s, const Tens
 }
 
 uint32_t* GroupedMlp::device_error_word() const { return impl_->errors.device_ptr(); }
-void GroupedMlp::check_errors(cudaStream_t stream) { impl_->errors.check(stream); }
+void GroupedMlp::refresh_fp8_weights(cudaStream_t stream) { impl_->experts.refresh_fp8_weights(stream); }
+void GroupedMlp::check_errors(cudaStream_t stream) {
+  impl_->errors.check(stream);          // the dispatch
+  impl_->experts.check_errors(stream);  // the FP8 weight gradients
+}
 
 size_t GroupedMlp::workspace_bytes() const { return impl_->block_bytes + impl_->experts.workspace_bytes(); }
 

@@ -250,6 +250,41 @@ TEST_F(Fp8Experts, TrainEvalTrainEqualsTrainTrain) {
   EXPECT_EQ(a, f) << "the second step must use the new weights";
 }
 
+TEST_F(Fp8Experts, WeightsRefreshedOnRequest) {
+  // kOnRequest: the copies are made by refresh_fp8_weights only. Refreshed after each change of
+  // the weights, the results are bitwise those of kEveryForward; a forward without a refresh since
+  // set_weights is refused.
+  ExpertsConfig every = experts_config(Activation::kSwiGLU, true, ProbsPlacement::kInActivation, WgradMode::kWrite,
+                                       Fp8Recipe::kBlock, WeightLayout::kPerExpert);
+  ExpertsConfig on_request = every;
+  on_request.fp8_weight_refresh = Fp8WeightRefresh::kOnRequest;
+  const Inputs step1(every, {128, 128, 256, 256}, 31), step2(every, {0, 256, 256, 256}, 32);
+  ExpertsRun a(every, 41), b(on_request, 41);
+  expect_error_naming([&] { b.forward(step1, stream); }, "refresh_fp8_weights");
+  b.ex.refresh_fp8_weights(stream);
+  for (ExpertsRun* r : {&a, &b}) {
+    r->forward(step1, stream);
+    r->backward(step1, stream);
+  }
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_EQ(a.results(step1), b.results(step1));
+  // An optimizer step changes expert 2's fc2 weight in place; b refreshes, as its contract asks.
+  std::mt19937_64 rng(7);
+  const std::vector<uint16_t> w2 = to_bf16(random_bf16_values(size_t(every.hidden * every.ffn), 0.1, rng));
+  for (ExpertsRun* r : {&a, &b})
+    MOE_CUDA_CHECK(cudaMemcpy(r->W2.bufs[2].get(), w2.data(), w2.size() * 2, cudaMemcpyHostToDevice));
+  b.ex.refresh_fp8_weights(stream);
+  for (ExpertsRun* r : {&a, &b}) {
+    r->forward(step2, stream);
+    r->backward(step2, stream);
+  }
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_EQ(a.results(step2), b.results(step2));
+  // Rebinding the weights asks for a refresh again.
+  b.ex.set_weights({b.W1.views, b.B1.views, b.W2.views, b.B2.views});
+  expect_error_naming([&] { b.forward(step2, stream); }, "refresh_fp8_weights");
+}
+
 TEST_F(Fp8Experts, ExpertOffTheRowGridIsReported) {
   const ExpertsConfig c = experts_config(Activation::kSwiGLU, false, ProbsPlacement::kInActivation, WgradMode::kWrite,
                                          Fp8Recipe::kBlock, WeightLayout::kSingleGrouped);
