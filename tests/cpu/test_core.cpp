@@ -177,6 +177,30 @@ TEST(GroupedMlpConfig, ValidatesFields) {
   bad.fuse_fc1 = false;
   bad.fuse_fc2_dgrad = true;
   expect_error_naming([&] { bad.validate(); }, "fuse_fc2_dgrad");
+  // FP8 experts: A = 128, the unfused path, the standard orientation, no delayed wgrad; the row
+  // bound is rounded up to a multiple of 16 and passed on to the experts with the recipe.
+  bad = c;
+  bad.fp8 = Fp8Recipe::kBlock;
+  expect_error_naming([&] { bad.validate(); }, "dispatch.align");
+  bad.dispatch.align = 128;
+  bad.validate();
+  EXPECT_EQ(bad.row_bound() % 16, 0);
+  EXPECT_GE(bad.row_bound(), default_row_bound(bad.max_tokens, bad.topk, bad.experts, 128, false));
+  EXPECT_EQ(bad.experts_config().fp8, Fp8Recipe::kBlock);
+  EXPECT_EQ(bad.experts_config().max_rows, bad.row_bound());
+  bad.experts_config().validate();
+  for (int which = 0; which < 4; ++which) {
+    auto f = bad;
+    if (which == 0) f.fuse_fc1 = true;
+    if (which == 1) f.fuse_fc2_dgrad = true;
+    if (which == 2) f.transposed_weights = true;
+    if (which == 3) f.delay_wgrad = true;
+    expect_error_naming([&] { f.validate(); }, "'fp8'");
+    expect_error_naming([&] { f.experts_config().validate(); }, "'fp8'");
+  }
+  ExpertsConfig fe = bad.experts_config();
+  fe.max_rows = 100;  // not a multiple of 16
+  expect_error_naming([&] { fe.validate(); }, "max_rows");
 }
 
 }  // namespace
