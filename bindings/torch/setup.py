@@ -24,7 +24,7 @@ BUILD = os.environ.get("MOE_CMAKE_BUILD_DIR", os.path.join(ROOT, "build-torch"))
 
 # The static libraries the extension links, each before the ones it uses (a new library of
 # src/CMakeLists.txt that the layer needs goes here, in dependency order).
-LIBS = ["moe_layer", "moe_router", "moe_gemm", "moe_fused", "moe_kernels", "moe_device", "moe_core"]
+LIBS = ["moe_layer", "moe_router", "moe_gemm", "moe_fused", "moe_quant", "moe_kernels", "moe_device", "moe_core"]
 
 # Only the libraries: no tests, benchmarks, tool or checkpoint library, so no JSON, CLI11,
 # GoogleTest or zlib is needed.

@@ -28,7 +28,7 @@ int64_t mlp_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t topk, i
                    bool bias, bool probs_at_combine, int64_t align, bool pre_padded, int64_t row_bound,
                    bool map_routing, bool per_expert, bool accumulate, bool fp32_wgrad, bool delay_wgrad,
                    bool recompute, bool fuse_fc1, bool save_x_perm, bool fuse_fc2_dgrad,
-                   bool transposed_weights) {
+                   bool transposed_weights, const std::string& fp8, bool fp8_refresh_on_request) {
   return translate_errors([&] {
     GroupedMlpConfig c;
     c.hidden = hidden;
@@ -47,6 +47,9 @@ int64_t mlp_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t topk, i
     c.save_x_perm = save_x_perm;
     c.fuse_fc2_dgrad = fuse_fc2_dgrad;
     c.transposed_weights = transposed_weights;
+    MOE_CHECK(fp8 == "none" || fp8 == "block", "argument 'fp8': expected 'none' or 'block', got '", fp8, "'");
+    c.fp8 = fp8 == "block" ? Fp8Recipe::kBlock : Fp8Recipe::kNone;
+    c.fp8_weight_refresh = fp8_refresh_on_request ? Fp8WeightRefresh::kOnRequest : Fp8WeightRefresh::kEveryForward;
     return registry().add(std::make_unique<MlpState>(c));
   });
 }
@@ -123,6 +126,17 @@ void mlp_backward_dw(int64_t handle, const at::Tensor& state, const at::Tensor& 
   });
 }
 
+// FP8 with weights quantized on request: binds the weights (as a forward would) and quantizes them.
+void mlp_refresh_fp8_weights(int64_t handle, const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
+                             const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2) {
+  MlpState& s = registry().get(handle);
+  translate_errors([&] {
+    s.bind_weights(w1, b1, w2, b2);
+    s.op.refresh_fp8_weights(current_stream());
+    return 0;
+  });
+}
+
 void mlp_check_errors(int64_t handle) {
   MlpState& s = registry().get(handle);
   translate_errors([&] {
@@ -145,8 +159,11 @@ TORCH_LIBRARY_FRAGMENT(moe_engine, m) {
         "float alpha, float limit, float offset, bool bias, bool probs_at_combine, int align, bool pre_padded, "
         "int row_bound, bool map_routing, bool per_expert, bool accumulate, bool fp32_wgrad, bool delay_wgrad, "
         "bool recompute, bool fuse_fc1=False, bool save_x_perm=True, bool fuse_fc2_dgrad=False, "
-        "bool transposed_weights=False) -> int",
+        "bool transposed_weights=False, str fp8=\"none\", bool fp8_refresh_on_request=False) -> int",
         &mlp_create);
+  m.def("mlp_refresh_fp8_weights(int handle, Tensor[] fc1_weight, Tensor[] fc1_bias, Tensor[] fc2_weight, "
+        "Tensor[] fc2_bias) -> ()",
+        &mlp_refresh_fp8_weights);
   m.def("mlp_destroy(int handle) -> ()", &mlp_destroy);
   m.def("state_headers() -> int[]", &state_headers);
   m.def("mlp_check_errors(int handle) -> ()", &mlp_check_errors);

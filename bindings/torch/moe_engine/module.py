@@ -38,7 +38,15 @@ GroupedMLP's default (None) picks it where it was measured faster on the H100: f
 one kernel (GroupedMLP: which also gathers the rows of dy, with no separate pass building them); the
 same dh as the unfused path within bf16 rounding, and a saved state without the activation (it is
 recomputed from the pre-activation). GroupedMLP's default (None) picks it for ffn_hidden_size <= 256,
-where it costs no time; GroupedExperts fuses only when asked."""
+where it costs no time; GroupedExperts fuses only when asked.
+
+`fp8="block"` (GroupedMLP): the experts' six GEMMs run in FP8 E4M3 with block scaling (1x128 blocks
+for tokens and gradients, 128x128 for weights, fp32 scales; TransformerEngine's Float8BlockScaling
+recipe); parameters, inputs, outputs and gradients stay bf16 / fp32 (docs/layer.md, FP8 experts).
+It runs the unfused path (fuse_fc1 and fuse_fc2_dgrad default to False) and needs align=128 (the
+default with fp8). `fp8_weight_refresh="every_forward"` quantizes the weights in every forward;
+"on_request" only in `refresh_fp8_weights()`, to be called after every change of the weights
+(once per optimizer step, before the first micro-batch)."""
 import torch
 from torch import nn
 
@@ -218,8 +226,19 @@ class GroupedMLP(_ExpertModule):
                  map_routing=False, per_expert_weights=False, accumulate_into_main_grad=False,
                  wgrad_dtype=torch.bfloat16, delay_wgrad=False, recompute=False, clamp_alpha=1.702,
                  clamp_limit=7.0, clamp_offset=1.0, device=None, init_std=None, fuse_fc1=None, save_x_perm=True,
-                 fuse_fc2_dgrad=None):
+                 fuse_fc2_dgrad=None, fp8=None, fp8_weight_refresh="every_forward"):
         super().__init__()
+        if fp8 not in (None, "block"):
+            raise ValueError(f"argument 'fp8': expected None or 'block', got {fp8!r}")
+        if fp8_weight_refresh not in ("every_forward", "on_request"):
+            raise ValueError("argument 'fp8_weight_refresh': expected 'every_forward' or 'on_request', got "
+                             f"{fp8_weight_refresh!r}")
+        self.fp8 = fp8
+        if fp8 is not None:
+            # The FP8 experts run the unfused path on 128-aligned expert rows.
+            fuse_fc1 = False if fuse_fc1 is None else fuse_fc1
+            fuse_fc2_dgrad = False if fuse_fc2_dgrad is None else fuse_fc2_dgrad
+            align = 128 if align == 0 else align
         self.topk = topk
         self.recompute = recompute
         self.fuse_fc1 = _fuse_fc1(fuse_fc1, ffn_hidden_size, num_experts)
@@ -233,7 +252,8 @@ class GroupedMLP(_ExpertModule):
                                        probs_at_combine, align, pre_padded, row_bound, map_routing,
                                        per_expert_weights, accumulate_into_main_grad,
                                        wgrad_dtype == torch.float32, delay_wgrad, recompute, self.fuse_fc1,
-                                       save_x_perm, self.fuse_fc2_dgrad)
+                                       save_x_perm, self.fuse_fc2_dgrad, False, fp8 or "none",
+                                       fp8_weight_refresh == "on_request")
         self._state_bytes = _ops.mlp_state_bytes(self._handle)
         self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
                            accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std)
@@ -252,9 +272,16 @@ class GroupedMLP(_ExpertModule):
         state, header, x = pending
         _ops.mlp_backward_dw(self._handle, state, header, None if self.recompute else x, *lists)
 
+    def refresh_fp8_weights(self):
+        """fp8 with fp8_weight_refresh="on_request": quantizes the current weights for the forwards
+        and backwards that follow. Call it after every change of the weights (an optimizer step)."""
+        with torch.no_grad():
+            _ops.mlp_refresh_fp8_weights(self._handle, *self._param_lists())
+
     def check_errors(self):
         """Raises ValueError if routing entries were skipped (bad expert id, duplicate expert,
-        non-finite prob) or rows overflowed R. Synchronises: call outside CUDA graphs."""
+        non-finite prob) or rows overflowed R, or (fp8) an expert's rows were off the 128-row grid.
+        Synchronises: call outside CUDA graphs."""
         _ops.mlp_check_errors(self._handle)
 
     def workspace_bytes(self):
