@@ -118,34 +118,31 @@ void Fp8ExpertsRecipe::quantize(const TensorView& a, bool rowwise, uint8_t* col,
   }
 }
 
-void Fp8ExpertsRecipe::fprop(int fc, const GroupedGemm& gemm, const TensorView& ws, const TensorView& g,
-                             const TensorView& y, cudaStream_t s) const {
-  const Weight& w = w_[fc - 1];
-  const int64_t rows = y.shape[0];
+// fprop reads the rowwise weight copy and reduces over K; dgrad the columnwise copy (W^T, viewed
+// transposed) and reduces over N. A is the token workspace's rowwise copy [rows, reduction].
+void Fp8ExpertsRecipe::token_product(GemmOp op, const Weight& w, const GroupedGemm& gemm, const TensorView& ws,
+                                     const TensorView& g, const TensorView& out, cudaStream_t s) const {
+  const bool fprop = op == GemmOp::kFprop;
+  const int64_t rows = out.shape[0], red = fprop ? w.K : w.N;
   GemmProblem p;
-  p.op = GemmOp::kFprop;
-  p.a = TensorView(row_, DType::kFP8E4M3, {rows, w.K});
-  p.a_scale = TensorView(row_scale_, DType::kFP32, {rows, blocks(w.K)});
-  p.w = w.row_m;
-  p.w_scale = w.row_scale_m;
-  p.d = y;
+  p.op = op;
+  p.a = TensorView(row_, DType::kFP8E4M3, {rows, red});
+  p.a_scale = TensorView(row_scale_, DType::kFP32, {rows, blocks(red)});
+  p.w = fprop ? w.row_m : w.col_m;
+  p.w_scale = fprop ? w.row_scale_m : w.col_scale_m;
+  p.d = out;
   p.group_offsets = g;
   gemm.run(p, ws, s);
 }
 
+void Fp8ExpertsRecipe::fprop(int fc, const GroupedGemm& gemm, const TensorView& ws, const TensorView& g,
+                             const TensorView& y, cudaStream_t s) const {
+  token_product(GemmOp::kFprop, w_[fc - 1], gemm, ws, g, y, s);
+}
+
 void Fp8ExpertsRecipe::dgrad(int fc, const GroupedGemm& gemm, const TensorView& ws, const TensorView& g,
                              const TensorView& dx, cudaStream_t s) const {
-  const Weight& w = w_[fc - 1];
-  const int64_t rows = dx.shape[0];
-  GemmProblem p;
-  p.op = GemmOp::kDgrad;
-  p.a = TensorView(row_, DType::kFP8E4M3, {rows, w.N});
-  p.a_scale = TensorView(row_scale_, DType::kFP32, {rows, blocks(w.N)});
-  p.w = w.col_m;
-  p.w_scale = w.col_scale_m;
-  p.d = dx;
-  p.group_offsets = g;
-  gemm.run(p, ws, s);
+  token_product(GemmOp::kDgrad, w_[fc - 1], gemm, ws, g, dx, s);
 }
 
 void Fp8ExpertsRecipe::wgrad(const GroupedGemm& gemm, const TensorView& ws, const TensorView& g, int64_t rows,

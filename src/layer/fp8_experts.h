@@ -77,6 +77,8 @@ class Fp8ExpertsRecipe {
   };
   void plan_weight(DeviceArena& arena, Weight& w);
   void quantize_weight(const Weight& w, cudaStream_t stream) const;
+  void token_product(GemmOp op, const Weight& w, const GroupedGemm& gemm, const TensorView& gemm_ws,
+                     const TensorView& g, const TensorView& out, cudaStream_t stream) const;
 
   ExpertsConfig cfg_;
   int64_t R_ = 0;

@@ -153,17 +153,7 @@ struct ExpertsRun {
 const char* const kNames[] = {"y", "dx_perm", "dprobs", "fc1.weight grad", "fc2.weight grad", "fc1.bias grad",
                               "fc2.bias grad"};
 
-class Fp8Experts : public ::testing::Test {
- protected:
-  void SetUp() override {
-    MOE_REQUIRE_GPU();
-    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  }
-  void TearDown() override {
-    if (stream) cudaStreamDestroy(stream);
-  }
-  cudaStream_t stream = nullptr;
-};
+class Fp8Experts : public testing::StreamTest {};
 
 TEST_F(Fp8Experts, CloseToTheBf16ExpertsAndBothLayoutsBitwiseEqual) {
   struct Case {

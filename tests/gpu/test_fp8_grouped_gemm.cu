@@ -221,17 +221,7 @@ struct TokenProblem {
   }
 };
 
-class Fp8GroupedGemm : public ::testing::Test {
- protected:
-  void SetUp() override {
-    MOE_REQUIRE_GPU();
-    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  }
-  void TearDown() override {
-    if (stream) cudaStreamDestroy(stream);
-  }
-  cudaStream_t stream = nullptr;
-};
+class Fp8GroupedGemm : public testing::StreamTest {};
 
 TEST_F(Fp8GroupedGemm, FpropAndDgradMatchTheDequantizedReference) {
   struct Case {

@@ -19,6 +19,19 @@ bool gpu_available();
     if (!::moe::testing::gpu_available()) GTEST_SKIP() << "no CUDA device: GPU test skipped"; \
   } while (0)
 
+// A GPU test with a non-blocking stream of its own (skipped without a device).
+class StreamTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    MOE_REQUIRE_GPU();
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  }
+  void TearDown() override {
+    if (stream) cudaStreamDestroy(stream);
+  }
+  cudaStream_t stream = nullptr;
+};
+
 // Owns a device allocation of n elements of T.
 template <typename T>
 class DeviceBuffer {
