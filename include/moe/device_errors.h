@@ -16,7 +16,7 @@ enum ErrorBits : uint32_t {
   kErrMisalignedPrepadded = 1u << 4,  // pre-padded input whose count is not a multiple of A
   kErrBadGroupOffsets = 1u << 5,      // grouped GEMM offsets not 0-based, decreasing or past the rows
   kErrNonFiniteLogit = 1u << 6,       // a NaN/Inf router logit or expert bias (the row was routed nowhere)
-  kErrUnalignedGroup = 1u << 7,       // FP8 wgrad: a group not starting on a 128-token block (skipped)
+  kErrUnalignedGroup = 1u << 7,       // FP8 wgrad: a group not filling whole 128-token blocks (skipped)
 };
 
 // "expert id out of range; duplicate expert in a top-k row" -- empty for 0.

@@ -135,10 +135,12 @@ class GroupedExperts {
   void refresh_fp8_weights(cudaStream_t stream);
 
   // Device error word (docs/semantics.md, errors): the FP8 weight gradients raise
-  // kErrUnalignedGroup for an expert whose rows do not start on a 128-row boundary (that expert's
-  // gradient is skipped). check_errors syncs `stream`: call it outside graphs.
+  // kErrUnalignedGroup for an expert whose rows do not fill whole 128-row blocks (that expert's
+  // gradient is skipped). check_errors and fetch_and_clear_errors sync `stream`: call them outside
+  // graphs.
   uint32_t* device_error_word() const;
   void check_errors(cudaStream_t stream);
+  uint32_t fetch_and_clear_errors(cudaStream_t stream);  // the bits raised so far, then cleared
 
  private:
   struct Impl;

@@ -100,8 +100,9 @@ enum class GemmEpilogue : uint8_t {
 //          its scales [E][ceil(K/128), ceil(N/128)] viewed as_transposed() too
 //   wgrad  a = dY columnwise 1x128 (dY^T) [N, rows], a_scale [ceil(rows/128), N] (kMNMajor);
 //          b = X columnwise 1x128 (X^T) [K, rows], b_scale [ceil(rows/128), K] (kMNMajor);
-//          every group must start on a 128-token block (pad the dispatch to A = 128): a group that
-//          does not is skipped and raises kErrUnalignedGroup in error_word
+//          every group must fill whole 128-token blocks -- start on a block boundary, end on one or
+//          at the end of the rows (pad the dispatch to A = 128): a group that does not is skipped
+//          like an empty one (zero-filled in write mode) and raises kErrUnalignedGroup in error_word
 // Every FP8 dimension (N, K, and rows for wgrad) must be a multiple of 16 (16-byte TMA rows).
 struct GemmProblem {
   GemmOp op = GemmOp::kFprop;

@@ -79,9 +79,10 @@ struct ExpertsConfig {
   bool transposed_weights = false;
   // FP8 compute (see Fp8Recipe). kBlock needs: H and F multiples of 16, max_rows a multiple of 16,
   // the unfused path (fuse_fc1 and fuse_fc2_dgrad off), the standard weight orientation, no
-  // delay_wgrad; every expert's rows must start on a 128-row boundary (dispatch with A = 128): the
-  // FP8 weight gradients read 128-token scale blocks (a group that does not is skipped and raises
-  // kErrUnalignedGroup, see GroupedExperts::check_errors).
+  // delay_wgrad; every expert's rows must fill whole 128-row blocks -- start on a 128-row boundary and
+  // end on one or at the end of x_perm (dispatch with A = 128): the FP8 weight gradients read
+  // 128-token scale blocks (a group that does not is skipped and raises kErrUnalignedGroup, see
+  // GroupedExperts::check_errors).
   Fp8Recipe fp8 = Fp8Recipe::kNone;
   Fp8WeightRefresh fp8_weight_refresh = Fp8WeightRefresh::kEveryForward;
 
@@ -126,8 +127,8 @@ struct GroupedMlpConfig {
   bool fuse_fc2_dgrad = false;
   int max_sms = 0;  // see ExpertsConfig::max_sms
   bool transposed_weights = false;  // see ExpertsConfig::transposed_weights
-  // FP8 compute of the experts (see ExpertsConfig::fp8): needs dispatch.align = 128 (each expert's
-  // rows start on a 128-row boundary); the row bound is rounded up to a multiple of 16.
+  // FP8 compute of the experts (see ExpertsConfig::fp8): needs dispatch.align = 128 or 256 (each
+  // expert's rows fill whole 128-row blocks); the row bound is rounded up to a multiple of 16.
   Fp8Recipe fp8 = Fp8Recipe::kNone;
   Fp8WeightRefresh fp8_weight_refresh = Fp8WeightRefresh::kEveryForward;
 

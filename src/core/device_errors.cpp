@@ -15,7 +15,7 @@ std::string describe_error_bits(uint32_t bits) {
       {kErrMisalignedPrepadded, "pre-padded input with a count that is not a multiple of the alignment"},
       {kErrBadGroupOffsets, "grouped GEMM group offsets not starting at 0, decreasing, or past the rows (groups clamped)"},
       {kErrNonFiniteLogit, "non-finite router logit or expert bias (row routed nowhere)"},
-      {kErrUnalignedGroup, "FP8 wgrad group not starting on a 128-token block (group skipped)"},
+      {kErrUnalignedGroup, "FP8 wgrad group not filling whole 128-token blocks (group skipped)"},
   };
   std::string out;
   uint32_t known = 0;

@@ -114,8 +114,9 @@ void GroupedMlpConfig::validate() const {
             "delay_wgrad (the delayed weight gradients need the saved activations)");
   validate_transposed(transposed_weights, fuse_fc1, fuse_fc2_dgrad);
   validate_fp8(fp8, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights, delay_wgrad);
-  MOE_CHECK(fp8 == Fp8Recipe::kNone || dispatch.align == 128, "config 'fp8': the FP8 weight gradients need each ",
-            "expert's rows to start on a 128-row boundary; set dispatch.align to 128 (got ", dispatch.align, ")");
+  MOE_CHECK(fp8 == Fp8Recipe::kNone || (dispatch.align > 0 && dispatch.align % 128 == 0), "config 'fp8': the FP8 ",
+            "weight gradients need each expert's rows to fill whole 128-row blocks; set dispatch.align to 128 or 256 ",
+            "(got ", dispatch.align, ")");
   MOE_CHECK(save_x_perm || fuse_fc1, "config 'save_x_perm': false needs fuse_fc1 (the fused kernels gather the ",
             "rows of x)");
   MOE_CHECK(max_sms >= 0, "config 'max_sms': expected 0 (every SM) or a positive count, got ", max_sms);

@@ -262,7 +262,7 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
                                    "transposed view");
         check_fp8_dim(K, "x", "K (columns)");
         check_fp8_dim(N, "w", "N (rows)");
-        check_scale(pr.a_scale, "x_scale", {rows, blocks_of(K)});
+        check_scale(pr.a_scale, "a_scale", {rows, blocks_of(K)});
         check_weight_scale(pr.w_scale, w);
       }
       check_matrix(pr.d, "y", DType::kBF16);
@@ -282,7 +282,7 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
                                   "as_transposed()), got the rowwise orientation");
         check_fp8_dim(N, "dy", "N (columns)");
         check_fp8_dim(K, "w", "K (columns)");
-        check_scale(pr.a_scale, "dy_scale", {rows, blocks_of(N)});
+        check_scale(pr.a_scale, "a_scale", {rows, blocks_of(N)});
         check_weight_scale(pr.w_scale, w);
       }
       check_matrix(pr.d, "dx", DType::kBF16);
@@ -298,8 +298,8 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
         MOE_CHECK(pr.b.shape[1] == rows, "argument 'x': expected ", rows, " tokens (columns, as dy), got shape ",
                   pr.b.shape_string());
         check_fp8_dim(rows, "dy", "the tokens (columns of the columnwise copy)");
-        check_scale(pr.a_scale, "dy_scale", {blocks_of(rows), N});
-        check_scale(pr.b_scale, "x_scale", {blocks_of(rows), K});
+        check_scale(pr.a_scale, "a_scale", {blocks_of(rows), N});
+        check_scale(pr.b_scale, "b_scale", {blocks_of(rows), K});
       } else {
         N = pr.a.shape[1], K = pr.b.shape[1];
         check_dim(N, "dy", "N (columns)");
@@ -352,7 +352,7 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
   gemm::launch_prep(p, arrays, stream);
   // wgrad's empty experts: the GEMM has no tiles for them; write mode needs their zero gradient.
   if (pr.op == GemmOp::kWgrad && !accumulate)
-    gemm::launch_zero_empty_experts(p.offsets, p.groups, rows, p.weights, N * K * dtype_bytes(out, 1), stream);
+    gemm::launch_zero_empty_experts(p.offsets, p.groups, rows, p.weights, N * K * dtype_bytes(out, 1), p.fp8, stream);
 
   gemm::GroupedArgs a;
   a.groups = w.experts();

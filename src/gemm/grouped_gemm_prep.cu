@@ -14,6 +14,13 @@ __device__ inline const char* expert_ptr(const ExpertPtrs& w, int e) {
   return w.table ? static_cast<const char*>(w.table[e]) : w.base + e * w.stride_bytes;
 }
 
+// FP8 wgrad: the tokens' scale blocks run over whole 128-token blocks of the rows, so a group can
+// only be computed when its tokens fill whole blocks -- it starts on the grid, and it ends on the
+// grid or at the end of the rows (any other end shares its last block with other tokens).
+__device__ inline bool off_token_grid(int64_t start, int64_t end, int64_t rows) {
+  return end > start && (start % 128 != 0 || (end % 128 != 0 && end != rows));
+}
+
 __global__ void prep_kernel(PrepParams p, ArgArrays out) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= p.groups) return;
@@ -46,8 +53,9 @@ __global__ void prep_kernel(PrepParams p, ArgArrays out) {
       out.ptr_d[e] = p.d + start * p.K * 2, out.ld_d[e] = p.K;
       break;
     case Op::kWgrad:  // dW_e [N, K] = dY_e^T X_e, reduction over the group's m rows.
-      if (p.fp8 && m > 0 && start % 128 != 0) {
-        // Its scale blocks would straddle groups (and its TMA base could be misaligned).
+      if (p.fp8 && off_token_grid(start, end, p.rows)) {
+        // Its scale blocks would straddle other tokens (and its TMA base could be misaligned):
+        // skipped like an empty group (zero-filled in write mode).
         if (p.error_word != nullptr) atomicOr(p.error_word, kErrUnalignedGroup);
         m = 0;
       }
@@ -70,12 +78,13 @@ __global__ void prep_kernel(PrepParams p, ArgArrays out) {
   }
 }
 
-// grid (chunks, groups): each block zero-fills a slice of dW_e if group e is empty.
-__global__ void zero_empty_kernel(const int32_t* offsets, int64_t rows, ExpertPtrs dw, int64_t vecs) {
+// grid (chunks, groups): each block zero-fills a slice of dW_e if group e is empty (or, FP8, skipped
+// off the token grid).
+__global__ void zero_empty_kernel(const int32_t* offsets, int64_t rows, ExpertPtrs dw, int64_t vecs, bool fp8) {
   const int e = blockIdx.y;
   int64_t start, end;
   kernels::group_rows(offsets, e, rows, &start, &end);
-  if (end > start) return;
+  if (end > start && !(fp8 && off_token_grid(start, end, rows))) return;
   uint4* dst = reinterpret_cast<uint4*>(const_cast<char*>(expert_ptr(dw, e)));
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < vecs; i += int64_t(gridDim.x) * blockDim.x)
     dst[i] = make_uint4(0, 0, 0, 0);
@@ -91,14 +100,14 @@ void launch_prep(const PrepParams& p, const ArgArrays& out, cudaStream_t stream)
 }
 
 void launch_zero_empty_experts(const int32_t* offsets, int groups, int64_t rows, ExpertPtrs dw, int64_t matrix_bytes,
-                               cudaStream_t stream) {
+                               bool fp8, cudaStream_t stream) {
   if (groups == 0 || matrix_bytes == 0) return;
   // matrix_bytes is a multiple of 16 (N, K multiples of 8) and every dW_e is 16-byte aligned
   // (checked on the host), so 16-byte stores cover it exactly.
   const int64_t vecs = matrix_bytes / 16;
   constexpr int kThreads = 256;
   const int chunks = static_cast<int>(std::min<int64_t>((vecs + kThreads * 4 - 1) / (kThreads * 4), 64));
-  zero_empty_kernel<<<dim3(chunks, groups), kThreads, 0, stream>>>(offsets, rows, dw, vecs);
+  zero_empty_kernel<<<dim3(chunks, groups), kThreads, 0, stream>>>(offsets, rows, dw, vecs, fp8);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

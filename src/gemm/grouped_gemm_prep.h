@@ -51,8 +51,9 @@ struct PrepParams {
   // FP8 block scaling (fp8 = true): operands of one byte with fp32 scale_inv tensors. The fprop
   // form reads a_scale [rows, ceil(K / 128)] and w_scale per expert; wgrad reads the tokens'
   // columnwise copies (a = dY^T [N, rows], b_tokens = X^T [K, rows]) and their scales
-  // a_scale [ceil(rows / 128), N], b_scale [ceil(rows / 128), K]. A wgrad group must start on a
-  // 128-token block: one that does not is skipped and raises kErrUnalignedGroup.
+  // a_scale [ceil(rows / 128), N], b_scale [ceil(rows / 128), K]. A wgrad group must fill whole
+  // 128-token blocks (start on the grid, end on it or at the end of the rows): one that does not is
+  // skipped (as if empty) and raises kErrUnalignedGroup.
   bool fp8 = false;
   const float* a_scale = nullptr;
   const float* b_scale = nullptr;
@@ -62,10 +63,10 @@ struct PrepParams {
 // One thread per group; enqueued on `stream`.
 void launch_prep(const PrepParams& p, const ArgArrays& out, cudaStream_t stream);
 
-// Write mode of wgrad: zero-fills dW_e of every expert whose (clamped) group is empty; the GEMM
-// skips those groups (problem shape M = 0), so nothing else writes them. Never hangs, and touches
-// nothing when every group has rows.
+// Write mode of wgrad: zero-fills dW_e of every expert whose (clamped) group is empty -- or, with
+// fp8, skipped off the token grid; the GEMM skips those groups (problem shape M = 0), so nothing
+// else writes them. Never hangs, and touches nothing when every group has rows.
 void launch_zero_empty_experts(const int32_t* offsets, int groups, int64_t rows, ExpertPtrs dw, int64_t matrix_bytes,
-                               cudaStream_t stream);
+                               bool fp8, cudaStream_t stream);
 
 }  // namespace moe::gemm

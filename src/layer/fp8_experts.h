@@ -11,7 +11,8 @@
 //
 // Quantizing the weights at every forward (and recompute) makes the copies a pure function of the
 // bf16 weights at that moment: an eval forward between two train steps, or new weights after an
-// optimizer step, can never leave a stale copy behind. Both weight layouts quantize into one grouped
+// optimizer step, can never leave a stale copy for a later forward (a backward uses the copies of
+// the latest forward or refresh). Both weight layouts quantize into one grouped
 // copy (the per-expert layout one expert at a time), so their results are bitwise equal.
 #pragma once
 

@@ -478,6 +478,7 @@ void GroupedExperts::refresh_fp8_weights(cudaStream_t stream) {
   m.fp8_refreshed = m.binding;
 }
 void GroupedExperts::check_errors(cudaStream_t stream) { impl_->errors.check(stream); }
+uint32_t GroupedExperts::fetch_and_clear_errors(cudaStream_t stream) { return impl_->errors.fetch_and_clear(stream); }
 
 SavedState GroupedExperts::new_state(DeviceAllocator& allocator) const {
   return SavedState::allocate(impl_->state_bytes, kStateHeaders, allocator);

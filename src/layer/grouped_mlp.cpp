@@ -24,6 +24,7 @@
 
 #include "device/device_arena.h"
 #include "device/state_check.h"
+#include "moe/device_errors.h"
 #include "moe/error.h"
 #include "moe/error_word.h"
 
@@ -303,8 +304,10 @@ void GroupedMlp::backward_dw(const SavedState& state, cudaStream_t s, const Tens
 uint32_t* GroupedMlp::device_error_word() const { return impl_->errors.device_ptr(); }
 void GroupedMlp::refresh_fp8_weights(cudaStream_t stream) { impl_->experts.refresh_fp8_weights(stream); }
 void GroupedMlp::check_errors(cudaStream_t stream) {
-  impl_->errors.check(stream);          // the dispatch
-  impl_->experts.check_errors(stream);  // the FP8 weight gradients
+  // Both words read and cleared, then one error for every bit: the dispatch's and the experts'
+  // (FP8 weight gradients).
+  const uint32_t bits = impl_->errors.fetch_and_clear(stream) | impl_->experts.fetch_and_clear_errors(stream);
+  MOE_CHECK(bits == 0, "device error: ", describe_error_bits(bits));
 }
 
 size_t GroupedMlp::workspace_bytes() const { return impl_->block_bytes + impl_->experts.workspace_bytes(); }

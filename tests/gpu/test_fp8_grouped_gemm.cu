@@ -366,22 +366,29 @@ TEST_F(Fp8GroupedGemm, WgradMatchesTheDequantizedReference) {
 }
 
 TEST_F(Fp8GroupedGemm, WgradGroupOffTheTokenGridIsReportedAndSkipped) {
-  // Expert 1 starts at token 64: its scale blocks would straddle experts 0 and 1.
-  const WgradProblem p(2, 128, 128, {64, 192}, 31, stream);
+  // Expert 1 [128, 192) ends inside a 128-token block that expert 2 [192, 256) continues, so both
+  // would read scale blocks shared with other tokens: both are skipped (as if empty) and reported;
+  // expert 0 fills whole blocks and is computed.
+  const WgradProblem p(3, 128, 128, {128, 64, 64}, 31, stream);
   const Engine eng(p.E, p.R);
-  DeviceBuffer<float> dw(p.E * p.N * p.K);
-  dw.fill_bytes(0);
-  DeviceBuffer<uint32_t> err(std::vector<uint32_t>{0});
-  GemmProblem pr = p.problem(ExpertMatrices::grouped(TensorView(dw.get(), DType::kFP32, {2, p.N, p.K}), "dw"), true);
-  pr.error_word = err.get();
-  eng.run(pr, stream);
-  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  EXPECT_EQ(err.download()[0], uint32_t(kErrUnalignedGroup)) << describe_error_bits(err.download()[0]);
-  const std::vector<float> got = dw.download();
-  EXPECT_TRUE(std::all_of(got.begin() + p.N * p.K, got.end(), [](float v) { return v == 0.0f; }))
-      << "the skipped group's main_grad is left as it was";
-  EXPECT_TRUE(std::any_of(got.begin(), got.begin() + p.N * p.K, [](float v) { return v != 0.0f; }))
-      << "the aligned group is computed";
+  const int64_t NK = p.N * p.K;
+  for (bool accumulate : {true, false}) {
+    DeviceBuffer<float> dw(p.E * NK);
+    dw.fill_bytes(accumulate ? 0 : 0xFF);  // main_grad zeros, or poison that write mode must replace
+    DeviceBuffer<uint32_t> err(std::vector<uint32_t>{0});
+    GemmProblem pr = p.problem(ExpertMatrices::grouped(TensorView(dw.get(), DType::kFP32, {3, p.N, p.K}), "dw"),
+                               accumulate);
+    pr.error_word = err.get();
+    eng.run(pr, stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(err.download()[0], uint32_t(kErrUnalignedGroup)) << describe_error_bits(err.download()[0]);
+    const std::vector<float> got = dw.download();
+    EXPECT_TRUE(std::all_of(got.begin() + NK, got.end(), [](float v) { return v == 0.0f; }))
+        << "the skipped groups: main_grad left as it was, or zeros written";
+    EXPECT_TRUE(std::all_of(got.begin(), got.begin() + NK, [](float v) { return std::isfinite(v); }) &&
+                std::any_of(got.begin(), got.begin() + NK, [](float v) { return v != 0.0f; }))
+        << "the group on the grid is computed";
+  }
 }
 
 TEST_F(Fp8GroupedGemm, GraphReplayWithNewGroupsIsBitwiseEager) {
@@ -433,10 +440,10 @@ TEST_F(Fp8GroupedGemm, BadInputNamesTheArgument) {
   const TensorView yv(y.get(), DType::kBF16, {p.R, p.N}), dxv(dx.get(), DType::kBF16, {p.R, p.K});
   GemmProblem f = p.fprop(yv);
   f.a_scale = TensorView();
-  expect_error_naming([&] { eng.run(f, stream); }, "'x_scale'");
+  expect_error_naming([&] { eng.run(f, stream); }, "'a_scale'");
   f = p.fprop(yv);
   f.a_scale = TensorView(p.x.rscale.get(), DType::kFP32, {p.R, 1});
-  expect_error_naming([&] { eng.run(f, stream); }, "'x_scale'");
+  expect_error_naming([&] { eng.run(f, stream); }, "'a_scale'");
   f = p.fprop(yv);
   f.w_scale = ExpertMatrices();
   expect_error_naming([&] { eng.run(f, stream); }, "'w_scale'");
