@@ -21,6 +21,8 @@ class ErrorWord {
   uint32_t fetch_and_clear(cudaStream_t stream);
   // fetch_and_clear, then throws moe::Error describing the bits if any were raised.
   void check(cudaStream_t stream);
+  // Throws moe::Error describing `bits` when any is set (for bits gathered from several words).
+  static void raise(uint32_t bits);
 
  private:
   uint32_t* word_ = nullptr;

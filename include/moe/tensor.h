@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "moe/dtype.h"
 
@@ -44,11 +45,14 @@ void check_device(const TensorView& t, const char* name, Device expected);
 void check_contiguous(const TensorView& t, const char* name);
 // Expected shape; a negative entry accepts any size in that dimension.
 void check_shape(const TensorView& t, const char* name, std::initializer_list<int64_t> expected);
+void check_shape(const TensorView& t, const char* name, const std::vector<int64_t>& expected);
 // Non-null data unless the view is empty, and `alignment`-byte aligned.
 void check_pointer(const TensorView& t, const char* name, int alignment = 16);
 // The usual operand check of a kernel entry point: a CUDA tensor of this dtype and shape,
 // contiguous, its pointer `alignment`-byte aligned.
 void check_device_tensor(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape,
+                         int alignment = 16);
+void check_device_tensor(const TensorView& t, const char* name, DType dtype, const std::vector<int64_t>& shape,
                          int alignment = 16);
 
 }  // namespace moe

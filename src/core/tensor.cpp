@@ -65,17 +65,25 @@ void check_contiguous(const TensorView& t, const char* name) {
             t.shape_string(), " with non-row-major strides");
 }
 
-void check_shape(const TensorView& t, const char* name, std::initializer_list<int64_t> expected) {
-  bool ok = t.ndim == static_cast<int>(expected.size());
-  int d = 0;
+namespace {
+void check_shape_of(const TensorView& t, const char* name, const int64_t* expected, size_t n) {
+  bool ok = t.ndim == static_cast<int>(n);
   std::string want = "[";
-  for (int64_t e : expected) {
+  for (size_t d = 0; d < n; ++d) {
+    const int64_t e = expected[d];
     want += (d ? ", " : "") + (e < 0 ? std::string("*") : std::to_string(e));
     if (ok && e >= 0 && t.shape[d] != e) ok = false;
-    ++d;
   }
   want += "]";
   MOE_CHECK(ok, "argument '", name, "': expected shape ", want, ", got ", t.shape_string());
+}
+}  // namespace
+
+void check_shape(const TensorView& t, const char* name, std::initializer_list<int64_t> expected) {
+  check_shape_of(t, name, expected.begin(), expected.size());
+}
+void check_shape(const TensorView& t, const char* name, const std::vector<int64_t>& expected) {
+  check_shape_of(t, name, expected.data(), expected.size());
 }
 
 void check_pointer(const TensorView& t, const char* name, int alignment) {
@@ -86,6 +94,10 @@ void check_pointer(const TensorView& t, const char* name, int alignment) {
 }
 
 void check_device_tensor(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape,
+                         int alignment) {
+  check_device_tensor(t, name, dtype, std::vector<int64_t>(shape), alignment);
+}
+void check_device_tensor(const TensorView& t, const char* name, DType dtype, const std::vector<int64_t>& shape,
                          int alignment) {
   check_device(t, name, Device::kCUDA);
   check_dtype(t, name, dtype);

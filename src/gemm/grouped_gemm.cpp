@@ -50,12 +50,7 @@ int64_t blocks_of(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
 // An fp32 scale_inv tensor of exactly `shape`, on the device, contiguous.
 void check_scale(const TensorView& t, const char* name, std::initializer_list<int64_t> shape) {
   MOE_CHECK(t.ndim > 0, "argument '", name, "': FP8 operands need their fp32 scale_inv tensor, got none");
-  check_dtype(t, name, DType::kFP32);
-  check_device(t, name, Device::kCUDA);
-  check_shape(t, name, shape);
-  MOE_CHECK(t.data != nullptr || t.numel() == 0, "argument '", name, "': expected device memory, got a null pointer");
-  check_contiguous(t, name);
-  check_pointer(t, name, 4);
+  check_device_tensor(t, name, DType::kFP32, shape, 4);
 }
 
 // The weights' FP8 scales: per expert [ceil(N/128), ceil(K/128)] fp32, oriented as the weights.
@@ -74,6 +69,21 @@ void check_weight_scale(const ExpertMatrices& s, const ExpertMatrices& w) {
 void check_fp8_dim(int64_t v, const char* name, const char* what) {
   MOE_CHECK(v % 16 == 0, "argument '", name, "': FP8 operands need ", what,
             " to be a multiple of 16 (16-byte TMA rows), got ", v);
+}
+
+// FP8 fprop / dgrad over `red` (K / N) into `out` columns (N / K): the weights' copy contiguous
+// along the reduction (fprop: the rowwise copy; dgrad: the columnwise one viewed as_transposed()),
+// dimensions of 16, the token and weight scales.
+void check_fp8_token_product(const GemmProblem& pr, int64_t rows, int64_t red, int64_t out) {
+  const bool dgrad = pr.op == GemmOp::kDgrad;
+  MOE_CHECK(pr.w.transposed() == dgrad, "argument 'w': FP8 ",
+            dgrad ? "dgrad reads the weights' columnwise copy W^T [K, N] (viewed as_transposed()), got the rowwise "
+                    "orientation"
+                  : "fprop reads the weights' rowwise copy W [N, K], got a transposed view");
+  check_fp8_dim(red, dgrad ? "dy" : "x", dgrad ? "N (columns)" : "K (columns)");
+  check_fp8_dim(out, "w", dgrad ? "K (columns)" : "N (rows)");
+  check_scale(pr.a_scale, "a_scale", {rows, blocks_of(red)});
+  check_weight_scale(pr.w_scale, pr.w);
 }
 
 }  // namespace
@@ -257,14 +267,7 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
       MOE_CHECK(w.dtype() == ab, "argument 'w': expected dtype ", dtype_name(ab), " (as x), got ", dtype_name(w.dtype()));
       MOE_CHECK(w.cols() == K, "argument 'w': expected [", N, ", ", K, "] expert matrices (K of x), got [", N, ", ",
                 w.cols(), "]");
-      if (fp8) {
-        MOE_CHECK(!w.transposed(), "argument 'w': FP8 fprop reads the weights' rowwise copy W [N, K], got a "
-                                   "transposed view");
-        check_fp8_dim(K, "x", "K (columns)");
-        check_fp8_dim(N, "w", "N (rows)");
-        check_scale(pr.a_scale, "a_scale", {rows, blocks_of(K)});
-        check_weight_scale(pr.w_scale, w);
-      }
+      if (fp8) check_fp8_token_product(pr, rows, K, N);
       check_matrix(pr.d, "y", DType::kBF16);
       check_shape(pr.d, "y", {rows, N});
       p.d = static_cast<char*>(pr.d.data);
@@ -277,14 +280,7 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
                 dtype_name(w.dtype()));
       MOE_CHECK(w.rows() == N, "argument 'w': expected [", N, ", ", K, "] expert matrices (N of dy), got [", w.rows(),
                 ", ", K, "]");
-      if (fp8) {
-        MOE_CHECK(w.transposed(), "argument 'w': FP8 dgrad reads the weights' columnwise copy W^T [K, N] (viewed "
-                                  "as_transposed()), got the rowwise orientation");
-        check_fp8_dim(N, "dy", "N (columns)");
-        check_fp8_dim(K, "w", "K (columns)");
-        check_scale(pr.a_scale, "a_scale", {rows, blocks_of(N)});
-        check_weight_scale(pr.w_scale, w);
-      }
+      if (fp8) check_fp8_token_product(pr, rows, N, K);
       check_matrix(pr.d, "dx", DType::kBF16);
       check_shape(pr.d, "dx", {rows, K});
       p.d = static_cast<char*>(pr.d.data);

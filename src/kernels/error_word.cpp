@@ -21,7 +21,10 @@ uint32_t ErrorWord::fetch_and_clear(cudaStream_t stream) {
 }
 
 void ErrorWord::check(cudaStream_t stream) {
-  uint32_t bits = fetch_and_clear(stream);
+  raise(fetch_and_clear(stream));
+}
+
+void ErrorWord::raise(uint32_t bits) {
   MOE_CHECK(bits == 0, "device error: ", describe_error_bits(bits));
 }
 

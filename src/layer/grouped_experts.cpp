@@ -47,26 +47,15 @@ constexpr std::array<Param, 4> kHookOrder = {Param::kFc2Weight, Param::kFc2Bias,
 // The views of one parameter in a layout, checked.
 void check_param_views(const std::vector<TensorView>& views, const char* name, int64_t E, WeightLayout layout,
                        const std::vector<int64_t>& expert_shape, DType dtype) {
-  auto check_view = [&](const TensorView& v, const std::vector<int64_t>& s) {
-    check_device(v, name, Device::kCUDA);
-    check_dtype(v, name, dtype);
-    MOE_CHECK(v.ndim == static_cast<int>(s.size()), "argument '", name, "': expected ", s.size(), " dims, got ",
-              v.shape_string());
-    for (size_t d = 0; d < s.size(); ++d)
-      MOE_CHECK(v.shape[d] == s[d], "argument '", name, "': expected dimension ", d, " of size ", s[d], ", got ",
-                v.shape_string());
-    check_contiguous(v, name);
-    check_pointer(v, name, 16);
-  };
   if (layout == WeightLayout::kSingleGrouped) {
     MOE_CHECK(views.size() == 1, "argument '", name, "': single-grouped layout expects 1 tensor, got ", views.size());
     std::vector<int64_t> s{E};
     s.insert(s.end(), expert_shape.begin(), expert_shape.end());
-    check_view(views[0], s);
+    check_device_tensor(views[0], name, dtype, s);
   } else {
     MOE_CHECK(static_cast<int64_t>(views.size()) == E, "argument '", name, "': per-expert layout expects ", E,
               " tensors, got ", views.size());
-    for (const TensorView& v : views) check_view(v, expert_shape);
+    for (const TensorView& v : views) check_device_tensor(v, name, dtype, expert_shape);
   }
 }
 

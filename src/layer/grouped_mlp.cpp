@@ -24,7 +24,6 @@
 
 #include "device/device_arena.h"
 #include "device/state_check.h"
-#include "moe/device_errors.h"
 #include "moe/error.h"
 #include "moe/error_word.h"
 
@@ -306,8 +305,7 @@ void GroupedMlp::refresh_fp8_weights(cudaStream_t stream) { impl_->experts.refre
 void GroupedMlp::check_errors(cudaStream_t stream) {
   // Both words read and cleared, then one error for every bit: the dispatch's and the experts'
   // (FP8 weight gradients).
-  const uint32_t bits = impl_->errors.fetch_and_clear(stream) | impl_->experts.fetch_and_clear_errors(stream);
-  MOE_CHECK(bits == 0, "device error: ", describe_error_bits(bits));
+  ErrorWord::raise(impl_->errors.fetch_and_clear(stream) | impl_->experts.fetch_and_clear_errors(stream));
 }
 
 size_t GroupedMlp::workspace_bytes() const { return impl_->block_bytes + impl_->experts.workspace_bytes(); }
