@@ -47,6 +47,8 @@ std::vector<Variant> variants() {
   using QB = QuantBlocking;
   v.push_back({"fp8_block 1x128 row", make(QF::kFP8Block, QB::k1D, false)});
   v.push_back({"fp8_block 1x128 row+col", make(QF::kFP8Block, QB::k1D, true, ScaleLayout::kMNMajor)});
+  v.push_back({"fp8_block 1x128 row+col, own layouts", make(QF::kFP8Block, QB::k1D, true)});
+  v.back().config.columnwise_scale_layout = ScaleLayout::kMNMajor;  // what the FP8 experts write
   v.push_back({"fp8_block 128x128 row+col", make(QF::kFP8Block, QB::k2D, true)});
   v.push_back({"mxfp8 row", make(QF::kMXFP8, QB::k1D, false)});
   v.push_back({"mxfp8 row+col swizzled", make(QF::kMXFP8, QB::k1D, true, ScaleLayout::kSwizzled128x4)});
@@ -57,8 +59,8 @@ std::vector<Variant> variants() {
   return v;
 }
 
-double scale_bytes(const QuantConfig& c, int64_t rows, int64_t cols) {
-  const ScaleShape s = scale_shape(c, rows, cols);
+double scale_bytes(const QuantConfig& c, int64_t rows, int64_t cols, bool columnwise = false) {
+  const ScaleShape s = scale_shape(c, rows, cols, columnwise);
   return static_cast<double>(s.rows * s.cols) * (s.dtype == DType::kFP32 ? 4 : 1);
 }
 
@@ -107,7 +109,7 @@ int main(int argc, char** argv) {
       const QuantConfig& c = v.config;
       const DType dt = c.format == QuantFormat::kNVFP4 ? DType::kFP4E2M1 : DType::kFP8E4M3;
       QuantizedTensor q;
-      const ScaleShape srow = scale_shape(c, M, K), scol = scale_shape(c, K, M);
+      const ScaleShape srow = scale_shape(c, M, K), scol = scale_shape(c, K, M, true);
       q.rowwise_data = TensorView(rd, dt, {M, K});
       q.rowwise_scale = TensorView(rs, srow.dtype, {srow.rows, srow.cols});
       if (c.columnwise) {
@@ -117,7 +119,7 @@ int main(int argc, char** argv) {
       if (c.format == QuantFormat::kNVFP4) q.global_amax = TensorView(amax, DType::kFP32, {1});
       const double data_bytes = static_cast<double>(M * K) * (c.format == QuantFormat::kNVFP4 ? 0.5 : 1.0);
       const int copies = c.columnwise ? 2 : 1;
-      double qbytes = 2.0 * M * K + copies * data_bytes + scale_bytes(c, M, K) + (c.columnwise ? scale_bytes(c, K, M) : 0);
+      double qbytes = 2.0 * M * K + copies * data_bytes + scale_bytes(c, M, K) + (c.columnwise ? scale_bytes(c, K, M, true) : 0);
       if (c.format == QuantFormat::kNVFP4) qbytes += 2.0 * M * K;  // the global amax pass
       const TensorView vx(x, DType::kBF16, {M, K});
       const bench::Timing tq = bench::time_cuda_graph([&] { quantize(c, vx, q, stream); }, stream, 5, repeats);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "moe/dtype.h"
 
@@ -36,6 +37,10 @@ struct QuantConfig {
   bool rowwise = true;      // produce the rowwise copy
   bool columnwise = false;  // produce the columnwise copy
   ScaleLayout scale_layout = ScaleLayout::kRowMajor;
+  // The columnwise copy's layout where it differs from scale_layout. FP8 training writes both copies
+  // in one pass with the layouts its GEMMs read: row-major scales for the rowwise copy (fprop,
+  // dgrad), mn_major for the columnwise copy (the weight gradient).
+  std::optional<ScaleLayout> columnwise_scale_layout;
   bool pow2_scale = false;  // FP8 block: round each scale down to a power of two
   // NVFP4 only: stochastic rounding of the data (gradients). The random bits of an element are a
   // pure function of (seed, offset, copy, position): Philox4x32-10, see docs/quantization.md.
@@ -43,6 +48,11 @@ struct QuantConfig {
   uint64_t seed = 0;
   uint64_t offset = 0;
 };
+
+// The scale layout of the rowwise (columnwise = false) or the columnwise copy.
+inline ScaleLayout copy_scale_layout(const QuantConfig& config, bool columnwise) {
+  return columnwise && config.columnwise_scale_layout ? *config.columnwise_scale_layout : config.scale_layout;
+}
 
 // Block length along the blocked dimension: 128, 32 or 16.
 int quant_block_size(QuantFormat format);
@@ -53,12 +63,12 @@ const char* quant_format_name(QuantFormat format);
 void validate_quant_config(const QuantConfig& config, const char* what = "config");
 
 // Shape of the scale tensor of ONE matrix copy stored as [rows, cols] (the rowwise copy of x
-// [M, K] is (M, K), the columnwise copy (K, M)), in the configured layout. 1-D blocks run along
-// cols. Batched tensors prepend B.
+// [M, K] is (M, K), the columnwise copy (K, M)), in that copy's layout (copy_scale_layout). 1-D
+// blocks run along cols. Batched tensors prepend B.
 struct ScaleShape {
   int64_t rows = 0, cols = 0;
   DType dtype = DType::kFP32;  // fp32 (FP8 block), e8m0 (MXFP8), fp8_e4m3 (NVFP4)
 };
-ScaleShape scale_shape(const QuantConfig& config, int64_t rows, int64_t cols);
+ScaleShape scale_shape(const QuantConfig& config, int64_t rows, int64_t cols, bool columnwise = false);
 
 }  // namespace moe

@@ -44,6 +44,12 @@ std::vector<std::string> split(const std::string& s, char sep) {
   }
 }
 
+ScaleLayout parse_layout(const std::string& v, const std::string& where, const char* field) {
+  for (ScaleLayout l : {ScaleLayout::kRowMajor, ScaleLayout::kMNMajor, ScaleLayout::kSwizzled128x4})
+    if (v == layout_name(l)) return l;
+  detail::throw_error(where, ": unknown ", field, " '", v, "' (expected row_major, mn_major or swizzled_128x4)");
+}
+
 }  // namespace
 
 const char* quant_part_suffix(QuantPart part) {
@@ -78,6 +84,7 @@ std::string format_quant_metadata(const QuantConfig& c) {
   s += ";block=" + block_name(c);
   s += std::string(";scale=") + scale_name(c.format);
   s += std::string(";layout=") + layout_name(c.scale_layout);
+  if (c.columnwise_scale_layout) s += std::string(";columnwise_layout=") + layout_name(*c.columnwise_scale_layout);
   const char* copies = c.rowwise && c.columnwise ? "rowwise,columnwise" : c.rowwise ? "rowwise" : "columnwise";
   s += std::string(";copies=") + copies;
   if (c.pow2_scale) s += ";pow2_scale=1";
@@ -94,7 +101,7 @@ QuantConfig parse_quant_metadata(const std::string& value, const std::string& wh
   MOE_CHECK(known, where, ": unknown format '", fields[0], "' (expected fp8_block, mxfp8 or nvfp4)");
 
   std::set<std::string> seen;
-  std::string block, scale, layout, copies;
+  std::string block, scale, layout, columnwise_layout, copies;
   for (size_t i = 1; i < fields.size(); ++i) {
     const size_t eq = fields[i].find('=');
     MOE_CHECK(eq != std::string::npos, where, ": field '", fields[i], "' is not name=value");
@@ -106,13 +113,15 @@ QuantConfig parse_quant_metadata(const std::string& value, const std::string& wh
       scale = v;
     } else if (name == "layout") {
       layout = v;
+    } else if (name == "columnwise_layout") {
+      columnwise_layout = v;
     } else if (name == "copies") {
       copies = v;
     } else if (name == "pow2_scale") {
       MOE_CHECK(v == "0" || v == "1", where, ": pow2_scale must be 0 or 1, got '", v, "'");
       c.pow2_scale = v == "1";
     } else {
-      detail::throw_error(where, ": unknown field '", name, "' (expected block, scale, layout, copies, pow2_scale)");
+      detail::throw_error(where, ": unknown field '", name, "' (expected block, scale, layout, columnwise_layout, copies, pow2_scale)");
     }
   }
   for (const char* required : {"block", "scale", "layout", "copies"})
@@ -129,10 +138,8 @@ QuantConfig parse_quant_metadata(const std::string& value, const std::string& wh
   }
   MOE_CHECK(scale == scale_name(c.format), where, ": scale '", scale, "' is not the ", quant_format_name(c.format),
             " scale '", scale_name(c.format), "'");
-  known = false;
-  for (ScaleLayout l : {ScaleLayout::kRowMajor, ScaleLayout::kMNMajor, ScaleLayout::kSwizzled128x4})
-    if (layout == layout_name(l)) c.scale_layout = l, known = true;
-  MOE_CHECK(known, where, ": unknown layout '", layout, "' (expected row_major, mn_major or swizzled_128x4)");
+  c.scale_layout = parse_layout(layout, where, "layout");
+  if (seen.count("columnwise_layout")) c.columnwise_scale_layout = parse_layout(columnwise_layout, where, "columnwise_layout");
   c.rowwise = copies == "rowwise" || copies == "rowwise,columnwise";
   c.columnwise = copies == "columnwise" || copies == "rowwise,columnwise";
   MOE_CHECK(c.rowwise || c.columnwise, where, ": copies '", copies,

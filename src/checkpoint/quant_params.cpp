@@ -69,7 +69,7 @@ QuantPartLayout quant_part_layout(const QuantConfig& c, QuantPart part, int64_t 
     case QuantPart::kScale:
     case QuantPart::kColumnwiseScale: {
       const bool col = part == QuantPart::kColumnwiseScale;
-      const ScaleShape s = scale_shape(c, col ? cols : rows, col ? rows : cols);
+      const ScaleShape s = scale_shape(c, col ? cols : rows, col ? rows : cols, col);
       l.dtype = s.dtype;
       l.shape = {s.rows, s.cols};
       break;

@@ -12,13 +12,17 @@ namespace {
 constexpr int64_t kBlock = 128;
 int64_t blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
-QuantConfig fp8_config(QuantBlocking blocking, bool rowwise, bool columnwise, ScaleLayout layout) {
+// Weights: 128x128 blocks, both copies, row-major scales. Tokens: 1x128 blocks, the rowwise copy's
+// scales row-major [rows, ceil(cols / 128)] (fprop / dgrad), the columnwise copy's kMNMajor
+// [ceil(rows / 128), cols] (the weight gradient; cols is a multiple of 16, so no padding).
+QuantConfig fp8_config(QuantBlocking blocking, bool rowwise, bool columnwise) {
   QuantConfig c;
   c.format = QuantFormat::kFP8Block;
   c.blocking = blocking;
   c.rowwise = rowwise;
   c.columnwise = columnwise;
-  c.scale_layout = layout;
+  c.scale_layout = ScaleLayout::kRowMajor;
+  if (blocking == QuantBlocking::k1D) c.columnwise_scale_layout = ScaleLayout::kMNMajor;
   return c;
 }
 
@@ -70,7 +74,7 @@ void Fp8ExpertsRecipe::bind_weights(const std::vector<TensorView>& fc1, const st
 }
 
 void Fp8ExpertsRecipe::quantize_weight(const Weight& w, cudaStream_t s) const {
-  const QuantConfig c = fp8_config(QuantBlocking::k2D, true, true, ScaleLayout::kRowMajor);
+  const QuantConfig c = fp8_config(QuantBlocking::k2D, true, true);
   const int64_t nb = blocks(w.N), kb = blocks(w.K);
   if (w.bf16.size() == 1 && w.bf16[0].ndim == 3) {  // single grouped: one batched quantize
     const int64_t E = cfg_.experts;
@@ -102,20 +106,17 @@ void Fp8ExpertsRecipe::quantize_weights(cudaStream_t s) const {
 void Fp8ExpertsRecipe::quantize(const TensorView& a, bool rowwise, uint8_t* col, float* col_scale,
                                 cudaStream_t s) const {
   const int64_t rows = a.shape[0], cols = a.shape[1];
+  // Both copies come from one read of `a` (each with its own scale layout).
+  QuantizedTensor q;
   if (rowwise) {
-    QuantizedTensor q;
     q.rowwise_data = TensorView(row_, DType::kFP8E4M3, {rows, cols});
     q.rowwise_scale = TensorView(row_scale_, DType::kFP32, {rows, blocks(cols)});
-    moe::quantize(fp8_config(QuantBlocking::k1D, true, false, ScaleLayout::kRowMajor), a, q, s);
   }
   if (col != nullptr) {
-    // kMNMajor: [ceil(rows / 128), cols] (cols is a multiple of 16, so no padding), the layout the
-    // FP8 weight gradient reads.
-    QuantizedTensor q;
     q.columnwise_data = TensorView(col, DType::kFP8E4M3, {cols, rows});
     q.columnwise_scale = TensorView(col_scale, DType::kFP32, {blocks(rows), cols});
-    moe::quantize(fp8_config(QuantBlocking::k1D, false, true, ScaleLayout::kMNMajor), a, q, s);
   }
+  if (rowwise || col != nullptr) moe::quantize(fp8_config(QuantBlocking::k1D, rowwise, col != nullptr), a, q, s);
 }
 
 // fprop reads the rowwise weight copy and reduces over K; dgrad the columnwise copy (W^T, viewed

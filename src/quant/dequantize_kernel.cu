@@ -151,7 +151,7 @@ void dequantize(const QuantConfig& config, const QuantizedTensor& q, bool column
   // Units are whole vectors when rows are multiples of 16 elements and the data pointer is
   // aligned to one (16 bytes FP8, 8 bytes FP4); out is 16-byte aligned (checked).
   p.vec = c.cols % kUnit == 0 && reinterpret_cast<uintptr_t>(c.data) % (fp4 ? 8 : 16) == 0;
-  p.layout = config.scale_layout;
+  p.layout = c.layout;
   p.global_amax = a.global_amax;
   p.out = a.out;
   if (a.B == 0 || p.rows == 0 || p.units_per_row == 0) return;

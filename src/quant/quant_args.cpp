@@ -22,7 +22,7 @@ void check_batched(const TensorView& t, const char* name, DType dtype, bool batc
 }
 
 CopyArgs make_copy(const QuantConfig& c, const TensorView& data, const TensorView& scale, const char* data_name,
-                   const char* scale_name, bool batched, int64_t B, int64_t rows, int64_t cols) {
+                   const char* scale_name, bool columnwise, bool batched, int64_t B, int64_t rows, int64_t cols) {
   CopyArgs a;
   a.enabled = true;
   a.rows = rows;
@@ -30,7 +30,8 @@ CopyArgs make_copy(const QuantConfig& c, const TensorView& data, const TensorVie
   const int64_t b = quant_block_size(c.format);
   a.block_rows = c.blocking == QuantBlocking::k2D ? ceil_div(rows, b) : rows;
   a.block_cols = ceil_div(cols, b);
-  const ScaleShape s = scale_shape(c, rows, cols);
+  const ScaleShape s = scale_shape(c, rows, cols, columnwise);
+  a.layout = copy_scale_layout(c, columnwise);
   a.scale_entries = s.rows * s.cols;
   a.scale_padded = a.scale_entries != a.block_rows * a.block_cols;
   // 16-byte data rows are written with 8-byte (FP8) or 4-byte (FP4) vectors.
@@ -81,11 +82,11 @@ QuantArgs check_quantize_args(const QuantConfig& c, const TensorView& x, const Q
               " needs M (rows) a multiple of 16, got ", a.M);
   }
   if (c.rowwise)
-    a.row = make_copy(c, out.rowwise_data, out.rowwise_scale, "out.rowwise_data", "out.rowwise_scale", batched, a.B,
+    a.row = make_copy(c, out.rowwise_data, out.rowwise_scale, "out.rowwise_data", "out.rowwise_scale", false, batched, a.B,
                       a.M, a.K);
   if (c.columnwise)
     a.col = make_copy(c, out.columnwise_data, out.columnwise_scale, "out.columnwise_data", "out.columnwise_scale",
-                      batched, a.B, a.K, a.M);
+                      true, batched, a.B, a.K, a.M);
   if (c.format == QuantFormat::kNVFP4) {
     check_global_amax(out.global_amax, "out.global_amax", a.B);
     a.global_amax = out.global_amax.ptr<float>();
@@ -113,7 +114,7 @@ DequantArgs check_dequantize_args(const QuantConfig& c, const QuantizedTensor& q
   MOE_CHECK(rows < (int64_t(1) << 31) && cols < (int64_t(1) << 31) && a.B <= 65535, "argument '", data_name,
             "': expected rows, cols < 2^31 and B <= 65535, got ", data.shape_string());
   a.copy = make_copy(c, data, columnwise ? q.columnwise_scale : q.rowwise_scale, data_name,
-                     columnwise ? "q.columnwise_scale" : "q.rowwise_scale", batched, a.B, rows, cols);
+                     columnwise ? "q.columnwise_scale" : "q.rowwise_scale", columnwise, batched, a.B, rows, cols);
   check_device(out, "out", Device::kCUDA);
   MOE_CHECK(out.dtype == DType::kBF16 || out.dtype == DType::kFP32, "argument 'out': expected dtype bf16 or fp32, got ",
             dtype_name(out.dtype));

@@ -17,6 +17,7 @@ struct CopyArgs {
   int64_t block_rows = 0, block_cols = 0;  // blocks of one matrix (2-D: row blocks)
   int64_t scale_entries = 0;               // per matrix, layout padding included
   bool scale_padded = false;               // the layout has pad entries (zeroed before the kernel)
+  ScaleLayout layout = ScaleLayout::kRowMajor;
 };
 
 struct QuantArgs {

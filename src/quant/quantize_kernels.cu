@@ -44,6 +44,7 @@ struct CopyParams {
   uint8_t* data;  // nullptr: copy not produced
   void* scale;
   int64_t block_rows, block_cols, scale_entries;
+  ScaleLayout layout;
   bool vec;  // columnwise copy: rows of the copy start 16-byte (FP8) / 8-byte (FP4) aligned
 };
 
@@ -51,7 +52,6 @@ struct QuantParams {
   const uint16_t* x;  // bf16 bits
   int64_t M, K;
   CopyParams row, col;
-  ScaleLayout layout;
   bool pow2;
   const float* global_amax;  // NVFP4
   uint64_t seed, offset;
@@ -59,13 +59,12 @@ struct QuantParams {
 
 CopyParams copy_params(const CopyArgs& a, bool vec) {
   return CopyParams{static_cast<uint8_t*>(a.enabled ? a.data : nullptr), a.scale, a.block_rows, a.block_cols,
-                    a.scale_entries, vec};
+                    a.scale_entries, a.layout, vec};
 }
 
 template <QuantFormat F>
-__device__ __forceinline__ void store_scale(const CopyParams& c, ScaleLayout layout, int64_t b, int64_t r, int64_t j,
-                                            const BlockEncode& e) {
-  const int64_t i = b * c.scale_entries + scale_index(layout, r, j, c.block_rows, c.block_cols);
+__device__ __forceinline__ void store_scale(const CopyParams& c, int64_t b, int64_t r, int64_t j, const BlockEncode& e) {
+  const int64_t i = b * c.scale_entries + scale_index(c.layout, r, j, c.block_rows, c.block_cols);
   if constexpr (F == QuantFormat::kFP8Block)
     static_cast<float*>(c.scale)[i] = e.scale_f32;
   else
@@ -180,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, kSR ? 3 : 5) quantize_rows_kernel(Qu
       const BlockEncode e = block_encode<F>(amax, p.pow2, S);
       if (t + u * groups >= tasks) continue;  // after the shuffle
       const int64_t k = (tj[u] * kGroup + sub) * 8;
-      if (sub == 0) store_scale<F>(p.row, p.layout, b, tm[u], tj[u], e);
+      if (sub == 0) store_scale<F>(p.row, b, tm[u], tj[u], e);
       if (k < p.K) store_row_chunk<F, kSR>(p, v[u], e.factor, (b * p.M + tm[u]) * p.K + k);
     }
   }
@@ -242,8 +241,8 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : 4) quantize_tile_kernel(Qu
     tile_factor = e.factor;
     if (tid == 0) {
       const int64_t gr = m0 / kB, gc = k0 / kB;
-      if (p.row.data) store_scale<F>(p.row, p.layout, b, gr, gc, e);
-      if (p.col.data) store_scale<F>(p.col, p.layout, b, gc, gr, e);
+      if (p.row.data) store_scale<F>(p.row, b, gr, gc, e);
+      if (p.col.data) store_scale<F>(p.col, b, gc, gr, e);
     }
     if (p.row.data) {
 #pragma unroll
@@ -266,12 +265,12 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : 4) quantize_tile_kernel(Qu
             blk_factor[warp * 8 + i] = e.factor;
             const int64_t gr = m0 / kB + warp, gc = k0 / kB + i;
             if (gr * kB < p.M && gc * kB < p.K) {  // M, K multiples of 16: the block is whole
-              if (p.row.data) store_scale<F>(p.row, p.layout, b, gr, gc, e);
-              if (p.col.data) store_scale<F>(p.col, p.layout, b, gc, gr, e);
+              if (p.row.data) store_scale<F>(p.row, b, gr, gc, e);
+              if (p.col.data) store_scale<F>(p.col, b, gc, gr, e);
             }
           }
         } else {
-          if (lane % kGroup == 0 && m < p.M && k < p.K) store_scale<F>(p.row, p.layout, b, m, k / kB, e);
+          if (lane % kGroup == 0 && m < p.M && k < p.K) store_scale<F>(p.row, b, m, k / kB, e);
         }
         if (p.row.data && m < p.M && k < p.K) store_row_chunk<F, kSR>(p, v[i], e.factor, (b * p.M + m) * p.K + k);
       }
@@ -311,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : 4) quantize_tile_kernel(Qu
         const float amax = __uint_as_float(h ? a & 0xFFFF0000u : a << 16);
         const BlockEncode e = block_encode<F>(amax, p.pow2, S);
         factor[h] = e.factor;
-        if (run % (kB / 16) == 0 && k < p.K && mr < p.M) store_scale<F>(p.col, p.layout, b, k + h, mr / kB, e);
+        if (run % (kB / 16) == 0 && k < p.K && mr < p.M) store_scale<F>(p.col, b, k + h, mr / kB, e);
       }
     }
     if (k >= p.K || mr >= p.M) continue;
@@ -482,7 +481,6 @@ void quantize(const QuantConfig& config, const TensorView& x, const QuantizedTen
   const bool col_vec = a.col.enabled && a.M % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(a.col.data) % (fp4 ? 8 : 16) == 0;
   p.col = copy_params(a.col, col_vec);
-  p.layout = config.scale_layout;
   p.pow2 = config.pow2_scale;
   p.global_amax = a.global_amax;
   p.seed = config.seed;

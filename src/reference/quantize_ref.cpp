@@ -167,8 +167,8 @@ uint32_t sr_random_bits(uint64_t seed, uint64_t offset, int copy, uint64_t index
   return out[index % 4];
 }
 
-int64_t scale_index(const QuantConfig& c, int64_t r, int64_t j, int64_t block_rows, int64_t block_cols) {
-  switch (c.scale_layout) {
+int64_t scale_index(ScaleLayout layout, int64_t r, int64_t j, int64_t block_rows, int64_t block_cols) {
+  switch (layout) {
     case ScaleLayout::kRowMajor: return r * block_cols + j;
     case ScaleLayout::kMNMajor: return j * round_up(block_rows, 4) + r;
     case ScaleLayout::kSwizzled128x4: {
@@ -186,6 +186,7 @@ struct CopyGeometry {
   int64_t rows, cols;              // storage of one matrix's copy
   int64_t block_rows, block_cols;  // blocks (2-D: row blocks)
   int64_t scale_entries;           // per matrix, including layout padding
+  ScaleLayout layout;              // of the scales
   int scale_bytes;                 // per entry
   int64_t data_bytes;              // per matrix
 };
@@ -197,7 +198,8 @@ CopyGeometry geometry(const QuantConfig& c, bool columnwise, int64_t M, int64_t 
   const int64_t b = quant_block_size(c.format);
   g.block_rows = c.blocking == QuantBlocking::k2D ? ceil_div(g.rows, b) : g.rows;
   g.block_cols = ceil_div(g.cols, b);
-  const ScaleShape s = scale_shape(c, g.rows, g.cols);
+  const ScaleShape s = scale_shape(c, g.rows, g.cols, columnwise);
+  g.layout = copy_scale_layout(c, columnwise);
   g.scale_entries = s.rows * s.cols;
   g.scale_bytes = c.format == QuantFormat::kFP8Block ? 4 : 1;
   g.data_bytes = c.format == QuantFormat::kNVFP4 ? (g.rows * g.cols + 1) / 2 : g.rows * g.cols;
@@ -266,7 +268,7 @@ Quantized quantize(const QuantConfig& c, const std::vector<uint16_t>& x, int64_t
             nv_enc = sf > 0.0f ? S[m] / sf : 0.0f;  // a zero (or NaN) block scale encodes everything as 0
             scale_bytes[0] = s;
           }
-          const int64_t si = m * g.scale_entries + scale_index(c, br, j, g.block_rows, g.block_cols);
+          const int64_t si = m * g.scale_entries + scale_index(g.layout, br, j, g.block_rows, g.block_cols);
           std::memcpy(&scales[si * g.scale_bytes], scale_bytes, g.scale_bytes);
           for (int64_t r = r0; r < r1; ++r)
             for (int64_t col = c0; col < c1; ++col) {
@@ -318,7 +320,7 @@ std::vector<float> dequantize(const QuantConfig& c, const Quantized& q, bool col
     for (int64_t r = 0; r < g.rows; ++r)
       for (int64_t col = 0; col < g.cols; ++col) {
         const int64_t br = two_d ? r / b : r, j = col / b;
-        const int64_t si = m * g.scale_entries + scale_index(c, br, j, g.block_rows, g.block_cols);
+        const int64_t si = m * g.scale_entries + scale_index(g.layout, br, j, g.block_rows, g.block_cols);
         const int64_t pos = r * g.cols + col;
         float d, v;
         if (c.format == QuantFormat::kFP8Block) {

@@ -53,7 +53,7 @@ uint32_t sr_random_bits(uint64_t seed, uint64_t offset, int copy, uint64_t index
 // ---- whole tensors ---------------------------------------------------------------------------
 // Index of block (r, j) of one matrix's scale tensor in the configured layout, where r is the row
 // (1-D) or row block (2-D) and j the block along the columns; block_rows x block_cols blocks.
-int64_t scale_index(const QuantConfig& c, int64_t r, int64_t j, int64_t block_rows, int64_t block_cols);
+int64_t scale_index(ScaleLayout layout, int64_t r, int64_t j, int64_t block_rows, int64_t block_cols);
 
 // A quantized tensor on the host, as raw bytes: data packed like the device copy (FP4: element
 // 2i in the low nibble of byte i), scales as their storage bytes (fp32 little-endian for FP8

@@ -120,6 +120,14 @@ TEST(QuantCheckpoint, MetadataStrings) {
     EXPECT_EQ(c.columnwise, k.config.columnwise);
     EXPECT_EQ(c.pow2_scale, k.config.pow2_scale);
   }
+  // The columnwise copy in its own layout.
+  QuantConfig own = config(QuantFormat::kFP8Block, QuantBlocking::k1D);
+  own.columnwise_scale_layout = ScaleLayout::kMNMajor;
+  const std::string own_s = format_quant_metadata(own);
+  EXPECT_EQ(own_s, "fp8_block;block=1x128;scale=f32;layout=row_major;columnwise_layout=mn_major;copies=rowwise,columnwise");
+  EXPECT_EQ(parse_quant_metadata(own_s, "m").columnwise_scale_layout, ScaleLayout::kMNMajor);
+  EXPECT_FALSE(parse_quant_metadata("mxfp8;block=1x32;scale=e8m0;layout=row_major;copies=rowwise", "m")
+                   .columnwise_scale_layout.has_value());
   const QuantConfig r = parse_quant_metadata("nvfp4;copies=columnwise;layout=row_major;scale=e4m3;block=16x16", "m");
   EXPECT_EQ(r.blocking, QuantBlocking::k2D);
   EXPECT_FALSE(r.rowwise);
@@ -148,6 +156,9 @@ TEST(QuantCheckpoint, BadMetadataIsAnErrorNamingTheEntry) {
                       "copies 'both'");
   expect_error_naming([&] { parse_quant_metadata("nvfp4;block=1x16;scale=e4m3;layout=row;copies=rowwise", w); },
                       "unknown layout 'row'");
+  expect_error_naming(
+      [&] { parse_quant_metadata("mxfp8;block=1x32;scale=e8m0;layout=row_major;columnwise_layout=mn_major;copies=rowwise", w); },
+      "columnwise_scale_layout': mn_major is for fp8_block");
   expect_error_naming([&] { parse_quant_metadata("mxfp8" + ok + ";pow2_scale=1", w); }, "pow2_scale");
   // quantized_params parses every moe.quant.* entry and ignores the others.
   const Metadata m = {{"format", "pt"}, {"moe.quant.a.fc1.weight", "mxfp8" + ok}};

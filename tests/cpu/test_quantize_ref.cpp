@@ -236,7 +236,7 @@ TEST(QuantizeRef, ScaleShapesAndLayouts) {
   s = scale_shape(c, 5, 200);
   EXPECT_EQ(s.rows, 2);
   EXPECT_EQ(s.cols, 8);
-  EXPECT_EQ(scale_index(c, 3, 1, 5, 2), 1 * 8 + 3);
+  EXPECT_EQ(scale_index(c.scale_layout, 3, 1, 5, 2), 1 * 8 + 3);
   c = config(QuantFormat::kFP8Block, QuantBlocking::k2D);
   s = scale_shape(c, 300, 129);
   EXPECT_EQ(s.rows, 3);
@@ -249,18 +249,29 @@ TEST(QuantizeRef, ScaleShapesAndLayouts) {
   EXPECT_EQ(s.dtype, DType::kE8M0);
   // Hand-computed offsets of the 128x4 tiles (512 bytes: row r % 32 at 16 bytes, r / 32 % 4 at
   // 4 bytes, the column within the tile at 1 byte; tiles row-major over [rows/128, cols/4]).
-  EXPECT_EQ(scale_index(c, 0, 0, 130, 5), 0);
-  EXPECT_EQ(scale_index(c, 1, 0, 130, 5), 16);
-  EXPECT_EQ(scale_index(c, 32, 0, 130, 5), 4);
-  EXPECT_EQ(scale_index(c, 0, 3, 130, 5), 3);
-  EXPECT_EQ(scale_index(c, 0, 4, 130, 5), 512);
-  EXPECT_EQ(scale_index(c, 129, 4, 130, 5), 3 * 512 + 16);
+  EXPECT_EQ(scale_index(c.scale_layout, 0, 0, 130, 5), 0);
+  EXPECT_EQ(scale_index(c.scale_layout, 1, 0, 130, 5), 16);
+  EXPECT_EQ(scale_index(c.scale_layout, 32, 0, 130, 5), 4);
+  EXPECT_EQ(scale_index(c.scale_layout, 0, 3, 130, 5), 3);
+  EXPECT_EQ(scale_index(c.scale_layout, 0, 4, 130, 5), 512);
+  EXPECT_EQ(scale_index(c.scale_layout, 129, 4, 130, 5), 3 * 512 + 16);
   // A bijection onto the padded storage.
   std::set<int64_t> seen;
   for (int64_t r = 0; r < 256; ++r)
-    for (int64_t j = 0; j < 8; ++j) seen.insert(scale_index(c, r, j, 256, 8));
+    for (int64_t j = 0; j < 8; ++j) seen.insert(scale_index(c.scale_layout, r, j, 256, 8));
   EXPECT_EQ(seen.size(), 256u * 8u);
   EXPECT_EQ(*seen.rbegin(), 256 * 8 - 1);
+  // A columnwise layout of its own applies to the columnwise copy only.
+  c = config(QuantFormat::kFP8Block);
+  c.columnwise_scale_layout = ScaleLayout::kMNMajor;
+  s = scale_shape(c, 5, 200);
+  EXPECT_EQ(s.rows, 5);
+  EXPECT_EQ(s.cols, 2);
+  s = scale_shape(c, 5, 200, /*columnwise=*/true);
+  EXPECT_EQ(s.rows, 2);
+  EXPECT_EQ(s.cols, 8);
+  EXPECT_EQ(copy_scale_layout(c, false), ScaleLayout::kRowMajor);
+  EXPECT_EQ(copy_scale_layout(c, true), ScaleLayout::kMNMajor);
   c = config(QuantFormat::kNVFP4, QuantBlocking::k2D);
   s = scale_shape(c, 32, 48);
   EXPECT_EQ(s.rows, 2);
@@ -277,6 +288,9 @@ TEST(QuantizeRef, BadConfigNamesTheOption) {
   c = config(QuantFormat::kMXFP8);
   c.scale_layout = ScaleLayout::kMNMajor;
   expect_error_naming([&] { validate_quant_config(c); }, "config.scale_layout");
+  c = config(QuantFormat::kFP8Block, QuantBlocking::k2D);
+  c.columnwise_scale_layout = ScaleLayout::kMNMajor;
+  expect_error_naming([&] { validate_quant_config(c); }, "config.columnwise_scale_layout");
   c = config(QuantFormat::kMXFP8);
   c.pow2_scale = true;
   expect_error_naming([&] { validate_quant_config(c); }, "config.pow2_scale");
@@ -458,6 +472,24 @@ TEST(QuantizeRef, ErrorBound) {
       }
     }
   }
+}
+
+// A columnwise layout of its own changes where the columnwise scales sit and nothing else: the
+// copies equal those of two single-layout quantizations.
+TEST(QuantizeRef, EachCopyInItsOwnLayout) {
+  const int64_t B = 2, M = 131, K = 264;
+  const std::vector<uint16_t> xb = random_bf16(B * M * K, 16, 23);
+  QuantConfig mixed = config(QuantFormat::kFP8Block);
+  mixed.columnwise_scale_layout = ScaleLayout::kMNMajor;
+  QuantConfig row = config(QuantFormat::kFP8Block), col = row;
+  col.scale_layout = ScaleLayout::kMNMajor;
+  const Quantized q = quantize(mixed, xb, B, M, K), qr = quantize(row, xb, B, M, K), qc = quantize(col, xb, B, M, K);
+  EXPECT_EQ(q.rowwise_data, qr.rowwise_data);
+  EXPECT_EQ(q.rowwise_scale, qr.rowwise_scale);
+  EXPECT_EQ(q.columnwise_data, qc.columnwise_data);
+  EXPECT_EQ(q.columnwise_scale, qc.columnwise_scale);
+  EXPECT_NE(q.columnwise_scale, qr.columnwise_scale);  // the layouts differ at this shape
+  EXPECT_EQ(dequantize(mixed, q, true, B, M, K), dequantize(col, qc, true, B, M, K));
 }
 
 // The columnwise copy is the rowwise quantization of x^T (1-D), the transpose of the rowwise

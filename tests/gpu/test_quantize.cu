@@ -68,7 +68,7 @@ struct DeviceQuantized {
       q.rowwise_scale = view(rs.get(), s.dtype, B, s.rows, s.cols, batched);
     }
     if (c.columnwise) {
-      const ScaleShape s = scale_shape(c, K, M);
+      const ScaleShape s = scale_shape(c, K, M, /*columnwise=*/true);
       q.columnwise_data = view(cd.get(), dt, B, K, M, batched);
       q.columnwise_scale = view(cs.get(), s.dtype, B, s.rows, s.cols, batched);
     }
@@ -102,7 +102,9 @@ std::string describe(const Case& t) {
   const QuantConfig& c = t.config;
   std::string s = std::string(quant_format_name(c.format)) + (c.blocking == QuantBlocking::k2D ? " 2d" : " 1d") +
                   (c.rowwise ? " row" : "") + (c.columnwise ? " col" : "") + " layout " +
-                  std::to_string(static_cast<int>(c.scale_layout)) + (c.pow2_scale ? " pow2" : "") +
+                  std::to_string(static_cast<int>(c.scale_layout)) +
+                  (c.columnwise_scale_layout ? "/" + std::to_string(static_cast<int>(*c.columnwise_scale_layout)) : "") +
+                  (c.pow2_scale ? " pow2" : "") +
                   (c.stochastic_rounding ? " sr" : "") + " [" + std::to_string(t.B) + "," + std::to_string(t.M) +
                   "," + std::to_string(t.K) + "]";
   return s;
@@ -160,6 +162,11 @@ std::vector<Case> cases() {
   add(QF::kFP8Block, QB::k1D, SL::kRowMajor, true, true, 1, 17, 24, false);
   add(QF::kFP8Block, QB::k1D, SL::kMNMajor, false, true, 2, 147, 40, true);
   add(QF::kFP8Block, QB::k1D, SL::kMNMajor, true, true, 1, 1040, 1160, false);
+  // Each copy in its own layout (FP8 training: row-major rowwise scales, mn_major columnwise).
+  add(QF::kFP8Block, QB::k1D, SL::kRowMajor, true, true, 1, 131, 264, false);
+  out.back().config.columnwise_scale_layout = SL::kMNMajor;
+  add(QF::kFP8Block, QB::k1D, SL::kRowMajor, true, true, 2, 1040, 392, true, true);
+  out.back().config.columnwise_scale_layout = SL::kMNMajor;
   add(QF::kFP8Block, QB::k2D, SL::kRowMajor, true, true, 2, 129, 264, true);
   add(QF::kFP8Block, QB::k2D, SL::kRowMajor, false, true, 1, 5, 8, false);
   add(QF::kMXFP8, QB::k1D, SL::kSwizzled128x4, true, false, 3, 131, 96, true);
