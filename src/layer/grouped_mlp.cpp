@@ -15,11 +15,12 @@
 // reads it), and the experts' state (h, act, ...). Recompute mode keeps only the plan and the
 // address of the caller's x; x_perm, Y and the experts' activations then live in the layer's
 // workspace and are rebuilt by the backward with the same kernels on the same inputs (bitwise the
-// same gradients).
+// same gradients). The FP8 experts save their own columnwise copy of x_perm, so with fp8 the bf16
+// x_perm is only read inside the forward and lives in the workspace too.
 //
 // Workspace (shared by all states, used only while a call runs): `Y` is the experts' output when
 // probs are applied in the activation, then dY (non-delayed) and dx_perm -- the experts read dY
-// completely before they write dx_perm; d_probs_perm.
+// completely before they write dx_perm; d_probs_perm; x_perm (recompute, fp8).
 #include "moe/grouped_mlp.h"
 
 #include "device/device_arena.h"
@@ -60,7 +61,8 @@ struct GroupedMlp::Impl {
   size_t block_bytes = 0;
   uint16_t* Y_ws = nullptr;
   float* dpp_ws = nullptr;
-  // Recompute mode: x_perm, the combine's Y and an experts state, all rebuilt by each backward.
+  // Recompute mode: x_perm, the combine's Y and an experts state, all rebuilt by each backward
+  // (x_perm also with fp8).
   uint16_t *x_perm_ws = nullptr, *Ycomb_ws = nullptr;
   char* experts_ws = nullptr;
   StateHeader recompute_header[GroupedExperts::kStateHeaders];
@@ -76,6 +78,9 @@ struct GroupedMlp::Impl {
   bool probs_in_act() const { return cfg.probs == ProbsPlacement::kInActivation; }
   // No x_perm: the fc1 weight gradient gathers the rows of x.
   bool gathered() const { return !cfg.save_x_perm; }
+  // x_perm is not part of a state: rebuilt by the backward (recompute), or not read by it (the FP8
+  // weight gradient reads the experts' saved columnwise copy).
+  bool x_perm_in_workspace() const { return cfg.recompute || cfg.fp8 != Fp8Recipe::kNone; }
 
   StateLayout plan_state() const {
     const int64_t H = cfg.hidden;
@@ -88,7 +93,7 @@ struct GroupedMlp::Impl {
     };
     l.plan = at(static_cast<int64_t>(dispatcher.plan_bytes()));
     if (!cfg.recompute) {
-      l.has_x_perm = !gathered();
+      l.has_x_perm = !gathered() && !x_perm_in_workspace();
       if (l.has_x_perm) l.x_perm = at(R * H * 2);
       l.has_Y = !probs_in_act();
       if (l.has_Y) l.Y = at(R * H * 2);
@@ -106,8 +111,8 @@ struct GroupedMlp::Impl {
     DeviceArena a(base);
     Y_ws = a.take<uint16_t>(R * H);
     if (probs_in_act()) dpp_ws = a.take<float>(R);
+    if (x_perm_in_workspace()) x_perm_ws = a.take<uint16_t>(R * H);
     if (cfg.recompute) {
-      x_perm_ws = a.take<uint16_t>(R * H);
       if (!probs_in_act()) Ycomb_ws = a.take<uint16_t>(R * H);
       experts_ws = a.take<char>(static_cast<int64_t>(experts.state_bytes()));
     }
@@ -124,7 +129,7 @@ struct GroupedMlp::Impl {
     return st.slice(layout.experts, experts.state_bytes(), kExpertsHeader, GroupedExperts::kStateHeaders);
   }
   void* at(const SavedState& st, size_t off) const { return static_cast<char*>(st.device()) + off; }
-  void* x_perm_of(const SavedState& st) const { return cfg.recompute ? x_perm_ws : at(st, layout.x_perm); }
+  void* x_perm_of(const SavedState& st) const { return x_perm_in_workspace() ? x_perm_ws : at(st, layout.x_perm); }
   // The Y the combine merges with probs (probs at combine only).
   void* Ycomb_of(const SavedState& st) const { return cfg.recompute ? Ycomb_ws : at(st, layout.Y); }
   TensorView pp_or_none(const SavedState& plan) const {

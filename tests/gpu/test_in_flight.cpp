@@ -330,6 +330,7 @@ struct Variant {
   bool bias, at_combine, delay, recompute;
   bool lean = false;  // the fused fc1 keeping no x_perm (a layer option): the state refers to each x
   bool dgrad = false;  // the fused fc2 dgrad (in the layer: gathering dy, no dY_perm when lean without bias)
+  bool fp8 = false;    // the FP8 experts (A = 128; the layer keeps x_perm in its workspace)
 };
 const Variant kVariants[] = {
     {"default", false, false, false, false},
@@ -341,6 +342,8 @@ const Variant kVariants[] = {
     {"fused fc1 without x_perm, delayed wgrad", true, true, true, false, true},
     {"fused fc2 dgrad, no x_perm or dY_perm", false, false, false, false, true, true},
     {"fused fc2 dgrad, bias, delayed wgrad", true, false, true, false, false, true},
+    {"fp8", true, false, false, false, false, false, true},
+    {"fp8, recompute, probs at combine", false, true, false, true, false, false, true},
 };
 
 GroupedMlpConfig config_of(const Variant& v) {
@@ -352,6 +355,10 @@ GroupedMlpConfig config_of(const Variant& v) {
   c.fuse_fc1 = v.lean;
   c.save_x_perm = !v.lean;
   c.fuse_fc2_dgrad = v.dgrad;
+  if (v.fp8) {
+    c.fp8 = Fp8Recipe::kBlock;
+    c.dispatch.align = 128;
+  }
   return c;
 }
 
@@ -416,6 +423,20 @@ TEST(GroupedMlp, RecomputeStateHoldsOnlyThePlan) {
   GroupedMlp recompute(c);
   EXPECT_EQ(recompute.state_bytes(), recompute.dispatcher().plan_bytes());
   EXPECT_LT(recompute.state_bytes() * 4, saved.state_bytes());
+}
+
+// With the FP8 experts the layer's state is its plan and the experts' state (h and the FP8
+// columnwise copies): the bf16 x_perm (2 R H bytes) stays in the workspace.
+TEST(GroupedMlp, Fp8StateHoldsNoXPerm) {
+  MOE_REQUIRE_GPU();
+  Variant v{"fp8", true, false, false, false};
+  v.fp8 = true;
+  const GroupedMlpConfig c = config_of(v);
+  GroupedMlp layer(c);
+  const size_t parts = layer.dispatcher().plan_bytes() + GroupedExperts(c.experts_config()).state_bytes();
+  const size_t x_perm = static_cast<size_t>(c.row_bound() * c.hidden * 2);
+  EXPECT_GE(layer.state_bytes(), parts);
+  EXPECT_LT(layer.state_bytes(), parts + x_perm / 4);  // alignment padding only
 }
 
 }  // namespace
