@@ -47,7 +47,7 @@ std::vector<Variant> variants() {
   using QB = QuantBlocking;
   v.push_back({"fp8_block 1x128 row", make(QF::kFP8Block, QB::k1D, false)});
   v.push_back({"fp8_block 1x128 row+col", make(QF::kFP8Block, QB::k1D, true, ScaleLayout::kMNMajor)});
-  v.push_back({"fp8_block 1x128 row+col, own layouts", make(QF::kFP8Block, QB::k1D, true)});
+  v.push_back({"fp8_block 1x128 row+col rm/mn", make(QF::kFP8Block, QB::k1D, true)});
   v.back().config.columnwise_scale_layout = ScaleLayout::kMNMajor;  // what the FP8 experts write
   v.push_back({"fp8_block 128x128 row+col", make(QF::kFP8Block, QB::k2D, true)});
   v.push_back({"mxfp8 row", make(QF::kMXFP8, QB::k1D, false)});
