@@ -26,6 +26,7 @@
 #include <cuda_runtime_api.h>
 
 #include "moe/grouped_mlp_config.h"
+#include "moe/quantize.h"
 #include "moe/saved_state.h"
 #include "moe/tensor.h"
 
@@ -129,10 +130,17 @@ class GroupedExperts {
   // FP8, the quantized weight copies and the token copies).
   size_t workspace_bytes() const;
 
-  // FP8 (config.fp8_weight_refresh = kOnRequest): quantizes the bound bf16 weights into the copies
-  // the following forwards and backwards use. Graph-capturable. Call it after every change of the
-  // weights; a forward refuses to run when no refresh followed the last set_weights.
+  // FP8 (config.fp8_weight_refresh = kOnRequest or kFromMaster): quantizes the bound weights (bf16,
+  // or the fp32 master weights) into the copies the following forwards and backwards use.
+  // Graph-capturable. Call it after every change of the weights; a forward refuses to run when no
+  // refresh followed the last set_weights.
   void refresh_fp8_weights(cudaStream_t stream);
+  // FP8: device views of the quantized copies of fc1.weight or fc2.weight (param kFc1Weight /
+  // kFc2Weight) that the GEMMs read, single grouped: rowwise data [E, N, K] and columnwise
+  // [E, K, N] (fp8_e4m3) with their fp32 128x128 scale_inv tensors [E, ceil(N/128), ceil(K/128)]
+  // and transposed; the format of moe::quantize with QuantBlocking::k2D. For checkpoints of FP8
+  // primary weights (read them, or write loaded bytes into them instead of a refresh).
+  QuantizedTensor fp8_weights(Param param) const;
 
   // Device error word (docs/semantics.md, errors): the FP8 weight gradients raise
   // kErrUnalignedGroup for an expert whose rows do not fill whole 128-row blocks (that expert's

@@ -71,6 +71,8 @@ class GroupedMlp {
 
   // FP8 experts with config.fp8_weight_refresh = kOnRequest: see GroupedExperts::refresh_fp8_weights.
   void refresh_fp8_weights(cudaStream_t stream);
+  // FP8 experts: the quantized weight copies (see GroupedExperts::fp8_weights).
+  QuantizedTensor fp8_weights(Param param) const;
 
   // Device error word of the dispatch (docs/semantics.md, errors; check_errors also reports the
   // experts' own word, GroupedExperts::check_errors): check_errors syncs -- call

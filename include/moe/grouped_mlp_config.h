@@ -42,8 +42,11 @@ enum class Fp8Recipe : uint8_t { kNone, kBlock };
 // does, so the copies always match the weights (a read of the weights and a write of two FP8 copies
 // per forward). kOnRequest: only refresh_fp8_weights() does -- call it after every change of the
 // weights (once per optimizer step, before the first micro-batch; it is graph-capturable), and the
-// forwards in between reuse the copies.
-enum class Fp8WeightRefresh : uint8_t { kEveryForward, kOnRequest };
+// forwards in between reuse the copies. kFromMaster: FP8 primary weights -- the FP8 copies are the
+// only weights the experts compute with; set_weights binds the fp32 master weights (e.g. the
+// optimizer's, either layout) in place of bf16 ones, and refresh_fp8_weights() quantizes them
+// straight from fp32 (no bf16 rounding between) after every optimizer step; no bf16 weight exists.
+enum class Fp8WeightRefresh : uint8_t { kEveryForward, kOnRequest, kFromMaster };
 
 // The experts alone (GroupedExperts): the expert MLP over rows already dispatched into ragged
 // groups, x_perm [rows <= max_rows, H].

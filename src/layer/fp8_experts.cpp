@@ -69,38 +69,45 @@ Fp8ExpertsRecipe::SavedCopies Fp8ExpertsRecipe::plan_state(DeviceArena& a) const
 }
 
 void Fp8ExpertsRecipe::bind_weights(const std::vector<TensorView>& fc1, const std::vector<TensorView>& fc2) {
-  w_[0].bf16 = fc1;
-  w_[1].bf16 = fc2;
+  w_[0].source = fc1;
+  w_[1].source = fc2;
 }
 
-void Fp8ExpertsRecipe::quantize_weight(const Weight& w, cudaStream_t s) const {
+QuantizedTensor Fp8ExpertsRecipe::weight_copies(int fc) const {
+  const Weight& w = w_[fc - 1];
+  const int64_t E = cfg_.experts, nb = blocks(w.N), kb = blocks(w.K);
+  QuantizedTensor q;
+  q.rowwise_data = TensorView(w.row, DType::kFP8E4M3, {E, w.N, w.K});
+  q.rowwise_scale = TensorView(w.row_scale, DType::kFP32, {E, nb, kb});
+  q.columnwise_data = TensorView(w.col, DType::kFP8E4M3, {E, w.K, w.N});
+  q.columnwise_scale = TensorView(w.col_scale, DType::kFP32, {E, kb, nb});
+  return q;
+}
+
+// The bound weights (bf16, or fp32 master weights: moe::quantize takes either for 128x128 blocks).
+void Fp8ExpertsRecipe::quantize_weight(int fc, cudaStream_t s) const {
+  const Weight& w = w_[fc - 1];
   const QuantConfig c = fp8_config(QuantBlocking::k2D, true, true);
   const int64_t nb = blocks(w.N), kb = blocks(w.K);
-  if (w.bf16.size() == 1 && w.bf16[0].ndim == 3) {  // single grouped: one batched quantize
-    const int64_t E = cfg_.experts;
-    QuantizedTensor q;
-    q.rowwise_data = TensorView(w.row, DType::kFP8E4M3, {E, w.N, w.K});
-    q.rowwise_scale = TensorView(w.row_scale, DType::kFP32, {E, nb, kb});
-    q.columnwise_data = TensorView(w.col, DType::kFP8E4M3, {E, w.K, w.N});
-    q.columnwise_scale = TensorView(w.col_scale, DType::kFP32, {E, kb, nb});
-    moe::quantize(c, w.bf16[0], q, s);
+  if (w.source.size() == 1 && w.source[0].ndim == 3) {  // single grouped: one batched quantize
+    moe::quantize(c, w.source[0], weight_copies(fc), s);
     return;
   }
   // Per expert: each matrix into its slice of the grouped copy (a batch quantizes bitwise like its
   // matrices one by one, docs/quantization.md).
-  for (size_t e = 0; e < w.bf16.size(); ++e) {
+  for (size_t e = 0; e < w.source.size(); ++e) {
     QuantizedTensor q;
     q.rowwise_data = TensorView(w.row + e * w.N * w.K, DType::kFP8E4M3, {w.N, w.K});
     q.rowwise_scale = TensorView(w.row_scale + e * nb * kb, DType::kFP32, {nb, kb});
     q.columnwise_data = TensorView(w.col + e * w.N * w.K, DType::kFP8E4M3, {w.K, w.N});
     q.columnwise_scale = TensorView(w.col_scale + e * nb * kb, DType::kFP32, {kb, nb});
-    moe::quantize(c, w.bf16[e], q, s);
+    moe::quantize(c, w.source[e], q, s);
   }
 }
 
 void Fp8ExpertsRecipe::quantize_weights(cudaStream_t s) const {
-  quantize_weight(w_[0], s);
-  quantize_weight(w_[1], s);
+  quantize_weight(1, s);
+  quantize_weight(2, s);
 }
 
 void Fp8ExpertsRecipe::quantize(const TensorView& a, bool rowwise, uint8_t* col, float* col_scale,

@@ -12,7 +12,8 @@
 // Quantizing the weights at every forward (and recompute) makes the copies a pure function of the
 // bf16 weights at that moment: an eval forward between two train steps, or new weights after an
 // optimizer step, can never leave a stale copy for a later forward (a backward uses the copies of
-// the latest forward or refresh). Both weight layouts quantize into one grouped
+// the latest forward or refresh). With FP8 primary weights (kFromMaster) the bound weights are the
+// fp32 master weights, quantized without a bf16 rounding. Both weight layouts quantize into one grouped
 // copy (the per-expert layout one expert at a time), so their results are bitwise equal.
 #pragma once
 
@@ -24,6 +25,7 @@
 #include "device/device_arena.h"
 #include "moe/grouped_gemm.h"
 #include "moe/grouped_mlp_config.h"
+#include "moe/quantize.h"
 #include "moe/tensor.h"
 
 namespace moe {
@@ -43,9 +45,12 @@ class Fp8ExpertsRecipe {
   };
   SavedCopies plan_state(DeviceArena& arena) const;
 
-  // The bf16 weights' views as bound (either layout), kept for quantize_weights.
+  // The weights' views as bound (either layout; bf16, or fp32 master weights), kept for
+  // quantize_weights.
   void bind_weights(const std::vector<TensorView>& fc1_weight, const std::vector<TensorView>& fc2_weight);
   void quantize_weights(cudaStream_t stream) const;
+  // Views of fc (1 or 2)'s quantized copies (see GroupedExperts::fp8_weights).
+  QuantizedTensor weight_copies(int fc) const;
 
   // Quantizes a bf16 [rows, cols]: rowwise into the token workspace (read by the next fprop or
   // dgrad) when `rowwise`; columnwise into (col, col_scale) when col is given.
@@ -73,11 +78,11 @@ class Fp8ExpertsRecipe {
     int64_t N = 0, K = 0;  // W_e [N, K]
     uint8_t *row = nullptr, *col = nullptr;
     float *row_scale = nullptr, *col_scale = nullptr;
-    std::vector<TensorView> bf16;  // as bound
+    std::vector<TensorView> source;  // as bound: bf16 weights, or fp32 master weights (kFromMaster)
     ExpertMatrices row_m, row_scale_m, col_m, col_scale_m;  // views of the copies for the GEMMs
   };
   void plan_weight(DeviceArena& arena, Weight& w);
-  void quantize_weight(const Weight& w, cudaStream_t stream) const;
+  void quantize_weight(int fc, cudaStream_t stream) const;
   void token_product(GemmOp op, const Weight& w, const GroupedGemm& gemm, const TensorView& gemm_ws,
                      const TensorView& g, const TensorView& out, cudaStream_t stream) const;
 

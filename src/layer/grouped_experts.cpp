@@ -97,7 +97,7 @@ struct GroupedExperts::Impl {
   // Bound parameters and gradients; binding counts weight bindings (a forward records it).
   bool have_weights = false, have_grads = false;
   uint64_t binding = 0;
-  uint64_t fp8_refreshed = 0;  // the binding the FP8 weight copies were last made from (kOnRequest)
+  uint64_t fp8_refreshed = 0;  // the binding the FP8 weight copies were last made from (not kEveryForward)
   ExpertMatrices w1, w2, dw1, dw2;
   ExpertRows b1, b2, db1, db2;
   // Device tables of per-expert bias row pointers (b1, b2, db1, db2): a new table per binding, the
@@ -214,7 +214,8 @@ struct GroupedExperts::Impl {
     if (!fp8) return;
     if (cfg.fp8_weight_refresh == Fp8WeightRefresh::kEveryForward) return fp8->quantize_weights(s);
     MOE_CHECK(fp8_refreshed == binding, call, ": the FP8 weight copies were not made since the last set_weights ",
-              "(config.fp8_weight_refresh = on request: call refresh_fp8_weights after every change of the weights)");
+              "(config.fp8_weight_refresh = on request / from master: call refresh_fp8_weights after every change ",
+              "of the weights)");
   }
 
   void fire_hooks(Param p) {
@@ -466,6 +467,14 @@ void GroupedExperts::refresh_fp8_weights(cudaStream_t stream) {
   m.fp8->quantize_weights(stream);
   m.fp8_refreshed = m.binding;
 }
+
+QuantizedTensor GroupedExperts::fp8_weights(Param param) const {
+  const Impl& m = *impl_;
+  MOE_CHECK(m.fp8 != nullptr, "GroupedExperts::fp8_weights: the experts do not run FP8 (config.fp8)");
+  MOE_CHECK(param == Param::kFc1Weight || param == Param::kFc2Weight,
+            "argument 'param': expected kFc1Weight or kFc2Weight (the biases stay bf16)");
+  return m.fp8->weight_copies(param == Param::kFc1Weight ? 1 : 2);
+}
 void GroupedExperts::check_errors(cudaStream_t stream) { impl_->errors.check(stream); }
 uint32_t GroupedExperts::fetch_and_clear_errors(cudaStream_t stream) { return impl_->errors.fetch_and_clear(stream); }
 
@@ -477,10 +486,12 @@ void GroupedExperts::set_weights(const ExpertTensors& w) {
   Impl& m = *impl_;
   const auto& c = m.cfg;
   const WeightLayout L = c.layout;
-  check_param_views(w.fc1_weight, "fc1.weight", c.experts, L, m.stored(c.fc1_out(), c.hidden), c.dtype);
-  check_param_views(w.fc2_weight, "fc2.weight", c.experts, L, m.stored(c.hidden, c.ffn), c.dtype);
+  const DType wt = c.fp8_weight_refresh == Fp8WeightRefresh::kFromMaster ? DType::kFP32 : c.dtype;
+  check_param_views(w.fc1_weight, "fc1.weight", c.experts, L, m.stored(c.fc1_out(), c.hidden), wt);
+  check_param_views(w.fc2_weight, "fc2.weight", c.experts, L, m.stored(c.hidden, c.ffn), wt);
   m.check_bias_views(w.fc1_bias, "fc1.bias", L, c.fc1_out(), c.dtype);
   m.check_bias_views(w.fc2_bias, "fc2.bias", L, c.hidden, c.dtype);
+  // FP8 primary weights: fc1 / fc2 weights are the fp32 master weights, read only by the refresh.
   m.w1 = m.matrices(w.fc1_weight, L, "fc1.weight");
   m.w2 = m.matrices(w.fc2_weight, L, "fc2.weight");
   if (m.fp8) m.fp8->bind_weights(w.fc1_weight, w.fc2_weight);

@@ -307,6 +307,7 @@ void GroupedMlp::backward_dw(const SavedState& state, cudaStream_t s, const Tens
 
 uint32_t* GroupedMlp::device_error_word() const { return impl_->errors.device_ptr(); }
 void GroupedMlp::refresh_fp8_weights(cudaStream_t stream) { impl_->experts.refresh_fp8_weights(stream); }
+QuantizedTensor GroupedMlp::fp8_weights(Param param) const { return impl_->experts.fp8_weights(param); }
 void GroupedMlp::check_errors(cudaStream_t stream) {
   // Both words read and cleared, then one error for every bit: the dispatch's and the experts'
   // (FP8 weight gradients).

@@ -51,7 +51,11 @@ void check_global_amax(const TensorView& t, const char* name, int64_t B) {
 QuantArgs check_quantize_args(const QuantConfig& c, const TensorView& x, const QuantizedTensor& out) {
   validate_quant_config(c);
   check_device(x, "x", Device::kCUDA);
-  check_dtype(x, "x", DType::kBF16);
+  MOE_CHECK(x.dtype == DType::kBF16 || x.dtype == DType::kFP32, "argument 'x': expected dtype bf16 or fp32, got ",
+            dtype_name(x.dtype));
+  MOE_CHECK(x.dtype == DType::kBF16 || (c.format == QuantFormat::kFP8Block && c.blocking == QuantBlocking::k2D),
+            "argument 'x': fp32 input is quantized with fp8_block 128x128 blocks only (master weights into FP8 ",
+            "weights), got ", quant_format_name(c.format), c.blocking == QuantBlocking::k2D ? " 2-D" : " 1-D");
   MOE_CHECK(x.ndim == 2 || x.ndim == 3, "argument 'x': expected a matrix [M, K] or a batch [B, M, K], got shape ",
             x.shape_string());
   check_contiguous(x, "x");
@@ -62,6 +66,7 @@ QuantArgs check_quantize_args(const QuantConfig& c, const TensorView& x, const Q
   a.M = x.shape[x.ndim - 2];
   a.K = x.shape[x.ndim - 1];
   a.x = x.data;
+  a.x_fp32 = x.dtype == DType::kFP32;
   // Rows are read as 16-byte vectors of 8 bf16.
   MOE_CHECK(a.K % 8 == 0, "argument 'x': expected K (last dimension) a multiple of 8, got ", a.K);
   MOE_CHECK(a.M < (int64_t(1) << 31) && a.K < (int64_t(1) << 31), "argument 'x': expected M, K < 2^31, got ",

@@ -23,6 +23,7 @@ struct CopyArgs {
 struct QuantArgs {
   int64_t B = 1, M = 0, K = 0;
   const void* x = nullptr;
+  bool x_fp32 = false;  // fp32 x: FP8 block 128x128 only
   float* global_amax = nullptr;  // NVFP4
   CopyArgs row, col;
 };

@@ -24,6 +24,7 @@
 #include "moe/quantize.h"
 #include "quant/quant_args.h"
 #include "quant/quant_device.cuh"
+#include "quant/quantize_fp32.h"
 
 namespace moe {
 
@@ -470,6 +471,7 @@ void quantize(const QuantConfig& config, const TensorView& x, const QuantizedTen
     }
   }
   if (a.B == 0 || a.M == 0 || a.K == 0) return;
+  if (a.x_fp32) return quantize_fp32_tiles(a, config.pow2_scale, stream);
   QuantParams p;
   p.x = static_cast<const uint16_t*>(a.x);
   p.M = a.M;

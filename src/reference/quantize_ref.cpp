@@ -209,13 +209,17 @@ CopyGeometry geometry(const QuantConfig& c, bool columnwise, int64_t M, int64_t 
 }  // namespace
 
 Quantized quantize(const QuantConfig& c, const std::vector<uint16_t>& x, int64_t B, int64_t M, int64_t K) {
+  std::vector<float> xf(x.size());
+  for (size_t i = 0; i < x.size(); ++i) xf[i] = bf16_bits_to_float(x[i]);
+  return quantize_fp32(c, xf, B, M, K);
+}
+
+Quantized quantize_fp32(const QuantConfig& c, const std::vector<float>& xf, int64_t B, int64_t M, int64_t K) {
   validate_quant_config(c);
-  MOE_CHECK(static_cast<int64_t>(x.size()) == B * M * K, "ref::quantize: x has ", x.size(), " elements, expected ",
+  MOE_CHECK(static_cast<int64_t>(xf.size()) == B * M * K, "ref::quantize: x has ", xf.size(), " elements, expected ",
             B * M * K);
   const int64_t b = quant_block_size(c.format);
   const bool two_d = c.blocking == QuantBlocking::k2D;
-  std::vector<float> xf(x.size());
-  for (size_t i = 0; i < x.size(); ++i) xf[i] = bf16_bits_to_float(x[i]);
 
   Quantized q;
   std::vector<float> S(B, 1.0f);

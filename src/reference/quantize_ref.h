@@ -66,6 +66,8 @@ struct Quantized {
 // x: B matrices [M, K] of bf16 bits. Shape rules are the kernels' (docs/quantization.md); the
 // reference itself accepts any sizes its blocks can describe.
 Quantized quantize(const QuantConfig& c, const std::vector<uint16_t>& x, int64_t B, int64_t M, int64_t K);
+// The same rules on fp32 values (the device takes fp32 x for FP8 block 128x128 only: master weights).
+Quantized quantize_fp32(const QuantConfig& c, const std::vector<float>& x, int64_t B, int64_t M, int64_t K);
 
 // fp32 values of one copy ([B, M, K] rowwise, [B, K, M] columnwise): element times its block's
 // decode factor, one fp32 multiply (FP8 block: scale_inv; MXFP8: 2^(e-127); NVFP4: fp32(s / S)).

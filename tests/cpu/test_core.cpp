@@ -201,6 +201,14 @@ TEST(GroupedMlpConfig, ValidatesFields) {
   ExpertsConfig fe = bad.experts_config();
   fe.max_rows = 100;  // not a multiple of 16
   expect_error_naming([&] { fe.validate(); }, "max_rows");
+  // FP8 primary weights (fp32 master weights bound) need the FP8 experts.
+  auto master = bad;
+  master.fp8_weight_refresh = Fp8WeightRefresh::kFromMaster;
+  master.validate();
+  EXPECT_EQ(master.experts_config().fp8_weight_refresh, Fp8WeightRefresh::kFromMaster);
+  master.fp8 = Fp8Recipe::kNone;
+  expect_error_naming([&] { master.validate(); }, "fp8_weight_refresh");
+  expect_error_naming([&] { master.experts_config().validate(); }, "fp8_weight_refresh");
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 
 #include "moe/error.h"
 #include "moe/grouped_experts.h"
+#include "reference/quantize_ref.h"
 #include "support/expect_error.h"
 #include "support/gpu.h"
 #include "support/layer_data.h"
@@ -98,8 +99,10 @@ struct ExpertsRun {
     const int E = c.experts;
     const int64_t H = c.hidden, F = c.ffn, F1 = c.fc1_out();
     std::mt19937_64 rng(seed);
-    W1 = make_param(random_bf16_values(E * F1 * H, 0.1, rng), E, {F1, H}, DType::kBF16, c.layout);
-    W2 = make_param(random_bf16_values(E * H * F, 0.1, rng), E, {H, F}, DType::kBF16, c.layout);
+    // FP8 primary weights bind fp32 master weights (here with bf16 values unless a test changes them).
+    const DType wt = c.fp8_weight_refresh == Fp8WeightRefresh::kFromMaster ? DType::kFP32 : DType::kBF16;
+    W1 = make_param(random_bf16_values(E * F1 * H, 0.1, rng), E, {F1, H}, wt, c.layout);
+    W2 = make_param(random_bf16_values(E * H * F, 0.1, rng), E, {H, F}, wt, c.layout);
     B1 = make_param(random_bf16_values(E * F1, 0.5, rng), E, {F1}, DType::kBF16, c.layout);
     B2 = make_param(random_bf16_values(E * H, 0.5, rng), E, {H}, DType::kBF16, c.layout);
     G1 = make_param(std::vector<double>(E * F1 * H, 0.5), E, {F1, H}, DType::kFP32, c.layout);
@@ -273,6 +276,80 @@ TEST_F(Fp8Experts, WeightsRefreshedOnRequest) {
   // Rebinding the weights asks for a refresh again.
   b.ex.set_weights({b.W1.views, b.B1.views, b.W2.views, b.B2.views});
   expect_error_naming([&] { b.forward(step2, stream); }, "refresh_fp8_weights");
+}
+
+TEST_F(Fp8Experts, PrimaryWeightsFromFp32Master) {
+  // kFromMaster: fp32 master weights bound, the FP8 copies the only weights computed with.
+  ExpertsConfig on_request = experts_config(Activation::kSwiGLU, true, ProbsPlacement::kInActivation,
+                                            WgradMode::kWrite, Fp8Recipe::kBlock, WeightLayout::kPerExpert);
+  on_request.fp8_weight_refresh = Fp8WeightRefresh::kOnRequest;
+  ExpertsConfig master = on_request, master_grouped = on_request;
+  master.fp8_weight_refresh = master_grouped.fp8_weight_refresh = Fp8WeightRefresh::kFromMaster;
+  master_grouped.layout = WeightLayout::kSingleGrouped;
+  const Inputs step(on_request, {128, 256, 0, 384}, 51);
+  ExpertsRun bf16(on_request, 61), a(master, 61), b(master_grouped, 61);
+  expect_error_naming([&] { a.forward(step, stream); }, "refresh_fp8_weights");
+  // Master values that bf16 holds exactly quantize to the bf16 weights' copies: bitwise the same
+  // results as the bf16-bound run, in both layouts.
+  for (ExpertsRun* r : {&bf16, &a, &b}) {
+    r->ex.refresh_fp8_weights(stream);
+    r->forward(step, stream);
+    r->backward(step, stream);
+  }
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_EQ(a.results(step), bf16.results(step));
+  EXPECT_EQ(b.results(step), bf16.results(step));
+
+  // An optimizer step writes master values bf16 cannot hold; a captured refresh quantizes them
+  // straight from fp32: the copies are bitwise the reference's quantization of the fp32 values
+  // (not of their bf16 rounding), the same in both layouts.
+  const int E = master.experts;
+  const int64_t H = master.hidden, F1 = master.fc1_out();
+  std::mt19937_64 rng(71);
+  std::normal_distribution<float> nd(0.0f, 0.05f);
+  std::vector<float> w1(size_t(E * F1 * H));
+  for (float& v : w1) v = nd(rng);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  a.ex.refresh_fp8_weights(stream);
+  MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int e = 0; e < E; ++e)
+    MOE_CUDA_CHECK(cudaMemcpy(a.W1.bufs[e].get(), w1.data() + e * F1 * H, F1 * H * 4, cudaMemcpyHostToDevice));
+  MOE_CUDA_CHECK(cudaMemcpy(b.W1.bufs[0].get(), w1.data(), w1.size() * 4, cudaMemcpyHostToDevice));
+  MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  b.ex.refresh_fp8_weights(stream);
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  MOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  QuantConfig qc;
+  qc.format = QuantFormat::kFP8Block;
+  qc.blocking = QuantBlocking::k2D;
+  qc.columnwise = true;
+  const ref::Quantized want = ref::quantize_fp32(qc, w1, E, F1, H);
+  for (ExpertsRun* r : {&a, &b}) {
+    const QuantizedTensor q = r->ex.fp8_weights(Param::kFc1Weight);
+    auto bytes = [](const TensorView& t) {
+      std::vector<uint8_t> h(t.nbytes());
+      MOE_CUDA_CHECK(cudaMemcpy(h.data(), t.data, h.size(), cudaMemcpyDeviceToHost));
+      return h;
+    };
+    EXPECT_EQ(bytes(q.rowwise_data), want.rowwise_data);
+    EXPECT_EQ(bytes(q.rowwise_scale), want.rowwise_scale);
+    EXPECT_EQ(bytes(q.columnwise_data), want.columnwise_data);
+    EXPECT_EQ(bytes(q.columnwise_scale), want.columnwise_scale);
+  }
+  for (ExpertsRun* r : {&a, &b}) {
+    r->forward(step, stream);
+    r->backward(step, stream);
+  }
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_EQ(a.results(step), b.results(step));
+  // bf16 weights are not master weights.
+  expect_error_naming([&] { a.ex.set_weights({bf16.W1.views, bf16.B1.views, bf16.W2.views, bf16.B2.views}); },
+                      "fc1.weight");
+  expect_error_naming([&] { bf16.ex.fp8_weights(Param::kFc1Bias); }, "param");
 }
 
 TEST_F(Fp8Experts, ExpertOffTheRowGridIsReported) {

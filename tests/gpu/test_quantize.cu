@@ -227,6 +227,82 @@ TEST(Quantize, MatchesReferenceBitwise) {
   cudaStreamDestroy(stream);
 }
 
+// fp32 x (FP8 block 128x128: master weights into FP8 weights): bitwise the reference on fp32
+// values that bf16 cannot hold, over 2^-140 .. 2^120, with the fp32 edge values (NaN, +-inf, fp32
+// subnormals, +-448, the largest finite) at fixed places; partial tiles, batches, single copies,
+// power-of-two scales, M not a multiple of 16 (bytewise columnwise stores); graph replay.
+TEST(Quantize, Fp32MasterWeightsMatchTheReference) {
+  MOE_REQUIRE_GPU();
+  cudaStream_t stream;
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  struct Fp32Case {
+    int64_t B, M, K;
+    bool batched, row, col, pow2;
+  };
+  const Fp32Case cases[] = {{3, 300, 136, true, true, true, false}, {1, 256, 384, false, true, false, false},
+                            {1, 131, 264, false, false, true, true}, {2, 5, 8, true, true, true, false},
+                            {1, 1040, 1160, false, true, true, false}};
+  uint64_t seed = 40;
+  for (const Fp32Case& t : cases) {
+    QuantConfig c;
+    c.format = QuantFormat::kFP8Block;
+    c.blocking = QuantBlocking::k2D;
+    c.rowwise = t.row;
+    c.columnwise = t.col;
+    c.pow2_scale = t.pow2;
+    const std::string what = "fp32 [" + std::to_string(t.B) + "," + std::to_string(t.M) + "," + std::to_string(t.K) +
+                             "]" + (t.pow2 ? " pow2" : "");
+    const int64_t n = t.B * t.M * t.K;
+    std::mt19937_64 rng(seed++);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::uniform_int_distribution<int> mag(-140, 120);
+    std::vector<float> x(n);
+    float m = 1;
+    for (int64_t i = 0; i < n; ++i) {
+      if (i % 4096 == 0) m = std::ldexp(1.0f, mag(rng));  // one magnitude per stretch: tiles of every range
+      x[i] = nd(rng) * m;
+    }
+    const float edges[] = {NAN, INFINITY, -INFINITY, std::ldexp(1.0f, -149), -std::ldexp(3.0f, -140), 448.0f, -448.0f,
+                           3.4028235e38f, 1.00000012f, 0.0f};
+    for (size_t e = 0; e < sizeof(edges) / sizeof(edges[0]); ++e)
+      x[(static_cast<int64_t>(e) * 7919 + 11) * 131 % n] = edges[e];
+    const ref::Quantized h = ref::quantize_fp32(c, x, t.B, t.M, t.K);
+    DeviceBuffer<float> dx(x);
+    DeviceQuantized d(c, h, t.B, t.M, t.K, t.batched);
+    const TensorView vx = view(dx.get(), DType::kFP32, t.B, t.M, t.K, t.batched);
+    quantize(c, vx, d.q, stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    d.expect_equal(h, what);
+    // Captured, replayed on new values.
+    std::vector<float> x2(x);
+    for (float& v : x2) v = -2.5f * v;
+    const ref::Quantized h2 = ref::quantize_fp32(c, x2, t.B, t.M, t.K);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    quantize(c, vx, d.q, stream);
+    MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    dx.upload(x2);
+    MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    d.expect_equal(h2, what + " replay");
+    MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    MOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+  // fp32 input is for 128x128 blocks only.
+  QuantConfig one_d;
+  DeviceBuffer<float> dx(128 * 128);
+  DeviceBuffer<uint8_t> data(128 * 128);
+  DeviceBuffer<float> scale(128);
+  QuantizedTensor q;
+  q.rowwise_data = TensorView(data.get(), DType::kFP8E4M3, {128, 128});
+  q.rowwise_scale = TensorView(scale.get(), DType::kFP32, {128, 1});
+  expect_error_naming([&] { quantize(one_d, TensorView(dx.get(), DType::kFP32, {128, 128}), q, stream); },
+                      "fp32 input is quantized with fp8_block 128x128 blocks only");
+  MOE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 // Captured once, replayed on new data (and a new NVFP4 global amax): bitwise the reference of the
 // new data, and equal to an eager call.
 TEST(Quantize, GraphReplayWithNewData) {

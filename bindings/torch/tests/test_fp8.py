@@ -5,11 +5,9 @@ tokens for the weight gradients), weights in 128x128 blocks -- the products take
 dequantized values, and the bf16 roundings of the layer (h after fc1 and after its bias, act, Y
 after fc2 and after its bias, dact, dh) applied where the layer stores bf16.
 
-Tolerance: relative L2 error <= 1e-2 for the output and every gradient. What remains between the
-two is fp32 accumulation order in the FP8 GEMMs (at most 2^-9 of sum|ab|, tests/gpu/
-test_fp8_grouped_gemm.cu) and the rare E4M3 or bf16 rounding that such a difference flips; the
-recipe's own error against the bf16 layer is ~6% (test_grouped_mlp.py), a wrong block, scale or
-copy O(1)."""
+Two comparisons (tolerances justified at each test): on data whose quantization and fc1 / fc2-dgrad
+products are exact, so the two sides agree up to rare roundings (tight); and on random data, where
+fp32 accumulation order flips bf16 roundings that the next block quantization amplifies."""
 import torch
 import torch.nn.functional as F
 
@@ -114,16 +112,23 @@ def fp8_emulation(x, idx, probs, w1, w2, b1, b2, kind):
     return y
 
 
-def test_fp8_layer_matches_the_plain_pytorch_emulation_of_the_recipe():
-    T, H, F_, E, k = 384, 256, 384, 4, 2
-    torch.manual_seed(5)
-    mod = GroupedMLP(H, F_, E, k, max_tokens=T, bias=True, fp8="block")
-    x = (torch.randn(T, H, device=DEV) * 0.5).bfloat16()
-    g = torch.Generator(device=DEV).manual_seed(6)
-    probs, idx = torch.topk(torch.softmax(torch.randn(T, E, device=DEV, generator=g), -1), k, dim=-1)
-    idx, probs = idx.to(torch.int32), probs.float()
-    dy = torch.randn(T, H, device=DEV, generator=g).bfloat16()
+def grid(shape, unit, gen):
+    """Multiples of unit / 2 in [-3.5, 3.5] * unit, uniformly: every FP8 block of such a tensor (1x128,
+    128x1 or 128x128) holds a +-3.5 unit with probability 1 - (13/15)^128, so its scale 448 / amax is a
+    power of two and its quantization exact; products of two such values and their sums over a few
+    hundred terms are exact in fp32 (integers below 2^14 times a power of two)."""
+    return torch.randint(-7, 8, shape, device=DEV, generator=gen).float() * (unit / 2)
 
+
+def compare(x, idx, probs, dy, params=None):
+    """Ours vs the emulation on the same inputs: relative L2 errors of the output and every gradient."""
+    T, H = x.shape
+    E, k = 4, idx.shape[1]
+    mod = GroupedMLP(H, 384, E, k, max_tokens=T, bias=True, fp8="block")
+    if params is not None:
+        with torch.no_grad():
+            for n, p in mod.named_parameters():
+                p.copy_(params[n])
     xr = x.detach().clone().requires_grad_()
     pr = probs.detach().clone().requires_grad_()
     y = mod(xr, idx, pr)
@@ -137,7 +142,46 @@ def test_fp8_layer_matches_the_plain_pytorch_emulation_of_the_recipe():
     ye = fp8_emulation(xe, idx.long(), pe, w["fc1.weight"], w["fc2.weight"], w["fc1.bias"], w["fc2.bias"], "swiglu")
     ye.backward(dy.float())
     emu = {"y": ye, "dx": xe.grad, "dprobs": pe.grad, **{n: t.grad for n, t in w.items()}}
+    return {key: rel_err(ours[key], want) for key, want in emu.items()}
 
-    errs = {key: rel_err(ours[key], want) for key, want in emu.items()}
-    print("fp8 layer vs the emulation, relative L2:", {k: f"{v:.2e}" for k, v in errs.items()})
-    assert all(err <= 1e-2 for err in errs.values()), errs
+
+def routing(T, E, k, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    probs, idx = torch.topk(torch.softmax(torch.randn(T, E, device=DEV, generator=g), -1), k, dim=-1)
+    return idx.to(torch.int32), probs.float()
+
+
+def test_fp8_layer_matches_the_plain_pytorch_emulation_on_exact_grid_data():
+    """x, dy and both weights on grids whose FP8 quantization and fc1 / fc2-dgrad products are exact,
+    so h and dact are bitwise those of the emulation and every difference left comes from the
+    quantization of act and dh (computed by both sides from the same bf16 values, up to a rare ulp of
+    the activation's fp32 math), fp32 accumulation order in the fc2 and weight-gradient products, and
+    the final bf16 rounding of the weight gradients (2^-9 relative at most, ~1e-3 RMS). Bound 5e-3: a
+    scale on the wrong block, a copy of the wrong tensor or a missed bf16 rounding of the recipe shows
+    as 1e-2 and more (the recipe's own error against bf16 is ~6%)."""
+    T, H, E, k = 384, 256, 4, 2
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    params = {"fc1.weight": grid((E, 768, H), 2.0 ** -6, gen), "fc2.weight": grid((E, H, 384), 2.0 ** -6, gen),
+              "fc1.bias": (torch.randn(E, 768, device=DEV, generator=gen) * 0.1),
+              "fc2.bias": (torch.randn(E, H, device=DEV, generator=gen) * 0.1)}
+    x = grid((T, H), 1.0, gen).bfloat16()
+    dy = grid((T, H), 2.0 ** -3, gen).bfloat16()
+    idx, probs = routing(T, E, k, 8)
+    errs = compare(x, idx, probs, dy, params)
+    print("fp8 layer vs the emulation, exact-grid data, relative L2:", {k: f"{v:.2e}" for k, v in errs.items()})
+    assert all(err <= 5e-3 for err in errs.values()), errs
+
+
+def test_fp8_layer_matches_the_plain_pytorch_emulation_on_random_data():
+    """Generic data: fp32 accumulation order (and the FP8 tensor cores' own partial-sum precision)
+    flips a bf16 rounding of h or dact now and then; where that value is a block's amax, the block's
+    scale moves and a few percent of its elements change by one E4M3 step (6%). Measured floor of
+    that chaos: ~1.4% (H100). Bound 3e-2, half the recipe's own error against bf16 (~6%)."""
+    T, H = 384, 256
+    torch.manual_seed(5)
+    x = (torch.randn(T, H, device=DEV) * 0.5).bfloat16()
+    idx, probs = routing(T, 4, 2, 6)
+    dy = torch.randn(T, H, device=DEV).bfloat16()
+    errs = compare(x, idx, probs, dy)
+    print("fp8 layer vs the emulation, random data, relative L2:", {k: f"{v:.2e}" for k, v in errs.items()})
+    assert all(err <= 3e-2 for err in errs.values()), errs
