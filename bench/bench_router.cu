@@ -2,7 +2,14 @@
 // E in {8, 64, 128, 256}, k in {2, 8}, bf16 and fp32 logits, beside the device-to-device copy
 // bandwidth measured in the same run.
 //
-// usage: bench_router [--repeats N] [--warm-l2] [--dtype bf16|fp32|both]
+// usage: bench_router [--repeats N] [--warm-l2] [--dtype bf16|fp32|both] [--T N] [--E N] [--k N]
+//                     [--variant NAME] [--checksum]
+//
+// --T / --E / --k / --variant keep one value of that axis (one kernel to profile). --checksum times
+// nothing: it runs one forward + backward of each of a list of routers (every routing variant, form,
+// loss and lane layout; T not a multiple of a warp's rows) and prints a hash of every output bit
+// (indices / map, probs, selected, counts, losses, d logits), so two builds can be compared bit for
+// bit. The timed table also ends each line with the hash of that router's outputs.
 //
 // GB/s counts the logits read once (T * E * element bytes) -- the floor of any router; the other traffic
 // (indices / probs / selected written, d logits written) is listed at the end. Two comparisons with
@@ -15,10 +22,12 @@
 // evicts the logits from L2 (they would otherwise stay there between replays: at most 32 MiB here),
 // unless --warm-l2. Each time includes the graph launch of one call.
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "device/cuda_check.h"
 #include "moe/error_word.h"
@@ -35,29 +44,243 @@ struct Variant {
   void (*edit)(RouterConfig&);
 };
 
+// FNV-1a over the bytes of a device buffer.
+uint64_t hash_device(uint64_t h, const void* p, size_t bytes) {
+  std::vector<unsigned char> host(bytes);
+  if (bytes) MOE_CUDA_CHECK(cudaMemcpy(host.data(), p, bytes, cudaMemcpyDeviceToHost));
+  for (unsigned char c : host) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+// One router on random logits: device buffers for every output and gradient; forward + backward.
+struct Bench {
+  RouterConfig cfg;
+  int64_t T;
+  bool bf16;
+  Router router;
+  int W, E, k;
+  size_t esize;
+  bool map;
+  int64_t prob_cols, seqs;
+  void *logits = nullptr, *dlogits = nullptr, *mapbuf = nullptr;
+  float *probs = nullptr, *dprobs = nullptr, *bias = nullptr, *scalars = nullptr;
+  int32_t *indices = nullptr, *selected = nullptr, *counts = nullptr, *selcounts = nullptr, *seqcounts = nullptr;
+  int64_t* counts64 = nullptr;
+  TensorView lv, bv, dv;
+  RouterOutputs o;
+  RouterGrads g;
+
+  Bench(const RouterConfig& c, int64_t T_, bool bf16_, cudaStream_t stream)
+      : cfg(c), T(T_), bf16(bf16_), router(c), W(router.selection_width()), E(c.num_experts), k(c.topk) {
+    esize = bf16 ? 2 : 4;
+    map = cfg.output_form == RoutingForm::kMap;
+    prob_cols = map ? E : k;
+    seqs = cfg.seq_aux_loss_coeff != 0.0f ? T / cfg.seq_length : 0;
+    const DType dtype = bf16 ? DType::kBF16 : DType::kFP32;
+    MOE_CUDA_CHECK(cudaMalloc(&logits, T * E * esize));
+    MOE_CUDA_CHECK(cudaMalloc(&dlogits, T * E * esize));
+    MOE_CUDA_CHECK(cudaMalloc(&probs, sizeof(float) * T * prob_cols));
+    MOE_CUDA_CHECK(cudaMalloc(&dprobs, sizeof(float) * T * prob_cols));
+    MOE_CUDA_CHECK(cudaMalloc(&bias, sizeof(float) * E));
+    MOE_CUDA_CHECK(cudaMalloc(&scalars, sizeof(float) * 8));
+    MOE_CUDA_CHECK(cudaMalloc(&selected, sizeof(int32_t) * T * W));
+    MOE_CUDA_CHECK(cudaMalloc(&counts, sizeof(int32_t) * E));
+    MOE_CUDA_CHECK(cudaMalloc(&counts64, sizeof(int64_t) * E));
+    MOE_CUDA_CHECK(cudaMalloc(&selcounts, sizeof(int32_t) * E));
+    if (map)
+      MOE_CUDA_CHECK(cudaMalloc(&mapbuf, T * E));
+    else
+      MOE_CUDA_CHECK(cudaMalloc(&indices, sizeof(int32_t) * T * k));
+    if (seqs) MOE_CUDA_CHECK(cudaMalloc(&seqcounts, sizeof(int32_t) * seqs * E));
+    if (bf16)
+      bench::fill_random_bf16(logits, T * E, 42, 1.0f, stream);
+    else
+      bench::fill_random_fp32(static_cast<float*>(logits), T * E, 42, 1.0f, stream);
+    bench::fill_random_fp32(bias, E, 7, 0.05f, stream);
+    bench::fill_random_fp32(dprobs, T * prob_cols, 9, 1.0f, stream);
+    const float host_scalars[8] = {0, 0, 0, 1.0f, 1.0f, 1.0f, 0, 0};  // losses, then d aux / seq / z
+    MOE_CUDA_CHECK(cudaMemcpyAsync(scalars, host_scalars, sizeof host_scalars, cudaMemcpyHostToDevice, stream));
+    lv = TensorView(logits, dtype, {T, E});
+    if (cfg.expert_bias) bv = TensorView(bias, DType::kFP32, {E});
+    if (map) {
+      o.map = TensorView(mapbuf, DType::kUInt8, {T, E});
+      o.probs = TensorView(probs, DType::kFP32, {T, E});
+    } else {
+      o.indices = TensorView(indices, DType::kInt32, {T, k});
+      o.probs = TensorView(probs, DType::kFP32, {T, k});
+    }
+    o.selected = TensorView(selected, DType::kInt32, {T, W});
+    o.selection_counts = TensorView(selcounts, DType::kInt32, {E});
+    o.counts = TensorView(counts, DType::kInt32, {E});
+    o.counts_int64 = TensorView(counts64, DType::kInt64, {E});
+    if (seqs) o.seq_counts = TensorView(seqcounts, DType::kInt32, {seqs, E});
+    if (cfg.aux_loss_coeff != 0.0f) o.aux_loss = TensorView(scalars, DType::kFP32, {1});
+    if (cfg.seq_aux_loss_coeff != 0.0f) o.seq_aux_loss = TensorView(scalars + 1, DType::kFP32, {1});
+    if (cfg.z_loss_coeff != 0.0f) o.z_loss = TensorView(scalars + 2, DType::kFP32, {1});
+    g.d_probs = TensorView(dprobs, DType::kFP32, {T, prob_cols});
+    g.d_aux_loss = TensorView(scalars + 3, DType::kFP32, {1});
+    g.d_seq_aux_loss = TensorView(scalars + 4, DType::kFP32, {1});
+    g.d_z_loss = TensorView(scalars + 5, DType::kFP32, {1});
+    dv = TensorView(dlogits, dtype, {T, E});
+  }
+  ~Bench() {
+    for (void* p : {logits, dlogits, mapbuf, static_cast<void*>(probs), static_cast<void*>(dprobs),
+                    static_cast<void*>(bias), static_cast<void*>(scalars), static_cast<void*>(indices),
+                    static_cast<void*>(selected), static_cast<void*>(counts), static_cast<void*>(counts64),
+                    static_cast<void*>(selcounts), static_cast<void*>(seqcounts)})
+      if (p) cudaFree(p);
+  }
+  void forward(uint32_t* ew, cudaStream_t s) { router.forward(lv, bv, o, ew, s); }
+  void backward(cudaStream_t s) { router.backward(lv, o, g, dv, s); }
+  // Every output bit (after the last forward and backward).
+  uint64_t hash() {
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    uint64_t h = 1469598103934665603ull;
+    if (map)
+      h = hash_device(h, mapbuf, T * E);
+    else
+      h = hash_device(h, indices, sizeof(int32_t) * T * k);
+    h = hash_device(h, probs, sizeof(float) * T * prob_cols);
+    h = hash_device(h, selected, sizeof(int32_t) * T * W);
+    h = hash_device(h, selcounts, sizeof(int32_t) * E);
+    h = hash_device(h, counts, sizeof(int32_t) * E);
+    h = hash_device(h, counts64, sizeof(int64_t) * E);
+    if (seqs) h = hash_device(h, seqcounts, sizeof(int32_t) * seqs * E);
+    h = hash_device(h, scalars, sizeof(float) * 3);
+    h = hash_device(h, dlogits, T * E * esize);
+    return h;
+  }
+};
+
+// The bit-for-bit suite: every routing variant, both forms, every loss, capacity and rounding, over
+// every lane layout (E from 8 to 384, E % 8 != 0 for the element loads), T not a multiple of a
+// warp's rows.
+int run_checksums(cudaStream_t stream, ErrorWord& ew) {
+  struct Named {
+    const char* name;
+    std::function<void(RouterConfig&)> edit;
+  };
+  const std::vector<Named> kinds = {
+      {"mixtral", [](RouterConfig& c) { c.normalize_topk = true; }},
+      {"olmoe", [](RouterConfig&) {}},
+      {"gpt_oss", [](RouterConfig& c) { c.softmax_after_topk = true; }},
+      {"sigmoid", [](RouterConfig& c) { c.score = ScoreFunction::kSigmoid; c.aux_loss_coeff = 0.01f; }},
+      {"bias", [](RouterConfig& c) { c.normalize_topk = true; c.expert_bias = true; c.scaling_factor = 1.5f; }},
+      {"deepseek",
+       [](RouterConfig& c) {
+         c.score = ScoreFunction::kSigmoid;
+         c.normalize_topk = true;
+         c.expert_bias = true;
+         c.num_groups = c.num_experts % 8 == 0 ? 8 : 1;
+         c.topk_groups = c.num_groups == 8 ? 4 : 1;
+         c.scaling_factor = 2.5f;
+       }},
+      {"groups3",  // group shapes that do not span a power of two of lanes
+       [](RouterConfig& c) {
+         c.normalize_topk = true;
+         c.num_groups = c.num_experts % 3 == 0 ? 3 : 1;
+         c.topk_groups = c.num_groups == 3 ? 2 : 1;
+       }},
+      {"losses",
+       [](RouterConfig& c) {
+         c.normalize_topk = true;
+         c.aux_loss_coeff = 0.01f;
+         c.z_loss_coeff = 0.001f;
+       }},
+      {"seqloss",
+       [](RouterConfig& c) {
+         c.score = ScoreFunction::kSigmoid;
+         c.normalize_topk = true;
+         c.seq_aux_loss_coeff = 0.001f;
+         c.seq_length = 128;
+       }},
+      {"map", [](RouterConfig& c) { c.normalize_topk = true; c.output_form = RoutingForm::kMap; c.aux_loss_coeff = 0.01f; }},
+      {"capacity", [](RouterConfig& c) { c.normalize_topk = true; c.capacity_factor = 1.0; }},
+      {"position",
+       [](RouterConfig& c) {
+         c.capacity_factor = 0.8;
+         c.drop_policy = CapacityDropPolicy::kPosition;
+         c.output_form = RoutingForm::kMap;
+       }},
+      {"round_nearest",
+       [](RouterConfig& c) {
+         c.normalize_topk = true;
+         c.rounding = TokenRounding::kNearest;
+         c.rounding_tile = 16;
+         c.output_form = RoutingForm::kMap;
+       }},
+      {"round_down", [](RouterConfig& c) { c.rounding = TokenRounding::kDown; c.rounding_tile = 16; }},
+  };
+  uint64_t all = 1469598103934665603ull;
+  int n = 0;
+  for (const bool bf16 : {true, false})
+    for (int E : {8, 12, 16, 32, 60, 64, 96, 128, 256, 384})
+      for (int k : {1, 2, 8})
+        for (const Named& kind : kinds) {
+          if (k > E) continue;
+          RouterConfig cfg;
+          cfg.num_experts = E;
+          cfg.topk = k;
+          kind.edit(cfg);
+          const std::string name = kind.name;
+          if (cfg.num_groups > 1 && k > cfg.topk_groups * (E / cfg.num_groups)) continue;
+          if ((name == "deepseek" || name == "groups3") && cfg.num_groups == 1) continue;
+          if (cfg.rounding == TokenRounding::kNearest && 2 * k > std::min(32, E)) continue;
+          const int64_t T = cfg.seq_aux_loss_coeff != 0.0f ? 2048 : 3001;
+          cfg.max_tokens = T;
+          Bench b(cfg, T, bf16, stream);
+          b.forward(ew.device_ptr(), stream);
+          b.backward(stream);
+          ew.check(stream);
+          const uint64_t h = b.hash();
+          all = (all ^ h) * 1099511628211ull;
+          ++n;
+          std::printf("checksum %-14s %4s E=%3d k=%d T=%5lld %016llx\n", kind.name, bf16 ? "bf16" : "fp32", E, k,
+                      static_cast<long long>(T), static_cast<unsigned long long>(h));
+        }
+  std::printf("checksum all (%d routers) %016llx\n", n, static_cast<unsigned long long>(all));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int repeats = 20;
-  bool warm_l2 = false;
-  std::string dtypes = "both";
+  bool warm_l2 = false, checksum = false;
+  std::string dtypes = "both", only_variant;
+  int64_t only_T = 0;
+  int only_E = 0, only_k = 0;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--repeats" && i + 1 < argc) {
       repeats = std::max(1, std::atoi(argv[++i]));
     } else if (a == "--warm-l2") {
       warm_l2 = true;
+    } else if (a == "--checksum") {
+      checksum = true;
+    } else if (a == "--T" && i + 1 < argc) {
+      only_T = std::atoll(argv[++i]);
+    } else if (a == "--E" && i + 1 < argc) {
+      only_E = std::atoi(argv[++i]);
+    } else if (a == "--k" && i + 1 < argc) {
+      only_k = std::atoi(argv[++i]);
+    } else if (a == "--variant" && i + 1 < argc) {
+      only_variant = argv[++i];
     } else if (a == "--dtype" && i + 1 < argc && (std::string(argv[i + 1]) == "bf16" ||
                                                    std::string(argv[i + 1]) == "fp32" ||
                                                    std::string(argv[i + 1]) == "both")) {
       dtypes = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: bench_router [--repeats N] [--warm-l2] [--dtype bf16|fp32|both]\n");
+      std::fprintf(stderr,
+                   "usage: bench_router [--repeats N] [--warm-l2] [--dtype bf16|fp32|both] [--T N] [--E N] [--k N]\n"
+                   "                    [--variant mixtral|deepseek|losses] [--checksum]\n");
       return 2;
     }
   }
   cudaStream_t stream;
   MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  ErrorWord ew;
+  if (checksum) return run_checksums(stream, ew);
   const double copy_gbs = bench::copy_bandwidth_gbs(stream);
   const double copy_read_gbs = copy_gbs / 2;
   const size_t flush_bytes = size_t{256} << 20;
@@ -71,9 +294,8 @@ int main(int argc, char** argv) {
   std::printf("device-to-device copy bandwidth (read + write): %.0f GB/s (read %.0f GB/s)\n", copy_gbs,
               copy_read_gbs);
   std::printf("L2 %s between timed replays\n\n", warm_l2 ? "kept warm" : "flushed");
-  std::printf("%-9s %4s %6s %4s %3s %9s %9s %6s %6s %9s %9s %6s %6s\n", "variant", "type", "T", "E", "k", "fwd us",
-              "fwd GB/s",
-              "%cp", "%rd", "bwd us", "bwd GB/s", "%cp", "%rd");
+  std::printf("%-9s %4s %6s %4s %3s %9s %9s %6s %6s %9s %9s %6s %6s %16s\n", "variant", "type", "T", "E", "k",
+              "fwd us", "fwd GB/s", "%cp", "%rd", "bwd us", "bwd GB/s", "%cp", "%rd", "output hash");
 
   const Variant variants[] = {
       {"mixtral", [](RouterConfig& c) { c.normalize_topk = true; }},
@@ -93,7 +315,6 @@ int main(int argc, char** argv) {
          c.z_loss_coeff = 0.001f;
        }},
   };
-  ErrorWord ew;
   for (const bool bf16 : {true, false})
     for (int64_t T : {16384, 32768, 65536})
       for (int E : {8, 64, 128, 256})
@@ -101,68 +322,29 @@ int main(int argc, char** argv) {
           for (const Variant& v : variants) {
             if (std::string(v.name) == "deepseek" && E < 64) continue;
             if (dtypes != "both" && (dtypes == "bf16") != bf16) continue;
-            const size_t esize = bf16 ? 2 : 4;
-            const DType dtype = bf16 ? DType::kBF16 : DType::kFP32;
+            if ((only_T && T != only_T) || (only_E && E != only_E) || (only_k && k != only_k) ||
+                (!only_variant.empty() && only_variant != v.name))
+              continue;
             RouterConfig cfg;
             cfg.num_experts = E;
             cfg.topk = k;
             cfg.max_tokens = T;
             v.edit(cfg);
-            Router router(cfg);
-            const int W = router.selection_width();
-            void *logits, *dlogits;
-            float *probs, *dprobs, *bias, *scalars;
-            int32_t *indices, *selected, *counts, *selcounts;
-            MOE_CUDA_CHECK(cudaMalloc(&logits, T * E * esize));
-            MOE_CUDA_CHECK(cudaMalloc(&dlogits, T * E * esize));
-            MOE_CUDA_CHECK(cudaMalloc(&probs, sizeof(float) * T * k));
-            MOE_CUDA_CHECK(cudaMalloc(&dprobs, sizeof(float) * T * k));
-            MOE_CUDA_CHECK(cudaMalloc(&bias, sizeof(float) * E));
-            MOE_CUDA_CHECK(cudaMalloc(&scalars, sizeof(float) * 8));
-            MOE_CUDA_CHECK(cudaMalloc(&indices, sizeof(int32_t) * T * k));
-            MOE_CUDA_CHECK(cudaMalloc(&selected, sizeof(int32_t) * T * W));
-            MOE_CUDA_CHECK(cudaMalloc(&counts, sizeof(int32_t) * E));
-            MOE_CUDA_CHECK(cudaMalloc(&selcounts, sizeof(int32_t) * E));
-            if (bf16)
-              bench::fill_random_bf16(logits, T * E, 42, 1.0f, stream);
-            else
-              bench::fill_random_fp32(static_cast<float*>(logits), T * E, 42, 1.0f, stream);
-            MOE_CUDA_CHECK(cudaMemsetAsync(bias, 0, sizeof(float) * E, stream));
-            MOE_CUDA_CHECK(cudaMemsetAsync(dprobs, 0, sizeof(float) * T * k, stream));
-            MOE_CUDA_CHECK(cudaMemsetAsync(scalars, 0, sizeof(float) * 8, stream));
-            const TensorView lv(logits, dtype, {T, E});
-            const TensorView bv = cfg.expert_bias ? TensorView(bias, DType::kFP32, {E}) : TensorView();
-            RouterOutputs o;
-            o.indices = TensorView(indices, DType::kInt32, {T, k});
-            o.probs = TensorView(probs, DType::kFP32, {T, k});
-            o.selected = TensorView(selected, DType::kInt32, {T, W});
-            o.selection_counts = TensorView(selcounts, DType::kInt32, {E});
-            o.counts = TensorView(counts, DType::kInt32, {E});
-            if (cfg.aux_loss_coeff != 0.0f) o.aux_loss = TensorView(scalars, DType::kFP32, {1});
-            if (cfg.z_loss_coeff != 0.0f) o.z_loss = TensorView(scalars + 1, DType::kFP32, {1});
-            RouterGrads g;
-            g.d_probs = TensorView(dprobs, DType::kFP32, {T, k});
-            g.d_aux_loss = TensorView(scalars + 2, DType::kFP32, {1});
-            g.d_z_loss = TensorView(scalars + 3, DType::kFP32, {1});
-            const TensorView dv(dlogits, dtype, {T, E});
+            Bench b(cfg, T, bf16, stream);
             const double f_ms =
-                bench::time_cuda_graph([&] { router.forward(lv, bv, o, ew.device_ptr(), stream); }, stream, 5, repeats,
-                                       evict_l2)
+                bench::time_cuda_graph([&] { b.forward(ew.device_ptr(), stream); }, stream, 5, repeats, evict_l2)
                     .median_ms;
             const double b_ms =
-                bench::time_cuda_graph([&] { router.backward(lv, o, g, dv, stream); }, stream, 5, repeats, evict_l2)
-                    .median_ms;
+                bench::time_cuda_graph([&] { b.backward(stream); }, stream, 5, repeats, evict_l2).median_ms;
             ew.check(stream);
-            const double bytes = static_cast<double>(esize) * T * E;
+            const uint64_t h = b.hash();
+            const double bytes = static_cast<double>(b.esize) * T * E;
             const double fg = bytes / (f_ms * 1e-3) / 1e9, bg = bytes / (b_ms * 1e-3) / 1e9;
-            std::printf("%-9s %4s %6lld %4d %3d %9.1f %9.0f %5.1f%% %5.1f%% %9.1f %9.0f %5.1f%% %5.1f%%\n", v.name,
-                        bf16 ? "bf16" : "fp32", static_cast<long long>(T), E, k, f_ms * 1e3, fg, 100.0 * fg / copy_gbs,
-                        100.0 * fg / copy_read_gbs, b_ms * 1e3, bg, 100.0 * bg / copy_gbs, 100.0 * bg / copy_read_gbs);
+            std::printf("%-9s %4s %6lld %4d %3d %9.1f %9.0f %5.1f%% %5.1f%% %9.1f %9.0f %5.1f%% %5.1f%% %016llx\n",
+                        v.name, bf16 ? "bf16" : "fp32", static_cast<long long>(T), E, k, f_ms * 1e3, fg,
+                        100.0 * fg / copy_gbs, 100.0 * fg / copy_read_gbs, b_ms * 1e3, bg, 100.0 * bg / copy_gbs,
+                        100.0 * bg / copy_read_gbs, static_cast<unsigned long long>(h));
             std::fflush(stdout);
-            for (void* p : {logits, dlogits, static_cast<void*>(probs), static_cast<void*>(dprobs),
-                            static_cast<void*>(bias), static_cast<void*>(scalars), static_cast<void*>(indices),
-                            static_cast<void*>(selected), static_cast<void*>(counts), static_cast<void*>(selcounts)})
-              cudaFree(p);
           }
   std::printf("\nbytes per row (s = 2 for bf16, 4 for fp32 logits): forward reads sE (logits) and writes 8k\n"
               "(indices + probs) + 4W (selected); backward reads sE + 12k and writes sE (d logits).\n");

@@ -3,7 +3,7 @@
 // (docs/router.md, Kernel design). The routing decisions come from the forward's saved outputs
 // (selected, indices / map, counts), so nothing is re-selected and a bias changed since the forward
 // does not matter. One pass over the logits; rows are read and d logits written with 16-byte
-// vectors, the next row prefetched.
+// vectors, the next rows copied ahead into the row ring (router_math.cuh).
 #include <cuda_bf16.h>
 
 #include "device/cuda_check.h"
@@ -21,10 +21,11 @@ struct SlotGrad {
   float g, pv, pad;
 };
 
-// [RG, G NJ] floats (the slot coefficients of a row), [RG, W] SlotGrad, [G NJ] floats (d aux / d a).
-__host__ __device__ inline size_t backward_smem(int G, int NJ, int W) {
+// [RG, G NJ] floats (the slot coefficients of a row), [RG, W] SlotGrad, [G NJ] floats (d aux / d a),
+// then the row ring (16-byte aligned).
+__host__ __device__ inline size_t backward_smem_head(int G, int NJ, int W) {
   const size_t RG = size_t{kRouterWarps} * (32 / G);
-  return sizeof(float) * RG * G * NJ + sizeof(SlotGrad) * RG * W + sizeof(float) * G * NJ;
+  return (sizeof(float) * RG * G * NJ + sizeof(SlotGrad) * RG * W + sizeof(float) * G * NJ + 15) / 16 * 16;
 }
 
 // The lane's part of d logits row t.
@@ -68,12 +69,10 @@ __device__ __forceinline__ void store_grad_row(const RouterBackwardArgs& a, int6
 // routing (selected, indices or map) and the incoming d probs, and with logits the row itself.
 // Each of these was a DRAM round trip on the row's critical path (the first one decides whether the
 // row is routed at all), one row after another.
-template <int NJ, bool kBF16>
-__device__ __forceinline__ void prefetch_saved(const RouterBackwardArgs& a, int64_t t, const Lanes& l, int base,
-                                               bool logits) {
+template <int NJ, int G>
+__device__ __forceinline__ void prefetch_saved(const RouterBackwardArgs& a, int64_t t, const Lanes<G>& l, int base) {
   const RouterRowParams& p = a.p;
   if (t >= p.T) return;
-  if (logits) prefetch_row<NJ, kBF16>(p, t, base);
   if (a.form == RoutingForm::kTopK) {
     if (l.lane_g == 0) {
       prefetch_l2(a.selected + t * p.W);
@@ -89,12 +88,13 @@ __device__ __forceinline__ void prefetch_saved(const RouterBackwardArgs& a, int6
   }
 }
 
-template <int NJ, bool kBF16>
+template <int NJ, int G, bool kBF16>
 __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) backward_kernel(RouterBackwardArgs a, int32_t tiles_per_block) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  constexpr int RPW = 32 / G;
   const RouterRowParams& p = a.p;
-  const int E = p.E, k = p.k, W = p.W, G = p.G, RPW = 32 / G;
-  const Lanes L = lanes_of(G);
+  const int E = p.E, k = p.k, W = p.W;
+  const Lanes<G> L = lanes_of<G>();
   const int warp = threadIdx.x / 32;
   const int rg = warp * RPW + L.slot;
   const size_t RG = size_t{kRouterWarps} * RPW;
@@ -125,19 +125,34 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) backward_kernel(Rou
 
   const int64_t tile_end = block_tile_end(p.T, RPW, tiles_per_block);
   int64_t tile = int64_t{blockIdx.x} * tiles_per_block + warp;
-  RawRow<NJ, kBF16> raw;
-  if (tile < tile_end) load_row<NJ, kBF16>(p, tile * RPW + L.slot, tile * RPW + L.slot < p.T, base, raw);
-  for (int d = 1; d < kPrefetchTiles; ++d)
-    if (tile + d * kRouterWarps < tile_end) prefetch_saved<NJ, kBF16>(a, (tile + d * kRouterWarps) * RPW + L.slot, L, base, d > 1);
-  prefetch_saved<NJ, kBF16>(a, tile * RPW + L.slot, L, base, false);
+  // The logits come through the row ring (router_math.cuh), the saved routing through L2 prefetches
+  // kRingRows tiles ahead.
+  uint4* const ring = reinterpret_cast<uint4*>(smem_raw + backward_smem_head(G, NJ, W)) + threadIdx.x;
+  constexpr int kRingStride = ring_vecs<NJ, kBF16>() * kThreads;
+  const int64_t src_stride = tile_stride_bytes<kBF16>(p, G);
+  const char* src = row_src<kBF16>(p, tile * RPW + L.slot, base);  // the next row to copy
+#pragma unroll
+  for (int d = 0; d < kRingRows; ++d, src += src_stride) {
+    const int64_t td = tile + d * kRouterWarps, t = td * RPW + L.slot;
+    ring_issue<NJ, kBF16>(p, t, td < tile_end && t < p.T, base, src, ring + d * kRingStride);
+    if (td < tile_end) prefetch_saved<NJ>(a, t, L, base);
+  }
+  int ring_slot = 0;
   for (; tile < tile_end; tile += kRouterWarps) {
     const int64_t t = tile * RPW + L.slot;
     float z[NJ];
-    unpack_row<NJ, kBF16>(raw, z);
-    const int64_t next = tile + kRouterWarps;
-    if (next < tile_end) load_row<NJ, kBF16>(p, next * RPW + L.slot, next * RPW + L.slot < p.T, base, raw);
-    const int64_t ahead = tile + kPrefetchTiles * kRouterWarps;
-    if (ahead < tile_end) prefetch_saved<NJ, kBF16>(a, ahead * RPW + L.slot, L, base, true);
+    {
+      cp_async_wait<kRingRows - 1>();
+      uint4* const slot = ring + ring_slot * kRingStride;
+      RawRow<NJ, kBF16> raw;
+      ring_read<NJ, kBF16>(p, t < p.T, base, slot, raw);
+      unpack_row<NJ, kBF16>(raw, z);
+      const int64_t ahead = tile + kRingRows * kRouterWarps, ta = ahead * RPW + L.slot;
+      ring_issue<NJ, kBF16>(p, ta, ahead < tile_end && ta < p.T, base, src, slot);
+      src += src_stride;
+      if (ahead < tile_end) prefetch_saved<NJ>(a, ta, L, base);
+      ring_slot = ring_slot + 1 == kRingRows ? 0 : ring_slot + 1;
+    }
     // Control flow is uniform across the warp: a group whose row is past T (the last tile) or was
     // routed nowhere (non-finite input: zero gradient) computes along with its neighbours and only
     // its reads of saved data and its store depend on it. Every collective below -- shuffles, redux
@@ -166,6 +181,7 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) backward_kernel(Rou
 #pragma unroll
     for (int j = 0; j < NJ; ++j) ubuf[base + j] = 0.0f;
     float S = 0.0f, GS = 0.0f, zm = -INFINITY;
+#pragma unroll 1
     for (int j = L.lane_g; j < W; j += G) {
       const int e = routed ? __ldg(a.selected + t * W + j) : -1;
       float g = 0.0f, pv = 0.0f;
@@ -193,8 +209,9 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) backward_kernel(Rou
       S = group_sum(S, L);
       Gn = group_sum(GS, L) / S;
     }
-    __syncwarp(L.mask);  // ubuf zeroed by every lane before any slot writes it
+    __syncwarp();  // ubuf zeroed by every lane before any slot writes it
     // Slot coefficients: d/ds of the slot's expert, or d/dz directly (softmax over the chosen).
+#pragma unroll 1
     for (int j = L.lane_g; j < W; j += G) {
       const SlotGrad sl = slots[j];
       if (sl.e < 0) continue;
@@ -206,7 +223,7 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) backward_kernel(Rou
         c = p.alpha * (sl.g - Gn) / S;
       ubuf[sl.e] = c;  // the experts of a row's slots are distinct
     }
-    __syncwarp(L.mask);
+    __syncwarp();
     float u[NJ], direct[NJ];
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
@@ -214,7 +231,7 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) backward_kernel(Rou
       u[j] = p.softmax_after ? 0.0f : c;
       direct[j] = p.softmax_after ? c : 0.0f;
     }
-    __syncwarp(L.mask);  // ubuf and slots are rewritten by the next row
+    __syncwarp();  // ubuf and slots are rewritten by the next row
 
     // Balancing losses: d / d a (the balancing scores).
     float ua[NJ];
@@ -281,6 +298,17 @@ __global__ void __launch_bounds__(512) update_bias_kernel(const C* counts, float
   }
 }
 
+template <int NJ, int G, bool kBF16>
+void launch_backward(const RouterBackwardArgs& a, const RouterRowGrid& grid, cudaStream_t stream) {
+  const size_t smem = backward_smem_head(G, NJ, a.p.W) + ring_bytes<NJ, kBF16>();
+  auto kernel = backward_kernel<NJ, G, kBF16>;
+  // Past 48 KiB of shared memory (dynamic + the kernel's static few KiB) a launch needs the opt-in.
+  if (smem + 8 * 1024 > 48 * 1024)
+    MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<grid.blocks, kThreads, smem, stream>>>(a, grid.tiles_per_block);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
 }  // namespace router
 
@@ -289,17 +317,21 @@ void launch_router_backward(const RouterBackwardArgs& a, cudaStream_t stream) {
   const RouterRowParams& p = a.p;
   if (p.T == 0) return;
   const RouterRowGrid grid = router_row_grid(p.T, p.G);
-  const bool wide = router_experts_per_lane(p.E) == 16;
-  const size_t smem = backward_smem(p.G, wide ? 16 : 8, p.W);
-  if (wide && p.bf16)
-    backward_kernel<16, true><<<grid.blocks, kThreads, smem, stream>>>(a, grid.tiles_per_block);
-  else if (wide)
-    backward_kernel<16, false><<<grid.blocks, kThreads, smem, stream>>>(a, grid.tiles_per_block);
-  else if (p.bf16)
-    backward_kernel<8, true><<<grid.blocks, kThreads, smem, stream>>>(a, grid.tiles_per_block);
-  else
-    backward_kernel<8, false><<<grid.blocks, kThreads, smem, stream>>>(a, grid.tiles_per_block);
-  MOE_CUDA_CHECK_LAUNCH();
+  if (router_experts_per_lane(p.E) == 16) {
+    if (p.bf16)
+      launch_backward<16, 32, true>(a, grid, stream);
+    else
+      launch_backward<16, 32, false>(a, grid, stream);
+    return;
+  }
+  switch (p.G) {
+    case 1: return p.bf16 ? launch_backward<8, 1, true>(a, grid, stream) : launch_backward<8, 1, false>(a, grid, stream);
+    case 2: return p.bf16 ? launch_backward<8, 2, true>(a, grid, stream) : launch_backward<8, 2, false>(a, grid, stream);
+    case 4: return p.bf16 ? launch_backward<8, 4, true>(a, grid, stream) : launch_backward<8, 4, false>(a, grid, stream);
+    case 8: return p.bf16 ? launch_backward<8, 8, true>(a, grid, stream) : launch_backward<8, 8, false>(a, grid, stream);
+    case 16: return p.bf16 ? launch_backward<8, 16, true>(a, grid, stream) : launch_backward<8, 16, false>(a, grid, stream);
+    default: return p.bf16 ? launch_backward<8, 32, true>(a, grid, stream) : launch_backward<8, 32, false>(a, grid, stream);
+  }
 }
 
 void launch_update_expert_bias(const void* counts, bool counts64, float* bias, int E, float rate,

@@ -1,6 +1,6 @@
 // Router forward on the device (see docs/router.md, Kernel design):
-//   1. route_rows: a group of G lanes per token row (16-byte loads of the logits, the next row
-//      prefetched) -- scores, group limit, top-k (+ rounding candidates) by k rounds of a group
+//   1. route_rows: a group of G lanes per token row (16-byte copies of the logits into a row ring,
+//      rows ahead) -- scores, group limit, top-k (+ rounding candidates) by k rounds of a group
 //      integer max over presorted per-lane keys, probs, selection counts, and per-block sums of the
 //      balancing scores and of lse^2. Its last block to finish turns the accumulators into the
 //      counts and the loss scalars (and the select pass's list offsets), so a dropless forward is
@@ -37,19 +37,21 @@ struct FwdShared {
   float* zbuf;     // [warps] lse^2 sums
   float* accbuf;   // [RG, G NJ] sums of the balancing scores of each row group (aux loss only)
   float* bias;     // [G NJ] the expert bias (0 past E, or without a bias)
+  uint4* ring;     // the row ring (ring_bytes)
 };
 
 __host__ __device__ inline size_t round16(size_t x) { return (x + 15) / 16 * 16; }
 
 // Bytes of the layout (and the pointers when raw is given).
-__host__ __device__ inline size_t forward_smem(int E, int G, int NJ, int W, int groups, bool acc,
+__host__ __device__ inline size_t forward_smem(int E, int G, int NJ, int W, int groups, bool acc, size_t ring,
                                                unsigned char* raw, FwdShared* s) {
   const size_t RG = size_t{kRouterWarps} * (32 / G);
-  const size_t sizes[8] = {sizeof(int32_t) * E,         sizeof(int32_t) * E,    sizeof(float) * RG * G * NJ,
+  const size_t sizes[9] = {sizeof(int32_t) * E,         sizeof(int32_t) * E,    sizeof(float) * RG * G * NJ,
                            sizeof(float) * RG * groups, sizeof(uint2) * RG * W, sizeof(float) * kRouterWarps,
-                           acc ? sizeof(float) * RG * G * NJ : 0,          sizeof(float) * G * NJ};
-  size_t off[8], total = 0;
-  for (int i = 0; i < 8; ++i) {
+                           acc ? sizeof(float) * RG * G * NJ : 0,          sizeof(float) * G * NJ,
+                           ring};
+  size_t off[9], total = 0;
+  for (int i = 0; i < 9; ++i) {
     off[i] = total;
     total = round16(total + sizes[i]);
   }
@@ -62,6 +64,7 @@ __host__ __device__ inline size_t forward_smem(int E, int G, int NJ, int W, int 
     s->zbuf = reinterpret_cast<float*>(raw + off[5]);
     s->accbuf = reinterpret_cast<float*>(raw + off[6]);
     s->bias = reinterpret_cast<float*>(raw + off[7]);
+    s->ring = reinterpret_cast<uint4*>(raw + off[8]);
   }
   return total;
 }
@@ -110,12 +113,12 @@ __device__ __forceinline__ void store_map_row(const RouterForwardArgs& a, int64_
 }
 
 // A row with a non-finite logit (or bias): routed nowhere.
-template <int NJ>
-__device__ __forceinline__ void write_unrouted_row(const RouterForwardArgs& a, int64_t t, const Lanes& l, int base,
+template <int NJ, int G>
+__device__ __forceinline__ void write_unrouted_row(const RouterForwardArgs& a, int64_t t, const Lanes<G>& l, int base,
                                                    uint32_t vmask) {
   const int k = a.p.k, W = a.p.W;
   const bool select = a.select != SelectKey::kNone;
-  for (int j = l.lane_g; j < W; j += l.G) {
+  for (int j = l.lane_g; j < W; j += G) {
     a.selected[t * W + j] = -1;
     if (select) {
       a.kept[t * W + j] = 0;
@@ -131,8 +134,8 @@ __device__ __forceinline__ void write_unrouted_row(const RouterForwardArgs& a, i
 // sv: the lane's biased scores. Fast path (group_lanes > 0): each expert group spans group_lanes
 // lanes (a power of two), so a lane's experts are all in group my_group and the top-2 merge is a
 // butterfly. Otherwise the scores go through shared memory.
-template <int NJ>
-__device__ __forceinline__ uint32_t kept_groups(const RouterRowParams& p, const Lanes& l, int base, uint32_t vmask,
+template <int NJ, int G>
+__device__ __forceinline__ uint32_t kept_groups(const RouterRowParams& p, const Lanes<G>& l, int base, uint32_t vmask,
                                                 int group_lanes, int my_group, const float (&sv)[NJ], float* rowbuf,
                                                 float* gbuf) {
   const int E = p.E, gs = E / p.groups;
@@ -150,7 +153,7 @@ __device__ __forceinline__ uint32_t kept_groups(const RouterRowParams& p, const 
       }
     }
     for (int o = 1; o < group_lanes; o *= 2) {  // top-2 of the union (as multisets)
-      const float o1 = __shfl_xor_sync(l.mask, t1, o), o2 = __shfl_xor_sync(l.mask, t2, o);
+      const float o1 = __shfl_xor_sync(kFull, t1, o), o2 = __shfl_xor_sync(kFull, t2, o);
       const float hi = fmaxf(t1, o1), lo = fmaxf(fminf(t1, o1), fmaxf(t2, o2));
       t1 = hi;
       t2 = lo;
@@ -158,8 +161,8 @@ __device__ __forceinline__ uint32_t kept_groups(const RouterRowParams& p, const 
     uint32_t gkey = base < E ? float_key(t1 + t2) : 0u;  // gs >= NJ > 1: two values per group
     for (int i = 0; i < p.topk_groups; ++i) {
       const uint32_t m = group_max_u32(gkey, l);
-      const unsigned tied = __ballot_sync(l.mask, gkey == m) & l.mask;
-      const int first = __ffs(tied) - 1 - l.slot * l.G;  // lowest lane = lowest group id among ties
+      const unsigned tied = __ballot_sync(kFull, gkey == m) & l.mask;
+      const int first = __ffs(tied) - 1 - l.slot * G;  // lowest lane = lowest group id among ties
       const int winner = first * NJ / gs;
       keep |= 1u << winner;
       if (my_group == winner) gkey = 0u;
@@ -169,8 +172,8 @@ __device__ __forceinline__ uint32_t kept_groups(const RouterRowParams& p, const 
 #pragma unroll
   for (int j = 0; j < NJ; ++j)
     if ((vmask >> j) & 1u) rowbuf[base + j] = sv[j];
-  __syncwarp(l.mask);
-  for (int gi = l.lane_g; gi < p.groups; gi += l.G) {
+  __syncwarp();
+  for (int gi = l.lane_g; gi < p.groups; gi += G) {
     float t1 = -INFINITY, t2 = -INFINITY;
     for (int i = 0; i < gs; ++i) {
       const float x = rowbuf[gi * gs + i];
@@ -183,9 +186,9 @@ __device__ __forceinline__ uint32_t kept_groups(const RouterRowParams& p, const 
     }
     gbuf[gi] = gs > 1 ? t1 + t2 : t1;
   }
-  __syncwarp(l.mask);
-  const unsigned low = l.G == 32 ? kFull : (1u << l.G) - 1u;
-  for (int b0 = 0; b0 < p.groups; b0 += l.G) {
+  __syncwarp();
+  const unsigned low = G == 32 ? kFull : (1u << G) - 1u;
+  for (int b0 = 0; b0 < p.groups; b0 += G) {
     const int gi = b0 + l.lane_g;
     bool kp = false;
     if (gi < p.groups) {  // rank of group gi by (score desc, id asc)
@@ -197,26 +200,28 @@ __device__ __forceinline__ uint32_t kept_groups(const RouterRowParams& p, const 
       }
       kp = rank < p.topk_groups;
     }
-    keep |= ((__ballot_sync(l.mask, kp) >> (l.slot * l.G)) & low) << b0;
+    keep |= ((__ballot_sync(kFull, kp) >> (l.slot * G)) & low) << b0;
   }
-  __syncwarp(l.mask);  // rowbuf and gbuf are rewritten by the next row
+  __syncwarp();  // rowbuf and gbuf are rewritten by the next row
   return keep;
 }
 
-// K: Key32 (bf16 logits, no bias: the logits order the experts) or Key64; kBF16: the logits dtype;
-// kGroups: group-limited top-k (its own instantiation: it needs more registers).
-template <int NJ, typename K, bool kBF16, bool kGroups>
+// G: lanes per row (p.G); K: Key32 (bf16 logits, no bias: the logits order the experts) or Key64;
+// kBF16: the logits dtype; kGroups: group-limited top-k (its own instantiation: it needs more
+// registers).
+template <int NJ, int G, typename K, bool kBF16, bool kGroups>
 __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(RouterForwardArgs a, int32_t tiles_per_block) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   using Key = typename K::T;
   constexpr bool kMayBias = std::is_same_v<K, Key64>;
+  constexpr int RPW = 32 / G;
   const RouterRowParams& p = a.p;
-  const int E = p.E, k = p.k, W = p.W, G = p.G, RPW = 32 / G;
+  const int E = p.E, k = p.k, W = p.W;
   const bool select = a.select != SelectKey::kNone;
   const bool want_a = p.aux_coeff != 0.0f, want_lse = p.z_coeff != 0.0f;
   FwdShared sh;
-  forward_smem(E, G, NJ, W, p.groups, want_a, smem_raw, &sh);
-  const Lanes L = lanes_of(G);
+  forward_smem(E, G, NJ, W, p.groups, want_a, ring_bytes<NJ, kBF16>(), smem_raw, &sh);
+  const Lanes<G> L = lanes_of<G>();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int rg = warp * RPW + L.slot;
   float* rowbuf = sh.rowbuf + rg * (G * NJ);
@@ -263,10 +268,18 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
   int64_t tile = int64_t{blockIdx.x} * tiles_per_block + warp;
   constexpr uint32_t kAllJ = (1u << NJ) - 1u;
   const uint32_t id0 = K::id_of(base);  // key id of expert base; base + j has id0 - j
-  RawRow<NJ, kBF16> raw;
-  if (tile < tile_end) load_row<NJ, kBF16>(p, tile * RPW + L.slot, tile * RPW + L.slot < p.T, base, raw);
-  for (int d = 2; d < kPrefetchTiles; ++d)
-    if (tile + d * kRouterWarps < tile_end) prefetch_row<NJ, kBF16>(p, (tile + d * kRouterWarps) * RPW + L.slot, base);
+  // The ring holds the warp's next kRingRows tiles: tile + d kRouterWarps in slot d, then each
+  // iteration refills the slot it has just read with the tile kRingRows ahead.
+  uint4* const ring = sh.ring + threadIdx.x;
+  constexpr int kRingStride = ring_vecs<NJ, kBF16>() * kThreads;  // uint4s between slots
+  const int64_t src_stride = tile_stride_bytes<kBF16>(p, G);
+  const char* src = row_src<kBF16>(p, tile * RPW + L.slot, base);  // the next row to copy
+#pragma unroll
+  for (int d = 0; d < kRingRows; ++d, src += src_stride) {
+    const int64_t td = tile + d * kRouterWarps, t = td * RPW + L.slot;
+    ring_issue<NJ, kBF16>(p, t, td < tile_end && t < p.T, base, src, ring + d * kRingStride);
+  }
+  int ring_slot = 0;
   // Control flow in this loop is uniform across the warp: `tile` is the warp's own, and a row group
   // whose row is past T (in the last tile) or holds a non-finite logit runs the same instructions
   // as the other groups of its warp with its stores and atomics switched off (`routed`). No lane
@@ -277,12 +290,18 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
     const int64_t t = tile * RPW + L.slot;
     const bool live = t < p.T;  // the group's (all its lanes share t)
     float z[NJ];
-    unpack_row<NJ, kBF16>(raw, z);
-    const int64_t next = tile + kRouterWarps;  // prefetch: the next row's load overlaps this row's work
-    if (next < tile_end) load_row<NJ, kBF16>(p, next * RPW + L.slot, next * RPW + L.slot < p.T, base, raw);
-    const int64_t ahead = tile + kPrefetchTiles * kRouterWarps;  // and rows further on wait in L2
-    if (ahead < tile_end) prefetch_row<NJ, kBF16>(p, ahead * RPW + L.slot, base);
-    // A row past T was loaded as -inf: "not finite", and not live.
+    {
+      cp_async_wait<kRingRows - 1>();  // this thread's copy of this tile has landed
+      uint4* const slot = ring + ring_slot * kRingStride;
+      RawRow<NJ, kBF16> raw;
+      ring_read<NJ, kBF16>(p, live, base, slot, raw);
+      unpack_row<NJ, kBF16>(raw, z);
+      const int64_t ahead = tile + kRingRows * kRouterWarps, ta = ahead * RPW + L.slot;
+      ring_issue<NJ, kBF16>(p, ta, ahead < tile_end && ta < p.T, base, src, slot);
+      src += src_stride;
+      ring_slot = ring_slot + 1 == kRingRows ? 0 : ring_slot + 1;
+    }
+    // A row past T was read as -inf: "not finite", and not live.
     const bool bad = group_any(!bias_ok || !row_part_finite<NJ>(z, vmask), L);
     const bool routed = live && !bad;
     if (live && bad) {  // no collective inside: the group may take it alone
@@ -415,12 +434,13 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
         if (L.lane_g == 0) slots[w] = K::to_slot(m);
       }
     }
-    __syncwarp(L.mask);
+    __syncwarp();
 
     // Slots, lane j holding slots j, j + G, ...: the expert and its prob source (score, or logit
     // with softmax-after), then the sums the probs need. Without a bias the key's value is the
     // logit itself (exact: bf16 in Key32, fp32 in Key64), so it is not read again.
     float den = 0.0f, zm = -INFINITY;
+#pragma unroll 1
     for (int j = L.lane_g; j < W; j += G) {
       const Key m = K::from_slot(slots[j]);
       const float mv = K::value(m);
@@ -447,10 +467,11 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
     if (stage_map) {
 #pragma unroll
       for (int j = 0; j < NJ; ++j) rowbuf[base + j] = __uint_as_float(kUnrouted);
-      __syncwarp(L.mask);
+      __syncwarp();
     }
     if (routed) {  // no collective inside
-      for (int j = L.lane_g; j < W; j += G) {
+#pragma unroll 1
+    for (int j = L.lane_g; j < W; j += G) {
         const uint2 sl = slots[j];
         const int e = static_cast<int>(sl.x);
         const float pv = __uint_as_float(sl.y);
@@ -484,10 +505,10 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
       }
     }
     if (stage_map) {
-      __syncwarp(L.mask);
+      __syncwarp();
       if (routed) store_map_row<NJ>(a, t, base, vmask, rowbuf);
     }
-    __syncwarp(L.mask);  // slots and rowbuf are rewritten by the next row
+    __syncwarp();  // slots and rowbuf are rewritten by the next row
   }
   bits = __reduce_or_sync(kFull, bits);
   if (lane == 0 && bits) atomicOr(a.error_word, bits);
@@ -581,15 +602,16 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
 
 // Sequence-wise balance loss: one block per sequence of L contiguous tokens; the last block sums
 // the per-sequence terms in sequence order.
-template <int NJ, bool kBF16>
+template <int NJ, int G, bool kBF16>
 __global__ void __launch_bounds__(kThreads) seq_loss_kernel(RouterForwardArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ double red[kThreads];
+  constexpr int RPW = 32 / G;
   const RouterRowParams& p = a.p;
-  const int E = p.E, k = p.k, W = p.W, G = p.G, RPW = 32 / G;
+  const int E = p.E, k = p.k, W = p.W;
   FwdShared sh;
-  forward_smem(E, G, NJ, W, p.groups, false, smem_raw, &sh);
-  const Lanes L = lanes_of(G);
+  forward_smem(E, G, NJ, W, p.groups, false, 0, smem_raw, &sh);
+  const Lanes<G> L = lanes_of<G>();
   const int warp = threadIdx.x / 32;
   for (int e = threadIdx.x; e < E; e += kThreads) sh.hist[e] = 0;
   __syncthreads();
@@ -776,20 +798,38 @@ __global__ void __launch_bounds__(kThreads) write_outputs_kernel(RouterForwardAr
   }
 }
 
-template <int NJ, bool kBF16, bool kGroups>
+template <int NJ, int G, bool kBF16, bool kGroups>
 void launch_rows(const RouterForwardArgs& a, int blocks, int32_t tiles_per_block, cudaStream_t stream) {
   const RouterRowParams& p = a.p;
-  const size_t smem = forward_smem(p.E, p.G, NJ, p.W, p.groups, p.aux_coeff != 0.0f, nullptr, nullptr);
-  if (kBF16 && p.bias == nullptr)  // a bf16 logit and an expert id fit one 32-bit key
-    route_rows_kernel<NJ, std::conditional_t<kBF16, Key32, Key64>, kBF16, kGroups>
-        <<<blocks, kThreads, smem, stream>>>(a, tiles_per_block);
-  else
-    route_rows_kernel<NJ, Key64, kBF16, kGroups><<<blocks, kThreads, smem, stream>>>(a, tiles_per_block);
+  const size_t smem =
+      forward_smem(p.E, G, NJ, p.W, p.groups, p.aux_coeff != 0.0f, ring_bytes<NJ, kBF16>(), nullptr, nullptr);
+  // A bf16 logit and an expert id fit one 32-bit key.
+  auto kernel = kBF16 && p.bias == nullptr ? route_rows_kernel<NJ, G, std::conditional_t<kBF16, Key32, Key64>, kBF16, kGroups>
+                                           : route_rows_kernel<NJ, G, Key64, kBF16, kGroups>;
+  // Past 48 KiB of shared memory (dynamic + the kernel's static few KiB) a launch needs the opt-in.
+  if (smem + 8 * 1024 > 48 * 1024)
+    MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<blocks, kThreads, smem, stream>>>(a, tiles_per_block);
   MOE_CUDA_CHECK_LAUNCH();
   if (p.seq_coeff != 0.0f && p.T > 0) {
-    const size_t seq_smem = forward_smem(p.E, p.G, NJ, p.W, p.groups, false, nullptr, nullptr);
-    seq_loss_kernel<NJ, kBF16><<<p.T / p.seq_length, kThreads, seq_smem, stream>>>(a);
+    const size_t seq_smem = forward_smem(p.E, G, NJ, p.W, p.groups, false, 0, nullptr, nullptr);
+    seq_loss_kernel<NJ, G, kBF16><<<p.T / p.seq_length, kThreads, seq_smem, stream>>>(a);
     MOE_CUDA_CHECK_LAUNCH();
+  }
+}
+
+// The instantiation for the row layout: G lanes per row (1..32) with NJ = 8, or a full warp with
+// NJ = 16 (E > 256).
+template <bool kBF16, bool kGroups>
+void launch_rows_for(const RouterForwardArgs& a, int blocks, int32_t tiles_per_block, cudaStream_t stream) {
+  if (router_experts_per_lane(a.p.E) == 16) return launch_rows<16, 32, kBF16, kGroups>(a, blocks, tiles_per_block, stream);
+  switch (a.p.G) {
+    case 1: return launch_rows<8, 1, kBF16, kGroups>(a, blocks, tiles_per_block, stream);
+    case 2: return launch_rows<8, 2, kBF16, kGroups>(a, blocks, tiles_per_block, stream);
+    case 4: return launch_rows<8, 4, kBF16, kGroups>(a, blocks, tiles_per_block, stream);
+    case 8: return launch_rows<8, 8, kBF16, kGroups>(a, blocks, tiles_per_block, stream);
+    case 16: return launch_rows<8, 16, kBF16, kGroups>(a, blocks, tiles_per_block, stream);
+    default: return launch_rows<8, 32, kBF16, kGroups>(a, blocks, tiles_per_block, stream);
   }
 }
 
@@ -813,14 +853,11 @@ void launch_router_forward(const RouterForwardArgs& a, cudaStream_t stream) {
   const bool select = a.select != SelectKey::kNone;
   // The row kernel (one launch, whatever T: its last block writes the counts and losses).
   const RouterRowGrid grid = router_row_grid(p.T, p.G);
-  const bool wide = router_experts_per_lane(E) == 16, groups = p.groups > 1;
   using Launch = void (*)(const RouterForwardArgs&, int, int32_t, cudaStream_t);
-  static constexpr Launch kLaunch[2][2][2] = {  // [wide][bf16][groups]
-      {{launch_rows<8, false, false>, launch_rows<8, false, true>},
-       {launch_rows<8, true, false>, launch_rows<8, true, true>}},
-      {{launch_rows<16, false, false>, launch_rows<16, false, true>},
-       {launch_rows<16, true, false>, launch_rows<16, true, true>}}};
-  kLaunch[wide][p.bf16][groups](a, grid.blocks, grid.tiles_per_block, stream);
+  static constexpr Launch kLaunch[2][2] = {  // [bf16][groups]
+      {launch_rows_for<false, false>, launch_rows_for<false, true>},
+      {launch_rows_for<true, false>, launch_rows_for<true, true>}};
+  kLaunch[p.bf16][p.groups > 1](a, grid.blocks, grid.tiles_per_block, stream);
   if (select) {
     if (p.T > 0) {
       const int64_t n = int64_t{p.T} * p.W;

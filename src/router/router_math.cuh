@@ -18,22 +18,28 @@ namespace moe::kernels::router {
 
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kThreads = kRouterWarps * 32;
-// Row tiles a warp asks the L2 for ahead of the tile it works on (prefetch_row).
-constexpr int kPrefetchTiles = 4;
 
 // ---- lane groups ----
 
+// G (lanes per row) is a template parameter of every row kernel: with a compile-time G every
+// collective is a fixed sequence over the whole warp. (With G a runtime value and the group's own
+// lane mask, ptxas guarded each shuffle and redux with a check that the mask is warp-uniform
+// (MATCH / REDUX.OR / VOTE) and, for G < 32, ran each redux.sync once per row group of the warp, one
+// after another.) The row loops keep whole warps converged (docs/router.md, "Uniform control
+// flow"), so the collectives use the full-warp mask; a butterfly with offsets below G stays inside
+// the group.
+template <int G_>
 struct Lanes {
-  int G;          // lanes per row
-  int lane_g;     // lane within the group
-  int slot;       // group within the warp: the row offset inside the warp's tile of 32 / G rows
-  unsigned mask;  // the group's lanes
+  static constexpr int G = G_;  // lanes per row
+  int lane_g;                   // lane within the group
+  int slot;                     // group within the warp: the row offset inside the warp's tile of 32 / G rows
+  unsigned mask;                // the group's lanes
 };
 
-__device__ __forceinline__ Lanes lanes_of(int G) {
+template <int G>
+__device__ __forceinline__ Lanes<G> lanes_of() {
   const int lane = threadIdx.x & 31;
-  Lanes l;
-  l.G = G;
+  Lanes<G> l;
   l.lane_g = lane & (G - 1);
   l.slot = lane / G;
   l.mask = G == 32 ? kFull : ((1u << G) - 1u) << (l.slot * G);
@@ -41,13 +47,11 @@ __device__ __forceinline__ Lanes lanes_of(int G) {
 }
 
 // Bit j set: the lane's expert base + j exists (base + j < E).
+// (A closed form: ptxas recomputes this inside the row loops rather than keep it in a register.)
 template <int NJ>
 __device__ __forceinline__ uint32_t lane_expert_mask(int base, int E) {
-  uint32_t m = 0;
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-    if (base + j < E) m |= 1u << j;
-  return m;
+  const int n = E - base;  // the lane's experts that exist, if fewer than NJ
+  return n >= NJ ? (1u << NJ) - 1u : n <= 0 ? 0u : (1u << n) - 1u;
 }
 
 // The bits of a float, reordered so that unsigned order is float order (a negative value flips
@@ -68,19 +72,34 @@ __device__ __forceinline__ float key_float(uint32_t k) {
   return __uint_as_float(k ^ (~static_cast<uint32_t>(static_cast<int32_t>(k) >> 31) | 0x80000000u));
 }
 
-__device__ __forceinline__ uint32_t group_max_u32(uint32_t v, const Lanes& l) {
-  return l.G > 1 ? __reduce_max_sync(l.mask, v) : v;
+// Group collectives, called by all 32 lanes of a converged warp. A full-warp group uses redux.sync
+// (one instruction); a smaller one a butterfly (redux.sync reduces over its whole mask, so it cannot
+// reduce the groups of a warp separately).
+template <int G>
+__device__ __forceinline__ uint32_t group_max_u32(uint32_t v, const Lanes<G>&) {
+  if constexpr (G == 32) {
+    return __reduce_max_sync(kFull, v);
+  } else {
+#pragma unroll
+    for (int o = 1; o < G; o *= 2) v = max(v, __shfl_xor_sync(kFull, v, o));
+    return v;
+  }
 }
-__device__ __forceinline__ float group_max(float v, const Lanes& l) {
+template <int G>
+__device__ __forceinline__ float group_max(float v, const Lanes<G>& l) {
   return key_float(group_max_u32(float_key(v), l));
 }
-__device__ __forceinline__ float group_sum(float v, const Lanes& l) {
+// The sum in a fixed butterfly order (offsets 1, 2, 4, ...): every lane gets the same bits.
+template <int G>
+__device__ __forceinline__ float group_sum(float v, const Lanes<G>&) {
 #pragma unroll
-  for (int o = 1; o < 32; o *= 2)
-    if (o < l.G) v += __shfl_xor_sync(l.mask, v, o);
+  for (int o = 1; o < G; o *= 2) v += __shfl_xor_sync(kFull, v, o);
   return v;
 }
-__device__ __forceinline__ bool group_any(bool b, const Lanes& l) { return (__ballot_sync(l.mask, b) & l.mask) != 0; }
+template <int G>
+__device__ __forceinline__ bool group_any(bool b, const Lanes<G>& l) {
+  return (__ballot_sync(kFull, b) & l.mask) != 0;
+}
 
 // The end of this block's tiles of rows_per_tile rows (router_row_grid): the block works on tiles
 // [blockIdx.x tiles_per_block, end), its warp w on the tiles w, w + kRouterWarps, ... of them.
@@ -137,20 +156,98 @@ __device__ __forceinline__ void load_row(const RouterRowParams& p, int64_t t, bo
   }
 }
 
-// Asks the L2 for the line holding `ptr` (no register, no wait): the row loops call this a few
-// rows ahead of the row they load, so that many more bytes are in flight per SM than the one row a
-// warp keeps in registers -- with one prefetched row per warp, each row's DRAM latency was exposed
-// and the kernels ran far below the memory rate.
+// Asks the L2 for the line holding `ptr` (no register, no wait): the backward asks for a row's saved
+// routing and incoming gradients a few rows ahead.
 __device__ __forceinline__ void prefetch_l2(const void* ptr) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
 }
 
-// The lane's part of row t (any t < T), prefetched into L2.
+// ---- the row ring ----
+// A warp works on one row (tile) at a time and needs the next ones in flight while it does: each
+// thread copies its part of the next kRingRows rows of its warp into its own stretch of shared
+// memory with cp.async (16-byte LDGSTS: no register is tied up and nothing waits until the row is
+// used), and reads a row back with 16-byte shared loads when its turn comes. With one row in
+// registers per warp (plus L2 prefetches), the row loop stalled on its next row's load.
+// Thread x's vector v of ring slot d lives at ring[(d * vecs + v) * kThreads + x]: a warp's
+// 16-byte accesses are consecutive, conflict-free.
+constexpr int kRingRows = 2;
+
 template <int NJ, bool kBF16>
-__device__ __forceinline__ void prefetch_row(const RouterRowParams& p, int64_t t, int base) {
-  if (t >= p.T || base >= p.E) return;
-  const size_t esize = kBF16 ? 2 : 4;
-  prefetch_l2(static_cast<const char*>(p.logits) + (t * p.E + base) * esize);
+constexpr int ring_vecs() {  // 16-byte vectors of a lane's part of a row
+  return RawRow<NJ, kBF16>::kWords / 4;
+}
+template <int NJ, bool kBF16>
+__host__ __device__ constexpr size_t ring_bytes() {
+  return size_t{16} * kRingRows * ring_vecs<NJ, kBF16>() * kThreads;
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  // .ca: the line stays in L1 too, where a chosen expert's logit is read again (logit_at).
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Starts the copy of the lane's part of row t (whose first logit is at `src`) into ring slot `slot`
+// (this thread's vectors at slot[v * kThreads]) and closes one cp.async group -- an empty one when
+// there is nothing to copy, so that every thread has the same number of groups in flight. The row
+// loops advance `src` by a fixed stride per tile instead of recomputing t E + base in 64 bits.
+// Rows read element by element (odd E, misaligned logits) are loaded here synchronously and stored
+// to the slot.
+template <int NJ, bool kBF16>
+__device__ __forceinline__ void ring_issue(const RouterRowParams& p, int64_t t, bool valid, int base, const char* src,
+                                           uint4* slot) {
+  constexpr int kVecs = ring_vecs<NJ, kBF16>();
+  if (valid && base < p.E) {
+    if (p.vec) {
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) cp_async16(slot + v * kThreads, reinterpret_cast<const uint4*>(src) + v);
+    } else {
+      RawRow<NJ, kBF16> r;
+      load_row<NJ, kBF16>(p, t, true, base, r);
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) slot[v * kThreads] = make_uint4(r.w[4 * v], r.w[4 * v + 1], r.w[4 * v + 2], r.w[4 * v + 3]);
+    }
+  }
+  cp_async_commit();
+}
+
+// Byte address of the lane's first logit of row t, and the bytes between the rows of a warp's
+// consecutive tiles (kRouterWarps tiles of 32 / G rows apart).
+template <bool kBF16>
+__device__ __forceinline__ const char* row_src(const RouterRowParams& p, int64_t t, int base) {
+  return static_cast<const char*>(p.logits) + (t * p.E + base) * (kBF16 ? 2 : 4);
+}
+template <bool kBF16>
+__device__ __forceinline__ int64_t tile_stride_bytes(const RouterRowParams& p, int G) {
+  return int64_t{kRouterWarps} * (32 / G) * p.E * (kBF16 ? 2 : 4);
+}
+
+// The lane's part of a row from its ring slot (after cp_async_wait): experts past E, and every
+// expert of a row past T, read as -inf.
+template <int NJ, bool kBF16>
+__device__ __forceinline__ void ring_read(const RouterRowParams& p, bool valid, int base, const uint4* slot,
+                                          RawRow<NJ, kBF16>& r) {
+  constexpr int kVecs = ring_vecs<NJ, kBF16>();
+  const uint32_t neg_inf = kBF16 ? 0xff80ff80u : 0xff800000u;
+  if (valid && base < p.E) {
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const uint4 x = slot[v * kThreads];
+      r.w[4 * v] = x.x;
+      r.w[4 * v + 1] = x.y;
+      r.w[4 * v + 2] = x.z;
+      r.w[4 * v + 3] = x.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < RawRow<NJ, kBF16>::kWords; ++i) r.w[i] = neg_inf;
+  }
+  // An element-wise row past E inside the lane: load_row left -inf there, and so does the copy.
 }
 
 template <int NJ, bool kBF16>
@@ -213,8 +310,8 @@ __device__ __forceinline__ float score_of(const RouterRowParams& p, float z, flo
 
 // Softmax pieces of a row: the max, the reciprocal of the sum of exp(z - max), the logsumexp (when
 // want_lse) and each exp(z - max).
-template <int NJ>
-__device__ __forceinline__ void softmax_parts(const float (&z)[NJ], const Lanes& l, bool want_lse, float& mx, float& inv, float& lse,
+template <int NJ, int G>
+__device__ __forceinline__ void softmax_parts(const float (&z)[NJ], const Lanes<G>& l, bool want_lse, float& mx, float& inv, float& lse,
                                               float (&ex)[NJ]) {
   float m = z[0];
 #pragma unroll
@@ -249,7 +346,10 @@ struct Key32 {
     const uint32_t hi = k & 0xffff0000u;
     return key_float((hi & 0x80000000u) ? hi : (hi | 0xffffu));
   }
-  __device__ static T group_max(T k, const Lanes& l) { return group_max_u32(k, l); }
+  template <int G>
+  __device__ static T group_max(T k, const Lanes<G>& l) {
+    return group_max_u32(k, l);
+  }
   __device__ static uint2 to_slot(T k) { return make_uint2(k, 0u); }
   __device__ static T from_slot(uint2 s) { return s.x; }
 };
@@ -263,11 +363,25 @@ struct Key64 {
   }
   __device__ static int expert(T k) { return static_cast<int>(0xffffffffu - static_cast<uint32_t>(k)); }
   __device__ static float value(T k) { return key_float(static_cast<uint32_t>(k >> 32)); }
-  __device__ static T group_max(T k, const Lanes& l) {
-    const uint32_t hi = static_cast<uint32_t>(k >> 32), lo = static_cast<uint32_t>(k);
-    const uint32_t mh = group_max_u32(hi, l);
-    const uint32_t ml = group_max_u32(hi == mh ? lo : 0u, l);
-    return (static_cast<uint64_t>(mh) << 32) | ml;
+  // Full warp: two redux.sync (the high words, then the low words of the lanes holding the largest
+  // high word). Smaller groups: a butterfly over (high, low) pairs.
+  template <int G>
+  __device__ static T group_max(T k, const Lanes<G>& l) {
+    uint32_t hi = static_cast<uint32_t>(k >> 32), lo = static_cast<uint32_t>(k);
+    if constexpr (G == 32) {
+      const uint32_t mh = group_max_u32(hi, l);
+      lo = group_max_u32(hi == mh ? lo : 0u, l);
+      hi = mh;
+    } else {
+#pragma unroll
+      for (int o = 1; o < G; o *= 2) {
+        const uint32_t oh = __shfl_xor_sync(kFull, hi, o), ol = __shfl_xor_sync(kFull, lo, o);
+        const bool take = oh > hi || (oh == hi && ol > lo);
+        hi = take ? oh : hi;
+        lo = take ? ol : lo;
+      }
+    }
+    return (static_cast<uint64_t>(hi) << 32) | lo;
   }
   __device__ static uint2 to_slot(T k) { return make_uint2(static_cast<uint32_t>(k), static_cast<uint32_t>(k >> 32)); }
   __device__ static T from_slot(uint2 s) { return (static_cast<uint64_t>(s.y) << 32) | s.x; }
@@ -314,10 +428,10 @@ __device__ __forceinline__ void sort_desc(K (&k)[NJ]) {
 // Per-expert sums of a block's rows (the balancing scores), first within each warp: the warp's row
 // groups add their lanes' acc by a butterfly and its first group writes the sums of the existing
 // experts to warp_part (the warp's stretch of rows_per_warp * G NJ floats).
-template <int NJ>
-__device__ __forceinline__ void store_warp_sums(float (&acc)[NJ], const Lanes& l, int base, uint32_t vmask,
+template <int NJ, int G>
+__device__ __forceinline__ void store_warp_sums(float (&acc)[NJ], const Lanes<G>& l, int base, uint32_t vmask,
                                                 float* warp_part) {
-  for (int o = l.G; o < 32; o *= 2) {
+  for (int o = G; o < 32; o *= 2) {
 #pragma unroll
     for (int j = 0; j < NJ; ++j) acc[j] += __shfl_xor_sync(kFull, acc[j], o);
   }
