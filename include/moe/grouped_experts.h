@@ -141,6 +141,9 @@ class GroupedExperts {
   // and transposed; the format of moe::quantize with QuantBlocking::k2D. For checkpoints of FP8
   // primary weights (read them, or write loaded bytes into them instead of a refresh).
   QuantizedTensor fp8_weights(Param param) const;
+  // The copies were written through fp8_weights() (e.g. load_fp8_expert_weights): they count as
+  // refreshed for the weights bound now. Needs fp8_weight_refresh = kOnRequest or kFromMaster.
+  void accept_fp8_weights();
 
   // Device error word (docs/semantics.md, errors): the FP8 weight gradients raise
   // kErrUnalignedGroup for an expert whose rows do not fill whole 128-row blocks (that expert's

@@ -91,6 +91,10 @@ class GroupedMlp {
   TensorView tokens_per_expert(const SavedState& state) const;
 
   const Dispatcher& dispatcher() const;
+  // The layer's experts op (its weights and FP8 copies; e.g. for save_fp8_expert_weights /
+  // load_fp8_expert_weights in moe/checkpoint_fp8.h).
+  GroupedExperts& experts();
+  const GroupedExperts& experts() const;
 
  private:
   struct Impl;

@@ -468,6 +468,15 @@ void GroupedExperts::refresh_fp8_weights(cudaStream_t stream) {
   m.fp8_refreshed = m.binding;
 }
 
+void GroupedExperts::accept_fp8_weights() {
+  Impl& m = *impl_;
+  MOE_CHECK(m.fp8 != nullptr, "GroupedExperts::accept_fp8_weights: the experts do not run FP8 (config.fp8)");
+  MOE_CHECK(m.cfg.fp8_weight_refresh != Fp8WeightRefresh::kEveryForward, "GroupedExperts::accept_fp8_weights: ",
+            "with config.fp8_weight_refresh = every forward each forward quantizes the bound weights again");
+  MOE_CHECK(m.have_weights, "GroupedExperts::accept_fp8_weights: no weights bound (call set_weights first)");
+  m.fp8_refreshed = m.binding;
+}
+
 QuantizedTensor GroupedExperts::fp8_weights(Param param) const {
   const Impl& m = *impl_;
   MOE_CHECK(m.fp8 != nullptr, "GroupedExperts::fp8_weights: the experts do not run FP8 (config.fp8)");

@@ -175,6 +175,8 @@ GroupedMlp::~GroupedMlp() = default;
 
 const GroupedMlpConfig& GroupedMlp::config() const { return impl_->cfg; }
 const Dispatcher& GroupedMlp::dispatcher() const { return impl_->dispatcher; }
+GroupedExperts& GroupedMlp::experts() { return impl_->experts; }
+const GroupedExperts& GroupedMlp::experts() const { return impl_->experts; }
 
 void GroupedMlp::set_weights(const ExpertTensors& w) { impl_->experts.set_weights(w); }
 void GroupedMlp::set_grads(const ExpertTensors& g) { impl_->experts.set_grads(g); }

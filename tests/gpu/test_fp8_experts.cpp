@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "moe/checkpoint_fp8.h"
+#include "moe/checkpoint_quant.h"
 #include "moe/error.h"
 #include "moe/grouped_experts.h"
 #include "reference/quantize_ref.h"
@@ -350,6 +352,63 @@ TEST_F(Fp8Experts, PrimaryWeightsFromFp32Master) {
   expect_error_naming([&] { a.ex.set_weights({bf16.W1.views, bf16.B1.views, bf16.W2.views, bf16.B2.views}); },
                       "fc1.weight");
   expect_error_naming([&] { bf16.ex.fp8_weights(Param::kFc1Bias); }, "param");
+}
+
+TEST_F(Fp8Experts, WeightsThroughACheckpointInEitherLayout) {
+  // The FP8 copies saved to safetensors (grouped keys), converted to per-expert keys, and loaded
+  // into ops whose own weights are zero (same biases): the loaded copies are the ones computed
+  // with, bitwise.
+  ExpertsConfig c = experts_config(Activation::kSwiGLU, true, ProbsPlacement::kInActivation, WgradMode::kWrite,
+                                   Fp8Recipe::kBlock, WeightLayout::kSingleGrouped);
+  c.fp8_weight_refresh = Fp8WeightRefresh::kOnRequest;
+  ExpertsConfig master = c;
+  master.fp8_weight_refresh = Fp8WeightRefresh::kFromMaster;
+  master.layout = WeightLayout::kPerExpert;
+  const Inputs step(c, {256, 128, 128, 256}, 81);
+  ExpertsRun src(c, 91), grouped(c, 91), per_expert(master, 91);
+  for (ExpertsRun* r : {&grouped, &per_expert})
+    for (DeviceParam* w : {&r->W1, &r->W2})
+      for (auto& b : w->bufs) b.fill_bytes(0);
+  src.ex.refresh_fp8_weights(stream);
+  StateDict sd;
+  Metadata md;
+  save_fp8_expert_weights(src.ex, "layers.3.experts.", sd, md, stream);
+  const std::vector<QuantizedParamDecl> decls = quantized_params(md);
+  ASSERT_EQ(decls.size(), 2u);
+  EXPECT_EQ(decls[0].key, "layers.3.experts.fc1.weight");
+  EXPECT_EQ(format_quant_metadata(decls[0].config),
+            "fp8_block;block=128x128;scale=f32;layout=row_major;copies=rowwise,columnwise");
+  EXPECT_EQ(sd.at("layers.3.experts.fc2.weight_columnwise_scale_inv").shape(),
+            (std::vector<int64_t>{c.experts, (c.ffn + 127) / 128, (c.hidden + 127) / 128}));
+  const std::string path = ::testing::TempDir() + "fp8_experts.safetensors";
+  save_safetensors(path, sd, md);
+  Metadata md2;
+  StateDict loaded = load_safetensors(path, &md2);
+  StateDict split = loaded;
+  normalize_expert_keys(split, "layers.3.experts.", c.experts, WeightLayout::kPerExpert);
+  ASSERT_TRUE(split.count("layers.3.experts.fc1.weight2_columnwise_scale_inv"));
+  // A missing part is named before anything moves.
+  StateDict broken = split;
+  broken.erase("layers.3.experts.fc1.weight1_scale_inv");
+  expect_error_naming([&] { load_fp8_expert_weights(grouped.ex, broken, md2, "layers.3.experts.", stream); },
+                      "layers.3.experts.fc1.weight1_scale_inv");
+  expect_error_naming([&] { load_fp8_expert_weights(grouped.ex, loaded, Metadata{}, "layers.3.experts.", stream); },
+                      "moe.quant.layers.3.experts.fc1.weight");
+  load_fp8_expert_weights(grouped.ex, loaded, md2, "layers.3.experts.", stream);
+  load_fp8_expert_weights(per_expert.ex, split, md2, "layers.3.experts.", stream);
+  for (ExpertsRun* r : {&src, &grouped, &per_expert}) {
+    r->forward(step, stream);
+    r->backward(step, stream);
+  }
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_EQ(grouped.results(step), src.results(step));
+  EXPECT_EQ(per_expert.results(step), src.results(step));
+  // Loading into an op that quantizes every forward is refused.
+  ExpertsConfig every = c;
+  every.fp8_weight_refresh = Fp8WeightRefresh::kEveryForward;
+  ExpertsRun e(every, 94);
+  expect_error_naming([&] { load_fp8_expert_weights(e.ex, loaded, md2, "layers.3.experts.", stream); },
+                      "every forward");
 }
 
 TEST_F(Fp8Experts, ExpertOffTheRowGridIsReported) {
