@@ -28,7 +28,7 @@ int64_t mlp_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t topk, i
                    bool bias, bool probs_at_combine, int64_t align, bool pre_padded, int64_t row_bound,
                    bool map_routing, bool per_expert, bool accumulate, bool fp32_wgrad, bool delay_wgrad,
                    bool recompute, bool fuse_fc1, bool save_x_perm, bool fuse_fc2_dgrad,
-                   bool transposed_weights, const std::string& fp8, bool fp8_refresh_on_request) {
+                   bool transposed_weights, const std::string& fp8, const std::string& fp8_weight_refresh) {
   return translate_errors([&] {
     GroupedMlpConfig c;
     c.hidden = hidden;
@@ -49,7 +49,13 @@ int64_t mlp_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t topk, i
     c.transposed_weights = transposed_weights;
     MOE_CHECK(fp8 == "none" || fp8 == "block", "argument 'fp8': expected 'none' or 'block', got '", fp8, "'");
     c.fp8 = fp8 == "block" ? Fp8Recipe::kBlock : Fp8Recipe::kNone;
-    c.fp8_weight_refresh = fp8_refresh_on_request ? Fp8WeightRefresh::kOnRequest : Fp8WeightRefresh::kEveryForward;
+    MOE_CHECK(fp8_weight_refresh == "every_forward" || fp8_weight_refresh == "on_request" ||
+                  fp8_weight_refresh == "from_master",
+              "argument 'fp8_weight_refresh': expected 'every_forward', 'on_request' or 'from_master', got '",
+              fp8_weight_refresh, "'");
+    c.fp8_weight_refresh = fp8_weight_refresh == "on_request"    ? Fp8WeightRefresh::kOnRequest
+                           : fp8_weight_refresh == "from_master" ? Fp8WeightRefresh::kFromMaster
+                                                                 : Fp8WeightRefresh::kEveryForward;
     return registry().add(std::make_unique<MlpState>(c));
   });
 }
@@ -126,7 +132,8 @@ void mlp_backward_dw(int64_t handle, const at::Tensor& state, const at::Tensor& 
   });
 }
 
-// FP8 with weights quantized on request: binds the weights (as a forward would) and quantizes them.
+// FP8 with weights quantized on request (or FP8 primary weights from fp32 master weights): binds the
+// weights (as a forward would) and quantizes them.
 void mlp_refresh_fp8_weights(int64_t handle, const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
                              const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2) {
   MlpState& s = registry().get(handle);
@@ -159,7 +166,7 @@ TORCH_LIBRARY_FRAGMENT(moe_engine, m) {
         "float alpha, float limit, float offset, bool bias, bool probs_at_combine, int align, bool pre_padded, "
         "int row_bound, bool map_routing, bool per_expert, bool accumulate, bool fp32_wgrad, bool delay_wgrad, "
         "bool recompute, bool fuse_fc1=False, bool save_x_perm=True, bool fuse_fc2_dgrad=False, "
-        "bool transposed_weights=False, str fp8=\"none\", bool fp8_refresh_on_request=False) -> int",
+        "bool transposed_weights=False, str fp8=\"none\", str fp8_weight_refresh=\"every_forward\") -> int",
         &mlp_create);
   m.def("mlp_refresh_fp8_weights(int handle, Tensor[] fc1_weight, Tensor[] fc1_bias, Tensor[] fc2_weight, "
         "Tensor[] fc2_bias) -> ()",

@@ -46,7 +46,10 @@ recipe); parameters, inputs, outputs and gradients stay bf16 / fp32 (docs/layer.
 It runs the unfused path (fuse_fc1 and fuse_fc2_dgrad default to False) and needs align=128 (the
 default with fp8). `fp8_weight_refresh="every_forward"` quantizes the weights in every forward;
 "on_request" only in `refresh_fp8_weights()`, to be called after every change of the weights
-(once per optimizer step, before the first micro-batch)."""
+(once per optimizer step, before the first micro-batch). "from_master" (FP8 primary weights): the
+weight parameters are fp32 (the master weights the optimizer updates; biases stay bf16),
+`refresh_fp8_weights()` quantizes them straight from fp32, and the FP8 copies are the only weights
+computed with -- no bf16 weight exists; needs accumulate_into_main_grad=True."""
 import torch
 from torch import nn
 
@@ -77,7 +80,8 @@ class _ExpertModule(nn.Module):
     _OWNER_CLASS = nn.Module
 
     def _setup_params(self, hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
-                      accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std):
+                      accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std,
+                      weight_dtype=torch.bfloat16):
         if wgrad_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"argument 'wgrad_dtype': expected torch.bfloat16 or torch.float32, got {wgrad_dtype}")
         if wgrad_dtype == torch.float32 and not accumulate_into_main_grad:
@@ -99,12 +103,13 @@ class _ExpertModule(nn.Module):
             if s == "bias" and not bias:
                 continue
             std = init_std if init_std is not None else (shape[-1] ** -0.5 if s == "weight" else 0.0)
+            dtype = weight_dtype if s == "weight" else torch.bfloat16
             owner = getattr(self, self._OWNER_NAMES[p])
             if per_expert_weights:
                 for e in range(num_experts):
-                    owner.register_parameter(f"{s}{e}", nn.Parameter(self._init(shape, std, device)))
+                    owner.register_parameter(f"{s}{e}", nn.Parameter(self._init(shape, std, device, dtype)))
             else:
-                owner.register_parameter(s, nn.Parameter(self._init((num_experts, *shape), std, device)))
+                owner.register_parameter(s, nn.Parameter(self._init((num_experts, *shape), std, device, dtype)))
         self._hooks = []
         self._pending_dw = []  # delayed mode: (state tensors, gradient buffers) of each backward, oldest first
         self._register_load_state_dict_pre_hook(self._normalize_keys)
@@ -114,8 +119,8 @@ class _ExpertModule(nn.Module):
                 q.register_post_accumulate_grad_hook(lambda q, name=name: self._fire_hook(name, q))
 
     @staticmethod
-    def _init(shape, std, device):
-        t = torch.empty(shape, dtype=torch.bfloat16, device=device)
+    def _init(shape, std, device, dtype=torch.bfloat16):
+        t = torch.empty(shape, dtype=dtype, device=device)
         return t.normal_(0.0, std) if std > 0 else t.zero_()
 
     # -- parameters --------------------------------------------------------------------------
@@ -230,9 +235,13 @@ class GroupedMLP(_ExpertModule):
         super().__init__()
         if fp8 not in (None, "block"):
             raise ValueError(f"argument 'fp8': expected None or 'block', got {fp8!r}")
-        if fp8_weight_refresh not in ("every_forward", "on_request"):
-            raise ValueError("argument 'fp8_weight_refresh': expected 'every_forward' or 'on_request', got "
-                             f"{fp8_weight_refresh!r}")
+        if fp8_weight_refresh not in ("every_forward", "on_request", "from_master"):
+            raise ValueError("argument 'fp8_weight_refresh': expected 'every_forward', 'on_request' or 'from_master', "
+                             f"got {fp8_weight_refresh!r}")
+        if fp8_weight_refresh == "from_master" and (fp8 is None or not accumulate_into_main_grad):
+            raise ValueError("argument 'fp8_weight_refresh': 'from_master' (FP8 primary weights: fp32 weight "
+                             "parameters) needs fp8='block' and accumulate_into_main_grad=True (the gradients go "
+                             "to each parameter's fp32 main_grad)")
         self.fp8 = fp8
         if fp8 is not None:
             # The FP8 experts run the unfused path on 128-aligned expert rows.
@@ -253,10 +262,11 @@ class GroupedMLP(_ExpertModule):
                                        per_expert_weights, accumulate_into_main_grad,
                                        wgrad_dtype == torch.float32, delay_wgrad, recompute, self.fuse_fc1,
                                        save_x_perm, self.fuse_fc2_dgrad, False, fp8 or "none",
-                                       fp8_weight_refresh == "on_request")
+                                       fp8_weight_refresh)
         self._state_bytes = _ops.mlp_state_bytes(self._handle)
         self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
-                           accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std)
+                           accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std,
+                           weight_dtype=torch.float32 if fp8_weight_refresh == "from_master" else torch.bfloat16)
 
     def __del__(self):
         handle = getattr(self, "_handle", None)
@@ -273,8 +283,9 @@ class GroupedMLP(_ExpertModule):
         _ops.mlp_backward_dw(self._handle, state, header, None if self.recompute else x, *lists)
 
     def refresh_fp8_weights(self):
-        """fp8 with fp8_weight_refresh="on_request": quantizes the current weights for the forwards
-        and backwards that follow. Call it after every change of the weights (an optimizer step)."""
+        """fp8 with fp8_weight_refresh="on_request" or "from_master": quantizes the current weights
+        (from_master: the fp32 weight parameters, straight from fp32) for the forwards and backwards
+        that follow. Call it after every change of the weights (an optimizer step)."""
         with torch.no_grad():
             _ops.mlp_refresh_fp8_weights(self._handle, *self._param_lists())
 

@@ -8,6 +8,7 @@ after fc2 and after its bias, dact, dh) applied where the layer stores bf16.
 Two comparisons (tolerances justified at each test): on data whose quantization and fc1 / fc2-dgrad
 products are exact, so the two sides agree up to rare roundings (tight); and on random data, where
 fp32 accumulation order flips bf16 roundings that the next block quantization amplifies."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -185,3 +186,41 @@ def test_fp8_layer_matches_the_plain_pytorch_emulation_on_random_data():
     errs = compare(x, idx, probs, dy)
     print("fp8 layer vs the emulation, random data, relative L2:", {k: f"{v:.2e}" for k, v in errs.items()})
     assert all(err <= 3e-2 for err in errs.values()), errs
+
+
+def test_fp8_primary_weights_from_fp32_master():
+    """fp8_weight_refresh="from_master": fp32 weight parameters (the master weights), quantized
+    straight from fp32 by refresh_fp8_weights(). With master values that bf16 holds exactly the
+    results are bitwise those of bf16 weights refreshed on request (the same FP8 copies); a forward
+    before the first refresh is refused; the option needs fp8 and main_grad accumulation."""
+    T, H, F_, E, k = 256, 256, 384, 4, 2
+    idx, probs = routing(T, E, k, 9)
+    x = (torch.randn(T, H, device=DEV, generator=torch.Generator(device=DEV).manual_seed(10)) * 0.5).bfloat16()
+    dy = torch.randn(T, H, device=DEV, generator=torch.Generator(device=DEV).manual_seed(11)).bfloat16()
+    torch.manual_seed(12)
+    runs = {}
+    for mode in ("on_request", "from_master"):
+        mod = GroupedMLP(H, F_, E, k, max_tokens=T, bias=True, fp8="block", fp8_weight_refresh=mode,
+                         accumulate_into_main_grad=True)
+        if mode == "from_master":
+            assert mod.fc1.weight.dtype == torch.float32 and mod.fc1.bias.dtype == torch.bfloat16
+            with torch.no_grad():
+                for (_, q), (_, src) in zip(mod.named_parameters(), runs["on_request"]["mod"].named_parameters()):
+                    q.copy_(src)
+            with pytest.raises(ValueError, match="refresh_fp8_weights"):
+                mod(x, idx, probs)
+        for q in mod.parameters():
+            q.main_grad = torch.zeros(q.shape, device=DEV, dtype=torch.float32)
+        mod.refresh_fp8_weights()
+        xr = x.detach().clone().requires_grad_()
+        pr = probs.detach().clone().requires_grad_()
+        y = mod(xr, idx, pr)
+        y.backward(dy)
+        mod.check_errors()
+        runs[mode] = {"mod": mod, "y": y, "dx": xr.grad, "dprobs": pr.grad,
+                      **{n: q.main_grad for n, q in mod.named_parameters()}}
+    for key, want in runs["on_request"].items():
+        if key != "mod":
+            assert torch.equal(runs["from_master"][key], want), key
+    with pytest.raises(ValueError, match="from_master"):
+        GroupedMLP(H, F_, E, k, max_tokens=T, fp8="block", fp8_weight_refresh="from_master")
