@@ -35,7 +35,8 @@ namespace moe {
 // Device views of the four parameters (or of their gradients), in the config's layout:
 //   kSingleGrouped: one view each: fc1 [E, fc1_out, H], fc1_bias [E, fc1_out], fc2 [E, H, F], fc2_bias [E, H]
 //   kPerExpert:     E views each:  fc1 [fc1_out, H],    fc1_bias [fc1_out],    fc2 [H, F],    fc2_bias [H]
-// Biases are empty when config.bias is false. Gradients: dtype wgrad_dtype (kWrite) or fp32
+// Biases are empty when config.bias is false. With FP8 primary weights
+// (fp8_weight_refresh = kFromMaster) fc1 / fc2 are the fp32 master weights. Gradients: dtype wgrad_dtype (kWrite) or fp32
 // main_grad (kAccumulate), each parameter's in either layout (independent of the weights' layout:
 // one view with the leading E dimension is single grouped, E views are per expert).
 struct ExpertTensors {
@@ -139,8 +140,13 @@ class GroupedExperts {
   // kFc2Weight) that the GEMMs read, single grouped: rowwise data [E, N, K] and columnwise
   // [E, K, N] (fp8_e4m3) with their fp32 128x128 scale_inv tensors [E, ceil(N/128), ceil(K/128)]
   // and transposed; the format of moe::quantize with QuantBlocking::k2D. For checkpoints of FP8
-  // primary weights (read them, or write loaded bytes into them instead of a refresh).
+  // primary weights: the views are writable (the op's workspace), to write loaded bytes into them
+  // instead of a refresh (then accept_fp8_weights).
   QuantizedTensor fp8_weights(Param param) const;
+  // Whether the copies were made (a refresh, a forward with kEveryForward, or accepted after a
+  // load) since the last set_weights. With kEveryForward they hold the weights as of the last
+  // forward.
+  bool fp8_weights_current() const;
   // The copies were written through fp8_weights() (e.g. load_fp8_expert_weights): they count as
   // refreshed for the weights bound now. Needs fp8_weight_refresh = kOnRequest or kFromMaster.
   void accept_fp8_weights();

@@ -69,7 +69,8 @@ class GroupedMlp {
   // save_x_perm = false reads the forward's x again (see backward).
   void backward_dw(const SavedState& state, cudaStream_t stream, const TensorView* x = nullptr);
 
-  // FP8 experts with config.fp8_weight_refresh = kOnRequest: see GroupedExperts::refresh_fp8_weights.
+  // FP8 experts with config.fp8_weight_refresh = kOnRequest or kFromMaster: see
+  // GroupedExperts::refresh_fp8_weights.
   void refresh_fp8_weights(cudaStream_t stream);
   // FP8 experts: the quantized weight copies (see GroupedExperts::fp8_weights).
   QuantizedTensor fp8_weights(Param param) const;

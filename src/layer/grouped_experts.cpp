@@ -97,7 +97,7 @@ struct GroupedExperts::Impl {
   // Bound parameters and gradients; binding counts weight bindings (a forward records it).
   bool have_weights = false, have_grads = false;
   uint64_t binding = 0;
-  uint64_t fp8_refreshed = 0;  // the binding the FP8 weight copies were last made from (not kEveryForward)
+  uint64_t fp8_refreshed = 0;  // the binding the FP8 weight copies were last made (or loaded) for
   ExpertMatrices w1, w2, dw1, dw2;
   ExpertRows b1, b2, db1, db2;
   // Device tables of per-expert bias row pointers (b1, b2, db1, db2): a new table per binding, the
@@ -210,9 +210,13 @@ struct GroupedExperts::Impl {
   }
 
   // FP8: the weight copies a forward uses -- made now (kEveryForward), or checked to be current.
-  void fp8_weights(cudaStream_t s, const char* call) const {
+  void fp8_weights(cudaStream_t s, const char* call) {
     if (!fp8) return;
-    if (cfg.fp8_weight_refresh == Fp8WeightRefresh::kEveryForward) return fp8->quantize_weights(s);
+    if (cfg.fp8_weight_refresh == Fp8WeightRefresh::kEveryForward) {
+      fp8->quantize_weights(s);
+      fp8_refreshed = binding;
+      return;
+    }
     MOE_CHECK(fp8_refreshed == binding, call, ": the FP8 weight copies were not made since the last set_weights ",
               "(config.fp8_weight_refresh = on request / from master: call refresh_fp8_weights after every change ",
               "of the weights)");
@@ -475,6 +479,11 @@ void GroupedExperts::accept_fp8_weights() {
             "with config.fp8_weight_refresh = every forward each forward quantizes the bound weights again");
   MOE_CHECK(m.have_weights, "GroupedExperts::accept_fp8_weights: no weights bound (call set_weights first)");
   m.fp8_refreshed = m.binding;
+}
+
+bool GroupedExperts::fp8_weights_current() const {
+  const Impl& m = *impl_;
+  return m.fp8 != nullptr && m.have_weights && m.fp8_refreshed == m.binding;
 }
 
 QuantizedTensor GroupedExperts::fp8_weights(Param param) const {

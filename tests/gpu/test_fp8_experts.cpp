@@ -387,14 +387,31 @@ TEST_F(Fp8Experts, WeightsThroughACheckpointInEitherLayout) {
   StateDict split = loaded;
   normalize_expert_keys(split, "layers.3.experts.", c.experts, WeightLayout::kPerExpert);
   ASSERT_TRUE(split.count("layers.3.experts.fc1.weight2_columnwise_scale_inv"));
-  // A missing part is named before anything moves.
+  // A save before any copies exist is refused.
+  expect_error_naming([&] { save_fp8_expert_weights(grouped.ex, "x.", sd, md, stream); }, "refresh_fp8_weights");
+  // A missing part (or metadata entry) is named before anything moves: the copies keep their bytes.
+  grouped.ex.refresh_fp8_weights(stream);
+  auto copy_bytes = [&](const GroupedExperts& ex) {
+    StateDict s;
+    Metadata m;
+    save_fp8_expert_weights(ex, "", s, m, stream);
+    return s;
+  };
+  const StateDict before = copy_bytes(grouped.ex);
   StateDict broken = split;
-  broken.erase("layers.3.experts.fc1.weight1_scale_inv");
+  broken.erase("layers.3.experts.fc2.weight1_scale_inv");
   expect_error_naming([&] { load_fp8_expert_weights(grouped.ex, broken, md2, "layers.3.experts.", stream); },
-                      "layers.3.experts.fc1.weight1_scale_inv");
+                      "layers.3.experts.fc2.weight1_scale_inv");
   expect_error_naming([&] { load_fp8_expert_weights(grouped.ex, loaded, Metadata{}, "layers.3.experts.", stream); },
                       "moe.quant.layers.3.experts.fc1.weight");
-  load_fp8_expert_weights(grouped.ex, loaded, md2, "layers.3.experts.", stream);
+  const StateDict after = copy_bytes(grouped.ex);
+  for (const auto& [k, t] : before) EXPECT_TRUE(t.equals(after.at(k))) << k << " changed by a refused load";
+  // pow2_scale in the metadata only says how the scales were made: accepted.
+  Metadata md_pow2 = md2;
+  QuantConfig pow2 = decls[1].config;
+  pow2.pow2_scale = true;
+  set_quant_metadata(md_pow2, "layers.3.experts.fc2.weight", pow2);
+  load_fp8_expert_weights(grouped.ex, loaded, md_pow2, "layers.3.experts.", stream);
   load_fp8_expert_weights(per_expert.ex, split, md2, "layers.3.experts.", stream);
   for (ExpertsRun* r : {&src, &grouped, &per_expert}) {
     r->forward(step, stream);

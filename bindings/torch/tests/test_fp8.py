@@ -222,5 +222,20 @@ def test_fp8_primary_weights_from_fp32_master():
     for key, want in runs["on_request"].items():
         if key != "mod":
             assert torch.equal(runs["from_master"][key], want), key
+    # Master values bf16 cannot hold are quantized from fp32, not from their bf16 rounding: the
+    # output differs from that of the rounded values (a bf16 round trip in the binding would not).
+    mod = runs["from_master"]["mod"]
+    outs = []
+    with torch.no_grad():
+        master = {n: (q.float() * (1 + 2.0 ** -12 * torch.randn_like(q.float()))) for n, q in mod.named_parameters()
+                  if q.dtype == torch.float32}
+    for rounded in (False, True):
+        with torch.no_grad():
+            for n, q in mod.named_parameters():
+                if n in master:
+                    q.copy_(master[n].bfloat16().float() if rounded else master[n])
+        mod.refresh_fp8_weights()
+        outs.append(mod(x, idx, probs))
+    assert not torch.equal(outs[0], outs[1])
     with pytest.raises(ValueError, match="from_master"):
         GroupedMLP(H, F_, E, k, max_tokens=T, fp8="block", fp8_weight_refresh="from_master")
