@@ -5,7 +5,12 @@ then softmax + top-k + renormalise (qwen3's routing) over E in {64, 128, 256} an
 The PyTorch side does what the fused forward returns: scores, top-k, gather, renormalise, and the
 per-expert token counts (a scatter-add of ones).
 
+Eager calls mostly time the host at these sizes (Python, autograd and the launches of either side);
+`--graph` captures each side's call (forward, or forward + backward) in a CUDA graph and times its
+replays, which is the GPU work alone -- how a training step captured in graphs runs it.
+
     python3 bindings/torch/bench/bench_router.py [--tokens 16384 32768 65536] [--repeats 50] [--dtype bf16 fp32]
+                                                 [--graph]
 """
 import argparse
 import math
@@ -59,13 +64,29 @@ def median_ms(fn, repeats):
     return sorted(times)[len(times) // 2]
 
 
+def graphed(fn):
+    """fn captured in a CUDA graph (after warm-up calls on a side stream, as torch.cuda.graph asks);
+    returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="*", default=[16384, 32768, 65536])
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--dtype", nargs="*", default=["bf16"], choices=["bf16", "fp32"])
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays of each side's call")
     args = ap.parse_args()
-    print(torch.cuda.get_device_name())
+    print(torch.cuda.get_device_name(), "(CUDA graph replays)" if args.graph else "(eager)")
     print(f"{'variant':10} {'type':4} {'T':>6} {'E':>4} {'k':>2} {'ours fwd us':>12} {'torch fwd us':>13} {'x':>6} "
           f"{'ours f+b us':>12} {'torch f+b us':>13} {'x':>6}")
     variants = [("mixtral", 8, 2), ("qwen3", 128, 8), ("olmoe", 64, 8), ("gpt_oss", 128, 4), ("deepseek", 256, 8)]
@@ -94,8 +115,10 @@ def main():
         def torch_fb():
             (torch_route(z, k, kind, bias)[1] * dp).sum().backward()
 
-        of, tf = median_ms(ours_f, args.repeats) * 1e3, median_ms(torch_f, args.repeats) * 1e3
-        ofb, tfb = median_ms(ours_fb, args.repeats) * 1e3, median_ms(torch_fb, args.repeats) * 1e3
+        fns = [ours_f, torch_f, ours_fb, torch_fb]
+        if args.graph:
+            fns = [graphed(f) for f in fns]
+        of, tf, ofb, tfb = (median_ms(f, args.repeats) * 1e3 for f in fns)
         print(f"{kind:10} {dtype:4} {T:6d} {E:4d} {k:2d} {of:12.1f} {tf:13.1f} {tf / of:6.2f} "
               f"{ofb:12.1f} {tfb:13.1f} {tfb / ofb:6.2f}", flush=True)
         speedups_f.append(tf / of)

@@ -133,7 +133,7 @@ class Router(nn.Module):
         if self.tokens_per_expert is not None and self.training:
             self.tokens_per_expert += sel_counts
         idx, rmap = (None, routing) if self.map_output else (routing, None)
-        return RouterOutput(idx, rmap, probs, counts, sel_counts, losses[0], losses[1], losses[2])
+        return RouterOutput(idx, rmap, probs, counts, sel_counts, *losses.unbind(0))
 
     @torch.no_grad()
     def update_bias(self):
