@@ -311,20 +311,14 @@ TEST_F(Fp8Experts, PrimaryWeightsFromFp32Master) {
   std::normal_distribution<float> nd(0.0f, 0.05f);
   std::vector<float> w1(size_t(E * F1 * H));
   for (float& v : w1) v = nd(rng);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  a.ex.refresh_fp8_weights(stream);
-  MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const testing::CapturedGraph refresh(stream, [&] { a.ex.refresh_fp8_weights(stream); });
   for (int e = 0; e < E; ++e)
     MOE_CUDA_CHECK(cudaMemcpy(a.W1.bufs[e].get(), w1.data() + e * F1 * H, F1 * H * 4, cudaMemcpyHostToDevice));
   MOE_CUDA_CHECK(cudaMemcpy(b.W1.bufs[0].get(), w1.data(), w1.size() * 4, cudaMemcpyHostToDevice));
-  MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());  // pageable copies may still be in flight on return
+  refresh.launch();
   b.ex.refresh_fp8_weights(stream);
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  MOE_CUDA_CHECK(cudaGraphDestroy(graph));
   QuantConfig qc;
   qc.format = QuantFormat::kFP8Block;
   qc.blocking = QuantBlocking::k2D;

@@ -21,6 +21,7 @@
 namespace moe {
 namespace {
 
+using ::moe::testing::CapturedGraph;
 using ::moe::testing::DeviceBuffer;
 using ::moe::testing::expect_error_naming;
 
@@ -280,18 +281,10 @@ TEST(Quantize, Fp32MasterWeightsMatchTheReference) {
     std::vector<float> x2(x);
     for (float& v : x2) v = -2.5f * v;
     const ref::Quantized h2 = ref::quantize_fp32(c, x2, t.B, t.M, t.K);
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    quantize(c, vx, d.q, stream);
-    MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const CapturedGraph graph(stream, [&] { quantize(c, vx, d.q, stream); });
     dx.upload(x2);
-    MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    graph.launch();
     d.expect_equal(h2, what + " replay");
-    MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    MOE_CUDA_CHECK(cudaGraphDestroy(graph));
   }
   // fp32 input is for 128x128 blocks only.
   QuantConfig one_d;
@@ -325,25 +318,15 @@ TEST(Quantize, GraphReplayWithNewData) {
     DeviceBuffer<uint16_t> dx(x1);
     DeviceQuantized d(c, h1, 1, M, K, false);
     const TensorView vx(dx.get(), DType::kBF16, {M, K});
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    quantize(c, vx, d.q, stream);
-    MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const CapturedGraph graph(stream, [&] { quantize(c, vx, d.q, stream); });
+    graph.launch();
     d.expect_equal(h1, std::string(quant_format_name(f)) + " replay 1");
     dx.upload(x2);
-    MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    graph.launch();
     d.expect_equal(h2, std::string(quant_format_name(f)) + " replay 2");
     // Twice in a row (the global amax is re-zeroed inside the graph).
-    MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    graph.launch();
     d.expect_equal(h2, std::string(quant_format_name(f)) + " replay 3");
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
   }
   cudaStreamDestroy(stream);
 }

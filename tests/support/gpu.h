@@ -32,6 +32,34 @@ class StreamTest : public ::testing::Test {
   cudaStream_t stream = nullptr;
 };
 
+// The work `enqueue` puts on `stream`, captured once into an instantiated CUDA graph; launch()
+// replays it on the stream and waits for it.
+class CapturedGraph {
+ public:
+  template <typename Enqueue>
+  CapturedGraph(cudaStream_t stream, Enqueue&& enqueue) : stream_(stream) {
+    MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    enqueue();
+    MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph_));
+    MOE_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
+  }
+  ~CapturedGraph() {
+    if (exec_) cudaGraphExecDestroy(exec_);
+    if (graph_) cudaGraphDestroy(graph_);
+  }
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  void launch() const {
+    MOE_CUDA_CHECK(cudaGraphLaunch(exec_, stream_));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+ private:
+  cudaStream_t stream_;
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
 // Owns a device allocation of n elements of T.
 template <typename T>
 class DeviceBuffer {

@@ -19,6 +19,11 @@ import torch
 
 from moe_engine import Router
 
+try:
+    from cuda_graphs import graphed
+except ImportError:  # run from another directory
+    from bench.cuda_graphs import graphed
+
 
 def torch_route(z, k, kind, bias=None):
     """The routing of each preset as plain PyTorch ops (the composition the fused router replaces):
@@ -62,21 +67,6 @@ def median_ms(fn, repeats):
         b.synchronize()
         times.append(a.elapsed_time(b))
     return sorted(times)[len(times) // 2]
-
-
-def graphed(fn):
-    """fn captured in a CUDA graph (after warm-up calls on a side stream, as torch.cuda.graph asks);
-    returns its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def main():

@@ -14,8 +14,10 @@ import torch.nn.functional as F
 from moe_engine import GroupedMLP
 
 try:
+    from cuda_graphs import graphed
     from sonicmoe_side import AVAILABLE as SONIC, SonicSide
 except ImportError:  # run from another directory
+    from bench.cuda_graphs import graphed
     from bench.sonicmoe_side import AVAILABLE as SONIC, SonicSide
 
 SHAPES = {  # name: (T, H, F, E, k)
@@ -55,19 +57,6 @@ def median_ms(fn, iters=10, warm=3):
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e))
     return sorted(times)[len(times) // 2]
-
-
-def graphed(step):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    return g.replay
 
 
 def measure(name, no_x_perm=False):
