@@ -28,7 +28,8 @@ HandleRegistry<ExpertsState>& registry() {
 int64_t experts_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t max_rows, const std::string& activation,
                        int64_t glu_interleave, double alpha, double limit, double offset, bool bias,
                        bool probs_at_combine, bool per_expert, bool accumulate, bool fp32_wgrad, bool delay_wgrad,
-                       bool fuse_fc1, bool fuse_fc2_dgrad) {
+                       bool fuse_fc1, bool fuse_fc2_dgrad, const std::string& fp8,
+                       const std::string& fp8_weight_refresh) {
   return translate_errors([&] {
     ExpertsConfig c;
     c.hidden = hidden;
@@ -39,6 +40,7 @@ int64_t experts_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t max
                        accumulate, fp32_wgrad, delay_wgrad);
     c.fuse_fc1 = fuse_fc1;
     c.fuse_fc2_dgrad = fuse_fc2_dgrad;
+    set_fp8_options(c, fp8, fp8_weight_refresh);
     return registry().add(std::make_unique<ExpertsState>(c));
   });
 }
@@ -116,13 +118,38 @@ void experts_backward_dw(int64_t handle, const at::Tensor& state, const at::Tens
   });
 }
 
+// FP8 with weights quantized on request (or from fp32 master weights): binds the weights (as a
+// forward would) and quantizes them.
+void experts_refresh_fp8_weights(int64_t handle, const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
+                                 const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2) {
+  ExpertsState& s = registry().get(handle);
+  translate_errors([&] {
+    s.bind_weights(w1, b1, w2, b2);
+    s.op.refresh_fp8_weights(current_stream());
+    return 0;
+  });
+}
+
+void experts_check_errors(int64_t handle) {
+  ExpertsState& s = registry().get(handle);
+  translate_errors([&] {
+    s.op.check_errors(current_stream());
+    return 0;
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(moe_engine, m) {
   m.def("experts_create(int hidden, int ffn, int experts, int max_rows, str activation, int glu_interleave, "
         "float alpha, float limit, float offset, bool bias, bool probs_at_combine, bool per_expert, "
-        "bool accumulate, bool fp32_wgrad, bool delay_wgrad, bool fuse_fc1=False, bool fuse_fc2_dgrad=False) -> int",
+        "bool accumulate, bool fp32_wgrad, bool delay_wgrad, bool fuse_fc1=False, bool fuse_fc2_dgrad=False, "
+        "str fp8=\"none\", str fp8_weight_refresh=\"every_forward\") -> int",
         &experts_create);
+  m.def("experts_refresh_fp8_weights(int handle, Tensor[] fc1_weight, Tensor[] fc1_bias, Tensor[] fc2_weight, "
+        "Tensor[] fc2_bias) -> ()",
+        &experts_refresh_fp8_weights);
+  m.def("experts_check_errors(int handle) -> ()", &experts_check_errors);
   m.def("experts_destroy(int handle) -> ()", &experts_destroy);
   m.def("experts_state_bytes(int handle) -> int", &experts_state_bytes);
   m.def("experts_forward(int handle, Tensor x_perm, Tensor group_offsets, Tensor? probs_perm, Tensor[] fc1_weight, "

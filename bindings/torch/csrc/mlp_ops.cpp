@@ -47,15 +47,7 @@ int64_t mlp_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t topk, i
     c.save_x_perm = save_x_perm;
     c.fuse_fc2_dgrad = fuse_fc2_dgrad;
     c.transposed_weights = transposed_weights;
-    MOE_CHECK(fp8 == "none" || fp8 == "block", "argument 'fp8': expected 'none' or 'block', got '", fp8, "'");
-    c.fp8 = fp8 == "block" ? Fp8Recipe::kBlock : Fp8Recipe::kNone;
-    MOE_CHECK(fp8_weight_refresh == "every_forward" || fp8_weight_refresh == "on_request" ||
-                  fp8_weight_refresh == "from_master",
-              "argument 'fp8_weight_refresh': expected 'every_forward', 'on_request' or 'from_master', got '",
-              fp8_weight_refresh, "'");
-    c.fp8_weight_refresh = fp8_weight_refresh == "on_request"    ? Fp8WeightRefresh::kOnRequest
-                           : fp8_weight_refresh == "from_master" ? Fp8WeightRefresh::kFromMaster
-                                                                 : Fp8WeightRefresh::kEveryForward;
+    set_fp8_options(c, fp8, fp8_weight_refresh);
     return registry().add(std::make_unique<MlpState>(c));
   });
 }

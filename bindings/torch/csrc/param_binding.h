@@ -85,4 +85,18 @@ void set_expert_options(Config& c, const std::string& activation, int64_t glu_in
   c.delay_wgrad = delay_wgrad;
 }
 
+// The FP8 options from their Python names: fp8 "none" | "block", fp8_weight_refresh
+// "every_forward" | "on_request" | "from_master".
+template <typename Config>
+void set_fp8_options(Config& c, const std::string& fp8, const std::string& refresh) {
+  MOE_CHECK(fp8 == "none" || fp8 == "block", "argument 'fp8': expected 'none' or 'block', got '", fp8, "'");
+  c.fp8 = fp8 == "block" ? Fp8Recipe::kBlock : Fp8Recipe::kNone;
+  MOE_CHECK(refresh == "every_forward" || refresh == "on_request" || refresh == "from_master",
+            "argument 'fp8_weight_refresh': expected 'every_forward', 'on_request' or 'from_master', got '", refresh,
+            "'");
+  c.fp8_weight_refresh = refresh == "on_request"    ? Fp8WeightRefresh::kOnRequest
+                         : refresh == "from_master" ? Fp8WeightRefresh::kFromMaster
+                                                    : Fp8WeightRefresh::kEveryForward;
+}
+
 }  // namespace moe::torch_ext

@@ -70,6 +70,18 @@ def _fuse_fc1(choice, ffn_hidden_size, num_experts):
     return _fused_default(choice, ffn_hidden_size, num_experts, 1024)
 
 
+def _check_fp8_options(fp8, fp8_weight_refresh, accumulate_into_main_grad):
+    if fp8 not in (None, "block"):
+        raise ValueError(f"argument 'fp8': expected None or 'block', got {fp8!r}")
+    if fp8_weight_refresh not in ("every_forward", "on_request", "from_master"):
+        raise ValueError("argument 'fp8_weight_refresh': expected 'every_forward', 'on_request' or 'from_master', "
+                         f"got {fp8_weight_refresh!r}")
+    if fp8_weight_refresh == "from_master" and (fp8 is None or not accumulate_into_main_grad):
+        raise ValueError("argument 'fp8_weight_refresh': 'from_master' (FP8 primary weights: fp32 weight "
+                         "parameters) needs fp8='block' and accumulate_into_main_grad=True (the gradients go "
+                         "to each parameter's fp32 main_grad)")
+
+
 class _ExpertModule(nn.Module):
     """Parameters, gradient buffers and wgrad hooks shared by GroupedMLP and GroupedExperts."""
 
@@ -233,15 +245,7 @@ class GroupedMLP(_ExpertModule):
                  clamp_limit=7.0, clamp_offset=1.0, device=None, init_std=None, fuse_fc1=None, save_x_perm=True,
                  fuse_fc2_dgrad=None, fp8=None, fp8_weight_refresh="every_forward"):
         super().__init__()
-        if fp8 not in (None, "block"):
-            raise ValueError(f"argument 'fp8': expected None or 'block', got {fp8!r}")
-        if fp8_weight_refresh not in ("every_forward", "on_request", "from_master"):
-            raise ValueError("argument 'fp8_weight_refresh': expected 'every_forward', 'on_request' or 'from_master', "
-                             f"got {fp8_weight_refresh!r}")
-        if fp8_weight_refresh == "from_master" and (fp8 is None or not accumulate_into_main_grad):
-            raise ValueError("argument 'fp8_weight_refresh': 'from_master' (FP8 primary weights: fp32 weight "
-                             "parameters) needs fp8='block' and accumulate_into_main_grad=True (the gradients go "
-                             "to each parameter's fp32 main_grad)")
+        _check_fp8_options(fp8, fp8_weight_refresh, accumulate_into_main_grad)
         self.fp8 = fp8
         if fp8 is not None:
             # The FP8 experts run the unfused path on 128-aligned expert rows.
@@ -309,23 +313,31 @@ class GroupedExperts(_ExpertModule):
     [rows] or None) -> Y [rows, H], rows <= max_rows, group e = rows [g[e], g[e+1]) (e.g. the
     outputs of moe_engine.Dispatcher.permute, or of an expert-parallel all-to-all). With
     probs_at_combine=True the experts do not scale by probs (pass None). Differentiable in x_perm,
-    probs_perm and the parameters."""
+    probs_perm and the parameters.
+
+    fp8="block" and fp8_weight_refresh as for GroupedMLP; the rows of each expert must then fill
+    whole 128-row blocks (start on a multiple of 128, e.g. a dispatcher with align=128) and max_rows
+    be a multiple of 16. An expert off that grid is reported by check_errors() (its weight gradient
+    is skipped)."""
 
     def __init__(self, hidden_size, ffn_hidden_size, num_experts, max_rows, activation="swiglu",
                  glu_interleave=0, bias=False, probs_at_combine=False, per_expert_weights=False,
                  accumulate_into_main_grad=False, wgrad_dtype=torch.bfloat16, delay_wgrad=False,
                  clamp_alpha=1.702, clamp_limit=7.0, clamp_offset=1.0, device=None, init_std=None,
-                 fuse_fc1=None, fuse_fc2_dgrad=None):
+                 fuse_fc1=None, fuse_fc2_dgrad=None, fp8=None, fp8_weight_refresh="every_forward"):
         super().__init__()
+        _check_fp8_options(fp8, fp8_weight_refresh, accumulate_into_main_grad)
+        self.fp8 = fp8
         self.probs_at_combine = probs_at_combine
         self._handle = _ops.experts_create(hidden_size, ffn_hidden_size, num_experts, max_rows, activation,
                                            glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias,
                                            probs_at_combine, per_expert_weights, accumulate_into_main_grad,
                                            wgrad_dtype == torch.float32, delay_wgrad,
-                                           bool(fuse_fc1), bool(fuse_fc2_dgrad))
+                                           bool(fuse_fc1), bool(fuse_fc2_dgrad), fp8 or "none", fp8_weight_refresh)
         self._state_bytes = _ops.experts_state_bytes(self._handle)
         self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
-                           accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std)
+                           accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std,
+                           weight_dtype=torch.float32 if fp8_weight_refresh == "from_master" else torch.bfloat16)
 
     def __del__(self):
         handle = getattr(self, "_handle", None)
@@ -342,6 +354,16 @@ class GroupedExperts(_ExpertModule):
     def _run_backward_dw(self, pending, lists):
         state, header, x_perm, group_offsets, probs_perm, dY = pending
         _ops.experts_backward_dw(self._handle, state, header, x_perm, group_offsets, probs_perm, dY, *lists)
+
+    def refresh_fp8_weights(self):
+        """fp8 with fp8_weight_refresh="on_request" or "from_master": see GroupedMLP.refresh_fp8_weights."""
+        with torch.no_grad():
+            _ops.experts_refresh_fp8_weights(self._handle, *self._param_lists())
+
+    def check_errors(self):
+        """Raises ValueError if (fp8) an expert's rows were off the 128-row grid since the last check.
+        Synchronises: call outside CUDA graphs."""
+        _ops.experts_check_errors(self._handle)
 
     def state_bytes(self):
         return self._state_bytes

@@ -36,7 +36,9 @@ class Composed(torch.nn.Module):
         kw = {k: v for k, v in layer_kwargs.items() if k not in ("align", "recompute")}
         # The layer's choice of the fused fc2 dgrad (its dprobs sums in another order than the
         # unfused activation backward's, so both sides must take the same kernels to agree bitwise).
-        self.experts = GroupedExperts(H, F, E, self.d.rows, fuse_fc2_dgrad=fuse_fc2_dgrad, **kw)
+        # The FP8 experts need a row bound that is a multiple of 16 (as the layer rounds its own).
+        rows = (self.d.rows + 15) // 16 * 16 if kw.get("fp8") else self.d.rows
+        self.experts = GroupedExperts(H, F, E, rows, fuse_fc2_dgrad=fuse_fc2_dgrad, **kw)
         self.at_combine = at_combine
 
     def forward(self, x, idx, probs):
@@ -102,11 +104,13 @@ VARIANTS = [
     dict(bias=True, probs_at_combine=True, align=16),
     dict(bias=True, accumulate_into_main_grad=True, wgrad_dtype=torch.float32, delay_wgrad=True),
     dict(recompute=True, bias=True),
+    dict(fp8="block", align=128, bias=True),
 ]
 
 
 @pytest.mark.parametrize("kind", ["layer", "composed"])
-@pytest.mark.parametrize("kwargs", VARIANTS, ids=["default", "bias_at_combine", "delayed_main_grad", "recompute"])
+@pytest.mark.parametrize("kwargs", VARIANTS, ids=["default", "bias_at_combine", "delayed_main_grad", "recompute",
+                                                  "fp8"])
 def test_in_flight_micro_batches_any_backward_order(kind, kwargs):
     if kind == "composed" and kwargs.get("recompute"):
         pytest.skip("recompute is a layer option")
@@ -126,7 +130,7 @@ def test_in_flight_micro_batches_any_backward_order(kind, kwargs):
 
 def test_in_flight_layer_and_composition_agree_bitwise():
     batches = [batch(s) for s in range(4)]
-    for kwargs in VARIANTS[:3]:
+    for kwargs in VARIANTS[:3] + VARIANTS[4:]:
         a, ga = run(make("layer", kwargs), batches, [0, 1, 2, 3], kwargs.get("accumulate_into_main_grad", False),
                     kwargs.get("delay_wgrad", False), dw_order=[0, 1, 2, 3])
         b, gb = run(make("composed", kwargs), batches, [0, 1, 2, 3], kwargs.get("accumulate_into_main_grad", False),
