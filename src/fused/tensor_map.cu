@@ -1,7 +1,9 @@
 #include "fused/tensor_map.h"
 
+#include <cuda_runtime_api.h>
 #include <cutlass/cuda_host_adapter.hpp>
 
+#include "device/cuda_check.h"
 #include "moe/error.h"
 
 namespace moe::fused {
@@ -17,10 +19,23 @@ CUtensorMap bf16_tensor_map(const void* base, int rank, const uint64_t* dims, co
     unit[i] = 1;
     if (i + 1 < rank) s[i] = strides[i];
   }
-  const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(rank), const_cast<void*>(base), d, s, b, unit,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  auto encode = [&] {
+    return CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+        &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(rank), const_cast<void*>(base), d, s, b,
+        unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  };
+  CUresult r = encode();
+  if (r == CUDA_ERROR_INVALID_CONTEXT) {
+    // The encoder is a driver call and needs a current context, which the runtime makes current on
+    // a thread only at that thread's first runtime call: a backward on a fresh thread (PyTorch's
+    // autograd worker) can get here first. cudaSetDevice makes the device's primary context
+    // current; then encode again.
+    int device = 0;
+    MOE_CUDA_CHECK(cudaGetDevice(&device));
+    MOE_CUDA_CHECK(cudaSetDevice(device));
+    r = encode();
+  }
   MOE_CHECK(r == CUDA_SUCCESS, who, ": cuTensorMapEncodeTiled failed (", static_cast<int>(r), ")");
   return map;
 }

@@ -32,13 +32,15 @@ class Composed(torch.nn.Module):
     def __init__(self, layer_kwargs, fuse_fc2_dgrad):
         super().__init__()
         at_combine = layer_kwargs.get("probs_at_combine", False)
-        self.d = Dispatcher(T, E, H, topk=K, align=layer_kwargs.get("align", 0))
+        align = layer_kwargs.get("align", 0)
+        self.d = Dispatcher(T, E, H, topk=K, align=align)
         kw = {k: v for k, v in layer_kwargs.items() if k not in ("align", "recompute")}
+        if kw.get("fp8"):
+            # The FP8 experts need rows in multiples of 16: the row bound rounded up, as the layer does.
+            self.d = Dispatcher(T, E, H, topk=K, align=align, row_bound=(self.d.rows + 15) // 16 * 16)
         # The layer's choice of the fused fc2 dgrad (its dprobs sums in another order than the
         # unfused activation backward's, so both sides must take the same kernels to agree bitwise).
-        # The FP8 experts need a row bound that is a multiple of 16 (as the layer rounds its own).
-        rows = (self.d.rows + 15) // 16 * 16 if kw.get("fp8") else self.d.rows
-        self.experts = GroupedExperts(H, F, E, rows, fuse_fc2_dgrad=fuse_fc2_dgrad, **kw)
+        self.experts = GroupedExperts(H, F, E, self.d.rows, fuse_fc2_dgrad=fuse_fc2_dgrad, **kw)
         self.at_combine = at_combine
 
     def forward(self, x, idx, probs):
