@@ -10,6 +10,7 @@
 #include "moe/float_convert.h"
 #include "reference/activation_ref.h"
 #include "reference/dispatch_ref.h"
+#include "reference/quantize_ref.h"
 
 namespace moe::ref {
 namespace {
@@ -33,6 +34,19 @@ void check_params(const ExpertParams& p, const GroupedMlpConfig& c, const char* 
   }
 }
 
+// v [rows, cols] replaced by the dequantization of its rowwise or columnwise copy under c, in v's
+// orientation.
+std::vector<double> fake_quantize(QuantConfig c, const double* v, int64_t rows, int64_t cols, bool columnwise) {
+  c.rowwise = !columnwise;
+  c.columnwise = columnwise;
+  const std::vector<float> x(v, v + rows * cols);
+  const std::vector<float> d = dequantize(c, quantize_fp32(c, x, 1, rows, cols), columnwise, 1, rows, cols);
+  std::vector<double> out(rows * cols);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) out[r * cols + j] = columnwise ? d[j * rows + r] : d[r * cols + j];
+  return out;
+}
+
 }  // namespace
 
 GroupedMlpRef::GroupedMlpRef(const GroupedMlpConfig& config, bool emulate_bf16)
@@ -52,6 +66,36 @@ void GroupedMlpRef::set_grads(const ExpertParams& grads) {
   check_params(grads, config_, "grads");
   g_ = grads;
   have_grads_ = true;
+}
+
+void GroupedMlpRef::set_operand_quant(const OperandQuant& quant) {
+  for (const QuantConfig* c : {&quant.tokens, &quant.weights}) {
+    QuantConfig both = *c;
+    both.rowwise = both.columnwise = true;
+    validate_quant_config(both, c == &quant.tokens ? "quant.tokens" : "quant.weights");
+  }
+  MOE_CHECK(quant.tokens.blocking == QuantBlocking::k1D, "argument 'quant.tokens.blocking': token operands take ",
+            "1-D blocks");
+  quant_ = quant;
+  quantize_operands_ = true;
+}
+
+std::vector<double> GroupedMlpRef::token_operand(const std::vector<double>& v, int64_t rows, int64_t cols,
+                                                 bool columnwise) const {
+  if (!quantize_operands_ || rows == 0) return v;
+  return fake_quantize(quant_.tokens, v.data(), rows, cols, columnwise);
+}
+
+std::vector<double*> GroupedMlpRef::weight_operand(const std::vector<double*>& w, int64_t rows, int64_t cols,
+                                                   bool columnwise, std::vector<std::vector<double>>& store) const {
+  if (!quantize_operands_) return w;
+  store.clear();
+  std::vector<double*> table;
+  for (double* m : w) {
+    store.push_back(fake_quantize(quant_.weights, m, rows, cols, columnwise));
+    table.push_back(store.back().data());
+  }
+  return table;
 }
 
 void GroupedMlpRef::register_hook(Param param, Hook hook) {
@@ -97,7 +141,9 @@ void GroupedMlpRef::forward(const Routing& routing, const double* x, double* y) 
 
   // fc1 (+ b1): the GEMM output is stored, then the bias is added in place.
   h_.assign(R * F1, 0.0);
-  grouped_fprop(groups_, x_perm_.data(), w_.fc1_weight.data(), F1, H, h_.data());
+  std::vector<std::vector<double>> wq;
+  grouped_fprop(groups_, token_operand(x_perm_, R, H, false).data(),
+                weight_operand(w_.fc1_weight, F1, H, false, wq).data(), F1, H, h_.data());
   round_all(h_);
   if (c.bias)
     for (int e = 0; e < E; ++e)
@@ -115,7 +161,8 @@ void GroupedMlpRef::forward(const Routing& routing, const double* x, double* y) 
 
   // fc2 (+ p * b2, or + b2 when probs are merged at combine).
   Y_.assign(R * H, 0.0);
-  grouped_fprop(groups_, act_.data(), w_.fc2_weight.data(), H, F, Y_.data());
+  grouped_fprop(groups_, token_operand(act_, R, F, false).data(), weight_operand(w_.fc2_weight, H, F, false, wq).data(),
+                H, F, Y_.data());
   round_all(Y_);
   if (c.bias)
     for (int e = 0; e < E; ++e)
@@ -154,7 +201,9 @@ void GroupedMlpRef::backward(const double* dy, double* dx, double* dprobs) {
 
   // fc2 dgrad, then the activation's backward (dh and dp through the activation).
   std::vector<double> d_act(R * F, 0.0);
-  grouped_dgrad(groups_, dY_.data(), w_.fc2_weight.data(), H, F, d_act.data());
+  std::vector<std::vector<double>> wq;
+  grouped_dgrad(groups_, token_operand(dY_, R, H, false).data(), weight_operand(w_.fc2_weight, H, F, true, wq).data(),
+                H, F, d_act.data());
   round_all(d_act);
   dh_.assign(R * F1, 0.0);
   std::vector<double> dp_perm(R, 0.0);
@@ -177,7 +226,8 @@ void GroupedMlpRef::backward(const double* dy, double* dx, double* dprobs) {
 
   // fc1 dgrad, then the dispatch's backward (sum of each token's rows; dprobs at the slots' rows).
   std::vector<double> dx_perm(R * H, 0.0);
-  grouped_dgrad(groups_, dh_.data(), w_.fc1_weight.data(), F1, H, dx_perm.data());
+  grouped_dgrad(groups_, token_operand(dh_, R, F1, false).data(),
+                weight_operand(w_.fc1_weight, F1, H, true, wq).data(), F1, H, dx_perm.data());
   round_all(dx_perm);
   if (T > 0) {
     if (p_act) {
@@ -240,7 +290,9 @@ void GroupedMlpRef::compute_wgrad_fc2() {
   const GroupedMlpConfig& c = config_;
   const bool acc = c.wgrad == WgradMode::kAccumulate;
   // dW2_e = dY_e^T Act_e; db2_e = sum_rows (p *) dY_e (p when the bias was scaled by it).
-  grouped_wgrad(groups_, dY_.data(), act_.data(), c.hidden, c.ffn, g_.fc2_weight.data(), acc);
+  const int64_t R = plan_.R;
+  grouped_wgrad(groups_, token_operand(dY_, R, c.hidden, true).data(), token_operand(act_, R, c.ffn, true).data(),
+                c.hidden, c.ffn, g_.fc2_weight.data(), acc);
   round_grads(g_.fc2_weight, c.hidden * c.ffn);
   if (c.bias) {
     bias_grad(dY_, c.hidden, probs_in_act() ? probs_perm_.data() : nullptr, g_.fc2_bias);
@@ -252,7 +304,9 @@ void GroupedMlpRef::compute_wgrad_fc1() {
   const GroupedMlpConfig& c = config_;
   const bool acc = c.wgrad == WgradMode::kAccumulate;
   // dW1_e = dHh_e^T X_e; db1_e = sum_rows dHh_e.
-  grouped_wgrad(groups_, dh_.data(), x_perm_.data(), c.fc1_out(), c.hidden, g_.fc1_weight.data(), acc);
+  const int64_t R = plan_.R;
+  grouped_wgrad(groups_, token_operand(dh_, R, c.fc1_out(), true).data(),
+                token_operand(x_perm_, R, c.hidden, true).data(), c.fc1_out(), c.hidden, g_.fc1_weight.data(), acc);
   round_grads(g_.fc1_weight, c.fc1_out() * c.hidden);
   if (c.bias) {
     bias_grad(dh_, c.fc1_out(), nullptr, g_.fc1_bias);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "moe/grouped_mlp_config.h"
+#include "moe/quant_format.h"
 #include "reference/grouped_gemm_ref.h"
 #include "reference/routing_ref.h"
 
@@ -24,6 +25,18 @@ struct ExpertParams {
   std::vector<double*> fc1_bias;    // E x [fc1_out]   (config.bias only)
   std::vector<double*> fc2_weight;  // E x [H, F]
   std::vector<double*> fc2_bias;    // E x [H]         (config.bias only)
+};
+
+// Quantized GEMM operands, as the layer's quantized recipes compute (docs/layer.md, FP8 experts):
+// each operand of the six products is replaced by the dequantization of its quantized copy. Token
+// operands (x_perm, act, dY, dh; [R, cols] in permuted row order) use `tokens` (1-D blocks): their
+// rowwise copy (blocks along the reduction) in fprop and dgrad, their columnwise copy (blocks along
+// the rows, from row 0) in the weight gradients. Each expert's weight matrix uses `weights`: its
+// rowwise copy in fprop, its columnwise copy in dgrad (the same values with 2-D blocks). The
+// quantizer sees the values as fp32 (exact for the bf16 values the layer stores). Bias gradients
+// and dprobs read the unquantized dY and dact, as the layer does.
+struct OperandQuant {
+  QuantConfig tokens, weights;
 };
 
 class GroupedMlpRef {
@@ -42,6 +55,8 @@ class GroupedMlpRef {
   // Called once per backward (or backward_dw) when that parameter's gradient is final; bias hooks
   // only when config.bias. Order: fc2.weight, fc2.bias, fc1.weight, fc1.bias.
   void register_hook(Param param, Hook hook);
+  // Quantized operands from now on (see OperandQuant); the configs' copy flags are ignored.
+  void set_operand_quant(const OperandQuant& quant);
 
   // x [T, H] -> y [T, H].
   void forward(const Routing& routing, const double* x, double* y);
@@ -69,9 +84,18 @@ class GroupedMlpRef {
   void bias_grad(const std::vector<double>& d, int64_t cols, const double* scale, const std::vector<double*>& db);
   void round_grads(const std::vector<double*>& g, int64_t n);
   void fire(Param p);
+  // `v` [rows, cols] through the token quantization (columnwise: blocks along the rows), or `v`
+  // itself without operand quantization.
+  std::vector<double> token_operand(const std::vector<double>& v, int64_t rows, int64_t cols, bool columnwise) const;
+  // Each expert's [rows, cols] weight through the weight quantization (into `store`), or the bound
+  // table itself.
+  std::vector<double*> weight_operand(const std::vector<double*>& w, int64_t rows, int64_t cols, bool columnwise,
+                                      std::vector<std::vector<double>>& store) const;
 
   GroupedMlpConfig config_;
   bool emulate_bf16_;
+  bool quantize_operands_ = false;
+  OperandQuant quant_;
   ExpertParams w_, g_;
   bool have_weights_ = false, have_grads_ = false;
   std::vector<std::vector<Hook>> hooks_;

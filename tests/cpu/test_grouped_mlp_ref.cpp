@@ -4,11 +4,13 @@
 // accumulation, delayed wgrad and hooks, edge cases of the routing, map form, bf16 emulation.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "moe/activation.h"
@@ -17,6 +19,7 @@
 #include "moe/float_convert.h"
 #include "moe/grouped_mlp_config.h"
 #include "reference/grouped_mlp_ref.h"
+#include "reference/quantize_ref.h"
 #include "reference/routing_gen.h"
 #include "reference/routing_ref.h"
 #include "support/expect_error.h"
@@ -168,8 +171,9 @@ struct Result {
 
 // forward + backward (+ backward_dw when delayed); gradients start as `grad_init` (logical).
 Result run(const GroupedMlpConfig& c, const Problem& P, const Logical& w, bool per_expert, const Logical* grad_init,
-           bool emulate = false) {
+           bool emulate = false, const OperandQuant* quant = nullptr) {
   GroupedMlpRef layer(c, emulate);
+  if (quant) layer.set_operand_quant(*quant);
   Stored ws = store(w, c, per_expert);
   Stored gs = store(grad_init ? *grad_init : filled(c, std::nan("")), c, per_expert);
   layer.set_weights(ws.params);
@@ -519,6 +523,117 @@ TEST(GroupedMlpRef, EmulateBf16RoundsWhatTheGpuStores) {
   for (size_t i = 0; i < y.size(); ++i) EXPECT_NEAR(emu.y[i], exact.y[i], 0.05 * (std::fabs(exact.y[i]) + 0.05));
   for (size_t i = 0; i < emu.dx.size(); ++i)
     EXPECT_NEAR(emu.dx[i], exact.dx[i], 0.05 * (std::fabs(exact.dx[i]) + 0.05));
+}
+
+// Quantized operands: checked against products written here from the quantize reference (fc1's
+// output, fc2's weight gradient with columnwise copies built as the rowwise quantization of the
+// transpose), both layouts bitwise equal, and a change of the size that NVFP4's rounding makes.
+namespace quantized {
+
+// v [rows, cols] through c's rowwise copy, or its columnwise copy (= the rowwise quantization of
+// v^T), dequantized, in v's orientation.
+std::vector<double> fake(const QuantConfig& c, const std::vector<double>& v, int64_t rows, int64_t cols,
+                         bool columnwise) {
+  QuantConfig r = c;
+  r.rowwise = true;
+  r.columnwise = false;
+  std::vector<float> x(v.size());
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j)
+      x[columnwise ? j * rows + i : i * cols + j] = static_cast<float>(v[i * cols + j]);
+  const int64_t m = columnwise ? cols : rows, k = columnwise ? rows : cols;
+  const std::vector<float> d = dequantize(r, quantize_fp32(r, x, 1, m, k), false, 1, m, k);
+  std::vector<double> out(v.size());
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) out[i * cols + j] = d[columnwise ? j * rows + i : i * cols + j];
+  return out;
+}
+
+double rel(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) num += (a[i] - b[i]) * (a[i] - b[i]), den += b[i] * b[i];
+  return std::sqrt(num / den);
+}
+
+}  // namespace quantized
+
+TEST(GroupedMlpRef, QuantizedOperandsFollowTheRecipe) {
+  GroupedMlpConfig c = make_config(Activation::kSwiGLU, false, ProbsPlacement::kInActivation, 4, 2, 40, 32, 32);
+  c.dispatch.align = 16;
+  c.dispatch.row_bound = 144;  // NVFP4 columnwise copies: rows in multiples of 16
+  OperandQuant q;
+  q.tokens.format = QuantFormat::kNVFP4;
+  q.weights.format = QuantFormat::kNVFP4;
+  q.weights.blocking = QuantBlocking::k2D;
+  Problem P = make_problem(c, make_topk_routing(40, 4, 2, 21), 22);
+  const Logical w = random_weights(c, 23);
+  const int64_t H = c.hidden, F = c.ffn, F1 = c.fc1_out(), E = c.experts;
+
+  GroupedMlpRef layer(c);
+  layer.set_operand_quant(q);
+  Stored ws = store(w, c, false);
+  Logical g0 = filled(c, 0.0);
+  Stored gs = store(g0, c, false);
+  layer.set_weights(ws.params);
+  layer.set_grads(gs.params);
+  std::vector<double> y(40 * H), dx(40 * H), dprobs(40 * 2);
+  layer.forward(P.routing, P.x.data(), y.data());
+  layer.backward(P.dy.data(), dx.data(), dprobs.data());
+  const Logical grads = load(gs, c);
+  const DispatchPlan& plan = layer.plan();
+  const int64_t R = plan.R;
+
+  // fc1's output: Q(x_perm) Q(W1_e)^T over each expert's rows.
+  const std::vector<double> xq = quantized::fake(q.tokens, layer.x_perm(), R, H, false);
+  double worst = 0;
+  for (int e = 0; e < E; ++e) {
+    const std::vector<double> w1(ws.params.fc1_weight[e], ws.params.fc1_weight[e] + F1 * H);
+    const std::vector<double> w1q = quantized::fake(q.weights, w1, F1, H, false);
+    for (int64_t r = plan.offset[e]; r < plan.offset[e] + plan.rows_in_bound(e); ++r)
+      for (int64_t n = 0; n < F1; ++n) {
+        double s = 0;
+        for (int64_t k = 0; k < H; ++k) s += xq[r * H + k] * w1q[n * H + k];
+        worst = std::max(worst, std::fabs(s - layer.fc1_out()[r * F1 + n]));
+      }
+  }
+  EXPECT_LT(worst, 1e-12);
+
+  // fc2's weight gradient from the columnwise copies of dY (dy's rows, probs in the activation)
+  // and act, blocks of 16 rows from row 0.
+  std::vector<double> dY(R * H, 0.0);
+  for (int64_t r = 0; r < R; ++r)
+    if (plan.row_token[r] >= 0)
+      for (int64_t j = 0; j < H; ++j) dY[r * H + j] = P.dy[plan.row_token[r] * H + j];
+  const std::vector<double> dYc = quantized::fake(q.tokens, dY, R, H, true);
+  const std::vector<double> actc = quantized::fake(q.tokens, layer.act(), R, F, true);
+  worst = 0;
+  for (int e = 0; e < E; ++e)
+    for (int64_t n = 0; n < H; ++n)
+      for (int64_t k = 0; k < F; ++k) {
+        double s = 0;
+        for (int64_t r = plan.offset[e]; r < plan.offset[e] + plan.rows_in_bound(e); ++r)
+          s += dYc[r * H + n] * actc[r * F + k];
+        worst = std::max(worst, std::fabs(s - grads.w2[(e * H + n) * F + k]));
+      }
+  EXPECT_LT(worst, 1e-12);
+
+  // Both layouts give the same bits; the quantization moves every result by what NVFP4 rounding
+  // (2-3 significant bits) costs: several percent, far from zero and from O(1).
+  const Result a = run(c, P, w, false, &g0, false, &q), b = run(c, P, w, true, &g0, false, &q);
+  EXPECT_TRUE(same_bits(a.y, b.y) && same_bits(a.dx, b.dx) && same_bits(a.dprobs, b.dprobs));
+  EXPECT_TRUE(same_bits(a.grads.w1, b.grads.w1) && same_bits(a.grads.w2, b.grads.w2));
+  const Result plain = run(c, P, w, false, &g0);
+  for (const auto& [name, got, want] :
+       {std::tuple<const char*, const std::vector<double>*, const std::vector<double>*>{"y", &a.y, &plain.y},
+        {"dx", &a.dx, &plain.dx}, {"dprobs", &a.dprobs, &plain.dprobs}, {"dW1", &a.grads.w1, &plain.grads.w1},
+        {"dW2", &a.grads.w2, &plain.grads.w2}}) {
+    const double err = quantized::rel(*got, *want);
+    EXPECT_GT(err, 0.01) << name;
+    EXPECT_LT(err, 0.5) << name;
+  }
+  OperandQuant bad = q;
+  bad.tokens.blocking = QuantBlocking::k2D;
+  expect_error_naming([&] { layer.set_operand_quant(bad); }, "quant.tokens");
 }
 
 TEST(GroupedMlpRef, BadArgumentsNameTheArgument) {
