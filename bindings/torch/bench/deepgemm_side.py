@@ -374,7 +374,7 @@ def main():
     ap.add_argument("--kineto", action="store_true", help="also DeepGEMM's own method (profiler, L2 flushed)")
     args = ap.parse_args()
     if not AVAILABLE:
-        raise SystemExit("deep_gemm does not import: stage it first (stage_deepgemm.md)")
+        raise SystemExit("deep_gemm does not import: install DeepGEMM first")
     os.environ.setdefault("DG_JIT_CACHE_DIR", "/tmp/dg-jit")  # read at the first compilation
     if torch.cuda.get_device_capability()[0] != 9:
         print("warning: not an SM90 GPU; these layouts and entry points are DeepGEMM's SM90 ones")
