@@ -8,6 +8,7 @@
 //   quantize rowwise                 read 2MK + write data + scales
 //   quantize rowwise + columnwise    read 2MK + write both copies (one read of x: the fused kernel)
 //   NVFP4 adds one more read of x (2MK) for the global amax pass
+//   fp32 x (FP8 block 128x128, master weights): read 4MK instead of 2MK
 //   dequantize (one copy, bf16 out)  read data + scales + write 2MK
 // Times: median of CUDA-event-timed replays of a CUDA graph holding one call (the NVFP4 graph
 // holds the global amax memset and pass too). "% copy" is GB/s over the device-to-device copy
@@ -28,6 +29,7 @@ using namespace moe;
 struct Variant {
   const char* name;
   QuantConfig config;
+  bool fp32_input = false;  // fp32 x (master weights into FP8 block 128x128)
 };
 
 std::vector<Variant> variants() {
@@ -50,6 +52,7 @@ std::vector<Variant> variants() {
   v.push_back({"fp8_block 1x128 row+col rm/mn", make(QF::kFP8Block, QB::k1D, true)});
   v.back().config.columnwise_scale_layout = ScaleLayout::kMNMajor;  // what the FP8 experts write
   v.push_back({"fp8_block 128x128 row+col", make(QF::kFP8Block, QB::k2D, true)});
+  v.push_back({"fp8_block 128x128 fp32 in", make(QF::kFP8Block, QB::k2D, true), true});
   v.push_back({"mxfp8 row", make(QF::kMXFP8, QB::k1D, false)});
   v.push_back({"mxfp8 row+col swizzled", make(QF::kMXFP8, QB::k1D, true, ScaleLayout::kSwizzled128x4)});
   v.push_back({"nvfp4 row", make(QF::kNVFP4, QB::k1D, false)});
@@ -93,17 +96,17 @@ int main(int argc, char** argv) {
               "% copy");
 
   for (const auto& [M, K] : shapes) {
-    const size_t xb = static_cast<size_t>(M * K) * 2;
+    const size_t xb = static_cast<size_t>(M * K) * 4;  // fp32 or bf16 x
     void *x, *rd, *rs, *cd, *cs, *out;
     float* amax;
     MOE_CUDA_CHECK(cudaMalloc(&x, xb));
-    MOE_CUDA_CHECK(cudaMalloc(&out, xb));
+    MOE_CUDA_CHECK(cudaMalloc(&out, xb / 2));
     MOE_CUDA_CHECK(cudaMalloc(&rd, static_cast<size_t>(M * K)));
     MOE_CUDA_CHECK(cudaMalloc(&cd, static_cast<size_t>(M * K)));
     MOE_CUDA_CHECK(cudaMalloc(&rs, static_cast<size_t>(M * K) / 8 + (1 << 20)));  // >= any scale tensor
     MOE_CUDA_CHECK(cudaMalloc(&cs, static_cast<size_t>(M * K) / 8 + (1 << 20)));
     MOE_CUDA_CHECK(cudaMalloc(&amax, sizeof(float)));
-    MOE_CUDA_CHECK(cudaMemset(x, 0x3c, xb));  // bf16 0x3c3c ~ 0.0115: finite, non-zero
+    MOE_CUDA_CHECK(cudaMemset(x, 0x3c, xb));  // bf16 0x3c3c ~ 0.0115, fp32 0x3c3c3c3c ~ 0.0115: finite, non-zero
     const std::string shape_name = std::to_string(M) + "x" + std::to_string(K);
     for (const Variant& v : variants()) {
       const QuantConfig& c = v.config;
@@ -119,9 +122,10 @@ int main(int argc, char** argv) {
       if (c.format == QuantFormat::kNVFP4) q.global_amax = TensorView(amax, DType::kFP32, {1});
       const double data_bytes = static_cast<double>(M * K) * (c.format == QuantFormat::kNVFP4 ? 0.5 : 1.0);
       const int copies = c.columnwise ? 2 : 1;
-      double qbytes = 2.0 * M * K + copies * data_bytes + scale_bytes(c, M, K) + (c.columnwise ? scale_bytes(c, K, M, true) : 0);
+      const double x_bytes = (v.fp32_input ? 4.0 : 2.0) * M * K;
+      double qbytes = x_bytes + copies * data_bytes + scale_bytes(c, M, K) + (c.columnwise ? scale_bytes(c, K, M, true) : 0);
       if (c.format == QuantFormat::kNVFP4) qbytes += 2.0 * M * K;  // the global amax pass
-      const TensorView vx(x, DType::kBF16, {M, K});
+      const TensorView vx(x, v.fp32_input ? DType::kFP32 : DType::kBF16, {M, K});
       const bench::Timing tq = bench::time_cuda_graph([&] { quantize(c, vx, q, stream); }, stream, 5, repeats);
       const double qgbs = qbytes / (tq.median_ms * 1e-3) / 1e9;
       std::printf("%-12s %-28s %-11s %10.1f %10.1f %10.0f %7.1f%%\n", shape_name.c_str(), v.name, "quantize",
