@@ -35,6 +35,11 @@ import time
 import torch
 
 try:
+    from cuda_graphs import graphed
+except ImportError:  # run from another directory
+    from bench.cuda_graphs import graphed
+
+try:
     import deep_gemm
     # Names since DeepGEMM's 2025-07 refactor (#112); before it the forward was
     # m_grouped_gemm_fp8_fp8_bf16_nt_contiguous and the weight gradient k_grouped_wgrad_gemm_fp8_fp8_fp32_nt,
@@ -258,20 +263,6 @@ class DeepGemmSide:
 
 # ---- timing: bench_grouped_gemm's interleaved method ----
 
-def _graph_of(fn, warmup=2):
-    """fn captured in a CUDA graph (warm-up on a side stream, as torch.cuda.graph asks); its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
-
-
 def interleaved_ms(cands, rounds=9, batch_ms=4.0, warmup_ms=60.0):
     """Median ms per launch of each launcher in `cands` (a list): batches of ~batch_ms of back-to-back
     launches, after a warm-up long enough for the clocks to settle, `rounds` rounds in rotating order.
@@ -323,7 +314,7 @@ def measure(side, useful, rounds=9, graphs=True, kineto=False):
         cands = [fn]
         if graphs:
             try:
-                cands.append(_graph_of(fn))
+                cands.append(graphed(fn))
             except Exception as ex:  # report, don't hide
                 r["graph_error"] = str(ex)[:160]
         ms = interleaved_ms(cands, rounds)
