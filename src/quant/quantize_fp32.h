@@ -1,5 +1,6 @@
 // quantize() of fp32 input (FP8 block, 128x128 blocks: master weights into FP8 primary weights),
-// after check_quantize_args; see quantize_fp32_kernel.cu.
+// after check_quantize_args, for a non-empty x (quantize() returns early on zero sizes); see
+// quantize_fp32_kernel.cu.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -138,6 +138,11 @@ struct ExpertsRun {
     ex.backward(rows_view(in.dY, in.rows), rows_view(dx, in.rows),
                 probs_in_act() ? TensorView(dprobs.get(), DType::kFP32, {in.rows}) : TensorView(), state, s);
   }
+  // A training step of one micro-batch: forward, then backward.
+  void train_step(const Inputs& in, cudaStream_t s) {
+    forward(in, s);
+    backward(in, s);
+  }
   // Every output and gradient, as doubles: y, dx, dprobs, dW1, dW2, db1, db2.
   std::vector<std::vector<double>> results(const Inputs& in) const {
     std::vector<std::vector<double>> r;
@@ -176,10 +181,7 @@ TEST_F(Fp8Experts, CloseToTheBf16ExpertsAndBothLayoutsBitwiseEqual) {
     const ExpertsConfig fp8_pe = experts_config(k.act, k.bias, k.probs, k.wgrad, Fp8Recipe::kBlock, WeightLayout::kPerExpert);
     const Inputs in(bf16, {256, 0, 128, 384}, 5);
     ExpertsRun ref(bf16, 9), q(fp8, 9), qp(fp8_pe, 9);  // the same parameter values
-    for (ExpertsRun* r : {&ref, &q, &qp}) {
-      r->forward(in, stream);
-      r->backward(in, stream);
-    }
+    for (ExpertsRun* r : {&ref, &q, &qp}) r->train_step(in, stream);
     MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     EXPECT_NO_THROW(q.ex.check_errors(stream));
     const auto want = ref.results(in), got = q.results(in), got_pe = qp.results(in);
@@ -198,22 +200,12 @@ TEST_F(Fp8Experts, GraphReplayWithNewDataIsBitwiseEager) {
                                          Fp8Recipe::kBlock, WeightLayout::kSingleGrouped);
   Inputs a(c, {128, 256, 0, 384}, 1), b(c, {0, 512, 128, 128}, 2);
   ExpertsRun eager(c, 3), graphed(c, 3);
-  eager.forward(b, stream);
-  eager.backward(b, stream);
+  eager.train_step(b, stream);
 
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  graphed.forward(a, stream);
-  graphed.backward(a, stream);
-  MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const testing::CapturedGraph graph(stream, [&] { graphed.train_step(a, stream); });
   a.copy_from(b, stream);
-  MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  graph.launch();
   EXPECT_EQ(graphed.results(b), eager.results(b));
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
 }
 
 TEST_F(Fp8Experts, TrainEvalTrainEqualsTrainTrain) {
@@ -225,19 +217,13 @@ TEST_F(Fp8Experts, TrainEvalTrainEqualsTrainTrain) {
   std::mt19937_64 rng(99);
   const std::vector<uint16_t> w1_new = to_bf16(random_bf16_values(size_t(c.experts * c.fc1_out() * c.hidden), 0.1, rng));
   ExpertsRun with_eval(c, 21), without(c, 21), fresh(c, 21);
-  for (ExpertsRun* r : {&with_eval, &without}) {
-    r->forward(step1, stream);
-    r->backward(step1, stream);
-  }
+  for (ExpertsRun* r : {&with_eval, &without}) r->train_step(step1, stream);
   for (ExpertsRun* r : {&with_eval, &without, &fresh}) {
     MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     MOE_CUDA_CHECK(cudaMemcpy(r->W1.bufs[0].get(), w1_new.data(), w1_new.size() * 2, cudaMemcpyHostToDevice));
   }
   with_eval.eval_forward(eval, stream);
-  for (ExpertsRun* r : {&with_eval, &without, &fresh}) {
-    r->forward(step2, stream);
-    r->backward(step2, stream);
-  }
+  for (ExpertsRun* r : {&with_eval, &without, &fresh}) r->train_step(step2, stream);
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   const auto a = with_eval.results(step2), b = without.results(step2), f = fresh.results(step2);
   // Gradients written (not accumulated): the second step's own values.
@@ -257,10 +243,7 @@ TEST_F(Fp8Experts, WeightsRefreshedOnRequest) {
   ExpertsRun a(every, 41), b(on_request, 41);
   expect_error_naming([&] { b.forward(step1, stream); }, "refresh_fp8_weights");
   b.ex.refresh_fp8_weights(stream);
-  for (ExpertsRun* r : {&a, &b}) {
-    r->forward(step1, stream);
-    r->backward(step1, stream);
-  }
+  for (ExpertsRun* r : {&a, &b}) r->train_step(step1, stream);
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   EXPECT_EQ(a.results(step1), b.results(step1));
   // An optimizer step changes expert 2's fc2 weight in place; b refreshes, as its contract asks.
@@ -269,10 +252,7 @@ TEST_F(Fp8Experts, WeightsRefreshedOnRequest) {
   for (ExpertsRun* r : {&a, &b})
     MOE_CUDA_CHECK(cudaMemcpy(r->W2.bufs[2].get(), w2.data(), w2.size() * 2, cudaMemcpyHostToDevice));
   b.ex.refresh_fp8_weights(stream);
-  for (ExpertsRun* r : {&a, &b}) {
-    r->forward(step2, stream);
-    r->backward(step2, stream);
-  }
+  for (ExpertsRun* r : {&a, &b}) r->train_step(step2, stream);
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   EXPECT_EQ(a.results(step2), b.results(step2));
   // Rebinding the weights asks for a refresh again.
@@ -295,8 +275,7 @@ TEST_F(Fp8Experts, PrimaryWeightsFromFp32Master) {
   // results as the bf16-bound run, in both layouts.
   for (ExpertsRun* r : {&bf16, &a, &b}) {
     r->ex.refresh_fp8_weights(stream);
-    r->forward(step, stream);
-    r->backward(step, stream);
+    r->train_step(step, stream);
   }
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   EXPECT_EQ(a.results(step), bf16.results(step));
@@ -336,10 +315,7 @@ TEST_F(Fp8Experts, PrimaryWeightsFromFp32Master) {
     EXPECT_EQ(bytes(q.columnwise_data), want.columnwise_data);
     EXPECT_EQ(bytes(q.columnwise_scale), want.columnwise_scale);
   }
-  for (ExpertsRun* r : {&a, &b}) {
-    r->forward(step, stream);
-    r->backward(step, stream);
-  }
+  for (ExpertsRun* r : {&a, &b}) r->train_step(step, stream);
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   EXPECT_EQ(a.results(step), b.results(step));
   // bf16 weights are not master weights.
@@ -407,10 +383,7 @@ TEST_F(Fp8Experts, WeightsThroughACheckpointInEitherLayout) {
   set_quant_metadata(md_pow2, "layers.3.experts.fc2.weight", pow2);
   load_fp8_expert_weights(grouped.ex, loaded, md_pow2, "layers.3.experts.", stream);
   load_fp8_expert_weights(per_expert.ex, split, md2, "layers.3.experts.", stream);
-  for (ExpertsRun* r : {&src, &grouped, &per_expert}) {
-    r->forward(step, stream);
-    r->backward(step, stream);
-  }
+  for (ExpertsRun* r : {&src, &grouped, &per_expert}) r->train_step(step, stream);
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   EXPECT_EQ(grouped.results(step), src.results(step));
   EXPECT_EQ(per_expert.results(step), src.results(step));
@@ -427,8 +400,7 @@ TEST_F(Fp8Experts, ExpertOffTheRowGridIsReported) {
                                          Fp8Recipe::kBlock, WeightLayout::kSingleGrouped);
   const Inputs in(c, {64, 192, 0, 0}, 4);  // expert 1 starts at row 64
   ExpertsRun r(c, 5);
-  r.forward(in, stream);
-  r.backward(in, stream);
+  r.train_step(in, stream);
   expect_error_naming([&] { r.ex.check_errors(stream); }, "128-token block");
   EXPECT_NO_THROW(r.ex.check_errors(stream)) << "check_errors clears the word";
 }

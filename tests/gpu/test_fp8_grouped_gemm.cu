@@ -34,6 +34,7 @@
 #include "reference/quantize_ref.h"
 #include "support/expect_error.h"
 #include "support/gpu.h"
+#include "support/layer_data.h"
 
 namespace moe {
 namespace {
@@ -154,7 +155,9 @@ struct Engine {
 };
 
 // Every element of got within the bound of value; returns (and prints) the largest error / bound.
-double check_within(const std::vector<float>& got, const std::vector<double>& value, const std::vector<double>& abs_sum,
+// got: fp32 results, or bf16 ones as doubles.
+template <typename T>
+double check_within(const std::vector<T>& got, const std::vector<double>& value, const std::vector<double>& abs_sum,
                     double out_rel, const std::vector<double>* prior, const std::string& what) {
   int bad = 0;
   double worst = 0;
@@ -169,11 +172,6 @@ double check_within(const std::vector<float>& got, const std::vector<double>& va
   }
   std::printf("%s: largest |gpu - ref| / bound = %.3f\n", what.c_str(), worst);
   return worst;
-}
-std::vector<float> bf16_to_float(const std::vector<uint16_t>& b) {
-  std::vector<float> f(b.size());
-  for (size_t i = 0; i < b.size(); ++i) f[i] = bf16_bits_to_float(b[i]);
-  return f;
 }
 
 // One fprop/dgrad problem: E experts W [N, K], groups of the R token rows.
@@ -250,8 +248,8 @@ TEST_F(Fp8GroupedGemm, FpropAndDgradMatchTheDequantizedReference) {
     ref::grouped_fprop(g, xa.data(), expert_ptrs(wa, cs.E, cs.N * cs.K).data(), cs.N, cs.K, ya.data());
     ref::grouped_dgrad(g, dyd.data(), expert_ptrs(wd, cs.E, cs.N * cs.K).data(), cs.N, cs.K, dxv.data());
     ref::grouped_dgrad(g, dya.data(), expert_ptrs(wa, cs.E, cs.N * cs.K).data(), cs.N, cs.K, dxa.data());
-    check_within(bf16_to_float(y.download()), yv, ya, kBf16Output, nullptr, "fprop " + tag);
-    check_within(bf16_to_float(dx.download()), dxv, dxa, kBf16Output, nullptr, "dgrad " + tag);
+    check_within(testing::layer_data::from_bf16(y.download()), yv, ya, kBf16Output, nullptr, "fprop " + tag);
+    check_within(testing::layer_data::from_bf16(dx.download()), dxv, dxa, kBf16Output, nullptr, "dgrad " + tag);
   }
 }
 
@@ -351,7 +349,7 @@ TEST_F(Fp8GroupedGemm, WgradMatchesTheDequantizedReference) {
   eng.run(p.problem(ExpertMatrices::grouped(TensorView(dwb.get(), DType::kBF16, {int64_t(p.E), p.N, p.K}), "dw"), false),
           stream);
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  check_within(bf16_to_float(dwb.download()), want, asum, kBf16Output, nullptr, "wgrad write bf16");
+  check_within(testing::layer_data::from_bf16(dwb.download()), want, asum, kBf16Output, nullptr, "wgrad write bf16");
   std::vector<double> acc(p.E * NK), priord(prior.begin(), prior.end());
   for (size_t i = 0; i < acc.size(); ++i) acc[i] = prior[i] + want[i];
   check_within(main_grad.download(), acc, asum, 0.0, &priord, "wgrad accumulate");
