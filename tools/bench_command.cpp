@@ -31,6 +31,7 @@ struct BenchArgs {
   bool no_x_perm = false;
   bool fp8 = false;
   std::string fp8_weights = "every-forward";
+  std::string emulate = "none";
   std::string fc1 = "auto";
   std::string dgrad = "auto";
   double skew = 0.0;
@@ -103,16 +104,27 @@ void run_bench(const BenchArgs& a) {
         a.fp8_weights == "on-request" ? Fp8WeightRefresh::kOnRequest : Fp8WeightRefresh::kEveryForward;
     if (o.align == 0) o.align = 128;
   }
+  const bool emulated = a.emulate != "none";
+  if (emulated) {
+    MOE_CHECK(!a.fp8, "argument 'emulate': --fp8 and --emulate exclude each other");
+    o.emulated = a.emulate == "mxfp8" ? EmulatedQuant::kMXFP8 : EmulatedQuant::kNVFP4;
+    o.fp8_weight_refresh =
+        a.fp8_weights == "on-request" ? Fp8WeightRefresh::kOnRequest : Fp8WeightRefresh::kEveryForward;
+    if (o.align == 0) o.align = o.emulated == EmulatedQuant::kMXFP8 ? 32 : 16;  // whole blocks per expert
+  }
+  const bool unfused = a.fp8 || emulated;
+  const std::string precision =
+      a.fp8 ? std::string("FP8 block-scaled experts") : emulated ? "emulated " + a.emulate + " experts" : "bf16";
 
   const std::string device = bench::device_description();
   if (!a.json) {
     std::printf("moe-engine bench on %s: %s, %s, probs in the activation, A=%d, routing skew %.2f, fc1 %s\n",
                 device.c_str(),
-                !a.fp8 ? "bf16"
-                : a.fp8_weights == "on-request" ? "FP8 block-scaled experts (weights quantized once, outside the runs)"
-                                                : "FP8 block-scaled experts (weights quantized in every forward)",
-                a.activation.c_str(),
-                o.align, a.skew, a.fp8 ? "unfused" : a.fc1.c_str());
+                (precision + (!unfused                       ? ""
+                              : a.fp8_weights == "on-request" ? " (weights quantized once, outside the runs)"
+                                                              : " (weights quantized in every forward)"))
+                    .c_str(),
+                a.activation.c_str(), o.align, a.skew, unfused ? "unfused" : a.fc1.c_str());
     std::printf("TFLOP/s: forward 6TkHF, backward 12TkHF, total 18TkHF (padding rows not counted); "
                 "times are medians of %d runs (min-max)\n\n", a.repeats);
     std::printf("%-18s | %-26s | %-26s | %-26s | %-21s | %8s | %-7s | %s\n", "shape", "graph fwd ms (TFLOP/s)",
@@ -122,10 +134,10 @@ void run_bench(const BenchArgs& a) {
   bool all_ok = true;
   std::vector<std::vector<double>> chart_values;  // per shape: graph fwd, bwd, total TFLOP/s
   for (const auto& s : shapes) {
-    o.fuse_fc1 = !a.fp8 && uses_fused_fc1(a.fc1, s);
+    o.fuse_fc1 = !unfused && uses_fused_fc1(a.fc1, s);
     o.save_x_perm = !(o.fuse_fc1 && a.no_x_perm);
-    o.fuse_fc2_dgrad = !a.fp8 && uses_fused_fc2_dgrad(a.dgrad, s);
-    std::string fc1_name = a.fp8 ? "fp8" : !o.fuse_fc1 ? "unfused" : o.save_x_perm ? "fused" : "fused-g";
+    o.fuse_fc2_dgrad = !unfused && uses_fused_fc2_dgrad(a.dgrad, s);
+    std::string fc1_name = a.fp8 ? "fp8" : emulated ? a.emulate : !o.fuse_fc1 ? "unfused" : o.save_x_perm ? "fused" : "fused-g";
     if (o.fuse_fc2_dgrad) fc1_name += "+d";
     bench::LayerBenchResult r = bench::run_layer_bench(s, o);
     const double ff = r.flops_fwd();
@@ -137,7 +149,7 @@ void run_bench(const BenchArgs& a) {
     if (a.json) {
       nlohmann::json j = {
           {"shape", s.name}, {"T", s.T}, {"H", s.H}, {"F", s.F}, {"E", s.E}, {"k", s.k}, {"device", device},
-          {"skew", r.skew}, {"align", o.align}, {"activation", a.activation}, {"fc1", o.fuse_fc1 ? "fused" : "unfused"}, {"fp8", a.fp8}, {"x_perm", o.save_x_perm ? "saved" : "gathered"},
+          {"skew", r.skew}, {"align", o.align}, {"activation", a.activation}, {"fc1", o.fuse_fc1 ? "fused" : "unfused"}, {"fp8", a.fp8}, {"emulate", a.emulate}, {"x_perm", o.save_x_perm ? "saved" : "gathered"},
           {"fc2_dgrad", o.fuse_fc2_dgrad ? "fused" : "unfused"},
           {"graph", {{"fwd_ms", r.fwd_graph.median_ms}, {"bwd_ms", g_bwd}, {"total_ms", r.fwd_bwd_graph.median_ms},
                      {"fwd_tflops", tflops(ff, r.fwd_graph.median_ms)}, {"bwd_tflops", tflops(2 * ff, g_bwd)},
@@ -169,7 +181,7 @@ void run_bench(const BenchArgs& a) {
     }
   }
   if (!a.png.empty()) {
-    write_chart(a.png, "moe-engine bench, " + device + ", bf16 " + a.activation, shapes, chart_values);
+    write_chart(a.png, "moe-engine bench, " + device + ", " + precision + " " + a.activation, shapes, chart_values);
     if (!a.json) std::printf("\nchart: %s\n", a.png.c_str());
   }
   MOE_CHECK(all_ok, "moe-engine bench: a sampled result differs from the CPU reference (see the check column)");
@@ -205,7 +217,11 @@ void setup_bench(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "fused", "unfused"}));
   sub->add_flag("--fp8", args->fp8, "FP8 block-scaled experts (E4M3 GEMM operands, 1x128 / 128x128 scales; the "
                 "unfused path, A = 128 unless --align says otherwise; shown as 'fp8' in the fc1 column)");
-  sub->add_option("--fp8-weights", args->fp8_weights, "With --fp8: when the weights are quantized -- every-forward "
+  sub->add_option("--emulate", args->emulate, "Emulated Blackwell formats: mxfp8 or nvfp4 GEMM operands "
+                  "(quantized exactly, dequantized to bf16 for the bf16 GEMMs; the unfused path, A = 32 / 16 unless "
+                  "--align says otherwise) or none")
+      ->check(CLI::IsMember({"none", "mxfp8", "nvfp4"}));
+  sub->add_option("--fp8-weights", args->fp8_weights, "With --fp8 or --emulate: when the weights are quantized -- every-forward "
                   "(inside each timed forward) or on-request (once after binding, as in a step of several "
                   "micro-batches)")
       ->check(CLI::IsMember({"every-forward", "on-request"}));

@@ -24,6 +24,8 @@ struct LayerBenchOptions {
   // kOnRequest: the weights are quantized once after binding, outside the timed runs (as in a step
   // with several micro-batches); kEveryForward: inside every forward.
   Fp8WeightRefresh fp8_weight_refresh = Fp8WeightRefresh::kEveryForward;
+  // Emulated MXFP8 / NVFP4 experts (the unfused path); the weights follow fp8_weight_refresh.
+  EmulatedQuant emulated = EmulatedQuant::kNone;
   bool check = true;      // compare sampled tokens with the CPU reference first
   int sample_tokens = 8;  // tokens checked
   int warmup = 3;

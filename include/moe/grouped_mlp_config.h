@@ -48,6 +48,17 @@ enum class Fp8Recipe : uint8_t { kNone, kBlock };
 // straight from fp32 (no bf16 rounding between) after every optimizer step; no bf16 weight exists.
 enum class Fp8WeightRefresh : uint8_t { kEveryForward, kOnRequest, kFromMaster };
 
+// Emulated compute in a Blackwell format (docs/layer.md, emulated MXFP8 / NVFP4). Hopper has no
+// tensor-core path for MXFP8 or NVFP4, so every GEMM operand is quantized in the format exactly as a
+// Blackwell run quantizes it and its dequantized values (rounded to bf16) feed the bf16 grouped
+// GEMMs: tokens (x_perm, act, dY, dh) with 1-D blocks along the GEMM's reduction, each expert's rows
+// quantized as a matrix of their own (MXFP8 1x32 / 32x1; NVFP4 1x16 / 16x1 with one global amax per
+// expert), weights with MXFP8 1x32 / 32x1 or NVFP4 16x16 blocks (one global amax per expert
+// matrix). h, the activation, the bias and all gradients between the GEMMs stay bf16. The weight
+// copies follow fp8_weight_refresh (every forward, or on request; not from master).
+enum class EmulatedQuant : uint8_t { kNone, kMXFP8, kNVFP4 };
+const char* emulated_quant_name(EmulatedQuant q);  // "none", "mxfp8", "nvfp4"
+
 // The experts alone (GroupedExperts): the expert MLP over rows already dispatched into ragged
 // groups, x_perm [rows <= max_rows, H].
 struct ExpertsConfig {
@@ -88,6 +99,9 @@ struct ExpertsConfig {
   // GroupedExperts::check_errors).
   Fp8Recipe fp8 = Fp8Recipe::kNone;
   Fp8WeightRefresh fp8_weight_refresh = Fp8WeightRefresh::kEveryForward;
+  // Emulated MXFP8 / NVFP4 compute (see EmulatedQuant): needs hidden and ffn multiples of the block
+  // (32 for MXFP8, 16 for NVFP4), the unfused path, the standard weight orientation, no fp8.
+  EmulatedQuant emulated = EmulatedQuant::kNone;
 
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
   void validate() const;  // throws moe::Error naming the bad field
@@ -134,6 +148,10 @@ struct GroupedMlpConfig {
   // expert's rows fill whole 128-row blocks); the row bound is rounded up to a multiple of 16.
   Fp8Recipe fp8 = Fp8Recipe::kNone;
   Fp8WeightRefresh fp8_weight_refresh = Fp8WeightRefresh::kEveryForward;
+  // Emulated MXFP8 / NVFP4 compute (see ExpertsConfig::emulated). dispatch.align = 32 (MXFP8) or
+  // 16 (NVFP4) gives every expert whole columnwise blocks, as Blackwell's grouped GEMMs need;
+  // other alignments quantize each expert's last block as a partial one.
+  EmulatedQuant emulated = EmulatedQuant::kNone;
 
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
   int64_t row_bound() const;  // R resolved from dispatch options

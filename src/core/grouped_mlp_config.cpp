@@ -14,6 +14,15 @@ const char* param_name(Param p) {
   return "unknown";
 }
 
+const char* emulated_quant_name(EmulatedQuant q) {
+  switch (q) {
+    case EmulatedQuant::kNone: return "none";
+    case EmulatedQuant::kMXFP8: return "mxfp8";
+    case EmulatedQuant::kNVFP4: return "nvfp4";
+  }
+  return "unknown";
+}
+
 int64_t GroupedMlpConfig::row_bound() const {
   const int64_t r = resolve_row_bound(dispatch, routing_form, max_tokens, topk, experts);
   // The FP8 weight gradients read columnwise token copies whose rows are multiples of 16 tokens.
@@ -60,6 +69,23 @@ void validate_fp8(Fp8Recipe fp8, Fp8WeightRefresh refresh, int64_t hidden, int64
   MOE_CHECK(!delay_wgrad, "config 'fp8': delayed weight gradients are not offered with FP8 yet; set delay_wgrad to ",
             "false");
 }
+// The emulated recipes' requirements (ExpertsConfig::emulated).
+void validate_emulated(EmulatedQuant q, Fp8Recipe fp8, Fp8WeightRefresh refresh, int64_t hidden, int64_t ffn,
+                       bool fuse_fc1, bool fuse_fc2_dgrad, bool transposed) {
+  if (q == EmulatedQuant::kNone) return;
+  MOE_CHECK(q == EmulatedQuant::kMXFP8 || q == EmulatedQuant::kNVFP4, "config 'emulated': unknown value ", int(q));
+  const char* name = emulated_quant_name(q);
+  const int64_t b = q == EmulatedQuant::kMXFP8 ? 32 : 16;
+  MOE_CHECK(fp8 == Fp8Recipe::kNone, "config 'emulated': ", name, " emulation and fp8 exclude each other");
+  MOE_CHECK(refresh != Fp8WeightRefresh::kFromMaster, "config 'fp8_weight_refresh': from master is for the FP8 ",
+            "experts; the emulated ", name, " weights are refreshed every forward or on request");
+  MOE_CHECK(hidden % b == 0 && ffn % b == 0, "config 'emulated': ", name, " needs hidden and ffn multiples of ", b,
+            " (whole blocks along every reduction), got ", hidden, " and ", ffn);
+  MOE_CHECK(!fuse_fc1 && !fuse_fc2_dgrad, "config 'emulated': the emulated experts run the unfused path; set ",
+            "fuse_fc1 and fuse_fc2_dgrad to false");
+  MOE_CHECK(!transposed, "config 'emulated': the emulated experts read weights in the standard orientation; set ",
+            "transposed_weights to false");
+}
 }  // namespace
 
 void ExpertsConfig::validate() const {
@@ -69,6 +95,7 @@ void ExpertsConfig::validate() const {
   MOE_CHECK(max_sms >= 0, "config 'max_sms': expected 0 (every SM) or a positive count, got ", max_sms);
   validate_transposed(transposed_weights, fuse_fc1, fuse_fc2_dgrad);
   validate_fp8(fp8, fp8_weight_refresh, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights, delay_wgrad);
+  validate_emulated(emulated, fp8, fp8_weight_refresh, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights);
   MOE_CHECK(fp8 == Fp8Recipe::kNone || max_rows % 16 == 0, "config 'max_rows': the FP8 weight gradients read the ",
             "tokens' columnwise copies, whose rows need a multiple of 16 tokens; got ", max_rows);
 }
@@ -93,6 +120,7 @@ ExpertsConfig GroupedMlpConfig::experts_config() const {
   e.transposed_weights = transposed_weights;
   e.fp8 = fp8;
   e.fp8_weight_refresh = fp8_weight_refresh;
+  e.emulated = emulated;
   return e;
 }
 
@@ -119,6 +147,7 @@ void GroupedMlpConfig::validate() const {
             "delay_wgrad (the delayed weight gradients need the saved activations)");
   validate_transposed(transposed_weights, fuse_fc1, fuse_fc2_dgrad);
   validate_fp8(fp8, fp8_weight_refresh, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights, delay_wgrad);
+  validate_emulated(emulated, fp8, fp8_weight_refresh, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights);
   MOE_CHECK(fp8 == Fp8Recipe::kNone || (dispatch.align > 0 && dispatch.align % 128 == 0), "config 'fp8': the FP8 ",
             "weight gradients need each expert's rows to fill whole 128-row blocks; set dispatch.align to 128 or 256 ",
             "(got ", dispatch.align, ")");

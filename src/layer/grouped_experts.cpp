@@ -31,6 +31,7 @@
 #include "fused/fc1_activation.h"
 #include "fused/fc2_dgrad_activation.h"
 #include "fused/wgrad_gathered.h"
+#include "layer/emulated_experts.h"
 #include "layer/fp8_experts.h"
 #include "moe/activation_ops.h"
 #include "moe/bias_ops.h"
@@ -91,6 +92,7 @@ struct GroupedExperts::Impl {
   int64_t R = 0;
   GroupedGemm gemm;
   std::unique_ptr<Fp8ExpertsRecipe> fp8;  // config.fp8 != kNone
+  std::unique_ptr<EmulatedExpertsRecipe> emu;  // config.emulated != kNone
   ErrorWord errors;                       // FP8 weight gradients: groups off the 128-row grid
   std::array<std::vector<Hook>, 4> hooks;
 
@@ -131,6 +133,7 @@ struct GroupedExperts::Impl {
     sm_count = gemm.sm_count();  // the fused kernels' persistent grids: the same SMs as the GEMMs'
     gemm_ws_bytes = gemm.workspace_bytes();
     if (cfg.fp8 != Fp8Recipe::kNone) fp8 = std::make_unique<Fp8ExpertsRecipe>(cfg);
+    if (cfg.emulated != EmulatedQuant::kNone) emu = std::make_unique<EmulatedExpertsRecipe>(cfg);
     plan_workspace(nullptr);
     block = cuda_malloc_allocator().allocate(block_bytes);
     plan_workspace(static_cast<char*>(block.get()));
@@ -158,6 +161,7 @@ struct GroupedExperts::Impl {
     }
     gemm_ws = a.take<uint8_t>(static_cast<int64_t>(gemm_ws_bytes));
     if (fp8) fp8->plan_workspace(a);
+    if (emu) emu->plan_workspace(a);
     block_bytes = a.used();
   }
 
@@ -209,17 +213,41 @@ struct GroupedExperts::Impl {
     check_param_views(views, name, cfg.experts, layout, {n}, dtype);
   }
 
-  // FP8: the weight copies a forward uses -- made now (kEveryForward), or checked to be current.
+  // FP8 or emulated: the quantized weight copies a forward uses -- made now (kEveryForward), or
+  // checked to be current.
+  bool quantized_weights() const { return fp8 || emu; }
+  void quantize_weights(cudaStream_t s) const {
+    if (fp8) fp8->quantize_weights(s);
+    if (emu) emu->quantize_weights(s);
+  }
   void fp8_weights(cudaStream_t s, const char* call) {
-    if (!fp8) return;
+    if (!quantized_weights()) return;
     if (cfg.fp8_weight_refresh == Fp8WeightRefresh::kEveryForward) {
-      fp8->quantize_weights(s);
+      quantize_weights(s);
       fp8_refreshed = binding;
       return;
     }
-    MOE_CHECK(fp8_refreshed == binding, call, ": the FP8 weight copies were not made since the last set_weights ",
-              "(config.fp8_weight_refresh = on request / from master: call refresh_fp8_weights after every change ",
-              "of the weights)");
+    MOE_CHECK(fp8_refreshed == binding, call, ": the quantized weight copies were not made since the last ",
+              "set_weights (config.fp8_weight_refresh = on request / from master: call refresh_fp8_weights after ",
+              "every change of the weights)");
+  }
+  // dx [rows, K] = dy [rows, N] W (fc 1 or 2); emulated: the quantized dy times the dequantized
+  // columnwise weight copy, run as an fprop.
+  void dgrad(int fc, const TensorView& dy, const TensorView& g, const TensorView& dx, cudaStream_t s) const {
+    if (emu)
+      gemm.fprop(emu->tokens(dy, g, /*columnwise=*/false, 0, s), emu->dgrad_weight(fc), g, dx, gemm_workspace(), s);
+    else
+      gemm.dgrad(dy, fc == 1 ? w1 : w2, g, dx, gemm_workspace(), s);
+  }
+  // fc (1 or 2)'s weight gradient dW = dy^T x over each expert's rows; emulated: from both operands'
+  // columnwise quantizations.
+  void wgrad(int fc, const TensorView& dy, const TensorView& x, const TensorView& g, cudaStream_t s) const {
+    const ExpertMatrices& dw = fc == 1 ? dw1 : dw2;
+    if (emu)
+      gemm.wgrad(emu->tokens(dy, g, /*columnwise=*/true, 0, s), emu->tokens(x, g, /*columnwise=*/true, 1, s), g, dw,
+                 accumulate(), gemm_workspace(), s);
+    else
+      gemm.wgrad(dy, x, g, dw, accumulate(), gemm_workspace(), s);
   }
 
   void fire_hooks(Param p) {
@@ -255,6 +283,9 @@ struct GroupedExperts::Impl {
     if (fp8) {
       fp8->quantize(x_perm, /*rowwise=*/true, b.fp8.x_col, b.fp8.x_col_scale, s);
       fp8->fprop(1, gemm, gemm_workspace(), g, bf16_view(b.h, rows, F1), s);
+    } else if (emu) {
+      gemm.fprop(emu->tokens(x_perm, g, /*columnwise=*/false, 0, s), emu->fprop_weight(1), g, bf16_view(b.h, rows, F1),
+                 gemm_workspace(), s);
     } else {
       gemm.fprop(x_perm, w1, g, bf16_view(b.h, rows, F1), gemm_workspace(), s);
     }
@@ -270,6 +301,8 @@ struct GroupedExperts::Impl {
     if (fp8) {
       fp8->quantize(act, /*rowwise=*/true, b.fp8.act_col, b.fp8.act_col_scale, s);
       fp8->fprop(2, gemm, gemm_workspace(), g, Y, s);
+    } else if (emu) {
+      gemm.fprop(emu->tokens(act, g, /*columnwise=*/false, 0, s), emu->fprop_weight(2), g, Y, gemm_workspace(), s);
     } else {
       gemm.fprop(act, w2, g, Y, gemm_workspace(), s);
     }
@@ -386,7 +419,7 @@ struct GroupedExperts::Impl {
       fp8->wgrad(gemm, gemm_workspace(), v.g, v.rows, fp8->col_workspace(), fp8->col_workspace_scale(), cfg.hidden,
                  v.b.fp8.act_col, v.b.fp8.act_col_scale, cfg.ffn, dw2, accumulate(), errors.device_ptr(), s);
     else
-      gemm.wgrad(dY, bf16_view(v.b.act, v.rows, cfg.ffn), v.g, dw2, accumulate(), gemm_workspace(), s);
+      wgrad(2, dY, bf16_view(v.b.act, v.rows, cfg.ffn), v.g, s);
     if (cfg.bias) bias_grad(dY, v.pp, v.g, db2, accumulate(), bias_workspace(), s);
   }
   // dprobs += <dY row, b2[e]>: the fc2 bias is scaled by the prob too.
@@ -402,7 +435,7 @@ struct GroupedExperts::Impl {
     } else if (v.gathered) {
       wgrad_gathered(dh.data, cfg.fc1_out(), v.from_x, dw1, /*x_major=*/false, v, s);
     } else {
-      gemm.wgrad(dh, v.x_perm, v.g, dw1, accumulate(), gemm_workspace(), s);
+      wgrad(1, dh, v.x_perm, v.g, s);
     }
     if (cfg.bias) bias_grad(dh, TensorView(), v.g, db1, accumulate(), bias_workspace(), s);
   }
@@ -466,9 +499,10 @@ size_t GroupedExperts::workspace_bytes() const { return impl_->block_bytes; }
 uint32_t* GroupedExperts::device_error_word() const { return impl_->errors.device_ptr(); }
 void GroupedExperts::refresh_fp8_weights(cudaStream_t stream) {
   Impl& m = *impl_;
-  MOE_CHECK(m.fp8 != nullptr, "GroupedExperts::refresh_fp8_weights: the experts do not run FP8 (config.fp8)");
+  MOE_CHECK(m.quantized_weights(), "GroupedExperts::refresh_fp8_weights: the experts do not quantize their ",
+            "weights (config.fp8 or config.emulated)");
   MOE_CHECK(m.have_weights, "GroupedExperts::refresh_fp8_weights: no weights bound (call set_weights first)");
-  m.fp8->quantize_weights(stream);
+  m.quantize_weights(stream);
   m.fp8_refreshed = m.binding;
 }
 
@@ -483,7 +517,7 @@ void GroupedExperts::accept_fp8_weights() {
 
 bool GroupedExperts::fp8_weights_current() const {
   const Impl& m = *impl_;
-  return m.fp8 != nullptr && m.have_weights && m.fp8_refreshed == m.binding;
+  return m.quantized_weights() && m.have_weights && m.fp8_refreshed == m.binding;
 }
 
 QuantizedTensor GroupedExperts::fp8_weights(Param param) const {
@@ -513,6 +547,7 @@ void GroupedExperts::set_weights(const ExpertTensors& w) {
   m.w1 = m.matrices(w.fc1_weight, L, "fc1.weight");
   m.w2 = m.matrices(w.fc2_weight, L, "fc2.weight");
   if (m.fp8) m.fp8->bind_weights(w.fc1_weight, w.fc2_weight);
+  if (m.emu) m.emu->bind_weights(w.fc1_weight, w.fc2_weight);
   if (c.bias) {
     m.b1 = m.rows(w.fc1_bias, L, 0);
     m.b2 = m.rows(w.fc2_bias, L, 1);
@@ -644,7 +679,7 @@ void GroupedExperts::Impl::finish_backward(const SavedState& state, const Saved&
     fp8->quantize(dh, /*rowwise=*/true, fp8->col_workspace(), fp8->col_workspace_scale(), s);
     fp8->dgrad(1, gemm, gemm_workspace(), v.g, dx_perm, s);
   } else {
-    gemm.dgrad(dh, w1, v.g, dx_perm, gemm_workspace(), s);
+    dgrad(1, dh, v.g, dx_perm, s);
   }
   StateHeader& h = state.header(0);
   if (cfg.delay_wgrad) {
@@ -681,7 +716,7 @@ void GroupedExperts::backward(const TensorView& dY, const TensorView& dx_perm, c
   } else {
     if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);  // reads act before dact is written over it
     uint16_t* dact = c.delay_wgrad ? m.dact_ws : v.b.act;
-    m.gemm.dgrad(dY, m.w2, v.g, bf16_view(dact, rows, F), m.gemm_workspace(), s);
+    m.dgrad(2, dY, v.g, bf16_view(dact, rows, F), s);
     // In place: the activation backward reads each h element before writing its gradient.
     activation_backward(c.activation, bf16_view(v.b.h, rows, F1), v.pp, bf16_view(dact, rows, F), v.g,
                         bf16_view(v.b.h, rows, F1), m.probs_in_act() ? dpp : TensorView(), s);

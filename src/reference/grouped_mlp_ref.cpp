@@ -83,7 +83,19 @@ void GroupedMlpRef::set_operand_quant(const OperandQuant& quant) {
 std::vector<double> GroupedMlpRef::token_operand(const std::vector<double>& v, int64_t rows, int64_t cols,
                                                  bool columnwise) const {
   if (!quantize_operands_ || rows == 0) return v;
-  return fake_quantize(quant_.tokens, v.data(), rows, cols, columnwise);
+  std::vector<double> out(v.size(), 0.0);
+  for (int e = 0; e < groups_.count(); ++e) {
+    const int64_t r0 = groups_.offset[e], n = groups_.rows[e];
+    if (n == 0) continue;
+    const std::vector<float> x(v.begin() + r0 * cols, v.begin() + (r0 + n) * cols);
+    const std::vector<float> d = fake_quantize_groups(quant_.tokens, columnwise, x, n, cols, {0, n});
+    for (int64_t i = 0; i < n * cols; ++i) out[r0 * cols + i] = operand_value(d[i]);
+  }
+  return out;
+}
+
+double GroupedMlpRef::operand_value(float v) const {
+  return quant_.bf16_operands ? round(v) : static_cast<double>(v);
 }
 
 std::vector<double*> GroupedMlpRef::weight_operand(const std::vector<double*>& w, int64_t rows, int64_t cols,
@@ -93,6 +105,7 @@ std::vector<double*> GroupedMlpRef::weight_operand(const std::vector<double*>& w
   std::vector<double*> table;
   for (double* m : w) {
     store.push_back(fake_quantize(quant_.weights, m, rows, cols, columnwise));
+    for (double& x : store.back()) x = operand_value(static_cast<float>(x));
     table.push_back(store.back().data());
   }
   return table;

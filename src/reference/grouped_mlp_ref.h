@@ -29,14 +29,19 @@ struct ExpertParams {
 
 // Quantized GEMM operands, as the layer's quantized recipes compute (docs/layer.md, FP8 experts):
 // each operand of the six products is replaced by the dequantization of its quantized copy. Token
-// operands (x_perm, act, dY, dh; [R, cols] in permuted row order) use `tokens` (1-D blocks): their
-// rowwise copy (blocks along the reduction) in fprop and dgrad, their columnwise copy (blocks along
-// the rows, from row 0) in the weight gradients. Each expert's weight matrix uses `weights`: its
-// rowwise copy in fprop, its columnwise copy in dgrad (the same values with 2-D blocks). The
-// quantizer sees the values as fp32 (exact for the bf16 values the layer stores). Bias gradients
-// and dprobs read the unquantized dY and dact, as the layer does.
+// operands (x_perm, act, dY, dh; [R, cols] in permuted row order) use `tokens` (1-D blocks), each
+// expert's rows quantized as a matrix of their own (ref::fake_quantize_groups: NVFP4 with a global
+// amax per expert): their rowwise copy (blocks along the reduction) in fprop and dgrad, their
+// columnwise copy (blocks along the rows, from the expert's first row) in the weight gradients.
+// Each expert's weight matrix uses `weights`: its rowwise copy in fprop, its columnwise copy in
+// dgrad (the same values with 2-D blocks). The quantizer sees the values as fp32 (exact for the
+// bf16 values the layer stores). Bias gradients and dprobs read the unquantized dY and dact, as the
+// layer does.
 struct OperandQuant {
   QuantConfig tokens, weights;
+  // The dequantized operands rounded to bf16 (with emulate_bf16): the emulated recipes feed them to
+  // bf16 GEMMs.
+  bool bf16_operands = false;
 };
 
 class GroupedMlpRef {
@@ -89,6 +94,8 @@ class GroupedMlpRef {
   std::vector<double> token_operand(const std::vector<double>& v, int64_t rows, int64_t cols, bool columnwise) const;
   // Each expert's [rows, cols] weight through the weight quantization (into `store`), or the bound
   // table itself.
+  // A dequantized operand value, rounded to bf16 with quant_.bf16_operands (and emulate_bf16).
+  double operand_value(float v) const;
   std::vector<double*> weight_operand(const std::vector<double*>& w, int64_t rows, int64_t cols, bool columnwise,
                                       std::vector<std::vector<double>>& store) const;
 

@@ -344,4 +344,26 @@ std::vector<float> dequantize(const QuantConfig& c, const Quantized& q, bool col
   return out;
 }
 
+std::vector<float> fake_quantize_groups(const QuantConfig& c, bool columnwise, const std::vector<float>& x,
+                                        int64_t rows, int64_t cols, const std::vector<int64_t>& offsets) {
+  MOE_CHECK(c.blocking == QuantBlocking::k1D, "ref::fake_quantize_groups: token operands take 1-D blocks");
+  MOE_CHECK(static_cast<int64_t>(x.size()) == rows * cols, "ref::fake_quantize_groups: x has ", x.size(),
+            " elements, expected ", rows * cols);
+  QuantConfig one = c;
+  one.rowwise = !columnwise;
+  one.columnwise = columnwise;
+  one.scale_layout = ScaleLayout::kRowMajor;
+  one.columnwise_scale_layout.reset();
+  std::vector<float> out(x.size(), 0.0f);
+  for (size_t e = 0; e + 1 < offsets.size(); ++e) {
+    const int64_t r0 = offsets[e], n = offsets[e + 1] - offsets[e];
+    if (n <= 0) continue;
+    const std::vector<float> m(x.begin() + r0 * cols, x.begin() + (r0 + n) * cols);
+    const std::vector<float> d = dequantize(one, quantize_fp32(one, m, 1, n, cols), columnwise, 1, n, cols);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t j = 0; j < cols; ++j) out[(r0 + r) * cols + j] = columnwise ? d[j * n + r] : d[r * cols + j];
+  }
+  return out;
+}
+
 }  // namespace moe::ref

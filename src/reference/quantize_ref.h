@@ -74,4 +74,12 @@ Quantized quantize_fp32(const QuantConfig& c, const std::vector<float>& x, int64
 std::vector<float> dequantize(const QuantConfig& c, const Quantized& q, bool columnwise, int64_t B, int64_t M,
                               int64_t K);
 
+// Quantize-dequantize of a token operand x [rows, cols] in expert groups (the emulated recipes'
+// GEMM operands): the rows [offsets[e], offsets[e + 1]) of each group quantized as a matrix of their
+// own with c's 1-D blocks -- along the columns (rowwise), or along the rows from the group's first
+// row (columnwise, the last block partial) -- NVFP4 with one global amax per group; the dequantized
+// values in x's orientation. Rows outside every group are 0.
+std::vector<float> fake_quantize_groups(const QuantConfig& c, bool columnwise, const std::vector<float>& x,
+                                        int64_t rows, int64_t cols, const std::vector<int64_t>& offsets);
+
 }  // namespace moe::ref

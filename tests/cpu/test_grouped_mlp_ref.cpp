@@ -549,6 +549,21 @@ std::vector<double> fake(const QuantConfig& c, const std::vector<double>& v, int
   return out;
 }
 
+// A token operand v [R, cols]: each expert's rows through `fake` as a matrix of their own (NVFP4:
+// its own global amax; columnwise blocks from the expert's first row); rows of no expert 0.
+std::vector<double> fake_per_expert(const QuantConfig& c, const std::vector<double>& v, const DispatchPlan& plan,
+                                    int64_t cols, bool columnwise) {
+  std::vector<double> out(v.size(), 0.0);
+  for (size_t e = 0; e < plan.offset.size(); ++e) {
+    const int64_t r0 = plan.offset[e], n = plan.rows_in_bound(static_cast<int>(e));
+    if (n == 0) continue;
+    const std::vector<double> slice(v.begin() + r0 * cols, v.begin() + (r0 + n) * cols);
+    const std::vector<double> q = fake(c, slice, n, cols, columnwise);
+    std::copy(q.begin(), q.end(), out.begin() + r0 * cols);
+  }
+  return out;
+}
+
 double rel(const std::vector<double>& a, const std::vector<double>& b) {
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) num += (a[i] - b[i]) * (a[i] - b[i]), den += b[i] * b[i];
@@ -580,11 +595,11 @@ TEST(GroupedMlpRef, QuantizedOperandsFollowTheRecipe) {
   layer.forward(P.routing, P.x.data(), y.data());
   layer.backward(P.dy.data(), dx.data(), dprobs.data());
   const Logical grads = load(gs, c);
-  const DispatchPlan& plan = layer.plan();
-  const int64_t R = plan.R;
 
   // fc1's output: Q(x_perm) Q(W1_e)^T over each expert's rows.
-  const std::vector<double> xq = quantized::fake(q.tokens, layer.x_perm(), R, H, false);
+  const DispatchPlan& plan = layer.plan();
+  const int64_t R = plan.R;
+  const std::vector<double> xq = quantized::fake_per_expert(q.tokens, layer.x_perm(), plan, H, false);
   double worst = 0;
   for (int e = 0; e < E; ++e) {
     const std::vector<double> w1(ws.params.fc1_weight[e], ws.params.fc1_weight[e] + F1 * H);
@@ -599,13 +614,13 @@ TEST(GroupedMlpRef, QuantizedOperandsFollowTheRecipe) {
   EXPECT_LT(worst, 1e-12);
 
   // fc2's weight gradient from the columnwise copies of dY (dy's rows, probs in the activation)
-  // and act, blocks of 16 rows from row 0.
+  // and act, blocks of 16 rows from each expert's first row.
   std::vector<double> dY(R * H, 0.0);
   for (int64_t r = 0; r < R; ++r)
     if (plan.row_token[r] >= 0)
       for (int64_t j = 0; j < H; ++j) dY[r * H + j] = P.dy[plan.row_token[r] * H + j];
-  const std::vector<double> dYc = quantized::fake(q.tokens, dY, R, H, true);
-  const std::vector<double> actc = quantized::fake(q.tokens, layer.act(), R, F, true);
+  const std::vector<double> dYc = quantized::fake_per_expert(q.tokens, dY, plan, H, true);
+  const std::vector<double> actc = quantized::fake_per_expert(q.tokens, layer.act(), plan, F, true);
   worst = 0;
   for (int e = 0; e < E; ++e)
     for (int64_t n = 0; n < H; ++n)

@@ -537,5 +537,59 @@ TEST(QuantizeRef, CopiesAndBatches) {
   }
 }
 
+// Token operands quantized per expert group: groups that fill whole blocks give the whole
+// tensor's MXFP8 blocks; NVFP4 has a global amax per group, so one group's values never move
+// another group's codes; rows of no group are 0.
+TEST(QuantizeRef, FakeQuantizeGroups) {
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int64_t rows = 160, cols = 64;
+  std::vector<float> x(rows * cols);
+  for (float& v : x) v = bf16_bits_to_float(float_to_bf16_bits(nd(rng)));
+  const std::vector<int64_t> aligned = {0, 64, 64, 128};  // rows 128.. belong to no group
+
+  QuantConfig mx;
+  mx.format = QuantFormat::kMXFP8;
+  for (bool columnwise : {false, true}) {
+    QuantConfig one = mx;
+    one.rowwise = !columnwise;
+    one.columnwise = columnwise;
+    const std::vector<float> whole = dequantize(one, quantize_fp32(one, x, 1, rows, cols), columnwise, 1, rows, cols);
+    const std::vector<float> grouped = fake_quantize_groups(mx, columnwise, x, rows, cols, aligned);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < cols; ++j) {
+        const float w = r < 128 ? (columnwise ? whole[j * rows + r] : whole[r * cols + j]) : 0.0f;
+        ASSERT_EQ(grouped[r * cols + j], w) << "columnwise " << columnwise << " row " << r;
+      }
+  }
+
+  QuantConfig nv;
+  nv.format = QuantFormat::kNVFP4;
+  const std::vector<int64_t> ragged = {0, 37, 37, 101, 150};
+  std::vector<float> loud = x;
+  for (int64_t i = 37 * cols; i < 101 * cols; ++i) loud[i] *= 1024.0f;  // group 2 only
+  for (bool columnwise : {false, true}) {
+    const std::vector<float> a = fake_quantize_groups(nv, columnwise, x, rows, cols, ragged);
+    const std::vector<float> b = fake_quantize_groups(nv, columnwise, loud, rows, cols, ragged);
+    for (int64_t i = 0; i < rows * cols; ++i) {
+      const int64_t r = i / cols;
+      if (r >= 37 && r < 101)
+        EXPECT_EQ(b[i], a[i] * 1024.0f) << "row " << r;  // a power-of-two scale moves S and amax alike
+      else
+        ASSERT_EQ(b[i], a[i]) << "columnwise " << columnwise << " row " << r;
+      if (r >= 150) ASSERT_EQ(a[i], 0.0f);
+    }
+  }
+  // The whole tensor under one global amax is a different quantization (the loud group's amax
+  // would set every group's scale).
+  QuantConfig one = nv;
+  const std::vector<float> whole = dequantize(one, quantize_fp32(one, loud, 1, rows, cols), false, 1, rows, cols);
+  const std::vector<float> grouped = fake_quantize_groups(nv, false, loud, rows, cols, {0, 37, 101, 160});
+  int64_t differ = 0;
+  for (int64_t i = 0; i < 37 * cols; ++i) differ += whole[i] != grouped[i];
+  EXPECT_GT(differ, 0);
+  expect_error_naming([&] { fake_quantize_groups(nv, false, x, rows, cols + 1, ragged); }, "x has");
+}
+
 }  // namespace
 }  // namespace moe::ref

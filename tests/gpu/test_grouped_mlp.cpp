@@ -698,6 +698,84 @@ TEST(GroupedMlp, Fp8MatchesTheReferenceWithQuantizedOperands) {
   }
 }
 
+// The emulated MXFP8 / NVFP4 layer against the reference with the same quantized operands
+// (bf16_operands: the dequantized values rounded to bf16, as the bf16 GEMMs read them). Data on a
+// coarse grid keep most GEMM sums exact, so what remains is fp32 accumulation order and rounding
+// flips of bf16 intermediates that the next quantization may turn into one code step; the bounds
+// are a few times the measured error. The same outputs against the unquantized reference differ
+// by the format's quantization error, many times more: the comparison tells the recipe apart.
+TEST(GroupedMlp, EmulatedFormatsMatchTheReferenceWithQuantizedOperands) {
+  MOE_REQUIRE_GPU();
+  const struct {
+    EmulatedQuant q;
+    int align;
+    bool main_grad;  // accumulate into fp32 main_grad, else write fp32 gradients
+    double bound;
+  } variants[] = {{EmulatedQuant::kMXFP8, 32, false, 5e-3}, {EmulatedQuant::kNVFP4, 16, false, 1.5e-2},
+                  {EmulatedQuant::kMXFP8, 0, true, 5e-3}, {EmulatedQuant::kNVFP4, 8, true, 1.5e-2}};
+  for (const auto& var : variants) {
+    Case cs;
+    cs.cfg.hidden = 256;
+    cs.cfg.ffn = 384;
+    cs.cfg.experts = 4;
+    cs.cfg.topk = 2;
+    cs.cfg.max_tokens = 384;
+    cs.cfg.bias = true;
+    cs.cfg.dispatch.align = var.align;
+    cs.cfg.emulated = var.q;
+    cs.cfg.wgrad = var.main_grad ? WgradMode::kAccumulate : WgradMode::kWrite;
+    cs.cfg.wgrad_dtype = DType::kFP32;
+    cs.T = 384;
+    cs.seed = 11;
+    cs.skew = 1.0;
+    Runner r(cs);
+    std::mt19937_64 rng(12);
+    std::uniform_int_distribution<int> level(-7, 7);
+    auto grid = [&](std::vector<double>& v, double unit) {
+      for (double& e : v) e = level(rng) * unit / 2;
+    };
+    grid(r.x, 1.0);
+    grid(r.dy, 0.125);
+    grid(r.w1, 1.0 / 64);
+    grid(r.w2, 1.0 / 64);
+    ref::OperandQuant q;
+    q.tokens.format = q.weights.format = var.q == EmulatedQuant::kMXFP8 ? QuantFormat::kMXFP8 : QuantFormat::kNVFP4;
+    q.weights.blocking = var.q == EmulatedQuant::kNVFP4 ? QuantBlocking::k2D : QuantBlocking::k1D;
+    q.bf16_operands = true;
+    const Outputs want = r.run_reference(&q), plain = r.run_reference();
+    const Outputs grouped = r.run_gpu(WeightLayout::kSingleGrouped), per_expert = r.run_gpu(WeightLayout::kPerExpert);
+    expect_bitwise(grouped, per_expert);
+    auto rel = [](const std::vector<double>& a, const std::vector<double>& b) {
+      double num = 0, den = 0;
+      for (size_t i = 0; i < a.size(); ++i) num += (a[i] - b[i]) * (a[i] - b[i]), den += b[i] * b[i];
+      return std::sqrt(num / std::max(den, 1e-300));
+    };
+    const struct {
+      const char* name;
+      const std::vector<double>*got, *want, *plain;
+    } checks[] = {{"y", &grouped.y, &want.y, &plain.y},
+                  {"dx", &grouped.dx, &want.dx, &plain.dx},
+                  {"dprobs", &grouped.dprobs, &want.dprobs, &plain.dprobs},
+                  {"fc1.weight grad", &grouped.dw1, &want.dw1, &plain.dw1},
+                  {"fc2.weight grad", &grouped.dw2, &want.dw2, &plain.dw2},
+                  {"fc1.bias grad", &grouped.db1, &want.db1, &plain.db1},
+                  {"fc2.bias grad", &grouped.db2, &want.db2, &plain.db2}};
+    for (const auto& ch : checks) {
+      const double err = rel(*ch.got, *ch.want), off = rel(*ch.got, *ch.plain);
+      std::printf("emulated %s (A = %d) vs the quantized-operand reference: %s relative L2 %.2e (vs unquantized "
+                  "%.2e)\n", emulated_quant_name(var.q), var.align, ch.name, err, off);
+      EXPECT_LE(err, var.bound) << emulated_quant_name(var.q) << " A = " << var.align << " " << ch.name;
+    }
+    // The quantization is visible where the products are: y, dx and the weight gradients move by
+    // the format's error against the unquantized reference (main_grad's initial values would hide
+    // the weight gradients' part).
+    EXPECT_GT(rel(grouped.y, plain.y), 4 * rel(grouped.y, want.y)) << emulated_quant_name(var.q);
+    EXPECT_GT(rel(grouped.dx, plain.dx), 4 * rel(grouped.dx, want.dx)) << emulated_quant_name(var.q);
+    if (!var.main_grad)
+      EXPECT_GT(rel(grouped.dw1, plain.dw1), 4 * rel(grouped.dw1, want.dw1)) << emulated_quant_name(var.q);
+  }
+}
+
 TEST(GroupedMlp, BadInputIsReported) {
   MOE_REQUIRE_GPU();
   GroupedMlpConfig k = small_config();
