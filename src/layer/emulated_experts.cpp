@@ -42,10 +42,11 @@ void EmulatedExpertsRecipe::plan_weight(DeviceArena& a, Weight& w) {
   w.col_scale = a.take<uint8_t>(E * cs.rows * cs.cols);
   w.amax = a.take<float>(E);
   w.row_deq = a.take<uint16_t>(E * w.N * w.K);
-  w.col_deq = a.take<uint16_t>(E * w.N * w.K);
+  if (!two_d()) w.col_deq = a.take<uint16_t>(E * w.N * w.K);
   if (w.row == nullptr) return;  // measuring pass
   w.row_deq_m = ExpertMatrices::grouped(bf16(w.row_deq, E, w.N, w.K), "fc weight (dequantized)");
-  w.col_deq_m = ExpertMatrices::grouped(bf16(w.col_deq, E, w.K, w.N), "fc weight (dequantized, transposed)");
+  if (!two_d())
+    w.col_deq_m = ExpertMatrices::grouped(bf16(w.col_deq, E, w.K, w.N), "fc weight (dequantized, transposed)");
 }
 
 void EmulatedExpertsRecipe::plan_workspace(DeviceArena& a) {
@@ -98,7 +99,20 @@ void EmulatedExpertsRecipe::quantize_weight(int fc, cudaStream_t s) const {
   }
   const int64_t E = cfg_.experts;
   moe::dequantize(weights_, all, /*columnwise=*/false, bf16(w.row_deq, E, w.N, w.K), s);
-  moe::dequantize(weights_, all, /*columnwise=*/true, bf16(w.col_deq, E, w.K, w.N), s);
+  if (!two_d()) moe::dequantize(weights_, all, /*columnwise=*/true, bf16(w.col_deq, E, w.K, w.N), s);
+}
+
+void EmulatedExpertsRecipe::fprop(int fc, const GroupedGemm& gemm, const TensorView& a, const TensorView& g,
+                                  const TensorView& y, const TensorView& ws, cudaStream_t s) const {
+  gemm.fprop(a, w_[fc - 1].row_deq_m, g, y, ws, s);
+}
+
+void EmulatedExpertsRecipe::dgrad(int fc, const GroupedGemm& gemm, const TensorView& a, const TensorView& g,
+                                  const TensorView& dx, const TensorView& ws, cudaStream_t s) const {
+  if (two_d())
+    gemm.dgrad(a, w_[fc - 1].row_deq_m, g, dx, ws, s);
+  else
+    gemm.fprop(a, w_[fc - 1].col_deq_m, g, dx, ws, s);
 }
 
 void EmulatedExpertsRecipe::quantize_weights(cudaStream_t s) const {

@@ -12,8 +12,9 @@
 // act and x_perm again at backward time, a pure function of the saved values. The weights are
 // quantized by moe::quantize into codes and scales the op keeps (the storage a checkpoint of
 // quantized weights holds) and dequantized once per refresh into bf16 copies the GEMMs read: the
-// rowwise copy as W [E, N, K] (fprop) and the columnwise copy as W^T [E, K, N], which computes dgrad
-// as an fprop (dx = dy (W^T)^T).
+// rowwise copy as W [E, N, K] (fprop) and, with 1-D blocks, the columnwise copy as W^T [E, K, N],
+// which computes dgrad as an fprop (dx = dy (W^T)^T); 2-D blocks (NVFP4 16x16) give both copies the
+// same values, so dgrad reads the rowwise one.
 #pragma once
 
 #include <cstdint>
@@ -42,10 +43,14 @@ class EmulatedExpertsRecipe {
   void quantize_weights(cudaStream_t stream) const;
   // fc (1 or 2)'s codes and scales, single grouped: rowwise [E, N, K], columnwise [E, K, N].
   QuantizedTensor weight_codes(int fc) const;
-  // The dequantized weight copies as GEMM weights: W [E, N, K] for fprop, W^T [E, K, N] for dgrad
-  // (run as an fprop).
-  const ExpertMatrices& fprop_weight(int fc) const { return w_[fc - 1].row_deq_m; }
-  const ExpertMatrices& dgrad_weight(int fc) const { return w_[fc - 1].col_deq_m; }
+  // fc (1 or 2)'s products with the dequantized weight copies, A a token operand already through
+  // tokens(): y [rows, N] = A W^T (the rowwise copy), dx [rows, K] = A W (the columnwise copy: with
+  // 1-D blocks its own dequantization W^T [E, K, N], run as an fprop; with 2-D blocks the rowwise
+  // copy's values, so no second copy is kept).
+  void fprop(int fc, const GroupedGemm& gemm, const TensorView& a, const TensorView& g, const TensorView& y,
+             const TensorView& gemm_ws, cudaStream_t stream) const;
+  void dgrad(int fc, const GroupedGemm& gemm, const TensorView& a, const TensorView& g, const TensorView& dx,
+             const TensorView& gemm_ws, cudaStream_t stream) const;
 
   // a bf16 [rows, cols] through the token format, each expert's rows of g on their own: rowwise
   // (blocks along cols; fprop and dgrad) or columnwise (blocks along the rows; wgrad), into token
@@ -60,13 +65,14 @@ class EmulatedExpertsRecipe {
     int64_t N = 0, K = 0;  // W_e [N, K]
     uint8_t *row = nullptr, *col = nullptr, *row_scale = nullptr, *col_scale = nullptr;
     float* amax = nullptr;  // NVFP4: [E]
-    uint16_t *row_deq = nullptr, *col_deq = nullptr;
+    uint16_t *row_deq = nullptr, *col_deq = nullptr;  // col_deq: 1-D blocks only
     std::vector<TensorView> source;
     ExpertMatrices row_deq_m, col_deq_m;
   };
   void plan_weight(DeviceArena& arena, Weight& w);
   void quantize_weight(int fc, cudaStream_t stream) const;
   int64_t data_bytes(int64_t elements) const;
+  bool two_d() const { return weights_.blocking == QuantBlocking::k2D; }
 
   ExpertsConfig cfg_;
   QuantConfig tokens_, weights_;

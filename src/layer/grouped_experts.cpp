@@ -232,10 +232,10 @@ struct GroupedExperts::Impl {
               "every change of the weights)");
   }
   // dx [rows, K] = dy [rows, N] W (fc 1 or 2); emulated: the quantized dy times the dequantized
-  // columnwise weight copy, run as an fprop.
+  // columnwise weight copy.
   void dgrad(int fc, const TensorView& dy, const TensorView& g, const TensorView& dx, cudaStream_t s) const {
     if (emu)
-      gemm.fprop(emu->tokens(dy, g, /*columnwise=*/false, 0, s), emu->dgrad_weight(fc), g, dx, gemm_workspace(), s);
+      emu->dgrad(fc, gemm, emu->tokens(dy, g, /*columnwise=*/false, 0, s), g, dx, gemm_workspace(), s);
     else
       gemm.dgrad(dy, fc == 1 ? w1 : w2, g, dx, gemm_workspace(), s);
   }
@@ -284,7 +284,7 @@ struct GroupedExperts::Impl {
       fp8->quantize(x_perm, /*rowwise=*/true, b.fp8.x_col, b.fp8.x_col_scale, s);
       fp8->fprop(1, gemm, gemm_workspace(), g, bf16_view(b.h, rows, F1), s);
     } else if (emu) {
-      gemm.fprop(emu->tokens(x_perm, g, /*columnwise=*/false, 0, s), emu->fprop_weight(1), g, bf16_view(b.h, rows, F1),
+      emu->fprop(1, gemm, emu->tokens(x_perm, g, /*columnwise=*/false, 0, s), g, bf16_view(b.h, rows, F1),
                  gemm_workspace(), s);
     } else {
       gemm.fprop(x_perm, w1, g, bf16_view(b.h, rows, F1), gemm_workspace(), s);
@@ -302,7 +302,7 @@ struct GroupedExperts::Impl {
       fp8->quantize(act, /*rowwise=*/true, b.fp8.act_col, b.fp8.act_col_scale, s);
       fp8->fprop(2, gemm, gemm_workspace(), g, Y, s);
     } else if (emu) {
-      gemm.fprop(emu->tokens(act, g, /*columnwise=*/false, 0, s), emu->fprop_weight(2), g, Y, gemm_workspace(), s);
+      emu->fprop(2, gemm, emu->tokens(act, g, /*columnwise=*/false, 0, s), g, Y, gemm_workspace(), s);
     } else {
       gemm.fprop(act, w2, g, Y, gemm_workspace(), s);
     }

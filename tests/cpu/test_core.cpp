@@ -209,6 +209,30 @@ TEST(GroupedMlpConfig, ValidatesFields) {
   master.fp8 = Fp8Recipe::kNone;
   expect_error_naming([&] { master.validate(); }, "fp8_weight_refresh");
   expect_error_naming([&] { master.experts_config().validate(); }, "fp8_weight_refresh");
+  // Emulated MXFP8 / NVFP4: any alignment, the unfused path, the standard orientation, hidden and
+  // ffn in whole blocks, not with fp8 nor from master; passed on to the experts.
+  for (EmulatedQuant q : {EmulatedQuant::kMXFP8, EmulatedQuant::kNVFP4}) {
+    auto em = c;
+    em.emulated = q;
+    em.validate();
+    EXPECT_EQ(em.experts_config().emulated, q);
+    em.delay_wgrad = true;
+    em.validate();
+    for (int which = 0; which < 5; ++which) {
+      auto f = em;
+      if (which == 0) f.fuse_fc1 = true;
+      if (which == 1) f.fuse_fc2_dgrad = true;
+      if (which == 2) f.transposed_weights = true;
+      if (which == 3) f.fp8 = Fp8Recipe::kBlock, f.dispatch.align = 128, f.delay_wgrad = false;
+      if (which == 4) f.ffn = q == EmulatedQuant::kMXFP8 ? c.ffn + 16 : c.ffn + 8;
+      expect_error_naming([&] { f.validate(); }, "'emulated'");
+      expect_error_naming([&] { f.experts_config().validate(); }, "'emulated'");
+    }
+    auto fm = em;
+    fm.fp8_weight_refresh = Fp8WeightRefresh::kFromMaster;
+    expect_error_naming([&] { fm.validate(); }, "fp8_weight_refresh");
+  }
+  EXPECT_STREQ(emulated_quant_name(EmulatedQuant::kNVFP4), "nvfp4");
 }
 
 }  // namespace

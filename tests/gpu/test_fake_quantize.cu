@@ -169,7 +169,7 @@ TEST_F(FakeQuantize, EqualsQuantizeThenDequantizeOfEachGroup) {
 }
 
 TEST_F(FakeQuantize, GraphReplayWithNewGroupsAndData) {
-  const int64_t rows = 192, cols = 64;
+  const int64_t rows = 192, cols = 128;  // whole 1x128 blocks for fp8_block rowwise
   const int E = 3;
   DeviceBuffer<uint16_t> dx(rows * cols), dout(rows * cols);
   DeviceBuffer<int32_t> dg(E + 1);

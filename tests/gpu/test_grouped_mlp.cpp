@@ -701,8 +701,8 @@ TEST(GroupedMlp, Fp8MatchesTheReferenceWithQuantizedOperands) {
 // The emulated MXFP8 / NVFP4 layer against the reference with the same quantized operands
 // (bf16_operands: the dequantized values rounded to bf16, as the bf16 GEMMs read them). Data on a
 // coarse grid keep most GEMM sums exact, so what remains is fp32 accumulation order and rounding
-// flips of bf16 intermediates that the next quantization may turn into one code step; the bounds
-// are a few times the measured error. The same outputs against the unquantized reference differ
+// flips of bf16 intermediates that the next quantization may turn into one code step: measured
+// <= 8e-5 (H100), bound 1e-3. A = 16 (MXFP8) and A = 0 give experts partial last blocks. The same outputs against the unquantized reference differ
 // by the format's quantization error, many times more: the comparison tells the recipe apart.
 TEST(GroupedMlp, EmulatedFormatsMatchTheReferenceWithQuantizedOperands) {
   MOE_REQUIRE_GPU();
@@ -711,8 +711,8 @@ TEST(GroupedMlp, EmulatedFormatsMatchTheReferenceWithQuantizedOperands) {
     int align;
     bool main_grad;  // accumulate into fp32 main_grad, else write fp32 gradients
     double bound;
-  } variants[] = {{EmulatedQuant::kMXFP8, 32, false, 5e-3}, {EmulatedQuant::kNVFP4, 16, false, 1.5e-2},
-                  {EmulatedQuant::kMXFP8, 0, true, 5e-3}, {EmulatedQuant::kNVFP4, 8, true, 1.5e-2}};
+  } variants[] = {{EmulatedQuant::kMXFP8, 32, false, 1e-3}, {EmulatedQuant::kNVFP4, 16, false, 1e-3},
+                  {EmulatedQuant::kMXFP8, 16, true, 1e-3}, {EmulatedQuant::kNVFP4, 0, true, 1e-3}};
   for (const auto& var : variants) {
     Case cs;
     cs.cfg.hidden = 256;

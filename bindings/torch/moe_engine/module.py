@@ -49,7 +49,14 @@ default with fp8). `fp8_weight_refresh="every_forward"` quantizes the weights in
 (once per optimizer step, before the first micro-batch). "from_master" (FP8 primary weights): the
 weight parameters are fp32 (the master weights the optimizer updates; biases stay bf16),
 `refresh_fp8_weights()` quantizes them straight from fp32, and the FP8 copies are the only weights
-computed with -- no bf16 weight exists; needs accumulate_into_main_grad=True."""
+computed with -- no bf16 weight exists; needs accumulate_into_main_grad=True.
+
+`fp8="mxfp8"` or `fp8="nvfp4"`: the Blackwell formats, **emulated** on Hopper (docs/layer.md,
+emulated MXFP8 / NVFP4). Every GEMM operand is quantized exactly as a Blackwell run quantizes it
+(MXFP8: 1x32 blocks, E8M0 scales; NVFP4: 1x16 token blocks and 16x16 weight blocks, E4M3 scales, a
+global amax per expert) and its dequantized values feed the bf16 GEMMs, so the numerics are the
+recipe's while the speed is not. The unfused path; align defaults to 32 (mxfp8) or 16 (nvfp4), which
+gives every expert whole blocks. fp8_weight_refresh "every_forward" or "on_request"."""
 import torch
 from torch import nn
 
@@ -70,13 +77,17 @@ def _fuse_fc1(choice, ffn_hidden_size, num_experts):
     return _fused_default(choice, ffn_hidden_size, num_experts, 1024)
 
 
+# Per-expert row alignment that gives each recipe's expert rows whole blocks.
+_FP8_ALIGN = {"block": 128, "mxfp8": 32, "nvfp4": 16}
+
+
 def _check_fp8_options(fp8, fp8_weight_refresh, accumulate_into_main_grad):
-    if fp8 not in (None, "block"):
-        raise ValueError(f"argument 'fp8': expected None or 'block', got {fp8!r}")
+    if fp8 not in (None, "block", "mxfp8", "nvfp4"):
+        raise ValueError(f"argument 'fp8': expected None, 'block', 'mxfp8' or 'nvfp4', got {fp8!r}")
     if fp8_weight_refresh not in ("every_forward", "on_request", "from_master"):
         raise ValueError("argument 'fp8_weight_refresh': expected 'every_forward', 'on_request' or 'from_master', "
                          f"got {fp8_weight_refresh!r}")
-    if fp8_weight_refresh == "from_master" and (fp8 is None or not accumulate_into_main_grad):
+    if fp8_weight_refresh == "from_master" and (fp8 != "block" or not accumulate_into_main_grad):
         raise ValueError("argument 'fp8_weight_refresh': 'from_master' (FP8 primary weights: fp32 weight "
                          "parameters) needs fp8='block' and accumulate_into_main_grad=True (the gradients go "
                          "to each parameter's fp32 main_grad)")
@@ -248,10 +259,10 @@ class GroupedMLP(_ExpertModule):
         _check_fp8_options(fp8, fp8_weight_refresh, accumulate_into_main_grad)
         self.fp8 = fp8
         if fp8 is not None:
-            # The FP8 experts run the unfused path on 128-aligned expert rows.
+            # The quantized experts run the unfused path on expert rows aligned to their blocks.
             fuse_fc1 = False if fuse_fc1 is None else fuse_fc1
             fuse_fc2_dgrad = False if fuse_fc2_dgrad is None else fuse_fc2_dgrad
-            align = 128 if align == 0 else align
+            align = _FP8_ALIGN[fp8] if align == 0 else align
         self.topk = topk
         self.recompute = recompute
         self.fuse_fc1 = _fuse_fc1(fuse_fc1, ffn_hidden_size, num_experts)
@@ -318,7 +329,8 @@ class GroupedExperts(_ExpertModule):
     fp8="block" and fp8_weight_refresh as for GroupedMLP; the rows of each expert must then fill
     whole 128-row blocks (start on a multiple of 128, e.g. a dispatcher with align=128) and max_rows
     be a multiple of 16. An expert off that grid is reported by check_errors() (its weight gradient
-    is skipped)."""
+    is skipped). fp8="mxfp8" / "nvfp4" (emulated) take any groups: each expert's rows are quantized
+    as a matrix of their own (whole blocks when they start on multiples of 32 / 16)."""
 
     def __init__(self, hidden_size, ffn_hidden_size, num_experts, max_rows, activation="swiglu",
                  glu_interleave=0, bias=False, probs_at_combine=False, per_expert_weights=False,
