@@ -69,7 +69,8 @@ def mxfp8_rows(x):
 
 def _nvfp4_global(x):
     g = x.abs().amax()
-    return torch.where(g > 0, 2688.0 / g, torch.ones_like(g))  # S, fp32
+    # A true fp32 division (a Python number over a tensor is a reciprocal and a multiply).
+    return torch.where(g > 0, torch.full_like(g, 2688.0) / g, torch.ones_like(g))  # S, fp32
 
 
 def nvfp4_quant(x, S, block_amax):
@@ -194,10 +195,12 @@ def compare(fmt, x, idx, probs, dy, params, align=0):
 @pytest.mark.parametrize("fmt,align", [("mxfp8", 0), ("mxfp8", 64), ("nvfp4", 0), ("nvfp4", 16)])
 def test_emulated_layer_matches_the_plain_pytorch_emulation(fmt, align):
     """Grid data keep most products exact, so the two sides differ by fp32 accumulation order and the
-    rare bf16 rounding flips it causes (the C++ test of the same recipe measures <= 1e-4). Bound 2e-3;
-    the recipe's own error against bf16 is 2-3% (MXFP8) and 20-30% (NVFP4), and a wrong block
-    direction, a global amax over all experts or a missed bf16 rounding of an operand is well above
-    the bound. align=0 gives experts partial last blocks."""
+    bf16 rounding flips it causes: measured 1.65-2.4e-3 for both formats (H100), the same floor as the
+    FP8 test's emulation (the C++ test, whose reference rounds like the kernels, measures <= 1e-4).
+    Bound 5e-3; the recipe's own error against bf16 is 2-3% (MXFP8) and 20-30% (NVFP4). A global
+    scale S one ulp off (reciprocal and multiply instead of a division) already shows as 12% on this
+    data (NVFP4 ties flip), and so would a wrong block direction or one amax over all experts.
+    align=0 gives experts partial last blocks."""
     T, H, E, k = 384, 256, 4, 2
     gen = torch.Generator(device=DEV).manual_seed(7)
     params = {"fc1.weight": grid((E, 768, H), 2.0 ** -6, gen), "fc2.weight": grid((E, H, 384), 2.0 ** -6, gen),
@@ -208,7 +211,7 @@ def test_emulated_layer_matches_the_plain_pytorch_emulation(fmt, align):
     idx, probs = routing(T, E, k, 8)
     errs = compare(fmt, x, idx, probs, dy, params, align)
     print(f"{fmt} A={align} layer vs the emulation, relative L2:", {k: f"{v:.2e}" for k, v in errs.items()})
-    assert all(err <= 2e-3 for err in errs.values()), errs
+    assert all(err <= 5e-3 for err in errs.values()), errs
 
 
 def _train_steps(fmt, per_expert, main_grad, eval_between, seed=3):
