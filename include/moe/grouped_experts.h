@@ -128,11 +128,12 @@ class GroupedExperts {
                          const TensorView* dY = nullptr) const;
 
   // Device memory held by the op (backward workspaces, GEMM call workspace, bias workspace; with
-  // FP8, the quantized weight copies and the token copies).
+  // FP8 or the emulated formats, the quantized weight copies and the token copies).
   size_t workspace_bytes() const;
 
-  // FP8 (config.fp8_weight_refresh = kOnRequest or kFromMaster): quantizes the bound weights (bf16,
-  // or the fp32 master weights) into the copies the following forwards and backwards use.
+  // FP8 or the emulated MXFP8 / NVFP4 (config.fp8_weight_refresh = kOnRequest or kFromMaster):
+  // quantizes the bound weights (bf16, or the fp32 master weights) into the copies the following
+  // forwards and backwards use.
   // Graph-capturable. Call it after every change of the weights; a forward refuses to run when no
   // refresh followed the last set_weights.
   void refresh_fp8_weights(cudaStream_t stream);
