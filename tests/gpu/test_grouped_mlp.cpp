@@ -644,6 +644,27 @@ INSTANTIATE_TEST_SUITE_P(GroupedMlp, GraphReplay, ::testing::Values(0, 1, 2, 3, 
 // partial-sum precision and fp32 accumulation order, seen through bf16 roundings (measured ~3e-3
 // against the same recipe in PyTorch). Bound 5e-3 relative L2 (dprobs 1e-4: fp32 sums of bitwise
 // equal factors); a scale on the wrong block or a wrong copy gives 1e-2 and more.
+// The quantized-operand tests' data: x, dy and both weights on coarse grids (multiples of unit / 2
+// in [-3.5, 3.5] unit), whose products and their sums stay exact in fp32 and whose block
+// quantization is exact or nearly so.
+void put_on_grid(Runner& r, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> level(-7, 7);
+  auto grid = [&](std::vector<double>& v, double unit) {
+    for (double& e : v) e = level(rng) * unit / 2;
+  };
+  grid(r.x, 1.0);
+  grid(r.dy, 0.125);
+  grid(r.w1, 1.0 / 64);
+  grid(r.w2, 1.0 / 64);
+}
+
+double rel_l2(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) num += (a[i] - b[i]) * (a[i] - b[i]), den += b[i] * b[i];
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
 TEST(GroupedMlp, Fp8MatchesTheReferenceWithQuantizedOperands) {
   MOE_REQUIRE_GPU();
   Case cs;
@@ -660,26 +681,13 @@ TEST(GroupedMlp, Fp8MatchesTheReferenceWithQuantizedOperands) {
   cs.T = 384;
   cs.seed = 7;
   Runner r(cs);
-  std::mt19937_64 rng(8);
-  std::uniform_int_distribution<int> level(-7, 7);
-  auto grid = [&](std::vector<double>& v, double unit) {
-    for (double& e : v) e = level(rng) * unit / 2;
-  };
-  grid(r.x, 1.0);
-  grid(r.dy, 0.125);
-  grid(r.w1, 1.0 / 64);
-  grid(r.w2, 1.0 / 64);
+  put_on_grid(r, 8);
   ref::OperandQuant q;
   q.tokens.format = q.weights.format = QuantFormat::kFP8Block;
   q.weights.blocking = QuantBlocking::k2D;
   const Outputs want = r.run_reference(&q);
   const Outputs grouped = r.run_gpu(WeightLayout::kSingleGrouped), per_expert = r.run_gpu(WeightLayout::kPerExpert);
   expect_bitwise(grouped, per_expert);
-  auto rel = [](const std::vector<double>& a, const std::vector<double>& b) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < a.size(); ++i) num += (a[i] - b[i]) * (a[i] - b[i]), den += b[i] * b[i];
-    return std::sqrt(num / std::max(den, 1e-300));
-  };
   const struct {
     const char* name;
     const std::vector<double>*got, *want;
@@ -692,7 +700,7 @@ TEST(GroupedMlp, Fp8MatchesTheReferenceWithQuantizedOperands) {
                 {"fc1.bias grad", &grouped.db1, &want.db1, 5e-3},
                 {"fc2.bias grad", &grouped.db2, &want.db2, 5e-3}};
   for (const auto& ch : checks) {
-    const double err = rel(*ch.got, *ch.want);
+    const double err = rel_l2(*ch.got, *ch.want);
     std::printf("FP8 layer vs the quantized-operand reference: %s relative L2 %.2e\n", ch.name, err);
     EXPECT_LE(err, ch.bound) << ch.name;
   }
@@ -729,15 +737,7 @@ TEST(GroupedMlp, EmulatedFormatsMatchTheReferenceWithQuantizedOperands) {
     cs.seed = 11;
     cs.skew = 1.0;
     Runner r(cs);
-    std::mt19937_64 rng(12);
-    std::uniform_int_distribution<int> level(-7, 7);
-    auto grid = [&](std::vector<double>& v, double unit) {
-      for (double& e : v) e = level(rng) * unit / 2;
-    };
-    grid(r.x, 1.0);
-    grid(r.dy, 0.125);
-    grid(r.w1, 1.0 / 64);
-    grid(r.w2, 1.0 / 64);
+    put_on_grid(r, 12);
     ref::OperandQuant q;
     q.tokens.format = q.weights.format = var.q == EmulatedQuant::kMXFP8 ? QuantFormat::kMXFP8 : QuantFormat::kNVFP4;
     q.weights.blocking = var.q == EmulatedQuant::kNVFP4 ? QuantBlocking::k2D : QuantBlocking::k1D;
@@ -745,11 +745,6 @@ TEST(GroupedMlp, EmulatedFormatsMatchTheReferenceWithQuantizedOperands) {
     const Outputs want = r.run_reference(&q), plain = r.run_reference();
     const Outputs grouped = r.run_gpu(WeightLayout::kSingleGrouped), per_expert = r.run_gpu(WeightLayout::kPerExpert);
     expect_bitwise(grouped, per_expert);
-    auto rel = [](const std::vector<double>& a, const std::vector<double>& b) {
-      double num = 0, den = 0;
-      for (size_t i = 0; i < a.size(); ++i) num += (a[i] - b[i]) * (a[i] - b[i]), den += b[i] * b[i];
-      return std::sqrt(num / std::max(den, 1e-300));
-    };
     const struct {
       const char* name;
       const std::vector<double>*got, *want, *plain;
@@ -761,7 +756,7 @@ TEST(GroupedMlp, EmulatedFormatsMatchTheReferenceWithQuantizedOperands) {
                   {"fc1.bias grad", &grouped.db1, &want.db1, &plain.db1},
                   {"fc2.bias grad", &grouped.db2, &want.db2, &plain.db2}};
     for (const auto& ch : checks) {
-      const double err = rel(*ch.got, *ch.want), off = rel(*ch.got, *ch.plain);
+      const double err = rel_l2(*ch.got, *ch.want), off = rel_l2(*ch.got, *ch.plain);
       std::printf("emulated %s (A = %d) vs the quantized-operand reference: %s relative L2 %.2e (vs unquantized "
                   "%.2e)\n", emulated_quant_name(var.q), var.align, ch.name, err, off);
       EXPECT_LE(err, var.bound) << emulated_quant_name(var.q) << " A = " << var.align << " " << ch.name;
@@ -769,10 +764,10 @@ TEST(GroupedMlp, EmulatedFormatsMatchTheReferenceWithQuantizedOperands) {
     // The quantization is visible where the products are: y, dx and the weight gradients move by
     // the format's error against the unquantized reference (main_grad's initial values would hide
     // the weight gradients' part).
-    EXPECT_GT(rel(grouped.y, plain.y), 4 * rel(grouped.y, want.y)) << emulated_quant_name(var.q);
-    EXPECT_GT(rel(grouped.dx, plain.dx), 4 * rel(grouped.dx, want.dx)) << emulated_quant_name(var.q);
+    EXPECT_GT(rel_l2(grouped.y, plain.y), 4 * rel_l2(grouped.y, want.y)) << emulated_quant_name(var.q);
+    EXPECT_GT(rel_l2(grouped.dx, plain.dx), 4 * rel_l2(grouped.dx, want.dx)) << emulated_quant_name(var.q);
     if (!var.main_grad)
-      EXPECT_GT(rel(grouped.dw1, plain.dw1), 4 * rel(grouped.dw1, want.dw1)) << emulated_quant_name(var.q);
+      EXPECT_GT(rel_l2(grouped.dw1, plain.dw1), 4 * rel_l2(grouped.dw1, want.dw1)) << emulated_quant_name(var.q);
   }
 }
 

@@ -13,18 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_engine import GroupedMLP
-from reference import activation
-
-DEV = "cuda"
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def bf16(v):
-    return v.bfloat16().float()
+from quant_emulation import DEV, bf16, compare, grid, routing
 
 
 def _blocks(x, b):
@@ -110,16 +99,6 @@ class Recipe:
         return bf16(mxfp8_rows(w.t().contiguous()).t() if for_dgrad else mxfp8_rows(w))
 
 
-class _RoundBf16(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, v):
-        return bf16(v)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
-
-
 class _QuantLinear(torch.autograd.Function):
     """One expert's y = x W^T on quantized operands: fprop Q(x) Qr(W)^T, dgrad Q(dy) Qc(W) written in
     bf16, wgrad Qc(dy)^T Qc(x) over the expert's tokens."""
@@ -140,56 +119,12 @@ class _QuantLinear(torch.autograd.Function):
         return dx, dw, None
 
 
-def emulation(recipe, x, idx, probs, w1, w2, b1, b2, kind):
+def emulated_compare(fmt, x, idx, probs, dy, params, align=0):
+    """GroupedMLP(fp8=fmt) vs its emulation: relative L2 errors of the output and every gradient."""
     T, H = x.shape
-    E, _, ffn = w2.shape
-    y = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    for e in range(E):
-        tok, slot = (idx == e).nonzero(as_tuple=True)  # token order: the dispatcher's row order
-        if tok.numel() == 0:
-            continue
-        p = probs[tok, slot].unsqueeze(1)
-        h = _RoundBf16.apply(_QuantLinear.apply(x[tok], w1[e], recipe))
-        h = _RoundBf16.apply(h + b1[e])
-        a = _RoundBf16.apply(activation(h, kind, ffn, 0) * p)
-        out = _RoundBf16.apply(_QuantLinear.apply(a, w2[e], recipe))
-        out = _RoundBf16.apply(out + b2[e] * p)
-        y = y.index_add(0, tok, out)
-    return y
-
-
-def grid(shape, unit, gen):
-    """Multiples of unit / 2 in [-3.5, 3.5] * unit: products and their sums stay exact in fp32."""
-    return torch.randint(-7, 8, shape, device=DEV, generator=gen).float() * (unit / 2)
-
-
-def routing(T, E, k, seed):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    probs, idx = torch.topk(torch.softmax(torch.randn(T, E, device=DEV, generator=g), -1), k, dim=-1)
-    return idx.to(torch.int32), probs.float()
-
-
-def compare(fmt, x, idx, probs, dy, params, align=0):
-    T, H = x.shape
-    E, k = 4, idx.shape[1]
-    mod = GroupedMLP(H, 384, E, k, max_tokens=T, bias=True, fp8=fmt, align=align)
-    with torch.no_grad():
-        for n, p in mod.named_parameters():
-            p.copy_(params[n])
-    xr = x.detach().clone().requires_grad_()
-    pr = probs.detach().clone().requires_grad_()
-    y = mod(xr, idx, pr)
-    y.backward(dy)
-    ours = {"y": y, "dx": xr.grad, "dprobs": pr.grad, **{n: p.grad for n, p in mod.named_parameters()}}
-
-    w = {n: p.detach().float().clone().requires_grad_() for n, p in mod.named_parameters()}
-    xe = x.float().requires_grad_()
-    pe = probs.clone().requires_grad_()
-    ye = emulation(Recipe(fmt), xe, idx.long(), pe, w["fc1.weight"], w["fc2.weight"], w["fc1.bias"],
-                   w["fc2.bias"], "swiglu")
-    ye.backward(dy.float())
-    emu = {"y": ye, "dx": xe.grad, "dprobs": pe.grad, **{n: t.grad for n, t in w.items()}}
-    return {key: rel_err(ours[key], want) for key, want in emu.items()}
+    mod = GroupedMLP(H, 384, 4, idx.shape[1], max_tokens=T, bias=True, fp8=fmt, align=align)
+    recipe = Recipe(fmt)
+    return compare(mod, lambda a, w: _QuantLinear.apply(a, w, recipe), x, idx, probs, dy, params)
 
 
 @pytest.mark.parametrize("fmt,align", [("mxfp8", 0), ("mxfp8", 64), ("nvfp4", 0), ("nvfp4", 16)])
@@ -209,7 +144,7 @@ def test_emulated_layer_matches_the_plain_pytorch_emulation(fmt, align):
     x = grid((T, H), 1.0, gen).bfloat16()
     dy = grid((T, H), 2.0 ** -3, gen).bfloat16()
     idx, probs = routing(T, E, k, 8)
-    errs = compare(fmt, x, idx, probs, dy, params, align)
+    errs = emulated_compare(fmt, x, idx, probs, dy, params, align)
     print(f"{fmt} A={align} layer vs the emulation, relative L2:", {k: f"{v:.2e}" for k, v in errs.items()})
     assert all(err <= 5e-3 for err in errs.values()), errs
 

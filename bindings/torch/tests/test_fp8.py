@@ -13,21 +13,17 @@ import torch
 import torch.nn.functional as F
 
 from moe_engine import GroupedMLP
-from reference import activation
+from quant_emulation import DEV, bf16, compare, grid, routing
 
-DEV = "cuda"
 BLOCK = 128
 
 
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def _scales(amax):
-    # scale = 448 / amax in fp32, 1 where amax is 0, inf or NaN; scale_inv = fp32(1 / scale).
+    # scale = 448 / amax in fp32, 1 where amax is 0, inf or NaN; scale_inv = fp32(1 / scale). True
+    # divisions (a Python number over a tensor is a reciprocal and a multiply).
     ok = (amax > 0) & torch.isfinite(amax)
-    scale = torch.where(ok, 448.0 / torch.where(ok, amax, torch.ones_like(amax)), torch.ones_like(amax))
+    scale = torch.where(ok, torch.full_like(amax, 448.0) / torch.where(ok, amax, torch.ones_like(amax)),
+                        torch.ones_like(amax))
     return scale, 1.0 / scale
 
 
@@ -58,22 +54,6 @@ def q_tiles(w):
     return (_e4m3(t * scale) * inv).view(N + pn, K + pk)[:N, :K]
 
 
-def bf16(v):
-    return v.bfloat16().float()
-
-
-class _RoundBf16(torch.autograd.Function):
-    """Rounds to bf16 in forward (a value the layer stores), passes the gradient as it is."""
-
-    @staticmethod
-    def forward(ctx, v):
-        return bf16(v)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
-
-
 class _Fp8Linear(torch.autograd.Function):
     """One expert's y = x W^T on FP8 operands: fprop q_rows(x) q_tiles(W)^T; dgrad q_rows(dy) q_tiles(W)
     written in bf16 (the layer stores dact / dx_perm in bf16); wgrad q_cols(dy)^T q_cols(x) over the
@@ -94,67 +74,17 @@ class _Fp8Linear(torch.autograd.Function):
         return dx, dw
 
 
-def fp8_emulation(x, idx, probs, w1, w2, b1, b2, kind):
-    """The FP8 layer in plain PyTorch, probs in the activation; the same signature as moe_reference."""
+def fp8_compare(x, idx, probs, dy, params=None):
+    """GroupedMLP(fp8="block") vs its emulation: relative L2 errors of the output and every gradient."""
     T, H = x.shape
-    E, _, ffn = w2.shape
-    y = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    for e in range(E):
-        tok, slot = (idx == e).nonzero(as_tuple=True)  # token order: the dispatcher's row order
-        if tok.numel() == 0:
-            continue
-        p = probs[tok, slot].unsqueeze(1)
-        h = _RoundBf16.apply(_Fp8Linear.apply(x[tok], w1[e]))
-        h = _RoundBf16.apply(h + b1[e])
-        a = _RoundBf16.apply(activation(h, kind, ffn, 0) * p)
-        out = _RoundBf16.apply(_Fp8Linear.apply(a, w2[e]))
-        out = _RoundBf16.apply(out + b2[e] * p)
-        y = y.index_add(0, tok, out)
-    return y
-
-
-def grid(shape, unit, gen):
-    """Multiples of unit / 2 in [-3.5, 3.5] * unit, uniformly: every FP8 block of such a tensor (1x128,
-    128x1 or 128x128) holds a +-3.5 unit with probability 1 - (13/15)^128, so its scale 448 / amax is a
-    power of two and its quantization exact; products of two such values and their sums over a few
-    hundred terms are exact in fp32 (integers below 2^14 times a power of two)."""
-    return torch.randint(-7, 8, shape, device=DEV, generator=gen).float() * (unit / 2)
-
-
-def compare(x, idx, probs, dy, params=None):
-    """Ours vs the emulation on the same inputs: relative L2 errors of the output and every gradient."""
-    T, H = x.shape
-    E, k = 4, idx.shape[1]
-    mod = GroupedMLP(H, 384, E, k, max_tokens=T, bias=True, fp8="block")
-    if params is not None:
-        with torch.no_grad():
-            for n, p in mod.named_parameters():
-                p.copy_(params[n])
-    xr = x.detach().clone().requires_grad_()
-    pr = probs.detach().clone().requires_grad_()
-    y = mod(xr, idx, pr)
-    y.backward(dy)
-    mod.check_errors()
-    ours = {"y": y, "dx": xr.grad, "dprobs": pr.grad, **{n: p.grad for n, p in mod.named_parameters()}}
-
-    w = {n: p.detach().float().clone().requires_grad_() for n, p in mod.named_parameters()}
-    xe = x.float().requires_grad_()
-    pe = probs.clone().requires_grad_()
-    ye = fp8_emulation(xe, idx.long(), pe, w["fc1.weight"], w["fc2.weight"], w["fc1.bias"], w["fc2.bias"], "swiglu")
-    ye.backward(dy.float())
-    emu = {"y": ye, "dx": xe.grad, "dprobs": pe.grad, **{n: t.grad for n, t in w.items()}}
-    return {key: rel_err(ours[key], want) for key, want in emu.items()}
-
-
-def routing(T, E, k, seed):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    probs, idx = torch.topk(torch.softmax(torch.randn(T, E, device=DEV, generator=g), -1), k, dim=-1)
-    return idx.to(torch.int32), probs.float()
+    mod = GroupedMLP(H, 384, 4, idx.shape[1], max_tokens=T, bias=True, fp8="block")
+    return compare(mod, _Fp8Linear.apply, x, idx, probs, dy, params)
 
 
 def test_fp8_layer_matches_the_plain_pytorch_emulation_on_exact_grid_data():
-    """x, dy and both weights on grids whose FP8 quantization and fc1 / fc2-dgrad products are exact,
-    so h and dact are bitwise those of the emulation (dprobs agrees to ~1e-7) and what is left comes
+    """x, dy and both weights on grids whose FP8 quantization and fc1 / fc2-dgrad products are exact
+    (every FP8 block of such a tensor holds a +-3.5 unit with probability 1 - (13/15)^128, so its
+    scale 448 / amax is a power of two), so h and dact are bitwise those of the emulation (dprobs agrees to ~1e-7) and what is left comes
     from the products on inexact operands (act, dh): the FP8 tensor cores' partial-sum precision inside
     each 128-deep block and fp32 accumulation order, seen through the bf16 rounding of y, dx and the
     weight gradients (2^-9 relative at most per rounding, ~1e-3 RMS). Measured 1.8-3.2e-3 (H100).
@@ -168,7 +98,7 @@ def test_fp8_layer_matches_the_plain_pytorch_emulation_on_exact_grid_data():
     x = grid((T, H), 1.0, gen).bfloat16()
     dy = grid((T, H), 2.0 ** -3, gen).bfloat16()
     idx, probs = routing(T, E, k, 8)
-    errs = compare(x, idx, probs, dy, params)
+    errs = fp8_compare(x, idx, probs, dy, params)
     print("fp8 layer vs the emulation, exact-grid data, relative L2:", {k: f"{v:.2e}" for k, v in errs.items()})
     assert all(err <= 5e-3 for err in errs.values()), errs
 
@@ -183,7 +113,7 @@ def test_fp8_layer_matches_the_plain_pytorch_emulation_on_random_data():
     x = (torch.randn(T, H, device=DEV) * 0.5).bfloat16()
     idx, probs = routing(T, 4, 2, 6)
     dy = torch.randn(T, H, device=DEV).bfloat16()
-    errs = compare(x, idx, probs, dy)
+    errs = fp8_compare(x, idx, probs, dy)
     print("fp8 layer vs the emulation, random data, relative L2:", {k: f"{v:.2e}" for k, v in errs.items()})
     assert all(err <= 3e-2 for err in errs.values()), errs
 

@@ -1,0 +1,87 @@
+"""Shared pieces of the plain-PyTorch emulations of the quantized expert layers (test_fp8.py,
+test_emulated_formats.py): the layer's data flow with the bf16 roundings it stores, around a
+quantized linear that each recipe supplies, and the comparison of a module with its emulation."""
+import torch
+
+from reference import activation
+
+DEV = "cuda"
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def bf16(v):
+    return v.bfloat16().float()
+
+
+class RoundBf16(torch.autograd.Function):
+    """Rounds to bf16 in forward (a value the layer stores), passes the gradient as it is."""
+
+    @staticmethod
+    def forward(ctx, v):
+        return bf16(v)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def layer_emulation(linear, x, idx, probs, w1, w2, b1, b2, kind):
+    """The expert layer with probs in the activation, each expert's products through linear(x, w)
+    (y = x w^T on the recipe's quantized operands; its backward gives the recipe's dx and dw), and
+    the layer's bf16 roundings of h (after fc1 and after its bias), act and Y (after fc2 and after
+    its bias). x fp32 [T, H]; idx [T, k] int64; probs [T, k]; w1 [E, fc1_out, H]; w2 [E, H, F]."""
+    T, H = x.shape
+    E, _, ffn = w2.shape
+    y = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    for e in range(E):
+        tok, slot = (idx == e).nonzero(as_tuple=True)  # token order: the dispatcher's row order
+        if tok.numel() == 0:
+            continue
+        p = probs[tok, slot].unsqueeze(1)
+        h = RoundBf16.apply(linear(x[tok], w1[e]))
+        h = RoundBf16.apply(h + b1[e])
+        a = RoundBf16.apply(activation(h, kind, ffn, 0) * p)
+        out = RoundBf16.apply(linear(a, w2[e]))
+        out = RoundBf16.apply(out + b2[e] * p)
+        y = y.index_add(0, tok, out)
+    return y
+
+
+def compare(mod, linear, x, idx, probs, dy, params=None):
+    """mod (a GroupedMLP with bias, swiglu) vs layer_emulation(linear) on the same inputs: relative L2
+    errors of the output and every gradient. params: values for the module's parameters first."""
+    if params is not None:
+        with torch.no_grad():
+            for n, p in mod.named_parameters():
+                p.copy_(params[n])
+    xr = x.detach().clone().requires_grad_()
+    pr = probs.detach().clone().requires_grad_()
+    y = mod(xr, idx, pr)
+    y.backward(dy)
+    mod.check_errors()
+    ours = {"y": y, "dx": xr.grad, "dprobs": pr.grad, **{n: p.grad for n, p in mod.named_parameters()}}
+
+    w = {n: p.detach().float().clone().requires_grad_() for n, p in mod.named_parameters()}
+    xe = x.float().requires_grad_()
+    pe = probs.clone().requires_grad_()
+    ye = layer_emulation(linear, xe, idx.long(), pe, w["fc1.weight"], w["fc2.weight"], w["fc1.bias"],
+                         w["fc2.bias"], "swiglu")
+    ye.backward(dy.float())
+    emu = {"y": ye, "dx": xe.grad, "dprobs": pe.grad, **{n: t.grad for n, t in w.items()}}
+    return {key: rel_err(ours[key], want) for key, want in emu.items()}
+
+
+def grid(shape, unit, gen):
+    """Multiples of unit / 2 in [-3.5, 3.5] * unit, uniformly: products of two such values and their
+    sums over a few hundred terms are exact in fp32 (integers below 2^14 times a power of two)."""
+    return torch.randint(-7, 8, shape, device=DEV, generator=gen).float() * (unit / 2)
+
+
+def routing(T, E, k, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    probs, idx = torch.topk(torch.softmax(torch.randn(T, E, device=DEV, generator=g), -1), k, dim=-1)
+    return idx.to(torch.int32), probs.float()
