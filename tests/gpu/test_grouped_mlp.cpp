@@ -644,6 +644,19 @@ INSTANTIATE_TEST_SUITE_P(GroupedMlp, GraphReplay, ::testing::Values(0, 1, 2, 3, 
 // partial-sum precision and fp32 accumulation order, seen through bf16 roundings (measured ~3e-3
 // against the same recipe in PyTorch). Bound 5e-3 relative L2 (dprobs 1e-4: fp32 sums of bitwise
 // equal factors); a scale on the wrong block or a wrong copy gives 1e-2 and more.
+// The quantized-operand tests' layer: H = 256, F = 384, E = 4, k = 2, 384 tokens, biases.
+Case quantized_case() {
+  Case cs;
+  cs.cfg.hidden = 256;
+  cs.cfg.ffn = 384;
+  cs.cfg.experts = 4;
+  cs.cfg.topk = 2;
+  cs.cfg.max_tokens = 384;
+  cs.cfg.bias = true;
+  cs.T = 384;
+  return cs;
+}
+
 // The quantized-operand tests' data: x, dy and both weights on coarse grids (multiples of unit / 2
 // in [-3.5, 3.5] unit), whose products and their sums stay exact in fp32 and whose block
 // quantization is exact or nearly so.
@@ -667,18 +680,11 @@ double rel_l2(const std::vector<double>& a, const std::vector<double>& b) {
 
 TEST(GroupedMlp, Fp8MatchesTheReferenceWithQuantizedOperands) {
   MOE_REQUIRE_GPU();
-  Case cs;
-  cs.cfg.hidden = 256;
-  cs.cfg.ffn = 384;
-  cs.cfg.experts = 4;
-  cs.cfg.topk = 2;
-  cs.cfg.max_tokens = 384;
-  cs.cfg.bias = true;
+  Case cs = quantized_case();
   cs.cfg.dispatch.align = 128;
   cs.cfg.fp8 = Fp8Recipe::kBlock;
   cs.cfg.wgrad = WgradMode::kWrite;
   cs.cfg.wgrad_dtype = DType::kFP32;
-  cs.T = 384;
   cs.seed = 7;
   Runner r(cs);
   put_on_grid(r, 8);
@@ -722,18 +728,11 @@ TEST(GroupedMlp, EmulatedFormatsMatchTheReferenceWithQuantizedOperands) {
   } variants[] = {{EmulatedQuant::kMXFP8, 32, false, 1e-3}, {EmulatedQuant::kNVFP4, 16, false, 1e-3},
                   {EmulatedQuant::kMXFP8, 16, true, 1e-3}, {EmulatedQuant::kNVFP4, 0, true, 1e-3}};
   for (const auto& var : variants) {
-    Case cs;
-    cs.cfg.hidden = 256;
-    cs.cfg.ffn = 384;
-    cs.cfg.experts = 4;
-    cs.cfg.topk = 2;
-    cs.cfg.max_tokens = 384;
-    cs.cfg.bias = true;
+    Case cs = quantized_case();
     cs.cfg.dispatch.align = var.align;
     cs.cfg.emulated = var.q;
     cs.cfg.wgrad = var.main_grad ? WgradMode::kAccumulate : WgradMode::kWrite;
     cs.cfg.wgrad_dtype = DType::kFP32;
-    cs.T = 384;
     cs.seed = 11;
     cs.skew = 1.0;
     Runner r(cs);

@@ -85,3 +85,15 @@ def routing(T, E, k, seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
     probs, idx = torch.topk(torch.softmax(torch.randn(T, E, device=DEV, generator=g), -1), k, dim=-1)
     return idx.to(torch.int32), probs.float()
+
+
+def grid_problem(seed=7, T=384, H=256, E=4):
+    """The exact-grid comparison's data for a GroupedMLP(H, 384, E, bias=True): parameters (weights on
+    a grid of 2^-7, small random biases), x on a grid of 0.5 and dy on a grid of 2^-4 (bf16)."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    params = {"fc1.weight": grid((E, 768, H), 2.0 ** -6, gen), "fc2.weight": grid((E, H, 384), 2.0 ** -6, gen),
+              "fc1.bias": (torch.randn(E, 768, device=DEV, generator=gen) * 0.1),
+              "fc2.bias": (torch.randn(E, H, device=DEV, generator=gen) * 0.1)}
+    x = grid((T, H), 1.0, gen).bfloat16()
+    dy = grid((T, H), 2.0 ** -3, gen).bfloat16()
+    return params, x, dy

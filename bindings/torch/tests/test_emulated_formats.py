@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_engine import GroupedMLP
-from quant_emulation import DEV, bf16, compare, grid, routing
+from quant_emulation import DEV, bf16, compare, grid_problem, routing
 
 
 def _blocks(x, b):
@@ -136,14 +136,8 @@ def test_emulated_layer_matches_the_plain_pytorch_emulation(fmt, align):
     scale S one ulp off (reciprocal and multiply instead of a division) already shows as 12% on this
     data (NVFP4 ties flip), and so would a wrong block direction or one amax over all experts.
     align=0 gives experts partial last blocks."""
-    T, H, E, k = 384, 256, 4, 2
-    gen = torch.Generator(device=DEV).manual_seed(7)
-    params = {"fc1.weight": grid((E, 768, H), 2.0 ** -6, gen), "fc2.weight": grid((E, H, 384), 2.0 ** -6, gen),
-              "fc1.bias": (torch.randn(E, 768, device=DEV, generator=gen) * 0.1),
-              "fc2.bias": (torch.randn(E, H, device=DEV, generator=gen) * 0.1)}
-    x = grid((T, H), 1.0, gen).bfloat16()
-    dy = grid((T, H), 2.0 ** -3, gen).bfloat16()
-    idx, probs = routing(T, E, k, 8)
+    params, x, dy = grid_problem()
+    idx, probs = routing(384, 4, 2, 8)
     errs = emulated_compare(fmt, x, idx, probs, dy, params, align)
     print(f"{fmt} A={align} layer vs the emulation, relative L2:", {k: f"{v:.2e}" for k, v in errs.items()})
     assert all(err <= 5e-3 for err in errs.values()), errs

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_engine import GroupedMLP
-from quant_emulation import DEV, bf16, compare, grid, routing
+from quant_emulation import DEV, bf16, compare, grid_problem, routing
 
 BLOCK = 128
 
@@ -90,14 +90,8 @@ def test_fp8_layer_matches_the_plain_pytorch_emulation_on_exact_grid_data():
     weight gradients (2^-9 relative at most per rounding, ~1e-3 RMS). Measured 1.8-3.2e-3 (H100).
     Bound 5e-3: a scale on the wrong block, a copy of the wrong tensor or a missed bf16 rounding of
     the recipe shows as 1e-2 and more (the recipe's own error against bf16 is ~6%)."""
-    T, H, E, k = 384, 256, 4, 2
-    gen = torch.Generator(device=DEV).manual_seed(7)
-    params = {"fc1.weight": grid((E, 768, H), 2.0 ** -6, gen), "fc2.weight": grid((E, H, 384), 2.0 ** -6, gen),
-              "fc1.bias": (torch.randn(E, 768, device=DEV, generator=gen) * 0.1),
-              "fc2.bias": (torch.randn(E, H, device=DEV, generator=gen) * 0.1)}
-    x = grid((T, H), 1.0, gen).bfloat16()
-    dy = grid((T, H), 2.0 ** -3, gen).bfloat16()
-    idx, probs = routing(T, E, k, 8)
+    params, x, dy = grid_problem()
+    idx, probs = routing(384, 4, 2, 8)
     errs = fp8_compare(x, idx, probs, dy, params)
     print("fp8 layer vs the emulation, exact-grid data, relative L2:", {k: f"{v:.2e}" for k, v in errs.items()})
     assert all(err <= 5e-3 for err in errs.values()), errs
