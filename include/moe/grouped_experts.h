@@ -137,20 +137,24 @@ class GroupedExperts {
   // Graph-capturable. Call it after every change of the weights; a forward refuses to run when no
   // refresh followed the last set_weights.
   void refresh_fp8_weights(cudaStream_t stream);
-  // FP8: device views of the quantized copies of fc1.weight or fc2.weight (param kFc1Weight /
-  // kFc2Weight) that the GEMMs read, single grouped: rowwise data [E, N, K] and columnwise
-  // [E, K, N] (fp8_e4m3) with their fp32 128x128 scale_inv tensors [E, ceil(N/128), ceil(K/128)]
-  // and transposed; the format of moe::quantize with QuantBlocking::k2D. For checkpoints of FP8
-  // primary weights: the views are writable (the op's workspace), to write loaded bytes into them
-  // instead of a refresh (then accept_fp8_weights).
+  // FP8 or emulated: device views of the quantized copies of fc1.weight or fc2.weight (param
+  // kFc1Weight / kFc2Weight), single grouped: rowwise data [E, N, K] and columnwise [E, K, N] with
+  // their scale tensors (and NVFP4's global amax [E]) in the format fp8_weights_format() states --
+  // FP8: 128x128 blocks, fp32 scale_inv [E, ceil(N/128), ceil(K/128)] and transposed; MXFP8: 1x32 /
+  // 32x1 blocks, E8M0 scales; NVFP4: 16x16 blocks, E4M3 scales -- the format of moe::quantize,
+  // row-major scales. For checkpoints of quantized weights: the views are writable (the op's
+  // workspace), to write loaded bytes into them instead of a refresh (then accept_fp8_weights).
   QuantizedTensor fp8_weights(Param param) const;
+  QuantConfig fp8_weights_format() const;
   // Whether the copies were made (a refresh, a forward with kEveryForward, or accepted after a
   // load) since the last set_weights. With kEveryForward they hold the weights as of the last
   // forward.
   bool fp8_weights_current() const;
   // The copies were written through fp8_weights() (e.g. load_fp8_expert_weights): they count as
-  // refreshed for the weights bound now. Needs fp8_weight_refresh = kOnRequest or kFromMaster.
-  void accept_fp8_weights();
+  // refreshed for the weights bound now (emulated formats: their bf16 dequantizations, which the
+  // GEMMs read, are made from them on `stream`). Needs fp8_weight_refresh = kOnRequest or
+  // kFromMaster.
+  void accept_fp8_weights(cudaStream_t stream = nullptr);
 
   // Device error word (docs/semantics.md, errors): the FP8 weight gradients raise
   // kErrUnalignedGroup for an expert whose rows do not fill whole 128-row blocks (that expert's

@@ -69,10 +69,10 @@ class GroupedMlp {
   // save_x_perm = false reads the forward's x again (see backward).
   void backward_dw(const SavedState& state, cudaStream_t stream, const TensorView* x = nullptr);
 
-  // FP8 experts with config.fp8_weight_refresh = kOnRequest or kFromMaster: see
+  // FP8 or emulated experts with config.fp8_weight_refresh = kOnRequest or kFromMaster: see
   // GroupedExperts::refresh_fp8_weights.
   void refresh_fp8_weights(cudaStream_t stream);
-  // FP8 experts: the quantized weight copies (see GroupedExperts::fp8_weights).
+  // FP8 or emulated experts: the quantized weight copies (see GroupedExperts::fp8_weights).
   QuantizedTensor fp8_weights(Param param) const;
 
   // Device error word of the dispatch (docs/semantics.md, errors; check_errors also reports the

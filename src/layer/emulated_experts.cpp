@@ -97,9 +97,20 @@ void EmulatedExpertsRecipe::quantize_weight(int fc, cudaStream_t s) const {
       moe::quantize(weights_, w.source[e], q, s);
     }
   }
+  dequantize_weight(fc, s);
+}
+
+void EmulatedExpertsRecipe::dequantize_weight(int fc, cudaStream_t s) const {
+  const Weight& w = w_[fc - 1];
+  const QuantizedTensor all = weight_codes(fc);
   const int64_t E = cfg_.experts;
   moe::dequantize(weights_, all, /*columnwise=*/false, bf16(w.row_deq, E, w.N, w.K), s);
   if (!two_d()) moe::dequantize(weights_, all, /*columnwise=*/true, bf16(w.col_deq, E, w.K, w.N), s);
+}
+
+void EmulatedExpertsRecipe::dequantize_weights(cudaStream_t s) const {
+  dequantize_weight(1, s);
+  dequantize_weight(2, s);
 }
 
 void EmulatedExpertsRecipe::fprop(int fc, const GroupedGemm& gemm, const TensorView& a, const TensorView& g,

@@ -41,7 +41,11 @@ class EmulatedExpertsRecipe {
   void bind_weights(const std::vector<TensorView>& fc1_weight, const std::vector<TensorView>& fc2_weight);
   // Codes and scales of both copies, then their bf16 dequantizations. Graph-capturable.
   void quantize_weights(cudaStream_t stream) const;
-  // fc (1 or 2)'s codes and scales, single grouped: rowwise [E, N, K], columnwise [E, K, N].
+  // The bf16 dequantizations of the codes alone (after codes were written through weight_codes,
+  // e.g. loaded from a checkpoint).
+  void dequantize_weights(cudaStream_t stream) const;
+  // fc (1 or 2)'s codes and scales, single grouped: rowwise [E, N, K], columnwise [E, K, N], row-major
+  // scales (weight_config()), NVFP4's global amax [E].
   QuantizedTensor weight_codes(int fc) const;
   // fc (1 or 2)'s products with the dequantized weight copies, A a token operand already through
   // tokens(): y [rows, N] = A W^T (the rowwise copy), dx [rows, K] = A W (the columnwise copy: with
@@ -71,6 +75,7 @@ class EmulatedExpertsRecipe {
   };
   void plan_weight(DeviceArena& arena, Weight& w);
   void quantize_weight(int fc, cudaStream_t stream) const;
+  void dequantize_weight(int fc, cudaStream_t stream) const;
   int64_t data_bytes(int64_t elements) const;
   bool two_d() const { return weights_.blocking == QuantBlocking::k2D; }
 

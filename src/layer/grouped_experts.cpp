@@ -506,12 +506,14 @@ void GroupedExperts::refresh_fp8_weights(cudaStream_t stream) {
   m.fp8_refreshed = m.binding;
 }
 
-void GroupedExperts::accept_fp8_weights() {
+void GroupedExperts::accept_fp8_weights(cudaStream_t stream) {
   Impl& m = *impl_;
-  MOE_CHECK(m.fp8 != nullptr, "GroupedExperts::accept_fp8_weights: the experts do not run FP8 (config.fp8)");
+  MOE_CHECK(m.quantized_weights(), "GroupedExperts::accept_fp8_weights: the experts do not quantize their weights ",
+            "(config.fp8 or config.emulated)");
   MOE_CHECK(m.cfg.fp8_weight_refresh != Fp8WeightRefresh::kEveryForward, "GroupedExperts::accept_fp8_weights: ",
             "with config.fp8_weight_refresh = every forward each forward quantizes the bound weights again");
   MOE_CHECK(m.have_weights, "GroupedExperts::accept_fp8_weights: no weights bound (call set_weights first)");
+  if (m.emu) m.emu->dequantize_weights(stream);
   m.fp8_refreshed = m.binding;
 }
 
@@ -522,10 +524,24 @@ bool GroupedExperts::fp8_weights_current() const {
 
 QuantizedTensor GroupedExperts::fp8_weights(Param param) const {
   const Impl& m = *impl_;
-  MOE_CHECK(m.fp8 != nullptr, "GroupedExperts::fp8_weights: the experts do not run FP8 (config.fp8)");
+  MOE_CHECK(m.quantized_weights(), "GroupedExperts::fp8_weights: the experts do not quantize their weights ",
+            "(config.fp8 or config.emulated)");
   MOE_CHECK(param == Param::kFc1Weight || param == Param::kFc2Weight,
             "argument 'param': expected kFc1Weight or kFc2Weight (the biases stay bf16)");
-  return m.fp8->weight_copies(param == Param::kFc1Weight ? 1 : 2);
+  const int fc = param == Param::kFc1Weight ? 1 : 2;
+  return m.fp8 ? m.fp8->weight_copies(fc) : m.emu->weight_codes(fc);
+}
+
+QuantConfig GroupedExperts::fp8_weights_format() const {
+  const Impl& m = *impl_;
+  MOE_CHECK(m.quantized_weights(), "GroupedExperts::fp8_weights_format: the experts do not quantize their weights ",
+            "(config.fp8 or config.emulated)");
+  if (m.emu) return m.emu->weight_config();
+  QuantConfig c;  // the FP8 copies: 128x128 blocks, both copies, row-major fp32 scales
+  c.format = QuantFormat::kFP8Block;
+  c.blocking = QuantBlocking::k2D;
+  c.rowwise = c.columnwise = true;
+  return c;
 }
 void GroupedExperts::check_errors(cudaStream_t stream) { impl_->errors.check(stream); }
 uint32_t GroupedExperts::fetch_and_clear_errors(cudaStream_t stream) { return impl_->errors.fetch_and_clear(stream); }

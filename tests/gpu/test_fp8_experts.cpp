@@ -395,6 +395,59 @@ TEST_F(Fp8Experts, WeightsThroughACheckpointInEitherLayout) {
                       "every forward");
 }
 
+TEST_F(Fp8Experts, EmulatedWeightsThroughACheckpointInEitherLayout) {
+  // The emulated MXFP8 / NVFP4 experts' weight codes saved (grouped keys, NVFP4 with its global
+  // amax), through a safetensors file, split into per-expert keys and loaded into ops whose own
+  // weights are zero: the loaded codes (dequantized on load) are the ones computed with, bitwise.
+  for (EmulatedQuant q : {EmulatedQuant::kMXFP8, EmulatedQuant::kNVFP4}) {
+    SCOPED_TRACE(emulated_quant_name(q));
+    ExpertsConfig c = experts_config(Activation::kSwiGLU, true, ProbsPlacement::kInActivation, WgradMode::kWrite,
+                                     Fp8Recipe::kNone, WeightLayout::kSingleGrouped);
+    c.emulated = q;
+    c.fp8_weight_refresh = Fp8WeightRefresh::kOnRequest;
+    ExpertsConfig per = c;
+    per.layout = WeightLayout::kPerExpert;
+    const Inputs step(c, {256, 96, 160, 256}, 83);
+    ExpertsRun src(c, 95), grouped(c, 95), per_expert(per, 95);
+    for (ExpertsRun* r : {&grouped, &per_expert})
+      for (DeviceParam* w : {&r->W1, &r->W2})
+        for (auto& b : w->bufs) b.fill_bytes(0);
+    src.ex.refresh_fp8_weights(stream);
+    StateDict sd;
+    Metadata md;
+    save_fp8_expert_weights(src.ex, "layers.1.experts.", sd, md, stream);
+    const std::vector<QuantizedParamDecl> decls = quantized_params(md);
+    ASSERT_EQ(decls.size(), 2u);
+    EXPECT_EQ(format_quant_metadata(decls[1].config),
+              q == EmulatedQuant::kMXFP8 ? "mxfp8;block=1x32;scale=e8m0;layout=row_major;copies=rowwise,columnwise"
+                                         : "nvfp4;block=16x16;scale=e4m3;layout=row_major;copies=rowwise,columnwise");
+    EXPECT_EQ(sd.count("layers.1.experts.fc2.weight_amax"), q == EmulatedQuant::kNVFP4 ? 1u : 0u);
+    const HostTensor& data = sd.at("layers.1.experts.fc2.weight");
+    EXPECT_EQ(data.shape(), (std::vector<int64_t>{c.experts, c.hidden,
+                                                  q == EmulatedQuant::kNVFP4 ? c.ffn / 2 : c.ffn}));
+    const std::string path = ::testing::TempDir() + "emulated_experts.safetensors";
+    save_safetensors(path, sd, md);
+    Metadata md2;
+    const StateDict loaded = load_safetensors(path, &md2);
+    StateDict split = loaded;
+    normalize_expert_keys(split, "layers.1.experts.", c.experts, WeightLayout::kPerExpert);
+    load_fp8_expert_weights(grouped.ex, loaded, md2, "layers.1.experts.", stream);
+    load_fp8_expert_weights(per_expert.ex, split, md2, "layers.1.experts.", stream);
+    for (ExpertsRun* r : {&src, &grouped, &per_expert}) r->train_step(step, stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(grouped.results(step), src.results(step));
+    EXPECT_EQ(per_expert.results(step), src.results(step));
+    // The other format's metadata is refused, naming the entry.
+    Metadata wrong = md2;
+    QuantConfig other = decls[0].config;
+    other.format = q == EmulatedQuant::kMXFP8 ? QuantFormat::kNVFP4 : QuantFormat::kMXFP8;
+    other.blocking = QuantBlocking::k1D;
+    set_quant_metadata(wrong, "layers.1.experts.fc1.weight", other);
+    expect_error_naming([&] { load_fp8_expert_weights(grouped.ex, loaded, wrong, "layers.1.experts.", stream); },
+                        "moe.quant.layers.1.experts.fc1.weight");
+  }
+}
+
 TEST_F(Fp8Experts, ExpertOffTheRowGridIsReported) {
   const ExpertsConfig c = experts_config(Activation::kSwiGLU, false, ProbsPlacement::kInActivation, WgradMode::kWrite,
                                          Fp8Recipe::kBlock, WeightLayout::kSingleGrouped);
