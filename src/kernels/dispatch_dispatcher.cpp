@@ -18,7 +18,10 @@ constexpr int kMaxExperts = 1024;  // per-warp tables of E entries live in share
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
 bool is_arith_dtype(DType t) { return t == DType::kBF16 || t == DType::kFP16 || t == DType::kFP32; }
-bool is_row_dtype(DType t) { return is_arith_dtype(t) || t == DType::kFP8E4M3 || t == DType::kFP8E5M2; }
+// Rows permute moves as bytes: FP8 and packed FP4 (two values per byte) data as well as arithmetic types.
+bool is_row_dtype(DType t) {
+  return is_arith_dtype(t) || t == DType::kFP8E4M3 || t == DType::kFP8E5M2 || t == DType::kFP4E2M1;
+}
 
 }  // namespace
 
@@ -83,10 +86,10 @@ Dispatcher::Dispatcher(const DispatcherConfig& config) : impl_(std::make_unique<
             ", got ", c.num_experts);
   if (c.form == RoutingForm::kTopK)
     MOE_CHECK(c.topk >= 1 && c.topk <= kMaxExperts, "argument 'topk': expected 1..", kMaxExperts, ", got ", c.topk);
-  MOE_CHECK(is_row_dtype(c.row_dtype), "argument 'row_dtype': expected bf16, fp16, fp32, fp8_e4m3 or fp8_e5m2, got ",
-            dtype_name(c.row_dtype));
+  MOE_CHECK(is_row_dtype(c.row_dtype), "argument 'row_dtype': expected bf16, fp16, fp32, fp8_e4m3, fp8_e5m2 or ",
+            "fp4_e2m1, got ", dtype_name(c.row_dtype));
   MOE_CHECK(c.hidden > 0 && dtype_bytes(c.row_dtype, c.hidden) % 16 == 0, "argument 'hidden': expected a row of ",
-            "a multiple of 16 bytes (H a multiple of ", 16 / (dtype_bits(c.row_dtype) / 8), " for ",
+            "a multiple of 16 bytes (H a multiple of ", 128 / dtype_bits(c.row_dtype), " for ",
             dtype_name(c.row_dtype), "), got H = ", c.hidden);
   MOE_CHECK(c.scale_bytes_per_row >= 0, "argument 'scale_bytes_per_row': expected >= 0, got ",
             c.scale_bytes_per_row);

@@ -27,6 +27,7 @@
 #include "moe/error.h"
 #include "moe/error_word.h"
 #include "moe/float_convert.h"
+#include "moe/quantize.h"
 #include "reference/dispatch_ref.h"
 #include "reference/routing_gen.h"
 #include "reference/routing_ref.h"
@@ -696,29 +697,38 @@ TEST(Dispatch, in_flight_plans_backward_in_any_order) {
   }
 }
 
-// FP8 rows (1 byte) with a per-row scale block move through permute bitwise; pad rows get zeros.
+// FP8 rows (1 byte per value) and NVFP4 rows (two values per byte) with a per-row scale block move
+// through permute bitwise; pad rows get zeros.
 TEST(Dispatch, PermuteCarriesScaleBlocks) {
   MOE_REQUIRE_GPU();
-  for (int64_t S : {int64_t{16}, int64_t{12}, int64_t{3}}) {  // 16-, 4- and 1-byte units
+  const struct {
+    DType dtype;
+    int64_t S;
+  } cases[] = {{DType::kFP8E4M3, 16}, {DType::kFP8E4M3, 12}, {DType::kFP8E4M3, 3},  // 16-, 4- and 1-byte units
+               {DType::kFP8E4M3, 8},   // MXFP8: one E8M0 scale per 32 values, H = 256
+               {DType::kFP4E2M1, 16}};  // NVFP4: one E4M3 scale per 16 values
+  for (const auto& cs : cases) {
+    const int64_t S = cs.S;
+    SCOPED_TRACE(std::string(dtype_name(cs.dtype)) + " S=" + std::to_string(S));
     DispatcherConfig cfg;
     cfg.max_tokens = 300;
     cfg.num_experts = 16;
     cfg.topk = 4;
     cfg.hidden = 256;
     cfg.options.align = 32;
-    cfg.row_dtype = DType::kFP8E4M3;
+    cfg.row_dtype = cs.dtype;
     cfg.scale_bytes_per_row = S;
     Dispatcher d(cfg);
     ref::Routing r = ref::make_topk_routing(300, 16, 4, 5);
     ref::DispatchPlan p = ref::plan_dispatch(r, cfg.options);
-    const int64_t R = d.rows(), T = 300, H = 256;
+    const int64_t R = d.rows(), T = 300, H = 256, B = dtype_bytes(cs.dtype, H);  // B: bytes per row
     std::mt19937_64 rng(S);
-    Bytes x(T * H), xs(T * S);
+    Bytes x(T * B), xs(T * S);
     for (auto& b : x) b = static_cast<uint8_t>(rng());
     for (auto& b : xs) b = static_cast<uint8_t>(rng());
     DeviceBuffer<int32_t> idx(r.indices);
     DeviceBuffer<float> probs(std::vector<float>(r.probs.begin(), r.probs.end()));
-    DeviceBuffer<uint8_t> dx(x), dxs(xs), xp(R * H), xps(R * S);
+    DeviceBuffer<uint8_t> dx(x), dxs(xs), xp(R * B), xps(R * S);
     xp.fill_bytes(0xAB);
     xps.fill_bytes(0xAB);
     ErrorWord ew;
@@ -728,21 +738,84 @@ TEST(Dispatch, PermuteCarriesScaleBlocks) {
     const SavedState plan = d.new_plan();
     d.plan(rv, ew.device_ptr(), plan, nullptr);
     TensorView xsv(dxs.get(), DType::kUInt8, {T, S}), xpsv(xps.get(), DType::kUInt8, {R, S});
-    d.permute(plan, TensorView(dx.get(), DType::kFP8E4M3, {T, H}), TensorView(xp.get(), DType::kFP8E4M3, {R, H}),
-              nullptr, &xsv, &xpsv);
+    d.permute(plan, TensorView(dx.get(), cs.dtype, {T, H}), TensorView(xp.get(), cs.dtype, {R, H}), nullptr, &xsv,
+              &xpsv);
     EXPECT_EQ(ew.fetch_and_clear(nullptr), 0u);
     const Bytes got = xp.download(), got_s = xps.download();
     for (int64_t row = 0; row < R; ++row) {
       const int64_t t = p.row_token[row];
-      for (int64_t h = 0; h < H; ++h)
-        ASSERT_EQ(got[row * H + h], t < 0 ? 0 : x[t * H + h]) << "S=" << S << " row " << row << " h " << h;
-      for (int64_t b = 0; b < S; ++b)
-        ASSERT_EQ(got_s[row * S + b], t < 0 ? 0 : xs[t * S + b]) << "S=" << S << " scale row " << row;
+      for (int64_t h = 0; h < B; ++h) ASSERT_EQ(got[row * B + h], t < 0 ? 0 : x[t * B + h]) << "row " << row;
+      for (int64_t b = 0; b < S; ++b) ASSERT_EQ(got_s[row * S + b], t < 0 ? 0 : xs[t * S + b]) << "scale row " << row;
     }
-    // FP8 rows have no arithmetic path.
-    expect_error_naming([&] { d.unpermute(plan, TensorView(xp.get(), DType::kFP8E4M3, {R, H}),
-                                          TensorView(dx.get(), DType::kFP8E4M3, {T, H}), MergeProbs::kNone, nullptr); },
+    // Quantized rows have no arithmetic path.
+    expect_error_naming([&] { d.unpermute(plan, TensorView(xp.get(), cs.dtype, {R, H}),
+                                          TensorView(dx.get(), cs.dtype, {T, H}), MergeProbs::kNone, nullptr); },
                         "bf16, fp16 or fp32");
+  }
+}
+
+// Rowwise 1-D blocks belong to one row, so dispatching quantized rows with their scales is
+// quantizing the dispatched rows: permute(quantize(x)) == quantize(permute(x)), bitwise, for MXFP8
+// and for NVFP4 (whose global amax the zero pad rows do not change).
+TEST(Dispatch, QuantizedRowsDispatchLikeTheirValues) {
+  MOE_REQUIRE_GPU();
+  for (QuantFormat f : {QuantFormat::kMXFP8, QuantFormat::kNVFP4}) {
+    SCOPED_TRACE(quant_format_name(f));
+    const int64_t T = 200, H = 512, E = 8, k = 2;
+    QuantConfig q;
+    q.format = f;
+    const DType data_t = f == QuantFormat::kMXFP8 ? DType::kFP8E4M3 : DType::kFP4E2M1;
+    const ScaleShape ss = scale_shape(q, T, H);  // [T, H / b], one byte each
+    DispatcherConfig cfg;
+    cfg.max_tokens = T;
+    cfg.num_experts = E;
+    cfg.topk = k;
+    cfg.hidden = H;
+    cfg.options.align = f == QuantFormat::kMXFP8 ? 32 : 16;
+    Dispatcher bf16_d(cfg);
+    cfg.row_dtype = data_t;
+    cfg.scale_bytes_per_row = ss.cols;
+    Dispatcher q_d(cfg);
+    const int64_t R = q_d.rows(), B = dtype_bytes(data_t, H);
+    ref::Routing r = ref::make_topk_routing(T, E, k, 12);
+    DeviceBuffer<int32_t> idx(r.indices);
+    DeviceBuffer<float> probs(std::vector<float>(r.probs.begin(), r.probs.end()));
+    RoutingView rv;
+    rv.indices = TensorView(idx.get(), DType::kInt32, {T, k});
+    rv.probs = TensorView(probs.get(), DType::kFP32, {T, k});
+    std::mt19937_64 rng(3);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<uint16_t> xh(T * H);
+    for (auto& v : xh) v = float_to_bf16_bits(nd(rng));
+    DeviceBuffer<uint16_t> x(xh), x_perm(R * H);
+    DeviceBuffer<uint8_t> xq(T * B), xs(T * ss.cols), pq(R * B), ps(R * ss.cols), want_q(R * B), want_s(R * ss.cols);
+    DeviceBuffer<float> amax_x(1), amax_p(1);
+    ErrorWord ew;
+    const SavedState plan_a = bf16_d.new_plan(), plan_b = q_d.new_plan();
+    bf16_d.plan(rv, ew.device_ptr(), plan_a, nullptr);
+    q_d.plan(rv, ew.device_ptr(), plan_b, nullptr);
+    // quantize, then dispatch the codes with their scales
+    QuantizedTensor a;
+    a.rowwise_data = TensorView(xq.get(), data_t, {T, H});
+    a.rowwise_scale = TensorView(xs.get(), ss.dtype, {T, ss.cols});
+    if (f == QuantFormat::kNVFP4) a.global_amax = TensorView(amax_x.get(), DType::kFP32, {1});
+    quantize(q, TensorView(x.get(), DType::kBF16, {T, H}), a, nullptr);
+    TensorView xsv(xs.get(), DType::kUInt8, {T, ss.cols}), psv(ps.get(), DType::kUInt8, {R, ss.cols});
+    q_d.permute(plan_b, TensorView(xq.get(), data_t, {T, H}), TensorView(pq.get(), data_t, {R, H}), nullptr, &xsv,
+                &psv);
+    // dispatch, then quantize the dispatched rows
+    bf16_d.permute(plan_a, TensorView(x.get(), DType::kBF16, {T, H}), TensorView(x_perm.get(), DType::kBF16, {R, H}),
+                   nullptr);
+    QuantizedTensor b;
+    b.rowwise_data = TensorView(want_q.get(), data_t, {R, H});
+    b.rowwise_scale = TensorView(want_s.get(), ss.dtype, {R, ss.cols});
+    if (f == QuantFormat::kNVFP4) b.global_amax = TensorView(amax_p.get(), DType::kFP32, {1});
+    quantize(q, TensorView(x_perm.get(), DType::kBF16, {R, H}), b, nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_EQ(ew.fetch_and_clear(nullptr), 0u);
+    EXPECT_EQ(pq.download(), want_q.download());
+    EXPECT_EQ(ps.download(), want_s.download());
+    if (f == QuantFormat::kNVFP4) EXPECT_EQ(amax_x.download(), amax_p.download());
   }
 }
 
