@@ -46,6 +46,7 @@ enum class Fp8Recipe : uint8_t { kNone, kBlock };
 // only weights the experts compute with; set_weights binds the fp32 master weights (e.g. the
 // optimizer's, either layout) in place of bf16 ones, and refresh_fp8_weights() quantizes them
 // straight from fp32 (no bf16 rounding between) after every optimizer step; no bf16 weight exists.
+// The emulated MXFP8 / NVFP4 experts (EmulatedQuant) follow the same three modes.
 enum class Fp8WeightRefresh : uint8_t { kEveryForward, kOnRequest, kFromMaster };
 
 // Emulated compute in a Blackwell format (docs/layer.md, emulated MXFP8 / NVFP4). Hopper has no
@@ -55,7 +56,8 @@ enum class Fp8WeightRefresh : uint8_t { kEveryForward, kOnRequest, kFromMaster }
 // quantized as a matrix of their own (MXFP8 1x32 / 32x1; NVFP4 1x16 / 16x1 with one global amax per
 // expert), weights with MXFP8 1x32 / 32x1 or NVFP4 16x16 blocks (one global amax per expert
 // matrix). h, the activation, the bias and all gradients between the GEMMs stay bf16. The weight
-// copies follow fp8_weight_refresh (every forward, or on request; not from master).
+// copies follow fp8_weight_refresh (every forward, on request, or from fp32 master weights:
+// quantized primary weights).
 enum class EmulatedQuant : uint8_t { kNone, kMXFP8, kNVFP4 };
 const char* emulated_quant_name(EmulatedQuant q);  // "none", "mxfp8", "nvfp4"
 

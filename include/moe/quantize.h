@@ -36,9 +36,9 @@ struct QuantizedTensor {
 };
 
 // Quantizes bf16 x [M, K] or [B, M, K] (contiguous, 16-byte aligned, K a multiple of 8) into the
-// copies the config asks for. x may also be fp32 with FP8 block 128x128 blocks: fp32 master
-// weights quantized straight into FP8 weights (no bf16 rounding between). Shape rules per format
-// (partial blocks) are in docs/quantization.md; anything else is a moe::Error naming 'x'.
+// copies the config asks for. x may also be fp32 (without stochastic rounding): fp32 master
+// weights quantized straight into quantized weights (no bf16 rounding between). Shape rules per
+// format (partial blocks) are in docs/quantization.md; anything else is a moe::Error naming 'x'.
 void quantize(const QuantConfig& config, const TensorView& x, const QuantizedTensor& out, cudaStream_t stream);
 
 // Dequantizes one copy (columnwise = false: rowwise) into out (bf16 or fp32), shaped like that

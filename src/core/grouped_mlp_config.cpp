@@ -51,13 +51,14 @@ void validate_transposed(bool transposed, bool fuse_fc1, bool fuse_fc2_dgrad) {
             "the [E, H, F] orientation only; set fuse_fc2_dgrad = false");
 }
 // The FP8 recipe's requirements (ExpertsConfig::fp8).
-void validate_fp8(Fp8Recipe fp8, Fp8WeightRefresh refresh, int64_t hidden, int64_t ffn, bool fuse_fc1,
-                  bool fuse_fc2_dgrad, bool transposed, bool delay_wgrad) {
+void validate_fp8(Fp8Recipe fp8, EmulatedQuant emulated, Fp8WeightRefresh refresh, int64_t hidden, int64_t ffn,
+                  bool fuse_fc1, bool fuse_fc2_dgrad, bool transposed, bool delay_wgrad) {
   MOE_CHECK(refresh == Fp8WeightRefresh::kEveryForward || refresh == Fp8WeightRefresh::kOnRequest ||
                 refresh == Fp8WeightRefresh::kFromMaster,
             "config 'fp8_weight_refresh': unknown value ", int(refresh));
-  MOE_CHECK(fp8 != Fp8Recipe::kNone || refresh != Fp8WeightRefresh::kFromMaster, "config 'fp8_weight_refresh': ",
-            "from master (FP8 primary weights) needs the FP8 experts (config 'fp8')");
+  MOE_CHECK(fp8 != Fp8Recipe::kNone || emulated != EmulatedQuant::kNone || refresh != Fp8WeightRefresh::kFromMaster,
+            "config 'fp8_weight_refresh': from master (quantized primary weights) needs quantized experts (config ",
+            "'fp8' or 'emulated')");
   if (fp8 == Fp8Recipe::kNone) return;
   MOE_CHECK(fp8 == Fp8Recipe::kBlock, "config 'fp8': unknown recipe ", int(fp8));
   MOE_CHECK(hidden % 16 == 0 && ffn % 16 == 0, "config 'fp8': FP8 operands need hidden and ffn multiples of 16 ",
@@ -70,15 +71,13 @@ void validate_fp8(Fp8Recipe fp8, Fp8WeightRefresh refresh, int64_t hidden, int64
             "false");
 }
 // The emulated recipes' requirements (ExpertsConfig::emulated).
-void validate_emulated(EmulatedQuant q, Fp8Recipe fp8, Fp8WeightRefresh refresh, int64_t hidden, int64_t ffn,
-                       bool fuse_fc1, bool fuse_fc2_dgrad, bool transposed) {
+void validate_emulated(EmulatedQuant q, Fp8Recipe fp8, int64_t hidden, int64_t ffn, bool fuse_fc1,
+                       bool fuse_fc2_dgrad, bool transposed) {
   if (q == EmulatedQuant::kNone) return;
   MOE_CHECK(q == EmulatedQuant::kMXFP8 || q == EmulatedQuant::kNVFP4, "config 'emulated': unknown value ", int(q));
   const char* name = emulated_quant_name(q);
   const int64_t b = q == EmulatedQuant::kMXFP8 ? 32 : 16;
   MOE_CHECK(fp8 == Fp8Recipe::kNone, "config 'emulated': ", name, " emulation and fp8 exclude each other");
-  MOE_CHECK(refresh != Fp8WeightRefresh::kFromMaster, "config 'fp8_weight_refresh': from master is for the FP8 ",
-            "experts; the emulated ", name, " weights are refreshed every forward or on request");
   MOE_CHECK(hidden % b == 0 && ffn % b == 0, "config 'emulated': ", name, " needs hidden and ffn multiples of ", b,
             " (whole blocks along every reduction), got ", hidden, " and ", ffn);
   MOE_CHECK(!fuse_fc1 && !fuse_fc2_dgrad, "config 'emulated': the emulated experts run the unfused path; set ",
@@ -94,8 +93,9 @@ void ExpertsConfig::validate() const {
             max_rows);
   MOE_CHECK(max_sms >= 0, "config 'max_sms': expected 0 (every SM) or a positive count, got ", max_sms);
   validate_transposed(transposed_weights, fuse_fc1, fuse_fc2_dgrad);
-  validate_fp8(fp8, fp8_weight_refresh, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights, delay_wgrad);
-  validate_emulated(emulated, fp8, fp8_weight_refresh, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights);
+  validate_fp8(fp8, emulated, fp8_weight_refresh, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights,
+               delay_wgrad);
+  validate_emulated(emulated, fp8, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights);
   MOE_CHECK(fp8 == Fp8Recipe::kNone || max_rows % 16 == 0, "config 'max_rows': the FP8 weight gradients read the ",
             "tokens' columnwise copies, whose rows need a multiple of 16 tokens; got ", max_rows);
 }
@@ -146,8 +146,9 @@ void GroupedMlpConfig::validate() const {
   MOE_CHECK(!(recompute && delay_wgrad), "config 'recompute': activation recompute is not combinable with ",
             "delay_wgrad (the delayed weight gradients need the saved activations)");
   validate_transposed(transposed_weights, fuse_fc1, fuse_fc2_dgrad);
-  validate_fp8(fp8, fp8_weight_refresh, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights, delay_wgrad);
-  validate_emulated(emulated, fp8, fp8_weight_refresh, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights);
+  validate_fp8(fp8, emulated, fp8_weight_refresh, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights,
+               delay_wgrad);
+  validate_emulated(emulated, fp8, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights);
   MOE_CHECK(fp8 == Fp8Recipe::kNone || (dispatch.align > 0 && dispatch.align % 128 == 0), "config 'fp8': the FP8 ",
             "weight gradients need each expert's rows to fill whole 128-row blocks; set dispatch.align to 128 or 256 ",
             "(got ", dispatch.align, ")");

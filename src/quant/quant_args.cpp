@@ -53,9 +53,8 @@ QuantArgs check_quantize_args(const QuantConfig& c, const TensorView& x, const Q
   check_device(x, "x", Device::kCUDA);
   MOE_CHECK(x.dtype == DType::kBF16 || x.dtype == DType::kFP32, "argument 'x': expected dtype bf16 or fp32, got ",
             dtype_name(x.dtype));
-  MOE_CHECK(x.dtype == DType::kBF16 || (c.format == QuantFormat::kFP8Block && c.blocking == QuantBlocking::k2D),
-            "argument 'x': fp32 input is quantized with fp8_block 128x128 blocks only (master weights into FP8 ",
-            "weights), got ", quant_format_name(c.format), c.blocking == QuantBlocking::k2D ? " 2-D" : " 1-D");
+  MOE_CHECK(x.dtype == DType::kBF16 || !c.stochastic_rounding, "argument 'x': fp32 input (master weights) is ",
+            "quantized with round to nearest; stochastic rounding takes bf16");
   MOE_CHECK(x.ndim == 2 || x.ndim == 3, "argument 'x': expected a matrix [M, K] or a batch [B, M, K], got shape ",
             x.shape_string());
   check_contiguous(x, "x");

@@ -1,12 +1,21 @@
-// quantize() of fp32 x with FP8 block 128x128 blocks: fp32 master weights straight into the FP8
-// copies the GEMMs read (FP8 primary weights), without a bf16 rounding on the way.
+// quantize() of fp32 x: fp32 master weights straight into the quantized copies the GEMMs read
+// (quantized primary weights), without a bf16 rounding on the way.
 //
-// One CTA per 128 x 128 tile (= one block): each thread loads 16 float4 of the tile, the block's
-// amax is a max over |x| bit patterns (NaN-propagating, order-independent), and the thread encodes
-// its own values into the rowwise copy. With 2-D blocks the columnwise copy is the exact transpose
-// of the rowwise codes (one scale per tile), so the codes go through shared memory once and are
-// stored again along the tile's columns, 16 bytes per store where M allows. No allocation, no
-// synchronisation: capturable in a CUDA graph.
+// FP8 block 128x128 (quantize_fp32_tile_kernel): one CTA per 128 x 128 tile (= one block): each
+// thread loads 16 float4 of the tile, the block's amax is a max over |x| bit patterns
+// (NaN-propagating, order-independent), and the thread encodes its own values into the rowwise
+// copy. With 2-D blocks the columnwise copy is the exact transpose of the rowwise codes (one scale
+// per tile), so the codes go through shared memory once and are stored again along the tile's
+// columns, 16 bytes per store where M allows.
+//
+// Every other format and blocking (quantize_fp32_block_kernel): one thread per block -- a 1 x b
+// block of a row (rowwise), a b x 1 block of a column (columnwise) or a 16 x 16 block (NVFP4 2-D,
+// both copies) -- reads its values twice (amax, then encode; the second read hits L1 / L2). Master
+// weights are quantized once per optimizer step, so this simple form is enough. NVFP4 first
+// reduces each matrix's global amax over the fp32 values.
+//
+// No allocation, no synchronisation: capturable in a CUDA graph.
+#include <algorithm>
 #include <cstdint>
 
 #include "device/cuda_check.h"
@@ -102,6 +111,129 @@ __global__ void __launch_bounds__(kThreads) quantize_fp32_tile_kernel(Fp32TilePa
   }
 }
 
+// ---- any format, one thread per block ----------------------------------------------------------
+
+struct Fp32BlockParams {
+  const float* x;
+  int64_t M, K;
+  CopyArgs row, col;  // enabled copies: data, scale, layout, block grid, scale entries per matrix
+  bool two_d, pow2;
+  const float* global_amax;  // NVFP4, one per matrix
+};
+
+template <QuantFormat F>
+constexpr int block_len() {
+  return F == QuantFormat::kFP8Block ? 128 : (F == QuantFormat::kMXFP8 ? 32 : 16);
+}
+
+// One block's scale into its copy (fp32 scale_inv for FP8 block, one byte otherwise).
+template <QuantFormat F>
+__device__ __forceinline__ void store_scale(const CopyArgs& c, int64_t b, int64_t r, int64_t j, const BlockEncode& e) {
+  const int64_t i = b * c.scale_entries + scale_index(c.layout, r, j, c.block_rows, c.block_cols);
+  if constexpr (F == QuantFormat::kFP8Block)
+    static_cast<float*>(c.scale)[i] = e.scale_f32;
+  else
+    static_cast<uint8_t*>(c.scale)[i] = e.scale_u8;
+}
+
+// Element (r, col) of one copy [rows, cols] of matrix b: its code at the packed position.
+template <QuantFormat F>
+__device__ __forceinline__ void store_code(const CopyArgs& c, int64_t b, int64_t r, int64_t col, float v,
+                                           float factor) {
+  const int64_t pos = (b * c.rows + r) * c.cols + col;
+  uint8_t* data = static_cast<uint8_t*>(c.data);
+  if constexpr (F == QuantFormat::kNVFP4) {
+    const uint8_t nib = e2m1_from_float_rn(__fmul_rn(v, factor));
+    // Both nibbles of a byte belong to one block (blocks start at even positions), so the thread
+    // that owns the block owns the byte: a read-modify-write without races.
+    uint8_t& byte = data[pos / 2];
+    byte = pos % 2 == 0 ? static_cast<uint8_t>((byte & 0xF0u) | nib) : static_cast<uint8_t>((byte & 0x0Fu) | (nib << 4));
+  } else {
+    data[pos] = encode_e4m3(v, factor);
+  }
+}
+
+// Tasks of one matrix, in order: the rowwise copy's blocks (1-D: M x ceil(K / b); 2-D: the
+// ceil(M / b) x ceil(K / b) tiles, which write both copies), then the columnwise copy's 1-D blocks
+// (K x ceil(M / b)).
+template <QuantFormat F>
+__global__ void __launch_bounds__(kThreads) quantize_fp32_block_kernel(Fp32BlockParams p) {
+  constexpr int kB = block_len<F>();
+  const int64_t b = blockIdx.y;
+  const float* xb = p.x + b * p.M * p.K;
+  const int64_t mb = (p.M + kB - 1) / kB, kb = (p.K + kB - 1) / kB;
+  const int64_t row_tasks = p.two_d ? mb * kb : (p.row.enabled ? p.M * kb : 0);
+  const int64_t col_tasks = !p.two_d && p.col.enabled ? p.K * mb : 0;
+  const float S = F == QuantFormat::kNVFP4 ? nvfp4_global_scale(p.global_amax[b]) : 1.0f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; t < row_tasks + col_tasks; t += stride) {
+    // The block: rows [m0, m1) x columns [k0, k1) of x.
+    int64_t m0, m1, k0, k1;
+    if (t < row_tasks && p.two_d) {
+      m0 = t / kb * kB, k0 = t % kb * kB, m1 = min(p.M, m0 + kB), k1 = min(p.K, k0 + kB);
+    } else if (t < row_tasks) {
+      m0 = t / kb, m1 = m0 + 1, k0 = t % kb * kB, k1 = min(p.K, k0 + kB);
+    } else {
+      const int64_t u = t - row_tasks;
+      k0 = u / mb, k1 = k0 + 1, m0 = u % mb * kB, m1 = min(p.M, m0 + kB);
+    }
+    uint32_t amax = 0;
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t k = k0; k < k1; ++k) amax = max(amax, abs_bits(__ldg(xb + m * p.K + k)));
+    const BlockEncode e = block_encode<F>(__uint_as_float(amax), p.pow2, S);
+    if (t < row_tasks) {
+      if (p.row.enabled) store_scale<F>(p.row, b, p.two_d ? m0 / kB : m0, k0 / kB, e);
+      if (p.two_d && p.col.enabled) store_scale<F>(p.col, b, k0 / kB, m0 / kB, e);
+    } else {
+      store_scale<F>(p.col, b, k0, m0 / kB, e);
+    }
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t k = k0; k < k1; ++k) {
+        const float v = __ldg(xb + m * p.K + k);
+        if (t < row_tasks) {
+          if (p.row.enabled) store_code<F>(p.row, b, m, k, v, e.factor);
+          if (p.two_d && p.col.enabled) store_code<F>(p.col, b, k, m, v, e.factor);
+        } else {
+          store_code<F>(p.col, b, k, m, v, e.factor);
+        }
+      }
+  }
+}
+
+// Grid (x: CTAs per matrix, y: matrix): the max of |x| bit patterns of each fp32 matrix, one
+// atomicMax per warp into the matrix's zeroed word.
+__global__ void __launch_bounds__(kThreads) global_amax_fp32_kernel(const float* x, int64_t per_matrix, float* amax) {
+  const int64_t b = blockIdx.y;
+  const float* xb = x + b * per_matrix;
+  uint32_t a = 0;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < per_matrix;
+       i += static_cast<int64_t>(gridDim.x) * kThreads)
+    a = max(a, abs_bits(__ldg(xb + i)));
+  a = __reduce_max_sync(0xFFFFFFFFu, a);
+  if (threadIdx.x % 32 == 0 && a != 0) atomicMax(reinterpret_cast<unsigned int*>(amax + b), a);
+}
+
+unsigned one_wave(const void* kernel, int64_t work_ctas, int64_t B) {
+  int dev = 0, sms = 0, per_sm = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&dev));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+  const int64_t cap = std::max<int64_t>(1, (int64_t(per_sm) * sms + B - 1) / B);
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min(work_ctas, cap)));
+}
+
+template <QuantFormat F>
+void launch_blocks(const Fp32BlockParams& p, int64_t B, cudaStream_t stream) {
+  constexpr int kB = block_len<F>();
+  const int64_t mb = (p.M + kB - 1) / kB, kb = (p.K + kB - 1) / kB;
+  const int64_t tasks = (p.two_d ? mb * kb : (p.row.enabled ? p.M * kb : 0)) + (!p.two_d && p.col.enabled ? p.K * mb : 0);
+  const auto kernel = quantize_fp32_block_kernel<F>;
+  const dim3 grid(one_wave(reinterpret_cast<const void*>(kernel), (tasks + kThreads - 1) / kThreads, B),
+                  static_cast<unsigned>(B));
+  kernel<<<grid, kThreads, 0, stream>>>(p);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
 
 void quantize_fp32_tiles(const QuantArgs& a, bool pow2, cudaStream_t stream) {
@@ -120,6 +252,33 @@ void quantize_fp32_tiles(const QuantArgs& a, bool pow2, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((a.K + kTile - 1) / kTile), static_cast<unsigned>((a.M + kTile - 1) / kTile),
                   static_cast<unsigned>(a.B));
   quantize_fp32_tile_kernel<<<grid, kThreads, 0, stream>>>(p);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void quantize_fp32_blocks(const QuantArgs& a, const QuantConfig& c, cudaStream_t stream) {
+  Fp32BlockParams p;
+  p.x = static_cast<const float*>(a.x);
+  p.M = a.M;
+  p.K = a.K;
+  p.row = a.row;
+  p.col = a.col;
+  p.two_d = c.blocking == QuantBlocking::k2D;
+  p.pow2 = c.pow2_scale;
+  p.global_amax = a.global_amax;
+  switch (c.format) {
+    case QuantFormat::kFP8Block: return launch_blocks<QuantFormat::kFP8Block>(p, a.B, stream);
+    case QuantFormat::kMXFP8: return launch_blocks<QuantFormat::kMXFP8>(p, a.B, stream);
+    case QuantFormat::kNVFP4: return launch_blocks<QuantFormat::kNVFP4>(p, a.B, stream);
+  }
+}
+
+void global_amax_fp32(const QuantArgs& a, cudaStream_t stream) {
+  const int64_t per_matrix = a.M * a.K;
+  if (per_matrix == 0) return;
+  const dim3 grid(one_wave(reinterpret_cast<const void*>(global_amax_fp32_kernel), (per_matrix + kThreads - 1) / kThreads,
+                           a.B),
+                  static_cast<unsigned>(a.B));
+  global_amax_fp32_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const float*>(a.x), per_matrix, a.global_amax);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -464,14 +464,20 @@ void quantize(const QuantConfig& config, const TensorView& x, const QuantizedTen
   if (config.format == QuantFormat::kNVFP4 && a.B > 0) {
     MOE_CUDA_CHECK(cudaMemsetAsync(a.global_amax, 0, static_cast<size_t>(a.B) * sizeof(float), stream));
     const int64_t chunks = a.M * a.K / 8;  // K % 8 == 0
-    if (chunks > 0) {
+    if (a.x_fp32) {
+      global_amax_fp32(a, stream);
+    } else if (chunks > 0) {
       const dim3 grid(grid_x(chunks, 4 * kThreads, resident_ctas(global_amax_kernel), a.B), static_cast<unsigned>(a.B));
       global_amax_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const uint16_t*>(a.x), chunks, a.global_amax);
       MOE_CUDA_CHECK_LAUNCH();
     }
   }
   if (a.B == 0 || a.M == 0 || a.K == 0) return;
-  if (a.x_fp32) return quantize_fp32_tiles(a, config.pow2_scale, stream);
+  if (a.x_fp32) {
+    if (config.format == QuantFormat::kFP8Block && config.blocking == QuantBlocking::k2D)
+      return quantize_fp32_tiles(a, config.pow2_scale, stream);
+    return quantize_fp32_blocks(a, config, stream);
+  }
   QuantParams p;
   p.x = static_cast<const uint16_t*>(a.x);
   p.M = a.M;

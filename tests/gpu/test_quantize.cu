@@ -236,32 +236,18 @@ TEST(Quantize, Fp32MasterWeightsMatchTheReference) {
   MOE_REQUIRE_GPU();
   cudaStream_t stream;
   MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  struct Fp32Case {
-    int64_t B, M, K;
-    bool batched, row, col, pow2;
-  };
-  const Fp32Case cases[] = {{3, 300, 136, true, true, true, false}, {1, 256, 384, false, true, false, false},
-                            {1, 131, 264, false, false, true, true}, {2, 5, 8, true, true, true, false},
-                            {1, 1040, 1160, false, true, true, false}, {2, 256, 256, true, true, true, false}};
   uint64_t seed = 40;
-  for (const Fp32Case& t : cases) {
-    QuantConfig c;
-    c.format = QuantFormat::kFP8Block;
-    c.blocking = QuantBlocking::k2D;
-    c.rowwise = t.row;
-    c.columnwise = t.col;
-    c.pow2_scale = t.pow2;
-    const std::string what = "fp32 [" + std::to_string(t.B) + "," + std::to_string(t.M) + "," + std::to_string(t.K) +
-                             "]" + (t.pow2 ? " pow2" : "");
-    const int64_t n = t.B * t.M * t.K;
+  // x of fp32 values (one magnitude per stretch, so blocks of every range, or dense normal data:
+  // every code of a tile non-zero, so the transpose is checked on all of them) with edge values;
+  // eager and captured-then-replayed on new values, both bitwise the reference.
+  auto check = [&](const QuantConfig& c, int64_t B, int64_t M, int64_t K, bool batched, bool dense) {
+    const std::string what = describe(Case{c, B, M, K, batched}) + " fp32";
+    const int64_t n = B * M * K;
     std::mt19937_64 rng(seed++);
     std::normal_distribution<float> nd(0.0f, 1.0f);
     std::uniform_int_distribution<int> mag(-140, 120);
     std::vector<float> x(n);
     float m = 1;
-    // One magnitude per stretch (tiles of every range), or dense normal data in the last case
-    // (every code of a tile non-zero: the transpose is checked on all of them).
-    const bool dense = &t == &cases[sizeof(cases) / sizeof(cases[0]) - 1];
     for (int64_t i = 0; i < n; ++i) {
       if (i % 4096 == 0 && !dense) m = std::ldexp(1.0f, mag(rng));
       x[i] = nd(rng) * m;
@@ -270,32 +256,71 @@ TEST(Quantize, Fp32MasterWeightsMatchTheReference) {
                            3.4028235e38f, 1.00000012f, 0.0f};
     for (size_t e = 0; e < sizeof(edges) / sizeof(edges[0]); ++e)
       x[(static_cast<int64_t>(e) * 7919 + 11) * 131 % n] = edges[e];
-    const ref::Quantized h = ref::quantize_fp32(c, x, t.B, t.M, t.K);
+    const ref::Quantized h = ref::quantize_fp32(c, x, B, M, K);
     DeviceBuffer<float> dx(x);
-    DeviceQuantized d(c, h, t.B, t.M, t.K, t.batched);
-    const TensorView vx = view(dx.get(), DType::kFP32, t.B, t.M, t.K, t.batched);
+    DeviceQuantized d(c, h, B, M, K, batched);
+    const TensorView vx = view(dx.get(), DType::kFP32, B, M, K, batched);
     quantize(c, vx, d.q, stream);
     MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     d.expect_equal(h, what);
-    // Captured, replayed on new values.
     std::vector<float> x2(x);
     for (float& v : x2) v = -2.5f * v;
-    const ref::Quantized h2 = ref::quantize_fp32(c, x2, t.B, t.M, t.K);
+    const ref::Quantized h2 = ref::quantize_fp32(c, x2, B, M, K);
     const CapturedGraph graph(stream, [&] { quantize(c, vx, d.q, stream); });
     dx.upload(x2);
     graph.launch();
     d.expect_equal(h2, what + " replay");
+  };
+  // FP8 block 128x128 (the tile kernel), partial tiles and pow2 scales included.
+  struct Fp32Case {
+    int64_t B, M, K;
+    bool batched, row, col, pow2;
+  };
+  const Fp32Case cases[] = {{3, 300, 136, true, true, true, false}, {1, 256, 384, false, true, false, false},
+                            {1, 131, 264, false, false, true, true}, {2, 5, 8, true, true, true, false},
+                            {1, 1040, 1160, false, true, true, false}, {2, 256, 256, true, true, true, false}};
+  for (const Fp32Case& t : cases) {
+    QuantConfig c;
+    c.format = QuantFormat::kFP8Block;
+    c.blocking = QuantBlocking::k2D;
+    c.rowwise = t.row;
+    c.columnwise = t.col;
+    c.pow2_scale = t.pow2;
+    check(c, t.B, t.M, t.K, t.batched, &t == &cases[sizeof(cases) / sizeof(cases[0]) - 1]);
   }
-  // fp32 input is for 128x128 blocks only.
-  QuantConfig one_d;
-  DeviceBuffer<float> dx(128 * 128);
-  DeviceBuffer<uint8_t> data(128 * 128);
-  DeviceBuffer<float> scale(128);
+  // Every other format and blocking (the one-thread-per-block kernel): MXFP8 and NVFP4 master
+  // weights, both copies, row-major and swizzled scales; FP8 1-D with partial blocks.
+  auto config = [](QuantFormat f, QuantBlocking b, bool row, bool col, ScaleLayout layout) {
+    QuantConfig c;
+    c.format = f;
+    c.blocking = b;
+    c.rowwise = row;
+    c.columnwise = col;
+    c.scale_layout = layout;
+    return c;
+  };
+  check(config(QuantFormat::kMXFP8, QuantBlocking::k1D, true, true, ScaleLayout::kRowMajor), 3, 96, 160, true, false);
+  check(config(QuantFormat::kMXFP8, QuantBlocking::k1D, true, true, ScaleLayout::kSwizzled128x4), 1, 160, 96, false,
+        true);
+  check(config(QuantFormat::kNVFP4, QuantBlocking::k1D, true, true, ScaleLayout::kRowMajor), 2, 48, 80, true, false);
+  check(config(QuantFormat::kNVFP4, QuantBlocking::k1D, true, false, ScaleLayout::kSwizzled128x4), 1, 37, 64, false,
+        true);
+  check(config(QuantFormat::kNVFP4, QuantBlocking::k2D, true, true, ScaleLayout::kRowMajor), 4, 64, 96, true, false);
+  check(config(QuantFormat::kNVFP4, QuantBlocking::k2D, true, true, ScaleLayout::kRowMajor), 1, 256, 384, false, true);
+  check(config(QuantFormat::kFP8Block, QuantBlocking::k1D, true, true, ScaleLayout::kRowMajor), 2, 131, 264, true,
+        false);
+  // Stochastic rounding takes bf16 (gradients); master weights round to nearest.
+  QuantConfig sr = config(QuantFormat::kNVFP4, QuantBlocking::k1D, true, false, ScaleLayout::kRowMajor);
+  sr.stochastic_rounding = true;
+  DeviceBuffer<float> dx(64 * 64);
+  DeviceBuffer<uint8_t> data(64 * 32), scale(64 * 4);
+  DeviceBuffer<float> amax(1);
   QuantizedTensor q;
-  q.rowwise_data = TensorView(data.get(), DType::kFP8E4M3, {128, 128});
-  q.rowwise_scale = TensorView(scale.get(), DType::kFP32, {128, 1});
-  expect_error_naming([&] { quantize(one_d, TensorView(dx.get(), DType::kFP32, {128, 128}), q, stream); },
-                      "fp32 input is quantized with fp8_block 128x128 blocks only");
+  q.rowwise_data = TensorView(data.get(), DType::kFP4E2M1, {64, 64});
+  q.rowwise_scale = TensorView(scale.get(), DType::kFP8E4M3, {64, 4});
+  q.global_amax = TensorView(amax.get(), DType::kFP32, {1});
+  expect_error_naming([&] { quantize(sr, TensorView(dx.get(), DType::kFP32, {64, 64}), q, stream); },
+                      "stochastic rounding takes bf16");
   MOE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 

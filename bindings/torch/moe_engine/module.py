@@ -56,7 +56,8 @@ emulated MXFP8 / NVFP4). Every GEMM operand is quantized exactly as a Blackwell 
 (MXFP8: 1x32 blocks, E8M0 scales; NVFP4: 1x16 token blocks and 16x16 weight blocks, E4M3 scales, a
 global amax per expert) and its dequantized values feed the bf16 GEMMs, so the numerics are the
 recipe's while the speed is not. The unfused path; align defaults to 32 (mxfp8) or 16 (nvfp4), which
-gives every expert whole blocks. fp8_weight_refresh "every_forward" or "on_request"."""
+gives every expert whole blocks. fp8_weight_refresh as for "block" ("from_master": the fp32 master
+weights quantized straight into the format)."""
 import torch
 from torch import nn
 
@@ -87,10 +88,10 @@ def _check_fp8_options(fp8, fp8_weight_refresh, accumulate_into_main_grad):
     if fp8_weight_refresh not in ("every_forward", "on_request", "from_master"):
         raise ValueError("argument 'fp8_weight_refresh': expected 'every_forward', 'on_request' or 'from_master', "
                          f"got {fp8_weight_refresh!r}")
-    if fp8_weight_refresh == "from_master" and (fp8 != "block" or not accumulate_into_main_grad):
-        raise ValueError("argument 'fp8_weight_refresh': 'from_master' (FP8 primary weights: fp32 weight "
-                         "parameters) needs fp8='block' and accumulate_into_main_grad=True (the gradients go "
-                         "to each parameter's fp32 main_grad)")
+    if fp8_weight_refresh == "from_master" and (fp8 is None or not accumulate_into_main_grad):
+        raise ValueError("argument 'fp8_weight_refresh': 'from_master' (quantized primary weights: fp32 weight "
+                         "parameters) needs fp8 ('block', 'mxfp8' or 'nvfp4') and accumulate_into_main_grad=True "
+                         "(the gradients go to each parameter's fp32 main_grad)")
 
 
 class _ExpertModule(nn.Module):
