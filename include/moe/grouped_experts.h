@@ -154,7 +154,8 @@ class GroupedExperts {
   // refreshed for the weights bound now (emulated formats: their bf16 dequantizations, which the
   // GEMMs read, are made from them on `stream`). Needs fp8_weight_refresh = kOnRequest or
   // kFromMaster.
-  void accept_fp8_weights(cudaStream_t stream = nullptr);
+  // `stream`: the stream that wrote the copies (or one ordered after it).
+  void accept_fp8_weights(cudaStream_t stream);
 
   // Device error word (docs/semantics.md, errors): the FP8 weight gradients raise
   // kErrUnalignedGroup for an expert whose rows do not fill whole 128-row blocks (that expert's

@@ -50,8 +50,9 @@ enum class Fp8Recipe : uint8_t { kNone, kBlock };
 enum class Fp8WeightRefresh : uint8_t { kEveryForward, kOnRequest, kFromMaster };
 
 // Emulated compute in a Blackwell format (docs/layer.md, emulated MXFP8 / NVFP4). Hopper has no
-// tensor-core path for MXFP8 or NVFP4, so every GEMM operand is quantized in the format exactly as a
-// Blackwell run quantizes it and its dequantized values (rounded to bf16) feed the bf16 grouped
+// tensor-core path for MXFP8 or NVFP4, so every GEMM operand is quantized in the format -- bitwise
+// the codes and scales of moe::quantize, round to nearest (no stochastic rounding of gradients, no
+// random Hadamard transform) -- and its dequantized values (rounded to bf16) feed the bf16 grouped
 // GEMMs: tokens (x_perm, act, dY, dh) with 1-D blocks along the GEMM's reduction, each expert's rows
 // quantized as a matrix of their own (MXFP8 1x32 / 32x1; NVFP4 1x16 / 16x1 with one global amax per
 // expert), weights with MXFP8 1x32 / 32x1 or NVFP4 16x16 blocks (one global amax per expert

@@ -1,6 +1,7 @@
 // The emulated MXFP8 / NVFP4 recipes of GroupedExperts (ExpertsConfig::emulated, docs/layer.md):
-// every GEMM operand goes through the format -- quantized exactly as a Blackwell run quantizes it,
-// then dequantized to bf16 -- and the bf16 grouped GEMMs compute with those values.
+// every GEMM operand goes through the format -- quantized (round to nearest) into the codes and
+// scales a Blackwell GEMM would read, then dequantized to bf16 -- and the bf16 grouped GEMMs
+// compute with those values.
 //
 //   forward   x_perm, act  -> rowwise   (fc1 / fc2 fprop)
 //   backward  dY, dh       -> rowwise   (fc2 / fc1 dgrad)

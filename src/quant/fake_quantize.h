@@ -22,10 +22,11 @@ namespace moe::quant {
 // Device workspace of fake_quantize_groups for `groups` groups.
 size_t fake_quantize_workspace_bytes(int groups);
 
-// x bf16 [rows, cols] -> out bf16 [rows, cols] (may be x itself). config: format, pow2_scale (FP8
-// block); 1-D blocks only; the copy flags and scale layouts are ignored. group_offsets int32 [E + 1]
-// on the device, non-decreasing (ends past `rows` are clamped to it). Bad arguments raise
-// moe::Error naming the argument.
+// x bf16 [rows, cols] -> out bf16 [rows, cols] (x itself, or not overlapping it). config: format,
+// pow2_scale (FP8 block); 1-D blocks only; round to nearest; the copy flags and scale layouts are
+// ignored. group_offsets int32 [E + 1] on the device, non-decreasing (a precondition: the device
+// values are not checked; offsets past `rows` are clamped to it). Bad arguments raise moe::Error
+// naming the argument.
 void fake_quantize_groups(const QuantConfig& config, bool columnwise, const TensorView& x,
                           const TensorView& group_offsets, const TensorView& out, void* workspace,
                           cudaStream_t stream);

@@ -8,7 +8,7 @@
 //   reduces its amax, encodes, decodes and stores it as bf16.
 // - Columnwise: the row blocks start at each group's first row, so a small kernel first turns the
 //   group sizes into a prefix of row-block counts; then a thread per (row block, column pair) reads
-//   the block's rows of its two columns (one 32-bit word per row: a warp covers 256 contiguous
+//   the block's rows of its two columns (one 32-bit word per row: a warp covers 128 contiguous
 //   bytes of a row), reduces both amaxes, and reads them again (now from L1 / L2) to encode,
 //   decode and store.
 #include <cub/block/block_scan.cuh>
@@ -244,6 +244,12 @@ void fake_quantize_groups(const QuantConfig& config, bool columnwise, const Tens
   const int64_t rows = x.shape[0], cols = x.shape[1];
   check_device_tensor(x, "x", DType::kBF16, {rows, cols}, 16);
   check_device_tensor(out, "out", DType::kBF16, {rows, cols}, 16);
+  {  // in place, or apart: a partial overlap would read values another thread already replaced
+    const auto* xb = static_cast<const char*>(x.data);
+    const auto* ob = static_cast<const char*>(out.data);
+    const int64_t bytes = rows * cols * 2;
+    MOE_CHECK(xb == ob || ob + bytes <= xb || xb + bytes <= ob, "argument 'out': must be x itself or not overlap it");
+  }
   MOE_CHECK(group_offsets.ndim == 1 && group_offsets.shape[0] >= 2, "argument 'group_offsets': expected [E + 1] ",
             "with E >= 1, got shape ", group_offsets.shape_string());
   check_device_tensor(group_offsets, "group_offsets", DType::kInt32, {group_offsets.shape[0]}, 4);

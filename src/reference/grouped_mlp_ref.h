@@ -92,10 +92,10 @@ class GroupedMlpRef {
   // `v` [rows, cols] through the token quantization (columnwise: blocks along the rows), or `v`
   // itself without operand quantization.
   std::vector<double> token_operand(const std::vector<double>& v, int64_t rows, int64_t cols, bool columnwise) const;
-  // Each expert's [rows, cols] weight through the weight quantization (into `store`), or the bound
-  // table itself.
   // A dequantized operand value, rounded to bf16 with quant_.bf16_operands (and emulate_bf16).
   double operand_value(float v) const;
+  // Each expert's [rows, cols] weight through the weight quantization (into `store`), or the bound
+  // table itself.
   std::vector<double*> weight_operand(const std::vector<double*>& w, int64_t rows, int64_t cols, bool columnwise,
                                       std::vector<std::vector<double>>& store) const;
 

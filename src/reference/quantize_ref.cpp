@@ -355,9 +355,13 @@ std::vector<float> fake_quantize_groups(const QuantConfig& c, bool columnwise, c
   one.scale_layout = ScaleLayout::kRowMajor;
   one.columnwise_scale_layout.reset();
   std::vector<float> out(x.size(), 0.0f);
+  for (size_t e = 0; e + 1 < offsets.size(); ++e)
+    MOE_CHECK(0 <= offsets[e] && offsets[e] <= offsets[e + 1] && offsets[e + 1] <= rows,
+              "ref::fake_quantize_groups: offsets must be non-decreasing within [0, rows = ", rows, "], got offsets[",
+              e, "] = ", offsets[e], ", offsets[", e + 1, "] = ", offsets[e + 1]);
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
     const int64_t r0 = offsets[e], n = offsets[e + 1] - offsets[e];
-    if (n <= 0) continue;
+    if (n == 0) continue;
     const std::vector<float> m(x.begin() + r0 * cols, x.begin() + (r0 + n) * cols);
     const std::vector<float> d = dequantize(one, quantize_fp32(one, m, 1, n, cols), columnwise, 1, n, cols);
     for (int64_t r = 0; r < n; ++r)

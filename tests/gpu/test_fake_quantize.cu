@@ -207,6 +207,11 @@ TEST_F(FakeQuantize, BadInputNamesTheArgument) {
   const TensorView ok(x.get(), DType::kBF16, {48, 64});
   expect_error_naming([&] { quant::fake_quantize_groups(mx, false, ok, gv, xv, ws.get(), stream); }, "'out'");
   expect_error_naming([&] { quant::fake_quantize_groups(mx, false, ok, gv, ok, nullptr, stream); }, "'workspace'");
+  DeviceBuffer<uint16_t> big(64 * 48 + 64);
+  const TensorView shifted(big.get() + 64, DType::kBF16, {48, 64});  // overlaps x partly
+  expect_error_naming([&] {
+    quant::fake_quantize_groups(mx, false, TensorView(big.get(), DType::kBF16, {48, 64}), gv, shifted, ws.get(), stream);
+  }, "'out'");
   QuantConfig two_d = mx;
   two_d.format = QuantFormat::kNVFP4;
   two_d.blocking = QuantBlocking::k2D;

@@ -52,10 +52,11 @@ weight parameters are fp32 (the master weights the optimizer updates; biases sta
 computed with -- no bf16 weight exists; needs accumulate_into_main_grad=True.
 
 `fp8="mxfp8"` or `fp8="nvfp4"`: the Blackwell formats, **emulated** on Hopper (docs/layer.md,
-emulated MXFP8 / NVFP4). Every GEMM operand is quantized exactly as a Blackwell run quantizes it
-(MXFP8: 1x32 blocks, E8M0 scales; NVFP4: 1x16 token blocks and 16x16 weight blocks, E4M3 scales, a
-global amax per expert) and its dequantized values feed the bf16 GEMMs, so the numerics are the
-recipe's while the speed is not. The unfused path; align defaults to 32 (mxfp8) or 16 (nvfp4), which
+emulated MXFP8 / NVFP4). Every GEMM operand is quantized exactly into the codes and scales a
+Blackwell GEMM reads (MXFP8: 1x32 blocks, E8M0 scales; NVFP4: 1x16 token blocks and 16x16 weight
+blocks, E4M3 scales, a global amax per expert; round to nearest, no stochastic rounding or Hadamard
+transform) and its dequantized values feed the bf16 GEMMs, so the numerics are the recipe's while
+the speed is not. The unfused path; align defaults to 32 (mxfp8) or 16 (nvfp4), which
 gives every expert whole blocks. fp8_weight_refresh as for "block" ("from_master": the fp32 master
 weights quantized straight into the format)."""
 import torch
