@@ -120,6 +120,12 @@ struct ExpertsRun {
     dx = DeviceBuffer<uint16_t>(c.max_rows * H);
     dprobs = DeviceBuffer<float>(c.max_rows);
   }
+  // Both weight matrices' bytes to zero (the biases stay): an op whose own weights cannot be the
+  // ones it computes with.
+  void zero_weights() {
+    for (DeviceParam* w : {&W1, &W2})
+      for (auto& b : w->bufs) b.fill_bytes(0);
+  }
   bool probs_in_act() const { return c.probs == ProbsPlacement::kInActivation; }
   TensorView rows_view(const DeviceBuffer<uint16_t>& b, int64_t rows) const {
     return TensorView(b.get(), DType::kBF16, {rows, c.hidden});
@@ -336,9 +342,7 @@ TEST_F(Fp8Experts, WeightsThroughACheckpointInEitherLayout) {
   master.layout = WeightLayout::kPerExpert;
   const Inputs step(c, {256, 128, 128, 256}, 81);
   ExpertsRun src(c, 91), grouped(c, 91), per_expert(master, 91);
-  for (ExpertsRun* r : {&grouped, &per_expert})
-    for (DeviceParam* w : {&r->W1, &r->W2})
-      for (auto& b : w->bufs) b.fill_bytes(0);
+  for (ExpertsRun* r : {&grouped, &per_expert}) r->zero_weights();
   src.ex.refresh_fp8_weights(stream);
   StateDict sd;
   Metadata md;
@@ -409,9 +413,7 @@ TEST_F(Fp8Experts, EmulatedWeightsThroughACheckpointInEitherLayout) {
     per.layout = WeightLayout::kPerExpert;
     const Inputs step(c, {256, 96, 160, 256}, 83);
     ExpertsRun src(c, 95), grouped(c, 95), per_expert(per, 95);
-    for (ExpertsRun* r : {&grouped, &per_expert})
-      for (DeviceParam* w : {&r->W1, &r->W2})
-        for (auto& b : w->bufs) b.fill_bytes(0);
+    for (ExpertsRun* r : {&grouped, &per_expert}) r->zero_weights();
     src.ex.refresh_fp8_weights(stream);
     StateDict sd;
     Metadata md;

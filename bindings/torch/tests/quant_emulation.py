@@ -1,8 +1,10 @@
 """Shared pieces of the plain-PyTorch emulations of the quantized expert layers (test_fp8.py,
 test_emulated_formats.py): the layer's data flow with the bf16 roundings it stores, around a
 quantized linear that each recipe supplies, and the comparison of a module with its emulation."""
+import pytest
 import torch
 
+from moe_engine import GroupedMLP
 from reference import activation
 
 DEV = "cuda"
@@ -97,3 +99,53 @@ def grid_problem(seed=7, T=384, H=256, E=4):
     x = grid((T, H), 1.0, gen).bfloat16()
     dy = grid((T, H), 2.0 ** -3, gen).bfloat16()
     return params, x, dy
+
+
+def check_primary_weights_from_master(fp8):
+    """fp8_weight_refresh="from_master" (fp32 weight parameters, quantized straight from fp32 by
+    refresh_fp8_weights()) against bf16 weights refreshed on request: with master values bf16 holds
+    exactly, bitwise the same results; a forward before the first refresh is refused; master values
+    bf16 cannot hold are quantized from fp32, not from their bf16 rounding (a bf16 round trip in
+    the binding would not change the output)."""
+    T, H, F_, E, k = 256, 256, 384, 4, 2
+    idx, probs = routing(T, E, k, 9)
+    x = (torch.randn(T, H, device=DEV, generator=torch.Generator(device=DEV).manual_seed(10)) * 0.5).bfloat16()
+    dy = torch.randn(T, H, device=DEV, generator=torch.Generator(device=DEV).manual_seed(11)).bfloat16()
+    torch.manual_seed(12)
+    runs = {}
+    for mode in ("on_request", "from_master"):
+        mod = GroupedMLP(H, F_, E, k, max_tokens=T, bias=True, fp8=fp8, fp8_weight_refresh=mode,
+                         accumulate_into_main_grad=True)
+        if mode == "from_master":
+            assert mod.fc1.weight.dtype == torch.float32 and mod.fc1.bias.dtype == torch.bfloat16
+            with torch.no_grad():
+                for (_, q), (_, src) in zip(mod.named_parameters(), runs["on_request"]["mod"].named_parameters()):
+                    q.copy_(src)
+            with pytest.raises(ValueError, match="refresh_fp8_weights"):
+                mod(x, idx, probs)
+        for q in mod.parameters():
+            q.main_grad = torch.zeros(q.shape, device=DEV, dtype=torch.float32)
+        mod.refresh_fp8_weights()
+        xr = x.detach().clone().requires_grad_()
+        pr = probs.detach().clone().requires_grad_()
+        y = mod(xr, idx, pr)
+        y.backward(dy)
+        mod.check_errors()
+        runs[mode] = {"mod": mod, "y": y, "dx": xr.grad, "dprobs": pr.grad,
+                      **{n: q.main_grad for n, q in mod.named_parameters()}}
+    for key, want in runs["on_request"].items():
+        if key != "mod":
+            assert torch.equal(runs["from_master"][key], want), key
+    mod = runs["from_master"]["mod"]
+    outs = []
+    with torch.no_grad():
+        master = {n: (q.float() * (1 + 2.0 ** -12 * torch.randn_like(q.float()))) for n, q in mod.named_parameters()
+                  if q.dtype == torch.float32}
+    for rounded in (False, True):
+        with torch.no_grad():
+            for n, q in mod.named_parameters():
+                if n in master:
+                    q.copy_(master[n].bfloat16().float() if rounded else master[n])
+        mod.refresh_fp8_weights()
+        outs.append(mod(x, idx, probs))
+    assert not torch.equal(outs[0], outs[1])

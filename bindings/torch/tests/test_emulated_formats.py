@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_engine import GroupedMLP
-from quant_emulation import DEV, bf16, compare, grid_problem, routing
+from quant_emulation import DEV, bf16, check_primary_weights_from_master, compare, grid_problem, routing
 
 
 def _blocks(x, b):
@@ -202,49 +202,9 @@ def test_train_eval_train_parity_matrix():
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 def test_emulated_primary_weights_from_fp32_master(fmt):
-    """fp8_weight_refresh="from_master": fp32 weight parameters quantized straight into the format by
-    refresh_fp8_weights(). With master values bf16 holds exactly, the results are bitwise those of
-    bf16 weights refreshed on request; values bf16 cannot hold are quantized from fp32, not from
-    their bf16 rounding."""
-    T, H, F_, E, k = 256, 256, 384, 4, 2
-    idx, probs = routing(T, E, k, 9)
-    x = (torch.randn(T, H, device=DEV, generator=torch.Generator(device=DEV).manual_seed(10)) * 0.5).bfloat16()
-    dy = torch.randn(T, H, device=DEV, generator=torch.Generator(device=DEV).manual_seed(11)).bfloat16()
-    torch.manual_seed(12)
-    runs = {}
-    for mode in ("on_request", "from_master"):
-        mod = GroupedMLP(H, F_, E, k, max_tokens=T, bias=True, fp8=fmt, fp8_weight_refresh=mode,
-                         accumulate_into_main_grad=True)
-        if mode == "from_master":
-            assert mod.fc1.weight.dtype == torch.float32 and mod.fc1.bias.dtype == torch.bfloat16
-            with torch.no_grad():
-                for (_, q), (_, src) in zip(mod.named_parameters(), runs["on_request"]["mod"].named_parameters()):
-                    q.copy_(src)
-        for q in mod.parameters():
-            q.main_grad = torch.zeros(q.shape, device=DEV, dtype=torch.float32)
-        mod.refresh_fp8_weights()
-        xr = x.detach().clone().requires_grad_()
-        pr = probs.detach().clone().requires_grad_()
-        y = mod(xr, idx, pr)
-        y.backward(dy)
-        runs[mode] = {"mod": mod, "y": y, "dx": xr.grad, "dprobs": pr.grad,
-                      **{n: q.main_grad for n, q in mod.named_parameters()}}
-    for key, want in runs["on_request"].items():
-        if key != "mod":
-            assert torch.equal(runs["from_master"][key], want), key
-    mod = runs["from_master"]["mod"]
-    outs = []
-    with torch.no_grad():
-        master = {n: (q.float() * (1 + 2.0 ** -12 * torch.randn_like(q.float()))) for n, q in mod.named_parameters()
-                  if q.dtype == torch.float32}
-    for rounded in (False, True):
-        with torch.no_grad():
-            for n, q in mod.named_parameters():
-                if n in master:
-                    q.copy_(master[n].bfloat16().float() if rounded else master[n])
-        mod.refresh_fp8_weights()
-        outs.append(mod(x, idx, probs))
-    assert not torch.equal(outs[0], outs[1])
+    """MXFP8 / NVFP4 primary weights: the fp32 master weights quantized straight into the format
+    (see check_primary_weights_from_master)."""
+    check_primary_weights_from_master(fmt)
 
 
 def test_emulated_options_are_checked():

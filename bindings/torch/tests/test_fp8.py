@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_engine import GroupedMLP
-from quant_emulation import DEV, bf16, compare, grid_problem, routing
+from quant_emulation import DEV, bf16, check_primary_weights_from_master, compare, grid_problem, routing
 
 BLOCK = 128
 
@@ -113,53 +113,8 @@ def test_fp8_layer_matches_the_plain_pytorch_emulation_on_random_data():
 
 
 def test_fp8_primary_weights_from_fp32_master():
-    """fp8_weight_refresh="from_master": fp32 weight parameters (the master weights), quantized
-    straight from fp32 by refresh_fp8_weights(). With master values that bf16 holds exactly the
-    results are bitwise those of bf16 weights refreshed on request (the same FP8 copies); a forward
-    before the first refresh is refused; the option needs fp8 and main_grad accumulation."""
-    T, H, F_, E, k = 256, 256, 384, 4, 2
-    idx, probs = routing(T, E, k, 9)
-    x = (torch.randn(T, H, device=DEV, generator=torch.Generator(device=DEV).manual_seed(10)) * 0.5).bfloat16()
-    dy = torch.randn(T, H, device=DEV, generator=torch.Generator(device=DEV).manual_seed(11)).bfloat16()
-    torch.manual_seed(12)
-    runs = {}
-    for mode in ("on_request", "from_master"):
-        mod = GroupedMLP(H, F_, E, k, max_tokens=T, bias=True, fp8="block", fp8_weight_refresh=mode,
-                         accumulate_into_main_grad=True)
-        if mode == "from_master":
-            assert mod.fc1.weight.dtype == torch.float32 and mod.fc1.bias.dtype == torch.bfloat16
-            with torch.no_grad():
-                for (_, q), (_, src) in zip(mod.named_parameters(), runs["on_request"]["mod"].named_parameters()):
-                    q.copy_(src)
-            with pytest.raises(ValueError, match="refresh_fp8_weights"):
-                mod(x, idx, probs)
-        for q in mod.parameters():
-            q.main_grad = torch.zeros(q.shape, device=DEV, dtype=torch.float32)
-        mod.refresh_fp8_weights()
-        xr = x.detach().clone().requires_grad_()
-        pr = probs.detach().clone().requires_grad_()
-        y = mod(xr, idx, pr)
-        y.backward(dy)
-        mod.check_errors()
-        runs[mode] = {"mod": mod, "y": y, "dx": xr.grad, "dprobs": pr.grad,
-                      **{n: q.main_grad for n, q in mod.named_parameters()}}
-    for key, want in runs["on_request"].items():
-        if key != "mod":
-            assert torch.equal(runs["from_master"][key], want), key
-    # Master values bf16 cannot hold are quantized from fp32, not from their bf16 rounding: the
-    # output differs from that of the rounded values (a bf16 round trip in the binding would not).
-    mod = runs["from_master"]["mod"]
-    outs = []
-    with torch.no_grad():
-        master = {n: (q.float() * (1 + 2.0 ** -12 * torch.randn_like(q.float()))) for n, q in mod.named_parameters()
-                  if q.dtype == torch.float32}
-    for rounded in (False, True):
-        with torch.no_grad():
-            for n, q in mod.named_parameters():
-                if n in master:
-                    q.copy_(master[n].bfloat16().float() if rounded else master[n])
-        mod.refresh_fp8_weights()
-        outs.append(mod(x, idx, probs))
-    assert not torch.equal(outs[0], outs[1])
+    """FP8 primary weights: see check_primary_weights_from_master; the option needs fp8 and main_grad
+    accumulation."""
+    check_primary_weights_from_master("block")
     with pytest.raises(ValueError, match="from_master"):
-        GroupedMLP(H, F_, E, k, max_tokens=T, fp8="block", fp8_weight_refresh="from_master")
+        GroupedMLP(256, 384, 4, 2, max_tokens=256, fp8="block", fp8_weight_refresh="from_master")
