@@ -84,8 +84,8 @@ def fp8_compare(x, idx, probs, dy, params=None):
 def test_fp8_layer_matches_the_plain_pytorch_emulation_on_exact_grid_data():
     """x, dy and both weights on grids whose FP8 quantization and fc1 / fc2-dgrad products are exact
     (every FP8 block of such a tensor holds a +-3.5 unit with probability 1 - (13/15)^128, so its
-    scale 448 / amax is a power of two), so h and dact are bitwise those of the emulation (dprobs agrees to ~1e-7) and what is left comes
-    from the products on inexact operands (act, dh): the FP8 tensor cores' partial-sum precision inside
+    scale 448 / amax is a power of two), so h and dact are bitwise those of the emulation (dprobs
+    agrees to ~1e-7) and what is left comes from the products on inexact operands (act, dh): the FP8 tensor cores' partial-sum precision inside
     each 128-deep block and fp32 accumulation order, seen through the bf16 rounding of y, dx and the
     weight gradients (2^-9 relative at most per rounding, ~1e-3 RMS). Measured 1.8-3.2e-3 (H100).
     Bound 5e-3: a scale on the wrong block, a copy of the wrong tensor or a missed bf16 rounding of
