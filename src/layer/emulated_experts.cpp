@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "layer/expert_weight_quantize.h"
 #include "moe/error.h"
 #include "quant/fake_quantize.h"
 
@@ -77,26 +78,7 @@ QuantizedTensor EmulatedExpertsRecipe::weight_codes(int fc) const {
 }
 
 void EmulatedExpertsRecipe::quantize_weight(int fc, cudaStream_t s) const {
-  const Weight& w = w_[fc - 1];
-  const QuantizedTensor all = weight_codes(fc);
-  if (w.source.size() == 1 && w.source[0].ndim == 3) {  // single grouped: one batched quantize
-    moe::quantize(weights_, w.source[0], all, s);
-  } else {
-    // Per expert: each matrix into its slice of the grouped copies (a batch quantizes bitwise like
-    // its matrices one by one, docs/quantization.md).
-    const ScaleShape rs = scale_shape(weights_, w.N, w.K), cs = scale_shape(weights_, w.K, w.N, true);
-    const int64_t bytes = data_bytes(w.N * w.K);
-    for (size_t e = 0; e < w.source.size(); ++e) {
-      QuantizedTensor q;
-      q.rowwise_data = TensorView(w.row + e * bytes, all.rowwise_data.dtype, {w.N, w.K}, Device::kCUDA);
-      q.rowwise_scale = TensorView(w.row_scale + e * rs.rows * rs.cols, rs.dtype, {rs.rows, rs.cols}, Device::kCUDA);
-      q.columnwise_data = TensorView(w.col + e * bytes, all.columnwise_data.dtype, {w.K, w.N}, Device::kCUDA);
-      q.columnwise_scale =
-          TensorView(w.col_scale + e * cs.rows * cs.cols, cs.dtype, {cs.rows, cs.cols}, Device::kCUDA);
-      if (all.global_amax.data != nullptr) q.global_amax = TensorView(w.amax + e, DType::kFP32, {1}, Device::kCUDA);
-      moe::quantize(weights_, w.source[e], q, s);
-    }
-  }
+  quantize_expert_weight(weights_, w_[fc - 1].source, weight_codes(fc), s);
   dequantize_weight(fc, s);
 }
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "layer/expert_weight_quantize.h"
 #include "moe/error.h"
 #include "moe/quantize.h"
 
@@ -73,6 +74,8 @@ void Fp8ExpertsRecipe::bind_weights(const std::vector<TensorView>& fc1, const st
   w_[1].source = fc2;
 }
 
+QuantConfig Fp8ExpertsRecipe::weight_config() { return fp8_config(QuantBlocking::k2D, true, true); }
+
 QuantizedTensor Fp8ExpertsRecipe::weight_copies(int fc) const {
   const Weight& w = w_[fc - 1];
   const int64_t E = cfg_.experts, nb = blocks(w.N), kb = blocks(w.K);
@@ -84,25 +87,9 @@ QuantizedTensor Fp8ExpertsRecipe::weight_copies(int fc) const {
   return q;
 }
 
-// The bound weights (bf16, or fp32 master weights: moe::quantize takes either for 128x128 blocks).
+// The bound weights (bf16, or fp32 master weights: moe::quantize takes either).
 void Fp8ExpertsRecipe::quantize_weight(int fc, cudaStream_t s) const {
-  const Weight& w = w_[fc - 1];
-  const QuantConfig c = fp8_config(QuantBlocking::k2D, true, true);
-  const int64_t nb = blocks(w.N), kb = blocks(w.K);
-  if (w.source.size() == 1 && w.source[0].ndim == 3) {  // single grouped: one batched quantize
-    moe::quantize(c, w.source[0], weight_copies(fc), s);
-    return;
-  }
-  // Per expert: each matrix into its slice of the grouped copy (a batch quantizes bitwise like its
-  // matrices one by one, docs/quantization.md).
-  for (size_t e = 0; e < w.source.size(); ++e) {
-    QuantizedTensor q;
-    q.rowwise_data = TensorView(w.row + e * w.N * w.K, DType::kFP8E4M3, {w.N, w.K});
-    q.rowwise_scale = TensorView(w.row_scale + e * nb * kb, DType::kFP32, {nb, kb});
-    q.columnwise_data = TensorView(w.col + e * w.N * w.K, DType::kFP8E4M3, {w.K, w.N});
-    q.columnwise_scale = TensorView(w.col_scale + e * nb * kb, DType::kFP32, {kb, nb});
-    moe::quantize(c, w.source[e], q, s);
-  }
+  quantize_expert_weight(weight_config(), w_[fc - 1].source, weight_copies(fc), s);
 }
 
 void Fp8ExpertsRecipe::quantize_weights(cudaStream_t s) const {

@@ -49,8 +49,10 @@ class Fp8ExpertsRecipe {
   // quantize_weights.
   void bind_weights(const std::vector<TensorView>& fc1_weight, const std::vector<TensorView>& fc2_weight);
   void quantize_weights(cudaStream_t stream) const;
-  // Views of fc (1 or 2)'s quantized copies (see GroupedExperts::fp8_weights).
+  // Views of fc (1 or 2)'s quantized copies (see GroupedExperts::fp8_weights), and their format:
+  // 128x128 blocks, both copies, row-major fp32 scales.
   QuantizedTensor weight_copies(int fc) const;
+  static QuantConfig weight_config();
 
   // Quantizes a bf16 [rows, cols]: rowwise into the token workspace (read by the next fprop or
   // dgrad) when `rowwise`; columnwise into (col, col_scale) when col is given.

@@ -5,11 +5,11 @@
 // per matrix, y: matrix), one wave; a thread carries its unit's (row, unit) from one task to the
 // next with a carry, so the loop has no division. Rows whose units are not vector-aligned (FP8
 // copies whose length is not a multiple of 16) take an element-by-element path.
-#include <algorithm>
 #include <cstdint>
 
 #include "device/cuda_check.h"
 #include "moe/quantize.h"
+#include "quant/launch_geometry.h"
 #include "quant/quant_args.h"
 #include "quant/quant_device.cuh"
 
@@ -52,7 +52,7 @@ __device__ __forceinline__ void store_unit(void* out, int64_t pos, const float (
 
 template <QuantFormat F, bool kTwoD, bool kFP32Out>
 __global__ void __launch_bounds__(kThreads) dequantize_kernel(DequantParams p) {
-  constexpr int kB = F == QuantFormat::kFP8Block ? 128 : (F == QuantFormat::kMXFP8 ? 32 : 16);
+  constexpr int kB = block_len<F>();
   const int64_t b = blockIdx.y;
   const int64_t U = p.units_per_row;
   const int64_t tasks = p.rows * U;
@@ -118,14 +118,9 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(DequantParams p) {
 template <QuantFormat F, bool kTwoD>
 void launch(const DequantParams& p, int64_t B, bool fp32_out, cudaStream_t stream) {
   const auto kernel = fp32_out ? dequantize_kernel<F, kTwoD, true> : dequantize_kernel<F, kTwoD, false>;
-  int dev = 0, sms = 0, per_sm = 0;
-  MOE_CUDA_CHECK(cudaGetDevice(&dev));
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-  const int64_t resident = std::max<int64_t>(1, static_cast<int64_t>(per_sm) * sms);
-  const int64_t want = (p.rows * p.units_per_row + kThreads - 1) / kThreads;
-  const int64_t cap = std::max<int64_t>(1, (resident + B - 1) / B);
-  const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min(want, cap))), static_cast<unsigned>(B));
+  const dim3 grid(
+      one_wave_grid_x(reinterpret_cast<const void*>(kernel), kThreads, p.rows * p.units_per_row, kThreads, B),
+      static_cast<unsigned>(B));
   kernel<<<grid, kThreads, 0, stream>>>(p);
   MOE_CUDA_CHECK_LAUNCH();
 }

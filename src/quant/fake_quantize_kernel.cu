@@ -19,6 +19,7 @@
 #include "device/cuda_check.h"
 #include "moe/error.h"
 #include "quant/fake_quantize.h"
+#include "quant/launch_geometry.h"
 #include "quant/quant_device.cuh"
 
 namespace moe::quant {
@@ -51,11 +52,6 @@ struct Groups {
   }
 };
 
-template <QuantFormat F>
-constexpr int block_len() {
-  return F == QuantFormat::kFP8Block ? 128 : (F == QuantFormat::kMXFP8 ? 32 : 16);
-}
-
 // A block's encode factor and decode factor from its amax (S: the NVFP4 global encode scale).
 struct BlockCodec {
   float encode, decode;
@@ -81,12 +77,6 @@ __device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
   return static_cast<uint32_t>(bf16_bits_from_float(lo)) | (static_cast<uint32_t>(bf16_bits_from_float(hi)) << 16);
 }
 
-__device__ __forceinline__ uint32_t warp_max(uint32_t v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
-  return v;
-}
-
 __global__ void __launch_bounds__(kThreads) group_amax_kernel(const uint16_t* x, int64_t cols, Groups gr,
                                                               float* amax) {
   const int lane = threadIdx.x & 31;
@@ -101,7 +91,7 @@ __global__ void __launch_bounds__(kThreads) group_amax_kernel(const uint16_t* x,
       const uint4 v = __ldg(row + c);
       pairs = abs_max_pairs(abs_max_pairs(abs_max_pairs(abs_max_pairs(pairs, v.x), v.y), v.z), v.w);
     }
-    const uint32_t bits = warp_max(pairs_amax_bits(pairs));
+    const uint32_t bits = __reduce_max_sync(0xFFFFFFFFu, pairs_amax_bits(pairs));
     if (lane == 0 && bits != 0) atomicMax(reinterpret_cast<unsigned int*>(amax + e), bits);
   }
 }
@@ -190,29 +180,21 @@ __global__ void __launch_bounds__(kThreads) columnwise_kernel(const uint16_t* x,
   }
 }
 
-unsigned one_wave(const void* kernel, int64_t work_ctas) {
-  int dev = 0, sms = 0, per_sm = 0;
-  MOE_CUDA_CHECK(cudaGetDevice(&dev));
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(work_ctas, int64_t(per_sm) * sms)));
-}
-
 template <QuantFormat F>
 void launch(bool columnwise, const uint16_t* x, uint16_t* out, int64_t cols, const Groups& gr, bool pow2,
             float* amax, int32_t* prefix, cudaStream_t s) {
   if (F == QuantFormat::kNVFP4) {
     MOE_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float) * gr.E, s));
-    const int64_t ctas = (gr.rows + kThreads / 32 - 1) / (kThreads / 32);
-    group_amax_kernel<<<one_wave(reinterpret_cast<const void*>(group_amax_kernel), ctas), kThreads, 0, s>>>(
-        x, cols, gr, amax);
+    const unsigned ctas =  // a warp per row
+        one_wave_grid_x(reinterpret_cast<const void*>(group_amax_kernel), kThreads, gr.rows, kThreads / 32);
+    group_amax_kernel<<<ctas, kThreads, 0, s>>>(x, cols, gr, amax);
     MOE_CUDA_CHECK_LAUNCH();
   }
   constexpr int kB = block_len<F>();
   if (!columnwise) {
-    const int64_t ctas = (gr.rows * (cols / kB) + kThreads - 1) / kThreads;
-    rowwise_kernel<F><<<one_wave(reinterpret_cast<const void*>(rowwise_kernel<F>), ctas), kThreads, 0, s>>>(
-        x, out, cols, gr, amax, pow2);
+    const unsigned ctas =  // a thread per (row, block)
+        one_wave_grid_x(reinterpret_cast<const void*>(rowwise_kernel<F>), kThreads, gr.rows * (cols / kB), kThreads);
+    rowwise_kernel<F><<<ctas, kThreads, 0, s>>>(x, out, cols, gr, amax, pow2);
     MOE_CUDA_CHECK_LAUNCH();
     return;
   }

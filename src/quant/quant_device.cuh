@@ -98,6 +98,12 @@ __device__ __forceinline__ uint16_t bf16_bits_from_float(float x) {
 
 // ---- scale rules -----------------------------------------------------------------------------
 
+// Block length of a format along its blocked dimension: 128, 32 or 16.
+template <QuantFormat F>
+__host__ __device__ constexpr int block_len() {
+  return F == QuantFormat::kFP8Block ? 128 : (F == QuantFormat::kMXFP8 ? 32 : 16);
+}
+
 __device__ __forceinline__ float fp8_block_scale(float amax, bool pow2) {
   if (amax == 0.0f || !isfinite(amax)) return 1.0f;
   float s = __fdiv_rn(448.0f, amax);
@@ -184,6 +190,19 @@ __device__ __forceinline__ int64_t scale_index(ScaleLayout layout, int64_t r, in
   if (layout == ScaleLayout::kMNMajor) return j * ((block_rows + 3) / 4 * 4) + r;
   const int64_t tiles_per_row = (block_cols + 3) / 4;
   return ((r / 128) * tiles_per_row + j / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 + j % 4;
+}
+
+// One block's scale into its copy: fp32 scale_inv (FP8 block) or one byte, at block (r, j) of
+// matrix b. Copy: any struct with the copy's scale pointer, layout, block grid and scale entries
+// per matrix (the kernels' parameter structs).
+template <QuantFormat F, typename Copy>
+__device__ __forceinline__ void store_block_scale(const Copy& c, int64_t b, int64_t r, int64_t j,
+                                                  const BlockEncode& e) {
+  const int64_t i = b * c.scale_entries + scale_index(c.layout, r, j, c.block_rows, c.block_cols);
+  if constexpr (F == QuantFormat::kFP8Block)
+    static_cast<float*>(c.scale)[i] = e.scale_f32;
+  else
+    static_cast<uint8_t*>(c.scale)[i] = e.scale_u8;
 }
 
 // ---- stochastic rounding bits ----------------------------------------------------------------

@@ -15,10 +15,10 @@
 // reduces each matrix's global amax over the fp32 values.
 //
 // No allocation, no synchronisation: capturable in a CUDA graph.
-#include <algorithm>
 #include <cstdint>
 
 #include "device/cuda_check.h"
+#include "quant/launch_geometry.h"
 #include "quant/quant_device.cuh"
 #include "quant/quantize_fp32.h"
 
@@ -121,21 +121,6 @@ struct Fp32BlockParams {
   const float* global_amax;  // NVFP4, one per matrix
 };
 
-template <QuantFormat F>
-constexpr int block_len() {
-  return F == QuantFormat::kFP8Block ? 128 : (F == QuantFormat::kMXFP8 ? 32 : 16);
-}
-
-// One block's scale into its copy (fp32 scale_inv for FP8 block, one byte otherwise).
-template <QuantFormat F>
-__device__ __forceinline__ void store_scale(const CopyArgs& c, int64_t b, int64_t r, int64_t j, const BlockEncode& e) {
-  const int64_t i = b * c.scale_entries + scale_index(c.layout, r, j, c.block_rows, c.block_cols);
-  if constexpr (F == QuantFormat::kFP8Block)
-    static_cast<float*>(c.scale)[i] = e.scale_f32;
-  else
-    static_cast<uint8_t*>(c.scale)[i] = e.scale_u8;
-}
-
 // Element (r, col) of one copy [rows, cols] of matrix b: its code at the packed position.
 template <QuantFormat F>
 __device__ __forceinline__ void store_code(const CopyArgs& c, int64_t b, int64_t r, int64_t col, float v,
@@ -182,10 +167,10 @@ __global__ void __launch_bounds__(kThreads) quantize_fp32_block_kernel(Fp32Block
       for (int64_t k = k0; k < k1; ++k) amax = max(amax, abs_bits(__ldg(xb + m * p.K + k)));
     const BlockEncode e = block_encode<F>(__uint_as_float(amax), p.pow2, S);
     if (t < row_tasks) {
-      if (p.row.enabled) store_scale<F>(p.row, b, p.two_d ? m0 / kB : m0, k0 / kB, e);
-      if (p.two_d && p.col.enabled) store_scale<F>(p.col, b, k0 / kB, m0 / kB, e);
+      if (p.row.enabled) store_block_scale<F>(p.row, b, p.two_d ? m0 / kB : m0, k0 / kB, e);
+      if (p.two_d && p.col.enabled) store_block_scale<F>(p.col, b, k0 / kB, m0 / kB, e);
     } else {
-      store_scale<F>(p.col, b, k0, m0 / kB, e);
+      store_block_scale<F>(p.col, b, k0, m0 / kB, e);
     }
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t k = k0; k < k1; ++k) {
@@ -213,22 +198,13 @@ __global__ void __launch_bounds__(kThreads) global_amax_fp32_kernel(const float*
   if (threadIdx.x % 32 == 0 && a != 0) atomicMax(reinterpret_cast<unsigned int*>(amax + b), a);
 }
 
-unsigned one_wave(const void* kernel, int64_t work_ctas, int64_t B) {
-  int dev = 0, sms = 0, per_sm = 0;
-  MOE_CUDA_CHECK(cudaGetDevice(&dev));
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-  const int64_t cap = std::max<int64_t>(1, (int64_t(per_sm) * sms + B - 1) / B);
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min(work_ctas, cap)));
-}
-
 template <QuantFormat F>
 void launch_blocks(const Fp32BlockParams& p, int64_t B, cudaStream_t stream) {
   constexpr int kB = block_len<F>();
   const int64_t mb = (p.M + kB - 1) / kB, kb = (p.K + kB - 1) / kB;
   const int64_t tasks = (p.two_d ? mb * kb : (p.row.enabled ? p.M * kb : 0)) + (!p.two_d && p.col.enabled ? p.K * mb : 0);
   const auto kernel = quantize_fp32_block_kernel<F>;
-  const dim3 grid(one_wave(reinterpret_cast<const void*>(kernel), (tasks + kThreads - 1) / kThreads, B),
+  const dim3 grid(one_wave_grid_x(reinterpret_cast<const void*>(kernel), kThreads, tasks, kThreads, B),
                   static_cast<unsigned>(B));
   kernel<<<grid, kThreads, 0, stream>>>(p);
   MOE_CUDA_CHECK_LAUNCH();
@@ -275,9 +251,9 @@ void quantize_fp32_blocks(const QuantArgs& a, const QuantConfig& c, cudaStream_t
 void global_amax_fp32(const QuantArgs& a, cudaStream_t stream) {
   const int64_t per_matrix = a.M * a.K;
   if (per_matrix == 0) return;
-  const dim3 grid(one_wave(reinterpret_cast<const void*>(global_amax_fp32_kernel), (per_matrix + kThreads - 1) / kThreads,
-                           a.B),
-                  static_cast<unsigned>(a.B));
+  const dim3 grid(
+      one_wave_grid_x(reinterpret_cast<const void*>(global_amax_fp32_kernel), kThreads, per_matrix, kThreads, a.B),
+      static_cast<unsigned>(a.B));
   global_amax_fp32_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const float*>(a.x), per_matrix, a.global_amax);
   MOE_CUDA_CHECK_LAUNCH();
 }

@@ -22,6 +22,7 @@
 
 #include "device/cuda_check.h"
 #include "moe/quantize.h"
+#include "quant/launch_geometry.h"
 #include "quant/quant_args.h"
 #include "quant/quant_device.cuh"
 #include "quant/quantize_fp32.h"
@@ -35,11 +36,6 @@ constexpr int kThreads = 256;
 constexpr int kTile = 128;        // tile rows and columns of quantize_tile_kernel
 constexpr int kChunks = kTile / 8;  // 16-byte chunks per tile row
 constexpr int kRowUnroll = 2;     // blocks per lane in flight in quantize_rows_kernel
-
-template <QuantFormat F>
-constexpr int block_len() {
-  return F == QuantFormat::kFP8Block ? 128 : (F == QuantFormat::kMXFP8 ? 32 : 16);
-}
 
 struct CopyParams {
   uint8_t* data;  // nullptr: copy not produced
@@ -61,15 +57,6 @@ struct QuantParams {
 CopyParams copy_params(const CopyArgs& a, bool vec) {
   return CopyParams{static_cast<uint8_t*>(a.enabled ? a.data : nullptr), a.scale, a.block_rows, a.block_cols,
                     a.scale_entries, a.layout, vec};
-}
-
-template <QuantFormat F>
-__device__ __forceinline__ void store_scale(const CopyParams& c, int64_t b, int64_t r, int64_t j, const BlockEncode& e) {
-  const int64_t i = b * c.scale_entries + scale_index(c.layout, r, j, c.block_rows, c.block_cols);
-  if constexpr (F == QuantFormat::kFP8Block)
-    static_cast<float*>(c.scale)[i] = e.scale_f32;
-  else
-    static_cast<uint8_t*>(c.scale)[i] = e.scale_u8;
 }
 
 // Max over aligned groups of `width` lanes (a power of two <= 32); every lane of the warp calls it.
@@ -180,7 +167,7 @@ __global__ void __launch_bounds__(kThreads, kSR ? 3 : 5) quantize_rows_kernel(Qu
       const BlockEncode e = block_encode<F>(amax, p.pow2, S);
       if (t + u * groups >= tasks) continue;  // after the shuffle
       const int64_t k = (tj[u] * kGroup + sub) * 8;
-      if (sub == 0) store_scale<F>(p.row, b, tm[u], tj[u], e);
+      if (sub == 0) store_block_scale<F>(p.row, b, tm[u], tj[u], e);
       if (k < p.K) store_row_chunk<F, kSR>(p, v[u], e.factor, (b * p.M + tm[u]) * p.K + k);
     }
   }
@@ -242,8 +229,8 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : 4) quantize_tile_kernel(Qu
     tile_factor = e.factor;
     if (tid == 0) {
       const int64_t gr = m0 / kB, gc = k0 / kB;
-      if (p.row.data) store_scale<F>(p.row, b, gr, gc, e);
-      if (p.col.data) store_scale<F>(p.col, b, gc, gr, e);
+      if (p.row.data) store_block_scale<F>(p.row, b, gr, gc, e);
+      if (p.col.data) store_block_scale<F>(p.col, b, gc, gr, e);
     }
     if (p.row.data) {
 #pragma unroll
@@ -266,12 +253,12 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : 4) quantize_tile_kernel(Qu
             blk_factor[warp * 8 + i] = e.factor;
             const int64_t gr = m0 / kB + warp, gc = k0 / kB + i;
             if (gr * kB < p.M && gc * kB < p.K) {  // M, K multiples of 16: the block is whole
-              if (p.row.data) store_scale<F>(p.row, b, gr, gc, e);
-              if (p.col.data) store_scale<F>(p.col, b, gc, gr, e);
+              if (p.row.data) store_block_scale<F>(p.row, b, gr, gc, e);
+              if (p.col.data) store_block_scale<F>(p.col, b, gc, gr, e);
             }
           }
         } else {
-          if (lane % kGroup == 0 && m < p.M && k < p.K) store_scale<F>(p.row, b, m, k / kB, e);
+          if (lane % kGroup == 0 && m < p.M && k < p.K) store_block_scale<F>(p.row, b, m, k / kB, e);
         }
         if (p.row.data && m < p.M && k < p.K) store_row_chunk<F, kSR>(p, v[i], e.factor, (b * p.M + m) * p.K + k);
       }
@@ -311,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : 4) quantize_tile_kernel(Qu
         const float amax = __uint_as_float(h ? a & 0xFFFF0000u : a << 16);
         const BlockEncode e = block_encode<F>(amax, p.pow2, S);
         factor[h] = e.factor;
-        if (run % (kB / 16) == 0 && k < p.K && mr < p.M) store_scale<F>(p.col, b, k + h, mr / kB, e);
+        if (run % (kB / 16) == 0 && k < p.K && mr < p.M) store_block_scale<F>(p.col, b, k + h, mr / kB, e);
       }
     }
     if (k >= p.K || mr >= p.M) continue;
@@ -405,28 +392,12 @@ __global__ void __launch_bounds__(kThreads) global_amax_kernel(const uint16_t* x
   }
 }
 
-// CTAs of `kernel` resident on the whole device at once (one full wave).
-template <typename Kernel>
-int64_t resident_ctas(Kernel kernel) {
-  int dev = 0, sms = 0, per_sm = 0;
-  MOE_CUDA_CHECK(cudaGetDevice(&dev));
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-  return std::max<int64_t>(1, static_cast<int64_t>(per_sm) * sms);
-}
-
-// Grid x for `work` units of `per_cta` each per matrix: one wave over all B matrices at most.
-unsigned grid_x(int64_t work, int64_t per_cta, int64_t resident, int64_t B) {
-  const int64_t want = (work + per_cta - 1) / per_cta;
-  const int64_t cap = std::max<int64_t>(1, (resident + B - 1) / B);
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min(want, cap)));
-}
-
 template <QuantFormat F, bool kSR>
 void launch_rows(const QuantParams& p, int64_t B, cudaStream_t stream) {
   constexpr int kGroup = block_len<F>() / 8;
   const int64_t tasks = p.M * p.row.block_cols;
-  const dim3 grid(grid_x(tasks, kRowUnroll * (kThreads / kGroup), resident_ctas(quantize_rows_kernel<F, kSR>), B),
+  const dim3 grid(one_wave_grid_x(reinterpret_cast<const void*>(quantize_rows_kernel<F, kSR>), kThreads, tasks,
+                                  kRowUnroll * (kThreads / kGroup), B),
                   static_cast<unsigned>(B));
   quantize_rows_kernel<F, kSR><<<grid, kThreads, 0, stream>>>(p);
   MOE_CUDA_CHECK_LAUNCH();
@@ -467,7 +438,9 @@ void quantize(const QuantConfig& config, const TensorView& x, const QuantizedTen
     if (a.x_fp32) {
       global_amax_fp32(a, stream);
     } else if (chunks > 0) {
-      const dim3 grid(grid_x(chunks, 4 * kThreads, resident_ctas(global_amax_kernel), a.B), static_cast<unsigned>(a.B));
+      const dim3 grid(one_wave_grid_x(reinterpret_cast<const void*>(global_amax_kernel), kThreads, chunks, 4 * kThreads,
+                                      a.B),
+                      static_cast<unsigned>(a.B));
       global_amax_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const uint16_t*>(a.x), chunks, a.global_amax);
       MOE_CUDA_CHECK_LAUNCH();
     }
