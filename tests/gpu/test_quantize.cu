@@ -418,7 +418,8 @@ TEST(Quantize, BadInputNamesTheArgument) {
   q.rowwise_data = TensorView(data.get(), DType::kFP8E4M3, {M, K});
   q.rowwise_scale = TensorView(scale.get(), DType::kE8M0, {s.rows, s.cols});
   const TensorView x(dx.get(), DType::kBF16, {M, K});
-  expect_error_naming([&] { quantize(c, TensorView(dx.get(), DType::kFP32, {M, K}), q, nullptr); }, "'x'");
+  // bf16 and fp32 (master weights) are the accepted inputs.
+  expect_error_naming([&] { quantize(c, TensorView(dx.get(), DType::kFP8E4M3, {M, K}), q, nullptr); }, "'x'");
   expect_error_naming([&] { quantize(c, TensorView(dx.get(), DType::kBF16, {M, 48}), q, nullptr); }, "'x'");
   expect_error_naming([&] { quantize(c, TensorView(dx.get(), DType::kBF16, {M, K}, Device::kCPU), q, nullptr); }, "'x'");
   QuantizedTensor bad = q;
@@ -440,6 +441,9 @@ TEST(Quantize, BadInputNamesTheArgument) {
   expect_error_naming([&] { quantize(nv, x, qn, nullptr); }, "'out.global_amax'");
   qn.global_amax = TensorView(amax.get(), DType::kFP32, {1});
   expect_error_naming([&] { quantize(nv, TensorView(dx.get(), DType::kBF16, {M, 24}), qn, nullptr); }, "'x'");
+  QuantConfig sr = nv;
+  sr.stochastic_rounding = true;
+  expect_error_naming([&] { quantize(sr, TensorView(dx.get(), DType::kFP32, {M, K}), qn, nullptr); }, "'x'");
   DeviceBuffer<float> out(M * K);
   expect_error_naming([&] { dequantize(nv, qn, true, TensorView(out.get(), DType::kFP32, {K, M}), nullptr); },
                       "'columnwise'");
