@@ -19,4 +19,9 @@ unsigned one_wave_grid_x(const void* kernel, int threads, int64_t work, int64_t 
   return static_cast<unsigned>(std::max<int64_t>(1, std::min(want, cap)));
 }
 
+unsigned one_pass_grid_x(int64_t work, int64_t per_cta) {
+  const int64_t want = (work + per_cta - 1) / per_cta;
+  return static_cast<unsigned>(std::clamp<int64_t>(want, 1, 0x7FFFFFFF));
+}
+
 }  // namespace moe::quant

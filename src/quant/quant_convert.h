@@ -69,20 +69,24 @@ MOE_QUANT_HD float e2m1_decode(uint32_t nibble) {
   return mul_rn(float_of(((nibble & 7u) << 22) | ((nibble & 8u) << 28)), 8.507059173023462e37f /* 2^126 */);
 }
 
-// fp32 -> E2M1 nibble, round to nearest even, saturating to +-6 (inf too); NaN -> 0; the sign of
-// zero kept. |v| >= 1 rounds its fp32 bits to one mantissa bit (ties to even: the +0x1FFFFF plus
-// the kept bit), which reads as the code 2 + 2 (exponent - 127) + mantissa (min 7 saturates);
-// |v| < 1 rounds v + 2^22 to a multiple of 0.5 in one fp32 add (ties to even), giving code 0, 1
-// or 2 directly (0.25 -> 0, 0.75 -> 1.0).
-MOE_QUANT_HD uint32_t e2m1_encode_rn(float v) {
+// fp32 -> E2M1 nibble for any v but NaN: round to nearest even, saturating to +-6 (inf too), the
+// sign of zero kept. |v| >= 1 rounds its fp32 bits to one mantissa bit (ties to even: the
+// +0x1FFFFF plus the kept bit), which reads as the code 2 + 2 (exponent - 127) + mantissa (min 7
+// saturates); |v| < 1 rounds v + 2^22 to a multiple of 0.5 in one fp32 add (ties to even), giving
+// code 0, 1 or 2 directly (0.25 -> 0, 0.75 -> 1.0).
+MOE_QUANT_HD uint32_t e2m1_encode_rn_not_nan(float v) {
   const uint32_t u = bits_of(v);
   const uint32_t a = u & 0x7FFFFFFFu;
   const uint32_t rounded = (a + 0x1FFFFFu + ((a >> 22) & 1u)) >> 22;  // (exponent << 1 | mantissa), rounded
   const uint32_t normal = rounded - 252u;                             // 127 << 1 is code 2 (1.0)
   const uint32_t small = bits_of(add_rn(float_of(a), 4194304.0f /* 2^22 */)) - 0x4A800000u;
-  uint32_t code = a < 0x3F800000u ? small : (normal < 7u ? normal : 7u);
-  code = a > 0x7F800000u ? 0u : code;
-  return code | (a > 0x7F800000u ? 0u : (u >> 28) & 8u);
+  const uint32_t code = a < 0x3F800000u ? small : (normal < 7u ? normal : 7u);
+  return code | ((u >> 28) & 8u);
+}
+
+// fp32 -> E2M1 nibble, the same with NaN -> 0.
+MOE_QUANT_HD uint32_t e2m1_encode_rn(float v) {
+  return (bits_of(v) & 0x7FFFFFFFu) > 0x7F800000u ? 0u : e2m1_encode_rn_not_nan(v);
 }
 
 }  // namespace moe::quant

@@ -48,6 +48,18 @@ __device__ __forceinline__ float e4m3_to_float(uint8_t c) {
   return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
 }
 
+// One E4M3 byte of a value, by the conversion kHardwareE4M3 selects (the NVFP4 block scales).
+__device__ __forceinline__ uint8_t e4m3_byte(float v) {
+  if constexpr (kHardwareE4M3) {
+    uint16_t r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(v));  // v into the low byte
+    const uint32_t c = r & 0xFFu;
+    return static_cast<uint8_t>((c & 0x7Fu) == 0x7Fu ? 0x7Fu : c);  // NaN -> 0x7F
+  } else {
+    return e4m3_from_float(v);
+  }
+}
+
 // fp32 -> E2M1 nibble, round to nearest even, saturating; NaN -> 0 (quant_convert.h).
 __device__ __forceinline__ uint8_t e2m1_from_float_rn(float v) { return static_cast<uint8_t>(e2m1_encode_rn(v)); }
 
@@ -138,8 +150,8 @@ __device__ __forceinline__ BlockEncode block_encode(float amax, bool pow2, float
     b.scale_u8 = e8m0_from_amax(amax);
     b.factor = pow2f(127 - static_cast<int>(b.scale_u8));
   } else {
-    b.scale_u8 = e4m3_from_float(__fdiv_rn(__fmul_rn(amax, S), 6.0f));
-    const float sf = e4m3_to_float(b.scale_u8);
+    b.scale_u8 = e4m3_byte(__fdiv_rn(__fmul_rn(amax, S), 6.0f));
+    const float sf = e4m3_decode(b.scale_u8);
     b.factor = sf > 0.0f ? __fdiv_rn(S, sf) : 0.0f;
   }
   return b;

@@ -3,15 +3,17 @@
 // - Rowwise copy only, 1-D blocks (activations): quantize_rows_kernel. A block of b elements of a
 //   row is b / 8 consecutive lanes, each holding one 16-byte vector (8 bf16): the block amax is a
 //   shuffle reduction inside those lanes, each lane stores its 8 codes (8 bytes FP8, 4 bytes FP4)
-//   and the block's first lane the scale. A warp covers 512 contiguous bytes of x per load; the
-//   grid is one wave of resident CTAs looping over the blocks, two blocks per lane in flight.
+//   and the block's first lane the scale (NVFP4: a lane holds a whole 1 x 16 block). A warp covers
+//   512 contiguous bytes of x per load; the grid is one pass over the blocks (launch_geometry.h),
+//   two blocks per lane in flight.
 // - Anything with a columnwise copy or 2-D blocks: quantize_tile_kernel, one 128 x 128 tile of x
-//   per CTA. The tile is loaded into registers (8 vectors per thread), the rowwise copy quantized
-//   from them as above and the tile stored to shared memory (16-byte chunks, XOR-swizzled so that
-//   both the stores and the column reads are free of bank conflicts); after one barrier each lane
-//   reads 16 consecutive rows of two adjacent columns (one 32-bit word per row), so a columnwise
-//   block (128, 32 or 16 rows) is 8, 2 or 1 lanes of a warp and its amax a shuffle reduction, and
-//   the lane stores 16 codes of each column as one 16-byte (FP8) or 8-byte (FP4) vector.
+//   per CTA. The tile is loaded into registers (8 vectors per thread) and stored to shared memory
+//   (16-byte chunks, XOR-swizzled so that both the stores and the column reads are free of bank
+//   conflicts). After one barrier the rowwise copy is quantized from shared memory, 16 elements
+//   per thread, and each lane reads 16 consecutive rows of two adjacent columns (one 32-bit word
+//   per row), so a columnwise block (128, 32 or 16 rows) is 8, 2 or 1 lanes of a warp and its amax
+//   a shuffle reduction, and the lane stores 16 codes of each column as one 16-byte (FP8) or 8-byte
+//   (FP4) vector. 16 x 16 NVFP4 blocks quantize the rowwise copy from registers (a block per warp).
 // - NVFP4 first reduces the global amax of each matrix (a read of x at full bandwidth; a max over
 //   fp32 bit patterns, so the result does not depend on the order of the atomics).
 // No allocation, no synchronisation: capturable in a CUDA graph.
@@ -42,7 +44,8 @@ struct CopyParams {
   void* scale;
   int64_t block_rows, block_cols, scale_entries;
   ScaleLayout layout;
-  bool vec;  // columnwise copy: rows of the copy start 16-byte (FP8) / 8-byte (FP4) aligned
+  bool vec;  // columnwise copy: rows of the copy start 16-byte (FP8) / 8-byte (FP4) aligned;
+             // rowwise copy: the data is 8-byte aligned
 };
 
 struct QuantParams {
@@ -87,73 +90,105 @@ __device__ __forceinline__ uint4 load_chunk(const uint16_t* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
+// The eight E2M1 codes of one chunk of 8 consecutive elements (element 0 in the low nibble); pos
+// is the flat position of its first element in the rowwise copy (a multiple of 8; it keys the
+// stochastic rounding bits). A block holding a NaN has a NaN scale and so a zero factor; any other
+// block's factor is finite, so a non-zero factor means no product is NaN and the encoder may skip
+// its NaN test.
+template <bool kSR>
+__device__ __forceinline__ uint32_t fp4_chunk_codes(const QuantParams& p, const uint4& v, float factor, int64_t pos) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  uint32_t packed = 0;
+  if constexpr (kSR) {
+    const Philox4 r0 = sr_bits4(p.seed, p.offset, 0, static_cast<uint64_t>(pos) / 4);
+    const Philox4 r1 = sr_bits4(p.seed, p.offset, 0, static_cast<uint64_t>(pos) / 4 + 1);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float x = i % 2 ? bf16_word_hi(w[i / 2]) : bf16_word_lo(w[i / 2]);
+      packed |= static_cast<uint32_t>(e2m1_from_float_sr(__fmul_rn(x, factor), i < 4 ? r0.v[i] : r1.v[i - 4]))
+                << (4 * i);
+    }
+  } else if (factor != 0.0f) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float x = i % 2 ? bf16_word_hi(w[i / 2]) : bf16_word_lo(w[i / 2]);
+      packed |= e2m1_encode_rn_not_nan(__fmul_rn(x, factor)) << (4 * i);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float x = i % 2 ? bf16_word_hi(w[i / 2]) : bf16_word_lo(w[i / 2]);
+      packed |= e2m1_encode_rn(__fmul_rn(x, factor)) << (4 * i);
+    }
+  }
+  return packed;
+}
+
+// The eight E4M3 codes of one chunk of 8 consecutive elements (element 0 in the low byte).
+__device__ __forceinline__ uint2 fp8_chunk_codes(const uint4& v, float factor) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  return make_uint2(
+      encode_e4m3x4(bf16_word_lo(w[0]), bf16_word_hi(w[0]), bf16_word_lo(w[1]), bf16_word_hi(w[1]), factor),
+      encode_e4m3x4(bf16_word_lo(w[2]), bf16_word_hi(w[2]), bf16_word_lo(w[3]), bf16_word_hi(w[3]), factor));
+}
+
 // Quantizes one chunk of 8 consecutive elements of a row and stores its codes; pos is the flat
 // position of its first element in the rowwise copy (a multiple of 8).
 template <QuantFormat F, bool kSR>
 __device__ __forceinline__ void store_row_chunk(const QuantParams& p, const uint4& v, float factor, int64_t pos) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  if constexpr (F == QuantFormat::kNVFP4) {
-    uint32_t packed = 0;
-    if constexpr (kSR) {
-      const Philox4 r0 = sr_bits4(p.seed, p.offset, 0, static_cast<uint64_t>(pos) / 4);
-      const Philox4 r1 = sr_bits4(p.seed, p.offset, 0, static_cast<uint64_t>(pos) / 4 + 1);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float x = i % 2 ? bf16_word_hi(w[i / 2]) : bf16_word_lo(w[i / 2]);
-        packed |= static_cast<uint32_t>(e2m1_from_float_sr(__fmul_rn(x, factor), i < 4 ? r0.v[i] : r1.v[i - 4]))
-                  << (4 * i);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float x = i % 2 ? bf16_word_hi(w[i / 2]) : bf16_word_lo(w[i / 2]);
-        packed |= e2m1_encode_rn(__fmul_rn(x, factor)) << (4 * i);
-      }
-    }
-    *reinterpret_cast<uint32_t*>(p.row.data + pos / 2) = packed;
-  } else {
-    const uint32_t lo = encode_e4m3x4(bf16_word_lo(w[0]), bf16_word_hi(w[0]), bf16_word_lo(w[1]), bf16_word_hi(w[1]),
-                                      factor);
-    const uint32_t hi = encode_e4m3x4(bf16_word_lo(w[2]), bf16_word_hi(w[2]), bf16_word_lo(w[3]), bf16_word_hi(w[3]),
-                                      factor);
-    *reinterpret_cast<uint2*>(p.row.data + pos) = make_uint2(lo, hi);
-  }
+  if constexpr (F == QuantFormat::kNVFP4)
+    *reinterpret_cast<uint32_t*>(p.row.data + pos / 2) = fp4_chunk_codes<kSR>(p, v, factor, pos);
+  else
+    *reinterpret_cast<uint2*>(p.row.data + pos) = fp8_chunk_codes(v, factor);
 }
 
 // ---- rowwise copy, 1-D blocks ----------------------------------------------------------------
 
-// Grid (x: CTAs per matrix, y: matrix). A task is one 1 x b block (row m, block j) of a matrix;
-// the kGroup lanes of a group take tasks group, group + groups, ... The task's (m, j) is carried
-// from one task to the next by adding (groups / block_cols, groups % block_cols) with a carry, so
-// the loop has no division. The loop bound is the warp's first task, uniform over the warp, so
-// the shuffles always see every lane; groups past the end compute on zeros and store nothing.
+// Chunks of 8 elements per lane: NVFP4 gives each lane a whole 1 x 16 block (two chunks), so the
+// block amax needs no shuffle and the block's scale arithmetic runs once per 16 elements (the
+// kernel is bound by instruction issue there, not by memory); FP8 and MXFP8 blocks are 16 and 4
+// lanes of one chunk.
+template <QuantFormat F>
+constexpr int row_lane_chunks() {
+  return F == QuantFormat::kNVFP4 ? 2 : 1;
+}
+
+// Grid (x: CTAs per matrix, y: matrix). A task is one 1 x b block (row m, block j) of a matrix.
+// A CTA takes kRowUnroll * G consecutive tasks (G lane groups per CTA; a group is kGroup lanes),
+// group g tasks g, g + G, ... of them, all loads in flight before the stores; with a capped grid
+// it moves on by the grid's span. The task's (m, j) is carried from one task to the next by
+// adding (G / block_cols, G % block_cols) with a carry. The loop bound is uniform over the CTA,
+// so the shuffles always see every lane; tasks past the end compute on zeros and store nothing.
 template <QuantFormat F, bool kSR>
 __global__ void __launch_bounds__(kThreads, kSR ? 3 : 5) quantize_rows_kernel(QuantParams p) {
   constexpr int kB = block_len<F>();
-  constexpr int kGroup = kB / 8;              // lanes per block
-  constexpr int kGroupsPerWarp = 32 / kGroup;
+  constexpr int kLaneChunks = row_lane_chunks<F>();
+  constexpr int kGroup = kB / (8 * kLaneChunks);  // lanes per block
+  constexpr int kGroupsPerCta = kThreads / kGroup;
+  constexpr int kTasksPerCta = kRowUnroll * kGroupsPerCta;
   const int64_t b = blockIdx.y;
   const int64_t bc = p.row.block_cols;
   const int64_t tasks = p.M * bc;
-  const int lane = threadIdx.x % 32, sub = lane % kGroup;
-  const int64_t warp_global = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
-  const int64_t groups = static_cast<int64_t>(gridDim.x) * (kThreads / kGroup);
-  const int64_t first = warp_global * kGroupsPerWarp + lane / kGroup;
+  const int sub = threadIdx.x % kGroup;
   const float S = F == QuantFormat::kNVFP4 ? nvfp4_global_scale(p.global_amax[b]) : 1.0f;
   const uint16_t* xb = p.x + b * p.M * p.K;
-  const int64_t step_m = groups / bc, step_j = groups % bc;
-  int64_t m = first / bc, j = first % bc;  // task `t` below
-  for (int64_t t = first, warp_first = first - lane / kGroup; warp_first < tasks;
-       t += kRowUnroll * groups, warp_first += kRowUnroll * groups) {
-    uint4 v[kRowUnroll];
+  const int64_t step_m = kGroupsPerCta / bc, step_j = kGroupsPerCta % bc;
+  for (int64_t cta_first = static_cast<int64_t>(blockIdx.x) * kTasksPerCta; cta_first < tasks;
+       cta_first += static_cast<int64_t>(gridDim.x) * kTasksPerCta) {
+    const int64_t t = cta_first + threadIdx.x / kGroup;  // the group's first task
+    int64_t m = t / bc, j = t % bc;
+    uint4 v[kRowUnroll][kLaneChunks];
     int64_t tm[kRowUnroll], tj[kRowUnroll];
 #pragma unroll
     for (int u = 0; u < kRowUnroll; ++u) {
       tm[u] = m;
       tj[u] = j;
-      const int64_t k = (j * kGroup + sub) * 8;
-      v[u] = make_uint4(0, 0, 0, 0);
-      if (t + u * groups < tasks && k < p.K) v[u] = load_chunk(xb + m * p.K + k);
+      const int64_t k = (j * kGroup + sub) * 8 * kLaneChunks;
+#pragma unroll
+      for (int c = 0; c < kLaneChunks; ++c) {
+        v[u][c] = make_uint4(0, 0, 0, 0);
+        if (t + u * kGroupsPerCta < tasks && k + 8 * c < p.K) v[u][c] = load_chunk(xb + m * p.K + k + 8 * c);
+      }
       m += step_m;
       j += step_j;
       if (j >= bc) {
@@ -163,12 +198,29 @@ __global__ void __launch_bounds__(kThreads, kSR ? 3 : 5) quantize_rows_kernel(Qu
     }
 #pragma unroll
     for (int u = 0; u < kRowUnroll; ++u) {
-      const float amax = __uint_as_float(group_max<kGroup>(chunk_amax_bits(v[u])));
+      uint32_t a = chunk_amax_bits(v[u][0]);
+#pragma unroll
+      for (int c = 1; c < kLaneChunks; ++c) a = max(a, chunk_amax_bits(v[u][c]));
+      const float amax = __uint_as_float(group_max<kGroup>(a));
       const BlockEncode e = block_encode<F>(amax, p.pow2, S);
-      if (t + u * groups >= tasks) continue;  // after the shuffle
-      const int64_t k = (tj[u] * kGroup + sub) * 8;
+      if (t + u * kGroupsPerCta >= tasks) continue;  // after the shuffle
+      const int64_t k = (tj[u] * kGroup + sub) * 8 * kLaneChunks;
       if (sub == 0) store_block_scale<F>(p.row, b, tm[u], tj[u], e);
-      if (k < p.K) store_row_chunk<F, kSR>(p, v[u], e.factor, (b * p.M + tm[u]) * p.K + k);
+      const int64_t pos = (b * p.M + tm[u]) * p.K + k;
+      if constexpr (kLaneChunks == 2) {
+        // NVFP4 (K % 16 == 0): the block's 16 codes, one 8-byte store where the copy allows it.
+        const uint32_t lo = fp4_chunk_codes<kSR>(p, v[u][0], e.factor, pos);
+        const uint32_t hi = fp4_chunk_codes<kSR>(p, v[u][1], e.factor, pos + 8);
+        uint32_t* out = reinterpret_cast<uint32_t*>(p.row.data + pos / 2);
+        if (p.row.vec) {
+          *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
+        } else {
+          out[0] = lo;
+          out[1] = hi;
+        }
+      } else if (k < p.K) {
+        store_row_chunk<F, kSR>(p, v[u][0], e.factor, pos);
+      }
     }
   }
 }
@@ -180,6 +232,63 @@ __global__ void __launch_bounds__(kThreads, kSR ? 3 : 5) quantize_rows_kernel(Qu
 // that a warp's column read touches at once over 8 chunk positions; the term of r % 4 spreads the
 // 4 rows of the 16 x 16 block loads of 2-D NVFP4.
 __device__ __forceinline__ int tile_swizzle(int r) { return ((r >> 4) & 7) ^ ((r & 3) << 1); }
+
+// Rowwise copy of a tile with 1-D blocks, read back from shared memory: thread t takes chunks
+// 2 (t % 8) and 2 (t % 8) + 1 (16 elements) of tile rows t / 8 + 32 i, so a block is kB / 16 lanes
+// and its scale arithmetic runs once per 16 elements instead of once per 8 (the kernel is bound by
+// instruction issue), while a warp's store still covers whole rows of the copy (16-byte FP8
+// stores where the copy is 16-byte aligned, 8-byte NVFP4 stores where it is 8-byte aligned).
+// kTileBlock: the tile is one 128 x 128 block (2-D FP8) whose factor the caller passes; no scale.
+// Every lane of the CTA calls it (the shuffles).
+template <QuantFormat F, bool kSR, bool kTileBlock = false>
+__device__ __forceinline__ void tile_rows_from_shared(const QuantParams& p, const uint4* tile, int64_t b, int64_t m0,
+                                                      int64_t k0, float S, float tile_factor = 0.0f) {
+  constexpr int kB = block_len<F>();
+  constexpr int kGroup = kB / 16;  // lanes per block: 8, 2 or 1
+  constexpr int kPasses = kTile * kChunks / (2 * kThreads);
+  const int pair = threadIdx.x % 8, sub = pair % kGroup;
+  const int64_t k = k0 + 16 * pair;  // first column of this thread (K % 8 == 0: both chunks in x or neither)
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const int r = threadIdx.x / 8 + (kThreads / 8) * i;
+    const uint4 lo = tile[r * kChunks + ((2 * pair) ^ tile_swizzle(r))];
+    const uint4 hi = tile[r * kChunks + ((2 * pair + 1) ^ tile_swizzle(r))];
+    BlockEncode e;
+    if constexpr (kTileBlock) {
+      e.factor = tile_factor;
+    } else {
+      const float amax = __uint_as_float(group_max<kGroup>(max(chunk_amax_bits(lo), chunk_amax_bits(hi))));
+      e = block_encode<F>(amax, p.pow2, S);
+    }
+    const int64_t m = m0 + r;
+    if (m >= p.M || k >= p.K) continue;  // after the shuffle
+    if (!kTileBlock && sub == 0) store_block_scale<F>(p.row, b, m, k / kB, e);
+    const int64_t pos = (b * p.M + m) * p.K + k;
+    if constexpr (F == QuantFormat::kNVFP4) {  // K % 16 == 0
+      const uint32_t c0 = fp4_chunk_codes<kSR>(p, lo, e.factor, pos);
+      const uint32_t c1 = fp4_chunk_codes<kSR>(p, hi, e.factor, pos + 8);
+      uint32_t* out = reinterpret_cast<uint32_t*>(p.row.data + pos / 2);
+      if (p.row.vec) {
+        *reinterpret_cast<uint2*>(out) = make_uint2(c0, c1);
+      } else {
+        out[0] = c0;
+        out[1] = c1;
+      }
+    } else {
+      const uint2 c0 = fp8_chunk_codes(lo, e.factor);
+      uint8_t* out = p.row.data + pos;
+      if (k + 8 >= p.K) {
+        *reinterpret_cast<uint2*>(out) = c0;
+      } else if (reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+        const uint2 c1 = fp8_chunk_codes(hi, e.factor);
+        *reinterpret_cast<uint4*>(out) = make_uint4(c0.x, c0.y, c1.x, c1.y);
+      } else {  // the copy is 8-byte aligned (the data check), or K % 16 == 8
+        reinterpret_cast<uint2*>(out)[0] = c0;
+        reinterpret_cast<uint2*>(out)[1] = fp8_chunk_codes(hi, e.factor);
+      }
+    }
+  }
+}
 
 template <QuantFormat F, bool kTwoD, bool kSR>
 __global__ void __launch_bounds__(kThreads, kSR ? 2 : 4) quantize_tile_kernel(QuantParams p) {
@@ -232,38 +341,28 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : 4) quantize_tile_kernel(Qu
       if (p.row.data) store_block_scale<F>(p.row, b, gr, gc, e);
       if (p.col.data) store_block_scale<F>(p.col, b, gc, gr, e);
     }
-    if (p.row.data) {
+    if (p.row.data) tile_rows_from_shared<F, kSR, true>(p, tile, b, m0, k0, S, tile_factor);
+  } else if constexpr (kNV2D) {
+    // 16 x 16 blocks: a block is the whole warp; quantize the rowwise copy from registers.
 #pragma unroll
-      for (int i = 0; i < kLoads; ++i) {
-        const int64_t m = m0 + chunk_row(i), k = k0 + 8 * chunk_col(i);
-        if (m < p.M && k < p.K) store_row_chunk<F, kSR>(p, v[i], tile_factor, (b * p.M + m) * p.K + k);
-      }
-    }
-  } else {
-    // 1-D rowwise blocks, or 2-D NVFP4 (a block is the whole warp): quantize from registers.
-    constexpr int kGroup = kNV2D ? 32 : kB / 8;
-    if (kNV2D || p.row.data) {
-#pragma unroll
-      for (int i = 0; i < kLoads; ++i) {
-        const int64_t m = m0 + chunk_row(i), k = k0 + 8 * chunk_col(i);
-        const float amax = __uint_as_float(group_max<kGroup>(chunk_amax_bits(v[i])));
-        const BlockEncode e = block_encode<F>(amax, p.pow2, S);
-        if constexpr (kNV2D) {
-          if (lane == 0) {
-            blk_factor[warp * 8 + i] = e.factor;
-            const int64_t gr = m0 / kB + warp, gc = k0 / kB + i;
-            if (gr * kB < p.M && gc * kB < p.K) {  // M, K multiples of 16: the block is whole
-              if (p.row.data) store_block_scale<F>(p.row, b, gr, gc, e);
-              if (p.col.data) store_block_scale<F>(p.col, b, gc, gr, e);
-            }
-          }
-        } else {
-          if (lane % kGroup == 0 && m < p.M && k < p.K) store_block_scale<F>(p.row, b, m, k / kB, e);
+    for (int i = 0; i < kLoads; ++i) {
+      const int64_t m = m0 + chunk_row(i), k = k0 + 8 * chunk_col(i);
+      const float amax = __uint_as_float(group_max<32>(chunk_amax_bits(v[i])));
+      const BlockEncode e = block_encode<F>(amax, p.pow2, S);
+      if (lane == 0) {
+        blk_factor[warp * 8 + i] = e.factor;
+        const int64_t gr = m0 / kB + warp, gc = k0 / kB + i;
+        if (gr * kB < p.M && gc * kB < p.K) {  // M, K multiples of 16: the block is whole
+          if (p.row.data) store_block_scale<F>(p.row, b, gr, gc, e);
+          if (p.col.data) store_block_scale<F>(p.col, b, gc, gr, e);
         }
-        if (p.row.data && m < p.M && k < p.K) store_row_chunk<F, kSR>(p, v[i], e.factor, (b * p.M + m) * p.K + k);
       }
+      if (p.row.data && m < p.M && k < p.K) store_row_chunk<F, kSR>(p, v[i], e.factor, (b * p.M + m) * p.K + k);
     }
     __syncthreads();
+  } else {
+    __syncthreads();  // the tile is in shared memory
+    if (p.row.data) tile_rows_from_shared<F, kSR>(p, tile, b, m0, k0, S);
   }
   if (!p.col.data) return;
 
@@ -332,8 +431,16 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : 4) quantize_tile_kernel(Qu
                                << (4 * ((4 * q + e) % 8));
           }
         } else {
+          // A non-zero factor: no NaN in the block (fp4_chunk_codes says why).
+          if (factor[h] != 0.0f) {
 #pragma unroll
-          for (int jj = 0; jj < 16; ++jj) packed[jj / 8] |= e2m1_encode_rn(__fmul_rn(x[jj], factor[h])) << (4 * (jj % 8));
+            for (int jj = 0; jj < 16; ++jj)
+              packed[jj / 8] |= e2m1_encode_rn_not_nan(__fmul_rn(x[jj], factor[h])) << (4 * (jj % 8));
+          } else {
+#pragma unroll
+            for (int jj = 0; jj < 16; ++jj)
+              packed[jj / 8] |= e2m1_encode_rn(__fmul_rn(x[jj], factor[h])) << (4 * (jj % 8));
+          }
         }
         uint8_t* dst = p.col.data + pos / 2;
         if (p.col.vec) {
@@ -394,11 +501,9 @@ __global__ void __launch_bounds__(kThreads) global_amax_kernel(const uint16_t* x
 
 template <QuantFormat F, bool kSR>
 void launch_rows(const QuantParams& p, int64_t B, cudaStream_t stream) {
-  constexpr int kGroup = block_len<F>() / 8;
+  constexpr int kGroup = block_len<F>() / (8 * row_lane_chunks<F>());
   const int64_t tasks = p.M * p.row.block_cols;
-  const dim3 grid(one_wave_grid_x(reinterpret_cast<const void*>(quantize_rows_kernel<F, kSR>), kThreads, tasks,
-                                  kRowUnroll * (kThreads / kGroup), B),
-                  static_cast<unsigned>(B));
+  const dim3 grid(one_pass_grid_x(tasks, kRowUnroll * (kThreads / kGroup)), static_cast<unsigned>(B));
   quantize_rows_kernel<F, kSR><<<grid, kThreads, 0, stream>>>(p);
   MOE_CUDA_CHECK_LAUNCH();
 }
@@ -455,7 +560,8 @@ void quantize(const QuantConfig& config, const TensorView& x, const QuantizedTen
   p.x = static_cast<const uint16_t*>(a.x);
   p.M = a.M;
   p.K = a.K;
-  p.row = copy_params(a.row, false);
+  // vec of the rowwise copy: 8-byte aligned FP4 data, written 16 codes per store.
+  p.row = copy_params(a.row, reinterpret_cast<uintptr_t>(a.row.data) % 8 == 0);
   // Columnwise rows of M codes start at multiples of the vector size when M is a multiple of 16
   // and the data pointer is aligned to the vector (16 bytes FP8, 8 bytes FP4).
   const bool fp4 = config.format == QuantFormat::kNVFP4;

@@ -49,6 +49,13 @@ std::vector<uint16_t> make_input(int64_t n, int64_t K, uint64_t seed) {
   return x;
 }
 
+bool bits_equal_or_both_nan(float a, float b) {
+  uint32_t x, y;
+  std::memcpy(&x, &a, 4);
+  std::memcpy(&y, &b, 4);
+  return x == y || (std::isnan(a) && std::isnan(b));  // NaN payloads are not specified
+}
+
 TensorView view(void* p, DType t, int64_t B, int64_t r, int64_t c, bool batched) {
   return batched ? TensorView(p, t, {B, r, c}) : TensorView(p, t, {r, c});
 }
@@ -232,6 +239,46 @@ TEST(Quantize, MatchesReferenceBitwise) {
 // values that bf16 cannot hold, over 2^-140 .. 2^120, with the fp32 edge values (NaN, +-inf, fp32
 // subnormals, +-448, the largest finite) at fixed places; partial tiles, batches, single copies,
 // power-of-two scales, M not a multiple of 16 (bytewise columnwise stores); graph replay.
+// Quantized data at the least alignment the API accepts (8 bytes FP8, 4 bytes FP4): the kernels
+// fall back from their 16- and 8-byte vectors to narrower accesses there.
+TEST(Quantize, DataAtTheLeastAlignment) {
+  MOE_REQUIRE_GPU();
+  struct Aligned {
+    QuantFormat format;
+    int64_t M, K, offset;
+  };
+  for (const Aligned& t : {Aligned{QuantFormat::kFP8Block, 37, 272, 8}, Aligned{QuantFormat::kMXFP8, 33, 96, 8},
+                           Aligned{QuantFormat::kNVFP4, 35, 208, 4}}) {
+    QuantConfig c;
+    c.format = t.format;
+    const std::string what = std::string(quant_format_name(c.format)) + " at offset " + std::to_string(t.offset);
+    const std::vector<uint16_t> x = make_input(t.M * t.K, t.K, 5);
+    const ref::Quantized h = ref::quantize(c, x, 1, t.M, t.K);
+    const DType dt = c.format == QuantFormat::kNVFP4 ? DType::kFP4E2M1 : DType::kFP8E4M3;
+    const ScaleShape s = scale_shape(c, t.M, t.K);
+    DeviceBuffer<uint16_t> dx(x);
+    DeviceBuffer<uint8_t> data(h.rowwise_data.size() + 16), scale(h.rowwise_scale.size());
+    DeviceBuffer<float> amax(1);
+    QuantizedTensor q;
+    q.rowwise_data = TensorView(data.get() + t.offset, dt, {t.M, t.K});
+    q.rowwise_scale = TensorView(scale.get(), s.dtype, {s.rows, s.cols});
+    if (c.format == QuantFormat::kNVFP4) q.global_amax = TensorView(amax.get(), DType::kFP32, {1});
+    quantize(c, TensorView(dx.get(), DType::kBF16, {t.M, t.K}), q, nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint8_t> got = data.download();
+    EXPECT_EQ(std::vector<uint8_t>(got.begin() + t.offset, got.begin() + t.offset + h.rowwise_data.size()),
+              h.rowwise_data)
+        << what;
+    EXPECT_EQ(scale.download(), h.rowwise_scale) << what;
+    const std::vector<float> want = ref::dequantize(c, h, false, 1, t.M, t.K);
+    DeviceBuffer<float> out(want.size());
+    dequantize(c, q, false, TensorView(out.get(), DType::kFP32, {t.M, t.K}), nullptr);
+    const std::vector<float> back = out.download();
+    for (size_t e = 0; e < want.size(); ++e)
+      ASSERT_TRUE(bits_equal_or_both_nan(back[e], want[e])) << what << " dequantized at " << e;
+  }
+}
+
 TEST(Quantize, Fp32MasterWeightsMatchTheReference) {
   MOE_REQUIRE_GPU();
   cudaStream_t stream;
