@@ -13,7 +13,8 @@
 //   per thread, and each lane reads 16 consecutive rows of two adjacent columns (one 32-bit word
 //   per row), so a columnwise block (128, 32 or 16 rows) is 8, 2 or 1 lanes of a warp and its amax
 //   a shuffle reduction, and the lane stores 16 codes of each column as one 16-byte (FP8) or 8-byte
-//   (FP4) vector. 16 x 16 NVFP4 blocks quantize the rowwise copy from registers (a block per warp).
+//   (FP4) vector. 2-D blocks take their factors from the tile's block amaxes (a 16 x 16 NVFP4
+//   block is one warp's load).
 // - NVFP4 first reduces the global amax of each matrix (a read of x at full bandwidth; a max over
 //   fp32 bit patterns, so the result does not depend on the order of the atomics).
 // No allocation, no synchronisation: capturable in a CUDA graph.
@@ -238,11 +239,16 @@ __device__ __forceinline__ int tile_swizzle(int r) { return ((r >> 4) & 7) ^ ((r
 // and its scale arithmetic runs once per 16 elements instead of once per 8 (the kernel is bound by
 // instruction issue), while a warp's store still covers whole rows of the copy (16-byte FP8
 // stores where the copy is 16-byte aligned, 8-byte NVFP4 stores where it is 8-byte aligned).
-// kTileBlock: the tile is one 128 x 128 block (2-D FP8) whose factor the caller passes; no scale.
-// Every lane of the CTA calls it (the shuffles).
-template <QuantFormat F, bool kSR, bool kTileBlock = false>
+// Every lane of the CTA calls it (the shuffles). Where the factors come from:
+enum class RowFactor {
+  kRowBlocks,     // 1-D blocks: computed here, scales stored here
+  kTile,          // 2-D FP8: the tile is one block, its factor passed in
+  kSharedBlocks,  // 2-D NVFP4: the 16 x 16 blocks' factors in shared memory, [block row][block column]
+};
+template <QuantFormat F, bool kSR, RowFactor kFactor = RowFactor::kRowBlocks>
 __device__ __forceinline__ void tile_rows_from_shared(const QuantParams& p, const uint4* tile, int64_t b, int64_t m0,
-                                                      int64_t k0, float S, float tile_factor = 0.0f) {
+                                                      int64_t k0, float S, float tile_factor = 0.0f,
+                                                      const float* blk_factor = nullptr) {
   constexpr int kB = block_len<F>();
   constexpr int kGroup = kB / 16;  // lanes per block: 8, 2 or 1
   constexpr int kPasses = kTile * kChunks / (2 * kThreads);
@@ -254,15 +260,17 @@ __device__ __forceinline__ void tile_rows_from_shared(const QuantParams& p, cons
     const uint4 lo = tile[r * kChunks + ((2 * pair) ^ tile_swizzle(r))];
     const uint4 hi = tile[r * kChunks + ((2 * pair + 1) ^ tile_swizzle(r))];
     BlockEncode e;
-    if constexpr (kTileBlock) {
+    if constexpr (kFactor == RowFactor::kTile) {
       e.factor = tile_factor;
+    } else if constexpr (kFactor == RowFactor::kSharedBlocks) {
+      e.factor = blk_factor[(r / 16) * 8 + pair];
     } else {
       const float amax = __uint_as_float(group_max<kGroup>(max(chunk_amax_bits(lo), chunk_amax_bits(hi))));
       e = block_encode<F>(amax, p.pow2, S);
     }
     const int64_t m = m0 + r;
     if (m >= p.M || k >= p.K) continue;  // after the shuffle
-    if (!kTileBlock && sub == 0) store_block_scale<F>(p.row, b, m, k / kB, e);
+    if (kFactor == RowFactor::kRowBlocks && sub == 0) store_block_scale<F>(p.row, b, m, k / kB, e);
     const int64_t pos = (b * p.M + m) * p.K + k;
     if constexpr (F == QuantFormat::kNVFP4) {  // K % 16 == 0
       const uint32_t c0 = fp4_chunk_codes<kSR>(p, lo, e.factor, pos);
@@ -341,12 +349,11 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : 4) quantize_tile_kernel(Qu
       if (p.row.data) store_block_scale<F>(p.row, b, gr, gc, e);
       if (p.col.data) store_block_scale<F>(p.col, b, gc, gr, e);
     }
-    if (p.row.data) tile_rows_from_shared<F, kSR, true>(p, tile, b, m0, k0, S, tile_factor);
+    if (p.row.data) tile_rows_from_shared<F, kSR, RowFactor::kTile>(p, tile, b, m0, k0, S, tile_factor);
   } else if constexpr (kNV2D) {
-    // 16 x 16 blocks: a block is the whole warp; quantize the rowwise copy from registers.
+    // 16 x 16 blocks: a block is the whole warp (load i of warp w holds block (w, i)).
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
-      const int64_t m = m0 + chunk_row(i), k = k0 + 8 * chunk_col(i);
       const float amax = __uint_as_float(group_max<32>(chunk_amax_bits(v[i])));
       const BlockEncode e = block_encode<F>(amax, p.pow2, S);
       if (lane == 0) {
@@ -357,9 +364,9 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : 4) quantize_tile_kernel(Qu
           if (p.col.data) store_block_scale<F>(p.col, b, gc, gr, e);
         }
       }
-      if (p.row.data && m < p.M && k < p.K) store_row_chunk<F, kSR>(p, v[i], e.factor, (b * p.M + m) * p.K + k);
     }
     __syncthreads();
+    if (p.row.data) tile_rows_from_shared<F, kSR, RowFactor::kSharedBlocks>(p, tile, b, m0, k0, S, 0.0f, blk_factor);
   } else {
     __syncthreads();  // the tile is in shared memory
     if (p.row.data) tile_rows_from_shared<F, kSR>(p, tile, b, m0, k0, S);
