@@ -69,7 +69,7 @@ double scale_bytes(const QuantConfig& c, int64_t rows, int64_t cols, bool column
 
 }  // namespace
 
-// Untimed replays before each series: the first series of a run read up to 10% slow with 5.
+// Untimed replays before each series (with 5, the first dequantize series of a run read 10% slow).
 constexpr int kWarmup = 20;
 
 int main(int argc, char** argv) {
