@@ -21,6 +21,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cstdint>
 
 #include "device/cuda_check.h"
@@ -91,11 +92,16 @@ __device__ __forceinline__ uint4 load_chunk(const uint16_t* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
+// Whether x * factor is never NaN for the elements of a block with this encode factor, so the E2M1
+// encoder may skip its NaN test: a block holding a NaN has a NaN scale and so a zero factor, and a
+// finite non-zero factor keeps every other element (finite or infinite) a number. The factor is
+// infinite when the global scale is huge and the block scale tiny (a matrix whose amax is below
+// about 2^-107): zeros times it are NaN, which encode as 0.
+__device__ __forceinline__ bool products_are_numbers(float factor) { return factor != 0.0f && factor <= FLT_MAX; }
+
 // The eight E2M1 codes of one chunk of 8 consecutive elements (element 0 in the low nibble); pos
 // is the flat position of its first element in the rowwise copy (a multiple of 8; it keys the
-// stochastic rounding bits). A block holding a NaN has a NaN scale and so a zero factor; any other
-// block's factor is finite, so a non-zero factor means no product is NaN and the encoder may skip
-// its NaN test.
+// stochastic rounding bits).
 template <bool kSR>
 __device__ __forceinline__ uint32_t fp4_chunk_codes(const QuantParams& p, const uint4& v, float factor, int64_t pos) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
@@ -109,7 +115,7 @@ __device__ __forceinline__ uint32_t fp4_chunk_codes(const QuantParams& p, const 
       packed |= static_cast<uint32_t>(e2m1_from_float_sr(__fmul_rn(x, factor), i < 4 ? r0.v[i] : r1.v[i - 4]))
                 << (4 * i);
     }
-  } else if (factor != 0.0f) {
+  } else if (products_are_numbers(factor)) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const float x = i % 2 ? bf16_word_hi(w[i / 2]) : bf16_word_lo(w[i / 2]);
@@ -253,7 +259,7 @@ __device__ __forceinline__ void tile_rows_from_shared(const QuantParams& p, cons
   constexpr int kGroup = kB / 16;  // lanes per block: 8, 2 or 1
   constexpr int kPasses = kTile * kChunks / (2 * kThreads);
   const int pair = threadIdx.x % 8, sub = pair % kGroup;
-  const int64_t k = k0 + 16 * pair;  // first column of this thread (K % 8 == 0: both chunks in x or neither)
+  const int64_t k = k0 + 16 * pair;  // first column of this thread (K % 8 == 0: the second chunk may be past K)
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int r = threadIdx.x / 8 + (kThreads / 8) * i;
@@ -438,8 +444,7 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : 4) quantize_tile_kernel(Qu
                                << (4 * ((4 * q + e) % 8));
           }
         } else {
-          // A non-zero factor: no NaN in the block (fp4_chunk_codes says why).
-          if (factor[h] != 0.0f) {
+          if (products_are_numbers(factor[h])) {
 #pragma unroll
             for (int jj = 0; jj < 16; ++jj)
               packed[jj / 8] |= e2m1_encode_rn_not_nan(__fmul_rn(x[jj], factor[h])) << (4 * (jj % 8));

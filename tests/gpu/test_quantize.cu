@@ -1,7 +1,8 @@
 // GPU quantize / dequantize against the bitwise CPU reference (src/reference/quantize_ref.h):
 // every format, 1-D and 2-D blocks, both copies, every scale layout, batches, shapes with partial
 // blocks where the format allows them, edge values (0, inf, NaN, subnormals, +-448, ties), NVFP4
-// stochastic rounding, graph capture + replay with new data, and argument errors.
+// stochastic rounding, NVFP4 blocks whose encode factor overflows, data at the least alignment,
+// graph capture + replay with new data, and argument errors.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -235,50 +236,107 @@ TEST(Quantize, MatchesReferenceBitwise) {
   cudaStreamDestroy(stream);
 }
 
-// fp32 x (FP8 block 128x128: master weights into FP8 weights): bitwise the reference on fp32
-// values that bf16 cannot hold, over 2^-140 .. 2^120, with the fp32 edge values (NaN, +-inf, fp32
-// subnormals, +-448, the largest finite) at fixed places; partial tiles, batches, single copies,
-// power-of-two scales, M not a multiple of 16 (bytewise columnwise stores); graph replay.
-// Quantized data at the least alignment the API accepts (8 bytes FP8, 4 bytes FP4): the kernels
-// fall back from their 16- and 8-byte vectors to narrower accesses there.
+// Quantized data at the least alignment the API accepts (8 bytes FP8, 4 bytes FP4), in both copies:
+// the kernels fall back from their 16- and 8-byte vectors to narrower accesses there.
 TEST(Quantize, DataAtTheLeastAlignment) {
   MOE_REQUIRE_GPU();
   struct Aligned {
     QuantFormat format;
+    bool columnwise;
     int64_t M, K, offset;
   };
-  for (const Aligned& t : {Aligned{QuantFormat::kFP8Block, 37, 272, 8}, Aligned{QuantFormat::kMXFP8, 33, 96, 8},
-                           Aligned{QuantFormat::kNVFP4, 35, 208, 4}}) {
+  for (const Aligned& t : {Aligned{QuantFormat::kFP8Block, false, 37, 272, 8},
+                           Aligned{QuantFormat::kMXFP8, false, 33, 96, 8},
+                           Aligned{QuantFormat::kNVFP4, false, 35, 208, 4},
+                           Aligned{QuantFormat::kFP8Block, true, 40, 264, 8},
+                           Aligned{QuantFormat::kMXFP8, true, 64, 96, 8},
+                           Aligned{QuantFormat::kNVFP4, true, 48, 208, 4}}) {
     QuantConfig c;
     c.format = t.format;
-    const std::string what = std::string(quant_format_name(c.format)) + " at offset " + std::to_string(t.offset);
+    c.columnwise = t.columnwise;
+    const std::string what = std::string(quant_format_name(c.format)) + (t.columnwise ? " row+col" : " row") +
+                             " at offset " + std::to_string(t.offset);
     const std::vector<uint16_t> x = make_input(t.M * t.K, t.K, 5);
     const ref::Quantized h = ref::quantize(c, x, 1, t.M, t.K);
     const DType dt = c.format == QuantFormat::kNVFP4 ? DType::kFP4E2M1 : DType::kFP8E4M3;
-    const ScaleShape s = scale_shape(c, t.M, t.K);
     DeviceBuffer<uint16_t> dx(x);
-    DeviceBuffer<uint8_t> data(h.rowwise_data.size() + 16), scale(h.rowwise_scale.size());
+    DeviceBuffer<uint8_t> rd(h.rowwise_data.size() + 16), rs(h.rowwise_scale.size());
+    DeviceBuffer<uint8_t> cd(h.columnwise_data.size() + 16), cs(h.columnwise_scale.size());
     DeviceBuffer<float> amax(1);
     QuantizedTensor q;
-    q.rowwise_data = TensorView(data.get() + t.offset, dt, {t.M, t.K});
-    q.rowwise_scale = TensorView(scale.get(), s.dtype, {s.rows, s.cols});
+    const ScaleShape srow = scale_shape(c, t.M, t.K);
+    q.rowwise_data = TensorView(rd.get() + t.offset, dt, {t.M, t.K});
+    q.rowwise_scale = TensorView(rs.get(), srow.dtype, {srow.rows, srow.cols});
+    if (t.columnwise) {
+      const ScaleShape scol = scale_shape(c, t.K, t.M, /*columnwise=*/true);
+      q.columnwise_data = TensorView(cd.get() + t.offset, dt, {t.K, t.M});
+      q.columnwise_scale = TensorView(cs.get(), scol.dtype, {scol.rows, scol.cols});
+    }
     if (c.format == QuantFormat::kNVFP4) q.global_amax = TensorView(amax.get(), DType::kFP32, {1});
     quantize(c, TensorView(dx.get(), DType::kBF16, {t.M, t.K}), q, nullptr);
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
-    const std::vector<uint8_t> got = data.download();
-    EXPECT_EQ(std::vector<uint8_t>(got.begin() + t.offset, got.begin() + t.offset + h.rowwise_data.size()),
-              h.rowwise_data)
-        << what;
-    EXPECT_EQ(scale.download(), h.rowwise_scale) << what;
-    const std::vector<float> want = ref::dequantize(c, h, false, 1, t.M, t.K);
-    DeviceBuffer<float> out(want.size());
-    dequantize(c, q, false, TensorView(out.get(), DType::kFP32, {t.M, t.K}), nullptr);
-    const std::vector<float> back = out.download();
-    for (size_t e = 0; e < want.size(); ++e)
-      ASSERT_TRUE(bits_equal_or_both_nan(back[e], want[e])) << what << " dequantized at " << e;
+    auto at_offset = [&](const DeviceBuffer<uint8_t>& d, size_t n) {
+      const std::vector<uint8_t> all = d.download();
+      return std::vector<uint8_t>(all.begin() + t.offset, all.begin() + t.offset + static_cast<int64_t>(n));
+    };
+    EXPECT_EQ(at_offset(rd, h.rowwise_data.size()), h.rowwise_data) << what << " rowwise data";
+    EXPECT_EQ(rs.download(), h.rowwise_scale) << what << " rowwise scale";
+    if (t.columnwise) {
+      EXPECT_EQ(at_offset(cd, h.columnwise_data.size()), h.columnwise_data) << what << " columnwise data";
+      EXPECT_EQ(cs.download(), h.columnwise_scale) << what << " columnwise scale";
+    }
+    for (bool columnwise : {false, true}) {
+      if (columnwise && !t.columnwise) continue;
+      const int64_t rows = columnwise ? t.K : t.M, cols = columnwise ? t.M : t.K;
+      const std::vector<float> want = ref::dequantize(c, h, columnwise, 1, t.M, t.K);
+      DeviceBuffer<float> o32(want.size());
+      DeviceBuffer<uint16_t> o16(want.size());
+      dequantize(c, q, columnwise, TensorView(o32.get(), DType::kFP32, {rows, cols}), nullptr);
+      dequantize(c, q, columnwise, TensorView(o16.get(), DType::kBF16, {rows, cols}), nullptr);
+      const std::vector<float> got32 = o32.download();
+      const std::vector<uint16_t> got16 = o16.download();
+      for (size_t e = 0; e < want.size(); ++e) {
+        ASSERT_TRUE(bits_equal_or_both_nan(got32[e], want[e])) << what << " dequantized fp32 at " << e;
+        ASSERT_TRUE(got16[e] == float_to_bf16_bits(want[e]) || std::isnan(want[e]))
+            << what << " dequantized bf16 at " << e;
+      }
+    }
   }
 }
 
+// NVFP4 of a matrix whose amax is tiny (2^-108): the global scale 2688 / amax is about 2^119, and
+// a block of amax 2^-126 gets the smallest E4M3 block scale, so its encode factor overflows to
+// inf and its zeros multiply to NaN, which encodes as 0 (its non-zero values saturate to 6). Every
+// kernel's encoder: rowwise only, both copies with 1-D blocks, 16 x 16 blocks.
+TEST(Quantize, Nvfp4BlocksWithAnInfiniteFactor) {
+  MOE_REQUIRE_GPU();
+  const int64_t M = 32, K = 64;
+  std::vector<uint16_t> x(M * K, 0);
+  for (int64_t i = 0; i < 16; ++i) x[i * K + i] = float_to_bf16_bits(std::ldexp(i % 2 ? -1.0f : 1.0f, -126));
+  x[20 * K + 40] = float_to_bf16_bits(std::ldexp(1.0f, -108));  // the global amax
+  x[3 * K + 5] = 0x8000;                                        // -0 in a block with an infinite factor
+  for (const QuantBlocking blocking : {QuantBlocking::k1D, QuantBlocking::k2D})
+    for (const bool columnwise : {false, true}) {
+      if (blocking == QuantBlocking::k2D && !columnwise) continue;
+      QuantConfig c;
+      c.format = QuantFormat::kNVFP4;
+      c.blocking = blocking;
+      c.columnwise = columnwise;
+      const std::string what = std::string(blocking == QuantBlocking::k2D ? "16x16" : "1x16") +
+                               (columnwise ? " row+col" : " row");
+      const ref::Quantized h = ref::quantize(c, x, 1, M, K);
+      DeviceBuffer<uint16_t> dx(x);
+      DeviceQuantized d(c, h, 1, M, K, false);
+      quantize(c, TensorView(dx.get(), DType::kBF16, {M, K}), d.q, nullptr);
+      MOE_CUDA_CHECK(cudaDeviceSynchronize());
+      d.expect_equal(h, what);
+    }
+}
+
+// fp32 x (FP8 block 128x128: master weights into FP8 weights): bitwise the reference on fp32
+// values that bf16 cannot hold, over 2^-140 .. 2^120, with the fp32 edge values (NaN, +-inf, fp32
+// subnormals, +-448, the largest finite) at fixed places; partial tiles, batches, single copies,
+// power-of-two scales, M not a multiple of 16 (bytewise columnwise stores); graph replay.
 TEST(Quantize, Fp32MasterWeightsMatchTheReference) {
   MOE_REQUIRE_GPU();
   cudaStream_t stream;
