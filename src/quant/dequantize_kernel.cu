@@ -7,9 +7,6 @@
 // round to nearest even): the instruction count, not the memory, limited the software ones. Rows
 // whose units are not vector-aligned (FP8 copies whose length is not a multiple of 16) take an
 // element-by-element path.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cstdint>
 
 #include "device/cuda_check.h"
@@ -38,22 +35,6 @@ struct DequantParams {
   const float* global_amax;
   void* out;
 };
-
-// Two E4M3 bytes (the low 16 bits of w) -> two fp32, exactly: the hardware conversion to f16x2
-// (every E4M3 value, subnormals included, is an f16 value; NaN stays NaN), then f16 -> fp32.
-__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t w) {
-  uint32_t h;
-  asm("{\n\t.reg .b16 lo;\n\tcvt.u16.u32 lo, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, lo;\n\t}" : "=r"(h) : "r"(w));
-  return __half22float2(*reinterpret_cast<const __half2*>(&h));
-}
-
-// Two fp32 -> one word of two bf16 (a in the low half), round to nearest even, by the hardware
-// conversion. Its only departure from bf16_bits_from_float is the NaN payload, and every NaN here
-// is already the canonical one an fp32 multiply returns.
-__device__ __forceinline__ uint32_t bf16x2_bits(float a, float b) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 
 template <bool kFP32Out>
 __device__ __forceinline__ void store_unit(void* out, int64_t pos, const float (&v)[kUnit]) {

@@ -5,7 +5,8 @@
 // - NVFP4 first reduces each group's global amax: a warp per row, one atomicMax of the fp32 bit
 //   pattern per row into the group's zeroed word (order-independent, so deterministic).
 // - Rowwise: a thread per (row, block of b columns) holds the block in registers (16-byte loads),
-//   reduces its amax, encodes, decodes and stores it as bf16.
+//   reduces its amax, encodes, decodes and stores it as bf16; one pass of CTAs (launch_geometry.h).
+// - E4M3 is encoded and decoded by the hardware conversions, and the bf16 results rounded by it.
 // - Columnwise: the row blocks start at each group's first row, so a small kernel first turns the
 //   group sizes into a prefix of row-block counts; then a thread per (row block, column pair) reads
 //   the block's rows of its two columns (one 32-bit word per row: a warp covers 128 contiguous
@@ -15,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "device/cuda_check.h"
 #include "moe/error.h"
@@ -64,17 +66,26 @@ __device__ __forceinline__ BlockCodec block_codec(float amax, bool pow2, float S
   return {b.factor, __fdiv_rn(e4m3_to_float(b.scale_u8), S)};
 }
 
-// One element through the format: its code's value times the decode factor.
-template <QuantFormat F>
-__device__ __forceinline__ float fake_quantize_value(float v, const BlockCodec& c) {
-  if constexpr (F == QuantFormat::kNVFP4)
-    return __fmul_rn(e2m1_decode(e2m1_from_float_rn(__fmul_rn(v, c.encode))), c.decode);
-  else
-    return __fmul_rn(e4m3_decode(e4m3_from_float(__fmul_rn(v, c.encode))), c.decode);
-}
-
-__device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
-  return static_cast<uint32_t>(bf16_bits_from_float(lo)) | (static_cast<uint32_t>(bf16_bits_from_float(hi)) << 16);
+// Two elements (a word of two bf16, the low one in block c0, the high one in c1) through the
+// format: each code's value times its decode factor, as a word of two bf16. E4M3 goes through the
+// hardware conversions both ways (the same codes as the software rule, NaN sign aside, which
+// decodes to the same NaN); NVFP4 skips the NaN test of the E2M1 encoder when kNumbers (both
+// blocks' products are numbers, products_are_numbers).
+template <QuantFormat F, bool kNumbers = false>
+__device__ __forceinline__ uint32_t fake_quantize_pair(uint32_t w, const BlockCodec& c0, const BlockCodec& c1) {
+  const float p0 = __fmul_rn(bf16_word_lo(w), c0.encode), p1 = __fmul_rn(bf16_word_hi(w), c1.encode);
+  if constexpr (F == QuantFormat::kNVFP4) {
+    const uint32_t q0 = kNumbers ? e2m1_encode_rn_not_nan(p0) : e2m1_encode_rn(p0);
+    const uint32_t q1 = kNumbers ? e2m1_encode_rn_not_nan(p1) : e2m1_encode_rn(p1);
+    return bf16x2_bits(__fmul_rn(e2m1_decode(q0), c0.decode), __fmul_rn(e2m1_decode(q1), c1.decode));
+  } else {
+    uint32_t codes;
+    asm("{\n\t.reg .b16 c;\n\tcvt.rn.satfinite.e4m3x2.f32 c, %2, %1;\n\tcvt.u32.u16 %0, c;\n\t}"
+        : "=r"(codes)
+        : "f"(p0), "f"(p1));
+    const float2 d = e4m3x2_to_float2(codes);
+    return bf16x2_bits(__fmul_rn(d.x, c0.decode), __fmul_rn(d.y, c1.decode));
+  }
 }
 
 __global__ void __launch_bounds__(kThreads) group_amax_kernel(const uint16_t* x, int64_t cols, Groups gr,
@@ -117,14 +128,19 @@ __global__ void __launch_bounds__(kThreads) rowwise_kernel(const uint16_t* x, ui
     }
     const BlockCodec c = block_codec<F>(__uint_as_float(pairs_amax_bits(pairs)), pow2, S);
     uint4* dst = reinterpret_cast<uint4*>(out + t * kB);
+    auto store = [&](auto numbers) {
 #pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+      for (int i = 0; i < kVecs; ++i) {
+        uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        w[k] = bf16_pair(fake_quantize_value<F>(bf16_word_lo(w[k]), c), fake_quantize_value<F>(bf16_word_hi(w[k]), c));
-      dst[i] = make_uint4(w[0], w[1], w[2], w[3]);
-    }
+        for (int k = 0; k < 4; ++k) w[k] = fake_quantize_pair<F, decltype(numbers)::value>(w[k], c, c);
+        dst[i] = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    };
+    if (F == QuantFormat::kNVFP4 && products_are_numbers(c.encode))
+      store(std::true_type{});
+    else
+      store(std::false_type{});
   }
 }
 
@@ -173,9 +189,10 @@ __global__ void __launch_bounds__(kThreads) columnwise_kernel(const uint16_t* x,
     const float S = F == QuantFormat::kNVFP4 ? nvfp4_global_scale(amax[lo]) : 1.0f;
     const BlockCodec c0 = block_codec<F>(__uint_as_float(acc << 16), pow2, S);
     const BlockCodec c1 = block_codec<F>(__uint_as_float(acc & 0xFFFF0000u), pow2, S);
-    for (int64_t r = start; r < end; ++r) {
-      const uint32_t w = __ldg(src + r * pairs);
-      dst[r * pairs] = bf16_pair(fake_quantize_value<F>(bf16_word_lo(w), c0), fake_quantize_value<F>(bf16_word_hi(w), c1));
+    if (F == QuantFormat::kNVFP4 && products_are_numbers(c0.encode) && products_are_numbers(c1.encode)) {
+      for (int64_t r = start; r < end; ++r) dst[r * pairs] = fake_quantize_pair<F, true>(__ldg(src + r * pairs), c0, c1);
+    } else {
+      for (int64_t r = start; r < end; ++r) dst[r * pairs] = fake_quantize_pair<F>(__ldg(src + r * pairs), c0, c1);
     }
   }
 }
@@ -192,8 +209,7 @@ void launch(bool columnwise, const uint16_t* x, uint16_t* out, int64_t cols, con
   }
   constexpr int kB = block_len<F>();
   if (!columnwise) {
-    const unsigned ctas =  // a thread per (row, block)
-        one_wave_grid_x(reinterpret_cast<const void*>(rowwise_kernel<F>), kThreads, gr.rows * (cols / kB), kThreads);
+    const unsigned ctas = one_pass_grid_x(gr.rows * (cols / kB), kThreads);  // a thread per (row, block)
     rowwise_kernel<F><<<ctas, kThreads, 0, s>>>(x, out, cols, gr, amax, pow2);
     MOE_CUDA_CHECK_LAUNCH();
     return;

@@ -1,8 +1,11 @@
-// Device-side rules of the quantization formats: conversions (software, bit-exact, no reliance
-// on the hardware's NaN or saturation conventions), the per-block scale rules, the scale layouts
-// and the Philox generator of stochastic rounding. The CPU reference (src/reference/quantize_ref)
+// Device-side rules of the quantization formats: conversions (bit-exact: software ones that state
+// the rules, and hardware ones where they give the same bits, NaN payloads aside), the per-block
+// scale rules, the scale layouts and the Philox generator of stochastic rounding. The CPU reference (src/reference/quantize_ref)
 // implements the same rules independently; docs/quantization.md states them.
 #pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cfloat>
 #include <cstdint>
@@ -78,6 +81,22 @@ __device__ __forceinline__ uint8_t e2m1_from_float_sr(float v, uint32_t rbits) {
 }
 
 __device__ __forceinline__ float e2m1_to_float(uint32_t nibble) { return e2m1_decode(nibble); }
+
+// Two E4M3 bytes (the low 16 bits of w) -> two fp32, exactly: the hardware conversion to f16x2
+// (every E4M3 value, subnormals included, is an f16 value; NaN stays NaN), then f16 -> fp32.
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t w) {
+  uint32_t h;
+  asm("{\n\t.reg .b16 lo;\n\tcvt.u16.u32 lo, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, lo;\n\t}" : "=r"(h) : "r"(w));
+  return __half22float2(*reinterpret_cast<const __half2*>(&h));
+}
+
+// Two fp32 -> one word of two bf16 (a in the low half), round to nearest even, by the hardware
+// conversion. Its only departure from bf16_bits_from_float is the NaN payload (always 0x7FFF),
+// the same for the canonical NaN an fp32 multiply returns.
+__device__ __forceinline__ uint32_t bf16x2_bits(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
 
 // 2^k for k in [-128, 127], exact (normal or subnormal fp32).
 __device__ __forceinline__ float pow2f(int k) {
@@ -156,6 +175,13 @@ __device__ __forceinline__ BlockEncode block_encode(float amax, bool pow2, float
   }
   return b;
 }
+
+// Whether x * factor is never NaN for the elements of an NVFP4 block with this encode factor, so
+// the E2M1 encoder may skip its NaN test: a block holding a NaN has a NaN scale and so a zero
+// factor, and a finite non-zero factor keeps every other element (finite or infinite) a number.
+// The factor is infinite when the global scale is huge and the block scale tiny (a matrix whose
+// amax is below about 2^-107): zeros times it are NaN, which encode as 0.
+__device__ __forceinline__ bool products_are_numbers(float factor) { return factor != 0.0f && factor <= FLT_MAX; }
 
 // FP8 formats: one E4M3 byte of an element.
 __device__ __forceinline__ uint8_t encode_e4m3(float x, float factor) { return e4m3_from_float(__fmul_rn(x, factor)); }

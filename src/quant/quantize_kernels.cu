@@ -21,7 +21,6 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <cfloat>
 #include <cstdint>
 
 #include "device/cuda_check.h"
@@ -91,13 +90,6 @@ __device__ __forceinline__ uint32_t chunk_amax_bits(const uint4& v) {
 __device__ __forceinline__ uint4 load_chunk(const uint16_t* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
-
-// Whether x * factor is never NaN for the elements of a block with this encode factor, so the E2M1
-// encoder may skip its NaN test: a block holding a NaN has a NaN scale and so a zero factor, and a
-// finite non-zero factor keeps every other element (finite or infinite) a number. The factor is
-// infinite when the global scale is huge and the block scale tiny (a matrix whose amax is below
-// about 2^-107): zeros times it are NaN, which encode as 0.
-__device__ __forceinline__ bool products_are_numbers(float factor) { return factor != 0.0f && factor <= FLT_MAX; }
 
 // The eight E2M1 codes of one chunk of 8 consecutive elements (element 0 in the low nibble); pos
 // is the flat position of its first element in the rowwise copy (a multiple of 8; it keys the

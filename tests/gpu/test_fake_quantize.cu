@@ -1,7 +1,8 @@
 // GPU quantize-dequantize of token operands in expert groups (quant/fake_quantize.h) against the
 // bitwise CPU reference (ref::fake_quantize_groups) and against moe::quantize + moe::dequantize of
 // each group: every format, rowwise and columnwise, ragged groups (empty, one row, partial last
-// blocks, rows past the last group), edge values, in place, graph replay with new groups, errors.
+// blocks, rows past the last group), edge values, NVFP4 blocks whose encode factor overflows, in
+// place, graph replay with new groups, errors.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -117,6 +118,29 @@ TEST_F(FakeQuantize, MatchesTheReferenceBitwise) {
       expect_equal_in_groups(run(c, k.columnwise, x, rows, cols, offsets, true, stream), want, cols, offsets,
                              what + " in place");
     }
+  }
+}
+
+// NVFP4 groups whose amax is tiny (2^-108): a block of amax 2^-126 gets an infinite encode factor
+// and its zeros multiply to NaN, which encode as 0 (the encoder's NaN test cannot be skipped).
+TEST_F(FakeQuantize, Nvfp4BlocksWithAnInfiniteFactor) {
+  const int64_t rows = 48, cols = 64;
+  const std::vector<int32_t> offsets = {0, 20, 48};
+  std::vector<uint16_t> x(rows * cols, 0);
+  for (int64_t i = 0; i < 16; ++i) {
+    x[i * cols + i] = float_to_bf16_bits(std::ldexp(i % 2 ? -1.0f : 1.0f, -126));
+    x[(24 + i) * cols + 2 * i] = float_to_bf16_bits(std::ldexp(1.0f, -126));
+  }
+  x[5 * cols + 40] = float_to_bf16_bits(std::ldexp(1.0f, -108));   // group 0's amax
+  x[30 * cols + 50] = float_to_bf16_bits(std::ldexp(-1.0f, -108));  // group 1's amax
+  x[3 * cols + 5] = 0x8000;                                         // -0
+  const std::vector<int64_t> off64(offsets.begin(), offsets.end());
+  QuantConfig c;
+  c.format = QuantFormat::kNVFP4;
+  for (const bool columnwise : {false, true}) {
+    const std::vector<float> want = ref::fake_quantize_groups(c, columnwise, to_float(x), rows, cols, off64);
+    expect_equal_in_groups(run(c, columnwise, x, rows, cols, offsets, false, stream), want, cols, offsets,
+                           columnwise ? "columnwise" : "rowwise");
   }
 }
 
