@@ -10,6 +10,8 @@
 //   NVFP4 adds one more read of x (2MK) for the global amax pass
 //   fp32 x (FP8 block 128x128, master weights): read 4MK instead of 2MK
 //   dequantize (one copy, bf16 out)  read data + scales + write 2MK
+//   fake quantize (the emulated experts' token operands, 8 equal expert groups, rowwise or
+//   columnwise blocks)               read 2MK + write 2MK (NVFP4: + 2MK, the groups' amax pass)
 // Times: median of CUDA-event-timed replays of a CUDA graph holding one call (the NVFP4 graph
 // holds the global amax memset and pass too). "% copy" is GB/s over the device-to-device copy
 // bandwidth (bytes read + written) measured at the start of the same run.
@@ -20,6 +22,7 @@
 
 #include "device/cuda_check.h"
 #include "moe/quantize.h"
+#include "quant/fake_quantize.h"
 #include "support/bench_util.h"
 
 namespace {
@@ -147,7 +150,31 @@ int main(int argc, char** argv) {
                   dbytes / 1e6, td.median_ms * 1e3, dgbs, 100.0 * dgbs / copy_gbs);
       std::fflush(stdout);
     }
-    for (void* p : {x, out, rd, cd, rs, cs, static_cast<void*>(amax)}) cudaFree(p);
+    // Quantize-dequantize of token operands in expert groups (the emulated MXFP8 / NVFP4 experts).
+    constexpr int kGroups = 8;
+    std::vector<int32_t> offsets(kGroups + 1);
+    for (int e = 0; e <= kGroups; ++e) offsets[e] = static_cast<int32_t>(M * e / kGroups);
+    int32_t* doffsets;
+    void* ws;
+    MOE_CUDA_CHECK(cudaMalloc(&doffsets, offsets.size() * sizeof(int32_t)));
+    MOE_CUDA_CHECK(cudaMemcpy(doffsets, offsets.data(), offsets.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    MOE_CUDA_CHECK(cudaMalloc(&ws, quant::fake_quantize_workspace_bytes(kGroups)));
+    for (const QuantFormat f : {QuantFormat::kFP8Block, QuantFormat::kMXFP8, QuantFormat::kNVFP4})
+      for (const bool columnwise : {false, true}) {
+        QuantConfig c;
+        c.format = f;
+        const double bytes = 4.0 * M * K + (f == QuantFormat::kNVFP4 ? 2.0 * M * K : 0.0);
+        const TensorView vx(x, DType::kBF16, {M, K}), vout(out, DType::kBF16, {M, K});
+        const TensorView voff(doffsets, DType::kInt32, {kGroups + 1});
+        const bench::Timing t = bench::time_cuda_graph(
+            [&] { quant::fake_quantize_groups(c, columnwise, vx, voff, vout, ws, stream); }, stream, kWarmup, repeats);
+        const double gbs = bytes / (t.median_ms * 1e-3) / 1e9;
+        const std::string name = std::string(quant_format_name(f)) + " 8 groups " + (columnwise ? "col" : "row");
+        std::printf("%-12s %-28s %-11s %10.1f %10.1f %10.0f %7.1f%%\n", shape_name.c_str(), name.c_str(), "fake quant",
+                    bytes / 1e6, t.median_ms * 1e3, gbs, 100.0 * gbs / copy_gbs);
+        std::fflush(stdout);
+      }
+    for (void* p : {x, out, rd, cd, rs, cs, static_cast<void*>(amax), static_cast<void*>(doffsets), ws}) cudaFree(p);
   }
   cudaStreamDestroy(stream);
   return 0;
