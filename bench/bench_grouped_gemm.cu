@@ -225,7 +225,7 @@ int main(int argc, char** argv) {
   bool all_configs = false, fp8 = false;
   int rounds = 9;
   double skew = 1.0;
-  app.add_option("--shape", shapes, "named shapes (default: all)");
+  app.add_option("--shape", shapes, "named shapes or T,H,F,E,k (default: every named shape)");
   app.add_option("--json", json_out, "write our figures to this JSON file");
   app.add_option("--groups-json", groups_out, "write the group sizes (for torch_grouped_mm.py)");
   app.add_flag("--fp8", fp8, "also time the FP8 block-scaled products in the same measurements");
@@ -248,7 +248,7 @@ int main(int argc, char** argv) {
 
   nlohmann::json results = nlohmann::json::array(), groups_json = nlohmann::json::array();
   for (const std::string& name : shapes) {
-    const moe::bench::Shape& s = moe::bench::shape_by_name(name);
+    const moe::bench::Shape s = moe::bench::parse_shape(name);
     for (const auto& [routing, sk] : {std::pair<const char*, double>{"balanced", 0.0}, {"skewed", skew}}) {
       const Groups g = make_groups(s, sk, 128);
       groups_json.push_back({{"shape", s.name}, {"routing", routing}, {"T", s.T}, {"H", s.H}, {"F", s.F},
