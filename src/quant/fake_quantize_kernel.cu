@@ -75,15 +75,10 @@ template <QuantFormat F, bool kNumbers = false>
 __device__ __forceinline__ uint32_t fake_quantize_pair(uint32_t w, const BlockCodec& c0, const BlockCodec& c1) {
   const float p0 = __fmul_rn(bf16_word_lo(w), c0.encode), p1 = __fmul_rn(bf16_word_hi(w), c1.encode);
   if constexpr (F == QuantFormat::kNVFP4) {
-    const uint32_t q0 = kNumbers ? e2m1_encode_rn_not_nan(p0) : e2m1_encode_rn(p0);
-    const uint32_t q1 = kNumbers ? e2m1_encode_rn_not_nan(p1) : e2m1_encode_rn(p1);
-    return bf16x2_bits(__fmul_rn(e2m1_decode(q0), c0.decode), __fmul_rn(e2m1_decode(q1), c1.decode));
+    return bf16x2_bits(__fmul_rn(e2m1_decode(e2m1_code<kNumbers>(p0)), c0.decode),
+                       __fmul_rn(e2m1_decode(e2m1_code<kNumbers>(p1)), c1.decode));
   } else {
-    uint32_t codes;
-    asm("{\n\t.reg .b16 c;\n\tcvt.rn.satfinite.e4m3x2.f32 c, %2, %1;\n\tcvt.u32.u16 %0, c;\n\t}"
-        : "=r"(codes)
-        : "f"(p0), "f"(p1));
-    const float2 d = e4m3x2_to_float2(codes);
+    const float2 d = e4m3x2_to_float2(cvt_e4m3x2(p0, p1));
     return bf16x2_bits(__fmul_rn(d.x, c0.decode), __fmul_rn(d.y, c1.decode));
   }
 }

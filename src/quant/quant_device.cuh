@@ -51,13 +51,28 @@ __device__ __forceinline__ float e4m3_to_float(uint8_t c) {
   return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
 }
 
+// Two fp32 -> two E4M3 bytes (a in the low byte, the upper 16 bits zero) by the hardware
+// conversion (cvt.rn.satfinite.e4m3x2.f32: round to nearest even, saturating). A NaN keeps its
+// sign, so its byte is 0x7F or 0xFF: e4m3_nan_bytes_to_7f makes it the rule's 0x7F.
+__device__ __forceinline__ uint32_t cvt_e4m3x2(float a, float b) {
+  uint32_t r;
+  // cvt packs its first source into the high byte.
+  asm("{\n\t.reg .b16 c;\n\tcvt.rn.satfinite.e4m3x2.f32 c, %2, %1;\n\tcvt.u32.u16 %0, c;\n\t}"
+      : "=r"(r)
+      : "f"(a), "f"(b));
+  return r;
+}
+
+// E4M3 has one NaN pattern per sign (S.1111.111): clear the sign of those bytes (NaN -> 0x7F).
+__device__ __forceinline__ uint32_t e4m3_nan_bytes_to_7f(uint32_t bytes) {
+  const uint32_t nan_bytes = ((bytes & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+  return bytes & ~nan_bytes;
+}
+
 // One E4M3 byte of a value, by the conversion kHardwareE4M3 selects (the NVFP4 block scales).
 __device__ __forceinline__ uint8_t e4m3_byte(float v) {
   if constexpr (kHardwareE4M3) {
-    uint16_t r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(v));  // v into the low byte
-    const uint32_t c = r & 0xFFu;
-    return static_cast<uint8_t>((c & 0x7Fu) == 0x7Fu ? 0x7Fu : c);  // NaN -> 0x7F
+    return static_cast<uint8_t>(e4m3_nan_bytes_to_7f(cvt_e4m3x2(v, 0.0f)));
   } else {
     return e4m3_from_float(v);
   }
@@ -183,6 +198,12 @@ __device__ __forceinline__ BlockEncode block_encode(float amax, bool pow2, float
 // amax is below about 2^-107): zeros times it are NaN, which encode as 0.
 __device__ __forceinline__ bool products_are_numbers(float factor) { return factor != 0.0f && factor <= FLT_MAX; }
 
+// E2M1 nibble of a product: without the NaN test where the block's products are numbers.
+template <bool kNumbers>
+__device__ __forceinline__ uint32_t e2m1_code(float p) {
+  return kNumbers ? e2m1_encode_rn_not_nan(p) : e2m1_encode_rn(p);
+}
+
 // FP8 formats: one E4M3 byte of an element.
 __device__ __forceinline__ uint8_t encode_e4m3(float x, float factor) { return e4m3_from_float(__fmul_rn(x, factor)); }
 
@@ -199,9 +220,7 @@ __device__ __forceinline__ uint32_t encode_e4m3x4(float x0, float x1, float x2, 
         "mov.b32 %0, {lo, hi};\n\t}"
         : "=r"(r)
         : "f"(p0), "f"(p1), "f"(p2), "f"(p3));
-    // E4M3 has one NaN pattern per sign (S.1111.111): clear the sign of those bytes (NaN -> 0x7F).
-    const uint32_t nan_bytes = ((r & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
-    return r & ~nan_bytes;
+    return e4m3_nan_bytes_to_7f(r);
   } else {
     return static_cast<uint32_t>(e4m3_from_float(p0)) | (static_cast<uint32_t>(e4m3_from_float(p1)) << 8) |
            (static_cast<uint32_t>(e4m3_from_float(p2)) << 16) | (static_cast<uint32_t>(e4m3_from_float(p3)) << 24);

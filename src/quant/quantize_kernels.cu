@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "device/cuda_check.h"
 #include "moe/quantize.h"
@@ -107,20 +108,32 @@ __device__ __forceinline__ uint32_t fp4_chunk_codes(const QuantParams& p, const 
       packed |= static_cast<uint32_t>(e2m1_from_float_sr(__fmul_rn(x, factor), i < 4 ? r0.v[i] : r1.v[i - 4]))
                 << (4 * i);
     }
-  } else if (products_are_numbers(factor)) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float x = i % 2 ? bf16_word_hi(w[i / 2]) : bf16_word_lo(w[i / 2]);
-      packed |= e2m1_encode_rn_not_nan(__fmul_rn(x, factor)) << (4 * i);
-    }
   } else {
+    auto encode = [&](auto numbers) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float x = i % 2 ? bf16_word_hi(w[i / 2]) : bf16_word_lo(w[i / 2]);
-      packed |= e2m1_encode_rn(__fmul_rn(x, factor)) << (4 * i);
-    }
+      for (int i = 0; i < 8; ++i) {
+        const float x = i % 2 ? bf16_word_hi(w[i / 2]) : bf16_word_lo(w[i / 2]);
+        packed |= e2m1_code<decltype(numbers)::value>(__fmul_rn(x, factor)) << (4 * i);
+      }
+    };
+    if (products_are_numbers(factor))
+      encode(std::true_type{});
+    else
+      encode(std::false_type{});
   }
   return packed;
+}
+
+// Stores the 16 codes of one NVFP4 block (lo: elements 0-7) at flat position pos (a multiple of
+// 16) of the rowwise copy: one 8-byte store where the copy is 8-byte aligned, else two 4-byte ones.
+__device__ __forceinline__ void store_fp4_block(const QuantParams& p, int64_t pos, uint32_t lo, uint32_t hi) {
+  uint32_t* out = reinterpret_cast<uint32_t*>(p.row.data + pos / 2);
+  if (p.row.vec) {
+    *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
+  } else {
+    out[0] = lo;
+    out[1] = hi;
+  }
 }
 
 // The eight E4M3 codes of one chunk of 8 consecutive elements (element 0 in the low byte).
@@ -129,16 +142,6 @@ __device__ __forceinline__ uint2 fp8_chunk_codes(const uint4& v, float factor) {
   return make_uint2(
       encode_e4m3x4(bf16_word_lo(w[0]), bf16_word_hi(w[0]), bf16_word_lo(w[1]), bf16_word_hi(w[1]), factor),
       encode_e4m3x4(bf16_word_lo(w[2]), bf16_word_hi(w[2]), bf16_word_lo(w[3]), bf16_word_hi(w[3]), factor));
-}
-
-// Quantizes one chunk of 8 consecutive elements of a row and stores its codes; pos is the flat
-// position of its first element in the rowwise copy (a multiple of 8).
-template <QuantFormat F, bool kSR>
-__device__ __forceinline__ void store_row_chunk(const QuantParams& p, const uint4& v, float factor, int64_t pos) {
-  if constexpr (F == QuantFormat::kNVFP4)
-    *reinterpret_cast<uint32_t*>(p.row.data + pos / 2) = fp4_chunk_codes<kSR>(p, v, factor, pos);
-  else
-    *reinterpret_cast<uint2*>(p.row.data + pos) = fp8_chunk_codes(v, factor);
 }
 
 // ---- rowwise copy, 1-D blocks ----------------------------------------------------------------
@@ -207,18 +210,11 @@ __global__ void __launch_bounds__(kThreads, kSR ? 3 : 5) quantize_rows_kernel(Qu
       if (sub == 0) store_block_scale<F>(p.row, b, tm[u], tj[u], e);
       const int64_t pos = (b * p.M + tm[u]) * p.K + k;
       if constexpr (kLaneChunks == 2) {
-        // NVFP4 (K % 16 == 0): the block's 16 codes, one 8-byte store where the copy allows it.
-        const uint32_t lo = fp4_chunk_codes<kSR>(p, v[u][0], e.factor, pos);
-        const uint32_t hi = fp4_chunk_codes<kSR>(p, v[u][1], e.factor, pos + 8);
-        uint32_t* out = reinterpret_cast<uint32_t*>(p.row.data + pos / 2);
-        if (p.row.vec) {
-          *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
-        } else {
-          out[0] = lo;
-          out[1] = hi;
-        }
+        // NVFP4 (K % 16 == 0): the block's 16 codes.
+        store_fp4_block(p, pos, fp4_chunk_codes<kSR>(p, v[u][0], e.factor, pos),
+                        fp4_chunk_codes<kSR>(p, v[u][1], e.factor, pos + 8));
       } else if (k < p.K) {
-        store_row_chunk<F, kSR>(p, v[u][0], e.factor, pos);
+        *reinterpret_cast<uint2*>(p.row.data + pos) = fp8_chunk_codes(v[u][0], e.factor);
       }
     }
   }
@@ -271,15 +267,8 @@ __device__ __forceinline__ void tile_rows_from_shared(const QuantParams& p, cons
     if (kFactor == RowFactor::kRowBlocks && sub == 0) store_block_scale<F>(p.row, b, m, k / kB, e);
     const int64_t pos = (b * p.M + m) * p.K + k;
     if constexpr (F == QuantFormat::kNVFP4) {  // K % 16 == 0
-      const uint32_t c0 = fp4_chunk_codes<kSR>(p, lo, e.factor, pos);
-      const uint32_t c1 = fp4_chunk_codes<kSR>(p, hi, e.factor, pos + 8);
-      uint32_t* out = reinterpret_cast<uint32_t*>(p.row.data + pos / 2);
-      if (p.row.vec) {
-        *reinterpret_cast<uint2*>(out) = make_uint2(c0, c1);
-      } else {
-        out[0] = c0;
-        out[1] = c1;
-      }
+      store_fp4_block(p, pos, fp4_chunk_codes<kSR>(p, lo, e.factor, pos),
+                      fp4_chunk_codes<kSR>(p, hi, e.factor, pos + 8));
     } else {
       const uint2 c0 = fp8_chunk_codes(lo, e.factor);
       uint8_t* out = p.row.data + pos;
@@ -436,15 +425,15 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : 4) quantize_tile_kernel(Qu
                                << (4 * ((4 * q + e) % 8));
           }
         } else {
-          if (products_are_numbers(factor[h])) {
+          auto encode = [&](auto numbers) {
 #pragma unroll
             for (int jj = 0; jj < 16; ++jj)
-              packed[jj / 8] |= e2m1_encode_rn_not_nan(__fmul_rn(x[jj], factor[h])) << (4 * (jj % 8));
-          } else {
-#pragma unroll
-            for (int jj = 0; jj < 16; ++jj)
-              packed[jj / 8] |= e2m1_encode_rn(__fmul_rn(x[jj], factor[h])) << (4 * (jj % 8));
-          }
+              packed[jj / 8] |= e2m1_code<decltype(numbers)::value>(__fmul_rn(x[jj], factor[h])) << (4 * (jj % 8));
+          };
+          if (products_are_numbers(factor[h]))
+            encode(std::true_type{});
+          else
+            encode(std::false_type{});
         }
         uint8_t* dst = p.col.data + pos / 2;
         if (p.col.vec) {

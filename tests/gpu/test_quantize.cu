@@ -61,32 +61,41 @@ TensorView view(void* p, DType t, int64_t B, int64_t r, int64_t c, bool batched)
   return batched ? TensorView(p, t, {B, r, c}) : TensorView(p, t, {r, c});
 }
 
-// Device buffers of one quantized tensor sized like the reference's output.
+// Device buffers of one quantized tensor sized like the reference's output. data_offset bytes
+// before each copy's data (a pointer less aligned than an allocation) stay poisoned.
 struct DeviceQuantized {
+  int64_t offset;
   DeviceBuffer<uint8_t> rd, rs, cd, cs;
   DeviceBuffer<float> amax;
   QuantizedTensor q;
-  DeviceQuantized(const QuantConfig& c, const ref::Quantized& h, int64_t B, int64_t M, int64_t K, bool batched)
-      : rd(h.rowwise_data.size()), rs(h.rowwise_scale.size()), cd(h.columnwise_data.size()),
-        cs(h.columnwise_scale.size()), amax(c.format == QuantFormat::kNVFP4 ? B : 0) {
+  DeviceQuantized(const QuantConfig& c, const ref::Quantized& h, int64_t B, int64_t M, int64_t K, bool batched,
+                  int64_t data_offset = 0)
+      : offset(data_offset), rd(h.rowwise_data.size() + data_offset), rs(h.rowwise_scale.size()),
+        cd(h.columnwise_data.size() + data_offset), cs(h.columnwise_scale.size()),
+        amax(c.format == QuantFormat::kNVFP4 ? B : 0) {
     const DType dt = c.format == QuantFormat::kNVFP4 ? DType::kFP4E2M1 : DType::kFP8E4M3;
     for (auto* b : {&rd, &rs, &cd, &cs}) b->fill_bytes(0xA5);  // poison: unwritten bytes show
     if (c.rowwise) {
       const ScaleShape s = scale_shape(c, M, K);
-      q.rowwise_data = view(rd.get(), dt, B, M, K, batched);
+      q.rowwise_data = view(rd.get() + offset, dt, B, M, K, batched);
       q.rowwise_scale = view(rs.get(), s.dtype, B, s.rows, s.cols, batched);
     }
     if (c.columnwise) {
       const ScaleShape s = scale_shape(c, K, M, /*columnwise=*/true);
-      q.columnwise_data = view(cd.get(), dt, B, K, M, batched);
+      q.columnwise_data = view(cd.get() + offset, dt, B, K, M, batched);
       q.columnwise_scale = view(cs.get(), s.dtype, B, s.rows, s.cols, batched);
     }
     if (c.format == QuantFormat::kNVFP4) q.global_amax = TensorView(amax.get(), DType::kFP32, {B});
   }
   void expect_equal(const ref::Quantized& h, const std::string& what) const {
-    EXPECT_EQ(rd.download(), h.rowwise_data) << what << " rowwise data";
+    auto poisoned_then = [&](const std::vector<uint8_t>& data) {
+      std::vector<uint8_t> v(static_cast<size_t>(offset), 0xA5);
+      v.insert(v.end(), data.begin(), data.end());
+      return v;
+    };
+    EXPECT_EQ(rd.download(), poisoned_then(h.rowwise_data)) << what << " rowwise data";
     EXPECT_EQ(rs.download(), h.rowwise_scale) << what << " rowwise scale";
-    EXPECT_EQ(cd.download(), h.columnwise_data) << what << " columnwise data";
+    EXPECT_EQ(cd.download(), poisoned_then(h.columnwise_data)) << what << " columnwise data";
     EXPECT_EQ(cs.download(), h.columnwise_scale) << what << " columnwise scale";
     if (!h.global_amax.empty()) {
       const std::vector<float> a = amax.download();
@@ -100,6 +109,33 @@ struct DeviceQuantized {
     }
   }
 };
+
+// Dequantizes each copy of q to fp32 and bf16 (outputs poisoned first) and compares them with
+// ref::dequantize of the reference's copies: bitwise, NaN payloads aside (a NaN stays a NaN).
+void expect_dequantize_matches(const QuantConfig& c, const ref::Quantized& h, const QuantizedTensor& q, int64_t B,
+                               int64_t M, int64_t K, bool batched, const std::string& what, cudaStream_t stream) {
+  for (bool columnwise : {false, true}) {
+    if (columnwise ? !c.columnwise : !c.rowwise) continue;
+    const int64_t rows = columnwise ? K : M, cols = columnwise ? M : K;
+    const std::vector<float> want = ref::dequantize(c, h, columnwise, B, M, K);
+    DeviceBuffer<float> o32(want.size());
+    DeviceBuffer<uint16_t> o16(want.size());
+    o32.fill_bytes(0xFF);
+    o16.fill_bytes(0xFF);
+    dequantize(c, q, columnwise, view(o32.get(), DType::kFP32, B, rows, cols, batched), stream);
+    dequantize(c, q, columnwise, view(o16.get(), DType::kBF16, B, rows, cols, batched), stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<float> got32 = o32.download();
+    const std::vector<uint16_t> got16 = o16.download();
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_TRUE(bits_equal_or_both_nan(got32[i], want[i]))
+          << what << (columnwise ? " col" : " row") << " fp32 at " << i << ": " << got32[i] << " vs " << want[i];
+      const bool nan16 = (got16[i] & 0x7FFF) > 0x7F80;
+      ASSERT_TRUE(got16[i] == float_to_bf16_bits(want[i]) || (std::isnan(want[i]) && nan16))
+          << what << (columnwise ? " col" : " row") << " bf16 at " << i;
+    }
+  }
+}
 
 struct Case {
   QuantConfig config;
@@ -208,30 +244,7 @@ TEST(Quantize, MatchesReferenceBitwise) {
     MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     d.expect_equal(h, what);
     // Dequantize each copy to fp32 and bf16 from the device copy.
-    for (bool columnwise : {false, true}) {
-      if (columnwise ? !t.config.columnwise : !t.config.rowwise) continue;
-      const int64_t rows = columnwise ? t.K : t.M, cols = columnwise ? t.M : t.K;
-      const std::vector<float> want = ref::dequantize(t.config, h, columnwise, t.B, t.M, t.K);
-      DeviceBuffer<float> o32(want.size());
-      DeviceBuffer<uint16_t> o16(want.size());
-      o32.fill_bytes(0xFF);
-      o16.fill_bytes(0xFF);
-      dequantize(t.config, d.q, columnwise, view(o32.get(), DType::kFP32, t.B, rows, cols, t.batched), stream);
-      dequantize(t.config, d.q, columnwise, view(o16.get(), DType::kBF16, t.B, rows, cols, t.batched), stream);
-      MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-      const std::vector<float> got32 = o32.download();
-      const std::vector<uint16_t> got16 = o16.download();
-      for (size_t i = 0; i < want.size(); ++i) {
-        uint32_t a, b;
-        std::memcpy(&a, &got32[i], 4);
-        std::memcpy(&b, &want[i], 4);
-        const bool both_nan = std::isnan(got32[i]) && std::isnan(want[i]);  // NaN payloads are not specified
-        ASSERT_TRUE(a == b || both_nan) << what << (columnwise ? " col" : " row") << " fp32 at " << i << ": "
-                                        << got32[i] << " vs " << want[i];
-        const uint16_t w16 = float_to_bf16_bits(want[i]);
-        ASSERT_TRUE(got16[i] == w16 || both_nan) << what << " bf16 at " << i;
-      }
-    }
+    expect_dequantize_matches(t.config, h, d.q, t.B, t.M, t.K, t.batched, what, stream);
   }
   cudaStreamDestroy(stream);
 }
@@ -258,49 +271,12 @@ TEST(Quantize, DataAtTheLeastAlignment) {
                              " at offset " + std::to_string(t.offset);
     const std::vector<uint16_t> x = make_input(t.M * t.K, t.K, 5);
     const ref::Quantized h = ref::quantize(c, x, 1, t.M, t.K);
-    const DType dt = c.format == QuantFormat::kNVFP4 ? DType::kFP4E2M1 : DType::kFP8E4M3;
     DeviceBuffer<uint16_t> dx(x);
-    DeviceBuffer<uint8_t> rd(h.rowwise_data.size() + 16), rs(h.rowwise_scale.size());
-    DeviceBuffer<uint8_t> cd(h.columnwise_data.size() + 16), cs(h.columnwise_scale.size());
-    DeviceBuffer<float> amax(1);
-    QuantizedTensor q;
-    const ScaleShape srow = scale_shape(c, t.M, t.K);
-    q.rowwise_data = TensorView(rd.get() + t.offset, dt, {t.M, t.K});
-    q.rowwise_scale = TensorView(rs.get(), srow.dtype, {srow.rows, srow.cols});
-    if (t.columnwise) {
-      const ScaleShape scol = scale_shape(c, t.K, t.M, /*columnwise=*/true);
-      q.columnwise_data = TensorView(cd.get() + t.offset, dt, {t.K, t.M});
-      q.columnwise_scale = TensorView(cs.get(), scol.dtype, {scol.rows, scol.cols});
-    }
-    if (c.format == QuantFormat::kNVFP4) q.global_amax = TensorView(amax.get(), DType::kFP32, {1});
-    quantize(c, TensorView(dx.get(), DType::kBF16, {t.M, t.K}), q, nullptr);
+    DeviceQuantized d(c, h, 1, t.M, t.K, false, t.offset);
+    quantize(c, TensorView(dx.get(), DType::kBF16, {t.M, t.K}), d.q, nullptr);
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
-    auto at_offset = [&](const DeviceBuffer<uint8_t>& d, size_t n) {
-      const std::vector<uint8_t> all = d.download();
-      return std::vector<uint8_t>(all.begin() + t.offset, all.begin() + t.offset + static_cast<int64_t>(n));
-    };
-    EXPECT_EQ(at_offset(rd, h.rowwise_data.size()), h.rowwise_data) << what << " rowwise data";
-    EXPECT_EQ(rs.download(), h.rowwise_scale) << what << " rowwise scale";
-    if (t.columnwise) {
-      EXPECT_EQ(at_offset(cd, h.columnwise_data.size()), h.columnwise_data) << what << " columnwise data";
-      EXPECT_EQ(cs.download(), h.columnwise_scale) << what << " columnwise scale";
-    }
-    for (bool columnwise : {false, true}) {
-      if (columnwise && !t.columnwise) continue;
-      const int64_t rows = columnwise ? t.K : t.M, cols = columnwise ? t.M : t.K;
-      const std::vector<float> want = ref::dequantize(c, h, columnwise, 1, t.M, t.K);
-      DeviceBuffer<float> o32(want.size());
-      DeviceBuffer<uint16_t> o16(want.size());
-      dequantize(c, q, columnwise, TensorView(o32.get(), DType::kFP32, {rows, cols}), nullptr);
-      dequantize(c, q, columnwise, TensorView(o16.get(), DType::kBF16, {rows, cols}), nullptr);
-      const std::vector<float> got32 = o32.download();
-      const std::vector<uint16_t> got16 = o16.download();
-      for (size_t e = 0; e < want.size(); ++e) {
-        ASSERT_TRUE(bits_equal_or_both_nan(got32[e], want[e])) << what << " dequantized fp32 at " << e;
-        ASSERT_TRUE(got16[e] == float_to_bf16_bits(want[e]) || std::isnan(want[e]))
-            << what << " dequantized bf16 at " << e;
-      }
-    }
+    d.expect_equal(h, what);
+    expect_dequantize_matches(c, h, d.q, 1, t.M, t.K, false, what, nullptr);
   }
 }
 
