@@ -220,7 +220,7 @@ void dense_gemm(cublasHandle_t h, const void* A, const void* B, void* C, int64_t
 
 int main(int argc, char** argv) {
   CLI::App app{"Grouped GEMM (fprop/dgrad/wgrad) TFLOP/s on the named shapes, beside cuBLAS dense"};
-  std::vector<std::string> shapes;
+  std::vector<std::string> shapes, products, routings;
   std::string json_out, groups_out;
   bool all_configs = false, fp8 = false;
   int rounds = 9;
@@ -232,6 +232,9 @@ int main(int argc, char** argv) {
   app.add_flag("--all-configs", all_configs, "also time every compiled tile configuration and raster order");
   app.add_option("--rounds", rounds, "interleaved timing rounds per measurement (median reported)");
   app.add_option("--skew", skew, "Zipf-like skew of the skewed routing");
+  app.add_option("--product", products, "only these products, e.g. fc2:fprop (default: all; for profiling one kernel)");
+  app.add_option("--routing", routings, "only these routings: balanced, skewed (default: both)")
+      ->check(CLI::IsMember({"balanced", "skewed"}));
   CLI11_PARSE(app, argc, argv);
   if (shapes.empty())
     for (const auto& s : moe::bench::named_shapes()) shapes.push_back(s.name);
@@ -250,6 +253,7 @@ int main(int argc, char** argv) {
   for (const std::string& name : shapes) {
     const moe::bench::Shape s = moe::bench::parse_shape(name);
     for (const auto& [routing, sk] : {std::pair<const char*, double>{"balanced", 0.0}, {"skewed", skew}}) {
+      if (!routings.empty() && std::find(routings.begin(), routings.end(), routing) == routings.end()) continue;
       const Groups g = make_groups(s, sk, 128);
       groups_json.push_back({{"shape", s.name}, {"routing", routing}, {"T", s.T}, {"H", s.H}, {"F", s.F},
                              {"E", s.E}, {"k", s.k}, {"useful_rows", g.useful}, {"sizes", g.padded}});
@@ -329,6 +333,8 @@ int main(int argc, char** argv) {
              true},
         };
         for (const OpRun& r : runs) {
+          const std::string product = "fc" + std::to_string(fc) + ":" + r.label;
+          if (!products.empty() && std::find(products.begin(), products.end(), product) == products.end()) continue;
           gg.force_config(r.op, "");
           const std::string chosen = gg.chosen_config(r.op, N, K, r.out);
           std::vector<Candidate> cands = {{"ours", r.ours, false}, {"graph", r.ours, true}};

@@ -105,6 +105,7 @@ struct GroupedGemm::Impl {
   struct Forced {
     std::string name;
     bool raster_along_n = false;
+    int tile_run = 1;
   } forced[kNumOps];
 
   CallLayout layout(int experts) const {
@@ -135,16 +136,16 @@ struct GroupedGemm::Impl {
   // The kernel for the problem's capabilities and shape: the heuristic's configuration, or the
   // forced one when a kernel of that name has the needed capabilities.
   const gemm::KernelEntry* kernel(Op op, DType ab, DType out, bool accumulate, int64_t N, int64_t K,
-                                  bool* raster_along_n) const {
+                                  gemm::TileChoice* choice) const {
     const Forced& f = forced[int(op)];
     gemm::TileChoice c = ab == DType::kFP8E4M3 ? gemm::choose_fp8_tiles(op, N, K) : gemm::choose_tiles(op, N, K);
     if (!f.name.empty() && gemm::find_kernel(op, ab, out, accumulate, f.name.c_str()))
-      c = {f.name.c_str(), f.raster_along_n};
+      c = {f.name.c_str(), f.raster_along_n, f.tile_run};
     const gemm::KernelEntry* k = gemm::find_kernel(op, ab, out, accumulate, c.name);
     MOE_CHECK(k != nullptr, "grouped GEMM: no ", gemm_op_name(GemmOp(op)), " kernel '", c.name, "' for ",
               dtype_name(ab), " operands with ", dtype_name(out), " output",
               accumulate ? " (accumulating)" : "", " is compiled");
-    *raster_along_n = c.raster_along_n;
+    *choice = c;
     return k;
   }
 
@@ -212,9 +213,10 @@ size_t GroupedGemm::workspace_bytes(int experts) const {
 }
 
 std::string GroupedGemm::chosen_config(GemmOp op, int64_t N, int64_t K, DType out_dtype) const {
-  bool along_n = false;
-  const gemm::KernelEntry* k = impl_->kernel(to_op(op), DType::kBF16, out_dtype, false, N, K, &along_n);
-  return std::string(k->name) + (along_n ? "/N" : "/M");
+  gemm::TileChoice c{};
+  const gemm::KernelEntry* k = impl_->kernel(to_op(op), DType::kBF16, out_dtype, false, N, K, &c);
+  return std::string(k->name) + (c.raster_along_n ? "/N" : "/M") +
+         (c.tile_run > 1 ? "/run" + std::to_string(c.tile_run) : std::string());
 }
 
 std::vector<std::string> GroupedGemm::configs(GemmOp op, DType out_dtype, DType operands) {
@@ -227,7 +229,8 @@ std::vector<std::string> GroupedGemm::configs(GemmOp op, DType out_dtype, DType 
   return names;
 }
 
-void GroupedGemm::force_config(GemmOp op, const std::string& name, bool raster_along_n) {
+void GroupedGemm::force_config(GemmOp op, const std::string& name, bool raster_along_n, int tile_run) {
+  MOE_CHECK(tile_run >= 1 && tile_run <= 1024, "argument 'tile_run': expected 1..1024, got ", tile_run);
   if (!name.empty()) {
     bool known = false;
     for (DType ab : {DType::kBF16, DType::kFP8E4M3})
@@ -235,7 +238,7 @@ void GroupedGemm::force_config(GemmOp op, const std::string& name, bool raster_a
         known = known || gemm::find_kernel(to_op(op), ab, out, false, name.c_str()) != nullptr;
     MOE_CHECK(known, "argument 'name': no ", gemm_op_name(op), " configuration named '", name, "'");
   }
-  impl_->forced[int(op)] = {name, raster_along_n};
+  impl_->forced[int(op)] = {name, raster_along_n, tile_run};
 }
 
 void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaStream_t stream) const {
@@ -341,8 +344,8 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
     std::swap(p.N, p.K);
   }
 
-  bool along_n = false;
-  const gemm::KernelEntry* k = s.kernel(p.op, ab, out, accumulate, p.N, p.K, &along_n);
+  gemm::TileChoice choice{};
+  const gemm::KernelEntry* k = s.kernel(p.op, ab, out, accumulate, p.N, p.K, &choice);
   void* cutlass_ws = nullptr;
   const gemm::ArgArrays arrays = s.carve(workspace.data, w.experts(), &cutlass_ws);
   gemm::launch_prep(p, arrays, stream);
@@ -359,7 +362,8 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
   a.ptr_d = arrays.ptr_d, a.ld_d = arrays.ld_d;
   a.ptr_sfa = arrays.ptr_sfa, a.ptr_sfb = arrays.ptr_sfb;
   a.sm_count = s.sm_count;
-  a.raster_along_n = along_n;
+  a.raster_along_n = choice.raster_along_n;
+  a.tile_run = choice.tile_run;
   a.workspace = cutlass_ws;
   a.beta = accumulate ? 1.0f : 0.0f;
   k->run(a, stream);

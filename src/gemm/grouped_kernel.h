@@ -43,6 +43,7 @@ struct GroupedArgs {
   float beta = 0.0f;  // fp32 kernels: 1 accumulates into D
   int sm_count = 0;
   bool raster_along_n = false;  // tile order of the persistent scheduler inside each group
+  int tile_run = 1;             // consecutive tiles per CTA visit (run_group_scheduler.cuh); 1 = round-robin
   void* workspace = nullptr;    // fixed address, at least workspace_bytes(groups, sm_count)
 };
 

@@ -19,6 +19,7 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include "gemm/grouped_kernel.h"
+#include "gemm/run_group_scheduler.cuh"
 #include "moe/error.h"
 
 namespace moe::gemm {
@@ -83,8 +84,11 @@ struct Fp8BlockOperands {
 };
 
 // Operands: Bf16Operands<op> or Fp8BlockOperands<...>; ElementD: bf16 or float; ElementC: void (no
-// source) or float (beta * C); Tile/Cluster: cute shapes; Schedule: Cooperative or Pingpong.
-template <class Operands, class ElementD, class ElementC, class Tile, class Cluster, class Schedule>
+// source) or float (beta * C); Tile/Cluster: cute shapes; Schedule: Cooperative or Pingpong;
+// EpiTile: the output subtile the epilogue stages through shared memory per TMA store (CUTLASS's
+// choice by default: 64x32 for ping-pong, 128x32 for cooperative bf16 output).
+template <class Operands, class ElementD, class ElementC, class Tile, class Cluster, class Schedule,
+          class EpiTile = cutlass::epilogue::collective::EpilogueTileAuto>
 struct Sm90Gemm {
   using ElementAB = typename Operands::Element;
   using ElementAcc = float;
@@ -94,11 +98,11 @@ struct Sm90Gemm {
   static constexpr int kAlignAB = 16 / sizeof(ElementAB);  // 16-byte TMA alignment
   static constexpr int kAlignD = 16 / sizeof(ElementD);
   static constexpr int kAlignC = std::is_void_v<ElementC> ? kAlignD : 16 / int(sizeof(std::conditional_t<std::is_void_v<ElementC>, char, ElementC>));
-  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+  using ProblemShape = RunGroupProblemShape;  // selects RunGroupScheduler (run_group_scheduler.cuh)
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementAcc,
+      EpiTile, ElementAcc, ElementAcc,
       ElementC, LayoutD*, kAlignC, ElementD, LayoutD*, kAlignD, typename Schedule::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAcc, ElementC, ElementAcc>>::CollectiveOp;
 
@@ -126,10 +130,10 @@ struct Sm90Gemm {
     typename Gemm::Arguments args;
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
     // No host problem shapes: sizes exist only on the device (graph-safe, no host read).
-    args.problem_shape = {a.groups,
-                          reinterpret_cast<typename ProblemShape::UnderlyingProblemShape*>(
-                              const_cast<int32_t*>(a.problem_shapes)),
-                          nullptr};
+    args.problem_shape.num_groups = a.groups;
+    args.problem_shape.problem_shapes =
+        reinterpret_cast<typename ProblemShape::UnderlyingProblemShape*>(const_cast<int32_t*>(a.problem_shapes));
+    args.problem_shape.host_problem_shapes = nullptr;
     auto& ml = args.mainloop;
     ml.ptr_A = reinterpret_cast<const ElementAB**>(const_cast<const void**>(a.ptr_a));
     ml.dA = reinterpret_cast<StrideA*>(const_cast<int64_t*>(a.ld_a));
@@ -166,6 +170,7 @@ struct Sm90Gemm {
     args.scheduler.raster_order = a.raster_along_n
                                       ? cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN
                                       : cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;
+    args.scheduler.run = a.tile_run;
     return args;
   }
 
@@ -194,8 +199,9 @@ struct Sm90Gemm {
 };
 
 // The bf16 configurations: operand layouts fixed by the op.
-template <Op kOp, class ElementD, class ElementC, class Tile, class Cluster, class Schedule>
-using Sm90GroupedGemm = Sm90Gemm<Bf16Operands<kOp>, ElementD, ElementC, Tile, Cluster, Schedule>;
+template <Op kOp, class ElementD, class ElementC, class Tile, class Cluster, class Schedule,
+          class EpiTile = cutlass::epilogue::collective::EpilogueTileAuto>
+using Sm90GroupedGemm = Sm90Gemm<Bf16Operands<kOp>, ElementD, ElementC, Tile, Cluster, Schedule, EpiTile>;
 
 // The FP8 block-scaled configurations ("TN", see Fp8BlockOperands):
 //   fprop form (fprop, and dgrad on the weights' columnwise copy): activation scales per row and

@@ -8,6 +8,11 @@ namespace moe::gemm {
 //  - long reductions: cooperative 128x256; the 1x2 cluster (token tile multicast to two N tiles)
 //    beats 2x1 when the output width fills whole cluster pairs of 256-wide tiles, otherwise half a
 //    cluster idles and 2x1 is used;
+//  - runs of 4 consecutive tiles per CTA visit for reductions of at most 512 (fprop and dgrad):
+//    a four-k-block main loop cannot hide the group change (TMA descriptor swap) that the
+//    round-robin order makes at nearly every tile of fine-grained experts (sonic-7b-fine fc2:
+//    1.09x on top of the 64x64 epilogue subtile); longer reductions lose L2 reuse with runs
+//    (sonic-7b-fine fc1, K = 1536: 0.83x, L2 hit rate 68% -> 47%), so they keep run 1;
 //  - wgrad: the scheduler walks each expert's tiles along N when the output is taller than wide
 //    (measured 1.0-1.05x on bf16 and up to 1.38x on the fp32 main_grad of mixtral fc1; along M
 //    is better the other way round).
@@ -15,11 +20,11 @@ TileChoice choose_tiles(Op op, int64_t N, int64_t K) {
   switch (op) {
     case Op::kFprop: {  // Y [m, N], reduction K
       const bool short_k = K <= 1024 || (K <= 2048 && N <= 2048);
-      if (short_k && N % 256 == 0) return {"pong_128x128x64_c1x2", true};
+      if (short_k && N % 256 == 0) return {"pong_128x128x64_c1x2", true, K <= 512 ? 4 : 1};
       return {N % 512 == 0 ? "coop_128x256x64_c1x2" : "coop_128x256x64_c2x1", false};
     }
     case Op::kDgrad:  // dX [m, K], reduction N
-      if (N <= 768) return {"pong_128x128x64_c2x1", true};
+      if (N <= 768) return {"pong_128x128x64_c2x1", true, N <= 512 ? 4 : 1};
       return {K % 512 == 0 ? "coop_128x256x64_c1x2" : "coop_128x256x64_c2x1", false};
     case Op::kWgrad:  // dW [N, K], reduction over the tokens of an expert
       return {"coop_128x256x64_c2x1", N > K};

@@ -8,11 +8,12 @@
 
 namespace moe::gemm {
 
-// A kernel configuration name (see kernel_registry.cpp) and the persistent scheduler's tile order
-// inside each group.
+// A kernel configuration name (see kernel_registry.cpp), the persistent scheduler's tile order
+// inside each group, and how many consecutive tiles a CTA takes per visit (run_group_scheduler.cuh).
 struct TileChoice {
   const char* name;
   bool raster_along_n;
+  int tile_run = 1;
 };
 
 TileChoice choose_tiles(Op op, int64_t N, int64_t K);

@@ -38,7 +38,7 @@ using Bits = uint16_t;
 // The engine and one call workspace of its own (the engine holds no device memory; every call
 // names the workspace its argument arrays and CUTLASS state go to).
 struct TestGemm {
-  TestGemm(int E, int64_t R) : gg(E, R), ws(gg.workspace_bytes()) {}
+  TestGemm(int E, int64_t R, int max_sms = 0) : gg(E, R, max_sms), ws(gg.workspace_bytes()) {}
   GroupedGemm gg;
   DeviceBuffer<uint8_t> ws;
   TensorView workspace() const { return TensorView(ws.get(), DType::kUInt8, {int64_t(ws.size())}); }
@@ -53,7 +53,9 @@ struct TestGemm {
              cudaStream_t s) {
     gg.wgrad(dy, x, o, dw, acc, workspace(), s);
   }
-  void force_config(GemmOp op, const std::string& name, bool along_n = false) { gg.force_config(op, name, along_n); }
+  void force_config(GemmOp op, const std::string& name, bool along_n = false, int tile_run = 1) {
+    gg.force_config(op, name, along_n, tile_run);
+  }
   std::string chosen_config(GemmOp op, int64_t N, int64_t K, DType out = DType::kBF16) const {
     return gg.chosen_config(op, N, K, out);
   }
@@ -319,6 +321,32 @@ TEST(GroupedGemm, EveryConfigurationUnevenAndEmptyGroups) {
   run_and_check_all(gg, p, "heuristic");
 }
 
+TEST(GroupedGemm, TileRunsCoverEveryTileOnce) {
+  MOE_REQUIRE_GPU();
+  // The persistent schedule in runs of consecutive tiles (run_group_scheduler.cuh): full rounds,
+  // then the tail split into equal shares. Six SMs (three clusters of two) give every CTA many
+  // rounds and a tail; groups are uneven, empty and one row; runs 1 (round-robin), 2, 3, 7 and one
+  // longer than all tiles (one contiguous share per cluster). Poisoned outputs catch a tile that is
+  // skipped, the reference one that is computed twice with the wrong group.
+  const std::vector<int> sizes = {130, 0, 1, 257, 0, 384, 77, 0, 129, 600, 3, 0};
+  const auto off = offsets_from_sizes(sizes);
+  Problem p(int(sizes.size()), 520, 136, off.back() + 5, off, 21);
+  TestGemm gg(p.E, p.R, 6);
+  for (GemmOp op : {GemmOp::kFprop, GemmOp::kDgrad, GemmOp::kWgrad}) {
+    for (const std::string& name : GroupedGemm::configs(op, DType::kBF16))
+      for (int run : {1, 2, 3, 7, 1024}) {
+        gg.force_config(op, name, run % 2 == 1, run);
+        const std::string what = std::string(gemm_op_name(op)) + " " + name + " run " + std::to_string(run);
+        if (op == GemmOp::kFprop) check_fprop(gg, p, what);
+        if (op == GemmOp::kDgrad) check_dgrad(gg, p, what);
+        if (op == GemmOp::kWgrad) check_wgrad(gg, p, what);
+      }
+    gg.force_config(op, "");
+  }
+  ::moe::testing::expect_error_naming([&] { gg.force_config(GemmOp::kFprop, "pong_128x128x64_c1x2", true, 0); },
+                                      "tile_run");
+}
+
 TEST(GroupedGemm, SingleGroupAndLargeReduction) {
   MOE_REQUIRE_GPU();
   Problem p(1, 136, 1032, 515, {0, 515}, 2);
@@ -334,7 +362,7 @@ TEST(GroupedGemm, HeuristicConfigurationsOnClusterAlignedShapes) {
   const auto off = offsets_from_sizes({130, 0, 250});
   Problem p(3, 1024, 512, off.back(), off, 13);
   TestGemm gg(3, p.R);
-  EXPECT_EQ(gg.chosen_config(GemmOp::kFprop, p.N, p.K), "pong_128x128x64_c1x2/N");
+  EXPECT_EQ(gg.chosen_config(GemmOp::kFprop, p.N, p.K), "pong_128x128x64_c1x2/N/run4");
   EXPECT_EQ(gg.chosen_config(GemmOp::kDgrad, p.N, p.K), "coop_128x256x64_c1x2/M");
   EXPECT_EQ(gg.chosen_config(GemmOp::kWgrad, p.N, p.K), "coop_128x256x64_c2x1/N");
   run_and_check_all(gg, p, "heuristic N=1024 K=512");
