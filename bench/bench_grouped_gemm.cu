@@ -224,6 +224,7 @@ int main(int argc, char** argv) {
   std::string json_out, groups_out;
   bool all_configs = false, fp8 = false;
   int rounds = 9;
+  int tile_run = 1;
   double skew = 1.0;
   app.add_option("--shape", shapes, "named shapes or T,H,F,E,k (default: every named shape)");
   app.add_option("--json", json_out, "write our figures to this JSON file");
@@ -233,6 +234,8 @@ int main(int argc, char** argv) {
   app.add_option("--rounds", rounds, "interleaved timing rounds per measurement (median reported)");
   app.add_option("--skew", skew, "Zipf-like skew of the skewed routing");
   app.add_option("--product", products, "only these products, e.g. fc2:fprop (default: all; for profiling one kernel)");
+  app.add_option("--tile-run", tile_run, "with --all-configs: consecutive cluster tiles per CTA visit for every alternative")
+      ->check(CLI::Range(1, 1024));
   app.add_option("--routing", routings, "only these routings: balanced, skewed (default: both)")
       ->check(CLI::IsMember({"balanced", "skewed"}));
   CLI11_PARSE(app, argc, argv);
@@ -372,7 +375,7 @@ int main(int argc, char** argv) {
               for (bool along_n : {false, true}) {
                 alt_cfg.push_back({c, along_n});
                 cands.push_back({c + (along_n ? "/N" : "/M"), [&, c, along_n] {
-                                   gg.force_config(r.op, c, along_n);
+                                   gg.force_config(r.op, c, along_n, tile_run);
                                    r.ours();
                                  },
                                  false});

@@ -159,9 +159,9 @@ class GroupedGemm {
   std::string chosen_config(GemmOp op, int64_t N, int64_t K, DType out_dtype = DType::kBF16) const;
   // operands: kBF16 or kFP8E4M3 (FP8 dgrad runs the fprop-form kernels: list and force them as fprop).
   static std::vector<std::string> configs(GemmOp op, DType out_dtype = DType::kBF16, DType operands = DType::kBF16);
-  // Forces a configuration by name ("" = back to the heuristic), the tile order inside a group
-  // (false: along M) and the consecutive tiles a CTA takes per visit of the persistent schedule
-  // (1: round-robin; the heuristic takes 4 for short reductions). Configuration of the engine, for
+  // Forces a configuration by name ("" = back to the heuristic, with tile_run 1), the tile order
+  // inside a group (false: along M) and the consecutive cluster tiles a CTA takes per visit of the
+  // persistent schedule (1: round-robin; the heuristic takes 4 for short reductions). Configuration of the engine, for
   // benchmarks and tests; throws on an unknown name. Products on transposed expert matrices run the
   // other op's kernel (fprop <-> dgrad) and take that op's forced configuration; chosen_config
   // reports the standard orientation's choice ("name/M", "name/N", with "/runR" when R > 1).

@@ -231,12 +231,19 @@ std::vector<std::string> GroupedGemm::configs(GemmOp op, DType out_dtype, DType 
 
 void GroupedGemm::force_config(GemmOp op, const std::string& name, bool raster_along_n, int tile_run) {
   MOE_CHECK(tile_run >= 1 && tile_run <= 1024, "argument 'tile_run': expected 1..1024, got ", tile_run);
+  MOE_CHECK(!name.empty() || tile_run == 1,
+            "argument 'tile_run': a run length goes with a configuration name (\"\" returns to the heuristic)");
   if (!name.empty()) {
-    bool known = false;
+    bool known = false, runs = true;
     for (DType ab : {DType::kBF16, DType::kFP8E4M3})
       for (DType out : {DType::kBF16, DType::kFP32})
-        known = known || gemm::find_kernel(to_op(op), ab, out, false, name.c_str()) != nullptr;
+        if (const gemm::KernelEntry* k = gemm::find_kernel(to_op(op), ab, out, false, name.c_str())) {
+          known = true;
+          runs = runs && k->tile_runs;
+        }
     MOE_CHECK(known, "argument 'name': no ", gemm_op_name(op), " configuration named '", name, "'");
+    MOE_CHECK(runs || tile_run == 1, "argument 'tile_run': configuration '", name,
+              "' runs CUTLASS's round-robin schedule only (tile_run 1)");
   }
   impl_->forced[int(op)] = {name, raster_along_n, tile_run};
 }

@@ -43,7 +43,7 @@ struct GroupedArgs {
   float beta = 0.0f;  // fp32 kernels: 1 accumulates into D
   int sm_count = 0;
   bool raster_along_n = false;  // tile order of the persistent scheduler inside each group
-  int tile_run = 1;             // consecutive tiles per CTA visit (run_group_scheduler.cuh); 1 = round-robin
+  int tile_run = 1;             // consecutive cluster tiles per visit (run_group_scheduler.cuh); 1 = round-robin
   void* workspace = nullptr;    // fixed address, at least workspace_bytes(groups, sm_count)
 };
 
@@ -62,6 +62,7 @@ struct KernelEntry {
   // Enqueues the grouped GEMM on `stream`; throws moe::Error if CUTLASS rejects the arguments.
   void (*run)(const GroupedArgs& args, cudaStream_t stream);
   size_t (*workspace_bytes)(int groups, int sm_count);
+  bool tile_runs;  // takes GroupedArgs::tile_run > 1 (otherwise CUTLASS's round-robin order only)
 };
 
 // Every compiled configuration (kernel_registry.cpp).

@@ -19,7 +19,11 @@
 //
 // Plugged into CUTLASS's ptr-array kernels through the problem-shape type: kernels instantiated
 // with RunGroupProblemShape select this scheduler (the TileSchedulerSelector specialization
-// below); everything else about the kernels is CUTLASS's.
+// below); everything else about the kernels is CUTLASS's. Written against CUTLASS 4.2: it relies on
+// the group scheduler's walk (get_work_idx_m_and_n), its public scheduler_params / response_ptr_,
+// and the static grid layout of get_grid_shape (a cluster's CTAs at consecutive linear indices);
+// recheck those when upgrading (a selector that stops matching fails to compile: CUTLASS's
+// Arguments have no `run`).
 #pragma once
 
 #include <cstdint>
@@ -68,32 +72,38 @@ class RunGroupScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
   RunGroupScheduler() = default;
 
   CUTLASS_DEVICE RunGroupScheduler(Params const& params, SchedulerResponse* response_ptr)
-      : Base(params, response_ptr), run_(params.run) {
+      : run_(uint32_t(params.run)) {
+    // The base's constructor sets up its own walk state, which this scheduler never reads.
+    this->scheduler_params = params;
+    this->response_ptr_ = response_ptr;
 #if defined(__CUDA_ARCH__)
+    // 32-bit counters throughout: the producer warps run under a 40-register budget, and 64-bit
+    // state and divisions made every kernel on this scheduler spill. A launch has far fewer than
+    // 2^32 tiles (rows / 128 x N / 128).
     const auto& sp = this->scheduler_params;
     cluster_size_ = uint32_t(sp.cluster_shape_.m() * sp.cluster_shape_.n());
-    uint64_t linear;
+    uint32_t linear;
     if (sp.raster_order_ == RasterOrder::AlongN) {
-      linear = uint64_t(blockIdx.x) + uint64_t(blockIdx.y) * uint64_t(gridDim.x);
+      linear = blockIdx.x + blockIdx.y * gridDim.x;
     } else {
-      linear = uint64_t(blockIdx.x) * uint64_t(gridDim.y) + uint64_t(blockIdx.y);
+      linear = blockIdx.x * gridDim.y + blockIdx.y;
     }
     // The CTAs of a cluster have consecutive linear indices (CUTLASS's static grid layout).
-    cta_in_cluster_ = uint32_t(linear % cluster_size_);
+    cta_in_cluster_ = linear % cluster_size_;
     cluster_ = linear / cluster_size_;
-    clusters_ = uint64_t(gridDim.x) * uint64_t(gridDim.y) * uint64_t(gridDim.z) / cluster_size_;
+    clusters_ = gridDim.x * gridDim.y * gridDim.z / cluster_size_;
 
     // Cluster tiles of all groups, counted as the walk of get_work_idx_m_and_n counts them.
     const int lane = cutlass::canonical_lane_idx();
     const int groups = sp.problem_shapes_.groups();
-    uint64_t tiles = 0;
+    uint32_t tiles = 0;
     for (int g = lane; g < groups; g += cutlass::NumThreadsPerWarp) tiles += tiles_of(sp.problem_shapes_.get_problem_shape(g), sp);
     for (int offset = 16; offset > 0; offset /= 2) tiles += __shfl_xor_sync(0xffffffffu, tiles, offset);
-    const uint64_t units = tiles / cluster_size_;
-    const uint64_t window = clusters_ * uint64_t(run_);
-    full_round_steps_ = units / window * uint64_t(run_);
-    const uint64_t tail = units - units / window * window;
+    const uint32_t units = tiles / cluster_size_;
+    const uint32_t window = clusters_ * run_;
+    full_round_steps_ = units / window * run_;
     tail_start_ = units / window * window;
+    const uint32_t tail = units - tail_start_;
     tail_share_ = tail / clusters_;
     tail_extra_ = tail % clusters_;
 
@@ -129,57 +139,58 @@ class RunGroupScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
   }
 
  private:
+  // The walk's state (get_work_idx_m_and_n takes any struct with these members).
   struct GroupInfo {
     int group_idx = 0;
-    uint64_t start_linear_idx = 0;
-    uint64_t total_tiles = 0;
-    uint64_t problem_blocks_along_raster_order = 0;
+    uint32_t start_linear_idx = 0;
+    uint32_t total_tiles = 0;
+    uint32_t problem_blocks_along_raster_order = 0;
   };
 
-  CUTLASS_DEVICE static uint64_t round_up(uint64_t a, uint64_t b) { return (a + b - 1) / b * b; }
   using BaseParams = typename Base::Params;
-  CUTLASS_DEVICE static uint64_t blocks_m(ProblemShape const& s, BaseParams const& p) {
-    const uint64_t m = p.divmod_cta_shape_m_.divide(cute::get<0>(s) + p.divmod_cta_shape_m_.divisor - 1);
-    return round_up(m, (uint64_t(1) << p.log_swizzle_size_) * uint64_t(p.cluster_shape_.m()));
+  CUTLASS_DEVICE static uint32_t round_up(uint32_t a, uint32_t b) { return (a + b - 1) / b * b; }
+  CUTLASS_DEVICE static uint32_t blocks_m(ProblemShape const& s, BaseParams const& p) {
+    const uint32_t m = uint32_t(p.divmod_cta_shape_m_.divide(cute::get<0>(s) + p.divmod_cta_shape_m_.divisor - 1));
+    return round_up(m, (1u << p.log_swizzle_size_) * uint32_t(p.cluster_shape_.m()));
   }
-  CUTLASS_DEVICE static uint64_t blocks_n(ProblemShape const& s, BaseParams const& p) {
-    const uint64_t n = p.divmod_cta_shape_n_.divide(cute::get<1>(s) + p.divmod_cta_shape_n_.divisor - 1);
-    return round_up(n, (uint64_t(1) << p.log_swizzle_size_) * uint64_t(p.cluster_shape_.n()));
+  CUTLASS_DEVICE static uint32_t blocks_n(ProblemShape const& s, BaseParams const& p) {
+    const uint32_t n = uint32_t(p.divmod_cta_shape_n_.divide(cute::get<1>(s) + p.divmod_cta_shape_n_.divisor - 1));
+    return round_up(n, (1u << p.log_swizzle_size_) * uint32_t(p.cluster_shape_.n()));
   }
-  CUTLASS_DEVICE static uint64_t tiles_of(ProblemShape const& s, BaseParams const& p) {
+  CUTLASS_DEVICE static uint32_t tiles_of(ProblemShape const& s, BaseParams const& p) {
     return blocks_m(s, p) * blocks_n(s, p);
   }
 
   // The cluster tile this cluster takes at its step-th visit, as CUTLASS's linear tile index of
   // this CTA, or an invalid tile once its share is done.
-  CUTLASS_DEVICE WorkTileInfo work_at_step(uint64_t step) {
-    uint64_t unit;
+  CUTLASS_DEVICE WorkTileInfo work_at_step(uint32_t step) {
+    uint32_t unit;
     if (step < full_round_steps_) {
-      const uint64_t round = step / uint64_t(run_);
-      unit = (round * clusters_ + cluster_) * uint64_t(run_) + step % uint64_t(run_);
+      const uint32_t round = step / run_;
+      unit = (round * clusters_ + cluster_) * run_ + (step - round * run_);
     } else {
-      const uint64_t k = step - full_round_steps_;
-      const uint64_t share = tail_share_ + (cluster_ < tail_extra_ ? 1 : 0);
-      if (k >= share) return WorkTileInfo::invalid_work_tile();
-      unit = tail_start_ + cluster_ * tail_share_ + (cluster_ < tail_extra_ ? cluster_ : tail_extra_) + k;
+      const uint32_t k = step - full_round_steps_;
+      const bool extra = cluster_ < tail_extra_;
+      if (k >= tail_share_ + (extra ? 1u : 0u)) return WorkTileInfo::invalid_work_tile();
+      unit = tail_start_ + cluster_ * tail_share_ + (extra ? cluster_ : tail_extra_) + k;
     }
     auto& sp = this->scheduler_params;
     return Base::template get_work_idx_m_and_n<WorkTileInfo>(
-        unit * cluster_size_ + cta_in_cluster_, group_, sp.problem_shapes_, cached_,
-        sp.cta_shape_, sp.cluster_shape_, sp.divmod_cluster_shape_major_, sp.divmod_cluster_shape_minor_,
-        sp.divmod_cta_shape_m_, sp.divmod_cta_shape_n_, sp.log_swizzle_size_, sp.raster_order_);
+        uint64_t(unit) * cluster_size_ + cta_in_cluster_, group_, sp.problem_shapes_, cached_, sp.cta_shape_,
+        sp.cluster_shape_, sp.divmod_cluster_shape_major_, sp.divmod_cluster_shape_minor_, sp.divmod_cta_shape_m_,
+        sp.divmod_cta_shape_n_, sp.log_swizzle_size_, sp.raster_order_);
   }
 
-  int run_ = 1;
+  uint32_t run_ = 1;
   uint32_t cluster_size_ = 1;
   uint32_t cta_in_cluster_ = 0;
-  uint64_t cluster_ = 0;
-  uint64_t clusters_ = 1;
-  uint64_t step_ = 0;
-  uint64_t full_round_steps_ = 0;  // steps of the full rounds, per cluster
-  uint64_t tail_start_ = 0;        // first cluster tile after the full rounds
-  uint64_t tail_share_ = 0;        // tail tiles per cluster, and the first tail_extra_ clusters one more
-  uint64_t tail_extra_ = 0;
+  uint32_t cluster_ = 0;
+  uint32_t clusters_ = 1;
+  uint32_t step_ = 0;
+  uint32_t full_round_steps_ = 0;  // steps of the full rounds, per cluster
+  uint32_t tail_start_ = 0;        // first cluster tile after the full rounds
+  uint32_t tail_share_ = 0;        // tail tiles per cluster, and the first tail_extra_ clusters one more
+  uint32_t tail_extra_ = 0;
   GroupInfo group_;
   ProblemShape cached_[2];
 };

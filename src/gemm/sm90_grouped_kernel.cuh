@@ -98,7 +98,12 @@ struct Sm90Gemm {
   static constexpr int kAlignAB = 16 / sizeof(ElementAB);  // 16-byte TMA alignment
   static constexpr int kAlignD = 16 / sizeof(ElementD);
   static constexpr int kAlignC = std::is_void_v<ElementC> ? kAlignD : 16 / int(sizeof(std::conditional_t<std::is_void_v<ElementC>, char, ElementC>));
-  using ProblemShape = RunGroupProblemShape;  // selects RunGroupScheduler (run_group_scheduler.cuh)
+  // bf16 kernels take RunGroupScheduler (run_group_scheduler.cuh), selected by the problem-shape
+  // type; the FP8 block-scaled kernels keep CUTLASS's round-robin group scheduler (their consumers
+  // run at the register limit, and the extra scheduler state made them spill).
+  static constexpr bool kTileRuns = !Operands::kScaled;
+  using ProblemShape = std::conditional_t<kTileRuns, RunGroupProblemShape,
+                                          cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>>;
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
@@ -170,7 +175,7 @@ struct Sm90Gemm {
     args.scheduler.raster_order = a.raster_along_n
                                       ? cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN
                                       : cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;
-    args.scheduler.run = a.tile_run;
+    if constexpr (kTileRuns) args.scheduler.run = a.tile_run;
     return args;
   }
 
@@ -244,7 +249,8 @@ constexpr KernelCaps caps_of() {
   size_t workspace_this(int groups, int sm_count) { return ThisGemm::workspace_bytes(groups, sm_count); } \
   }                                                                                               \
   const KernelEntry& entry_fn() {                                                                 \
-    static const KernelEntry e{caps_of<op_v, ThisGemm>(), name_str, &run_this, &workspace_this};   \
+    static const KernelEntry e{caps_of<op_v, ThisGemm>(), name_str, &run_this, &workspace_this,     \
+                             ThisGemm::kTileRuns};                                               \
     return e;                                                                                     \
   }                                                                                               \
   }

@@ -8,7 +8,7 @@ namespace moe::gemm {
 //  - long reductions: cooperative 128x256; the 1x2 cluster (token tile multicast to two N tiles)
 //    beats 2x1 when the output width fills whole cluster pairs of 256-wide tiles, otherwise half a
 //    cluster idles and 2x1 is used;
-//  - runs of 4 consecutive tiles per CTA visit for reductions of at most 512 (fprop and dgrad):
+//  - runs of 4 consecutive cluster tiles per visit for reductions of at most 512 (fprop and dgrad):
 //    a four-k-block main loop cannot hide the group change (TMA descriptor swap) that the
 //    round-robin order makes at nearly every tile of fine-grained experts (sonic-7b-fine fc2:
 //    1.09x on top of the 64x64 epilogue subtile); longer reductions lose L2 reuse with runs

@@ -323,27 +323,56 @@ TEST(GroupedGemm, EveryConfigurationUnevenAndEmptyGroups) {
 
 TEST(GroupedGemm, TileRunsCoverEveryTileOnce) {
   MOE_REQUIRE_GPU();
-  // The persistent schedule in runs of consecutive tiles (run_group_scheduler.cuh): full rounds,
-  // then the tail split into equal shares. Six SMs (three clusters of two) give every CTA many
-  // rounds and a tail; groups are uneven, empty and one row; runs 1 (round-robin), 2, 3, 7 and one
-  // longer than all tiles (one contiguous share per cluster). Poisoned outputs catch a tile that is
-  // skipped, the reference one that is computed twice with the wrong group.
-  const std::vector<int> sizes = {130, 0, 1, 257, 0, 384, 77, 0, 129, 600, 3, 0};
+  // The persistent schedule in runs of consecutive cluster tiles (run_group_scheduler.cuh): full
+  // rounds, then the tail split into near-equal shares. Six SMs (three clusters of two) give every
+  // CTA many rounds and a tail; 40 groups (the group walk goes past one warp's 32) are uneven, empty
+  // or one row. Runs 2, 3, 7 and one longer than all tiles (one contiguous share per cluster), in
+  // both tile orders, must give bitwise the output of the round-robin order (each tile is computed
+  // by the same code whichever CTA takes it), which is checked against the reference; the outputs
+  // start poisoned, so a skipped tile shows.
+  std::vector<int> sizes;
+  for (int e = 0; e < 40; ++e) sizes.push_back(e % 7 == 3 ? 0 : e % 11 == 5 ? 1 : 17 + (e * 53) % 260);
   const auto off = offsets_from_sizes(sizes);
   Problem p(int(sizes.size()), 520, 136, off.back() + 5, off, 21);
   TestGemm gg(p.E, p.R, 6);
+  auto run_op = [&](GemmOp op) {
+    const int64_t n = op == GemmOp::kFprop ? p.R * p.N : op == GemmOp::kDgrad ? p.R * p.K : p.E * p.N * p.K;
+    DeviceBuffer<Bits> out(n);
+    out.fill_bytes(0xFF);
+    if (op == GemmOp::kFprop)
+      gg.fprop(p.x_view(), p.w_grouped(), p.off_view(), TensorView(out.get(), DType::kBF16, {p.R, p.N}), nullptr);
+    if (op == GemmOp::kDgrad)
+      gg.dgrad(p.dy_view(), p.w_grouped(), p.off_view(), TensorView(out.get(), DType::kBF16, {p.R, p.K}), nullptr);
+    if (op == GemmOp::kWgrad)
+      gg.wgrad(p.dy_view(), p.x_view(), p.off_view(),
+               ExpertMatrices::grouped(TensorView(out.get(), DType::kBF16, {int64_t(p.E), p.N, p.K}), "dw"), false,
+               nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    return out.download();
+  };
   for (GemmOp op : {GemmOp::kFprop, GemmOp::kDgrad, GemmOp::kWgrad}) {
     for (const std::string& name : GroupedGemm::configs(op, DType::kBF16))
-      for (int run : {1, 2, 3, 7, 1024}) {
-        gg.force_config(op, name, run % 2 == 1, run);
-        const std::string what = std::string(gemm_op_name(op)) + " " + name + " run " + std::to_string(run);
+      for (bool along_n : {false, true}) {
+        const std::string what = std::string(gemm_op_name(op)) + " " + name + (along_n ? "/N" : "/M");
+        gg.force_config(op, name, along_n, 1);
         if (op == GemmOp::kFprop) check_fprop(gg, p, what);
         if (op == GemmOp::kDgrad) check_dgrad(gg, p, what);
         if (op == GemmOp::kWgrad) check_wgrad(gg, p, what);
+        const std::vector<Bits> round_robin = run_op(op);
+        for (int run : {2, 3, 7, 1024}) {
+          gg.force_config(op, name, along_n, run);
+          // The run reaches the launch (reported with the configuration).
+          EXPECT_EQ(gg.chosen_config(op, p.N, p.K), name + (along_n ? "/N" : "/M") + "/run" + std::to_string(run));
+          EXPECT_TRUE(run_op(op) == round_robin) << what << " run " << run << " differs from the round-robin order";
+        }
       }
     gg.force_config(op, "");
   }
   ::moe::testing::expect_error_naming([&] { gg.force_config(GemmOp::kFprop, "pong_128x128x64_c1x2", true, 0); },
+                                      "tile_run");
+  ::moe::testing::expect_error_naming([&] { gg.force_config(GemmOp::kFprop, "", false, 4); }, "tile_run");
+  // The FP8 configurations keep CUTLASS's round-robin schedule.
+  ::moe::testing::expect_error_naming([&] { gg.force_config(GemmOp::kFprop, "fp8_coop_128x128x128_c1x2", false, 4); },
                                       "tile_run");
 }
 
