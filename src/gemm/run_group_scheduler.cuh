@@ -7,8 +7,8 @@
 // Measured on the H100 at 196608 x 1536 x 256 rows x N x K: 330 TFLOP/s in 128 groups, 407 in 8 or
 // 1 (Nsight Compute: 523 vs 398 us at base clock).
 //
-// This scheduler hands each cluster *runs* of consecutive cluster tiles instead: round r gives
-// cluster c the `run` tiles starting at (r * clusters + c) * run, so a CTA changes group only where
+// This scheduler hands each cluster *runs* of consecutive cluster tiles instead (tile_runs.h):
+// round r gives cluster c the `run` tiles from (r * clusters + c) * run, so a CTA changes group only where
 // its run crosses a group boundary, while all clusters still work on one window of
 // `clusters * run` tiles at a time (the operands of a few experts, which stay in L2 as in the
 // round-robin order; long runs lose that: the whole range of a cluster at once ran at a third of
@@ -32,6 +32,8 @@
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/sm90_tile_scheduler_group.hpp>
 #include <cutlass/gemm/kernel/tile_scheduler.hpp>
+
+#include "gemm/tile_runs.h"
 
 namespace moe::gemm {
 
@@ -71,8 +73,7 @@ class RunGroupScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
 
   RunGroupScheduler() = default;
 
-  CUTLASS_DEVICE RunGroupScheduler(Params const& params, SchedulerResponse* response_ptr)
-      : run_(uint32_t(params.run)) {
+  CUTLASS_DEVICE RunGroupScheduler(Params const& params, SchedulerResponse* response_ptr) {
     // The base's constructor sets up its own walk state, which this scheduler never reads.
     this->scheduler_params = params;
     this->response_ptr_ = response_ptr;
@@ -91,7 +92,7 @@ class RunGroupScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
     // The CTAs of a cluster have consecutive linear indices (CUTLASS's static grid layout).
     cta_in_cluster_ = linear % cluster_size_;
     cluster_ = linear / cluster_size_;
-    clusters_ = gridDim.x * gridDim.y * gridDim.z / cluster_size_;
+    const uint32_t clusters = gridDim.x * gridDim.y * gridDim.z / cluster_size_;
 
     // Cluster tiles of all groups, counted as the walk of get_work_idx_m_and_n counts them.
     const int lane = cutlass::canonical_lane_idx();
@@ -99,13 +100,7 @@ class RunGroupScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
     uint32_t tiles = 0;
     for (int g = lane; g < groups; g += cutlass::NumThreadsPerWarp) tiles += tiles_of(sp.problem_shapes_.get_problem_shape(g), sp);
     for (int offset = 16; offset > 0; offset /= 2) tiles += __shfl_xor_sync(0xffffffffu, tiles, offset);
-    const uint32_t units = tiles / cluster_size_;
-    const uint32_t window = clusters_ * run_;
-    full_round_steps_ = units / window * run_;
-    tail_start_ = units / window * window;
-    const uint32_t tail = units - tail_start_;
-    tail_share_ = tail / clusters_;
-    tail_extra_ = tail % clusters_;
+    runs_ = TileRuns::make(tiles / cluster_size_, clusters, uint32_t(params.run));
 
     // The group walk starts at group 0, as CUTLASS's constructor sets it up.
     if (lane < groups) cached_[1] = sp.problem_shapes_.get_problem_shape(lane);
@@ -165,15 +160,7 @@ class RunGroupScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
   // this CTA, or an invalid tile once its share is done.
   CUTLASS_DEVICE WorkTileInfo work_at_step(uint32_t step) {
     uint32_t unit;
-    if (step < full_round_steps_) {
-      const uint32_t round = step / run_;
-      unit = (round * clusters_ + cluster_) * run_ + (step - round * run_);
-    } else {
-      const uint32_t k = step - full_round_steps_;
-      const bool extra = cluster_ < tail_extra_;
-      if (k >= tail_share_ + (extra ? 1u : 0u)) return WorkTileInfo::invalid_work_tile();
-      unit = tail_start_ + cluster_ * tail_share_ + (extra ? cluster_ : tail_extra_) + k;
-    }
+    if (!runs_.unit(cluster_, step, &unit)) return WorkTileInfo::invalid_work_tile();
     auto& sp = this->scheduler_params;
     return Base::template get_work_idx_m_and_n<WorkTileInfo>(
         uint64_t(unit) * cluster_size_ + cta_in_cluster_, group_, sp.problem_shapes_, cached_, sp.cta_shape_,
@@ -181,16 +168,11 @@ class RunGroupScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
         sp.divmod_cta_shape_n_, sp.log_swizzle_size_, sp.raster_order_);
   }
 
-  uint32_t run_ = 1;
+  TileRuns runs_;
   uint32_t cluster_size_ = 1;
   uint32_t cta_in_cluster_ = 0;
   uint32_t cluster_ = 0;
-  uint32_t clusters_ = 1;
   uint32_t step_ = 0;
-  uint32_t full_round_steps_ = 0;  // steps of the full rounds, per cluster
-  uint32_t tail_start_ = 0;        // first cluster tile after the full rounds
-  uint32_t tail_share_ = 0;        // tail tiles per cluster, and the first tail_extra_ clusters one more
-  uint32_t tail_extra_ = 0;
   GroupInfo group_;
   ProblemShape cached_[2];
 };
