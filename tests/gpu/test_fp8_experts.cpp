@@ -330,6 +330,23 @@ TEST_F(Fp8Experts, PrimaryWeightsFromFp32Master) {
   expect_error_naming([&] { bf16.ex.fp8_weights(Param::kFc1Bias); }, "param");
 }
 
+// A checkpoint of expert weights written to a safetensors file and read back, with its keys as
+// saved (single grouped) and split into per-expert keys.
+struct ReadBack {
+  StateDict loaded, split;
+  Metadata md;
+};
+ReadBack through_safetensors(const StateDict& sd, const Metadata& md, const std::string& file,
+                             const std::string& prefix, int experts) {
+  const std::string path = ::testing::TempDir() + file;
+  save_safetensors(path, sd, md);
+  ReadBack r;
+  r.loaded = load_safetensors(path, &r.md);
+  r.split = r.loaded;
+  normalize_expert_keys(r.split, prefix, experts, WeightLayout::kPerExpert);
+  return r;
+}
+
 TEST_F(Fp8Experts, WeightsThroughACheckpointInEitherLayout) {
   // The FP8 copies saved to safetensors (grouped keys), converted to per-expert keys, and loaded
   // into ops whose own weights are zero (same biases): the loaded copies are the ones computed
@@ -354,12 +371,10 @@ TEST_F(Fp8Experts, WeightsThroughACheckpointInEitherLayout) {
             "fp8_block;block=128x128;scale=f32;layout=row_major;copies=rowwise,columnwise");
   EXPECT_EQ(sd.at("layers.3.experts.fc2.weight_columnwise_scale_inv").shape(),
             (std::vector<int64_t>{c.experts, (c.ffn + 127) / 128, (c.hidden + 127) / 128}));
-  const std::string path = ::testing::TempDir() + "fp8_experts.safetensors";
-  save_safetensors(path, sd, md);
-  Metadata md2;
-  StateDict loaded = load_safetensors(path, &md2);
-  StateDict split = loaded;
-  normalize_expert_keys(split, "layers.3.experts.", c.experts, WeightLayout::kPerExpert);
+  const ReadBack back = through_safetensors(sd, md, "fp8_experts.safetensors", "layers.3.experts.", c.experts);
+  const StateDict& loaded = back.loaded;
+  const StateDict& split = back.split;
+  const Metadata& md2 = back.md;
   ASSERT_TRUE(split.count("layers.3.experts.fc1.weight2_columnwise_scale_inv"));
   // A save before any copies exist is refused.
   expect_error_naming([&] { save_fp8_expert_weights(grouped.ex, "x.", sd, md, stream); }, "refresh_fp8_weights");
@@ -427,12 +442,10 @@ TEST_F(Fp8Experts, EmulatedWeightsThroughACheckpointInEitherLayout) {
     const HostTensor& data = sd.at("layers.1.experts.fc2.weight");
     EXPECT_EQ(data.shape(), (std::vector<int64_t>{c.experts, c.hidden,
                                                   q == EmulatedQuant::kNVFP4 ? c.ffn / 2 : c.ffn}));
-    const std::string path = ::testing::TempDir() + "emulated_experts.safetensors";
-    save_safetensors(path, sd, md);
-    Metadata md2;
-    const StateDict loaded = load_safetensors(path, &md2);
-    StateDict split = loaded;
-    normalize_expert_keys(split, "layers.1.experts.", c.experts, WeightLayout::kPerExpert);
+    const ReadBack back = through_safetensors(sd, md, "emulated_experts.safetensors", "layers.1.experts.", c.experts);
+    const StateDict& loaded = back.loaded;
+    const StateDict& split = back.split;
+    const Metadata& md2 = back.md;
     load_fp8_expert_weights(grouped.ex, loaded, md2, "layers.1.experts.", stream);
     load_fp8_expert_weights(per_expert.ex, split, md2, "layers.1.experts.", stream);
     for (ExpertsRun* r : {&src, &grouped, &per_expert}) r->train_step(step, stream);

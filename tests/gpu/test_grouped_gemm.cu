@@ -61,7 +61,6 @@ struct TestGemm {
   }
 };
 constexpr Bits kPoison = 0xFFFF;        // a bf16 NaN: any value written over it is visible
-constexpr uint32_t kPoison32 = 0xFFFFFFFFu;
 
 std::vector<Bits> random_bf16(size_t n, std::mt19937_64& rng) {
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -230,35 +229,37 @@ void check_wgrad_f32(const std::vector<float>& got, const Expected& ex, const st
   }
 }
 
-void check_fprop(TestGemm& gg, const Problem& p, const std::string& what) {
-  DeviceBuffer<Bits> y(p.R * p.N);
-  y.fill_bytes(0xFF);
-  gg.fprop(p.x_view(), p.w_grouped(), p.off_view(), TensorView(y.get(), DType::kBF16, {p.R, p.N}), nullptr);
+// The bf16 output of one op on `p`, written over a poisoned (NaN) buffer: y [R, N] (fprop),
+// dx [R, K] (dgrad) or dw [E, N, K] written (wgrad; empty experts must be zero-filled).
+std::vector<Bits> run_bf16(TestGemm& gg, const Problem& p, GemmOp op) {
+  const int64_t n = op == GemmOp::kFprop ? p.R * p.N : op == GemmOp::kDgrad ? p.R * p.K : p.E * p.N * p.K;
+  DeviceBuffer<Bits> out(n);
+  out.fill_bytes(0xFF);
+  if (op == GemmOp::kFprop)
+    gg.fprop(p.x_view(), p.w_grouped(), p.off_view(), TensorView(out.get(), DType::kBF16, {p.R, p.N}), nullptr);
+  if (op == GemmOp::kDgrad)
+    gg.dgrad(p.dy_view(), p.w_grouped(), p.off_view(), TensorView(out.get(), DType::kBF16, {p.R, p.K}), nullptr);
+  if (op == GemmOp::kWgrad)
+    gg.wgrad(p.dy_view(), p.x_view(), p.off_view(),
+             ExpertMatrices::grouped(TensorView(out.get(), DType::kBF16, {int64_t(p.E), p.N, p.K}), "dw"), false,
+             nullptr);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
-  check_rows_bf16(y.download(), expect_fprop(p), p.used_rows(), p.N, what + " fprop");
+  return out.download();
+}
+
+void check_fprop(TestGemm& gg, const Problem& p, const std::string& what) {
+  check_rows_bf16(run_bf16(gg, p, GemmOp::kFprop), expect_fprop(p), p.used_rows(), p.N, what + " fprop");
 }
 
 void check_dgrad(TestGemm& gg, const Problem& p, const std::string& what) {
-  DeviceBuffer<Bits> dx(p.R * p.K);
-  dx.fill_bytes(0xFF);
-  gg.dgrad(p.dy_view(), p.w_grouped(), p.off_view(), TensorView(dx.get(), DType::kBF16, {p.R, p.K}), nullptr);
-  MOE_CUDA_CHECK(cudaDeviceSynchronize());
-  check_rows_bf16(dx.download(), expect_dgrad(p), p.used_rows(), p.K, what + " dgrad");
+  check_rows_bf16(run_bf16(gg, p, GemmOp::kDgrad), expect_dgrad(p), p.used_rows(), p.K, what + " dgrad");
 }
 
 // wgrad written in bf16, written in fp32, and accumulated into an fp32 main_grad.
 void check_wgrad(TestGemm& gg, const Problem& p, const std::string& what) {
   const Expected ex = expect_wgrad(p);
   const int64_t wn = p.E * p.N * p.K;
-  {
-    DeviceBuffer<Bits> dw(wn);
-    dw.fill_bytes(0xFF);  // empty experts must be zero-filled, not left poisoned
-    gg.wgrad(p.dy_view(), p.x_view(), p.off_view(),
-             ExpertMatrices::grouped(TensorView(dw.get(), DType::kBF16, {int64_t(p.E), p.N, p.K}), "dw"), false,
-             nullptr);
-    MOE_CUDA_CHECK(cudaDeviceSynchronize());
-    check_wgrad_bf16(dw.download(), ex, what + " wgrad bf16");
-  }
+  check_wgrad_bf16(run_bf16(gg, p, GemmOp::kWgrad), ex, what + " wgrad bf16");
   {
     DeviceBuffer<float> dw(wn);
     dw.fill_bytes(0xFF);
@@ -335,21 +336,6 @@ TEST(GroupedGemm, TileRunsCoverEveryTileOnce) {
   const auto off = offsets_from_sizes(sizes);
   Problem p(int(sizes.size()), 520, 136, off.back() + 5, off, 21);
   TestGemm gg(p.E, p.R, 6);
-  auto run_op = [&](GemmOp op) {
-    const int64_t n = op == GemmOp::kFprop ? p.R * p.N : op == GemmOp::kDgrad ? p.R * p.K : p.E * p.N * p.K;
-    DeviceBuffer<Bits> out(n);
-    out.fill_bytes(0xFF);
-    if (op == GemmOp::kFprop)
-      gg.fprop(p.x_view(), p.w_grouped(), p.off_view(), TensorView(out.get(), DType::kBF16, {p.R, p.N}), nullptr);
-    if (op == GemmOp::kDgrad)
-      gg.dgrad(p.dy_view(), p.w_grouped(), p.off_view(), TensorView(out.get(), DType::kBF16, {p.R, p.K}), nullptr);
-    if (op == GemmOp::kWgrad)
-      gg.wgrad(p.dy_view(), p.x_view(), p.off_view(),
-               ExpertMatrices::grouped(TensorView(out.get(), DType::kBF16, {int64_t(p.E), p.N, p.K}), "dw"), false,
-               nullptr);
-    MOE_CUDA_CHECK(cudaDeviceSynchronize());
-    return out.download();
-  };
   for (GemmOp op : {GemmOp::kFprop, GemmOp::kDgrad, GemmOp::kWgrad}) {
     for (const std::string& name : GroupedGemm::configs(op, DType::kBF16))
       for (bool along_n : {false, true}) {
@@ -358,12 +344,13 @@ TEST(GroupedGemm, TileRunsCoverEveryTileOnce) {
         if (op == GemmOp::kFprop) check_fprop(gg, p, what);
         if (op == GemmOp::kDgrad) check_dgrad(gg, p, what);
         if (op == GemmOp::kWgrad) check_wgrad(gg, p, what);
-        const std::vector<Bits> round_robin = run_op(op);
+        const std::vector<Bits> round_robin = run_bf16(gg, p, op);
         for (int run : {2, 3, 7, 1024}) {
           gg.force_config(op, name, along_n, run);
           // The run reaches the launch (reported with the configuration).
           EXPECT_EQ(gg.chosen_config(op, p.N, p.K), name + (along_n ? "/N" : "/M") + "/run" + std::to_string(run));
-          EXPECT_TRUE(run_op(op) == round_robin) << what << " run " << run << " differs from the round-robin order";
+          EXPECT_TRUE(run_bf16(gg, p, op) == round_robin)
+              << what << " run " << run << " differs from the round-robin order";
         }
       }
     gg.force_config(op, "");
