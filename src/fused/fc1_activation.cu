@@ -213,6 +213,14 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
     // from the end of one tile's epilogue to the next tile's clear, so the epilogue gets their
     // registers (with a zero scale they stay live around the tile loop: the WGMMA reads them).
     clear(acc);
+    // The rows' probs, loaded now so that their latency hides under the main loop, not the epilogue.
+    const int r_first = get<0>(coord(0));
+    float prob[2];
+#pragma unroll
+    for (int v1 = 0; v1 < 2; ++v1) {
+      const int r = r_first + 8 * v1;
+      prob[v1] = (p.probs != nullptr && r < tile.rows) ? p.probs[tile.m0 + r] : 1.0f;
+    }
     consume_k_blocks<kCluster>(
         mma, tCrA, tCrB, acc, s.full, s.empty, ring, k_blocks, lane,
         [](int, int) {},
@@ -231,7 +239,6 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
     // pairs gives each lane one whole block, so every store is a 16-byte vector (a warp writes 8
     // rows x 64 contiguous bytes) and the bias is one 16-byte load per vector.
     const int j = lane & 3;
-    const int r_first = get<0>(coord(0));
     const __nv_bfloat16* bias = p.b1_table != nullptr ? p.b1_table[tile.e]
                                 : p.b1_base != nullptr ? p.b1_base + tile.e * h_cols
                                                        : nullptr;
@@ -241,7 +248,6 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
       const int r = r_first + 8 * v1;
       const bool row_ok = r < tile.rows;
       const int64_t row = tile.m0 + r;
-      const float prob = (p.probs != nullptr && row_ok) ? p.probs[row] : 1.0f;
 #pragma unroll
       for (int m = 0; m < kBlocks; ++m) {
         uint32_t g_in[4], g_out[4], l_in[4], l_out[4];
@@ -284,7 +290,7 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
             kernels::store_bf16x8(hr + lc, l);
           }
 #pragma unroll
-          for (int e = 0; e < kernels::kVec; ++e) out[e] = ActOp<A>::value(g[e], l[e], p.consts) * prob;
+          for (int e = 0; e < kernels::kVec; ++e) out[e] = ActOp<A>::value(g[e], l[e], p.consts) * prob[v1];
         } else {
           if (bias != nullptr) {
             float b[kernels::kVec];
@@ -294,7 +300,7 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
           }
           kernels::store_bf16x8(hr + f, g);
 #pragma unroll
-          for (int e = 0; e < kernels::kVec; ++e) out[e] = ActOp<A>::value(g[e], 0.0f, p.consts) * prob;
+          for (int e = 0; e < kernels::kVec; ++e) out[e] = ActOp<A>::value(g[e], 0.0f, p.consts) * prob[v1];
         }
         kernels::store_bf16x8(p.act + row * F + f, out);
       }
