@@ -43,6 +43,7 @@
 #include "fused/cluster_launch.h"
 #include "fused/consumer_loop.cuh"
 #include "fused/fc1_activation.h"
+#include "fused/row_tile_limits.h"
 #include "fused/row_tiles.cuh"
 #include "fused/tensor_map.h"
 #include "kernels/activation_math.cuh"
@@ -60,7 +61,7 @@ static_assert(kBM == 128 && kBK == 64, "the gathered A stage (gather_rows.cuh) i
 constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = kProducerThreads + kConsumerThreads;
 constexpr int kStageBytesA = kBM * kBK * 2;  // 16 KiB
 constexpr int kStageBytesB = kBN * kBK * 2;  // 32 KiB
-constexpr int kMaxExperts = 4096;
+constexpr int kMaxExperts = kMaxRowTileExperts;
 constexpr int kHalfBytesB = kStageBytesB / 2;  // one 128-row TMA box of the weight tile
 // Register split between the roles (multiples of 8; 128 * 88 + 256 * 208 <= 64K registers; no spills at this split).
 constexpr int kProducerRegs = 88, kConsumerRegs = 208;
@@ -367,14 +368,8 @@ CUtensorMap weight_map(const void* base, int E, int64_t rows, int H) {
 
 }  // namespace
 
-const char* fc1_activation_unsupported(int experts, int64_t H, int64_t F, const ActivationParams& activation) {
-  if (experts < 1 || experts > kMaxExperts) return "the fused fc1 takes 1 to 4096 experts (kMaxExperts)";
-  if (H < 8 || H % 8 != 0 || F < 8 || F % 8 != 0) return "the fused fc1 needs H and F multiples of 8";
-  if (H >= (int64_t(1) << 30) || F >= (int64_t(1) << 29)) return "the fused fc1 needs H < 2^30 and F < 2^29";
-  if (is_gated(activation.kind) && !(activation.glu_interleave == 0 || activation.glu_interleave == 1 ||
-                                     activation.glu_interleave % 8 == 0))
-    return "the fused fc1 needs a GLU interleave of 0, 1 or a multiple of 8";
-  return "";
+std::string fc1_activation_unsupported(int experts, int64_t H, int64_t F, const ActivationParams& activation) {
+  return row_tile_sizes_unsupported("the fused fc1", experts, H, F, activation);
 }
 
 void launch_fc1_activation(const Fc1ActivationArgs& a, cudaStream_t stream) {

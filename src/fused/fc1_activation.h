@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include <cuda_runtime_api.h>
 
@@ -46,7 +47,7 @@ struct Fc1ActivationArgs {
 
 // Whether the fused kernel handles these sizes (host check; the caller falls back or refuses).
 // Empty string: yes; otherwise the reason.
-const char* fc1_activation_unsupported(int experts, int64_t H, int64_t F, const ActivationParams& activation);
+std::string fc1_activation_unsupported(int experts, int64_t H, int64_t F, const ActivationParams& activation);
 
 // Enqueues the kernel (nothing when R == 0). Graph-safe: group sizes are read on the device only.
 void launch_fc1_activation(const Fc1ActivationArgs& args, cudaStream_t stream);

@@ -46,6 +46,7 @@
 #include "fused/fragment_pack.cuh"
 #include "fused/gather_rows.cuh"
 #include "fused/pipeline.cuh"
+#include "fused/row_tile_limits.h"
 #include "fused/row_tiles.cuh"
 #include "fused/tensor_map.h"
 #include "kernels/activation_math.cuh"
@@ -70,7 +71,7 @@ constexpr int kBoxCols = 64;                               // one TMA box: 64 fe
 constexpr int kBoxBytes = kBoxCols * kBK * 2;              // 8 KiB
 constexpr int kStageBytesB = kBN * kBK * 2;                // 32 KiB: all four boxes land in every CTA
 constexpr int kBoxesPerCta = kBN / kBoxCols / kCluster;    // 2
-constexpr int kMaxExperts = 4096;
+constexpr int kMaxExperts = kMaxRowTileExperts;
 constexpr int kProducerRegs = 56, kConsumerRegs = 224;     // 128 * 56 + 256 * 224 = 384 * 168, the launch pool
 
 // A: K-major 128-byte swizzled (as the fused fc1's). B: MN-major, 64 consecutive features of one
@@ -336,21 +337,15 @@ void launch_kernel(const Params& p, bool tma, int grid, cudaStream_t stream) {
 
 }  // namespace
 
-const char* fc2_dgrad_activation_unsupported(int experts, int64_t H, int64_t F, const ActivationParams& activation) {
-  if (experts < 1 || experts > kMaxExperts) return "the fused fc2 dgrad takes 1 to 4096 experts";
-  if (H < 8 || H % 8 != 0 || F < 8 || F % 8 != 0) return "the fused fc2 dgrad needs H and F multiples of 8";
-  if (H >= (int64_t(1) << 30) || F >= (int64_t(1) << 29)) return "the fused fc2 dgrad needs H < 2^30 and F < 2^29";
-  if (is_gated(activation.kind) && !(activation.glu_interleave == 0 || activation.glu_interleave == 1 ||
-                                     activation.glu_interleave % 8 == 0))
-    return "the fused fc2 dgrad needs a GLU interleave of 0, 1 or a multiple of 8";
-  return "";
+std::string fc2_dgrad_activation_unsupported(int experts, int64_t H, int64_t F, const ActivationParams& activation) {
+  return row_tile_sizes_unsupported("the fused fc2 dgrad", experts, H, F, activation);
 }
 
 int fc2_dgrad_feature_blocks(int64_t F) { return static_cast<int>((F + kBN - 1) / kBN); }
 
 void launch_fc2_dgrad_activation(const Fc2DgradActivationArgs& a, cudaStream_t stream) {
-  const char* why = fc2_dgrad_activation_unsupported(a.experts, a.H, a.F, a.activation);
-  MOE_CHECK(why[0] == '\0', "fused fc2 dgrad: ", why);
+  const std::string why = fc2_dgrad_activation_unsupported(a.experts, a.H, a.F, a.activation);
+  MOE_CHECK(why.empty(), "fused fc2 dgrad: ", why);
   if (a.R == 0) return;
   MOE_CHECK(a.R < (int64_t(1) << 31), "fused fc2 dgrad: needs fewer than 2^31 rows");
   Params p;

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include <cuda_runtime_api.h>
 
@@ -47,7 +48,7 @@ struct Fc2DgradActivationArgs {
 
 // Whether the fused kernel handles these sizes (host check; the caller falls back or refuses).
 // Empty string: yes; otherwise the reason.
-const char* fc2_dgrad_activation_unsupported(int experts, int64_t H, int64_t F, const ActivationParams& activation);
+std::string fc2_dgrad_activation_unsupported(int experts, int64_t H, int64_t F, const ActivationParams& activation);
 
 // Feature blocks of one row block: the number of dprobs partial sums per row (1: none are needed).
 int fc2_dgrad_feature_blocks(int64_t F);

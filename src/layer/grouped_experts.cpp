@@ -120,13 +120,13 @@ struct GroupedExperts::Impl {
 
   explicit Impl(const ExpertsConfig& c) : cfg((c.validate(), c)), R(c.max_rows), gemm(c.experts, c.max_rows, c.max_sms) {
     if (cfg.fuse_fc1) {
-      const char* why = fused::fc1_activation_unsupported(cfg.experts, cfg.hidden, cfg.ffn, cfg.activation);
-      MOE_CHECK(why[0] == '\0', "config 'fuse_fc1': ", why);
+      const std::string why = fused::fc1_activation_unsupported(cfg.experts, cfg.hidden, cfg.ffn, cfg.activation);
+      MOE_CHECK(why.empty(), "config 'fuse_fc1': ", why);
       MOE_CHECK(cfg.dtype == DType::kBF16, "config 'fuse_fc1': the fused fc1 takes bf16 activations and weights");
     }
     if (cfg.fuse_fc2_dgrad) {
-      const char* why = fused::fc2_dgrad_activation_unsupported(cfg.experts, cfg.hidden, cfg.ffn, cfg.activation);
-      MOE_CHECK(why[0] == '\0', "config 'fuse_fc2_dgrad': ", why);
+      const std::string why = fused::fc2_dgrad_activation_unsupported(cfg.experts, cfg.hidden, cfg.ffn, cfg.activation);
+      MOE_CHECK(why.empty(), "config 'fuse_fc2_dgrad': ", why);
       MOE_CHECK(cfg.dtype == DType::kBF16, "config 'fuse_fc2_dgrad': the fused fc2 dgrad takes bf16 activations and ",
                 "weights");
     }
