@@ -17,7 +17,8 @@ constexpr int kMaxRowTileExperts = 4096;
 inline std::string row_tile_sizes_unsupported(const char* kernel, int experts, int64_t H, int64_t F,
                                               const ActivationParams& activation) {
   const std::string who(kernel);
-  if (experts < 1 || experts > kMaxRowTileExperts) return who + " takes 1 to 4096 experts";
+  if (experts < 1 || experts > kMaxRowTileExperts)
+    return who + " takes 1 to " + std::to_string(kMaxRowTileExperts) + " experts";
   if (H < 8 || H % 8 != 0 || F < 8 || F % 8 != 0) return who + " needs H and F multiples of 8";
   if (H >= (int64_t(1) << 30) || F >= (int64_t(1) << 29)) return who + " needs H < 2^30 and F < 2^29";
   if (is_gated(activation.kind) &&
