@@ -373,6 +373,8 @@ std::string fc1_activation_unsupported(int experts, int64_t H, int64_t F, const 
 }
 
 void launch_fc1_activation(const Fc1ActivationArgs& a, cudaStream_t stream) {
+  const std::string why = fc1_activation_unsupported(a.experts, a.H, a.F, a.activation);
+  MOE_CHECK(why.empty(), "fused fc1: ", why);
   if (a.R == 0) return;
   const bool gated = is_gated(a.activation.kind);
   Params p;
