@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #include "device/cuda_check.h"
 #include "moe/error.h"
@@ -123,7 +122,7 @@ __global__ void __launch_bounds__(kThreads) rowwise_kernel(const uint16_t* x, ui
     }
     const BlockCodec c = block_codec<F>(__uint_as_float(pairs_amax_bits(pairs)), pow2, S);
     uint4* dst = reinterpret_cast<uint4*>(out + t * kB);
-    auto store = [&](auto numbers) {
+    with_numbers_tag(F == QuantFormat::kNVFP4 && products_are_numbers(c.encode), [&](auto numbers) {
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
         uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
@@ -131,11 +130,7 @@ __global__ void __launch_bounds__(kThreads) rowwise_kernel(const uint16_t* x, ui
         for (int k = 0; k < 4; ++k) w[k] = fake_quantize_pair<F, decltype(numbers)::value>(w[k], c, c);
         dst[i] = make_uint4(w[0], w[1], w[2], w[3]);
       }
-    };
-    if (F == QuantFormat::kNVFP4 && products_are_numbers(c.encode))
-      store(std::true_type{});
-    else
-      store(std::false_type{});
+    });
   }
 }
 
@@ -184,11 +179,11 @@ __global__ void __launch_bounds__(kThreads) columnwise_kernel(const uint16_t* x,
     const float S = F == QuantFormat::kNVFP4 ? nvfp4_global_scale(amax[lo]) : 1.0f;
     const BlockCodec c0 = block_codec<F>(__uint_as_float(acc << 16), pow2, S);
     const BlockCodec c1 = block_codec<F>(__uint_as_float(acc & 0xFFFF0000u), pow2, S);
-    if (F == QuantFormat::kNVFP4 && products_are_numbers(c0.encode) && products_are_numbers(c1.encode)) {
-      for (int64_t r = start; r < end; ++r) dst[r * pairs] = fake_quantize_pair<F, true>(__ldg(src + r * pairs), c0, c1);
-    } else {
-      for (int64_t r = start; r < end; ++r) dst[r * pairs] = fake_quantize_pair<F>(__ldg(src + r * pairs), c0, c1);
-    }
+    const bool numbers = F == QuantFormat::kNVFP4 && products_are_numbers(c0.encode) && products_are_numbers(c1.encode);
+    with_numbers_tag(numbers, [&](auto tag) {
+      for (int64_t r = start; r < end; ++r)
+        dst[r * pairs] = fake_quantize_pair<F, decltype(tag)::value>(__ldg(src + r * pairs), c0, c1);
+    });
   }
 }
 

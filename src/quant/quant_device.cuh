@@ -9,6 +9,7 @@
 
 #include <cfloat>
 #include <cstdint>
+#include <type_traits>
 
 #include "moe/quant_format.h"
 #include "quant/quant_convert.h"
@@ -202,6 +203,17 @@ __device__ __forceinline__ bool products_are_numbers(float factor) { return fact
 template <bool kNumbers>
 __device__ __forceinline__ uint32_t e2m1_code(float p) {
   return kNumbers ? e2m1_encode_rn_not_nan(p) : e2m1_encode_rn(p);
+}
+
+// Runs f(std::true_type{}) when `numbers` (the block's products are numbers: products_are_numbers)
+// and f(std::false_type{}) otherwise; f passes the tag's value to e2m1_code as kNumbers, so the
+// common path is compiled without the NaN test.
+template <class Fn>
+__device__ __forceinline__ void with_numbers_tag(bool numbers, Fn&& f) {
+  if (numbers)
+    f(std::true_type{});
+  else
+    f(std::false_type{});
 }
 
 // FP8 formats: one E4M3 byte of an element.

@@ -22,7 +22,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #include "device/cuda_check.h"
 #include "moe/quantize.h"
@@ -109,17 +108,13 @@ __device__ __forceinline__ uint32_t fp4_chunk_codes(const QuantParams& p, const 
                 << (4 * i);
     }
   } else {
-    auto encode = [&](auto numbers) {
+    with_numbers_tag(products_are_numbers(factor), [&](auto numbers) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const float x = i % 2 ? bf16_word_hi(w[i / 2]) : bf16_word_lo(w[i / 2]);
         packed |= e2m1_code<decltype(numbers)::value>(__fmul_rn(x, factor)) << (4 * i);
       }
-    };
-    if (products_are_numbers(factor))
-      encode(std::true_type{});
-    else
-      encode(std::false_type{});
+    });
   }
   return packed;
 }
@@ -425,15 +420,11 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : 4) quantize_tile_kernel(Qu
                                << (4 * ((4 * q + e) % 8));
           }
         } else {
-          auto encode = [&](auto numbers) {
+          with_numbers_tag(products_are_numbers(factor[h]), [&](auto numbers) {
 #pragma unroll
             for (int jj = 0; jj < 16; ++jj)
               packed[jj / 8] |= e2m1_code<decltype(numbers)::value>(__fmul_rn(x[jj], factor[h])) << (4 * (jj % 8));
-          };
-          if (products_are_numbers(factor[h]))
-            encode(std::true_type{});
-          else
-            encode(std::false_type{});
+          });
         }
         uint8_t* dst = p.col.data + pos / 2;
         if (p.col.vec) {
