@@ -28,7 +28,7 @@ struct BenchArgs {
   bool all = false;
   bool json = false;
   bool no_check = false;
-  bool no_x_perm = false;
+  std::string x_perm = "auto";
   bool fp8 = false;
   std::string fp8_weights = "every-forward";
   std::string emulate = "none";
@@ -52,6 +52,15 @@ bool uses_fused_fc1(const std::string& mode, const bench::Shape& s) {
 // module's default mirrors this.
 bool uses_fused_fc2_dgrad(const std::string& mode, const bench::Shape& s) {
   return mode == "fused" || (mode == "auto" && s.F <= 256);
+}
+
+// Without x_perm (the fused fc1 only) a micro-batch in flight keeps R x H x 2 bytes less; at F = 256
+// the layer is also faster (the forward writes no x_perm, and the fc1 weight gradient's gather costs
+// less than that write); at larger F the gathered weight gradient costs more than the forward saves
+// (see docs/fused.md). The PyTorch module's default mirrors this.
+bool saves_x_perm(const std::string& mode, bool fused_fc1, const bench::Shape& s) {
+  if (!fused_fc1) return true;
+  return mode == "saved" || (mode == "auto" && s.F > 256);
 }
 
 double tflops(double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0; }
@@ -135,7 +144,7 @@ void run_bench(const BenchArgs& a) {
   std::vector<std::vector<double>> chart_values;  // per shape: graph fwd, bwd, total TFLOP/s
   for (const auto& s : shapes) {
     o.fuse_fc1 = !unfused && uses_fused_fc1(a.fc1, s);
-    o.save_x_perm = !(o.fuse_fc1 && a.no_x_perm);
+    o.save_x_perm = saves_x_perm(a.x_perm, o.fuse_fc1, s);
     o.fuse_fc2_dgrad = !unfused && uses_fused_fc2_dgrad(a.dgrad, s);
     std::string fc1_name = a.fp8 ? "fp8" : emulated ? a.emulate : !o.fuse_fc1 ? "unfused" : o.save_x_perm ? "fused" : "fused-g";
     if (o.fuse_fc2_dgrad) fc1_name += "+d";
@@ -209,8 +218,11 @@ void setup_bench(CLI::App& app) {
   sub->add_option("--fc1", args->fc1, "fused (gather + fc1 + bias + activation x prob in one kernel), unfused "
                   "(separate kernels, the reference path) or auto (fused where it was measured faster: F <= 1024)")
       ->check(CLI::IsMember({"auto", "fused", "unfused"}));
-  sub->add_flag("--no-x-perm", args->no_x_perm, "With the fused fc1: keep no x_perm, the fc1 weight gradient gathers "
-                "the rows of x (less memory; shown as fc1 'fused-g')");
+  sub->add_option("--x-perm", args->x_perm, "With the fused fc1: saved (keep x_perm for the fc1 weight gradient), "
+                  "gathered (keep none: the fc1 weight gradient gathers the rows of x; less memory; shown as fc1 "
+                  "'fused-g') or auto (gathered where it is no slower: F <= 256)")
+      ->check(CLI::IsMember({"auto", "saved", "gathered"}));
+  sub->add_flag_callback("--no-x-perm", [args] { args->x_perm = "gathered"; }, "The same as --x-perm gathered");
   sub->add_option("--dgrad", args->dgrad, "fused (fc2 dgrad gathering dy + activation backward + dprobs in one "
                   "kernel; shown as '+d' in the fc1 column), unfused (separate kernels, the reference path) or auto (fused "
                   "where it costs no time: F <= 256)")
