@@ -57,7 +57,7 @@ bool uses_fused_fc2_dgrad(const std::string& mode, const bench::Shape& s) {
 // Without x_perm (the fused fc1 only) a micro-batch in flight keeps R x H x 2 bytes less; at F = 256
 // the layer is also faster (the forward writes no x_perm, and the fc1 weight gradient's gather costs
 // less than that write); at larger F the gathered weight gradient costs more than the forward saves
-// (see docs/fused.md).
+// (see docs/fused.md). The PyTorch module's default mirrors this.
 bool saves_x_perm(const std::string& mode, bool fused_fc1, const bench::Shape& s) {
   if (!fused_fc1) return true;
   return mode == "saved" || (mode == "auto" && s.F > 256);

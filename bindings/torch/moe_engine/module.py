@@ -29,11 +29,14 @@ torch.utils.checkpoint works around either module.
 
 `fuse_fc1`: fc1, its bias and the activation x prob in one kernel (GroupedMLP: which also gathers
 the rows of x, with no separate permute); same results within bf16 rounding, same saved state.
+GroupedMLP's default (None) picks it where it was measured faster on the H100: ffn_hidden_size <=
+1024 (and at most 4096 experts, the kernel's limit); GroupedExperts fuses only when asked.
 `save_x_perm=False` (GroupedMLP, with the fused fc1): no permuted copy of x is kept for backward --
 the fc1 weight gradient gathers the rows of x itself, so a micro-batch in flight holds
 rows x hidden_size x 2 bytes less; x is then saved for backward (as autograd does for any input).
-GroupedMLP's default (None) picks it where it was measured faster on the H100: ffn_hidden_size <=
-1024 (and at most 4096 experts, the kernel's limit); GroupedExperts fuses only when asked.
+GroupedMLP's default (None) picks it with the fused fc1 for ffn_hidden_size <= 256 (outside
+recompute mode), where the layer is also faster (its forward writes no x_perm); for larger ffn_hidden_size it keeps x_perm, as the
+gathered weight gradient then costs more time than the forward saves.
 `fuse_fc2_dgrad`: in backward, fc2's data gradient, the activation backward and the probs' gradient in
 one kernel (GroupedMLP: which also gathers the rows of dy, with no separate pass building them); the
 same dh as the unfused path within bf16 rounding, and a saved state without the activation (it is
@@ -77,6 +80,16 @@ def _fused_default(choice, ffn_hidden_size, num_experts, max_ffn):
 
 def _fuse_fc1(choice, ffn_hidden_size, num_experts):
     return _fused_default(choice, ffn_hidden_size, num_experts, 1024)
+
+
+def _save_x_perm(choice, fuse_fc1, ffn_hidden_size, recompute):
+    # No x_perm (the fused fc1 only) where it was measured no slower: ffn_hidden_size <= 256, unless
+    # chosen; mirrors `moe-engine bench --x-perm auto`. Recompute mode saves no x_perm either way
+    # (its backward permutes x again), so there the default stays: the fc1 weight gradient reads the
+    # x_perm that backward rebuilds.
+    if choice is not None:
+        return bool(choice)
+    return not (fuse_fc1 and ffn_hidden_size <= 256 and not recompute)
 
 
 # Per-expert row alignment that gives each recipe's expert rows whole blocks.
@@ -255,7 +268,7 @@ class GroupedMLP(_ExpertModule):
                  glu_interleave=0, bias=False, probs_at_combine=False, align=0, pre_padded=False, row_bound=-1,
                  map_routing=False, per_expert_weights=False, accumulate_into_main_grad=False,
                  wgrad_dtype=torch.bfloat16, delay_wgrad=False, recompute=False, clamp_alpha=1.702,
-                 clamp_limit=7.0, clamp_offset=1.0, device=None, init_std=None, fuse_fc1=None, save_x_perm=True,
+                 clamp_limit=7.0, clamp_offset=1.0, device=None, init_std=None, fuse_fc1=None, save_x_perm=None,
                  fuse_fc2_dgrad=None, fp8=None, fp8_weight_refresh="every_forward"):
         super().__init__()
         _check_fp8_options(fp8, fp8_weight_refresh, accumulate_into_main_grad)
@@ -269,7 +282,7 @@ class GroupedMLP(_ExpertModule):
         self.recompute = recompute
         self.fuse_fc1 = _fuse_fc1(fuse_fc1, ffn_hidden_size, num_experts)
         self.fuse_fc2_dgrad = _fused_default(fuse_fc2_dgrad, ffn_hidden_size, num_experts, 256)
-        self.save_x_perm = save_x_perm
+        self.save_x_perm = save_x_perm = _save_x_perm(save_x_perm, self.fuse_fc1, ffn_hidden_size, recompute)
         # Whether backward (and backward_dw) read the forward's x again.
         self.reads_x = recompute or not save_x_perm
         self.slots = num_experts if map_routing else topk
