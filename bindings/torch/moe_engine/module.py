@@ -35,8 +35,9 @@ GroupedMLP's default (None) picks it where it was measured faster on the H100: f
 the fc1 weight gradient gathers the rows of x itself, so a micro-batch in flight holds
 rows x hidden_size x 2 bytes less; x is then saved for backward (as autograd does for any input).
 GroupedMLP's default (None) picks it with the fused fc1 for ffn_hidden_size <= 256 (outside
-recompute mode), where the layer is also faster (its forward writes no x_perm); for larger ffn_hidden_size it keeps x_perm, as the
-gathered weight gradient then costs more time than the forward saves.
+recompute mode), where the layer is also faster (its forward writes no x_perm); for larger
+ffn_hidden_size it keeps x_perm, as the gathered weight gradient then costs more time than the
+forward saves.
 `fuse_fc2_dgrad`: in backward, fc2's data gradient, the activation backward and the probs' gradient in
 one kernel (GroupedMLP: which also gathers the rows of dy, with no separate pass building them); the
 same dh as the unfused path within bf16 rounding, and a saved state without the activation (it is
