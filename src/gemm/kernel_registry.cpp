@@ -9,6 +9,8 @@ namespace moe::gemm {
 const KernelEntry& entry_fprop_coop_128x256x64_c2x1();
 const KernelEntry& entry_fprop_coop_128x256x64_c1x2();
 const KernelEntry& entry_fprop_pong_128x128x64_c1x2();
+const KernelEntry& entry_fprop_pong_128x192x64_c2x1();
+const KernelEntry& entry_fprop_pong_128x192x64_c1x2();
 const KernelEntry& entry_dgrad_coop_128x256x64_c2x1();
 const KernelEntry& entry_dgrad_coop_128x256x64_c1x2();
 const KernelEntry& entry_dgrad_pong_128x128x64_c2x1();
@@ -23,6 +25,8 @@ const KernelEntry* const* kernel_registry(int* count) {
       &entry_fprop_coop_128x256x64_c2x1(),
       &entry_fprop_coop_128x256x64_c1x2(),
       &entry_fprop_pong_128x128x64_c1x2(),
+      &entry_fprop_pong_128x192x64_c2x1(),
+      &entry_fprop_pong_128x192x64_c1x2(),
       &entry_dgrad_coop_128x256x64_c2x1(),
       &entry_dgrad_coop_128x256x64_c1x2(),
       &entry_dgrad_pong_128x128x64_c2x1(),

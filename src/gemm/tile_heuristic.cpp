@@ -5,6 +5,10 @@ namespace moe::gemm {
 // Every rule is a measurement on the named benchmark shapes (interleaved timing, docs/gemm.md):
 //  - short reductions: the epilogue no longer hides behind a short main loop, and ping-pong (one
 //    warp group's epilogue overlapping the other's main loop) beats the cooperative 128x256 tile;
+//    its 128x192 tile beats 128x128 (1.5x fewer tiles, so fewer per-tile costs: the group change,
+//    the pipeline fill, the epilogue drain), forward 1.01-1.03x on the fine-grained shapes; the
+//    1x2 cluster only where whole pairs of 192-wide tiles fill N (the fc2 of qwen3-30b-a3b-ep8,
+//    11 tiles wide, is 0.92x with it);
 //  - long reductions: cooperative 128x256; the 1x2 cluster (token tile multicast to two N tiles)
 //    beats 2x1 when the output width fills whole cluster pairs of 256-wide tiles, otherwise half a
 //    cluster idles and 2x1 is used;
@@ -20,7 +24,8 @@ TileChoice choose_tiles(Op op, int64_t N, int64_t K) {
   switch (op) {
     case Op::kFprop: {  // Y [m, N], reduction K
       const bool short_k = K <= 1024 || (K <= 2048 && N <= 2048);
-      if (short_k && N % 256 == 0) return {"pong_128x128x64_c1x2", true, K <= 512 ? 4 : 1};
+      if (short_k && N % 256 == 0)
+        return {N % 384 == 0 ? "pong_128x192x64_c1x2" : "pong_128x192x64_c2x1", true, K <= 512 ? 4 : 1};
       return {N % 512 == 0 ? "coop_128x256x64_c1x2" : "coop_128x256x64_c2x1", false};
     }
     case Op::kDgrad:  // dX [m, K], reduction N

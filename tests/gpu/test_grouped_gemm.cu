@@ -372,16 +372,19 @@ TEST(GroupedGemm, SingleGroupAndLargeReduction) {
 
 TEST(GroupedGemm, HeuristicConfigurationsOnClusterAlignedShapes) {
   MOE_REQUIRE_GPU();
-  // N = 1024, K = 512: the heuristic picks ping-pong 128x128 with the 1x2 cluster for fprop, the
+  // N = 1536, K = 512: the heuristic picks ping-pong 128x192 with the 1x2 cluster for fprop, the
   // cooperative tile with the 1x2 cluster for dgrad and the N-ordered scheduler for wgrad -- the
   // paths the named shapes take, here with full cluster pairs.
   const auto off = offsets_from_sizes({130, 0, 250});
-  Problem p(3, 1024, 512, off.back(), off, 13);
+  Problem p(3, 1536, 512, off.back(), off, 13);
   TestGemm gg(3, p.R);
-  EXPECT_EQ(gg.chosen_config(GemmOp::kFprop, p.N, p.K), "pong_128x128x64_c1x2/N/run4");
+  EXPECT_EQ(gg.chosen_config(GemmOp::kFprop, p.N, p.K), "pong_128x192x64_c1x2/N/run4");
   EXPECT_EQ(gg.chosen_config(GemmOp::kDgrad, p.N, p.K), "coop_128x256x64_c1x2/M");
   EXPECT_EQ(gg.chosen_config(GemmOp::kWgrad, p.N, p.K), "coop_128x256x64_c2x1/N");
-  run_and_check_all(gg, p, "heuristic N=1024 K=512");
+  run_and_check_all(gg, p, "heuristic N=1536 K=512");
+  // An output width that is no whole number of 192-wide tile pairs (qwen3-30b-a3b-ep8's fc2) takes
+  // the 2x1 cluster instead.
+  EXPECT_EQ(gg.chosen_config(GemmOp::kFprop, 2048, 768), "pong_128x192x64_c2x1/N");
   // Every fc1/fc2 shape of the named shapes resolves to a compiled kernel.
   for (auto [N, K] : {std::pair<int64_t, int64_t>{512, 1536}, {1536, 256}, {2048, 1536}, {1536, 1024}, {1024, 4096},
                       {4096, 512}, {2048, 4096}, {4096, 1024}, {4096, 4096}, {4096, 2048}, {1536, 2048}, {2048, 768},
