@@ -850,6 +850,7 @@ void launch_router_forward(const RouterForwardArgs& a, cudaStream_t stream) {
   using namespace router;
   const RouterRowParams& p = a.p;
   const int E = p.E;
+  if (router_topk_rows_apply(a)) return launch_router_topk_rows(a, stream);
   const bool select = a.select != SelectKey::kNone;
   // The row kernel (one launch, whatever T: its last block writes the counts and losses).
   const RouterRowGrid grid = router_row_grid(p.T, p.G);

@@ -562,6 +562,54 @@ TEST(Router, LaneGroupLayouts) {
   }));
 }
 
+// The plain top-k kernel (bf16 logits in 16-byte rows, E <= 512, k <= 8, no bias, group limit,
+// loss, capacity or rounding): every layout -- one lane per row with 1, 2 or 4 vectors of 8
+// experts, 2 to 16 lanes per row with 4 vectors (some past E), kept lists of 2, 4 and 8 keys --
+// every score form (softmax renormalised, plain (its full-row sum across the lanes), over the chosen
+// logits; sigmoid, renormalised or not; scaled), k = 1 and k = E, T not a multiple of a warp's rows,
+// several row tiles per warp; ties on a coarse grid, signed zeros, and non-finite rows beside live
+// rows of the same warp.
+TEST(Router, PlainTopKKernelLayouts) {
+  MOE_REQUIRE_GPU();
+  auto norm = [](RouterConfig& c) { c.normalize_topk = true; };
+  auto after = [](RouterConfig& c) { c.softmax_after_topk = true; };
+  auto sigmoid = [](RouterConfig& c) { c.score = ScoreFunction::kSigmoid; };
+  auto sigmoid_norm_scaled = [](RouterConfig& c) {
+    c.score = ScoreFunction::kSigmoid;
+    c.normalize_topk = true;
+    c.scaling_factor = 2.5f;
+  };
+  run_case(make("E8 k1 plain (G1 V1 L2)", 8, 1, 1001, nullptr, true));
+  run_case(make("E8 k8 = E norm (G1 V1 L8)", 8, 8, 333, norm, true));
+  run_case(make("E16 k3 norm (G1 V2 L4)", 16, 3, 517, norm, true));
+  run_case(make("E32 k4 after (G1 V4 L4)", 32, 4, 1003, after, true));
+  run_case(make("E64 k8 plain (G2 L8, full-row sum over 2 lanes)", 64, 8, 2000, nullptr, true));
+  run_case(make("E72 k6 sigmoid (G4, 9 of 16 vectors)", 72, 6, 999, sigmoid, true));
+  run_case(make("E128 k2 sigmoid norm scaled (G4 L2)", 128, 2, 1500, sigmoid_norm_scaled, true));
+  run_case(make("E200 k5 plain (G8 L8, 25 of 32 vectors, full-row sum over 8 lanes)", 200, 5, 777, nullptr, true));
+  run_case(make("E256 k8 norm T 4099 (G8)", 256, 8, 4099, norm, true));
+  run_case(make("E512 k7 after T 40003 (G16, several tiles per warp)", 512, 7, 40003, after, true));
+  Case ties = make("E256 k8 norm: ties, signed zeros, non-finite rows", 256, 8, 2001, norm, true);
+  ties.edit_logits = [](std::vector<double>& z) {
+    const size_t E = 256, T = z.size() / E;
+    for (auto& v : z) v = std::round(v * 2.0) / 2.0;  // many exact ties, broken toward the lower id
+    for (size_t t = 0; t < T; t += 7)
+      for (size_t e = 0; e < E; ++e) z[t * E + e] = (e * 5 + t) % 3 == 0 ? -0.0 : 0.0;
+    z[5 * E + 3] = std::numeric_limits<double>::quiet_NaN();
+    z[17 * E + 255] = std::numeric_limits<double>::infinity();
+    z[18 * E + 0] = -std::numeric_limits<double>::infinity();
+    z[2000 * E + 100] = -std::numeric_limits<double>::quiet_NaN();  // the last tile's only row
+  };
+  run_case(ties);
+  Case ties8 = make("E8 k2 norm: ties and non-finite rows, one lane per row", 8, 2, 999, norm, true);
+  ties8.edit_logits = [](std::vector<double>& z) {
+    for (auto& v : z) v = std::round(v);
+    z[3 * 8 + 7] = std::numeric_limits<double>::infinity();
+    z[998 * 8 + 0] = std::numeric_limits<double>::quiet_NaN();
+  };
+  run_case(ties8);
+}
+
 // The group-limit layouts, one test each so that a failure names its layout.
 // bf16 without a bias (32-bit keys) and group limit: fast path (16 experts per group: 2 lanes of a
 // group of 8 lanes per row, four rows per warp).
@@ -621,8 +669,15 @@ TEST(Router, ShorterBatchesAndEmpty) {
 // Capture once; replays with new logits in the same buffers == eager.
 TEST(Router, GraphReplayMatchesEager) {
   MOE_REQUIRE_GPU();
-  for (bool rounding : {false, true}) {
-    Case c = make("graph", 256, 8, 1024, [rounding](RouterConfig& cfg) {
+  // Mode 0: the plain top-k kernel (bf16, renormalised softmax); 1: the general row kernel with
+  // every feature; 2: the same with token rounding (the select pass).
+  for (int mode : {0, 1, 2}) {
+    const bool rounding = mode == 2;
+    Case c = make("graph", 256, 8, 1024, [mode, rounding](RouterConfig& cfg) {
+      if (mode == 0) {
+        cfg.normalize_topk = true;
+        return;
+      }
       sigmoid_bias_norm(cfg);
       cfg.num_groups = 8;
       cfg.topk_groups = 4;
@@ -634,10 +689,10 @@ TEST(Router, GraphReplayMatchesEager) {
         cfg.rounding = TokenRounding::kNearest;
         cfg.output_form = RoutingForm::kMap;
       }
-    });
+    }, mode == 0);
     const RouterConfig cfg = config_of(c);
     Router router(cfg);
-    RouterRun run(cfg, c.T, router.selection_width(), false);
+    RouterRun run(cfg, c.T, router.selection_width(), c.bf16);
     ErrorWord ew;
     cudaStream_t s;
     MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
