@@ -37,23 +37,6 @@ constexpr int kMaxExperts = 512;  // 16 lanes x 32 experts
 constexpr int kExpertsPerLane = 32;
 constexpr int kMaxK = 8;
 
-// An exchange as two integer min / max instructions (keys are unique unsigned integers).
-__device__ __forceinline__ void exchange(uint32_t& a, uint32_t& b) {  // a >= b afterwards
-  const uint32_t hi = max(a, b), lo = min(a, b);
-  a = hi;
-  b = lo;
-}
-
-// Sorts 8 keys in descending order (the 19-exchange network of router_math.cuh's sort_desc).
-__device__ __forceinline__ void sort8_desc(uint32_t (&k)[8]) {
-  exchange(k[0], k[2]), exchange(k[1], k[3]), exchange(k[4], k[6]), exchange(k[5], k[7]);
-  exchange(k[0], k[4]), exchange(k[1], k[5]), exchange(k[2], k[6]), exchange(k[3], k[7]);
-  exchange(k[0], k[1]), exchange(k[2], k[3]), exchange(k[4], k[5]), exchange(k[6], k[7]);
-  exchange(k[2], k[4]), exchange(k[3], k[5]);
-  exchange(k[1], k[4]), exchange(k[3], k[6]);
-  exchange(k[1], k[2]), exchange(k[3], k[4]), exchange(k[5], k[6]);
-}
-
 // Keeps in a the top L of the sorted (descending) lists a and b: elementwise max against b reversed
 // gives a bitonic sequence holding the top L of both; log2(L) exchange stages sort it.
 template <int L>
@@ -64,7 +47,7 @@ __device__ __forceinline__ void merge_top(uint32_t (&a)[L], const uint32_t (&b)[
   for (int stride = L / 2; stride > 0; stride /= 2)
 #pragma unroll
     for (int i = 0; i < L; ++i)
-      if ((i & stride) == 0) exchange(a[i], a[i + stride]);
+      if ((i & stride) == 0) compare_swap(a[i], a[i + stride]);
 }
 
 // A finite bf16 value's key lies in [kLowestFinite, kAboveFinite): +inf and NaN with the sign bit
@@ -122,7 +105,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
 #pragma unroll
         for (int j = 0; j < 8; ++j) key[j] = 0u;  // below every real key: never chosen
       }
-      sort8_desc(key);
+      sort_desc<8>(key);  // ptxas makes each exchange an integer min and max
       if (valid) low = min(low, key[7]);
       if (i == 0) {
 #pragma unroll
