@@ -12,8 +12,7 @@ namespace moe::kernels {
 namespace {
 
 constexpr int kWarps = 4;  // tokens per block
-constexpr int kUnroll = 2;  // 16-byte vectors per lane and row in flight
-constexpr int kRows = 8;    // rows (slots) whose loads are issued together
+constexpr int kUnroll = 4;
 
 template <typename T>
 __global__ void __launch_bounds__(kWarps * 32)
@@ -53,31 +52,22 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
       for (int e = 0; e < kE; ++e) acc[u][e] = 0.0f;
-    // kRows rows at a time: every load of the batch is issued before the first FMA, then the rows
-    // are added in slot order (the sum's order, and so its bits, do not depend on the batching).
-    for (int j0 = 0; j0 < n; j0 += kRows) {
-      uint4 in[kRows][kUnroll];
+#pragma unroll 2
+    for (int j = 0; j < n; ++j) {
+      const uint4* src = Y + static_cast<int64_t>(rows[j]) * nvec;
+      const float w = ws[j];
+      uint4 in[kUnroll];
 #pragma unroll
-      for (int jj = 0; jj < kRows; ++jj) {
-        const bool ok = j0 + jj < n;
-        const uint4* src = Y + static_cast<int64_t>(ok ? rows[j0 + jj] : 0) * nvec;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int64_t v = v0 + u * 32;
-          in[jj][u] = ok && v < nvec ? __ldg(src + v) : uint4{};
-        }
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + u * 32;
+        in[u] = v < nvec ? __ldg(src + v) : uint4{};
       }
 #pragma unroll
-      for (int jj = 0; jj < kRows; ++jj) {
-        if (j0 + jj >= n) break;
-        const float w = ws[j0 + jj];
+      for (int u = 0; u < kUnroll; ++u) {
+        float f[kE];
+        unpack<T>(in[u], f);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          float f[kE];
-          unpack<T>(in[jj][u], f);
-#pragma unroll
-          for (int e = 0; e < kE; ++e) acc[u][e] = fmaf(w, f[e], acc[u][e]);
-        }
+        for (int e = 0; e < kE; ++e) acc[u][e] = fmaf(w, f[e], acc[u][e]);
       }
     }
 #pragma unroll
