@@ -1,13 +1,14 @@
 // The router's forward for plain top-k routing of bf16 logits (docs/router.md, "Plain top-k"):
 // softmax (before top-k, renormalised or not, or over the k chosen logits) or sigmoid, a scaling
 // factor, no expert bias, no group limit, no loss, no capacity or rounding, k <= 8, E <= 512 with
-// 16-byte rows. Everything else runs the general row kernel (router_forward.cu).
+// 16-byte vector rows (the general kernel's: E a multiple of 8, of 16 above 256). Everything else runs the general row kernel (router_forward.cu).
 //
 // Why a kernel of its own: the general kernel gives each row a group of up to 32 lanes and selects
 // by k rounds of a group max over presorted lane keys; at E = 256 that is ~830 warp instructions
 // per row, most of them the rounds, the full-row softmax and the variants' bookkeeping, and the
-// kernel is bound by instruction issue (Nsight Compute). Here a row has G = E / 32 lanes (at least
-// 1), each lane owns V (up to 4) 16-byte vectors of 8 experts, and top-k is a merge of sorted lists:
+// kernel is bound by instruction issue (Nsight Compute). Here a row has G lanes (E / 32 rounded up
+// to a power of two, at least 1), each lane owns V (up to 4) 16-byte vectors of 8 experts, and
+// top-k is a merge of sorted lists:
 //   - each vector's 8 keys are sorted by a fixed 19-exchange network, and the lane keeps the top L
 //     (L = 2, 4 or 8 >= k) of its vectors by bitonic merges (a max against the other list reversed,
 //     then log2(L) exchange stages);
