@@ -82,9 +82,16 @@ std::vector<int32_t> select_row(const RouterConfig& c, const double* z, const Ro
     for (int e = 0; e < E; ++e)
       if (!keep[e / gs]) v[e] = kNegInf;
   }
+  // Without a bias the logit itself orders the experts: the score is monotone in it, and the logit
+  // still tells experts apart where their scores are equal in floating point (a saturated sigmoid,
+  // an underflowed softmax). The kernels compare the logits too.
+  std::vector<double> key = v;
+  if (!bias && !c.softmax_after_topk)
+    for (int e = 0; e < E; ++e)
+      if (v[e] != kNegInf) key[e] = z[e];
   std::vector<int> order(E);
   std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](int a, int b) { return better(v[a], a, v[b], b); });
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return better(key[a], a, key[b], b); });
   std::vector<int32_t> sel(W, -1);
   for (int w = 0; w < W; ++w)
     if (v[order[w]] != kNegInf) sel[w] = order[w];

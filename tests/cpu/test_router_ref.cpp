@@ -117,6 +117,24 @@ TEST(RouterRef, TiesBreakTowardTheLowerExpertId) {
   EXPECT_EQ(r.indices, (std::vector<int32_t>{0}));
 }
 
+// Scores equal in floating point but logits apart: without a bias the larger logit wins, as on the
+// device (which compares the logits); with a bias the biased score decides, ties to the lower id.
+TEST(RouterRef, WithoutABiasTheLogitDecidesWhereTheScoreSaturates) {
+  RouterConfig cs = base(8, 1);
+  cs.score = ScoreFunction::kSigmoid;
+  V z = {38, 40, 0, 0, 0, 0, 0, 0};  // sigmoid(38) == sigmoid(40) == 1 in fp64
+  auto r = router_forward(cs, z, 1, nullptr);
+  EXPECT_EQ(r.indices, (std::vector<int32_t>{1}));
+  cs.expert_bias = true;
+  const V b(8, 0.0);
+  r = router_forward(cs, z, 1, &b);
+  EXPECT_EQ(r.indices, (std::vector<int32_t>{0}));
+  // Softmax scores that underflow to 0 in fp64: experts 1 and 2 are ordered by their logits.
+  RouterConfig cm = base(8, 2);
+  r = router_forward(cm, {0, -1000, -900, -2000, -2000, -2000, -2000, -2000}, 1, nullptr);
+  EXPECT_EQ(r.indices, (std::vector<int32_t>{0, 2}));
+}
+
 TEST(RouterRef, NonFiniteRowsAreRoutedNowhereAndFlagged) {
   RouterConfig c = base(4, 2);
   c.aux_loss_coeff = 0.1f;
