@@ -51,6 +51,25 @@ __device__ __forceinline__ void merge_top(uint32_t (&a)[L], const uint32_t (&b)[
       if ((i & stride) == 0) compare_swap(a[i], a[i + stride]);
 }
 
+__device__ __forceinline__ uint32_t bits_of(int v) { return static_cast<uint32_t>(v); }
+__device__ __forceinline__ uint32_t bits_of(float v) { return __float_as_uint(v); }
+
+// Stores n consecutive 4-byte values from registers as 16- or 8-byte vectors (dst aligned to 4 n bytes).
+template <int n, class T>
+__device__ __forceinline__ void store_slots(T* dst, const T (&v)[n]) {
+  static_assert(sizeof(T) == 4, "int32 or float slots");
+  if constexpr (n % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < n; i += 4)
+      *reinterpret_cast<uint4*>(dst + i) = make_uint4(bits_of(v[i]),
+                                                      bits_of(v[i + 1]), bits_of(v[i + 2]), bits_of(v[i + 3]));
+  } else if constexpr (n == 2) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(bits_of(v[0]), bits_of(v[1]));
+  } else {
+    dst[0] = v[0];
+  }
+}
+
 // A finite bf16 value's key lies in [kLowestFinite, kAboveFinite): +inf and NaN with the sign bit
 // clear order above it, -inf and NaN with the sign bit set below it (Key32 keeps the value's
 // ordered bits in the high half).
@@ -62,6 +81,7 @@ constexpr uint32_t kLowestFinite = 0x00800000u;
 template <int G, int V, int L>
 __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArgs a) {
   constexpr int RPW = 32 / G;
+  constexpr int kS = L >= G ? L / G : 1;  // output slots per lane
   __shared__ int32_t hist[kMaxExperts];
   const RouterRowParams& p = a.p;
   const int E = p.E, k = p.k, vecs = E / 8;
@@ -77,6 +97,11 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
 
   const int64_t tiles = (int64_t{p.T} + RPW - 1) / RPW;
   const int warp = threadIdx.x / 32;
+  // Vector stores of a lane's kS slots: k = L slots per row puts them at a multiple of kS, aligned
+  // when the outputs start at a multiple of 4 kS bytes.
+  const uintptr_t out_bits = reinterpret_cast<uintptr_t>(a.indices) | reinterpret_cast<uintptr_t>(a.selected) |
+                             reinterpret_cast<uintptr_t>(a.probs);
+  const bool vector_out = k == L && out_bits % (4 * kS) == 0;
   for (int64_t tile = int64_t{blockIdx.x} * kRouterWarps + warp; tile < tiles;
        tile += int64_t{gridDim.x} * kRouterWarps) {
     const int64_t t = tile * RPW + lanes.slot;
@@ -158,18 +183,52 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
       inv = 1.0f / group_sum(sum, lanes);
     }
     if (bad) bits |= kErrNonFiniteLogit;
-    if (live) {
+    // Every lane holds the whole sorted list; lane g writes the kS consecutive slots g kS .. onward,
+    // so a row's slots leave as one vector store per lane and output (a warp's consecutive rows
+    // make contiguous bytes).
+    int ev[kS];
+    float pv[kS];
 #pragma unroll
-      for (int j = 0; j < L; ++j) {
-        if (j >= k || j % G != lane_g) continue;
-        const int e = bad ? -1 : Key32::expert(top[j]);
-        // The general kernel's formulas: a score ex / sum, a renormalised one score / (sum of the k).
-        const float score = full_sum ? __fmul_rn(s[j], inv) : s[j];
-        const float prob = bad ? 0.0f : (renorm ? score / den : score) * p.alpha;
-        a.indices[t * k + j] = e;
-        a.probs[t * k + j] = prob;
-        a.selected[t * k + j] = e;
-        if (!bad) atomicAdd(&hist[e], 1);
+    for (int i = 0; i < kS; ++i) {
+      ev[i] = -1;
+      pv[i] = 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < L; ++j) {
+      if (j / kS != lane_g) continue;
+      // The general kernel's formulas: a score ex / sum, a renormalised one score / (sum of the k).
+      const float score = full_sum ? __fmul_rn(s[j], inv) : s[j];
+      ev[j % kS] = bad ? -1 : Key32::expert(top[j]);
+      pv[j % kS] = bad ? 0.0f : (renorm ? score / den : score) * p.alpha;
+    }
+    const int j0 = lane_g * kS;
+    const bool mine = live && j0 < k;  // the lane owns slots of this row
+    if (mine) {
+      const int64_t o = t * k + j0;
+      if (vector_out) {
+        store_slots<kS>(a.indices + o, ev);
+        store_slots<kS>(a.selected + o, ev);
+        store_slots<kS>(a.probs + o, pv);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kS; ++i) {
+          if (j0 + i >= k) break;
+          a.indices[o + i] = ev[i];
+          a.selected[o + i] = ev[i];
+          a.probs[o + i] = pv[i];
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kS; ++i) {
+      const bool counted = mine && !bad && j0 + i < k;
+      if constexpr (G <= 2) {
+        // Up to 32 rows' slot i in one warp instruction: lanes that chose the same expert add once
+        // (shared atomics on a few experts would serialise on the same addresses).
+        const unsigned peers = __match_any_sync(kFull, counted ? ev[i] : -1);
+        if (counted && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[ev[i]], __popc(peers));
+      } else {
+        if (counted) atomicAdd(&hist[ev[i]], 1);
       }
     }
   }

@@ -567,7 +567,8 @@ TEST(Router, LaneGroupLayouts) {
 // experts, 2 to 16 lanes per row with 4 vectors (some past E), kept lists of 2, 4 and 8 keys --
 // every score form (softmax renormalised, plain (its full-row sum across the lanes), over the chosen
 // logits; sigmoid, renormalised or not; scaled), k = 1 and k = E, T not a multiple of a warp's rows,
-// several row tiles per warp; ties on a coarse grid, signed zeros, and non-finite rows beside live
+// several row tiles per warp; a lane's slots written as 16- or 8-byte vectors (k = L) or one by one;
+// counts of up to 32 rows merged per expert (E <= 64); ties on a coarse grid, signed zeros, and non-finite rows beside live
 // rows of the same warp.
 TEST(Router, PlainTopKKernelLayouts) {
   MOE_REQUIRE_GPU();
@@ -582,8 +583,10 @@ TEST(Router, PlainTopKKernelLayouts) {
   run_case(make("E8 k1 plain (G1 V1 L2)", 8, 1, 1001, nullptr, true));
   run_case(make("E8 k8 = E norm (G1 V1 L8)", 8, 8, 333, norm, true));
   run_case(make("E16 k3 norm (G1 V2 L4)", 16, 3, 517, norm, true));
+  run_case(make("E24 k2 sigmoid (G1 V4 L2, 3 of 4 vectors; slots as one 8-byte store)", 24, 2, 1201, sigmoid, true));
   run_case(make("E32 k4 after (G1 V4 L4)", 32, 4, 1003, after, true));
   run_case(make("E64 k8 plain (G2 L8, full-row sum over 2 lanes)", 64, 8, 2000, nullptr, true));
+  run_case(make("E64 k4 norm (G2 L4, two slots per lane)", 64, 4, 1999, norm, true));
   run_case(make("E72 k6 sigmoid (G4, 9 of 16 vectors)", 72, 6, 999, sigmoid, true));
   run_case(make("E128 k2 sigmoid norm scaled (G4 L2)", 128, 2, 1500, sigmoid_norm_scaled, true));
   run_case(make("E200 k5 plain (G8 L8, 25 of 32 vectors, full-row sum over 8 lanes)", 200, 5, 777, nullptr, true));
