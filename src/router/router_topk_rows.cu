@@ -16,6 +16,9 @@
 //     ends with the row's sorted top L -- no shared memory, no rounds;
 //   - a renormalised softmax (or softmax over the chosen logits) needs no full-row softmax: the
 //     row's max is the winner's logit, and the k exponentials cancel the full sum.
+//   - lane g of a row writes L / G consecutive slots (at least one) as one vector store per output,
+//     and at G <= 2 the lanes that chose one expert in a slot add to its count once (match_any):
+//     scalar stores and a shared atomic per row made k = 8 at small E 2x slower.
 // Keys are the general kernel's Key32 (bf16 value, then the lower expert id), so the selection is
 // the same bit for bit. Selection counts go to a shared histogram, then to the router's scratch
 // accumulator; the last block writes the counts and clears it (as the general kernel does).
