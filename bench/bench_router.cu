@@ -5,10 +5,10 @@
 // usage: bench_router [--repeats N] [--warm-l2] [--calls N] [--dtype bf16|fp32|both] [--T N] [--E N]
 //                     [--k N] [--variant NAME] [--checksum]
 //
-// --calls N (default 1) times N calls back to back in one graph, each on logits of its own (N
-// copies, each read once per replay), and reports the time per call: the launch of the graph and
-// the gaps between kernels are shared by N calls, as in a stream of work, so the figure is the
-// router's throughput rather than the latency of one call.
+// --calls N (default 1, at most 64) times N routers back to back in one graph, each with logits,
+// outputs and gradients of its own, and reports the time per call: the graph launch and the gaps
+// between kernels are shared by N calls, as in a stream of work, so the figure is the router's
+// throughput rather than the latency of one call.
 //
 // --T / --E / --k / --variant keep one value of that axis (one kernel to profile). --checksum times
 // nothing: it runs one forward + backward of each of a list of routers (every routing variant, form,
@@ -31,6 +31,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -67,25 +68,22 @@ struct Bench {
   size_t esize;
   bool map;
   int64_t prob_cols, seqs;
-  int calls;  // logits copies: call i reads copy i
   void *logits = nullptr, *dlogits = nullptr, *mapbuf = nullptr;
   float *probs = nullptr, *dprobs = nullptr, *bias = nullptr, *scalars = nullptr;
   int32_t *indices = nullptr, *selected = nullptr, *counts = nullptr, *selcounts = nullptr, *seqcounts = nullptr;
   int64_t* counts64 = nullptr;
-  std::vector<TensorView> lvs;  // the logits copies
   TensorView lv, bv, dv;
   RouterOutputs o;
   RouterGrads g;
 
-  Bench(const RouterConfig& c, int64_t T_, bool bf16_, cudaStream_t stream, int calls_ = 1)
-      : cfg(c), T(T_), bf16(bf16_), router(c), W(router.selection_width()), E(c.num_experts), k(c.topk),
-        calls(calls_) {
+  Bench(const RouterConfig& c, int64_t T_, bool bf16_, cudaStream_t stream)
+      : cfg(c), T(T_), bf16(bf16_), router(c), W(router.selection_width()), E(c.num_experts), k(c.topk) {
     esize = bf16 ? 2 : 4;
     map = cfg.output_form == RoutingForm::kMap;
     prob_cols = map ? E : k;
     seqs = cfg.seq_aux_loss_coeff != 0.0f ? T / cfg.seq_length : 0;
     const DType dtype = bf16 ? DType::kBF16 : DType::kFP32;
-    MOE_CUDA_CHECK(cudaMalloc(&logits, T * E * esize * calls));
+    MOE_CUDA_CHECK(cudaMalloc(&logits, T * E * esize));
     MOE_CUDA_CHECK(cudaMalloc(&dlogits, T * E * esize));
     MOE_CUDA_CHECK(cudaMalloc(&probs, sizeof(float) * T * prob_cols));
     MOE_CUDA_CHECK(cudaMalloc(&dprobs, sizeof(float) * T * prob_cols));
@@ -101,15 +99,14 @@ struct Bench {
       MOE_CUDA_CHECK(cudaMalloc(&indices, sizeof(int32_t) * T * k));
     if (seqs) MOE_CUDA_CHECK(cudaMalloc(&seqcounts, sizeof(int32_t) * seqs * E));
     if (bf16)
-      bench::fill_random_bf16(logits, T * E * calls, 42, 1.0f, stream);
+      bench::fill_random_bf16(logits, T * E, 42, 1.0f, stream);
     else
-      bench::fill_random_fp32(static_cast<float*>(logits), T * E * calls, 42, 1.0f, stream);
+      bench::fill_random_fp32(static_cast<float*>(logits), T * E, 42, 1.0f, stream);
     bench::fill_random_fp32(bias, E, 7, 0.05f, stream);
     bench::fill_random_fp32(dprobs, T * prob_cols, 9, 1.0f, stream);
     const float host_scalars[8] = {0, 0, 0, 1.0f, 1.0f, 1.0f, 0, 0};  // losses, then d aux / seq / z
     MOE_CUDA_CHECK(cudaMemcpyAsync(scalars, host_scalars, sizeof host_scalars, cudaMemcpyHostToDevice, stream));
     lv = TensorView(logits, dtype, {T, E});
-    for (int i = 0; i < calls; ++i) lvs.push_back(TensorView(static_cast<char*>(logits) + i * T * E * esize, dtype, {T, E}));
     if (cfg.expert_bias) bv = TensorView(bias, DType::kFP32, {E});
     if (map) {
       o.map = TensorView(mapbuf, DType::kUInt8, {T, E});
@@ -141,14 +138,6 @@ struct Bench {
   }
   void forward(uint32_t* ew, cudaStream_t s) { router.forward(lv, bv, o, ew, s); }
   void backward(cudaStream_t s) { router.backward(lv, o, g, dv, s); }
-  // One call on each logits copy, the last on copy 0 (so that the outputs, and their hash, are the
-  // one-call outputs); the backward reads the forward's outputs and its copy.
-  void forward_all(uint32_t* ew, cudaStream_t s) {
-    for (int i = calls - 1; i >= 0; --i) router.forward(lvs[i], bv, o, ew, s);
-  }
-  void backward_all(cudaStream_t s) {
-    for (int i = calls - 1; i >= 0; --i) router.backward(lvs[i], o, g, dv, s);
-  }
   // Every output bit (after the last forward and backward).
   uint64_t hash() {
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -291,8 +280,8 @@ int main(int argc, char** argv) {
       dtypes = argv[++i];
     } else {
       std::fprintf(stderr,
-                   "usage: bench_router [--repeats N] [--warm-l2] [--calls N] [--dtype bf16|fp32|both] [--T N] [--E N]\n"
-                   "                    [--k N] [--variant mixtral|deepseek|losses] [--checksum]\n");
+                   "usage: bench_router [--repeats N] [--warm-l2] [--calls N] [--dtype bf16|fp32|both] [--T N]\n"
+                   "                    [--E N] [--k N] [--variant mixtral|deepseek|losses] [--checksum]\n");
       return 2;
     }
   }
@@ -314,7 +303,7 @@ int main(int argc, char** argv) {
               copy_read_gbs);
   std::printf("L2 %s between timed replays\n", warm_l2 ? "kept warm" : "flushed");
   if (calls > 1)
-    std::printf("times per call of %d calls back to back in one graph, each on logits of its own\n", calls);
+    std::printf("time per call of %d routers back to back in one graph, each with buffers of its own\n", calls);
   std::printf("\n");
   std::printf("%-9s %4s %6s %4s %3s %9s %9s %6s %6s %9s %9s %6s %6s %16s\n", "variant", "type", "T", "E", "k",
               "fwd us", "fwd GB/s", "%cp", "%rd", "bwd us", "bwd GB/s", "%cp", "%rd", "output hash");
@@ -352,12 +341,24 @@ int main(int argc, char** argv) {
             cfg.topk = k;
             cfg.max_tokens = T;
             v.edit(cfg);
-            Bench b(cfg, T, bf16, stream, calls);
-            const double f_ms =
-                bench::time_cuda_graph([&] { b.forward_all(ew.device_ptr(), stream); }, stream, 5, repeats, evict_l2)
-                    .median_ms / calls;
-            const double b_ms =
-                bench::time_cuda_graph([&] { b.backward_all(stream); }, stream, 5, repeats, evict_l2).median_ms / calls;
+            Bench b(cfg, T, bf16, stream);
+            // --calls: the others run first in each graph; b's outputs are the ones hashed.
+            std::vector<std::unique_ptr<Bench>> others;
+            for (int i = 1; i < calls; ++i) others.push_back(std::make_unique<Bench>(cfg, T, bf16, stream));
+            const double f_ms = bench::time_cuda_graph(
+                                    [&] {
+                                      for (auto& o : others) o->forward(ew.device_ptr(), stream);
+                                      b.forward(ew.device_ptr(), stream);
+                                    },
+                                    stream, 5, repeats, evict_l2)
+                                    .median_ms / calls;
+            const double b_ms = bench::time_cuda_graph(
+                                    [&] {
+                                      for (auto& o : others) o->backward(stream);
+                                      b.backward(stream);
+                                    },
+                                    stream, 5, repeats, evict_l2)
+                                    .median_ms / calls;
             ew.check(stream);
             const uint64_t h = b.hash();
             const double bytes = static_cast<double>(b.esize) * T * E;

@@ -16,8 +16,9 @@
 //     ends with the row's sorted top L -- no shared memory, no rounds;
 //   - a renormalised softmax (or softmax over the chosen logits) needs no full-row softmax: the
 //     row's max is the winner's logit, and the k exponentials cancel the full sum.
-//   - lane g of a row writes L / G consecutive slots (at least one) as one vector store per output,
-//     and at G <= 2 the lanes that chose one expert in a slot add to its count once (match_any):
+//   - lane g of a row writes L / G consecutive slots (at least one) with 16- or 8-byte stores when
+//     k = L and the outputs are aligned (one by one otherwise), and at G <= 2 the lanes that chose
+//     one expert in the same slot position add to its count once (match_any):
 //     scalar stores and a shared atomic per row made k = 8 at small E 2x slower.
 // Keys are the general kernel's Key32 (bf16 value, then the lower expert id), so the selection is
 // the same bit for bit. Selection counts go to a shared histogram, then to the router's scratch
@@ -187,8 +188,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
     }
     if (bad) bits |= kErrNonFiniteLogit;
     // Every lane holds the whole sorted list; lane g writes the kS consecutive slots g kS .. onward,
-    // so a row's slots leave as one vector store per lane and output (a warp's consecutive rows
-    // make contiguous bytes).
+    // as vectors where it can, so a warp's consecutive rows leave as contiguous bytes.
     int ev[kS];
     float pv[kS];
 #pragma unroll
@@ -226,8 +226,8 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
     for (int i = 0; i < kS; ++i) {
       const bool counted = mine && !bad && j0 + i < k;
       if constexpr (G <= 2) {
-        // Up to 32 rows' slot i in one warp instruction: lanes that chose the same expert add once
-        // (shared atomics on a few experts would serialise on the same addresses).
+        // Slot g kS + i of the warp's 16 or 32 rows in one instruction: lanes that chose the same
+        // expert add once (shared atomics on a few experts would serialise on the same addresses).
         const unsigned peers = __match_any_sync(kFull, counted ? ev[i] : -1);
         if (counted && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[ev[i]], __popc(peers));
       } else {
