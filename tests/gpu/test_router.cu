@@ -589,6 +589,7 @@ TEST(Router, PlainTopKKernelLayouts) {
   run_case(make("E64 k4 norm (G2 L4, two slots per lane)", 64, 4, 1999, norm, true));
   run_case(make("E72 k6 sigmoid (G4, 9 of 16 vectors)", 72, 6, 999, sigmoid, true));
   run_case(make("E128 k2 sigmoid norm scaled (G4 L2)", 128, 2, 1500, sigmoid_norm_scaled, true));
+  run_case(make("E128 k8 norm (G4 L8, two slots per lane)", 128, 8, 1777, norm, true));
   run_case(make("E200 k5 plain (G8 L8, 25 of 32 vectors, full-row sum over 8 lanes)", 200, 5, 777, nullptr, true));
   run_case(make("E256 k8 norm T 4099 (G8)", 256, 8, 4099, norm, true));
   run_case(make("E512 k7 after T 40003 (G16, several tiles per warp)", 512, 7, 40003, after, true));
