@@ -345,20 +345,15 @@ int main(int argc, char** argv) {
             // --calls: the others run first in each graph; b's outputs are the ones hashed.
             std::vector<std::unique_ptr<Bench>> others;
             for (int i = 1; i < calls; ++i) others.push_back(std::make_unique<Bench>(cfg, T, bf16, stream));
-            const double f_ms = bench::time_cuda_graph(
-                                    [&] {
-                                      for (auto& o : others) o->forward(ew.device_ptr(), stream);
-                                      b.forward(ew.device_ptr(), stream);
-                                    },
-                                    stream, 5, repeats, evict_l2)
-                                    .median_ms / calls;
-            const double b_ms = bench::time_cuda_graph(
-                                    [&] {
-                                      for (auto& o : others) o->backward(stream);
-                                      b.backward(stream);
-                                    },
-                                    stream, 5, repeats, evict_l2)
-                                    .median_ms / calls;
+            auto ms_per_call = [&](const std::function<void(Bench&)>& call) {
+              const auto all = [&] {
+                for (auto& o : others) call(*o);
+                call(b);
+              };
+              return bench::time_cuda_graph(all, stream, 5, repeats, evict_l2).median_ms / calls;
+            };
+            const double f_ms = ms_per_call([&](Bench& x) { x.forward(ew.device_ptr(), stream); });
+            const double b_ms = ms_per_call([&](Bench& x) { x.backward(stream); });
             ew.check(stream);
             const uint64_t h = b.hash();
             const double bytes = static_cast<double>(b.esize) * T * E;

@@ -568,8 +568,8 @@ TEST(Router, LaneGroupLayouts) {
 // every score form (softmax renormalised, plain (its full-row sum across the lanes), over the chosen
 // logits; sigmoid, renormalised or not; scaled), k = 1 and k = E, T not a multiple of a warp's rows,
 // several row tiles per warp; a lane's slots written as 16- or 8-byte vectors (k = L) or one by one;
-// counts of up to 32 rows merged per expert (E <= 64); ties on a coarse grid, signed zeros, and non-finite rows beside live
-// rows of the same warp.
+// counts of a warp's 16 or 32 rows merged per expert (E <= 64); ties on a coarse grid, signed
+// zeros, and non-finite rows beside live rows of the same warp.
 TEST(Router, PlainTopKKernelLayouts) {
   MOE_REQUIRE_GPU();
   auto norm = [](RouterConfig& c) { c.normalize_topk = true; };

@@ -283,16 +283,16 @@ class GroupedMLP(_ExpertModule):
         self.recompute = recompute
         self.fuse_fc1 = _fuse_fc1(fuse_fc1, ffn_hidden_size, num_experts)
         self.fuse_fc2_dgrad = _fused_default(fuse_fc2_dgrad, ffn_hidden_size, num_experts, 256)
-        self.save_x_perm = save_x_perm = _save_x_perm(save_x_perm, self.fuse_fc1, ffn_hidden_size, recompute)
+        self.save_x_perm = _save_x_perm(save_x_perm, self.fuse_fc1, ffn_hidden_size, recompute)
         # Whether backward (and backward_dw) read the forward's x again.
-        self.reads_x = recompute or not save_x_perm
+        self.reads_x = recompute or not self.save_x_perm
         self.slots = num_experts if map_routing else topk
         self._handle = _ops.mlp_create(hidden_size, ffn_hidden_size, num_experts, topk, max_tokens, activation,
                                        glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias,
                                        probs_at_combine, align, pre_padded, row_bound, map_routing,
                                        per_expert_weights, accumulate_into_main_grad,
                                        wgrad_dtype == torch.float32, delay_wgrad, recompute, self.fuse_fc1,
-                                       save_x_perm, self.fuse_fc2_dgrad, False, fp8 or "none",
+                                       self.save_x_perm, self.fuse_fc2_dgrad, False, fp8 or "none",
                                        fp8_weight_refresh)
         self._state_bytes = _ops.mlp_state_bytes(self._handle)
         self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
