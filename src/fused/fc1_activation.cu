@@ -148,8 +148,8 @@ __device__ void produce(SharedStorage& s, const Params& p, int total, int rank) 
   ring.phase = 1;  // a fresh barrier counts as released for parity 1
   for (int t = blockIdx.x / kCluster; t < total; t += gridDim.x / kCluster) {
     const Tile tile = decode_tile<kCluster>(t, s.tile_start, p, rank);
-    int a_row[kRowsPerThread];
-    gather_source_rows(a_row, tile, p.row_slots, p.slots, r0);
+    GatherRows<kRowsPerThread> a_rows;
+    gather_source_rows(a_rows, tile, p.row_slots, p.slots, r0, p.a, p.H, c);
     const __nv_bfloat16* w = p.w1_table != nullptr ? p.w1_table[tile.e] : p.w1_base + tile.e * p.w1_stride;
     int b_row[kBN / 16];
 #pragma unroll
@@ -169,7 +169,7 @@ __device__ void produce(SharedStorage& s, const Params& p, int total, int rank) 
                                          s.b[ring.stage] + rank * kHalfBytesB, kb * kBK, tma_row<kGated>(rank, tile.nt, p),
                                          tile.e);
       }
-      gather_stage(da, a_row, p.a, p.H, kb, c);
+      gather_stage(da, a_rows, p.H, kb, c);
 #pragma unroll
       for (int i = 0; i < (kTma ? 0 : kBN / 16); ++i) {
         int row = b_row[i];
@@ -258,8 +258,8 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
           g_in[q] = pack_bf16x2(acc(i), acc(i + 1));
           if constexpr (kGated) l_in[q] = pack_bf16x2(acc(i + 64), acc(i + 65));
         }
-        quad_transpose(g_in, g_out, j, lane);  // all lanes take part: before any row check
-        if constexpr (kGated) quad_transpose(l_in, l_out, j, lane);
+        quad_transpose(g_in, g_out, j);  // all lanes take part: before any row check
+        if constexpr (kGated) quad_transpose(l_in, l_out, j);
         const int f = tile.nt * (kGated ? kBN / 2 : kBN) + 8 * (4 * m + j);  // first feature of this lane's 8
         if (!row_ok || f >= F) continue;
         float g[kernels::kVec], l[kernels::kVec], out[kernels::kVec];

@@ -152,8 +152,8 @@ __device__ void produce(SharedStorage& s, const Params& p, int total, int rank) 
   ring.phase = 1;  // a fresh barrier counts as released for parity 1
   for (int t = blockIdx.x / kCluster; t < total; t += gridDim.x / kCluster) {
     const RowTile tile = decode_tile(t, s.tile_start, p, rank);
-    int a_row[kRows];
-    gather_source_rows(a_row, tile, p.row_slots, p.slots, r0);
+    GatherRows<kRows> a_rows;
+    gather_source_rows(a_rows, tile, p.row_slots, p.slots, r0, p.dy, p.H, c);
     const int f0 = tile.nt * kBN;
 #pragma unroll 1
     for (int kb = 0; kb < k_blocks; ++kb) {
@@ -173,7 +173,7 @@ __device__ void produce(SharedStorage& s, const Params& p, int total, int rank) 
                                            f0 + box * kBoxCols, kb * kBK, tile.e);
         }
       }
-      gather_stage(a_dst + ring.stage * kStageBytesA, a_row, p.dy, p.H, kb, c);
+      gather_stage(a_dst + ring.stage * kStageBytesA, a_rows, p.H, kb, c);
       // Arrives on full[stage] once this thread's copies have landed.
       cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
       ring.advance();
@@ -255,7 +255,7 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
           const int i = 2 * v1 + 4 * (4 * m + q);
           in[q] = pack_bf16x2(acc(i), acc(i + 1));
         }
-        quad_transpose(in, out, j, lane);  // all lanes take part: before any row check
+        quad_transpose(in, out, j);  // all lanes take part: before any row check
         const int f = tile.nt * kBN + 8 * (4 * m + j);
         if (!row_ok || f >= p.F) continue;
         float go[kVec];

@@ -21,22 +21,24 @@ __device__ __forceinline__ void unpack_bf16x8(const uint32_t (&w)[4], float (&v)
 }
 
 // 4 x 4 transpose of 32-bit words across the lanes of a quad (j = lane % 4): afterwards out[s] of
-// lane j is in[j] of lane s. In round k lane s sends in[(s - k) % 4] and lane j receives from lane
-// (j + k) % 4; register indices stay static (selects), so nothing goes to local memory. Every lane
-// of the warp must take part.
-__device__ __forceinline__ void quad_transpose(const uint32_t (&in)[4], uint32_t (&out)[4], int j, int lane) {
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int send = (j - k) & 3, from = (j + k) & 3;
-    uint32_t v = in[0];
-    v = send == 1 ? in[1] : v;
-    v = send == 2 ? in[2] : v;
-    v = send == 3 ? in[3] : v;
-    const uint32_t got = __shfl_sync(kernels::kFullMask, v, (lane & ~3) | from);
-#pragma unroll
-    for (int q = 0; q < 4; ++q)
-      if (q == from) out[q] = got;
-  }
+// lane j is in[j] of lane s. Two butterfly stages: swap the off-diagonal 2 x 2 blocks with the lane
+// two away, then transpose each 2 x 2 block with the neighbouring lane. Register indices stay
+// static (selects), so nothing goes to local memory: 4 shuffles and 12 selects (one shuffle per
+// word and three selects per shuffle as rotations did). Every lane of the warp must take part.
+__device__ __forceinline__ void quad_transpose(const uint32_t (&in)[4], uint32_t (&out)[4], int j) {
+  const bool hi = (j & 2) != 0, odd = (j & 1) != 0;
+  // Stage 1: lanes j and j ^ 2 trade the half the other one keeps (theirs: words 0-1 or 2-3).
+  const uint32_t s0 = __shfl_xor_sync(kernels::kFullMask, hi ? in[0] : in[2], 2);
+  const uint32_t s1 = __shfl_xor_sync(kernels::kFullMask, hi ? in[1] : in[3], 2);
+  const uint32_t t0 = hi ? s0 : in[0], t1 = hi ? s1 : in[1];
+  const uint32_t t2 = hi ? in[2] : s0, t3 = hi ? in[3] : s1;
+  // Stage 2: lanes j and j ^ 1 transpose their 2 x 2 blocks (words 0-1 and 2-3).
+  const uint32_t u0 = __shfl_xor_sync(kernels::kFullMask, odd ? t0 : t1, 1);
+  const uint32_t u1 = __shfl_xor_sync(kernels::kFullMask, odd ? t2 : t3, 1);
+  out[0] = odd ? u0 : t0;
+  out[1] = odd ? t1 : u0;
+  out[2] = odd ? u1 : t2;
+  out[3] = odd ? t3 : u1;
 }
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }

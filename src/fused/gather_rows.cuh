@@ -25,43 +25,60 @@ __host__ __device__ constexpr uint32_t swizzled_chunk(int r, int c) {
   return static_cast<uint32_t>((r >> 3) * 1024 + (r & 7) * 128 + ((c ^ (r & 7)) << 4));
 }
 
-// The source rows of this producer thread's rows of a tile (-1: zero fill): row
-// row_slots[m0 + r] / slots of the source, or row m0 + r itself when row_slots is null. 32-bit
-// indices: 64-bit addresses kept across the k loop would need more registers than the producer has.
+// This producer thread's rows of a tile, resolved once per tile: the address of its 16-byte chunk
+// (column 8 (tid % 8)) of each row at k block 0, and the copy size (16, or 0 for a zero-filled
+// padding row or row past the tile, whose address is then the source's first chunk). A k block
+// then costs an add and a copy per row. Recomputing the addresses from 32-bit row indices every
+// k block was ~190 instructions per stage per thread (Nsight Compute, fused fc1 on sonic-7b-fine),
+// enough to delay the copies behind the consumers.
 template <int N>
-__device__ __forceinline__ void gather_source_rows(int (&src)[N], const RowTile& tile, const int32_t* row_slots,
-                                                   int slots, int r0) {
+struct GatherRows {
+  const char* src[N];
+  uint32_t bytes[N];
+};
+
+// Source row row_slots[m0 + r] / slots (or row m0 + r itself when row_slots is null) of rows
+// r = r0 + 16 i of the tile; chunk c of each.
+template <int N>
+__device__ __forceinline__ void gather_source_rows(GatherRows<N>& g, const RowTile& tile, const int32_t* row_slots,
+                                                   int slots, int r0, const __nv_bfloat16* a, int cols, int c) {
+  // All N map loads are issued before any is used: loads behind per-row branches went out one
+  // at a time, N L2 round trips at every tile start.
+  int64_t src[N];
+  if (row_slots != nullptr) {
+    int slot[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int r = r0 + 16 * i;
+      slot[i] = r < tile.rows ? __ldg(row_slots + tile.m0 + r) : -1;
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) src[i] = slot[i] >= 0 ? slot[i] / slots : -1;
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int r = r0 + 16 * i;
+      src[i] = r < tile.rows ? tile.m0 + r : -1;
+    }
+  }
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    const int r = r0 + 16 * i;
-    int s = -1;
-    if (r < tile.rows) {
-      const int64_t row = tile.m0 + r;
-      if (row_slots != nullptr) {
-        const int slot = row_slots[row];
-        if (slot >= 0) s = slot / slots;
-      } else {
-        s = static_cast<int>(row);
-      }
-    }
-    src[i] = s;
+    g.bytes[i] = src[i] >= 0 ? 16u : 0u;
+    g.src[i] = reinterpret_cast<const char*>(a + (src[i] >= 0 ? src[i] * cols : 0) + c * 8);
   }
 }
 
 // Copies this thread's chunks of k block kb into the stage at shared address `dst` (the thread's
-// first chunk): columns kb * 64 + 8 (tid % 8) .. + 7 of its rows; zeros past `cols` or for row -1.
+// first chunk): columns kb * 64 + 8 c .. + 7 of its rows; zeros past `cols` or for a zero-size row.
 template <int N>
-__device__ __forceinline__ void gather_stage(uint32_t dst, const int (&src)[N], const __nv_bfloat16* a, int cols,
-                                             int kb, int c) {
+__device__ __forceinline__ void gather_stage(uint32_t dst, const GatherRows<N>& g, int cols, int kb, int c) {
   const int k = kb * kGatherCols + c * 8;
   const bool k_in = k < cols;
+  // Past `cols` the copies read nothing; their address stays the row's first chunk (in bounds).
+  const int64_t step = k_in ? static_cast<int64_t>(kb) * (kGatherCols * 2) : -16 * c;
+  const uint32_t keep = k_in ? 0xffffffffu : 0u;
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    int row = src[i];
-    asm volatile("" : "+r"(row));  // opaque: no hoisted 64-bit address
-    const bool v = row >= 0 && k_in;
-    cp_async_16(dst + i * 2048, v ? a + (static_cast<int64_t>(row) * cols + k) : a, v);
-  }
+  for (int i = 0; i < N; ++i) cp_async_16_bytes(dst + i * 2048, g.src[i] + step, g.bytes[i] & keep);
 }
 
 // Writes a landed stage of kRows rows (the gathered rows, zeros on padding rows) to rows
