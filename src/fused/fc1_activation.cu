@@ -149,7 +149,7 @@ __device__ void produce(SharedStorage& s, const Params& p, int total, int rank) 
   for (int t = blockIdx.x / kCluster; t < total; t += gridDim.x / kCluster) {
     const Tile tile = decode_tile<kCluster>(t, s.tile_start, p, rank);
     GatherRows<kRowsPerThread> a_rows;
-    gather_source_rows(a_rows, tile, p.row_slots, p.slots, r0, p.a, p.H, c);
+    gather_source_rows(a_rows, tile, p.row_slots, p.slots, r0, p.a, p.H);
     const __nv_bfloat16* w = p.w1_table != nullptr ? p.w1_table[tile.e] : p.w1_base + tile.e * p.w1_stride;
     int b_row[kBN / 16];
 #pragma unroll

@@ -153,7 +153,7 @@ __device__ void produce(SharedStorage& s, const Params& p, int total, int rank) 
   for (int t = blockIdx.x / kCluster; t < total; t += gridDim.x / kCluster) {
     const RowTile tile = decode_tile(t, s.tile_start, p, rank);
     GatherRows<kRows> a_rows;
-    gather_source_rows(a_rows, tile, p.row_slots, p.slots, r0, p.dy, p.H, c);
+    gather_source_rows(a_rows, tile, p.row_slots, p.slots, r0, p.dy, p.H);
     const int f0 = tile.nt * kBN;
 #pragma unroll 1
     for (int kb = 0; kb < k_blocks; ++kb) {

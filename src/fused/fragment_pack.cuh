@@ -23,16 +23,17 @@ __device__ __forceinline__ void unpack_bf16x8(const uint32_t (&w)[4], float (&v)
 // 4 x 4 transpose of 32-bit words across the lanes of a quad (j = lane % 4): afterwards out[s] of
 // lane j is in[j] of lane s. Two butterfly stages: swap the off-diagonal 2 x 2 blocks with the lane
 // two away, then transpose each 2 x 2 block with the neighbouring lane. Register indices stay
-// static (selects), so nothing goes to local memory: 4 shuffles and 12 selects (one shuffle per
-// word and three selects per shuffle as rotations did). Every lane of the warp must take part.
+// static (selects), so nothing goes to local memory: 4 shuffles and 12 selects. j must be
+// lane % 4 (the partners come from the lane id). Every lane of the warp must take part.
 __device__ __forceinline__ void quad_transpose(const uint32_t (&in)[4], uint32_t (&out)[4], int j) {
   const bool hi = (j & 2) != 0, odd = (j & 1) != 0;
-  // Stage 1: lanes j and j ^ 2 trade the half the other one keeps (theirs: words 0-1 or 2-3).
+  // Stage 1: lanes 0-1 send words 2-3 to lanes 2-3, which send words 0-1 back.
   const uint32_t s0 = __shfl_xor_sync(kernels::kFullMask, hi ? in[0] : in[2], 2);
   const uint32_t s1 = __shfl_xor_sync(kernels::kFullMask, hi ? in[1] : in[3], 2);
   const uint32_t t0 = hi ? s0 : in[0], t1 = hi ? s1 : in[1];
   const uint32_t t2 = hi ? in[2] : s0, t3 = hi ? in[3] : s1;
-  // Stage 2: lanes j and j ^ 1 transpose their 2 x 2 blocks (words 0-1 and 2-3).
+  // Stage 2: lanes j and j ^ 1 transpose their 2 x 2 blocks (words 0-1, words 2-3): even lanes send
+  // words 1 and 3, odd lanes words 0 and 2.
   const uint32_t u0 = __shfl_xor_sync(kernels::kFullMask, odd ? t0 : t1, 1);
   const uint32_t u1 = __shfl_xor_sync(kernels::kFullMask, odd ? t2 : t3, 1);
   out[0] = odd ? u0 : t0;

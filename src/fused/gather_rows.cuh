@@ -25,12 +25,10 @@ __host__ __device__ constexpr uint32_t swizzled_chunk(int r, int c) {
   return static_cast<uint32_t>((r >> 3) * 1024 + (r & 7) * 128 + ((c ^ (r & 7)) << 4));
 }
 
-// This producer thread's rows of a tile, resolved once per tile: the address of its 16-byte chunk
-// (column 8 (tid % 8)) of each row at k block 0, and the copy size (16, or 0 for a zero-filled
-// padding row or row past the tile, whose address is then the source's first chunk). A k block
-// then costs an add and a copy per row. Recomputing the addresses from 32-bit row indices every
-// k block was ~190 instructions per stage per thread (Nsight Compute, fused fc1 on sonic-7b-fine),
-// enough to delay the copies behind the consumers.
+// This producer thread's rows of a tile, resolved once per tile: each row's start address in the
+// source and a copy size (16, or 0 for a zero-filled padding row or row past the tile, whose address
+// is then the source's row 0). A k block then costs an add and a copy per row; rebuilding each
+// row's 64-bit address from its index every k block kept the copies behind the consumers.
 template <int N>
 struct GatherRows {
   const char* src[N];
@@ -38,10 +36,10 @@ struct GatherRows {
 };
 
 // Source row row_slots[m0 + r] / slots (or row m0 + r itself when row_slots is null) of rows
-// r = r0 + 16 i of the tile; chunk c of each.
+// r = r0 + 16 i of the tile.
 template <int N>
 __device__ __forceinline__ void gather_source_rows(GatherRows<N>& g, const RowTile& tile, const int32_t* row_slots,
-                                                   int slots, int r0, const __nv_bfloat16* a, int cols, int c) {
+                                                   int slots, int r0, const __nv_bfloat16* a, int cols) {
   // All N map loads are issued before any is used: loads behind per-row branches went out one
   // at a time, N L2 round trips at every tile start.
   int64_t src[N];
@@ -64,7 +62,7 @@ __device__ __forceinline__ void gather_source_rows(GatherRows<N>& g, const RowTi
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     g.bytes[i] = src[i] >= 0 ? 16u : 0u;
-    g.src[i] = reinterpret_cast<const char*>(a + (src[i] >= 0 ? src[i] * cols : 0) + c * 8);
+    g.src[i] = reinterpret_cast<const char*>(a + (src[i] >= 0 ? src[i] * cols : 0));
   }
 }
 
@@ -74,8 +72,8 @@ template <int N>
 __device__ __forceinline__ void gather_stage(uint32_t dst, const GatherRows<N>& g, int cols, int kb, int c) {
   const int k = kb * kGatherCols + c * 8;
   const bool k_in = k < cols;
-  // Past `cols` the copies read nothing; their address stays the row's first chunk (in bounds).
-  const int64_t step = k_in ? static_cast<int64_t>(kb) * (kGatherCols * 2) : -16 * c;
+  // Past `cols` the copies read nothing and keep the row's start address (in bounds).
+  const int64_t step = k_in ? 2 * static_cast<int64_t>(k) : 0;
   const uint32_t keep = k_in ? 0xffffffffu : 0u;
 #pragma unroll
   for (int i = 0; i < N; ++i) cp_async_16_bytes(dst + i * 2048, g.src[i] + step, g.bytes[i] & keep);
