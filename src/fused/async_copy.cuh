@@ -6,14 +6,13 @@
 
 namespace moe::fused {
 
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  // src-size 0 fills the 16 bytes with zeros without reading src.
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-
-// The same with the source size given: 16, or 0 to fill the 16 bytes with zeros without reading.
+// bytes: the source size, 16, or 0 to fill the 16 bytes with zeros without reading src.
 __device__ __forceinline__ void cp_async_16_bytes(uint32_t dst, const void* src, uint32_t bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  cp_async_16_bytes(dst, src, valid ? 16u : 0u);
 }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
