@@ -18,6 +18,7 @@
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
+#include "gemm/fp8_overlapped_promotion.cuh"
 #include "gemm/grouped_kernel.h"
 #include "gemm/run_group_scheduler.cuh"
 #include "moe/error.h"
@@ -117,7 +118,11 @@ struct Sm90Gemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Operands::template KernelSchedule<Schedule>>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  // The cooperative FP8 block-scaled kernels promote each reduction block under the next one's
+  // WGMMAs (fp8_overlapped_promotion.cuh).
+  using KernelMainloop = std::conditional_t<Operands::kScaled && std::is_same_v<Schedule, Cooperative>,
+                                            OverlappedPromotionMainloop<Mainloop>, Mainloop>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, KernelMainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   using StrideA = typename Kernel::InternalStrideA;
