@@ -19,4 +19,12 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The first 1024-byte aligned byte of the dynamic shared memory (`raw`: the extern __shared__ array;
+// the launch adds 1024 bytes of slack). Pointer arithmetic on `raw`, not an integer round trip, so
+// that the compiler keeps the shared address space: the kernels' SharedStorage fields are then read
+// with shared loads instead of generic ones.
+__device__ __forceinline__ uint8_t* align_smem_1024(uint8_t* raw) {
+  return raw + ((1024u - (smem_u32(raw) & 1023u)) & 1023u);
+}
+
 }  // namespace moe::fused

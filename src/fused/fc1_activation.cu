@@ -316,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_activation_kernel(const __gri
   const int rank = kCluster == 1 ? 0 : static_cast<int>(cute::block_rank_in_cluster());
   extern __shared__ uint8_t smem_raw[];
   // The swizzle is a function of the address bits: the tiles must start 1024-byte aligned.
-  SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  SharedStorage& s = *reinterpret_cast<SharedStorage*>(align_smem_1024(smem_raw));
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
 
   if (warp == 0) {

@@ -260,7 +260,7 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
 __global__ void __launch_bounds__(kThreads, 1) wgrad_gathered_kernel(const __grid_constant__ Params p) {
   extern __shared__ uint8_t smem_raw[];
   // The swizzle is a function of the address bits: the tiles must start 1024-byte aligned.
-  SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  SharedStorage& s = *reinterpret_cast<SharedStorage*>(align_smem_1024(smem_raw));
   const int rank = static_cast<int>(cute::block_rank_in_cluster());
   if (threadIdx.x == 32) {
     // full: every producer thread's cp.async arrival + the TMA issuer's expect-tx arrival;
