@@ -1,6 +1,7 @@
 // Epilogue helpers of the fused kernels for the WGMMA 64xNx16 accumulator fragment: packing fp32
-// pairs to bf16 and a 4 x 4 transpose across the lanes of a quad, so that each lane ends up with 8
-// consecutive columns of a row (one 16-byte vector) instead of 4 scattered column pairs.
+// pairs to bf16, a 4 x 4 transpose across the lanes of a quad, so that each lane ends up with 8
+// consecutive columns of a row (one 16-byte vector) instead of 4 scattered column pairs, and an
+// 8 x 8 transpose across the lanes of a column, for 8 consecutive rows of a column.
 #pragma once
 
 #include <cstdint>
@@ -40,6 +41,27 @@ __device__ __forceinline__ void quad_transpose(const uint32_t (&in)[4], uint32_t
   out[1] = odd ? t1 : u0;
   out[2] = odd ? u1 : t2;
   out[3] = odd ? t3 : u1;
+}
+
+// 8 x 8 transpose of 32-bit words across the 8 lanes of a warp that share lane % 4 (q = lane / 4,
+// the accumulator's row within its 8-row group): afterwards out[r] of lane q is in[q] of lane r, so a
+// lane holds 8 consecutive rows of one column. Three butterfly stages (partners 16, 8 and 4 lanes
+// away): in each, the lane whose bit m of q is clear sends the upper word of each pair (c, c + m)
+// and the other the lower one. 12 shuffles; indices stay static. Every lane must take part.
+__device__ __forceinline__ void octet_transpose(const float (&in)[8], float (&out)[8], int q) {
+#pragma unroll
+  for (int c = 0; c < 8; ++c) out[c] = in[c];
+#pragma unroll
+  for (int m = 4; m >= 1; m /= 2) {
+    const bool hi = (q & m) != 0;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      if (c & m) continue;
+      const float got = __shfl_xor_sync(kernels::kFullMask, hi ? out[c] : out[c | m], 4 * m);
+      if (hi) out[c] = got;
+      else out[c | m] = got;
+    }
+  }
 }
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }

@@ -36,6 +36,7 @@
 #include "fused/pipeline.cuh"
 #include "fused/cluster_launch.h"
 #include "fused/consumer_loop.cuh"
+#include "fused/fragment_pack.cuh"
 #include "fused/tensor_map.h"
 #include "fused/wgrad_gathered.h"
 #include "moe/error.h"
@@ -210,6 +211,105 @@ __device__ __forceinline__ void zero_rows_past_group(SharedStorage& s, int stage
   cutlass::arch::NamedBarrier::sync(kConsumerThreads, 1);
 }
 
+// Epilogue. Accumulator (i) is X column a, dY column b of the tile, i.e. dW_e[b][a]; with
+// i = v0 + 2 v1 + 4 v2 it sits at tile row (a) r + 8 v1 and column (b) c + 8 v2 + v0, where
+// (r, c) = coord(0): r = the warp's first row + lane / 4, c = 2 (lane % 4).
+template <class Acc, class Coord>
+__device__ __forceinline__ void store_tile_elementwise(const Params& p, const Tile& tile, char* dw, const Acc& acc,
+                                                       const Coord& coord) {
+#pragma unroll
+  for (int i = 0; i < size(acc); ++i) {
+    const int a = tile.x0 + get<0>(coord(i)), b = tile.y0 + get<1>(coord(i));
+    if (a >= p.N || b >= p.M) continue;
+    const int64_t at = p.x_major ? static_cast<int64_t>(a) * p.M + b : static_cast<int64_t>(b) * p.N + a;
+    if (p.fp32) {
+      float* q = reinterpret_cast<float*>(dw) + at;
+      *q = p.accumulate ? *q + acc(i) : acc(i);
+    } else {
+      reinterpret_cast<__nv_bfloat16*>(dw)[at] = __float2bfloat16_rn(acc(i));
+    }
+  }
+}
+
+// The same values (same roundings, same additions) with 16-byte stores: [M, N] needs 8 consecutive
+// a of one b per lane, which an 8 x 8 transpose across the 8 lanes of a column gives (a lane holds
+// 8 columns of one row); [N, M] needs consecutive b of one a, which the lane's column pairs are
+// (quad-transposed into 8 for bf16). M % 8 == N % 8 == 0, so a vector is wholly in or out.
+template <class Acc, class Coord>
+__device__ __forceinline__ void store_tile_vectorized(const Params& p, const Tile& tile, char* dw, Acc& acc,
+                                                      const Coord& coord, int lane) {
+  static_assert(decltype(size(acc))::value == 128, "a 2 x 2 x 32 accumulator fragment (64x256 WGMMA)");
+  const int r = get<0>(coord(0)), c = get<1>(coord(0));
+  const int q = lane >> 2, j = lane & 3;
+  float* dw32 = reinterpret_cast<float*>(dw);
+  __nv_bfloat16* dw16 = reinterpret_cast<__nv_bfloat16*>(dw);
+  if (!p.x_major) {
+#pragma unroll
+    for (int v1 = 0; v1 < 2; ++v1) {
+      const int a = tile.x0 + r - q + 8 * v1;  // the column's first row: rows a .. a + 7
+#pragma unroll
+      for (int g = 0; g < 8; ++g) {  // columns 32 g .. 32 g + 31 of the lane's quad
+        float in[8], out[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) in[k] = acc((k & 1) + 2 * v1 + 4 * (4 * g + (k >> 1)));
+        octet_transpose(in, out, q);  // every lane: before any bounds check
+        const int b = tile.y0 + c + 32 * g + 8 * (q >> 1) + (q & 1);
+        if (a >= p.N || b >= p.M) continue;
+        const int64_t at = static_cast<int64_t>(b) * p.N + a;
+        if (p.fp32) {
+          float4* v = reinterpret_cast<float4*>(dw32 + at);
+          float4 lo = make_float4(out[0], out[1], out[2], out[3]), hi = make_float4(out[4], out[5], out[6], out[7]);
+          if (p.accumulate) {
+            const float4 l0 = v[0], h0 = v[1];
+            lo = make_float4(l0.x + lo.x, l0.y + lo.y, l0.z + lo.z, l0.w + lo.w);
+            hi = make_float4(h0.x + hi.x, h0.y + hi.y, h0.z + hi.z, h0.w + hi.w);
+          }
+          v[0] = lo;
+          v[1] = hi;
+        } else {
+          *reinterpret_cast<uint4*>(dw16 + at) = make_uint4(pack_bf16x2(out[0], out[1]), pack_bf16x2(out[2], out[3]),
+                                                            pack_bf16x2(out[4], out[5]), pack_bf16x2(out[6], out[7]));
+        }
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int v1 = 0; v1 < 2; ++v1) {
+    const int a = tile.x0 + r + 8 * v1;
+    const bool row_ok = a < p.N;
+    if (p.fp32) {
+      if (!row_ok) continue;
+#pragma unroll
+      for (int v2 = 0; v2 < 32; ++v2) {
+        const int b = tile.y0 + c + 8 * v2;
+        if (b >= p.M) continue;
+        float2* v = reinterpret_cast<float2*>(dw32 + static_cast<int64_t>(a) * p.M + b);
+        float2 w = make_float2(acc(2 * v1 + 4 * v2), acc(1 + 2 * v1 + 4 * v2));
+        if (p.accumulate) {
+          const float2 o = *v;
+          w = make_float2(o.x + w.x, o.y + w.y);
+        }
+        *v = w;
+      }
+    } else {
+#pragma unroll
+      for (int g = 0; g < 8; ++g) {
+        uint32_t in[4], out[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int i = 2 * v1 + 4 * (4 * g + k);
+          in[k] = pack_bf16x2(acc(i), acc(i + 1));
+        }
+        quad_transpose(in, out, j);  // every lane: before any bounds check
+        const int b = tile.y0 + 32 * g + 8 * j;  // columns b .. b + 7
+        if (!row_ok || b >= p.M) continue;
+        *reinterpret_cast<uint4*>(dw16 + static_cast<int64_t>(a) * p.M + b) = make_uint4(out[0], out[1], out[2], out[3]);
+      }
+    }
+  }
+}
+
 __device__ void consume(SharedStorage& s, const Params& p, int rank) {
   const int ctid = threadIdx.x - kProducerThreads;
   const int lane = threadIdx.x & 31;
@@ -238,21 +338,14 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
         },
         [](int, int) {});
 
-    // Epilogue: accumulator (i) is X column a, dY column b of the tile, i.e. dW_e[b][a]; eight
-    // consecutive X columns of one dY column come from the eight row groups of a warp.
     if (p.accumulate && k_blocks == 0) continue;  // main_grad keeps its value
     char* dw = p.dw_table != nullptr ? static_cast<char*>(p.dw_table[tile.e]) : p.dw_base + tile.e * p.dw_stride;
-#pragma unroll
-    for (int i = 0; i < size(acc); ++i) {
-      const int a = tile.x0 + get<0>(coord(i)), b = tile.y0 + get<1>(coord(i));
-      if (a >= p.N || b >= p.M) continue;
-      const int64_t at = p.x_major ? static_cast<int64_t>(a) * p.M + b : static_cast<int64_t>(b) * p.N + a;
-      if (p.fp32) {
-        float* q = reinterpret_cast<float*>(dw) + at;
-        *q = p.accumulate ? *q + acc(i) : acc(i);
-      } else {
-        reinterpret_cast<__nv_bfloat16*>(dw)[at] = __float2bfloat16_rn(acc(i));
-      }
+    // Vector stores need a 16-byte aligned dW_e (M and N are multiples of 8); a caller's table may
+    // hold any address, so the element-wise form stays for the others.
+    if ((reinterpret_cast<uintptr_t>(dw) & 15u) == 0) {
+      store_tile_vectorized(p, tile, dw, acc, coord, lane);
+    } else {
+      store_tile_elementwise(p, tile, dw, acc, coord);
     }
   }
 }

@@ -1,9 +1,9 @@
 // The grouped weight gradient with gathered rows (fused/wgrad_gathered.h) against the fp64 CPU
 // reference of the grouped wgrad on the materialized x_perm: uneven and empty groups, groups longer
 // than the 4-stage ring, padding rows, M and N that are not tile multiples, bf16 / fp32 written and
-// fp32 accumulated (main_grad), both output layouts (bitwise identical), the gathered and the
-// contiguous form of the same rows (bitwise identical), and CUDA graph replay with a new routing
-// (bitwise equal to eager).
+// fp32 accumulated (main_grad), both output layouts and vector or element-wise stores (a dW_e off
+// 16-byte alignment; all bitwise identical), the gathered and the contiguous form of the same rows
+// (bitwise identical), and CUDA graph replay with a new routing (bitwise equal to eager).
 //
 // Tolerances, as for the grouped GEMM's wgrad (tests/gpu/test_grouped_gemm.cu): bf16 inputs give
 // exact fp32 products, accumulated in fp32 and rounded once:
@@ -132,19 +132,46 @@ fused::WgradGatheredArgs args(const Batch& b, const DeviceBatch& d, bool gathere
   return a;
 }
 
-// dW in bf16 or fp32 written, or accumulated over `prior`; single grouped or through a table.
+// How run() stores dW: single grouped or through a table, the table's dW_e shifted by one element
+// off 16-byte alignment (the kernel's element-wise stores), dW_e transposed ([N, M], x_major).
+struct Store {
+  bool table = false;
+  bool misaligned = false;  // table only
+  bool x_major = false;
+};
+
+// dW in bf16 or fp32 written, or accumulated over `prior` ([E, M, N] in and out, whatever `store`).
 template <typename Out>
-std::vector<Out> run(const Batch& b, const DeviceBatch& d, bool gathered, bool accumulate, bool table,
+std::vector<Out> run(const Batch& b, const DeviceBatch& d, bool gathered, bool accumulate, Store store,
                      const std::vector<Out>& prior) {
   const int64_t mn = int64_t(b.M) * b.N;
-  DeviceBuffer<Out> dw(b.E * mn);
-  if (accumulate) dw.upload(prior);
-  else dw.fill_bytes(0xFF);  // NaN everywhere: any element left unwritten shows
+  const int64_t shift = store.misaligned ? 1 : 0;
+  // [E, M, N] <-> the stored layout.
+  auto relayout = [&](const std::vector<Out>& v, bool to_stored) {
+    if (!store.x_major) return v;
+    std::vector<Out> t(v.size());
+    for (int e = 0; e < b.E; ++e)
+      for (int m = 0; m < b.M; ++m)
+        for (int n = 0; n < b.N; ++n) {
+          const int64_t mn_at = e * mn + int64_t(m) * b.N + n, nm_at = e * mn + int64_t(n) * b.M + m;
+          if (to_stored) t[nm_at] = v[mn_at];
+          else t[mn_at] = v[nm_at];
+        }
+    return t;
+  };
+  DeviceBuffer<Out> dw(b.E * mn + shift);
+  if (accumulate) {
+    std::vector<Out> init = relayout(prior, true);
+    init.insert(init.begin(), shift, Out{});
+    dw.upload(init);
+  } else {
+    dw.fill_bytes(0xFF);  // NaN everywhere: any element left unwritten shows
+  }
   std::vector<void*> ptrs;
-  for (int e = 0; e < b.E; ++e) ptrs.push_back(dw.get() + e * mn);
+  for (int e = 0; e < b.E; ++e) ptrs.push_back(dw.get() + shift + e * mn);
   DeviceBuffer<void*> d_ptrs(ptrs);
   fused::WgradGatheredArgs a = args(b, d, gathered);
-  if (table) {
+  if (store.table) {
     a.dw_table = d_ptrs.get();
   } else {
     a.dw_base = dw.get();
@@ -152,9 +179,12 @@ std::vector<Out> run(const Batch& b, const DeviceBatch& d, bool gathered, bool a
   }
   a.dw_fp32 = sizeof(Out) == 4;
   a.accumulate = accumulate;
+  a.x_major = store.x_major;
   fused::launch_wgrad_gathered(a, nullptr);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
-  return dw.download();
+  std::vector<Out> got = dw.download();
+  got.erase(got.begin(), got.begin() + shift);
+  return relayout(got, false);
 }
 
 void check_bf16(const std::vector<Bits>& got, const Expected& ex, const std::string& what) {
@@ -196,22 +226,32 @@ TEST_P(WgradGathered, MatchesReferenceInEveryOutputMode) {
   const DeviceBatch d(b);
   const Expected ex = expect(b);
 
-  const auto bf16 = run<Bits>(b, d, true, false, false, {});
+  const Store grouped, table{true, false, false}, misaligned{true, true, false}, transposed{false, false, true},
+      transposed_table{true, true, true};
+  const auto bf16 = run<Bits>(b, d, true, false, grouped, {});
   check_bf16(bf16, ex, "bf16 written");
-  EXPECT_EQ(bf16, run<Bits>(b, d, true, false, true, {})) << "per-expert table vs single grouped";
-  EXPECT_EQ(bf16, run<Bits>(b, d, false, false, false, {})) << "gathered vs contiguous x_perm";
+  EXPECT_EQ(bf16, run<Bits>(b, d, false, false, grouped, {})) << "gathered vs contiguous x_perm";
+  // Every way of storing gives the same bits: vector stores (aligned) and element-wise ones
+  // (misaligned), [M, N] and [N, M].
+  for (const Store& st : {table, misaligned, transposed, transposed_table})
+    EXPECT_EQ(bf16, run<Bits>(b, d, true, false, st, {})) << "bf16, table " << st.table << " misaligned "
+                                                           << st.misaligned << " x_major " << st.x_major;
 
-  const auto f32 = run<float>(b, d, true, false, false, {});
+  const auto f32 = run<float>(b, d, true, false, grouped, {});
   check_f32(f32, ex, {}, "fp32 written");
-  EXPECT_EQ(f32, run<float>(b, d, true, false, true, {}));
+  for (const Store& st : {table, misaligned, transposed, transposed_table})
+    EXPECT_EQ(f32, run<float>(b, d, true, false, st, {})) << "fp32, table " << st.table << " misaligned "
+                                                          << st.misaligned << " x_major " << st.x_major;
 
   std::mt19937_64 rng(11);
   std::uniform_real_distribution<float> u(-4.0f, 4.0f);
   std::vector<float> prior(f32.size());
   for (float& f : prior) f = u(rng);
-  const auto acc = run<float>(b, d, true, true, false, prior);
+  const auto acc = run<float>(b, d, true, true, grouped, prior);
   check_f32(acc, ex, prior, "fp32 accumulated");
-  EXPECT_EQ(acc, run<float>(b, d, true, true, true, prior));
+  for (const Store& st : {table, misaligned, transposed, transposed_table})
+    EXPECT_EQ(acc, run<float>(b, d, true, true, st, prior)) << "accumulated, table " << st.table << " misaligned "
+                                                            << st.misaligned << " x_major " << st.x_major;
   // Empty experts leave main_grad bitwise as it was.
   const int64_t mn = int64_t(b.M) * b.N;
   for (int e = 0; e < b.E; ++e)
@@ -272,7 +312,7 @@ TEST(WgradGathered, GraphReplayWithNewRoutingEqualsEager) {
   const std::vector<float> replayed = dw.download();
 
   const DeviceBatch fresh(second);
-  EXPECT_EQ(replayed, run<float>(second, fresh, true, false, false, {}));
+  EXPECT_EQ(replayed, run<float>(second, fresh, true, false, Store{}, {}));
   check_f32(replayed, expect(second), {}, "graph replay");
   MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
   MOE_CUDA_CHECK(cudaGraphDestroy(graph));
@@ -300,10 +340,10 @@ TEST(WgradGathered, BitwiseEqualToGroupedGemmWgradOnXPerm) {
     const std::vector<uint8_t> want = dw.download();
     std::vector<uint8_t> got;
     if (out == DType::kFP32) {
-      const auto f = run<float>(b, d, true, false, false, {});
+      const auto f = run<float>(b, d, true, false, Store{}, {});
       got.assign(reinterpret_cast<const uint8_t*>(f.data()), reinterpret_cast<const uint8_t*>(f.data() + f.size()));
     } else {
-      const auto h = run<Bits>(b, d, true, false, false, {});
+      const auto h = run<Bits>(b, d, true, false, Store{}, {});
       got.assign(reinterpret_cast<const uint8_t*>(h.data()), reinterpret_cast<const uint8_t*>(h.data() + h.size()));
     }
     size_t differ = 0;
