@@ -231,12 +231,13 @@ __device__ __forceinline__ void store_tile_elementwise(const Params& p, const Ti
   }
 }
 
-// The same values (same roundings, same additions) with 16-byte stores: [M, N] needs 8 consecutive
+// The same values (same roundings, same additions) with vector stores: [M, N] needs 8 consecutive
 // a of one b per lane, which an 8 x 8 transpose across the 8 lanes of a column gives (a lane holds
-// 8 columns of one row); [N, M] needs consecutive b of one a, which the lane's column pairs are
-// (quad-transposed into 8 for bf16). M % 8 == N % 8 == 0, so a vector is wholly in or out.
+// 8 columns of one row): 16-byte stores. [N, M] needs consecutive b of one a, which the lane's
+// column pairs are: 8-byte fp32 pairs, or quad-transposed into 16-byte bf16 vectors. M % 8 == N % 8
+// == 0, so a vector is wholly in or out.
 template <class Acc, class Coord>
-__device__ __forceinline__ void store_tile_vectorized(const Params& p, const Tile& tile, char* dw, Acc& acc,
+__device__ __forceinline__ void store_tile_vectorized(const Params& p, const Tile& tile, char* dw, const Acc& acc,
                                                       const Coord& coord, int lane) {
   static_assert(decltype(size(acc))::value == 128, "a 2 x 2 x 32 accumulator fragment (64x256 WGMMA)");
   const int r = get<0>(coord(0)), c = get<1>(coord(0));
