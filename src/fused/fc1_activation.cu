@@ -251,15 +251,9 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
       const int64_t row = tile.m0 + r;
 #pragma unroll
       for (int m = 0; m < kBlocks; ++m) {
-        uint32_t g_in[4], g_out[4], l_in[4], l_out[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int i = 2 * v1 + 4 * (4 * m + q);
-          g_in[q] = pack_bf16x2(acc(i), acc(i + 1));
-          if constexpr (kGated) l_in[q] = pack_bf16x2(acc(i + 64), acc(i + 65));
-        }
-        quad_transpose(g_in, g_out, j);  // all lanes take part: before any row check
-        if constexpr (kGated) quad_transpose(l_in, l_out, j);
+        uint32_t g_out[4], l_out[4];
+        pack_transpose_pairs(acc, 2 * v1 + 16 * m, j, g_out);  // all lanes take part: before any row check
+        if constexpr (kGated) pack_transpose_pairs(acc, 2 * v1 + 16 * m + 64, j, l_out);
         const int f = tile.nt * (kGated ? kBN / 2 : kBN) + 8 * (4 * m + j);  // first feature of this lane's 8
         if (!row_ok || f >= F) continue;
         float g[kernels::kVec], l[kernels::kVec], out[kernels::kVec];

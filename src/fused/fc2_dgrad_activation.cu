@@ -249,13 +249,8 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
       float dp = 0.0f;
 #pragma unroll
       for (int m = 0; m < kBN / 32; ++m) {
-        uint32_t in[4], out[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int i = 2 * v1 + 4 * (4 * m + q);
-          in[q] = pack_bf16x2(acc(i), acc(i + 1));
-        }
-        quad_transpose(in, out, j);  // all lanes take part: before any row check
+        uint32_t out[4];
+        pack_transpose_pairs(acc, 2 * v1 + 16 * m, j, out);  // all lanes take part: before any row check
         const int f = tile.nt * kBN + 8 * (4 * m + j);
         if (!row_ok || f >= p.F) continue;
         float go[kVec];

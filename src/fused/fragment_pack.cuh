@@ -43,6 +43,17 @@ __device__ __forceinline__ void quad_transpose(const uint32_t (&in)[4], uint32_t
   out[3] = odd ? t3 : u1;
 }
 
+// A lane's 4 column pairs of one 32-column block of the accumulator -- accumulators first + 4 q and
+// first + 4 q + 1, q < 4 -- packed to bf16 pairs and quad-transposed: out is 8 consecutive columns
+// (j = lane % 4; every lane must take part).
+template <class Acc>
+__device__ __forceinline__ void pack_transpose_pairs(const Acc& acc, int first, int j, uint32_t (&out)[4]) {
+  uint32_t in[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) in[q] = pack_bf16x2(acc(first + 4 * q), acc(first + 4 * q + 1));
+  quad_transpose(in, out, j);
+}
+
 // 8 x 8 transpose of 32-bit words across the 8 lanes of a warp that share lane % 4 (q = lane / 4,
 // the accumulator's row within its 8-row group): afterwards out[r] of lane q is in[q] of lane r, so a
 // lane holds 8 consecutive rows of one column. Three butterfly stages (partners 16, 8 and 4 lanes

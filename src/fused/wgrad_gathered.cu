@@ -296,13 +296,8 @@ __device__ __forceinline__ void store_tile_vectorized(const Params& p, const Til
     } else {
 #pragma unroll
       for (int g = 0; g < 8; ++g) {
-        uint32_t in[4], out[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int i = 2 * v1 + 4 * (4 * g + k);
-          in[k] = pack_bf16x2(acc(i), acc(i + 1));
-        }
-        quad_transpose(in, out, j);  // every lane: before any bounds check
+        uint32_t out[4];
+        pack_transpose_pairs(acc, 2 * v1 + 16 * g, j, out);  // every lane: before any bounds check
         const int b = tile.y0 + 32 * g + 8 * j;  // columns b .. b + 7
         if (!row_ok || b >= p.M) continue;
         *reinterpret_cast<uint4*>(dw16 + static_cast<int64_t>(a) * p.M + b) = make_uint4(out[0], out[1], out[2], out[3]);
