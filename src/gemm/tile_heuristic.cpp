@@ -29,6 +29,8 @@ TileChoice choose_tiles(Op op, int64_t N, int64_t K) {
       return {N % 512 == 0 ? "coop_128x256x64_c1x2" : "coop_128x256x64_c2x1", false};
     }
     case Op::kDgrad:  // dX [m, K], reduction N
+      if (N <= 2048 && K >= 768)
+        return {K % 384 == 0 ? "pong_128x192x64_c1x2" : "pong_128x192x64_c2x1", true, 1};
       if (N <= 768) return {"pong_128x128x64_c2x1", true, N <= 512 ? 4 : 1};
       return {K % 512 == 0 ? "coop_128x256x64_c1x2" : "coop_128x256x64_c2x1", false};
     case Op::kWgrad:  // dW [N, K], reduction over the tokens of an expert
