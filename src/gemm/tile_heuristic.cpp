@@ -17,6 +17,11 @@ namespace moe::gemm {
 //    round-robin order makes at nearly every tile of fine-grained experts (sonic-7b-fine fc2:
 //    1.09x on top of the 64x64 epilogue subtile); longer reductions lose L2 reuse with runs
 //    (sonic-7b-fine fc1, K = 1536: 0.83x, L2 hit rate 68% -> 47%), so they keep run 1;
+//  - dgrad of short reductions (N <= 2048) into outputs at least 768 wide: ping-pong 128x192 as
+//    SonicMoE's dx (fc1 dgrad 1.06-1.14x on the four fine-grained shapes, qwen3-30b-a3b-ep8's fc2
+//    dgrad 1.11x, olmoe-1b-7b's fc2 level); the 1x2 cluster where 192-wide tile pairs fill the
+//    output (sonic-7b-fine 1.03x over 2x1); narrower outputs keep the cooperative tile (sonic-7b-fine
+//    fc2 dgrad 0.86x, sonic-30b-fine 0.85x with 128x192);
 //  - wgrad: the scheduler walks each expert's tiles along N when the output is taller than wide
 //    (measured 1.0-1.05x on bf16 and up to 1.38x on the fp32 main_grad of mixtral fc1; along M
 //    is better the other way round).
