@@ -1,0 +1,61 @@
+// The grouped GEMM's tile heuristic (src/gemm/tile_heuristic.cpp) against the kernel registry, on the
+// host: for both products of every named shape, each op's choice names a configuration compiled for
+// that op and those dtypes, and asks for runs of tiles only where the configuration takes them. A
+// rule that names a configuration no longer compiled fails here, without a GPU; gpu_test_grouped_gemm
+// runs the chosen kernels.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "gemm/grouped_kernel.h"
+#include "gemm/tile_heuristic.h"
+#include "support/bench_util.h"
+
+namespace moe::gemm {
+namespace {
+
+void expect_compiled(Op op, DType ab, DType out, bool accumulate, const TileChoice& c, const std::string& what) {
+  const KernelEntry* k = find_kernel(op, ab, out, accumulate, c.name);
+  ASSERT_NE(k, nullptr) << what << ": '" << c.name << "' is not compiled for these operands and output";
+  EXPECT_GE(c.tile_run, 1) << what;
+  if (c.tile_run > 1) EXPECT_TRUE(k->tile_runs) << what << ": '" << c.name << "' takes no runs of tiles";
+}
+
+TEST(TileHeuristic, EveryNamedShapeProductHasACompiledChoice) {
+  for (const bench::Shape& s : bench::named_shapes()) {
+    // fc1 (gated): N = 2F outputs from K = H; fc2: N = H from K = F.
+    for (auto [N, K] : {std::pair<int64_t, int64_t>{2 * s.F, s.H}, {s.H, s.F}}) {
+      const std::string what = std::string(s.name) + " N=" + std::to_string(N) + " K=" + std::to_string(K);
+      expect_compiled(Op::kFprop, DType::kBF16, DType::kBF16, false, choose_tiles(Op::kFprop, N, K), what + " fprop");
+      expect_compiled(Op::kDgrad, DType::kBF16, DType::kBF16, false, choose_tiles(Op::kDgrad, N, K), what + " dgrad");
+      expect_compiled(Op::kWgrad, DType::kBF16, DType::kBF16, false, choose_tiles(Op::kWgrad, N, K), what + " wgrad");
+      expect_compiled(Op::kWgrad, DType::kBF16, DType::kFP32, true, choose_tiles(Op::kWgrad, N, K),
+                      what + " wgrad into main_grad");
+      // FP8: one fprop-form kernel serves fprop and dgrad (grouped_kernel.h).
+      expect_compiled(Op::kFprop, DType::kFP8E4M3, DType::kBF16, false, choose_fp8_tiles(Op::kFprop, N, K),
+                      what + " fp8 fprop");
+      expect_compiled(Op::kWgrad, DType::kFP8E4M3, DType::kBF16, false, choose_fp8_tiles(Op::kWgrad, N, K),
+                      what + " fp8 wgrad");
+      expect_compiled(Op::kWgrad, DType::kFP8E4M3, DType::kFP32, true, choose_fp8_tiles(Op::kWgrad, N, K),
+                      what + " fp8 wgrad into main_grad");
+    }
+  }
+}
+
+// The dgrad rule measured on the fine-grained shapes (docs/gemm.md): ping-pong 128x192 for reductions
+// up to 2048 into outputs at least 768 wide, with the 1x2 cluster where 192-wide tile pairs fill the
+// output; the cooperative tile for narrow outputs and long reductions.
+TEST(TileHeuristic, DgradTilesFollowTheMeasuredRule) {
+  EXPECT_STREQ(choose_tiles(Op::kDgrad, 512, 1536).name, "pong_128x192x64_c1x2");   // sonic-7b-fine fc1
+  EXPECT_STREQ(choose_tiles(Op::kDgrad, 1536, 2048).name, "pong_128x192x64_c2x1");  // qwen3-30b-a3b-ep8 fc1
+  EXPECT_STREQ(choose_tiles(Op::kDgrad, 2048, 768).name, "pong_128x192x64_c1x2");   // qwen3-30b-a3b-ep8 fc2
+  EXPECT_STREQ(choose_tiles(Op::kDgrad, 1536, 256).name, "coop_128x256x64_c2x1");   // sonic-7b-fine fc2
+  EXPECT_STREQ(choose_tiles(Op::kDgrad, 4096, 512).name, "coop_128x256x64_c1x2");   // sonic-30b-fine fc2
+  EXPECT_STREQ(choose_tiles(Op::kDgrad, 4096, 7168).name, "coop_128x256x64_c1x2");  // deepseek-v3-ep32 fc1
+  EXPECT_EQ(choose_tiles(Op::kDgrad, 512, 1536).tile_run, 1);
+}
+
+}  // namespace
+}  // namespace moe::gemm
