@@ -2,7 +2,7 @@
 // host: for both products of every named shape, each op's choice names a configuration compiled for
 // that op and those dtypes, and asks for runs of tiles only where the configuration takes them. A
 // rule that names a configuration no longer compiled fails here, without a GPU; gpu_test_grouped_gemm
-// runs the chosen kernels.
+// runs every compiled configuration.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -54,7 +54,11 @@ TEST(TileHeuristic, DgradTilesFollowTheMeasuredRule) {
   EXPECT_STREQ(choose_tiles(Op::kDgrad, 1536, 256).name, "coop_128x256x64_c2x1");   // sonic-7b-fine fc2
   EXPECT_STREQ(choose_tiles(Op::kDgrad, 4096, 512).name, "coop_128x256x64_c1x2");   // sonic-30b-fine fc2
   EXPECT_STREQ(choose_tiles(Op::kDgrad, 4096, 7168).name, "coop_128x256x64_c1x2");  // deepseek-v3-ep32 fc1
-  EXPECT_EQ(choose_tiles(Op::kDgrad, 512, 1536).tile_run, 1);
+  // The ping-pong tiles walk each expert along N, one tile per visit.
+  for (auto [N, K] : {std::pair<int64_t, int64_t>{512, 1536}, {1536, 2048}, {2048, 768}}) {
+    EXPECT_TRUE(choose_tiles(Op::kDgrad, N, K).raster_along_n) << N << " " << K;
+    EXPECT_EQ(choose_tiles(Op::kDgrad, N, K).tile_run, 1) << N << " " << K;
+  }
 }
 
 }  // namespace

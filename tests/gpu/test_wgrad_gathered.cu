@@ -229,20 +229,22 @@ TEST_P(WgradGathered, MatchesReferenceInEveryOutputMode) {
 
   const Store grouped, table{true, false, false}, misaligned{true, true, false}, transposed{false, false, true},
       transposed_table{true, false, true}, transposed_misaligned{true, true, true};
+  auto label = [](const Store& st) {
+    return "table " + std::to_string(st.table) + " misaligned " + std::to_string(st.misaligned) + " x_major " +
+           std::to_string(st.x_major);
+  };
   const auto bf16 = run<Bits>(b, d, true, false, grouped, {});
   check_bf16(bf16, ex, "bf16 written");
   EXPECT_EQ(bf16, run<Bits>(b, d, false, false, grouped, {})) << "gathered vs contiguous x_perm";
   // Every way of storing gives the same bits: vector stores (aligned) and element-wise ones
   // (misaligned), [M, N] and [N, M].
   for (const Store& st : {table, misaligned, transposed, transposed_table, transposed_misaligned})
-    EXPECT_EQ(bf16, run<Bits>(b, d, true, false, st, {})) << "bf16, table " << st.table << " misaligned "
-                                                           << st.misaligned << " x_major " << st.x_major;
+    EXPECT_EQ(bf16, run<Bits>(b, d, true, false, st, {})) << "bf16, " << label(st);
 
   const auto f32 = run<float>(b, d, true, false, grouped, {});
   check_f32(f32, ex, {}, "fp32 written");
   for (const Store& st : {table, misaligned, transposed, transposed_table, transposed_misaligned})
-    EXPECT_EQ(f32, run<float>(b, d, true, false, st, {})) << "fp32, table " << st.table << " misaligned "
-                                                          << st.misaligned << " x_major " << st.x_major;
+    EXPECT_EQ(f32, run<float>(b, d, true, false, st, {})) << "fp32, " << label(st);
 
   std::mt19937_64 rng(11);
   std::uniform_real_distribution<float> u(-4.0f, 4.0f);
@@ -251,8 +253,7 @@ TEST_P(WgradGathered, MatchesReferenceInEveryOutputMode) {
   const auto acc = run<float>(b, d, true, true, grouped, prior);
   check_f32(acc, ex, prior, "fp32 accumulated");
   for (const Store& st : {table, misaligned, transposed, transposed_table, transposed_misaligned})
-    EXPECT_EQ(acc, run<float>(b, d, true, true, st, prior)) << "accumulated, table " << st.table << " misaligned "
-                                                            << st.misaligned << " x_major " << st.x_major;
+    EXPECT_EQ(acc, run<float>(b, d, true, true, st, prior)) << "accumulated, " << label(st);
   // Empty experts leave main_grad bitwise as it was.
   const int64_t mn = int64_t(b.M) * b.N;
   for (int e = 0; e < b.E; ++e)
