@@ -56,6 +56,7 @@ constexpr int kAhead = 4;  // k blocks of row indices in flight in the producer
 constexpr int kBoxCols = 64;                               // one TMA box: 64 dY columns (128 bytes) x 64 rows
 constexpr int kBoxBytes = kBoxCols * kBK * 2;              // 8 KiB
 constexpr int kStageBytesY = kBY * kBK * 2;                // 32 KiB: both halves land in every CTA
+constexpr int kStageBytesX = kBX * kBK * 2;                // 16 KiB of gathered x rows
 constexpr int kBoxesPerCta = kBY / kBoxCols / kCluster;    // 2
 
 // MN-major tiles: 64 consecutive columns of one row are 128 contiguous bytes, eight rows make a
@@ -89,6 +90,8 @@ struct Params {
   const __nv_bfloat16* x;
   const int32_t* row_slots;
   int slots;
+  uint64_t slots_magic;  // slot / slots == (slot * slots_magic) >> slots_shift for 0 <= slot < 2^31
+  int slots_shift;
   const int32_t* offsets;
   int E;
   int64_t R;
@@ -126,7 +129,9 @@ __device__ __forceinline__ int row_slot(const Params& p, int64_t r, int64_t end)
 }
 // Row of x holding a permuted row whose slot is `slot`.
 __device__ __forceinline__ int source_row(const Params& p, int slot) {
-  return slot < 0 ? -1 : p.row_slots == nullptr ? slot : slot / p.slots;
+  if (slot < 0) return -1;
+  if (p.row_slots == nullptr) return slot;
+  return static_cast<int>((static_cast<uint64_t>(slot) * p.slots_magic) >> p.slots_shift);
 }
 
 __device__ void produce(SharedStorage& s, const Params& p, int rank) {
@@ -142,12 +147,19 @@ __device__ void produce(SharedStorage& s, const Params& p, int rank) {
   const int own = (r0 & ~1) + (lane & 1) + 8 * (lane >> 1);
   const int from = r0 & 1;  // + 2 i: the lane holding row r0 + 8 i
   const uint32_t x_base = smem_u32(s.x);
+  // The stage stride (16 KiB) leaves the swizzled bits alone, so a chunk's offset is its offset in
+  // stage 0 plus the stage's base.
+  static_assert(kStageBytesX % 1024 == 0, "stage bases keep the 128-byte swizzle pattern");
+  uint32_t chunk[kBK / 8];
+#pragma unroll
+  for (int i = 0; i < kBK / 8; ++i) chunk[i] = x_chunk_offset(c, r0 + 8 * i, 0);
   RingPosition<kStages> ring;
   ring.phase = 1;  // a fresh barrier counts as released for parity 1
   for (int t = blockIdx.x / kCluster; t < p.total; t += gridDim.x / kCluster) {
     const Tile tile = decode_tile(p, t, rank);
     const bool c_in = tile.x0 + c < p.N;
-    const __nv_bfloat16* x_col = p.x + (tile.x0 + c);
+    const int64_t col0 = tile.x0 + c;
+    const __nv_bfloat16* x_col = p.x + col0;
     const int k_blocks = static_cast<int>((tile.end - tile.begin + kBK - 1) / kBK);
     // ahead[j] holds the indices of k block kb0 + j. A step issues its copies first and only then
     // reloads its register for k block kb + kAhead, so no register ever waits on a load in flight
@@ -180,12 +192,13 @@ __device__ void produce(SharedStorage& s, const Params& p, int rank) {
           }
         }
         const int mine = source_row(p, ahead[j]);
+        const uint32_t stage_base = x_base + ring.stage * kStageBytesX;
 #pragma unroll
         for (int i = 0; i < kBK / 8; ++i) {
           const int row = __shfl_sync(kFullMask, mine, from + 2 * i);
           const bool v = c_in && row >= 0;
-          cp_async_16(x_base + x_chunk_offset(c, r0 + 8 * i, ring.stage),
-                      v ? x_col + static_cast<int64_t>(row) * p.N : p.x, v);
+          // An invalid chunk reads nothing (source size 0); x itself stands in as its address.
+          cp_async_16(stage_base + chunk[i], x_col + (v ? static_cast<int64_t>(row) * p.N : -col0), v);
         }
         // Arrives on full[stage] once this thread's copies have landed.
         cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
@@ -409,6 +422,16 @@ void launch_wgrad_gathered(const WgradGatheredArgs& a, cudaStream_t stream) {
   p.x = static_cast<const __nv_bfloat16*>(a.x);
   p.row_slots = a.row_slots;
   p.slots = a.slots;
+  // Round-up multiplier for division by the slot count: with 2^s >= slots, m = ceil(2^(32+s) / slots)
+  // gives floor(n * m / 2^(32+s)) == n / slots for every n < 2^31 (the error is below 1 / (2 slots)),
+  // and n * m < 2^64.
+  {
+    const uint64_t d = static_cast<uint64_t>(std::max(a.slots, 1));
+    int sh = 0;
+    while ((uint64_t{1} << sh) < d) ++sh;
+    p.slots_magic = ((uint64_t{1} << (32 + sh)) + d - 1) / d;
+    p.slots_shift = 32 + sh;
+  }
   p.offsets = a.group_offsets;
   p.E = a.experts;
   p.R = a.R;
