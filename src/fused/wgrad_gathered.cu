@@ -78,9 +78,16 @@ __device__ __forceinline__ uint32_t x_chunk_offset(int c, int k, int stage) {
   return linear ^ ((linear >> 3) & 0x70u);
 }
 
+// The bf16 [M, N] epilogue goes through shared memory: per consumer warp group, 64 dY columns (dW
+// rows) x its 64 X columns at a time, 128-byte rows whose 16-byte chunks are XOR-swizzled by row so
+// that both the transposing matrix stores and the row reads are free of bank conflicts.
+constexpr int kStagedRows = 64;
+constexpr int kStagingBytes = kStagedRows * 128;  // 8 KiB per warp group
+
 struct SharedStorage {
   alignas(1024) bf16 x[cosize_v<SmemLayoutX>];
   alignas(1024) bf16 y[cosize_v<SmemLayoutY>];
+  alignas(128) uint8_t staging[2][kStagingBytes];
   alignas(8) uint64_t full[kStages];   // the stage's copies and both TMA halves landed
   alignas(8) uint64_t empty[kStages];  // every consumer warp of the cluster is done with the stage
 };
@@ -321,6 +328,62 @@ __device__ __forceinline__ void store_tile_vectorized(const Params& p, const Til
   }
 }
 
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
+// The bf16 [M, N] store (the fc1 weight gradient: X columns contiguous in dW_e) through shared memory.
+// The accumulator's 8 x 8 blocks (8 X columns x 8 dY columns of one lane quad each) are written
+// transposed by stmatrix, so a staged row is 8 consecutive X columns of one dY column per 16 bytes;
+// then 8 lanes store one whole 128-byte row segment. Same values as store_tile_vectorized (one
+// rounding per element), far fewer instructions and whole cache lines per store (the vector form
+// writes 16 bytes into each of 32 rows per warp instruction).
+template <class Acc, class Coord>
+__device__ __forceinline__ void store_tile_staged(const Params& p, const Tile& tile, char* dw, const Acc& acc,
+                                                  const Coord& coord, uint32_t buf, int group, int gtid, int lane) {
+  static_assert(decltype(size(acc))::value == 128, "a 2 x 2 x 32 accumulator fragment (64x256 WGMMA)");
+  // Accumulator i = v0 + 2 v1 + 4 v2 is X column r + 8 v1, dY column c + 8 v2 + v0 (see
+  // store_tile_vectorized). A warp's X columns: w0 .. w0 + 15 of the tile, w0 = r - lane / 4.
+  const int w0 = get<0>(coord(0)) - (lane >> 2);
+  const int first_x = tile.x0 + (w0 & ~63);  // the warp group's first X column
+  // Lane l gives the row address of matrix l / 8 (of the four an instruction stores), row l % 8 of
+  // the transposed matrix. Matrices: (half 0, group g), (half 1, g), (half 0, g + 1), (half 1, g + 1).
+  const int m = lane >> 3, j = lane & 7;
+  const int q = ((w0 & 63) >> 3) + (m & 1);  // the 16-byte chunk: 8 X columns
+  __nv_bfloat16* dw16 = reinterpret_cast<__nv_bfloat16*>(dw);
+#pragma unroll
+  for (int part = 0; part < kBY / kStagedRows; ++part) {
+#pragma unroll
+    for (int gp = 0; gp < kStagedRows / 16; ++gp) {
+      const int g = part * (kStagedRows / 8) + 2 * gp;
+      const int row = 16 * gp + 8 * (m >> 1) + j;
+      stmatrix_x4_trans(buf + row * 128 + ((q ^ (row & 7)) << 4), pack_bf16x2(acc(4 * g), acc(4 * g + 1)),
+                        pack_bf16x2(acc(4 * g + 2), acc(4 * g + 3)), pack_bf16x2(acc(4 * g + 4), acc(4 * g + 5)),
+                        pack_bf16x2(acc(4 * g + 6), acc(4 * g + 7)));
+    }
+    cutlass::arch::NamedBarrier::sync(kConsumerThreads / 2, 2 + group);
+#pragma unroll
+    for (int it = 0; it < kStagedRows * 8 / (kConsumerThreads / 2); ++it) {
+      const int idx = it * (kConsumerThreads / 2) + gtid, row = idx >> 3, cq = idx & 7;
+      const uint4 v = ld_shared_16(buf + row * 128 + ((cq ^ (row & 7)) << 4));
+      const int b = tile.y0 + part * kStagedRows + row, a = first_x + 8 * cq;
+      if (b < p.M && a < p.N) *reinterpret_cast<uint4*>(dw16 + static_cast<int64_t>(b) * p.N + a) = v;
+    }
+    cutlass::arch::NamedBarrier::sync(kConsumerThreads / 2, 2 + group);  // the buffer is free again
+  }
+}
+
 __device__ void consume(SharedStorage& s, const Params& p, int rank) {
   const int ctid = threadIdx.x - kProducerThreads;
   const int lane = threadIdx.x & 31;
@@ -333,6 +396,8 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sY));
   Tensor acc = partition_fragment_C(mma, Shape<Int<kBX>, Int<kBY>>{});
   Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kBX>, Int<kBY>>{}));
+  const int group = ctid / (kConsumerThreads / 2);
+  const uint32_t staging = smem_u32(s.staging[group]);
 
   RingPosition<kStages> ring;
   ring.phase = 0;
@@ -354,7 +419,10 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
     // Vector stores need a 16-byte aligned dW_e (M and N are multiples of 8); a caller's table may
     // hold any address, so the element-wise form stays for the others.
     if ((reinterpret_cast<uintptr_t>(dw) & 15u) == 0) {
-      store_tile_vectorized(p, tile, dw, acc, coord, lane);
+      if (!p.fp32 && !p.x_major)
+        store_tile_staged(p, tile, dw, acc, coord, staging, group, ctid % (kConsumerThreads / 2), lane);
+      else
+        store_tile_vectorized(p, tile, dw, acc, coord, lane);
     } else {
       store_tile_elementwise(p, tile, dw, acc, coord);
     }
