@@ -454,6 +454,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_gathered_kernel(const __gri
 }
 
 constexpr size_t kSmemBytes = 1024 + sizeof(SharedStorage);
+static_assert(kSmemBytes <= 232448, "the staging buffers fit beside the four stages");
 
 // dY [R, M] as a TMA tensor: 64-column x 64-row boxes, 128-byte swizzle (the MN-major layout the
 // WGMMA reads), zeros past the last row and column.
