@@ -78,10 +78,10 @@ __device__ __forceinline__ uint32_t x_chunk_offset(int c, int k, int stage) {
   return linear ^ ((linear >> 3) & 0x70u);
 }
 
-// The bf16 [M, N] epilogue goes through shared memory: per consumer warp group, 64 dY columns (dW
-// rows) x its 64 X columns at a time, 128-byte rows whose 16-byte chunks are XOR-swizzled by row so
-// that both the transposing matrix stores and the row reads are free of bank conflicts.
-constexpr int kStagedRows = 64;
+// The bf16 epilogue goes through shared memory: per consumer warp group, 64 dY columns x its 64 X
+// columns at a time, 128-byte rows whose 16-byte chunks are XOR-swizzled by row so that both the
+// matrix stores and the row reads are free of bank conflicts.
+constexpr int kStagedRows = 64;  // dY columns per staged part
 constexpr int kStagingBytes = kStagedRows * 128;  // 8 KiB per warp group
 
 struct SharedStorage {
@@ -328,10 +328,20 @@ __device__ __forceinline__ void store_tile_vectorized(const Params& p, const Til
   }
 }
 
-__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
-               "r"(r1), "r"(r2), "r"(r3)
-               : "memory");
+// Four 8 x 8 bf16 matrices from the accumulator fragments of a warp into shared memory: lanes 8 m ..
+// 8 m + 7 give the addresses of matrix m's 8 rows; register m holds matrix m's fragment (row lane / 4,
+// columns 2 (lane % 4) and + 1). Transposed (kTrans), stored row j is the fragment's column j.
+template <bool kTrans>
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  if constexpr (kTrans) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+                 "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+  } else {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+                 "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+  }
 }
 
 __device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
@@ -343,13 +353,14 @@ __device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
   return v;
 }
 
-// The bf16 [M, N] store (the fc1 weight gradient: X columns contiguous in dW_e) through shared memory.
-// The accumulator's 8 x 8 blocks (8 X columns x 8 dY columns of one lane quad each) are written
-// transposed by stmatrix, so a staged row is 8 consecutive X columns of one dY column per 16 bytes;
-// then 8 lanes store one whole 128-byte row segment. Same values as store_tile_vectorized (one
-// rounding per element), far fewer instructions and whole cache lines per store (the vector form
-// writes 16 bytes into each of 32 rows per warp instruction).
-template <class Acc, class Coord>
+// The bf16 stores through shared memory, 64 dY columns of the tile at a time. The accumulator's 8 x 8
+// blocks (8 X columns x 8 dY columns, one lane quad each) go to the warp group's buffer by stmatrix,
+// transposed for [M, N] (the fc1 weight gradient: a staged row is one dY column's 64 X columns) and as
+// they are for [N, M] (the fc2 weight gradient: a staged row is one X column's 64 dY columns); then 8
+// lanes store one whole 128-byte row segment. Same values as store_tile_vectorized (one rounding per
+// element), far fewer instructions, and whole cache lines per store where the vector forms write
+// 16 bytes into each of 32 rows ([M, N]) or 64 bytes into each of 8 rows ([N, M]) per instruction.
+template <bool kXMajor, class Acc, class Coord>
 __device__ __forceinline__ void store_tile_staged(const Params& p, const Tile& tile, char* dw, const Acc& acc,
                                                   const Coord& coord, uint32_t buf, int group, int gtid, int lane) {
   static_assert(decltype(size(acc))::value == 128, "a 2 x 2 x 32 accumulator fragment (64x256 WGMMA)");
@@ -357,28 +368,35 @@ __device__ __forceinline__ void store_tile_staged(const Params& p, const Tile& t
   // store_tile_vectorized). A warp's X columns: w0 .. w0 + 15 of the tile, w0 = r - lane / 4.
   const int w0 = get<0>(coord(0)) - (lane >> 2);
   const int first_x = tile.x0 + (w0 & ~63);  // the warp group's first X column
-  // Lane l gives the row address of matrix l / 8 (of the four an instruction stores), row l % 8 of
-  // the transposed matrix. Matrices: (half 0, group g), (half 1, g), (half 0, g + 1), (half 1, g + 1).
+  // Lane l addresses row l % 8 of matrix l / 8 of the four an instruction stores: (X half 0, dY
+  // group g), (half 1, g), (half 0, g + 1), (half 1, g + 1).
   const int m = lane >> 3, j = lane & 7;
-  const int q = ((w0 & 63) >> 3) + (m & 1);  // the 16-byte chunk: 8 X columns
+  const int x8 = ((w0 & 63) >> 3) + (m & 1);  // the matrix's 8 X columns, in 8s within the group's 64
   __nv_bfloat16* dw16 = reinterpret_cast<__nv_bfloat16*>(dw);
 #pragma unroll
   for (int part = 0; part < kBY / kStagedRows; ++part) {
 #pragma unroll
     for (int gp = 0; gp < kStagedRows / 16; ++gp) {
       const int g = part * (kStagedRows / 8) + 2 * gp;
-      const int row = 16 * gp + 8 * (m >> 1) + j;
-      stmatrix_x4_trans(buf + row * 128 + ((q ^ (row & 7)) << 4), pack_bf16x2(acc(4 * g), acc(4 * g + 1)),
-                        pack_bf16x2(acc(4 * g + 2), acc(4 * g + 3)), pack_bf16x2(acc(4 * g + 4), acc(4 * g + 5)),
-                        pack_bf16x2(acc(4 * g + 6), acc(4 * g + 7)));
+      const int y8 = 2 * gp + (m >> 1);  // the matrix's 8 dY columns, in 8s within the part's 64
+      // [M, N]: row = dY column, chunk = 8 X columns; [N, M]: row = X column, chunk = 8 dY columns.
+      const int row = kXMajor ? 8 * x8 + j : 8 * y8 + j;
+      const int chunk = kXMajor ? y8 : x8;
+      stmatrix_x4<!kXMajor>(buf + row * 128 + ((chunk ^ (row & 7)) << 4), pack_bf16x2(acc(4 * g), acc(4 * g + 1)),
+                            pack_bf16x2(acc(4 * g + 2), acc(4 * g + 3)), pack_bf16x2(acc(4 * g + 4), acc(4 * g + 5)),
+                            pack_bf16x2(acc(4 * g + 6), acc(4 * g + 7)));
     }
     cutlass::arch::NamedBarrier::sync(kConsumerThreads / 2, 2 + group);
 #pragma unroll
     for (int it = 0; it < kStagedRows * 8 / (kConsumerThreads / 2); ++it) {
       const int idx = it * (kConsumerThreads / 2) + gtid, row = idx >> 3, cq = idx & 7;
       const uint4 v = ld_shared_16(buf + row * 128 + ((cq ^ (row & 7)) << 4));
-      const int b = tile.y0 + part * kStagedRows + row, a = first_x + 8 * cq;
-      if (b < p.M && a < p.N) *reinterpret_cast<uint4*>(dw16 + static_cast<int64_t>(b) * p.N + a) = v;
+      const int b = tile.y0 + part * kStagedRows + (kXMajor ? 8 * cq : row);
+      const int a = first_x + (kXMajor ? row : 8 * cq);
+      if (b < p.M && a < p.N) {
+        const int64_t at = kXMajor ? static_cast<int64_t>(a) * p.M + b : static_cast<int64_t>(b) * p.N + a;
+        *reinterpret_cast<uint4*>(dw16 + at) = v;
+      }
     }
     cutlass::arch::NamedBarrier::sync(kConsumerThreads / 2, 2 + group);  // the buffer is free again
   }
@@ -419,10 +437,13 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
     // Vector stores need a 16-byte aligned dW_e (M and N are multiples of 8); a caller's table may
     // hold any address, so the element-wise form stays for the others.
     if ((reinterpret_cast<uintptr_t>(dw) & 15u) == 0) {
-      if (!p.fp32 && !p.x_major)
-        store_tile_staged(p, tile, dw, acc, coord, staging, group, ctid % (kConsumerThreads / 2), lane);
-      else
+      const int gtid = ctid % (kConsumerThreads / 2);
+      if (p.fp32)
         store_tile_vectorized(p, tile, dw, acc, coord, lane);
+      else if (p.x_major)
+        store_tile_staged<true>(p, tile, dw, acc, coord, staging, group, gtid, lane);
+      else
+        store_tile_staged<false>(p, tile, dw, acc, coord, staging, group, gtid, lane);
     } else {
       store_tile_elementwise(p, tile, dw, acc, coord);
     }
