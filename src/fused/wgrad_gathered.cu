@@ -32,6 +32,7 @@
 
 #include "device/cuda_check.h"
 #include "device/device_groups.cuh"
+#include "device/slot_divisor.h"
 #include "fused/async_copy.cuh"
 #include "fused/pipeline.cuh"
 #include "fused/cluster_launch.h"
@@ -97,8 +98,7 @@ struct Params {
   const __nv_bfloat16* x;
   const int32_t* row_slots;
   int slots;
-  uint64_t slots_magic;  // slot / slots == (slot * slots_magic) >> slots_shift for 0 <= slot < 2^31
-  int slots_shift;
+  SlotDivisor by_slots;  // slot / slots as a multiply and a shift
   const int32_t* offsets;
   int E;
   int64_t R;
@@ -138,7 +138,7 @@ __device__ __forceinline__ int row_slot(const Params& p, int64_t r, int64_t end)
 __device__ __forceinline__ int source_row(const Params& p, int slot) {
   if (slot < 0) return -1;
   if (p.row_slots == nullptr) return slot;
-  return static_cast<int>((static_cast<uint64_t>(slot) * p.slots_magic) >> p.slots_shift);
+  return p.by_slots.divide(slot);
 }
 
 __device__ void produce(SharedStorage& s, const Params& p, int rank) {
@@ -512,16 +512,7 @@ void launch_wgrad_gathered(const WgradGatheredArgs& a, cudaStream_t stream) {
   p.x = static_cast<const __nv_bfloat16*>(a.x);
   p.row_slots = a.row_slots;
   p.slots = a.slots;
-  // Round-up multiplier for division by the slot count: with 2^s >= slots, m = ceil(2^(32+s) / slots)
-  // gives floor(n * m / 2^(32+s)) == n / slots for every n < 2^31 (the error is below 1 / (2 slots)),
-  // and n * m < 2^64.
-  {
-    const uint64_t d = static_cast<uint64_t>(std::max(a.slots, 1));
-    int sh = 0;
-    while ((uint64_t{1} << sh) < d) ++sh;
-    p.slots_magic = ((uint64_t{1} << (32 + sh)) + d - 1) / d;
-    p.slots_shift = 32 + sh;
-  }
+  p.by_slots = SlotDivisor::make(a.slots);
   p.offsets = a.group_offsets;
   p.E = a.experts;
   p.R = a.R;
