@@ -54,27 +54,6 @@ __device__ __forceinline__ void pack_transpose_pairs(const Acc& acc, int first, 
   quad_transpose(in, out, j);
 }
 
-// 8 x 8 transpose of 32-bit words across the 8 lanes of a warp that share lane % 4 (q = lane / 4,
-// the accumulator's row within its 8-row group): afterwards out[r] of lane q is in[q] of lane r, so a
-// lane holds 8 consecutive rows of one column. Three butterfly stages (partners 16, 8 and 4 lanes
-// away): in each, the lane whose bit m of q is clear sends the upper word of each pair (c, c + m)
-// and the other the lower one. 12 shuffles; indices stay static. Every lane must take part.
-__device__ __forceinline__ void octet_transpose(const float (&in)[8], float (&out)[8], int q) {
-#pragma unroll
-  for (int c = 0; c < 8; ++c) out[c] = in[c];
-#pragma unroll
-  for (int m = 4; m >= 1; m /= 2) {
-    const bool hi = (q & m) != 0;
-#pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      if (c & m) continue;
-      const float got = __shfl_xor_sync(kernels::kFullMask, hi ? out[c] : out[c | m], 4 * m);
-      if (hi) out[c] = got;
-      else out[c | m] = got;
-    }
-  }
-}
-
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 }  // namespace moe::fused

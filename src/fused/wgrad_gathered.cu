@@ -83,12 +83,13 @@ __device__ __forceinline__ uint32_t x_chunk_offset(int c, int k, int stage) {
 // columns at a time, 128-byte rows whose 16-byte chunks are XOR-swizzled by row so that both the
 // matrix stores and the row reads are free of bank conflicts.
 constexpr int kStagedRows = 64;  // dY columns per staged part
-constexpr int kStagingBytes = kStagedRows * 128;  // 8 KiB per warp group
+constexpr int kStagingBytes = kStagedRows * 128;  // 8 KiB per warp group and plane
 
 struct SharedStorage {
   alignas(1024) bf16 x[cosize_v<SmemLayoutX>];
   alignas(1024) bf16 y[cosize_v<SmemLayoutY>];
-  alignas(128) uint8_t staging[2][kStagingBytes];
+  // Per warp group: bf16 values in plane 0; fp32 values as their high (plane 0) and low (plane 1) halves.
+  alignas(128) uint8_t staging[2][2][kStagingBytes];
   alignas(8) uint64_t full[kStages];   // the stage's copies and both TMA halves landed
   alignas(8) uint64_t empty[kStages];  // every consumer warp of the cluster is done with the stage
 };
@@ -253,81 +254,6 @@ __device__ __forceinline__ void store_tile_elementwise(const Params& p, const Ti
   }
 }
 
-// The same values (same roundings, same additions) with vector stores: [M, N] needs 8 consecutive
-// a of one b per lane, which an 8 x 8 transpose across the 8 lanes of a column gives (a lane holds
-// 8 columns of one row): 16-byte stores. [N, M] needs consecutive b of one a, which the lane's
-// column pairs are: 8-byte fp32 pairs, or quad-transposed into 16-byte bf16 vectors. M % 8 == N % 8
-// == 0, so a vector is wholly in or out.
-template <class Acc, class Coord>
-__device__ __forceinline__ void store_tile_vectorized(const Params& p, const Tile& tile, char* dw, const Acc& acc,
-                                                      const Coord& coord, int lane) {
-  static_assert(decltype(size(acc))::value == 128, "a 2 x 2 x 32 accumulator fragment (64x256 WGMMA)");
-  const int r = get<0>(coord(0)), c = get<1>(coord(0));
-  const int q = lane >> 2, j = lane & 3;
-  float* dw32 = reinterpret_cast<float*>(dw);
-  __nv_bfloat16* dw16 = reinterpret_cast<__nv_bfloat16*>(dw);
-  if (!p.x_major) {
-#pragma unroll
-    for (int v1 = 0; v1 < 2; ++v1) {
-      const int a = tile.x0 + r - q + 8 * v1;  // the column's first row: rows a .. a + 7
-#pragma unroll
-      for (int g = 0; g < 8; ++g) {  // columns 32 g .. 32 g + 31 of the lane's quad
-        float in[8], out[8];
-#pragma unroll
-        for (int k = 0; k < 8; ++k) in[k] = acc((k & 1) + 2 * v1 + 4 * (4 * g + (k >> 1)));
-        octet_transpose(in, out, q);  // every lane: before any bounds check
-        const int b = tile.y0 + c + 32 * g + 8 * (q >> 1) + (q & 1);
-        if (a >= p.N || b >= p.M) continue;
-        const int64_t at = static_cast<int64_t>(b) * p.N + a;
-        if (p.fp32) {
-          float4* v = reinterpret_cast<float4*>(dw32 + at);
-          float4 lo = make_float4(out[0], out[1], out[2], out[3]), hi = make_float4(out[4], out[5], out[6], out[7]);
-          if (p.accumulate) {
-            const float4 l0 = v[0], h0 = v[1];
-            lo = make_float4(l0.x + lo.x, l0.y + lo.y, l0.z + lo.z, l0.w + lo.w);
-            hi = make_float4(h0.x + hi.x, h0.y + hi.y, h0.z + hi.z, h0.w + hi.w);
-          }
-          v[0] = lo;
-          v[1] = hi;
-        } else {
-          *reinterpret_cast<uint4*>(dw16 + at) = make_uint4(pack_bf16x2(out[0], out[1]), pack_bf16x2(out[2], out[3]),
-                                                            pack_bf16x2(out[4], out[5]), pack_bf16x2(out[6], out[7]));
-        }
-      }
-    }
-    return;
-  }
-#pragma unroll
-  for (int v1 = 0; v1 < 2; ++v1) {
-    const int a = tile.x0 + r + 8 * v1;
-    const bool row_ok = a < p.N;
-    if (p.fp32) {
-      if (!row_ok) continue;
-#pragma unroll
-      for (int v2 = 0; v2 < 32; ++v2) {
-        const int b = tile.y0 + c + 8 * v2;
-        if (b >= p.M) continue;
-        float2* v = reinterpret_cast<float2*>(dw32 + static_cast<int64_t>(a) * p.M + b);
-        float2 w = make_float2(acc(2 * v1 + 4 * v2), acc(1 + 2 * v1 + 4 * v2));
-        if (p.accumulate) {
-          const float2 o = *v;
-          w = make_float2(o.x + w.x, o.y + w.y);
-        }
-        *v = w;
-      }
-    } else {
-#pragma unroll
-      for (int g = 0; g < 8; ++g) {
-        uint32_t out[4];
-        pack_transpose_pairs(acc, 2 * v1 + 16 * g, j, out);  // every lane: before any bounds check
-        const int b = tile.y0 + 32 * g + 8 * j;  // columns b .. b + 7
-        if (!row_ok || b >= p.M) continue;
-        *reinterpret_cast<uint4*>(dw16 + static_cast<int64_t>(a) * p.M + b) = make_uint4(out[0], out[1], out[2], out[3]);
-      }
-    }
-  }
-}
-
 // Four 8 x 8 bf16 matrices from the accumulator fragments of a warp into shared memory: lanes 8 m ..
 // 8 m + 7 give the addresses of matrix m's 8 rows; register m holds matrix m's fragment (row lane / 4,
 // columns 2 (lane % 4) and + 1). Transposed (kTrans), stored row j is the fragment's column j.
@@ -353,26 +279,34 @@ __device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
   return v;
 }
 
-// The bf16 stores through shared memory, 64 dY columns of the tile at a time. The accumulator's 8 x 8
+// Two fp32 accumulators' high (or low) 16-bit halves as one b16 pair, the first in the low half.
+__device__ __forceinline__ uint32_t half_pair(float a, float b, bool high) {
+  return __byte_perm(__float_as_uint(a), __float_as_uint(b), high ? 0x7632 : 0x5410);
+}
+
+// The stores through shared memory, 64 dY columns of the tile at a time. The accumulator's 8 x 8
 // blocks (8 X columns x 8 dY columns, one lane quad each) go to the warp group's buffer by stmatrix,
 // transposed for [M, N] (the fc1 weight gradient: a staged row is one dY column's 64 X columns) and as
 // they are for [N, M] (the fc2 weight gradient: a staged row is one X column's 64 dY columns); then 8
-// lanes store one whole 128-byte row segment. Same values as store_tile_vectorized (one rounding per
-// element), far fewer instructions, and whole cache lines per store where the vector forms write
-// 16 bytes into each of 32 rows ([M, N]) or 64 bytes into each of 8 rows ([N, M]) per instruction.
-template <bool kXMajor, class Acc, class Coord>
+// lanes store one whole row segment (128 bytes of bf16, 256 of fp32). bf16 values are rounded once,
+// as by store_tile_elementwise; fp32 values travel as their high and low 16-bit halves in two planes
+// (stmatrix moves 16-bit elements) and are put together bit for bit, and main_grad gets the same
+// single addition. The vector forms write 16 (bf16) or 32 (fp32) bytes into each of 32 rows ([M, N])
+// per warp instruction; here every store instruction covers whole cache lines. M % 8 == N % 8 == 0,
+// so a row segment of 8 is wholly in or out.
+template <bool kXMajor, bool kFp32, class Acc, class Coord>
 __device__ __forceinline__ void store_tile_staged(const Params& p, const Tile& tile, char* dw, const Acc& acc,
                                                   const Coord& coord, uint32_t buf, int group, int gtid, int lane) {
   static_assert(decltype(size(acc))::value == 128, "a 2 x 2 x 32 accumulator fragment (64x256 WGMMA)");
-  // Accumulator i = v0 + 2 v1 + 4 v2 is X column r + 8 v1, dY column c + 8 v2 + v0 (see
-  // store_tile_vectorized). A warp's X columns: w0 .. w0 + 15 of the tile, w0 = r - lane / 4.
+  // Accumulator i = v0 + 2 v1 + 4 v2 is X column r + 8 v1, dY column c + 8 v2 + v0, where (r, c) =
+  // coord(0): r = the warp's first row + lane / 4, c = 2 (lane % 4). A warp's X columns: w0 .. w0 + 15
+  // of the tile, w0 = r - lane / 4.
   const int w0 = get<0>(coord(0)) - (lane >> 2);
   const int first_x = tile.x0 + (w0 & ~63);  // the warp group's first X column
   // Lane l addresses row l % 8 of matrix l / 8 of the four an instruction stores: (X half 0, dY
   // group g), (half 1, g), (half 0, g + 1), (half 1, g + 1).
   const int m = lane >> 3, j = lane & 7;
   const int x8 = ((w0 & 63) >> 3) + (m & 1);  // the matrix's 8 X columns, in 8s within the group's 64
-  __nv_bfloat16* dw16 = reinterpret_cast<__nv_bfloat16*>(dw);
 #pragma unroll
   for (int part = 0; part < kBY / kStagedRows; ++part) {
 #pragma unroll
@@ -382,20 +316,50 @@ __device__ __forceinline__ void store_tile_staged(const Params& p, const Tile& t
       // [M, N]: row = dY column, chunk = 8 X columns; [N, M]: row = X column, chunk = 8 dY columns.
       const int row = kXMajor ? 8 * x8 + j : 8 * y8 + j;
       const int chunk = kXMajor ? y8 : x8;
-      stmatrix_x4<!kXMajor>(buf + row * 128 + ((chunk ^ (row & 7)) << 4), pack_bf16x2(acc(4 * g), acc(4 * g + 1)),
-                            pack_bf16x2(acc(4 * g + 2), acc(4 * g + 3)), pack_bf16x2(acc(4 * g + 4), acc(4 * g + 5)),
-                            pack_bf16x2(acc(4 * g + 6), acc(4 * g + 7)));
+      const uint32_t at = buf + row * 128 + ((chunk ^ (row & 7)) << 4);
+      if constexpr (kFp32) {
+#pragma unroll
+        for (int plane = 0; plane < 2; ++plane) {
+          const bool high = plane == 0;
+          stmatrix_x4<!kXMajor>(at + plane * kStagingBytes, half_pair(acc(4 * g), acc(4 * g + 1), high),
+                                half_pair(acc(4 * g + 2), acc(4 * g + 3), high),
+                                half_pair(acc(4 * g + 4), acc(4 * g + 5), high),
+                                half_pair(acc(4 * g + 6), acc(4 * g + 7), high));
+        }
+      } else {
+        stmatrix_x4<!kXMajor>(at, pack_bf16x2(acc(4 * g), acc(4 * g + 1)), pack_bf16x2(acc(4 * g + 2), acc(4 * g + 3)),
+                              pack_bf16x2(acc(4 * g + 4), acc(4 * g + 5)), pack_bf16x2(acc(4 * g + 6), acc(4 * g + 7)));
+      }
     }
     cutlass::arch::NamedBarrier::sync(kConsumerThreads / 2, 2 + group);
 #pragma unroll
     for (int it = 0; it < kStagedRows * 8 / (kConsumerThreads / 2); ++it) {
       const int idx = it * (kConsumerThreads / 2) + gtid, row = idx >> 3, cq = idx & 7;
-      const uint4 v = ld_shared_16(buf + row * 128 + ((cq ^ (row & 7)) << 4));
+      const uint32_t from = buf + row * 128 + ((cq ^ (row & 7)) << 4);
       const int b = tile.y0 + part * kStagedRows + (kXMajor ? 8 * cq : row);
       const int a = first_x + (kXMajor ? row : 8 * cq);
-      if (b < p.M && a < p.N) {
-        const int64_t at = kXMajor ? static_cast<int64_t>(a) * p.M + b : static_cast<int64_t>(b) * p.N + a;
-        *reinterpret_cast<uint4*>(dw16 + at) = v;
+      if (b >= p.M || a >= p.N) continue;
+      const int64_t at = kXMajor ? static_cast<int64_t>(a) * p.M + b : static_cast<int64_t>(b) * p.N + a;
+      if constexpr (kFp32) {
+        const uint4 hi = ld_shared_16(from), lo = ld_shared_16(from + kStagingBytes);
+        const uint32_t h[4] = {hi.x, hi.y, hi.z, hi.w}, l[4] = {lo.x, lo.y, lo.z, lo.w};
+        float v[8];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          v[2 * w] = __uint_as_float(__byte_perm(l[w], h[w], 0x5410));
+          v[2 * w + 1] = __uint_as_float(__byte_perm(l[w], h[w], 0x7632));
+        }
+        float4* q = reinterpret_cast<float4*>(reinterpret_cast<float*>(dw) + at);
+        float4 v0 = make_float4(v[0], v[1], v[2], v[3]), v1 = make_float4(v[4], v[5], v[6], v[7]);
+        if (p.accumulate) {
+          const float4 o0 = q[0], o1 = q[1];
+          v0 = make_float4(o0.x + v0.x, o0.y + v0.y, o0.z + v0.z, o0.w + v0.w);
+          v1 = make_float4(o1.x + v1.x, o1.y + v1.y, o1.z + v1.z, o1.w + v1.w);
+        }
+        q[0] = v0;
+        q[1] = v1;
+      } else {
+        *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(dw) + at) = ld_shared_16(from);
       }
     }
     cutlass::arch::NamedBarrier::sync(kConsumerThreads / 2, 2 + group);  // the buffer is free again
@@ -415,7 +379,7 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
   Tensor acc = partition_fragment_C(mma, Shape<Int<kBX>, Int<kBY>>{});
   Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kBX>, Int<kBY>>{}));
   const int group = ctid / (kConsumerThreads / 2);
-  const uint32_t staging = smem_u32(s.staging[group]);
+  const uint32_t staging = smem_u32(s.staging[group][0]);
 
   RingPosition<kStages> ring;
   ring.phase = 0;
@@ -434,16 +398,18 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
 
     if (p.accumulate && k_blocks == 0) continue;  // main_grad keeps its value
     char* dw = p.dw_table != nullptr ? static_cast<char*>(p.dw_table[tile.e]) : p.dw_base + tile.e * p.dw_stride;
-    // Vector stores need a 16-byte aligned dW_e (M and N are multiples of 8); a caller's table may
+    // The staged stores need a 16-byte aligned dW_e (M and N are multiples of 8); a caller's table may
     // hold any address, so the element-wise form stays for the others.
     if ((reinterpret_cast<uintptr_t>(dw) & 15u) == 0) {
       const int gtid = ctid % (kConsumerThreads / 2);
-      if (p.fp32)
-        store_tile_vectorized(p, tile, dw, acc, coord, lane);
+      if (p.fp32 && p.x_major)
+        store_tile_staged<true, true>(p, tile, dw, acc, coord, staging, group, gtid, lane);
+      else if (p.fp32)
+        store_tile_staged<false, true>(p, tile, dw, acc, coord, staging, group, gtid, lane);
       else if (p.x_major)
-        store_tile_staged<true>(p, tile, dw, acc, coord, staging, group, gtid, lane);
+        store_tile_staged<true, false>(p, tile, dw, acc, coord, staging, group, gtid, lane);
       else
-        store_tile_staged<false>(p, tile, dw, acc, coord, staging, group, gtid, lane);
+        store_tile_staged<false, false>(p, tile, dw, acc, coord, staging, group, gtid, lane);
     } else {
       store_tile_elementwise(p, tile, dw, acc, coord);
     }
