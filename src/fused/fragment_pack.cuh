@@ -1,7 +1,6 @@
 // Epilogue helpers of the fused kernels for the WGMMA 64xNx16 accumulator fragment: packing fp32
 // pairs to bf16, a 4 x 4 transpose across the lanes of a quad, so that each lane ends up with 8
-// consecutive columns of a row (one 16-byte vector) instead of 4 scattered column pairs, and an
-// 8 x 8 transpose across the lanes of a column, for 8 consecutive rows of a column.
+// consecutive columns of a row (one 16-byte vector) instead of 4 scattered column pairs.
 #pragma once
 
 #include <cstdint>

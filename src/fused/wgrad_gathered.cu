@@ -79,7 +79,7 @@ __device__ __forceinline__ uint32_t x_chunk_offset(int c, int k, int stage) {
   return linear ^ ((linear >> 3) & 0x70u);
 }
 
-// The bf16 epilogue goes through shared memory: per consumer warp group, 64 dY columns x its 64 X
+// The epilogue goes through shared memory: per consumer warp group, 64 dY columns x its 64 X
 // columns at a time, 128-byte rows whose 16-byte chunks are XOR-swizzled by row so that both the
 // matrix stores and the row reads are free of bank conflicts.
 constexpr int kStagedRows = 64;  // dY columns per staged part
@@ -270,6 +270,12 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
   }
 }
 
+__device__ __forceinline__ uint2 ld_shared_8(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -291,9 +297,9 @@ __device__ __forceinline__ uint32_t half_pair(float a, float b, bool high) {
 // lanes store one whole row segment (128 bytes of bf16, 256 of fp32). bf16 values are rounded once,
 // as by store_tile_elementwise; fp32 values travel as their high and low 16-bit halves in two planes
 // (stmatrix moves 16-bit elements) and are put together bit for bit, and main_grad gets the same
-// single addition. The vector forms write 16 (bf16) or 32 (fp32) bytes into each of 32 rows ([M, N])
-// per warp instruction; here every store instruction covers whole cache lines. M % 8 == N % 8 == 0,
-// so a row segment of 8 is wholly in or out.
+// single addition. Every store instruction covers whole 128-byte lines (the shuffle-transposed
+// vector stores this replaces wrote 16 or 32 bytes into each of 32 rows per instruction). M % 8 ==
+// N % 8 == 0, so a row segment of 8 is wholly in or out.
 template <bool kXMajor, bool kFp32, class Acc, class Coord>
 __device__ __forceinline__ void store_tile_staged(const Params& p, const Tile& tile, char* dw, const Acc& acc,
                                                   const Coord& coord, uint32_t buf, int group, int gtid, int lane) {
@@ -335,32 +341,37 @@ __device__ __forceinline__ void store_tile_staged(const Params& p, const Tile& t
 #pragma unroll
     for (int it = 0; it < kStagedRows * 8 / (kConsumerThreads / 2); ++it) {
       const int idx = it * (kConsumerThreads / 2) + gtid, row = idx >> 3, cq = idx & 7;
+      if constexpr (kFp32) {
+        // Lane cq of a row takes values 4 cq .. 4 cq + 3 and 32 + 4 cq .. 32 + 4 cq + 3 of the row's 64,
+        // so that each store instruction covers 128 contiguous bytes of the row.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int c8 = 4 * half + (cq >> 1), e0 = 8 * c8 + 4 * (cq & 1);  // staged chunk, first value
+          const uint32_t from = buf + row * 128 + ((c8 ^ (row & 7)) << 4) + 8 * (cq & 1);
+          const int b = tile.y0 + part * kStagedRows + (kXMajor ? e0 : row);
+          const int a = first_x + (kXMajor ? row : e0);
+          if (b >= p.M || a >= p.N) continue;
+          const uint2 hi = ld_shared_8(from), lo = ld_shared_8(from + kStagingBytes);
+          float4 v = make_float4(__uint_as_float(__byte_perm(lo.x, hi.x, 0x5410)),
+                                 __uint_as_float(__byte_perm(lo.x, hi.x, 0x7632)),
+                                 __uint_as_float(__byte_perm(lo.y, hi.y, 0x5410)),
+                                 __uint_as_float(__byte_perm(lo.y, hi.y, 0x7632)));
+          const int64_t at = kXMajor ? static_cast<int64_t>(a) * p.M + b : static_cast<int64_t>(b) * p.N + a;
+          float4* q = reinterpret_cast<float4*>(reinterpret_cast<float*>(dw) + at);
+          if (p.accumulate) {
+            const float4 o = *q;
+            v = make_float4(o.x + v.x, o.y + v.y, o.z + v.z, o.w + v.w);
+          }
+          *q = v;
+        }
+        continue;
+      }
       const uint32_t from = buf + row * 128 + ((cq ^ (row & 7)) << 4);
       const int b = tile.y0 + part * kStagedRows + (kXMajor ? 8 * cq : row);
       const int a = first_x + (kXMajor ? row : 8 * cq);
       if (b >= p.M || a >= p.N) continue;
       const int64_t at = kXMajor ? static_cast<int64_t>(a) * p.M + b : static_cast<int64_t>(b) * p.N + a;
-      if constexpr (kFp32) {
-        const uint4 hi = ld_shared_16(from), lo = ld_shared_16(from + kStagingBytes);
-        const uint32_t h[4] = {hi.x, hi.y, hi.z, hi.w}, l[4] = {lo.x, lo.y, lo.z, lo.w};
-        float v[8];
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          v[2 * w] = __uint_as_float(__byte_perm(l[w], h[w], 0x5410));
-          v[2 * w + 1] = __uint_as_float(__byte_perm(l[w], h[w], 0x7632));
-        }
-        float4* q = reinterpret_cast<float4*>(reinterpret_cast<float*>(dw) + at);
-        float4 v0 = make_float4(v[0], v[1], v[2], v[3]), v1 = make_float4(v[4], v[5], v[6], v[7]);
-        if (p.accumulate) {
-          const float4 o0 = q[0], o1 = q[1];
-          v0 = make_float4(o0.x + v0.x, o0.y + v0.y, o0.z + v0.z, o0.w + v0.w);
-          v1 = make_float4(o1.x + v1.x, o1.y + v1.y, o1.z + v1.z, o1.w + v1.w);
-        }
-        q[0] = v0;
-        q[1] = v1;
-      } else {
-        *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(dw) + at) = ld_shared_16(from);
-      }
+      *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(dw) + at) = ld_shared_16(from);
     }
     cutlass::arch::NamedBarrier::sync(kConsumerThreads / 2, 2 + group);  // the buffer is free again
   }
