@@ -47,20 +47,20 @@ bool uses_fused_fc1(const std::string& mode, const bench::Shape& s) {
   return mode == "fused" || (mode == "auto" && s.F <= 1024);
 }
 
-// The fused fc2 dgrad keeps the same time as the unfused path at F = 256 and a state without act
-// (R x F x 2 bytes less per micro-batch); at larger F it is slower (see docs/fused.md). The PyTorch
-// module's default mirrors this.
-bool uses_fused_fc2_dgrad(const std::string& mode, const bench::Shape& s) {
-  return mode == "fused" || (mode == "auto" && s.F <= 256);
+// Without x_perm (the fused fc1 only) a micro-batch in flight keeps R x H x 2 bytes less, and the
+// layer is no slower at any F the fused fc1 takes: the forward writes no x_perm, which pays for the
+// fc1 weight gradient's gather (see docs/fused.md). The PyTorch module's default mirrors this.
+bool saves_x_perm(const std::string& mode, bool fused_fc1) {
+  if (!fused_fc1) return true;
+  return mode == "saved";
 }
 
-// Without x_perm (the fused fc1 only) a micro-batch in flight keeps R x H x 2 bytes less; at F = 256
-// the layer is also faster (the forward writes no x_perm, and the fc1 weight gradient's gather costs
-// less than that write); at larger F the gathered weight gradient costs more than the forward saves
-// (see docs/fused.md). The PyTorch module's default mirrors this.
-bool saves_x_perm(const std::string& mode, bool fused_fc1, const bench::Shape& s) {
-  if (!fused_fc1) return true;
-  return mode == "saved" || (mode == "auto" && s.F > 256);
+// The fused fc2 dgrad keeps a state without act (R x F x 2 bytes less per micro-batch). It costs no
+// time at F = 256, and without x_perm at any F measured (up to 1024): there the fc2 weight gradient
+// gathers dy as well, so no pass builds dY_perm. With x_perm saved at larger F it is slower (see
+// docs/fused.md). The PyTorch module's default mirrors this.
+bool uses_fused_fc2_dgrad(const std::string& mode, const bench::Shape& s, bool save_x_perm) {
+  return mode == "fused" || (mode == "auto" && (s.F <= 256 || !save_x_perm));
 }
 
 double tflops(double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0; }
@@ -144,8 +144,8 @@ void run_bench(const BenchArgs& a) {
   std::vector<std::vector<double>> chart_values;  // per shape: graph fwd, bwd, total TFLOP/s
   for (const auto& s : shapes) {
     o.fuse_fc1 = !unfused && uses_fused_fc1(a.fc1, s);
-    o.save_x_perm = saves_x_perm(a.x_perm, o.fuse_fc1, s);
-    o.fuse_fc2_dgrad = !unfused && uses_fused_fc2_dgrad(a.dgrad, s);
+    o.save_x_perm = saves_x_perm(a.x_perm, o.fuse_fc1);
+    o.fuse_fc2_dgrad = !unfused && uses_fused_fc2_dgrad(a.dgrad, s, o.save_x_perm);
     std::string fc1_name = a.fp8 ? "fp8" : emulated ? a.emulate : !o.fuse_fc1 ? "unfused" : o.save_x_perm ? "fused" : "fused-g";
     if (o.fuse_fc2_dgrad) fc1_name += "+d";
     bench::LayerBenchResult r = bench::run_layer_bench(s, o);
@@ -220,12 +220,12 @@ void setup_bench(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "fused", "unfused"}));
   sub->add_option("--x-perm", args->x_perm, "With the fused fc1: saved (keep x_perm for the fc1 weight gradient), "
                   "gathered (keep none: the fc1 weight gradient gathers the rows of x; less memory; shown as fc1 "
-                  "'fused-g') or auto (gathered where it is no slower: F <= 256)")
+                  "'fused-g') or auto (gathered: no slower wherever the fused fc1 runs)")
       ->check(CLI::IsMember({"auto", "saved", "gathered"}));
   sub->add_flag_callback("--no-x-perm", [args] { args->x_perm = "gathered"; }, "The same as --x-perm gathered");
   sub->add_option("--dgrad", args->dgrad, "fused (fc2 dgrad gathering dy + activation backward + dprobs in one "
                   "kernel; shown as '+d' in the fc1 column), unfused (separate kernels, the reference path) or auto (fused "
-                  "where it costs no time: F <= 256)")
+                  "where it costs no time: F <= 256, or without x_perm)")
       ->check(CLI::IsMember({"auto", "fused", "unfused"}));
   sub->add_flag("--fp8", args->fp8, "FP8 block-scaled experts (E4M3 GEMM operands, 1x128 / 128x128 scales; the "
                 "unfused path, A = 128 unless --align says otherwise; shown as 'fp8' in the fc1 column)");

@@ -59,7 +59,7 @@ def median_ms(fn, iters=10, warm=3):
     return sorted(times)[len(times) // 2]
 
 
-def measure(name, no_x_perm=False):
+def measure(name):
     T, H, Fd, E, k = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(T, H, device="cuda", generator=gen) * 0.5).bfloat16().requires_grad_()
@@ -128,36 +128,6 @@ def measure(name, no_x_perm=False):
     res["speedup"] = best("torch") / best("ours")
     if sonic is not None:
         res["fwd_bwd_vs_sonic"] = res["sonic_fwd_bwd_ms"] / best("ours")
-    if no_x_perm and mod.fuse_fc1 and mod.save_x_perm:
-        # The same layer keeping no x_perm (its fc1 weight gradient gathers the rows of x), graph-captured;
-        # for ffn_hidden_size <= 256 the default layer already keeps none.
-        lean = GroupedMLP(H, Fd, E, k, max_tokens=T, save_x_perm=False)
-        lean.load_state_dict(mod.state_dict())
-
-        def lean_forward():
-            with torch.no_grad():
-                lean(x, idx, probs)
-
-        def lean_step():
-            x.grad = None
-            lean.zero_grad(set_to_none=True)
-            lean(x, idx, probs).backward(dy)
-
-        res["lean_fwd_graph_ms"] = median_ms(graphed(lean_forward))
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        lean_step()
-        torch.cuda.synchronize()
-        res["lean_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30 + lean.workspace_bytes() / 2**30
-        x.grad = None
-        lean.zero_grad(set_to_none=True)
-        res["lean_graph_ms"] = median_ms(graphed(lean_step))
-        x.grad = None
-        if sonic is not None:
-            res["lean_fwd_vs_sonic"] = res["sonic_fwd_ms"] / res["lean_fwd_graph_ms"]
-            res["lean_fwd_bwd_vs_sonic"] = res["sonic_fwd_bwd_ms"] / res["lean_graph_ms"]
-        del lean
     del mod
     torch.cuda.empty_cache()
     return res
@@ -167,9 +137,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("shapes", nargs="*")
     ap.add_argument("--png")
-    ap.add_argument("--no-x-perm", action="store_true",
-                    help="also time the fused layer that keeps no x_perm (GroupedMLP(save_x_perm=False)) where the "
-                         "default keeps it (ffn_hidden_size > 256)")
     args = ap.parse_args()
     names = args.shapes or list(SHAPES)
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}: forward+backward, bf16, swiglu x prob")
@@ -177,7 +144,7 @@ def main():
           + (" | sonic fwd / fwd+bwd ms, GiB, ours fwd / fwd+bwd speed-up" if SONIC else ""))
     rows = []
     for n in names:
-        r = measure(n, args.no_x_perm)
+        r = measure(n)
         rows.append(r)
         print(json.dumps(r), flush=True)
         t = r["torch_graph_ms"] or r["torch_eager_ms"]

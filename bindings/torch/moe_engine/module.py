@@ -34,15 +34,14 @@ GroupedMLP's default (None) picks it where it was measured faster on the H100: f
 `save_x_perm=False` (GroupedMLP, with the fused fc1): no permuted copy of x is kept for backward --
 the fc1 weight gradient gathers the rows of x itself, so a micro-batch in flight holds
 rows x hidden_size x 2 bytes less; x is then saved for backward (as autograd does for any input).
-GroupedMLP's default (None) picks it with the fused fc1 for ffn_hidden_size <= 256 (outside
-recompute mode), where the layer is also faster (its forward writes no x_perm); for larger
-ffn_hidden_size it keeps x_perm, as the gathered weight gradient then costs more time than the
-forward saves.
+GroupedMLP's default (None) picks it wherever the fused fc1 runs (outside recompute mode): the
+layer is no slower there, as its forward writes no x_perm.
 `fuse_fc2_dgrad`: in backward, fc2's data gradient, the activation backward and the probs' gradient in
 one kernel (GroupedMLP: which also gathers the rows of dy, with no separate pass building them); the
 same dh as the unfused path within bf16 rounding, and a saved state without the activation (it is
-recomputed from the pre-activation). GroupedMLP's default (None) picks it for ffn_hidden_size <= 256,
-where it costs no time; GroupedExperts fuses only when asked.
+recomputed from the pre-activation). GroupedMLP's default (None) picks it where it costs no time:
+ffn_hidden_size <= 256, or without x_perm at any size (the fc2 weight gradient then gathers dy too);
+GroupedExperts fuses only when asked.
 
 `fp8="block"` (GroupedMLP): the experts' six GEMMs run in FP8 E4M3 with block scaling (1x128 blocks
 for tokens and gradients, 128x128 for weights, fp32 scales; TransformerEngine's Float8BlockScaling
@@ -83,14 +82,22 @@ def _fuse_fc1(choice, ffn_hidden_size, num_experts):
     return _fused_default(choice, ffn_hidden_size, num_experts, 1024)
 
 
-def _save_x_perm(choice, fuse_fc1, ffn_hidden_size, recompute):
-    # No x_perm (the fused fc1 only) where it was measured no slower: ffn_hidden_size <= 256, unless
-    # chosen; mirrors `moe-engine bench --x-perm auto`. Recompute mode saves no x_perm either way
-    # (its backward permutes x again), so there the default stays: the fc1 weight gradient reads the
-    # x_perm that backward rebuilds.
+def _save_x_perm(choice, fuse_fc1, recompute):
+    # No x_perm wherever the fused fc1 runs, unless chosen: measured no slower at every
+    # ffn_hidden_size it takes; mirrors `moe-engine bench --x-perm auto`. Recompute mode saves no
+    # x_perm either way (its backward permutes x again), so there the default stays: the fc1 weight
+    # gradient reads the x_perm that backward rebuilds.
     if choice is not None:
         return bool(choice)
-    return not (fuse_fc1 and ffn_hidden_size <= 256 and not recompute)
+    return not (fuse_fc1 and not recompute)
+
+
+def _fuse_fc2_dgrad(choice, ffn_hidden_size, num_experts, save_x_perm):
+    # The fused fc2 dgrad where it costs no time: ffn_hidden_size <= 256, or without x_perm at any
+    # size (the fc2 weight gradient then gathers dy too); mirrors `moe-engine bench --dgrad auto`.
+    if choice is not None:
+        return bool(choice)
+    return num_experts <= 4096 and (ffn_hidden_size <= 256 or not save_x_perm)
 
 
 # Per-expert row alignment that gives each recipe's expert rows whole blocks.
@@ -282,8 +289,8 @@ class GroupedMLP(_ExpertModule):
         self.topk = topk
         self.recompute = recompute
         self.fuse_fc1 = _fuse_fc1(fuse_fc1, ffn_hidden_size, num_experts)
-        self.fuse_fc2_dgrad = _fused_default(fuse_fc2_dgrad, ffn_hidden_size, num_experts, 256)
-        self.save_x_perm = _save_x_perm(save_x_perm, self.fuse_fc1, ffn_hidden_size, recompute)
+        self.save_x_perm = _save_x_perm(save_x_perm, self.fuse_fc1, recompute)
+        self.fuse_fc2_dgrad = _fuse_fc2_dgrad(fuse_fc2_dgrad, ffn_hidden_size, num_experts, self.save_x_perm)
         # Whether backward (and backward_dw) read the forward's x again.
         self.reads_x = recompute or not self.save_x_perm
         self.slots = num_experts if map_routing else topk
