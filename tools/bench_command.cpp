@@ -41,10 +41,10 @@ struct BenchArgs {
 };
 
 // The fused fc1 beats the unfused path on the H100 for F <= 1024 (fine-grained experts, where the
-// saved permute and activation passes weigh most); for larger F the CUTLASS GEMM is faster (see
-// docs/fused.md). The PyTorch module's default mirrors this (bindings/torch/moe_engine/module.py).
+// saved permute and activation passes weigh most) and is no slower at F = 2048 without x_perm, in
+// less memory; at F = 14336 the CUTLASS GEMM is faster (see docs/fused.md). The PyTorch module's default mirrors this (bindings/torch/moe_engine/module.py).
 bool uses_fused_fc1(const std::string& mode, const bench::Shape& s) {
-  return mode == "fused" || (mode == "auto" && s.F <= 1024);
+  return mode == "fused" || (mode == "auto" && s.F <= 2048);
 }
 
 // Without x_perm (the fused fc1 only) a micro-batch in flight keeps R x H x 2 bytes less, and the
@@ -56,7 +56,7 @@ bool saves_x_perm(const std::string& mode, bool fused_fc1) {
 }
 
 // The fused fc2 dgrad keeps a state without act (R x F x 2 bytes less per micro-batch). It costs no
-// time at F = 256, and without x_perm at any F measured (up to 1024): there the fc2 weight gradient
+// time at F = 256, and without x_perm at any F measured (up to 2048): there the fc2 weight gradient
 // gathers dy as well, so no pass builds dY_perm. With x_perm saved at larger F it is slower (see
 // docs/fused.md). The PyTorch module's default mirrors this.
 bool uses_fused_fc2_dgrad(const std::string& mode, const bench::Shape& s, bool save_x_perm) {
@@ -216,7 +216,7 @@ void setup_bench(CLI::App& app) {
   sub->add_option("--png", args->png, "Also draw the graph-captured forward / backward / total TFLOP/s of each "
                                      "shape as a bar chart into this PNG file");
   sub->add_option("--fc1", args->fc1, "fused (gather + fc1 + bias + activation x prob in one kernel), unfused "
-                  "(separate kernels, the reference path) or auto (fused where it was measured faster: F <= 1024)")
+                  "(separate kernels, the reference path) or auto (fused where it was measured no slower: F <= 2048)")
       ->check(CLI::IsMember({"auto", "fused", "unfused"}));
   sub->add_option("--x-perm", args->x_perm, "With the fused fc1: saved (keep x_perm for the fc1 weight gradient), "
                   "gathered (keep none: the fc1 weight gradient gathers the rows of x; less memory; shown as fc1 "

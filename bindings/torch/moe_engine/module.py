@@ -29,8 +29,8 @@ torch.utils.checkpoint works around either module.
 
 `fuse_fc1`: fc1, its bias and the activation x prob in one kernel (GroupedMLP: which also gathers
 the rows of x, with no separate permute); same results within bf16 rounding, same saved state.
-GroupedMLP's default (None) picks it where it was measured faster on the H100: ffn_hidden_size <=
-1024 (and at most 4096 experts, the kernel's limit); GroupedExperts fuses only when asked.
+GroupedMLP's default (None) picks it where it was measured no slower on the H100: ffn_hidden_size <=
+2048 (and at most 4096 experts, the kernel's limit); GroupedExperts fuses only when asked.
 `save_x_perm=False` (GroupedMLP, with the fused fc1): no permuted copy of x is kept for backward --
 the fc1 weight gradient gathers the rows of x itself, so a micro-batch in flight holds
 rows x hidden_size x 2 bytes less; x is then saved for backward (as autograd does for any input).
@@ -79,7 +79,7 @@ def _fused_default(choice, ffn_hidden_size, num_experts, max_ffn):
 
 
 def _fuse_fc1(choice, ffn_hidden_size, num_experts):
-    return _fused_default(choice, ffn_hidden_size, num_experts, 1024)
+    return _fused_default(choice, ffn_hidden_size, num_experts, 2048)
 
 
 def _save_x_perm(choice, fuse_fc1, recompute):

@@ -106,11 +106,12 @@ def test_fused_dgrad_state_keeps_no_activation():
     assert fused.fuse_fc2_dgrad and not unfused.fuse_fc2_dgrad
     assert unfused.state_bytes() - fused.state_bytes() == 48 * 2 * 64 * 2
     # The default fuses only where it costs no time: F <= 256, or without x_perm (the fused fc1's
-    # default up to F = 1024), where the fc2 weight gradient gathers dy too.
+    # default up to F = 2048), where the fc2 weight gradient gathers dy too.
     assert make(F=512, save_x_perm=True)[0].fuse_fc2_dgrad is False
     wide = make(F=512)[0]
     assert not wide.save_x_perm and wide.fuse_fc2_dgrad
-    assert make(F=2048)[0].save_x_perm and not make(F=2048)[0].fuse_fc2_dgrad
+    large = make(F=4096)[0]  # above the fused fc1's default: x_perm kept, dgrad unfused
+    assert not large.fuse_fc1 and large.save_x_perm and not large.fuse_fc2_dgrad
 
 
 def test_layouts_bitwise_equal_and_state_dict_converts():
