@@ -41,24 +41,26 @@ struct BenchArgs {
 };
 
 // The fused fc1 beats the unfused path on the H100 for F <= 1024 (fine-grained experts, where the
-// saved permute and activation passes weigh most) and is no slower at F = 2048 without x_perm, in
-// less memory; at F = 14336 the CUTLASS GEMM is faster (see docs/fused.md). The PyTorch module's default mirrors this (bindings/torch/moe_engine/module.py).
+// saved permute and activation passes weigh most) and is no slower at F = 2048; at F = 14336 the
+// CUTLASS GEMM is faster (see docs/fused.md). The PyTorch module's default mirrors this
+// (bindings/torch/moe_engine/module.py).
 bool uses_fused_fc1(const std::string& mode, const bench::Shape& s) {
   return mode == "fused" || (mode == "auto" && s.F <= 2048);
 }
 
-// Without x_perm (the fused fc1 only) a micro-batch in flight keeps R x H x 2 bytes less, and the
-// layer is no slower at any F the fused fc1 takes: the forward writes no x_perm, which pays for the
-// fc1 weight gradient's gather (see docs/fused.md). The PyTorch module's default mirrors this.
-bool saves_x_perm(const std::string& mode, bool fused_fc1) {
+// Without x_perm (the fused fc1 only) a micro-batch in flight keeps R x H x 2 bytes less. With the
+// fused fc2 dgrad that then follows, the layer is as fast as with x_perm up to F = 1024 and within
+// 1-2% at F = 2048 (the forward writes no x_perm, which pays for the fc1 weight gradient's gather);
+// at F = 14336 the gather costs far more (see docs/fused.md). The PyTorch module's default mirrors this.
+bool saves_x_perm(const std::string& mode, bool fused_fc1, const bench::Shape& s) {
   if (!fused_fc1) return true;
-  return mode == "saved";
+  return mode == "saved" || (mode == "auto" && s.F > 2048);
 }
 
 // The fused fc2 dgrad keeps a state without act (R x F x 2 bytes less per micro-batch). It costs no
-// time at F = 256, and without x_perm at any F measured (up to 2048): there the fc2 weight gradient
-// gathers dy as well, so no pass builds dY_perm. With x_perm saved at larger F it is slower (see
-// docs/fused.md). The PyTorch module's default mirrors this.
+// time at F = 256, and without x_perm at every F measured (up to 2048): there (no bias, which the
+// bench has none of) the fc2 weight gradient gathers dy as well, so no pass builds dY_perm. With
+// x_perm saved at larger F it is slower (see docs/fused.md). The PyTorch module's default mirrors this.
 bool uses_fused_fc2_dgrad(const std::string& mode, const bench::Shape& s, bool save_x_perm) {
   return mode == "fused" || (mode == "auto" && (s.F <= 256 || !save_x_perm));
 }
@@ -144,7 +146,7 @@ void run_bench(const BenchArgs& a) {
   std::vector<std::vector<double>> chart_values;  // per shape: graph fwd, bwd, total TFLOP/s
   for (const auto& s : shapes) {
     o.fuse_fc1 = !unfused && uses_fused_fc1(a.fc1, s);
-    o.save_x_perm = saves_x_perm(a.x_perm, o.fuse_fc1);
+    o.save_x_perm = saves_x_perm(a.x_perm, o.fuse_fc1, s);
     o.fuse_fc2_dgrad = !unfused && uses_fused_fc2_dgrad(a.dgrad, s, o.save_x_perm);
     std::string fc1_name = a.fp8 ? "fp8" : emulated ? a.emulate : !o.fuse_fc1 ? "unfused" : o.save_x_perm ? "fused" : "fused-g";
     if (o.fuse_fc2_dgrad) fc1_name += "+d";
@@ -220,7 +222,7 @@ void setup_bench(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "fused", "unfused"}));
   sub->add_option("--x-perm", args->x_perm, "With the fused fc1: saved (keep x_perm for the fc1 weight gradient), "
                   "gathered (keep none: the fc1 weight gradient gathers the rows of x; less memory; shown as fc1 "
-                  "'fused-g') or auto (gathered: no slower wherever the fused fc1 runs)")
+                  "'fused-g') or auto (gathered where the fused fc1 is the default: F <= 2048)")
       ->check(CLI::IsMember({"auto", "saved", "gathered"}));
   sub->add_flag_callback("--no-x-perm", [args] { args->x_perm = "gathered"; }, "The same as --x-perm gathered");
   sub->add_option("--dgrad", args->dgrad, "fused (fc2 dgrad gathering dy + activation backward + dprobs in one "

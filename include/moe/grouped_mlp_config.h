@@ -139,7 +139,7 @@ struct GroupedMlpConfig {
   // false (needs fuse_fc1): no x_perm at all -- the fc1 weight gradient gathers the rows of x as the
   // forward did, so a state keeps the caller's x by address (unchanged until backward, or
   // backward_dw in delayed mode) instead of an [R, H] copy: R * H * 2 bytes less per micro-batch in
-  // flight. Same results (docs/fused.md has the cost in time).
+  // flight. Same results (docs/fused.md has the measurements).
   bool save_x_perm = true;
   // The fused fc2 dgrad (see ExpertsConfig::fuse_fc2_dgrad), which here also gathers the rows of dy
   // through the dispatch map (probs in the activation): no separate pass builds dY_perm. Without

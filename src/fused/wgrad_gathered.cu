@@ -10,7 +10,8 @@
 //     and dY block -- each load one half and multicast it to both, which halves the L2 -> SM traffic
 //     of the larger operand. 4-stage ring.
 //   * warp groups 1 and 2 (consumers) run WGMMA 64x256x16 with both operands MN-major on X columns
-//     0-63 and 64-127, then write dW_e rows (dY columns) x X columns, or accumulate into fp32.
+//     0-63 and 64-127, then write dW_e rows (dY columns) x X columns, or accumulate into fp32,
+//     through a shared-memory buffer per warp group (stmatrix in, whole 128-byte rows out).
 // Persistent: each cluster walks the (expert, dY block, pair of X blocks) tiles with a stride of the
 // number of clusters, so one tile's epilogue overlaps the next tile's loads.
 #include <cuda_bf16.h>
@@ -98,7 +99,6 @@ struct Params {
   CUtensorMap dy_map;  // dY as a 2D [R, M] tensor, 64 x 64 boxes
   const __nv_bfloat16* x;
   const int32_t* row_slots;
-  int slots;
   SlotDivisor by_slots;  // slot / slots as a multiply and a shift
   const int32_t* offsets;
   int E;
@@ -298,7 +298,7 @@ __device__ __forceinline__ uint32_t half_pair(float a, float b, bool high) {
 // as by store_tile_elementwise; fp32 values travel as their high and low 16-bit halves in two planes
 // (stmatrix moves 16-bit elements) and are put together bit for bit, and main_grad gets the same
 // single addition. Every store instruction covers whole 128-byte lines (the shuffle-transposed
-// vector stores this replaces wrote 16 or 32 bytes into each of 32 rows per instruction). M % 8 ==
+// vector stores this replaces spread each instruction over 8 to 32 rows). M % 8 ==
 // N % 8 == 0, so a row segment of 8 is wholly in or out.
 template <bool kXMajor, bool kFp32, class Acc, class Coord>
 __device__ __forceinline__ void store_tile_staged(const Params& p, const Tile& tile, char* dw, const Acc& acc,
@@ -488,7 +488,6 @@ void launch_wgrad_gathered(const WgradGatheredArgs& a, cudaStream_t stream) {
   }
   p.x = static_cast<const __nv_bfloat16*>(a.x);
   p.row_slots = a.row_slots;
-  p.slots = a.slots;
   p.by_slots = SlotDivisor::make(a.slots);
   p.offsets = a.group_offsets;
   p.E = a.experts;

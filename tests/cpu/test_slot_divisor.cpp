@@ -1,6 +1,7 @@
-// SlotDivisor (src/device/slot_divisor.h): the multiply-and-shift division the gathering kernels use
-// to turn a dispatch slot into its token, against the integer division -- exhaustively near every
-// multiple for the top-k values models use, at the ends of the 31-bit range, and for large divisors.
+// SlotDivisor (src/device/slot_divisor.h): the multiply-and-shift division the gathered weight
+// gradient uses to turn a dispatch slot into its token, against the integer division -- exhaustively
+// for small slot numbers and near the multiples around 2^20 and 2^31 for the top-k values models
+// use, and for large divisors.
 #include <gtest/gtest.h>
 
 #include <cstdint>

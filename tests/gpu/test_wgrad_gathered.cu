@@ -1,7 +1,7 @@
 // The grouped weight gradient with gathered rows (fused/wgrad_gathered.h) against the fp64 CPU
 // reference of the grouped wgrad on the materialized x_perm: uneven and empty groups, groups longer
 // than the 4-stage ring, padding rows, M and N that are not tile multiples, bf16 / fp32 written and
-// fp32 accumulated (main_grad), both output layouts and vector or element-wise stores (a dW_e off
+// fp32 accumulated (main_grad), both output layouts and staged or element-wise stores (a dW_e off
 // 16-byte alignment; all bitwise identical), the gathered and the contiguous form of the same rows
 // (bitwise identical), and CUDA graph replay with a new routing (bitwise equal to eager).
 //
@@ -236,7 +236,7 @@ TEST_P(WgradGathered, MatchesReferenceInEveryOutputMode) {
   const auto bf16 = run<Bits>(b, d, true, false, grouped, {});
   check_bf16(bf16, ex, "bf16 written");
   EXPECT_EQ(bf16, run<Bits>(b, d, false, false, grouped, {})) << "gathered vs contiguous x_perm";
-  // Every way of storing gives the same bits: vector stores (aligned) and element-wise ones
+  // Every way of storing gives the same bits: staged stores (aligned) and element-wise ones
   // (misaligned), [M, N] and [N, M].
   for (const Store& st : {table, misaligned, transposed, transposed_table, transposed_misaligned})
     EXPECT_EQ(bf16, run<Bits>(b, d, true, false, st, {})) << "bf16, " << label(st);

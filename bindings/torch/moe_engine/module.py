@@ -34,14 +34,15 @@ GroupedMLP's default (None) picks it where it was measured no slower on the H100
 `save_x_perm=False` (GroupedMLP, with the fused fc1): no permuted copy of x is kept for backward --
 the fc1 weight gradient gathers the rows of x itself, so a micro-batch in flight holds
 rows x hidden_size x 2 bytes less; x is then saved for backward (as autograd does for any input).
-GroupedMLP's default (None) picks it wherever the fused fc1 runs (outside recompute mode): the
-layer is no slower there, as its forward writes no x_perm.
+GroupedMLP's default (None) picks it with the fused fc1 for ffn_hidden_size <= 2048 (outside
+recompute mode): with the fused fc2 dgrad that then follows, the layer is as fast as with x_perm up
+to 1024 and within 1-2% at 2048 (its forward writes no x_perm), in less memory.
 `fuse_fc2_dgrad`: in backward, fc2's data gradient, the activation backward and the probs' gradient in
 one kernel (GroupedMLP: which also gathers the rows of dy, with no separate pass building them); the
 same dh as the unfused path within bf16 rounding, and a saved state without the activation (it is
 recomputed from the pre-activation). GroupedMLP's default (None) picks it where it costs no time:
-ffn_hidden_size <= 256, or without x_perm at any size (the fc2 weight gradient then gathers dy too);
-GroupedExperts fuses only when asked.
+ffn_hidden_size <= 256, or without x_perm, bias, delay_wgrad and probs_at_combine (the fc2 weight
+gradient then gathers dy too); GroupedExperts fuses only when asked.
 
 `fp8="block"` (GroupedMLP): the experts' six GEMMs run in FP8 E4M3 with block scaling (1x128 blocks
 for tokens and gradients, 128x128 for weights, fp32 scales; TransformerEngine's Float8BlockScaling
@@ -74,7 +75,7 @@ _ORDER = (("fc2", "weight"), ("fc2", "bias"), ("fc1", "weight"), ("fc1", "bias")
 
 def _fused_default(choice, ffn_hidden_size, num_experts, max_ffn):
     # A fused kernel where it was measured no slower (ffn_hidden_size <= max_ffn, and at most 4096
-    # experts, the kernels' limit), unless chosen; mirrors `moe-engine bench --fc1 / --dgrad auto`.
+    # experts, the kernels' limit), unless chosen; mirrors `moe-engine bench --fc1 auto`.
     return (ffn_hidden_size <= max_ffn and num_experts <= 4096) if choice is None else bool(choice)
 
 
@@ -82,22 +83,24 @@ def _fuse_fc1(choice, ffn_hidden_size, num_experts):
     return _fused_default(choice, ffn_hidden_size, num_experts, 2048)
 
 
-def _save_x_perm(choice, fuse_fc1, recompute):
-    # No x_perm wherever the fused fc1 runs, unless chosen: measured no slower at every
-    # ffn_hidden_size it takes; mirrors `moe-engine bench --x-perm auto`. Recompute mode saves no
-    # x_perm either way (its backward permutes x again), so there the default stays: the fc1 weight
-    # gradient reads the x_perm that backward rebuilds.
+def _save_x_perm(choice, fuse_fc1, ffn_hidden_size, recompute):
+    # No x_perm with the fused fc1 up to ffn_hidden_size 2048, unless chosen: with the fused fc2
+    # dgrad that then follows, as fast as keeping it up to 1024 and within 1-2% at 2048, in less
+    # memory; mirrors `moe-engine bench --x-perm auto`. Recompute mode saves no x_perm either way (its
+    # backward permutes x again), so there the default stays: the fc1 weight gradient reads the
+    # x_perm that backward rebuilds.
     if choice is not None:
         return bool(choice)
-    return not (fuse_fc1 and not recompute)
+    return not (fuse_fc1 and ffn_hidden_size <= 2048 and not recompute)
 
 
-def _fuse_fc2_dgrad(choice, ffn_hidden_size, num_experts, save_x_perm):
-    # The fused fc2 dgrad where it costs no time: ffn_hidden_size <= 256, or without x_perm at any
-    # size (the fc2 weight gradient then gathers dy too); mirrors `moe-engine bench --dgrad auto`.
+def _fuse_fc2_dgrad(choice, ffn_hidden_size, num_experts, save_x_perm, keeps_dY):
+    # The fused fc2 dgrad where it was measured to cost no time: ffn_hidden_size <= 256, or without
+    # x_perm when the fc2 weight gradient then gathers dy too (no bias, no delayed weight gradient, probs
+    # in the activation: otherwise dY_perm is built); mirrors `moe-engine bench --dgrad auto`.
     if choice is not None:
         return bool(choice)
-    return num_experts <= 4096 and (ffn_hidden_size <= 256 or not save_x_perm)
+    return num_experts <= 4096 and (ffn_hidden_size <= 256 or not (save_x_perm or keeps_dY))
 
 
 # Per-expert row alignment that gives each recipe's expert rows whole blocks.
@@ -289,8 +292,9 @@ class GroupedMLP(_ExpertModule):
         self.topk = topk
         self.recompute = recompute
         self.fuse_fc1 = _fuse_fc1(fuse_fc1, ffn_hidden_size, num_experts)
-        self.save_x_perm = _save_x_perm(save_x_perm, self.fuse_fc1, recompute)
-        self.fuse_fc2_dgrad = _fuse_fc2_dgrad(fuse_fc2_dgrad, ffn_hidden_size, num_experts, self.save_x_perm)
+        self.save_x_perm = _save_x_perm(save_x_perm, self.fuse_fc1, ffn_hidden_size, recompute)
+        self.fuse_fc2_dgrad = _fuse_fc2_dgrad(fuse_fc2_dgrad, ffn_hidden_size, num_experts, self.save_x_perm,
+                                              keeps_dY=bias or delay_wgrad or probs_at_combine)
         # Whether backward (and backward_dw) read the forward's x again.
         self.reads_x = recompute or not self.save_x_perm
         self.slots = num_experts if map_routing else topk

@@ -112,6 +112,11 @@ def test_fused_dgrad_state_keeps_no_activation():
     assert not wide.save_x_perm and wide.fuse_fc2_dgrad
     large = make(F=4096)[0]  # above the fused fc1's default: x_perm kept, dgrad unfused
     assert not large.fuse_fc1 and large.save_x_perm and not large.fuse_fc2_dgrad
+    forced = make(F=4096, fuse_fc1=True)[0]  # a forced fused fc1 above 2048 keeps x_perm
+    assert forced.save_x_perm and not forced.fuse_fc2_dgrad
+    # Recompute mode rebuilds x_perm; a bias keeps dY_perm: neither takes the fused dgrad above 256.
+    for kwargs in (dict(recompute=True), dict(bias=True)):
+        assert not make(F=512, **kwargs)[0].fuse_fc2_dgrad, kwargs
 
 
 def test_layouts_bitwise_equal_and_state_dict_converts():

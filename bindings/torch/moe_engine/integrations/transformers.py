@@ -214,8 +214,9 @@ class _Layer:
     def __init__(self, key, max_tokens, device):
         H, F, E, k, activation, interleave, alpha, limit, offset, bias, transposed = key
         self.key, self.max_tokens, self.topk = key, max_tokens, k
-        # The fused fc1 where GroupedMLP's default takes it (measured faster there: F <= 1024); it
-        # reads the [E, out, in] orientation only, so transposed experts run the unfused path.
+        # The fused fc1 where GroupedMLP's default takes it (F <= 2048), keeping x_perm and the
+        # unfused fc2 dgrad; it reads the [E, out, in] orientation only, so transposed experts run the
+        # unfused path.
         fuse_fc1 = _fuse_fc1(None, F, E) and not transposed
         with torch.cuda.device(device):
             self.handle = _ops.mlp_create(H, F, E, k, max_tokens, activation, interleave, alpha, limit, offset, bias,
