@@ -71,12 +71,14 @@ using SmemLayoutY = decltype(tile_to_shape(SmemAtom{}, make_shape(Int<kBY>{}, In
 using TiledMma = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>{},
                                          Layout<Shape<_2, _1, _1>>{}));
 static_assert(cosize_v<SmemLayoutY> == kStages * kBY * kBK, "the dY stages are contiguous");
+static_assert(cosize_v<SmemLayoutX> == kStages * kBX * kBK, "the X stages are contiguous, kStageBytesX apart");
 
-// Byte offset of the 16-byte chunk holding elements (c .. c + 7, k) of stage `stage` of the X tile:
-// the unswizzled position from the layout's plain part, then the 128-byte swizzle, which acts on
-// byte addresses (chunk bits 4-6 ^= row bits 7-9; the tiles are 1024-byte aligned).
-__device__ __forceinline__ uint32_t x_chunk_offset(int c, int k, int stage) {
-  const uint32_t linear = 2u * static_cast<uint32_t>(SmemLayoutX{}.layout_b()(c, k, stage));
+// Byte offset of the 16-byte chunk holding elements (c .. c + 7, k) of stage 0 of the X tile (a
+// stage's chunk is at the same offset from its stage's base): the unswizzled position from the
+// layout's plain part, then the 128-byte swizzle, which acts on byte addresses (chunk bits 4-6 ^=
+// row bits 7-9; the tiles are 1024-byte aligned).
+__device__ __forceinline__ uint32_t x_chunk_offset(int c, int k) {
+  const uint32_t linear = 2u * static_cast<uint32_t>(SmemLayoutX{}.layout_b()(c, k, 0));
   return linear ^ ((linear >> 3) & 0x70u);
 }
 
@@ -85,6 +87,12 @@ __device__ __forceinline__ uint32_t x_chunk_offset(int c, int k, int stage) {
 // matrix stores and the row reads are free of bank conflicts.
 constexpr int kStagedRows = 64;  // dY columns per staged part
 constexpr int kStagingBytes = kStagedRows * 128;  // 8 KiB per warp group and plane
+// A staged part is square: 64 dY columns x the warp group's 64 X columns, so both layouts (rows of
+// dY columns or of X columns, 64 two-byte values each) fill the same 128-byte rows.
+static_assert(kStagedRows == kBX / 2, "a warp group's X columns fill one staged row");
+// Named barriers of the consumer warp groups (0 is __syncthreads).
+constexpr int kZeroRowsBarrier = 1;      // both warp groups: rows past the group zeroed
+constexpr int kStagingBarrierBase = 2;   // + group: that warp group's staging buffer
 
 struct SharedStorage {
   alignas(1024) bf16 x[cosize_v<SmemLayoutX>];
@@ -160,7 +168,7 @@ __device__ void produce(SharedStorage& s, const Params& p, int rank) {
   static_assert(kStageBytesX % 1024 == 0, "stage bases keep the 128-byte swizzle pattern");
   uint32_t chunk[kBK / 8];
 #pragma unroll
-  for (int i = 0; i < kBK / 8; ++i) chunk[i] = x_chunk_offset(c, r0 + 8 * i, 0);
+  for (int i = 0; i < kBK / 8; ++i) chunk[i] = x_chunk_offset(c, r0 + 8 * i);
   RingPosition<kStages> ring;
   ring.phase = 1;  // a fresh barrier counts as released for parity 1
   for (int t = blockIdx.x / kCluster; t < p.total; t += gridDim.x / kCluster) {
@@ -231,7 +239,7 @@ __device__ __forceinline__ void zero_rows_past_group(SharedStorage& s, int stage
     *reinterpret_cast<uint4*>(base + box * kBoxBytes + row * 128 + (in_box % 8) * 16) = make_uint4(0, 0, 0, 0);
   }
   cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> WGMMA reads
-  cutlass::arch::NamedBarrier::sync(kConsumerThreads, 1);
+  cutlass::arch::NamedBarrier::sync(kConsumerThreads, kZeroRowsBarrier);
 }
 
 // Epilogue. Accumulator (i) is X column a, dY column b of the tile, i.e. dW_e[b][a]; with
@@ -337,7 +345,7 @@ __device__ __forceinline__ void store_tile_staged(const Params& p, const Tile& t
                               pack_bf16x2(acc(4 * g + 4), acc(4 * g + 5)), pack_bf16x2(acc(4 * g + 6), acc(4 * g + 7)));
       }
     }
-    cutlass::arch::NamedBarrier::sync(kConsumerThreads / 2, 2 + group);
+    cutlass::arch::NamedBarrier::sync(kConsumerThreads / 2, kStagingBarrierBase + group);
 #pragma unroll
     for (int it = 0; it < kStagedRows * 8 / (kConsumerThreads / 2); ++it) {
       const int idx = it * (kConsumerThreads / 2) + gtid, row = idx >> 3, cq = idx & 7;
@@ -364,16 +372,16 @@ __device__ __forceinline__ void store_tile_staged(const Params& p, const Tile& t
           }
           *q = v;
         }
-        continue;
+      } else {
+        const uint32_t from = buf + row * 128 + ((cq ^ (row & 7)) << 4);
+        const int b = tile.y0 + part * kStagedRows + (kXMajor ? 8 * cq : row);
+        const int a = first_x + (kXMajor ? row : 8 * cq);
+        if (b >= p.M || a >= p.N) continue;
+        const int64_t at = kXMajor ? static_cast<int64_t>(a) * p.M + b : static_cast<int64_t>(b) * p.N + a;
+        *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(dw) + at) = ld_shared_16(from);
       }
-      const uint32_t from = buf + row * 128 + ((cq ^ (row & 7)) << 4);
-      const int b = tile.y0 + part * kStagedRows + (kXMajor ? 8 * cq : row);
-      const int a = first_x + (kXMajor ? row : 8 * cq);
-      if (b >= p.M || a >= p.N) continue;
-      const int64_t at = kXMajor ? static_cast<int64_t>(a) * p.M + b : static_cast<int64_t>(b) * p.N + a;
-      *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(dw) + at) = ld_shared_16(from);
     }
-    cutlass::arch::NamedBarrier::sync(kConsumerThreads / 2, 2 + group);  // the buffer is free again
+    cutlass::arch::NamedBarrier::sync(kConsumerThreads / 2, kStagingBarrierBase + group);  // the buffer is free again
   }
 }
 
@@ -452,7 +460,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_gathered_kernel(const __gri
 }
 
 constexpr size_t kSmemBytes = 1024 + sizeof(SharedStorage);
-static_assert(kSmemBytes <= 232448, "the staging buffers fit beside the four stages");
+static_assert(kSmemBytes <= 227 * 1024, "the staging buffers fit beside the four stages (H100 / H200 opt-in limit)");
 
 // dY [R, M] as a TMA tensor: 64-column x 64-row boxes, 128-byte swizzle (the MN-major layout the
 // WGMMA reads), zeros past the last row and column.
