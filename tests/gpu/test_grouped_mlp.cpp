@@ -326,7 +326,8 @@ INSTANTIATE_TEST_SUITE_P(
 // on and off (bias: dY_perm is written on the way for its gradients), probs in the activation (dy
 // gathered inside the kernel) or at the combine (dY_perm from the combine's backward), A in
 // {0, 16, 128}, alone, with the fused fc1, without x_perm (no dY_perm either: the fc2 weight
-// gradient gathers dy), with recompute.
+// gradient gathers dy), with recompute. With A = 128 every tile has all its 64 rows; with A = 0 or 16
+// most tiles of these small groups are partial.
 INSTANTIATE_TEST_SUITE_P(
     FusedDgrad, LayerVariants,
     ::testing::Values(
@@ -342,7 +343,11 @@ INSTANTIATE_TEST_SUITE_P(
         Variant{Activation::kGeGLU, false, ProbsPlacement::kInActivation, 32, 16, true, false, true, true},
         Variant{Activation::kClampedSwiGLU, true, ProbsPlacement::kInActivation, 8, 0, true, false, true, true},
         Variant{Activation::kSquaredReLU, false, ProbsPlacement::kInActivation, 0, 128, true, false, true, true},
-        Variant{Activation::kSquaredReLU, false, ProbsPlacement::kAtCombine, 0, 0, true, false, true, true}),
+        Variant{Activation::kSquaredReLU, false, ProbsPlacement::kAtCombine, 0, 0, true, false, true, true},
+        Variant{Activation::kSwiGLU, false, ProbsPlacement::kInActivation, 0, 128, true, false, true, true},
+        Variant{Activation::kGeGLU, true, ProbsPlacement::kInActivation, 0, 128, false, false, false, true},
+        Variant{Activation::kClampedSwiGLU, false, ProbsPlacement::kAtCombine, 0, 128, true, false, true, true},
+        Variant{Activation::kSwiGLU, true, ProbsPlacement::kInActivation, 0, 128, true, true, false, true}),
     [](const ::testing::TestParamInfo<Variant>& info) { return variant_name(info.param); });
 
 
@@ -504,6 +509,33 @@ TEST(GroupedMlp, FusedFc1LargerShapes) {
     }
     }
   }
+}
+
+// 500 experts (a tile prefix of 501 entries in the fused kernels' shared memory), A = 128 (every
+// tile whole), skewed routing that leaves many experts empty: the fused fc1 and fc2 dgrad against the
+// reference and the unfused path, both weight layouts bitwise equal.
+TEST(GroupedMlp, FusedDgradWithManyExperts) {
+  MOE_REQUIRE_GPU();
+  Case c;
+  c.cfg = small_config();
+  c.cfg.experts = 500;
+  c.cfg.max_tokens = 600;
+  c.cfg.dispatch.align = 128;
+  c.cfg.fuse_fc1 = true;
+  c.cfg.save_x_perm = false;
+  c.cfg.fuse_fc2_dgrad = true;
+  c.T = 600;
+  c.skew = 1.0;
+  c.seed = 11;
+  Runner r(c);
+  const Outputs fused = r.run_gpu(WeightLayout::kSingleGrouped);
+  compare(fused, r.run_reference(), false);
+  Case u = c;
+  u.cfg.fuse_fc1 = false;
+  u.cfg.save_x_perm = true;
+  u.cfg.fuse_fc2_dgrad = false;
+  compare(fused, Runner(u).run_gpu(WeightLayout::kSingleGrouped), false);
+  expect_bitwise(fused, r.run_gpu(WeightLayout::kPerExpert));
 }
 
 TEST(GroupedMlp, EdgeCases) {
