@@ -103,8 +103,8 @@ def measure(name):
         res["fwd_vs_sonic"] = res["sonic_fwd_ms"] / best_fwd
 
     # Ours right after SonicMoE's and before the PyTorch baseline: the two fast layers are timed back
-    # to back, under the same clocks (the slower baseline's long run heats the GPU, and the large
-    # shapes, at the power limit, then run at lower clocks).
+    # to back, under the same conditions. Timed after the slower baseline's long run, ours ran 2.6-6.6%
+    # behind `moe-engine bench` on the large shapes (presumably lower clocks at the power limit).
     for label, step in (("ours", ours_step), ("torch", torch_step)):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
