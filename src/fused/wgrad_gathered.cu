@@ -30,10 +30,10 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/bfloat16.h>
+#include <cutlass/fast_math.h>
 
 #include "device/cuda_check.h"
 #include "device/device_groups.cuh"
-#include "device/slot_divisor.h"
 #include "fused/async_copy.cuh"
 #include "fused/pipeline.cuh"
 #include "fused/cluster_launch.h"
@@ -107,7 +107,7 @@ struct Params {
   CUtensorMap dy_map;  // dY as a 2D [R, M] tensor, 64 x 64 boxes
   const __nv_bfloat16* x;
   const int32_t* row_slots;
-  SlotDivisor by_slots;  // slot / slots as a multiply and a shift
+  cutlass::FastDivmod by_slots;  // slot / slots as a high multiply and a shift
   const int32_t* offsets;
   int E;
   int64_t R;
@@ -147,7 +147,7 @@ __device__ __forceinline__ int row_slot(const Params& p, int64_t r, int64_t end)
 __device__ __forceinline__ int source_row(const Params& p, int slot) {
   if (slot < 0) return -1;
   if (p.row_slots == nullptr) return slot;
-  return p.by_slots.divide(slot);
+  return p.by_slots.div(slot);
 }
 
 __device__ void produce(SharedStorage& s, const Params& p, int rank) {
@@ -496,7 +496,7 @@ void launch_wgrad_gathered(const WgradGatheredArgs& a, cudaStream_t stream) {
   }
   p.x = static_cast<const __nv_bfloat16*>(a.x);
   p.row_slots = a.row_slots;
-  p.by_slots = SlotDivisor::make(a.slots);
+  p.by_slots = cutlass::FastDivmod(std::max(a.slots, 1));
   p.offsets = a.group_offsets;
   p.E = a.experts;
   p.R = a.R;
