@@ -2,7 +2,7 @@
 // SlotReader (src/kernels/slot_reader.cuh), so the same entries are skipped with the same bits
 // (docs/semantics.md, Errors): an expert id outside [0, E) other than -1, a repeat of an earlier
 // expert of the same top-k row (the first occurrence stays), a non-finite prob of a routed entry.
-// One thread per slot; a warp ORs its bits once.
+// One thread per slot, a warp per 32 consecutive slots (SlotReader's step); a warp ORs its bits once.
 #include "device/cuda_check.h"
 #include "device/vec16.cuh"
 #include "ep/ep_kernels.h"
@@ -18,12 +18,16 @@ __global__ void __launch_bounds__(kThreads)
   // int32: n + kThreads < 2^31, checked by the pack plan's Dispatcher (T_max * slots + its chunk
   // and pad allowance).
   const int32_t i = static_cast<int32_t>(blockIdx.x) * kThreads + static_cast<int32_t>(threadIdx.x);
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int32_t first = i - lane;  // the warp's step
   uint32_t bits = 0;
-  float prob;
-  const int e = rd.expert(i, bits, prob);
+  unsigned peers;
+  SlotReader::StepLoad ld = rd.load_step(first, lane);
+  rd.load_step_probs(first, lane, ld);
+  const int e = rd.decide_step(first, lane, ld, bits, peers);
   if (i < rd.n) slot_dest[i] = e >= 0 ? e / E_local : -1;
   bits = __reduce_or_sync(kFullMask, bits);
-  if ((threadIdx.x & 31) == 0 && bits) atomicOr(error_word, bits);
+  if (lane == 0 && bits) atomicOr(error_word, bits);
 }
 
 }  // namespace

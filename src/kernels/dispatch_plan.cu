@@ -3,8 +3,9 @@
 // deterministically, without atomics whose order could change the result.
 //
 // The flat slot sequence i = t * slots + s is cut into chunks of consecutive slots, one warp each.
-//   1. count:    per chunk and expert, how many valid slots (warp __match_any_sync + a per-warp
-//                histogram in shared memory; a sum, so the order of updates does not matter).
+//   1. count:    per chunk and expert, how many valid slots (the lanes of a step with the same
+//                expert from __match_any_sync, one add per expert into a per-warp histogram in
+//                shared memory; a sum, so the order of updates does not matter).
 //   2. scan:     per expert, exclusive sum over the chunks -> the expert's rows before the chunk,
 //                and count[e].
 //   3. finalize: padded counts, offsets (exclusive sum over experts), group offsets, int64 copies,
@@ -12,8 +13,10 @@
 //   4. assign:   walk each chunk again in the same order; a slot's row is offset[e] + (rows of e in
 //                earlier chunks) + (rows of e earlier in this chunk), i.e. offset[e] + #{t' < t
 //                routed to e}. Writes slot_row, row_slot and probs_perm.
-// Every kernel reads the routing through SlotReader::expert (slot_reader.cuh), so all four agree on
-// which entries are skipped; only the count kernel raises their error bits.
+// The count and assign kernels read the routing through SlotReader (slot_reader.cuh, as the
+// expert-parallel pack does), a 32-slot step per warp with the loads of 8 steps issued together
+// (map form: the map bytes, then the probs of the entries on the map), so they agree on which
+// entries are skipped; only the count kernel raises their error bits.
 #include <cub/block/block_scan.cuh>
 
 #include "device/cuda_check.h"
@@ -49,15 +52,18 @@ __global__ void __launch_bounds__(kWarps * 32)
   uint32_t bits = 0;
   const int32_t first = chunk * groups * kSteps * 32;
   for (int g = 0; g < groups; ++g) {
-    int ex[kSteps];
-    float prob;
+    const int32_t group_first = first + g * kSteps * 32;
+    SlotReader::StepLoad ld[kSteps];
 #pragma unroll
-    for (int j = 0; j < kSteps; ++j) ex[j] = rd.expert(first + (g * kSteps + j) * 32 + lane, bits, prob);
+    for (int j = 0; j < kSteps; ++j) ld[j] = rd.load_step(group_first + j * 32, lane);
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) rd.load_step_probs(group_first + j * 32, lane, ld[j]);
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) {
-      const unsigned peers = __match_any_sync(kFullMask, ex[j]);
-      // One lane per expert adds the step's count (lanes holding -1 are ignored).
-      if (ex[j] >= 0 && lane == __ffs(peers) - 1) hist[ex[j]] += __popc(peers);
+      unsigned peers;
+      const int e = rd.decide_step(group_first + j * 32, lane, ld[j], bits, peers);
+      // One lane per expert adds the step's count.
+      if (e >= 0 && lane == __ffs(peers) - 1) hist[e] += __popc(peers);
       __syncwarp();
     }
   }
@@ -140,15 +146,17 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int32_t first = chunk * groups * kSteps * 32;
   const unsigned lt = lanemask_lt();
   for (int g = 0; g < groups; ++g) {
-    int ex[kSteps];
-    float prob[kSteps];
+    const int32_t group_first = first + g * kSteps * 32;
+    SlotReader::StepLoad ld[kSteps];
 #pragma unroll
-    for (int j = 0; j < kSteps; ++j) ex[j] = rd.expert(first + (g * kSteps + j) * 32 + lane, ignored, prob[j]);
+    for (int j = 0; j < kSteps; ++j) ld[j] = rd.load_step(group_first + j * 32, lane);
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) rd.load_step_probs(group_first + j * 32, lane, ld[j]);
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) {
-      const int32_t i = first + (g * kSteps + j) * 32 + lane;
-      const int e = ex[j];
-      const unsigned peers = __match_any_sync(kFullMask, e);
+      const int32_t step_first = group_first + j * 32, i = step_first + lane;
+      unsigned peers;
+      const int e = rd.decide_step(step_first, lane, ld[j], ignored, peers);
       // Rows of a step go to the lanes in lane order, i.e. in token order.
       const int32_t dst = e >= 0 ? next[e] + __popc(peers & lt) : -1;
       __syncwarp();
@@ -159,7 +167,7 @@ __global__ void __launch_bounds__(kWarps * 32)
         slot_row[i] = written ? dst : -1;
         if (written) {
           row_slot[dst] = i;
-          probs_perm[dst] = prob[j];
+          probs_perm[dst] = ld[j].prob;
         }
       }
     }

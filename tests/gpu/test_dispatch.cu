@@ -509,9 +509,10 @@ TEST(Dispatch, EdgeRoutings) {
 
 TEST(Dispatch, BadInputIsSkippedAndFlagged) {
   MOE_REQUIRE_GPU();
-  // Out-of-range ids (including the extremes), repeats, non-finite probs.
-  Case bad = topk_case("bad ids / repeats / nan", 4096, 128, 64, 8, 16);
-  bad.edit = [](ref::Routing& r) {
+  // Out-of-range ids (including the extremes), repeats, non-finite probs; k = 8 keeps a token's
+  // slots inside one warp's 32-slot step, k = 6 and 3 let rows straddle two steps, k = 40 spans
+  // several.
+  const auto spoil = [](ref::Routing& r) {
     std::mt19937_64 rng(77);
     const int32_t ids[] = {64, 1000, -2, std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max()};
     for (int i = 0; i < 300; ++i) {
@@ -524,7 +525,12 @@ TEST(Dispatch, BadInputIsSkippedAndFlagged) {
       }
     }
   };
-  run_case(bad);
+  for (const int k : {8, 6, 3, 40}) {
+    const std::string name = "bad ids / repeats / nan, k = " + std::to_string(k);
+    Case bad = topk_case(name.c_str(), 4096, 128, 64, k, 16);
+    bad.edit = spoil;
+    run_case(bad);
+  }
   // Each flag alone.
   Case oor = topk_case("out of range only", 50, 128, 8, 2, 0);
   oor.edit = [](ref::Routing& r) { r.indices[7] = 8; };
