@@ -311,7 +311,7 @@ struct WgradProblem {
 TEST_F(Fp8GroupedGemm, WgradMatchesTheDequantizedReference) {
   // Groups start on the 128-token grid (the dispatch pads to A = 128); the last one ends off it.
   const WgradProblem p(5, 272, 400, {256, 0, 128, 384, 208}, 23, stream);
-  const Engine eng(p.E, p.R);
+  Engine eng(p.E, p.R);
   const ref::Groups g = groups_of(p.off);
   // The reference reads the tokens' copies back in token-major order.
   const std::vector<double> dyd = transpose(p.dy.values(true), p.N, p.R), xd = transpose(p.x.values(true), p.K, p.R);
@@ -327,40 +327,47 @@ TEST_F(Fp8GroupedGemm, WgradMatchesTheDequantizedReference) {
   std::uniform_real_distribution<float> u(-4.0f, 4.0f);
   std::vector<float> prior(p.E * NK);
   for (float& f : prior) f = u(rng);
-
-  // Written (the empty expert gets zeros over the poison), accumulated into a main_grad, and
-  // written transposed (dW_e^T [K, N], the orientation of transposed weights).
-  DeviceBuffer<float> dw(p.E * NK), main_grad(prior), dwt(p.E * NK);
-  dw.fill_bytes(0xFF);
-  eng.run(p.problem(ExpertMatrices::grouped(TensorView(dw.get(), DType::kFP32, {int64_t(p.E), p.N, p.K}), "dw"), false),
-          stream);
-  eng.run(p.problem(ExpertMatrices::grouped(TensorView(main_grad.get(), DType::kFP32, {int64_t(p.E), p.N, p.K}), "dw"),
-                    true),
-          stream);
-  eng.run(p.problem(ExpertMatrices::grouped(TensorView(dwt.get(), DType::kFP32, {int64_t(p.E), p.K, p.N}), "dw")
-                        .as_transposed(),
-                    false),
-          stream);
-  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-
-  check_within(dw.download(), want, asum, 0.0, nullptr, "wgrad write");
-  // bf16 written: one more rounding (2^-8 of |ref|).
-  DeviceBuffer<uint16_t> dwb(p.E * NK);
-  eng.run(p.problem(ExpertMatrices::grouped(TensorView(dwb.get(), DType::kBF16, {int64_t(p.E), p.N, p.K}), "dw"), false),
-          stream);
-  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  check_within(testing::layer_data::from_bf16(dwb.download()), want, asum, kBf16Output, nullptr, "wgrad write bf16");
   std::vector<double> acc(p.E * NK), priord(prior.begin(), prior.end());
   for (size_t i = 0; i < acc.size(); ++i) acc[i] = prior[i] + want[i];
-  check_within(main_grad.download(), acc, asum, 0.0, &priord, "wgrad accumulate");
-  // The transposed product exchanges the operands' roles inside the FP8 tensor-core accumulation,
-  // so it is within the same bound rather than bitwise equal.
-  const std::vector<float> t = dwt.download();
-  std::vector<float> back(t.size());
-  for (int e = 0; e < p.E; ++e)
-    for (int64_t n = 0; n < p.N; ++n)
-      for (int64_t k = 0; k < p.K; ++k) back[e * NK + n * p.K + k] = t[e * NK + k * p.N + n];
-  check_within(back, want, asum, 0.0, nullptr, "wgrad write transposed");
+  const auto nk = [&p](void* data, DType dtype) {
+    return ExpertMatrices::grouped(TensorView(data, dtype, {int64_t(p.E), p.N, p.K}), "dw");
+  };
+
+  // Every compiled FP8 weight-gradient configuration (each has a bf16 and an fp32 form), N and K off
+  // every tile width.
+  for (const std::string& config : GroupedGemm::configs(GemmOp::kWgrad, DType::kFP32, DType::kFP8E4M3)) {
+    SCOPED_TRACE(config);
+    eng.gg.force_config(GemmOp::kWgrad, config);
+    // Written (the empty expert gets zeros over the poison), accumulated into a main_grad, and
+    // written transposed (dW_e^T [K, N], the orientation of transposed weights).
+    DeviceBuffer<float> dw(p.E * NK), main_grad(prior), dwt(p.E * NK);
+    dw.fill_bytes(0xFF);
+    eng.run(p.problem(nk(dw.get(), DType::kFP32), false), stream);
+    eng.run(p.problem(nk(main_grad.get(), DType::kFP32), true), stream);
+    eng.run(p.problem(ExpertMatrices::grouped(TensorView(dwt.get(), DType::kFP32, {int64_t(p.E), p.K, p.N}), "dw")
+                          .as_transposed(),
+                      false),
+            stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+    check_within(dw.download(), want, asum, 0.0, nullptr, config + ": wgrad write");
+    // bf16 written: one more rounding (2^-8 of |ref|).
+    DeviceBuffer<uint16_t> dwb(p.E * NK);
+    eng.run(p.problem(nk(dwb.get(), DType::kBF16), false), stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    check_within(testing::layer_data::from_bf16(dwb.download()), want, asum, kBf16Output, nullptr,
+                 config + ": wgrad write bf16");
+    check_within(main_grad.download(), acc, asum, 0.0, &priord, config + ": wgrad accumulate");
+    // The transposed product exchanges the operands' roles inside the FP8 tensor-core accumulation,
+    // so it is within the same bound rather than bitwise equal.
+    const std::vector<float> t = dwt.download();
+    std::vector<float> back(t.size());
+    for (int e = 0; e < p.E; ++e)
+      for (int64_t n = 0; n < p.N; ++n)
+        for (int64_t k = 0; k < p.K; ++k) back[e * NK + n * p.K + k] = t[e * NK + k * p.N + n];
+    check_within(back, want, asum, 0.0, nullptr, config + ": wgrad write transposed");
+  }
+  eng.gg.force_config(GemmOp::kWgrad, "");
 }
 
 TEST_F(Fp8GroupedGemm, WgradGroupOffTheTokenGridIsReportedAndSkipped) {
