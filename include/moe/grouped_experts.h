@@ -100,7 +100,9 @@ class GroupedExperts {
 
   // dY bf16 [rows, H] -> dx_perm bf16 [rows, H] and d_probs_perm fp32 [rows] (probs in the
   // activation; an empty view otherwise), weight gradients too unless delay_wgrad. Without
-  // delay_wgrad, dx_perm may be the very buffer of dY (dY is fully read before dx_perm is written).
+  // delay_wgrad, dx_perm may be the very buffer of dY (dY is fully read before dx_perm is written),
+  // except with config.dprobs_partials_in_dx_perm (and F > 256): then dx_perm must not overlap dY
+  // (nor dy or dY_out in backward_gathered) and its rows past group_offsets[E] are left unspecified.
   void backward(const TensorView& dY, const TensorView& dx_perm, const TensorView& d_probs_perm,
                 const SavedState& state, cudaStream_t stream);
   // The layer's backward (config.fuse_fc2_dgrad, probs in the activation): the dY rows are gathered

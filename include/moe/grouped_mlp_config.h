@@ -83,6 +83,12 @@ struct ExpertsConfig {
   // fc2 dgrad and the activation backward (dh, dprobs) in one kernel (docs/fused.md): dact never
   // reaches memory; same roundings of dh as the unfused path, which stays the reference.
   bool fuse_fc2_dgrad = false;
+  // With fuse_fc2_dgrad and F > 256 the fused fc2 dgrad sums dprobs over blocks of 256 features in
+  // a fixed order, from one partial sum per row and block (R x ceil(F / 256) floats). true: those
+  // partials live in dx_perm's memory, which the backward writes only after they are summed,
+  // instead of a workspace of the op's own -- then dx_perm must not overlap dY (backward) or dy /
+  // dY_out (backward_gathered), which is checked. Bitwise the same results.
+  bool dprobs_partials_in_dx_perm = false;
   // 0: the persistent GEMM kernels take every SM of the device. n > 0: at most n SMs, so that work
   // running beside the experts (the all-to-all of an overlapped expert-parallel pipeline) finds
   // SMs free instead of waiting for a GEMM to finish (rounded down to an even count of at least 2:

@@ -96,6 +96,9 @@ void ExpertsConfig::validate() const {
   validate_fp8(fp8, emulated, fp8_weight_refresh, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights,
                delay_wgrad);
   validate_emulated(emulated, fp8, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights);
+  MOE_CHECK(!dprobs_partials_in_dx_perm || (fuse_fc2_dgrad && probs == ProbsPlacement::kInActivation),
+            "config 'dprobs_partials_in_dx_perm': needs fuse_fc2_dgrad and the probs in the activation (only the ",
+            "fused fc2 dgrad computes dprobs from partial sums)");
   MOE_CHECK(fp8 == Fp8Recipe::kNone || max_rows % 16 == 0, "config 'max_rows': the FP8 weight gradients read the ",
             "tokens' columnwise copies, whose rows need a multiple of 16 tokens; got ", max_rows);
 }
@@ -116,6 +119,11 @@ ExpertsConfig GroupedMlpConfig::experts_config() const {
   e.dtype = dtype;
   e.fuse_fc1 = fuse_fc1;
   e.fuse_fc2_dgrad = fuse_fc2_dgrad;
+  // The layer's fused backward passes no dY_out (dY_perm never exists) exactly when there is no bias,
+  // no delayed weight gradient and no saved x_perm: then dx_perm overlaps nothing the fused fc2 dgrad
+  // reads or writes, and the layer needs no dprobs partial workspace.
+  e.dprobs_partials_in_dx_perm =
+      fuse_fc2_dgrad && probs == ProbsPlacement::kInActivation && !bias && !delay_wgrad && !save_x_perm;
   e.max_sms = max_sms;
   e.transposed_weights = transposed_weights;
   e.fp8 = fp8;

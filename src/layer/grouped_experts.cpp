@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <string>
 
 #include "device/cuda_check.h"
@@ -111,7 +112,9 @@ struct GroupedExperts::Impl {
   size_t block_bytes = 0, state_bytes = 0;
   uint16_t* dact_ws = nullptr;
   uint16_t* act_ws = nullptr;  // act, when the state does not keep it (saves_act() false)
-  float* dpp_partial_ws = nullptr;  // fused fc2 dgrad with F > 256: dprobs partial sums per feature block
+  // Fused fc2 dgrad with F > 256: dprobs partial sums per feature block (unless they live in dx_perm).
+  float* dpp_partial_ws = nullptr;
+  int feature_blocks = 1;  // of the fused fc2 dgrad
   uint8_t* bias_ws = nullptr;
   size_t bias_ws_bytes = 0;
   uint8_t* gemm_ws = nullptr;
@@ -129,6 +132,11 @@ struct GroupedExperts::Impl {
       MOE_CHECK(why.empty(), "config 'fuse_fc2_dgrad': ", why);
       MOE_CHECK(cfg.dtype == DType::kBF16, "config 'fuse_fc2_dgrad': the fused fc2 dgrad takes bf16 activations and ",
                 "weights");
+      feature_blocks = fused::fc2_dgrad_feature_blocks(cfg.ffn);
+      // A row of dx_perm (H bf16) holds the row's partial sums (one float per feature block).
+      MOE_CHECK(!cfg.dprobs_partials_in_dx_perm || 2 * cfg.hidden >= 4 * feature_blocks,
+                "config 'dprobs_partials_in_dx_perm': a row of dx_perm (hidden = ", cfg.hidden, ") is too short for ",
+                feature_blocks, " partial sums");
     }
     sm_count = gemm.sm_count();  // the fused kernels' persistent grids: the same SMs as the GEMMs'
     gemm_ws_bytes = gemm.workspace_bytes();
@@ -153,8 +161,8 @@ struct GroupedExperts::Impl {
     DeviceArena a(base);
     if (cfg.delay_wgrad && !cfg.fuse_fc2_dgrad) dact_ws = a.take<uint16_t>(R * F);
     if (!saves_act()) act_ws = a.take<uint16_t>(R * F);
-    const int feature_blocks = cfg.fuse_fc2_dgrad ? fused::fc2_dgrad_feature_blocks(F) : 1;
-    if (probs_in_act() && feature_blocks > 1) dpp_partial_ws = a.take<float>(R * feature_blocks);
+    if (probs_in_act() && feature_blocks > 1 && !cfg.dprobs_partials_in_dx_perm)
+      dpp_partial_ws = a.take<float>(R * feature_blocks);
     if (cfg.bias) {
       bias_ws_bytes = std::max(bias_grad_workspace_bytes(R, cfg.experts, H), bias_grad_workspace_bytes(R, cfg.experts, F1));
       bias_ws = a.take<uint8_t>(static_cast<int64_t>(bias_ws_bytes));
@@ -402,8 +410,13 @@ struct GroupedExperts::Impl {
   // contiguous [rows, M] operand, X the token-major rows; stored [N, M] when x_major.
   void wgrad_gathered(const void* y, int64_t M, const Gathered& x, const ExpertMatrices& dw, bool x_major,
                       const Saved& v, cudaStream_t s) const;
-  void fused_dgrad(const void* dY, const int32_t* row_slots, int slots, void* dY_out, const Saved& v,
-                   const TensorView& dpp, cudaStream_t s) const;
+  // Where the fused fc2 dgrad keeps its dprobs partial sums in this call: the op's workspace, or
+  // dx_perm's memory (config.dprobs_partials_in_dx_perm), which must not overlap `reads` (the dY or
+  // dy the kernel reads) or `writes` (dY_out).
+  float* dprobs_partials(const TensorView& dx_perm, const TensorView& reads, const TensorView& writes,
+                         const char* call) const;
+  void fused_dgrad(const void* dY, const int32_t* row_slots, int slots, void* dY_out, float* dprobs_partial,
+                   const Saved& v, const TensorView& dpp, cudaStream_t s) const;
   // The backward's checks shared by backward and backward_gathered; returns the saved inputs.
   Saved check_backward(const SavedState& state, const TensorView& dx_perm, const TensorView& dpp,
                        const char* call) const;
@@ -464,8 +477,29 @@ void GroupedExperts::Impl::wgrad_gathered(const void* y, int64_t M, const Gather
   fused::launch_wgrad_gathered(a, s);
 }
 
+namespace {
+bool bytes_overlap(const TensorView& a, const TensorView& b) {
+  if (a.data == nullptr || b.data == nullptr) return false;
+  const char *pa = static_cast<const char*>(a.data), *pb = static_cast<const char*>(b.data);
+  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+}
+}  // namespace
+
+float* GroupedExperts::Impl::dprobs_partials(const TensorView& dx_perm, const TensorView& reads,
+                                             const TensorView& writes, const char* call) const {
+  if (!cfg.dprobs_partials_in_dx_perm) return dpp_partial_ws;
+  if (feature_blocks == 1) return nullptr;  // F <= 256: one block, no partial sums
+  MOE_CHECK(!bytes_overlap(dx_perm, reads) && !bytes_overlap(dx_perm, writes), call, ": argument 'dx_perm': with ",
+            "config.dprobs_partials_in_dx_perm it holds the dprobs partial sums while the fused fc2 dgrad runs, so it ",
+            "must not overlap ", bytes_overlap(dx_perm, reads) ? "the gradient the kernel reads" : "dY_out");
+  MOE_CHECK(reinterpret_cast<uintptr_t>(dx_perm.data) % alignof(float) == 0, call, ": argument 'dx_perm': with ",
+            "config.dprobs_partials_in_dx_perm it holds float partial sums, so it must be 4-byte aligned");
+  return dx_perm.ptr<float>();
+}
+
 void GroupedExperts::Impl::fused_dgrad(const void* dY, const int32_t* row_slots, int slots, void* dY_out,
-                                       const Saved& v, const TensorView& dpp, cudaStream_t s) const {
+                                       float* dprobs_partial, const Saved& v, const TensorView& dpp,
+                                       cudaStream_t s) const {
   fused::Fc2DgradActivationArgs f;
   f.dy = dY;
   f.row_slots = row_slots;
@@ -483,7 +517,7 @@ void GroupedExperts::Impl::fused_dgrad(const void* dY, const int32_t* row_slots,
   f.h = v.b.h;
   f.act_out = saves_act() ? nullptr : v.b.act;  // recomputed for fc2's weight gradient
   f.dprobs = dpp.data != nullptr ? dpp.ptr<float>() : nullptr;
-  f.dprobs_partial = dpp_partial_ws;
+  f.dprobs_partial = dprobs_partial;
   f.sm_count = sm_count;
   fused::launch_fc2_dgrad_activation(f, s);
 }
@@ -714,7 +748,8 @@ void GroupedExperts::backward(const TensorView& dY, const TensorView& dx_perm, c
             "backward_dw, so dx_perm must not be the buffer of dY");
 
   if (c.fuse_fc2_dgrad) {
-    m.fused_dgrad(dY.data, nullptr, 1, nullptr, v, dpp, s);  // leaves act as it is, or writes it again
+    float* partials = m.dprobs_partials(dx_perm, dY, TensorView(), "GroupedExperts::backward");
+    m.fused_dgrad(dY.data, nullptr, 1, nullptr, partials, v, dpp, s);  // leaves act as it is, or writes it again
     if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);
   } else if (m.fp8) {
     // dY rowwise for the dgrad, columnwise for the weight gradient; dact goes to act's workspace
@@ -763,7 +798,8 @@ void GroupedExperts::backward_gathered(const TensorView& dy, const TensorView& r
               " (the gradients read the dY rows again); only without both may it be empty");
   }
 
-  m.fused_dgrad(dy.data, row_slots.ptr<const int32_t>(), slots, dY_out.data, v, dpp, s);
+  float* partials = m.dprobs_partials(dx_perm, dy, dY_out, kCall);
+  m.fused_dgrad(dy.data, row_slots.ptr<const int32_t>(), slots, dY_out.data, partials, v, dpp, s);
   if (dY_out.data != nullptr) {
     if (c.bias) m.bias_dprobs_of(dY_out, v, dpp, s);
     if (!c.delay_wgrad) m.wgrad_fc2(dY_out, v, s);

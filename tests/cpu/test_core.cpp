@@ -166,6 +166,29 @@ TEST(GroupedMlpConfig, ValidatesFields) {
   expect_error_naming([&] { e.validate(); }, "max_sms");
   bad.max_sms = 100;
   EXPECT_EQ(bad.experts_config().max_sms, 100);
+  // The dprobs partial sums go to dx_perm exactly where the layer's fused backward passes no dY_out
+  // (fused fc2 dgrad, probs in the activation, no bias, no delayed wgrad, no saved x_perm).
+  bad = c;
+  bad.fuse_fc1 = true;
+  bad.fuse_fc2_dgrad = true;
+  bad.save_x_perm = false;
+  EXPECT_TRUE(bad.experts_config().dprobs_partials_in_dx_perm);
+  bad.experts_config().validate();
+  for (int which = 0; which < 5; ++which) {
+    auto f = bad;
+    if (which == 0) f.fuse_fc2_dgrad = false;
+    if (which == 1) f.bias = true;
+    if (which == 2) f.delay_wgrad = true;
+    if (which == 3) f.save_x_perm = true;
+    if (which == 4) f.probs = ProbsPlacement::kAtCombine;
+    EXPECT_FALSE(f.experts_config().dprobs_partials_in_dx_perm) << which;
+  }
+  e = bad.experts_config();
+  e.fuse_fc2_dgrad = false;
+  expect_error_naming([&] { e.validate(); }, "dprobs_partials_in_dx_perm");
+  e.fuse_fc2_dgrad = true;
+  e.probs = ProbsPlacement::kAtCombine;
+  expect_error_naming([&] { e.validate(); }, "dprobs_partials_in_dx_perm");
   // Transposed weights: the unfused path only (the fused kernels read the standard orientation).
   bad = c;
   bad.transposed_weights = true;

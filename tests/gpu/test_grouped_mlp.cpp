@@ -20,6 +20,7 @@
 
 #include "moe/error.h"
 #include "moe/float_convert.h"
+#include "moe/grouped_experts.h"
 #include "moe/grouped_mlp.h"
 #include "moe/saved_state.h"
 #include "reference/grouped_mlp_ref.h"
@@ -536,6 +537,99 @@ TEST(GroupedMlp, FusedDgradWithManyExperts) {
   u.cfg.fuse_fc2_dgrad = false;
   compare(fused, Runner(u).run_gpu(WeightLayout::kSingleGrouped), false);
   expect_bitwise(fused, r.run_gpu(WeightLayout::kPerExpert));
+}
+
+// config.dprobs_partials_in_dx_perm: the fused fc2 dgrad's dprobs partial sums (F = 520: three
+// 256-feature blocks, the last partial) kept in dx_perm's memory instead of the op's workspace --
+// R x 3 floats less workspace, bitwise the same Y, dx_perm (rows of the groups), d_probs_perm and
+// weight gradients, through backward and backward_gathered; dx_perm overlapping the gradient the
+// kernel reads (or dY_out) is refused by name.
+TEST(GroupedExperts, DprobsPartialsInDxPermAreBitwiseTheSame) {
+  MOE_REQUIRE_GPU();
+  ExpertsConfig own_cfg;
+  own_cfg.hidden = 320;
+  own_cfg.ffn = 520;
+  own_cfg.experts = 3;
+  own_cfg.max_rows = 384;
+  own_cfg.fuse_fc2_dgrad = true;
+  ExpertsConfig lent_cfg = own_cfg;
+  lent_cfg.dprobs_partials_in_dx_perm = true;
+  const int E = own_cfg.experts;
+  const int64_t H = own_cfg.hidden, F = own_cfg.ffn, F1 = own_cfg.fc1_out(), R = own_cfg.max_rows;
+  const std::vector<int32_t> offsets = {0, 100, 100, 350};  // an empty expert; rows 350.. in no group
+  const int64_t used = offsets.back();
+  std::mt19937_64 rng(7);
+  const std::vector<double> w1 = random_bf16_values(size_t(E) * F1 * H, 1.0 / std::sqrt(double(H)), rng);
+  const std::vector<double> w2 = random_bf16_values(size_t(E) * H * F, 1.0 / std::sqrt(double(F)), rng);
+  DeviceBuffer<uint16_t> x_perm(to_bf16(random_bf16_values(R * H, 1.0, rng)));
+  DeviceBuffer<uint16_t> dY(to_bf16(random_bf16_values(R * H, 1.0, rng)));
+  std::vector<float> probs(R);
+  for (float& p : probs) p = std::uniform_real_distribution<float>(0.1f, 1.0f)(rng);
+  DeviceBuffer<float> pp(probs);
+  DeviceBuffer<int32_t> offs(offsets);
+  // The gathered form: dy [T, H] with T = R, row r of the groups reads token r (one slot per token).
+  std::vector<int32_t> slots(R);
+  for (int64_t r = 0; r < R; ++r) slots[r] = r < used ? static_cast<int32_t>(r) : -1;
+  DeviceBuffer<int32_t> row_slots(slots);
+  const auto rows = [&](const DeviceBuffer<uint16_t>& b) { return TensorView(b.get(), DType::kBF16, {R, H}); };
+  const TensorView g(offs.get(), DType::kInt32, {E + 1}), p(pp.get(), DType::kFP32, {R});
+  const TensorView rs(row_slots.get(), DType::kInt32, {R});
+
+  struct Result {
+    std::vector<uint16_t> y, dx;
+    std::vector<float> dpp;
+    std::vector<double> dw1, dw2;
+  };
+  const auto run = [&](const ExpertsConfig& cfg, bool gathered) {
+    GroupedExperts ex(cfg);
+    DeviceParam W1 = make_param(w1, E, {F1, H}, DType::kBF16, cfg.layout);
+    DeviceParam W2 = make_param(w2, E, {H, F}, DType::kBF16, cfg.layout);
+    DeviceParam G1 = make_param(std::vector<double>(w1.size()), E, {F1, H}, DType::kBF16, cfg.layout);
+    DeviceParam G2 = make_param(std::vector<double>(w2.size()), E, {H, F}, DType::kBF16, cfg.layout);
+    ex.set_weights({W1.views, {}, W2.views, {}});
+    ex.set_grads({G1.views, {}, G2.views, {}});
+    const SavedState st = ex.new_state();
+    DeviceBuffer<uint16_t> Y(R * H), dx(R * H);
+    DeviceBuffer<float> dpp(R);
+    ex.forward(rows(x_perm), g, p, rows(Y), st, nullptr);
+    const TensorView dppv(dpp.get(), DType::kFP32, {R});
+    if (cfg.dprobs_partials_in_dx_perm) {
+      // dx_perm over dY_out (gathered) or over the dY the kernel reads: refused before anything runs.
+      if (gathered)
+        testing::expect_error_naming(
+            [&] { ex.backward_gathered(rows(dY), rs, 1, rows(dx), rows(dx), dppv, st, nullptr); }, "dx_perm");
+      else
+        testing::expect_error_naming([&] { ex.backward(rows(dY), rows(dY), dppv, st, nullptr); }, "dx_perm");
+    }
+    if (gathered)
+      ex.backward_gathered(rows(dY), rs, 1, TensorView(), rows(dx), dppv, st, nullptr);
+    else
+      ex.backward(rows(dY), rows(dx), dppv, st, nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    Result r;
+    r.y = Y.download();
+    r.dx = dx.download();
+    r.dx.resize(used * H);  // rows in no group: unspecified with the partials in dx_perm
+    r.dpp = dpp.download();
+    r.dpp.resize(used);
+    r.dw1 = download_param(G1, DType::kBF16);
+    r.dw2 = download_param(G2, DType::kBF16);
+    return std::make_pair(r, ex.workspace_bytes());
+  };
+  for (bool gathered : {false, true}) {
+    SCOPED_TRACE(gathered ? "backward_gathered" : "backward");
+    const auto [own, own_bytes] = run(own_cfg, gathered);
+    const auto [lent, lent_bytes] = run(lent_cfg, gathered);
+    EXPECT_EQ(own_bytes - lent_bytes, static_cast<size_t>(R) * 3 * sizeof(float));
+    EXPECT_EQ(own.y, lent.y);
+    EXPECT_EQ(own.dx, lent.dx);
+    EXPECT_EQ(0, std::memcmp(own.dpp.data(), lent.dpp.data(), own.dpp.size() * sizeof(float)));
+    EXPECT_EQ(own.dw1, lent.dw1);
+    EXPECT_EQ(own.dw2, lent.dw2);
+    double dpp_abs = 0;
+    for (float v : own.dpp) dpp_abs += std::fabs(v);
+    EXPECT_GT(dpp_abs, 0.0);  // the comparison is not between zeros
+  }
 }
 
 TEST(GroupedMlp, EdgeCases) {
