@@ -489,9 +489,10 @@ float* GroupedExperts::Impl::dprobs_partials(const TensorView& dx_perm, const Te
                                              const TensorView& writes, const char* call) const {
   if (!cfg.dprobs_partials_in_dx_perm) return dpp_partial_ws;
   if (feature_blocks == 1) return nullptr;  // F <= 256: one block, no partial sums
-  MOE_CHECK(!bytes_overlap(dx_perm, reads) && !bytes_overlap(dx_perm, writes), call, ": argument 'dx_perm': with ",
-            "config.dprobs_partials_in_dx_perm it holds the dprobs partial sums while the fused fc2 dgrad runs, so it ",
-            "must not overlap ", bytes_overlap(dx_perm, reads) ? "the gradient the kernel reads" : "dY_out");
+  const char* why = ": argument 'dx_perm': with config.dprobs_partials_in_dx_perm it holds the dprobs partial sums "
+                    "while the fused fc2 dgrad runs, so it must not overlap ";
+  MOE_CHECK(!bytes_overlap(dx_perm, reads), call, why, "the gradient the kernel reads");
+  MOE_CHECK(!bytes_overlap(dx_perm, writes), call, why, "dY_out");
   MOE_CHECK(reinterpret_cast<uintptr_t>(dx_perm.data) % alignof(float) == 0, call, ": argument 'dx_perm': with ",
             "config.dprobs_partials_in_dx_perm it holds float partial sums, so it must be 4-byte aligned");
   return dx_perm.ptr<float>();

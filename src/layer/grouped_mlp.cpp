@@ -269,7 +269,9 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
     // The fused fc2 dgrad gathers the rows of dy itself; dY_perm is written (on the way) only where
     // a later stage reads it: bias gradients, backward_dw, the fc2 weight gradient beside a saved
     // x_perm. Otherwise the fc2 weight gradient gathers the rows of dy too.
-    const bool keep_dY = c.delay_wgrad || c.bias || !m.gathered();
+    // (GroupedMlpConfig::experts_config decides it once: without dY_perm the dprobs partials live
+    // in dx_perm, which then must not be dY_perm's buffer.)
+    const bool keep_dY = !m.experts.config().dprobs_partials_in_dx_perm;
     m.experts.backward_gathered(dy, m.dispatcher.row_slots(plan), slots, keep_dY ? dYv : TensorView(), dx_perm,
                                 m.dpp(), es, s);
   } else if (m.probs_in_act()) {
