@@ -12,9 +12,10 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C  # noqa: F401  (registers torch.ops.moe_engine.*)
 from . import _fake  # noqa: F401  (fake / meta implementations for torch.compile)
 from .module import GroupedExperts, GroupedMLP
+from .moe_layer import MoELayer
 from .ops import DispatchPlan, Dispatcher, grouped_mm, grouped_mm_check_errors
 from .router import Router, RouterOutput, update_expert_bias
 from .state_dict import normalize_expert_keys
 
 __all__ = ["GroupedMLP", "GroupedExperts", "Dispatcher", "DispatchPlan", "grouped_mm", "grouped_mm_check_errors",
-           "normalize_expert_keys", "Router", "RouterOutput", "update_expert_bias"]
+           "normalize_expert_keys", "Router", "RouterOutput", "update_expert_bias", "MoELayer"]

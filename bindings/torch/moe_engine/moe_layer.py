@@ -1,0 +1,117 @@
+"""Router and experts as one module: the gate (a linear layer H -> E), the fused Router and
+GroupedMLP, the whole MoE block of a transformer layer.
+
+    layer = MoELayer(hidden_size=2048, ffn_hidden_size=768, num_experts=128, topk=8,
+                     max_tokens=16384, router="qwen3")
+    y, routed = layer(x)                  # x [..., H] bf16 -> y like x
+    loss = lm_loss + routed.aux_loss      # the router's losses, when their coefficients are set
+
+`router` names the routing of a model family (the Router presets: "mixtral", "qwen3", "olmoe",
+"gpt_oss", "deepseek_v3") or "softmax" (softmax over the experts, top-k, no renormalisation);
+`router_options` are further Router arguments (losses, capacity, token rounding, map form, ...,
+docs/router.md) and every other keyword argument goes to GroupedMLP (activation, biases, fused
+kernels, ...). The routing goes from the router to the experts as it is, so a forward and a
+backward need no host synchronisation and can be captured in a CUDA graph like their parts.
+
+The gate computes the logits as the Hugging Face blocks do: in the input's dtype, or in fp32 for
+DeepSeek-V3 (`logits_dtype`), with a bias for GPT-OSS (`gate_bias`). Its parameters are
+`gate.weight` [E, H] (and `gate.bias` [E]), the keys those blocks use; the experts' parameters are
+under `experts.` (GroupedMLP's keys) and the router's buffers (expert_bias, tokens_per_expert)
+under `router.`."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .module import GroupedMLP
+from .router import Router
+
+_PRESETS = {"softmax": Router, "mixtral": Router.mixtral, "qwen3": Router.qwen3, "olmoe": Router.olmoe,
+            "gpt_oss": Router.gpt_oss, "deepseek_v3": Router.deepseek_v3}
+
+
+def _map_row_bound(max_tokens, topk, num_experts, router_options, experts_options):
+    """Expert rows map-form routing can give: T * k, plus what token rounding up may add (less than
+    one tile per expert) and the per-expert alignment padding."""
+    rows = max_tokens * topk
+    if router_options.get("rounding", "none") in ("up", "nearest"):
+        rows += num_experts * (router_options.get("rounding_tile", 128) - 1)
+    align = experts_options.get("align", 0)
+    if align and not experts_options.get("pre_padded", False):
+        rows += num_experts * (align - 1)
+    return rows
+
+
+class MoELayer(nn.Module):
+    """gate -> Router -> GroupedMLP. forward(x [..., H] bf16) -> (y [..., H], RouterOutput).
+
+    hidden_size, ffn_hidden_size, num_experts, topk, max_tokens: as GroupedMLP's (max_tokens bounds
+    the tokens of one call, i.e. the product of x's leading dimensions). router: "softmax" or a
+    preset name (above); router_options: more Router arguments. logits_dtype: the dtype of the gate's
+    product, None = fp32 for "deepseek_v3" and x's dtype otherwise (as Hugging Face computes them).
+    gate_bias: None = True for "gpt_oss" only. gate_init_std: the gate weight's normal init.
+    device: where the parameters live (default: the current CUDA device). Other keyword arguments
+    go to GroupedMLP; in map form (router_options output_form="map") its row_bound defaults to
+    what the routing can give."""
+
+    def __init__(self, hidden_size, ffn_hidden_size, num_experts, topk, max_tokens, router="softmax",
+                 router_options=None, logits_dtype=None, gate_bias=None, gate_init_std=0.02, device=None,
+                 **experts_options):
+        super().__init__()
+        if router not in _PRESETS:
+            raise ValueError(f"argument 'router': expected one of {', '.join(_PRESETS)}, got {router!r}")
+        if logits_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"argument 'logits_dtype': expected None, torch.float32 or torch.bfloat16, got "
+                             f"{logits_dtype}")
+        if "map_routing" in experts_options:
+            raise ValueError("argument 'map_routing': set by the router's output form (router_options "
+                             "output_form='map')")
+        router_options = dict(router_options or {})
+        device = torch.device("cuda") if device is None else torch.device(device)
+        self.hidden_size, self.num_experts, self.topk = hidden_size, num_experts, topk
+        self.router_name = router
+        self.logits_dtype = logits_dtype if logits_dtype is not None else (
+            torch.float32 if router == "deepseek_v3" else None)
+        gate_bias = router == "gpt_oss" if gate_bias is None else gate_bias
+        self.gate = nn.Linear(hidden_size, num_experts, bias=gate_bias, device=device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            self.gate.weight.normal_(0.0, gate_init_std)
+            if gate_bias:
+                self.gate.bias.zero_()
+        self.router = _PRESETS[router](num_experts, topk, max_tokens, **router_options).to(device)
+        map_form = self.router.map_output
+        if map_form and "row_bound" not in experts_options:
+            experts_options["row_bound"] = _map_row_bound(max_tokens, topk, num_experts, router_options,
+                                                          experts_options)
+        self.experts = GroupedMLP(hidden_size, ffn_hidden_size, num_experts, topk, max_tokens,
+                                  map_routing=map_form, device=device, **experts_options)
+
+    def logits(self, x2d):
+        """The gate's logits [T, E] for x [T, H]: in x's dtype, or in logits_dtype."""
+        if self.logits_dtype is None or self.logits_dtype == x2d.dtype:
+            return self.gate(x2d)
+        bias = self.gate.bias.to(self.logits_dtype) if self.gate.bias is not None else None
+        return F.linear(x2d.to(self.logits_dtype), self.gate.weight.to(self.logits_dtype), bias)
+
+    def forward(self, x):
+        if x.dim() < 1 or x.shape[-1] != self.hidden_size or x.dtype != torch.bfloat16:
+            raise ValueError(f"argument 'x': expected bf16 [..., {self.hidden_size}], got {x.dtype} "
+                             f"{list(x.shape)}")
+        x2d = x.reshape(-1, self.hidden_size)
+        routed = self.router(self.logits(x2d))
+        routing = routed.map if routed.indices is None else routed.indices
+        y = self.experts(x2d, routing, routed.probs)
+        return y.reshape(x.shape), routed
+
+    def update_bias(self):
+        """The router's aux-loss-free balancing step (routers with an expert bias, e.g. deepseek_v3)."""
+        self.router.update_bias()
+
+    def backward_dw(self):
+        """The experts' delayed weight gradients (GroupedMLP delay_wgrad=True)."""
+        self.experts.backward_dw()
+
+    def check_errors(self):
+        """Raises if the router saw a non-finite logit or the experts a bad routing since the last
+        check. Synchronises: call outside graphs."""
+        self.router.check_errors()
+        self.experts.check_errors()
