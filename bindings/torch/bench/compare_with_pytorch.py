@@ -67,6 +67,7 @@ def measure(name):
     idx, probs = idx.to(torch.int32), probs.float()
     dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     sonic = SonicSide(T, H, Fd, E, k, x, dy) if SONIC else None
+    bench_idx, bench_probs = idx, probs
     if sonic is not None:  # the same routing for every side
         idx, probs = sonic.routing()
     mod = GroupedMLP(H, Fd, E, k, max_tokens=T)
@@ -86,9 +87,10 @@ def measure(name):
         mod.zero_grad(set_to_none=True)
         mod(x, idx, probs).backward(dy)
 
-    def ours_forward():
+    def ours_forward(routing=None):
+        i, p = routing or (idx, probs)
         with torch.no_grad():
-            mod(x, idx, probs)
+            mod(x, i, p)
 
     res["ours_fwd_eager_ms"] = median_ms(ours_forward)
     try:
@@ -97,6 +99,13 @@ def measure(name):
         res["ours_fwd_graph_ms"] = None
         res["ours_fwd_graph_error"] = str(ex)[:160]
     if sonic is not None:
+        # Ours again on the routing `moe-engine bench` uses (softmax over standard-normal logits,
+        # top-k), in the same process: separates the effect of SonicMoE's routing (its router on
+        # these tokens) from the module's own cost. Rows of the busiest expert over the mean, both.
+        res["ours_fwd_graph_ms_bench_routing"] = median_ms(graphed(lambda: ours_forward((bench_idx, bench_probs))))
+        for label, i in (("sonic", idx), ("bench", bench_idx)):
+            rows = torch.bincount(i.long().flatten(), minlength=E).float()
+            res[f"{label}_routing_max_over_mean"] = (rows.max() / rows.mean()).item()
         res.update(sonic.measure())
         x.grad = None
         best_fwd = min(v for v in (res["ours_fwd_eager_ms"], res["ours_fwd_graph_ms"]) if v)
