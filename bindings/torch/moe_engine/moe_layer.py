@@ -68,7 +68,6 @@ class MoELayer(nn.Module):
         router_options = dict(router_options or {})
         device = torch.device("cuda") if device is None else torch.device(device)
         self.hidden_size, self.num_experts, self.topk = hidden_size, num_experts, topk
-        self.router_name = router
         self.logits_dtype = logits_dtype if logits_dtype is not None else (
             torch.float32 if router == "deepseek_v3" else None)
         gate_bias = router == "gpt_oss" if gate_bias is None else gate_bias

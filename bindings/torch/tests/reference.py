@@ -4,6 +4,12 @@ import torch
 import torch.nn.functional as F
 
 
+def rel_err(a, b):
+    """Relative L2 error of a against b (in fp32)."""
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
 def gelu_tanh(x):
     return 0.5 * x * (1 + torch.tanh(0.7978845608 * (x + 0.044715 * x ** 3)))
 

@@ -9,14 +9,9 @@ import pytest
 import torch
 
 from moe_engine import GroupedMLP
-from reference import moe_reference
+from reference import moe_reference, rel_err
 
 DEV = "cuda"
-
-
-def rel_err(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def routing(T, E, k, seed, skew=0.0):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_engine import GroupedMLP, MoELayer, Router
-from reference import moe_reference
+from reference import moe_reference, rel_err
 
 DEV = "cuda"
 H, FFN = 128, 64
@@ -27,11 +27,6 @@ CASES = [
 ]
 PRESETS = {"softmax": Router, "mixtral": Router.mixtral, "qwen3": Router.qwen3, "olmoe": Router.olmoe,
            "gpt_oss": Router.gpt_oss, "deepseek_v3": Router.deepseek_v3}
-
-
-def rel_err(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def inputs(shape, seed):
