@@ -569,7 +569,9 @@ TEST(Router, LaneGroupLayouts) {
 // logits; sigmoid, renormalised or not; scaled), k = 1 and k = E, T not a multiple of a warp's rows,
 // several row tiles per warp; a lane's slots written as 16- or 8-byte vectors (k = L) or one by one;
 // counts of a warp's 16 or 32 rows merged per expert (E <= 64); ties on a coarse grid, signed
-// zeros, and non-finite rows beside live rows of the same warp.
+// zeros, and non-finite rows beside live rows of the same warp; the candidate filter (threshold
+// from each lane's largest logit, k <= G, or two largest, k <= 2 G) beside warps that sort every
+// vector (too many candidates).
 TEST(Router, PlainTopKKernelLayouts) {
   MOE_REQUIRE_GPU();
   auto norm = [](RouterConfig& c) { c.normalize_topk = true; };
@@ -605,6 +607,17 @@ TEST(Router, PlainTopKKernelLayouts) {
     z[2000 * E + 100] = -std::numeric_limits<double>::quiet_NaN();  // the last tile's only row
   };
   run_case(ties);
+  // The filter (two or more lanes per row): logits on a 1/16 grid (ties at the threshold, a lane's
+  // candidates inserted in any order), and constant rows in some warps (every logit a candidate:
+  // those warps take the sorted path, the others the filter, in one launch).
+  Case grid = make("E256 k4 sigmoid: ties at the filter's threshold, constant rows", 256, 4, 3001, sigmoid, true);
+  grid.edit_logits = [](std::vector<double>& z) {
+    const size_t E = 256, T = z.size() / E;
+    for (auto& v : z) v = std::round(v * 16.0) / 16.0;
+    for (size_t t = 0; t < T; t += 37)
+      for (size_t e = 0; e < E; ++e) z[t * E + e] = 0.25;
+  };
+  run_case(grid);
   Case ties8 = make("E8 k2 norm: ties and non-finite rows, one lane per row", 8, 2, 999, norm, true);
   ties8.edit_logits = [](std::vector<double>& z) {
     for (auto& v : z) v = std::round(v);
