@@ -32,8 +32,9 @@
 //   - a warp in which some lane has more than kMaxLaneCandidates candidates (ties, constant rows)
 //     sorts every vector instead, so the worst case costs what the sort costs.
 // The row's top k is then the same as the sort's (entries past k may differ; nothing reads them).
-// Measured against sorting every vector: 1.03-1.13x at E = 256 and E = 128 with k = 2, nothing at
-// E = 128 with k = 8 (a threshold from each lane's two largest) or at E = 64 (docs/router.md).
+// Measured against sorting every vector (docs/router.md): 1.03-1.13x at E = 256 (k = 2 and 8) and
+// at E = 128 with k = 2; nothing at E = 128 with k = 8 (there a threshold from each lane's two
+// largest logits) and slower at E = 64, which keep the sort.
 // Keys are the general kernel's Key32 (bf16 value, then the lower expert id), so the selection is
 // the same bit for bit. Selection counts go to a shared histogram, then to the router's scratch
 // accumulator; the last block writes the counts and clears it (as the general kernel does).
