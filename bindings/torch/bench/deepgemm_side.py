@@ -21,8 +21,8 @@ back-to-back launches of each in rotating order -- and the median per-launch tim
 --kineto adds DeepGEMM's own method (deep_gemm.testing.bench_kineto: kernel time from the profiler, an
 8 GB memset flushing L2 before every call), the one behind the TFLOP/s it publishes.
 
-Available only where `deep_gemm` imports (DeepGEMM installed with its JIT: nvcc and cuobjdump under
-CUDA_HOME). Usage:
+Available only where `deep_gemm` imports (DeepGEMM installed with its JIT: nvcc under CUDA_HOME;
+stage_deepgemm.sh packs its pinned source for a machine without network access). Usage:
   python3 bindings/torch/bench/deepgemm_side.py [--shape NAME ...] [--groups-json G.json]
           [--ours-json OURS.json] [--json OUT.json] [--kineto]
 --ours-json reads `bench_grouped_gemm --fp8 --json` output from the same machine and adds our FP8
