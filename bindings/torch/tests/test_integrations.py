@@ -28,14 +28,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from reference import rel_err
+
 DEV = "cuda"
 REF_TOL = 2e-2
 PEER_TOL = 4e-2
-
-
-def rel_err(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def random_routing(T, E, k, seed):

@@ -58,6 +58,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection  #
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from moe_engine.integrations.megatron import MegatronGroupedMLP, grouped_to_sequential_keys  # noqa: E402
+from reference import rel_err  # noqa: E402
 
 H, FFN, E, K = 128, 64, 8, 2
 S, B = 32, 2  # sequence x micro-batch: [S, B, H] is the layer's input
@@ -65,11 +66,6 @@ MAX_ROWS = S * B * K  # dropless, world size 1
 TOL = 4e-2
 PER_EXPERT_NAME = re.compile(r"experts\.(linear_fc[12])\.(weight|bias)(\d+)")
 EXPERT_KEYS = [(o, w) for o in ("linear_fc1", "linear_fc2") for w in ("weight", "bias")]
-
-
-def rel_err(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def free_port():
