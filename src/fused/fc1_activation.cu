@@ -14,7 +14,8 @@
 //     epilogue from registers: round h to bf16, add the bias, store h, apply the activation x prob,
 //     store act. While they do, the producer already fills the ring for the next tile.
 // Tiles are (expert, cluster of 128-row blocks, feature block) triples numbered expert by expert
-// (a cluster of 2 CTAs takes 2 row blocks of one expert); each cluster walks them with a stride of
+// (a cluster of 2 CTAs takes 2 row blocks of one expert; an odd last row block is taken by both,
+// with two feature blocks and no multicast); each cluster walks them with a stride of
 // the number of clusters. The prefix of tiles per expert is computed on the device
 // at kernel start from the group offsets (graph-safe; empty experts take no tile).
 #include <cuda_bf16.h>
@@ -108,9 +109,11 @@ struct Params {
 
 using Tile = RowTile;
 
+// Clusters of 2 split an expert's odd last row block between their CTAs by feature block
+// (row_tiles.cuh): each loads its own weight tile there, so no CTA runs a tile without rows.
 template <int kCluster>
 __device__ __forceinline__ Tile decode_tile(int t, const int32_t* start, const Params& p, int rank) {
-  return decode_row_tile<kBM, kCluster>(t, start, p.offsets, p.E, p.R, p.feature_tiles, rank);
+  return decode_row_tile<kBM, kCluster, kCluster == 2>(t, start, p.offsets, p.E, p.R, p.feature_tiles, rank);
 }
 
 // Physical fc1 row of row j of a weight tile (-1: past F, zero-filled).
@@ -162,12 +165,19 @@ __device__ void produce(SharedStorage& s, const Params& p, int total, int rank) 
       const bool k_in = k < p.H;
       const uint32_t da = a_dst + ring.stage * kStageBytesA, db = b_dst + ring.stage * kStageBytesB;
       if (kTma && tid == 0) {
-        // Both halves land here (ours and the peer's multicast); this CTA loads half `rank`.
+        // Both halves land here: ours and the peer's multicast, or, on an expert's odd last row
+        // block (tile.solo, the peer on another feature block), both loaded by this CTA alone.
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[ring.stage], kStageBytesB);
-        SM90_TMA_LOAD_MULTICAST_3D::copy(&p.w1_map, &s.full[ring.stage], static_cast<uint16_t>((1 << kCluster) - 1),
-                                         static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_LAST),
-                                         s.b[ring.stage] + rank * kHalfBytesB, kb * kBK, tma_row<kGated>(rank, tile.nt, p),
-                                         tile.e);
+        constexpr uint64_t kEvictLast = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_LAST);
+        if (tile.solo) {
+          for (int half = 0; half < 2; ++half)
+            SM90_TMA_LOAD_3D::copy(&p.w1_map, &s.full[ring.stage], kEvictLast, s.b[ring.stage] + half * kHalfBytesB,
+                                   kb * kBK, tma_row<kGated>(half, tile.nt, p), tile.e);
+        } else {
+          SM90_TMA_LOAD_MULTICAST_3D::copy(&p.w1_map, &s.full[ring.stage], static_cast<uint16_t>((1 << kCluster) - 1),
+                                           kEvictLast, s.b[ring.stage] + rank * kHalfBytesB, kb * kBK,
+                                           tma_row<kGated>(rank, tile.nt, p), tile.e);
+        }
       }
       gather_stage(da, a_rows, p.H, kb, c);
 #pragma unroll
@@ -314,7 +324,7 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_activation_kernel(const __gri
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
 
   if (warp == 0) {
-    prefix_row_tiles<kBM, kCluster>(s.tile_start, p.offsets, p.E, p.R, p.feature_tiles, lane);
+    prefix_row_tiles<kBM, kCluster, kCluster == 2>(s.tile_start, p.offsets, p.E, p.R, p.feature_tiles, lane);
   } else if (warp == 1 && lane == 0) {
     // full: every producer thread's cp.async arrival (+ the TMA issuer's expect-tx arrival);
     // empty: every consumer warp of every CTA of the cluster.

@@ -230,27 +230,31 @@ TEST_F(Fp8GroupedGemm, FpropAndDgradMatchTheDequantizedReference) {
   // N and K not multiples of 128 (partial scale blocks in both operands), empty groups, groups
   // shorter than a tile, one long group.
   const Case cases[] = {{4, 400, 336, {130, 0, 77, 301}}, {3, 256, 512, {0, 640, 16}}, {1, 128, 128, {5}}};
-  for (const Case& cs : cases) {
-    const TokenProblem p(cs.E, cs.N, cs.K, cs.sizes, 7 + cs.N, stream);
-    const Engine eng(cs.E, p.R);
-    const std::string tag = "E=" + std::to_string(cs.E) + " N=" + std::to_string(cs.N) + " K=" + std::to_string(cs.K);
-    const ref::Groups g = groups_of(p.off);
-    const std::vector<double> xd = p.x.values(false), dyd = p.dy.values(false), wd = p.w.values(false);
-    const std::vector<double> xa = absolute(xd), dya = absolute(dyd), wa = absolute(wd);
+  // Every compiled fprop-form configuration (dgrad runs on the fprop-form kernel too).
+  for (const std::string& config : GroupedGemm::configs(GemmOp::kFprop, DType::kBF16, DType::kFP8E4M3))
+    for (const Case& cs : cases) {
+      const TokenProblem p(cs.E, cs.N, cs.K, cs.sizes, 7 + cs.N, stream);
+      Engine eng(cs.E, p.R);
+      eng.gg.force_config(GemmOp::kFprop, config);
+      const std::string tag =
+          config + " E=" + std::to_string(cs.E) + " N=" + std::to_string(cs.N) + " K=" + std::to_string(cs.K);
+      const ref::Groups g = groups_of(p.off);
+      const std::vector<double> xd = p.x.values(false), dyd = p.dy.values(false), wd = p.w.values(false);
+      const std::vector<double> xa = absolute(xd), dya = absolute(dyd), wa = absolute(wd);
 
-    DeviceBuffer<uint16_t> y(p.R * cs.N), dx(p.R * cs.K);
-    eng.run(p.fprop(TensorView(y.get(), DType::kBF16, {p.R, cs.N})), stream);
-    eng.run(p.dgrad(TensorView(dx.get(), DType::kBF16, {p.R, cs.K})), stream);
-    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      DeviceBuffer<uint16_t> y(p.R * cs.N), dx(p.R * cs.K);
+      eng.run(p.fprop(TensorView(y.get(), DType::kBF16, {p.R, cs.N})), stream);
+      eng.run(p.dgrad(TensorView(dx.get(), DType::kBF16, {p.R, cs.K})), stream);
+      MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
 
-    std::vector<double> yv(p.R * cs.N), ya(p.R * cs.N), dxv(p.R * cs.K), dxa(p.R * cs.K);
-    ref::grouped_fprop(g, xd.data(), expert_ptrs(wd, cs.E, cs.N * cs.K).data(), cs.N, cs.K, yv.data());
-    ref::grouped_fprop(g, xa.data(), expert_ptrs(wa, cs.E, cs.N * cs.K).data(), cs.N, cs.K, ya.data());
-    ref::grouped_dgrad(g, dyd.data(), expert_ptrs(wd, cs.E, cs.N * cs.K).data(), cs.N, cs.K, dxv.data());
-    ref::grouped_dgrad(g, dya.data(), expert_ptrs(wa, cs.E, cs.N * cs.K).data(), cs.N, cs.K, dxa.data());
-    check_within(testing::layer_data::from_bf16(y.download()), yv, ya, kBf16Output, nullptr, "fprop " + tag);
-    check_within(testing::layer_data::from_bf16(dx.download()), dxv, dxa, kBf16Output, nullptr, "dgrad " + tag);
-  }
+      std::vector<double> yv(p.R * cs.N), ya(p.R * cs.N), dxv(p.R * cs.K), dxa(p.R * cs.K);
+      ref::grouped_fprop(g, xd.data(), expert_ptrs(wd, cs.E, cs.N * cs.K).data(), cs.N, cs.K, yv.data());
+      ref::grouped_fprop(g, xa.data(), expert_ptrs(wa, cs.E, cs.N * cs.K).data(), cs.N, cs.K, ya.data());
+      ref::grouped_dgrad(g, dyd.data(), expert_ptrs(wd, cs.E, cs.N * cs.K).data(), cs.N, cs.K, dxv.data());
+      ref::grouped_dgrad(g, dya.data(), expert_ptrs(wa, cs.E, cs.N * cs.K).data(), cs.N, cs.K, dxa.data());
+      check_within(testing::layer_data::from_bf16(y.download()), yv, ya, kBf16Output, nullptr, "fprop " + tag);
+      check_within(testing::layer_data::from_bf16(dx.download()), dxv, dxa, kBf16Output, nullptr, "dgrad " + tag);
+    }
 }
 
 TEST_F(Fp8GroupedGemm, BothWeightLayoutsAreBitwiseEqual) {
