@@ -266,7 +266,8 @@ int main(int argc, char** argv) {
       MOE_CUDA_CHECK(cudaMemcpy(d_off.p, off.data(), off.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
       const TensorView offs(d_off.p, DType::kInt32, {int64_t(s.E) + 1});
       const int64_t R = g.rows;
-      GroupedGemm gg(s.E, R);
+      // The weight-dim bound lets the 192-wide FP8 configurations run (their restated weight scales).
+      GroupedGemm gg(s.E, R, 0, std::max<int64_t>(2 * s.F, s.H));
       DeviceMem gws(static_cast<int64_t>(gg.workspace_bytes()));
       const TensorView ws(gws.p, DType::kUInt8, {static_cast<int64_t>(gg.workspace_bytes())});
 

@@ -126,8 +126,10 @@ class GroupedGemm {
   // Static bounds: at most `max_experts` groups per call, token-side matrices of at most
   // `max_rows` rows (R). Holds no device memory. max_sms > 0: the persistent kernels use at most
   // that many SMs, rounded down to an even count of at least 2 (clusters of 2 CTAs); 0: all of the
-  // device's.
-  GroupedGemm(int max_experts, int64_t max_rows, int max_sms = 0);
+  // device's. max_weight_dim > 0: the largest N or K of the expert matrices of any call; the
+  // workspace then also holds the per-call copy of the FP8 weight scales that the 192-wide FP8
+  // configurations read (restated per 64 rows). 0: those configurations are not run.
+  GroupedGemm(int max_experts, int64_t max_rows, int max_sms = 0, int64_t max_weight_dim = 0);
   ~GroupedGemm();
   GroupedGemm(const GroupedGemm&) = delete;
   GroupedGemm& operator=(const GroupedGemm&) = delete;

@@ -40,12 +40,15 @@ void check_dim(int64_t v, const char* name, const char* what) {
 // The per-call workspace: argument arrays (shapes, 4 pointer arrays, 4 leading-dimension arrays,
 // 2 FP8 scale pointer arrays) then CUTLASS's workspace, each piece 256-byte aligned.
 struct CallLayout {
-  size_t shapes = 0, arr = 0, cutlass = 0;
-  size_t total() const { return shapes + 10 * arr + cutlass; }
+  size_t shapes = 0, arr = 0, cutlass = 0, restated = 0;
+  size_t total() const { return shapes + 10 * arr + cutlass + restated; }
 };
 
 constexpr int64_t kFp8Block = 128;  // FP8 block scaling: elements per scale block
 int64_t blocks_of(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
+// Rows of the weight scales restated per 64 rows of B (KernelEntry::weight_scale_rows == 64) for
+// `b_rows` rows of B: whole 192-wide tiles.
+int64_t restated_rows(int64_t b_rows) { return 3 * ((b_rows + 191) / 192); }
 
 // An fp32 scale_inv tensor of exactly `shape`, on the device, contiguous.
 void check_scale(const TensorView& t, const char* name, std::initializer_list<int64_t> shape) {
@@ -100,6 +103,7 @@ const char* gemm_op_name(GemmOp op) {
 struct GroupedGemm::Impl {
   int max_experts = 0;
   int64_t max_rows = 0;  // bound of every call's token-side rows
+  int64_t max_weight_dim = 0;  // bound of every call's N and K (0: no restated weight scales)
   int sm_count = 0;
   size_t cutlass_workspace = 0;  // the largest any compiled configuration needs for max_experts
   struct Forced {
@@ -110,10 +114,11 @@ struct GroupedGemm::Impl {
 
   CallLayout layout(int experts) const {
     const size_t E = size_t(experts);
-    return {round_up(E * 3 * sizeof(int32_t), 256), round_up(E * 8, 256), cutlass_workspace};
+    const size_t restated = max_weight_dim > 0 ? E * restated_rows(max_weight_dim) * blocks_of(max_weight_dim) * 4 : 0;
+    return {round_up(E * 3 * sizeof(int32_t), 256), round_up(E * 8, 256), cutlass_workspace, round_up(restated, 256)};
   }
 
-  gemm::ArgArrays carve(void* base, int experts, void** cutlass_ws) const {
+  gemm::ArgArrays carve(void* base, int experts, void** cutlass_ws, float** restated = nullptr) const {
     const CallLayout l = layout(experts);
     char* p = static_cast<char*>(base);
     auto take = [&p](size_t b) { char* q = p; p += b; return q; };
@@ -130,6 +135,8 @@ struct GroupedGemm::Impl {
     a.ptr_sfa = reinterpret_cast<const float**>(take(l.arr));
     a.ptr_sfb = reinterpret_cast<const float**>(take(l.arr));
     *cutlass_ws = take(l.cutlass);
+    float* r = reinterpret_cast<float*>(take(l.restated));
+    if (restated != nullptr) *restated = l.restated > 0 ? r : nullptr;
     return a;
   }
 
@@ -175,13 +182,17 @@ struct GroupedGemm::Impl {
   }
 };
 
-GroupedGemm::GroupedGemm(int max_experts, int64_t max_rows, int max_sms) : impl_(std::make_unique<Impl>()) {
+GroupedGemm::GroupedGemm(int max_experts, int64_t max_rows, int max_sms, int64_t max_weight_dim)
+    : impl_(std::make_unique<Impl>()) {
   MOE_CHECK(max_experts >= 1 && max_experts <= 65535, "argument 'max_experts': expected 1..65535, got ", max_experts);
   MOE_CHECK(max_rows >= 0 && max_rows < (int64_t(1) << 31), "argument 'max_rows': expected 0..2^31-1, got ",
             max_rows);
+  MOE_CHECK(max_weight_dim >= 0 && max_weight_dim < (int64_t(1) << 31),
+            "argument 'max_weight_dim': expected 0..2^31-1, got ", max_weight_dim);
   Impl& s = *impl_;
   s.max_experts = max_experts;
   s.max_rows = max_rows;
+  s.max_weight_dim = max_weight_dim;
   int device = 0;
   MOE_CUDA_CHECK(cudaGetDevice(&device));
   MOE_CHECK(max_sms >= 0, "argument 'max_sms': expected 0 (every SM) or a positive count, got ", max_sms);
@@ -354,7 +365,18 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
   gemm::TileChoice choice{};
   const gemm::KernelEntry* k = s.kernel(p.op, ab, out, accumulate, p.N, p.K, &choice);
   void* cutlass_ws = nullptr;
-  const gemm::ArgArrays arrays = s.carve(workspace.data, w.experts(), &cutlass_ws);
+  float* restated = nullptr;
+  const gemm::ArgArrays arrays = s.carve(workspace.data, w.experts(), &cutlass_ws, &restated);
+  if (fp8 && k->weight_scale_rows == 64) {
+    // The configuration reads the weight scales per 64 rows of B (the output rows N of the fprop
+    // form): restate each expert's [ceil(N / 128), ceil(K / 128)] scales into the workspace.
+    MOE_CHECK(s.max_weight_dim >= std::max(p.N, p.K), "grouped GEMM: configuration '", k->name,
+              "' reads the weight scales restated in the workspace; construct GroupedGemm with max_weight_dim >= ",
+              std::max(p.N, p.K), " (got ", s.max_weight_dim, ")");
+    const int64_t rows = restated_rows(p.N), cols = blocks_of(p.K);
+    gemm::launch_restate_weight_scales(p.w_scale, w.experts(), blocks_of(p.N), cols, restated, rows, stream);
+    p.w_scale = {reinterpret_cast<const char*>(restated), rows * cols * int64_t(sizeof(float)), nullptr};
+  }
   gemm::launch_prep(p, arrays, stream);
   // wgrad's empty experts: the GEMM has no tiles for them; write mode needs their zero gradient.
   if (pr.op == GemmOp::kWgrad && !accumulate)

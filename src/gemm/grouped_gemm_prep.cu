@@ -21,6 +21,18 @@ __device__ inline bool off_token_grid(int64_t start, int64_t end, int64_t rows) 
   return end > start && (start % 128 != 0 || (end % 128 != 0 && end != rows));
 }
 
+__global__ void restate_weight_scales_kernel(ExpertPtrs src, int64_t src_rows, int64_t cols, float* dst,
+                                             int64_t dst_rows) {
+  const int e = blockIdx.y;
+  const float* s = reinterpret_cast<const float*>(expert_ptr(src, e));
+  float* d = dst + e * dst_rows * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < dst_rows * cols;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i % cols;
+    d[i] = s[std::min(r / 2, src_rows - 1) * cols + c];
+  }
+}
+
 __global__ void prep_kernel(PrepParams p, ArgArrays out) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= p.groups) return;
@@ -108,6 +120,15 @@ void launch_zero_empty_experts(const int32_t* offsets, int groups, int64_t rows,
   constexpr int kThreads = 256;
   const int chunks = static_cast<int>(std::min<int64_t>((vecs + kThreads * 4 - 1) / (kThreads * 4), 64));
   zero_empty_kernel<<<dim3(chunks, groups), kThreads, 0, stream>>>(offsets, rows, dw, vecs, fp8);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_restate_weight_scales(ExpertPtrs src, int experts, int64_t src_rows, int64_t cols, float* dst,
+                                  int64_t dst_rows, cudaStream_t stream) {
+  if (experts <= 0 || src_rows <= 0 || cols <= 0) return;
+  const int64_t n = dst_rows * cols;
+  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 1024));
+  restate_weight_scales_kernel<<<dim3(blocks, experts), 256, 0, stream>>>(src, src_rows, cols, dst, dst_rows);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

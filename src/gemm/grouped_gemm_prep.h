@@ -63,6 +63,13 @@ struct PrepParams {
 // One thread per group; enqueued on `stream`.
 void launch_prep(const PrepParams& p, const ArgArrays& out, cudaStream_t stream);
 
+// FP8 fprop form with 64-row weight scales (KernelEntry::weight_scale_rows == 64): dst[e] [dst_rows,
+// cols] row-major gets row r of expert e's [src_rows, cols] scales at row min(r / 2, src_rows - 1)
+// (each 128-row block's scale for both of its 64-row halves; rows past the last block repeat it,
+// for the tile columns past the matrix). dst_rows covers whole tiles: 3 * ceil(B rows / 192).
+void launch_restate_weight_scales(ExpertPtrs src, int experts, int64_t src_rows, int64_t cols, float* dst,
+                                  int64_t dst_rows, cudaStream_t stream);
+
 // Write mode of wgrad: zero-fills dW_e of every expert whose (clamped) group is empty -- or, with
 // fp8, skipped off the token grid; the GEMM skips those groups (problem shape M = 0), so nothing
 // else writes them. Never hangs, and touches nothing when every group has rows.

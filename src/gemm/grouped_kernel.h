@@ -63,6 +63,10 @@ struct KernelEntry {
   void (*run)(const GroupedArgs& args, cudaStream_t stream);
   size_t (*workspace_bytes)(int groups, int sm_count);
   bool tile_runs;  // takes GroupedArgs::tile_run > 1 (otherwise CUTLASS's round-robin order only)
+  // FP8 fprop form: rows of B per weight scale the kernel reads. 128: the 128 x 128 blocks' scales
+  // as given; 64: each restated for both 64-row halves (GroupedGemm writes that copy per call), so
+  // that a 192-wide tile holds whole scale blocks. 0 for bf16 kernels, 1 for the FP8 wgrad form.
+  int weight_scale_rows;
 };
 
 // Every compiled configuration (kernel_registry.cpp).

@@ -19,6 +19,7 @@ const KernelEntry& entry_dgrad_pong_128x192x64_c1x2();
 const KernelEntry& entry_wgrad_coop_128x256x64_c2x1();
 const KernelEntry& entry_wgrad_coop_128x256x64_c2x1_f32();
 const KernelEntry& entry_fp8_fprop_coop_128x128x128_c1x2();
+const KernelEntry& entry_fp8_fprop_coop_128x192x128_c2x1();
 const KernelEntry& entry_fp8_wgrad_coop_128x128x128_c2x1();
 const KernelEntry& entry_fp8_wgrad_coop_128x128x128_c2x1_f32();
 
@@ -37,6 +38,7 @@ const KernelEntry* const* kernel_registry(int* count) {
       &entry_wgrad_coop_128x256x64_c2x1(),
       &entry_wgrad_coop_128x256x64_c2x1_f32(),
       &entry_fp8_fprop_coop_128x128x128_c1x2(),
+      &entry_fp8_fprop_coop_128x192x128_c2x1(),
       &entry_fp8_wgrad_coop_128x128x128_c2x1(),
       &entry_fp8_wgrad_coop_128x128x128_c2x1_f32(),
   };

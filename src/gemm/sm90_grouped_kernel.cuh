@@ -19,6 +19,7 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include "gemm/fp8_overlapped_promotion.cuh"
+#include "gemm/fp8_wide_tile_promotion.cuh"
 #include "gemm/grouped_kernel.h"
 #include "gemm/run_group_scheduler.cuh"
 #include "moe/error.h"
@@ -59,6 +60,7 @@ struct Pingpong {
 template <Op kOp>
 struct Bf16Operands {
   static constexpr bool kScaled = false;
+  static constexpr int kScaleRowsB = 0;
   using Element = cutlass::bfloat16_t;
   using LayoutA = typename OpLayouts<kOp>::A*;
   using LayoutB = typename OpLayouts<kOp>::B*;
@@ -76,6 +78,7 @@ struct Bf16Operands {
 template <int kGranN, cute::GMMA::Major kMajorSFA, cute::GMMA::Major kMajorSFB>
 struct Fp8BlockOperands {
   static constexpr bool kScaled = true;
+  static constexpr int kScaleRowsB = kGranN;
   using Element = cutlass::float_e4m3_t;
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kGranN, 128, kMajorSFA, kMajorSFB>;
   using LayoutA = cute::tuple<cutlass::layout::RowMajor*, decltype(ScaleConfig::deduce_layoutSFA())*>;
@@ -95,6 +98,7 @@ struct Sm90Gemm {
   using ElementAcc = float;
   using ElementDOut = ElementD;  // for the registry key (caps_of)
   using ElementCIn = ElementC;
+  static constexpr int kWeightScaleRows = Operands::kScaleRowsB;  // KernelEntry::weight_scale_rows
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignAB = 16 / sizeof(ElementAB);  // 16-byte TMA alignment
   static constexpr int kAlignD = 16 / sizeof(ElementD);
@@ -118,10 +122,16 @@ struct Sm90Gemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Operands::template KernelSchedule<Schedule>>::CollectiveOp;
 
-  // The cooperative FP8 block-scaled kernels promote each reduction block under the next one's
-  // WGMMAs (fp8_overlapped_promotion.cuh).
-  using KernelMainloop = std::conditional_t<Operands::kScaled && std::is_same_v<Schedule, Cooperative>,
-                                            OverlappedPromotionMainloop<Mainloop>, Mainloop>;
+  // The cooperative FP8 block-scaled kernels up to 128 wide promote each reduction block under the
+  // next one's WGMMAs (fp8_overlapped_promotion.cuh); wider ones, whose two accumulator buffers
+  // would not fit the registers, promote after it with one FMA per element
+  // (fp8_wide_tile_promotion.cuh).
+  static constexpr bool kScaledCooperative = Operands::kScaled && std::is_same_v<Schedule, Cooperative>;
+  using KernelMainloop = std::conditional_t<
+      kScaledCooperative,
+      std::conditional_t<(cute::size<1>(Tile{}) <= 128), OverlappedPromotionMainloop<Mainloop>,
+                         WideTilePromotionMainloop<Mainloop>>,
+      Mainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, KernelMainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
@@ -219,9 +229,11 @@ using Sm90GroupedGemm = Sm90Gemm<Bf16Operands<kOp>, ElementD, ElementC, Tile, Cl
 //     at its first row), weight scales per 128 x 128 block, row-major per expert (K-major);
 //   wgrad form: both operands are the tokens' columnwise copies, 1 x 128 blocks along the tokens,
 //     scales stored [tokens/128, rows] (MN-major, a group's scales start at its first 128-token block).
-template <class ElementD, class ElementC, class Tile, class Cluster, class Schedule>
-using Sm90Fp8FpropGemm = Sm90Gemm<Fp8BlockOperands<128, cute::GMMA::Major::K, cute::GMMA::Major::K>, ElementD,
-                                  ElementC, Tile, Cluster, Schedule>;
+//   The fprop form's weight scales may come restated per 64 rows (kWeightScaleRows = 64), so that a
+//     192-wide tile holds whole scale blocks (GroupedGemm writes that copy per call).
+template <class ElementD, class ElementC, class Tile, class Cluster, class Schedule, int kWeightScaleRows = 128>
+using Sm90Fp8FpropGemm = Sm90Gemm<Fp8BlockOperands<kWeightScaleRows, cute::GMMA::Major::K, cute::GMMA::Major::K>,
+                                  ElementD, ElementC, Tile, Cluster, Schedule>;
 template <class ElementD, class ElementC, class Tile, class Cluster, class Schedule>
 using Sm90Fp8WgradGemm = Sm90Gemm<Fp8BlockOperands<1, cute::GMMA::Major::MN, cute::GMMA::Major::MN>, ElementD,
                                   ElementC, Tile, Cluster, Schedule>;
@@ -255,7 +267,7 @@ constexpr KernelCaps caps_of() {
   }                                                                                               \
   const KernelEntry& entry_fn() {                                                                 \
     static const KernelEntry e{caps_of<op_v, ThisGemm>(), name_str, &run_this, &workspace_this,     \
-                             ThisGemm::kTileRuns};                                               \
+                             ThisGemm::kTileRuns, ThisGemm::kWeightScaleRows};                   \
     return e;                                                                                     \
   }                                                                                               \
   }

@@ -147,7 +147,8 @@ std::vector<const double*> expert_ptrs(const std::vector<double>& w, int E, int6
 }
 
 struct Engine {
-  Engine(int E, int64_t R) : gg(E, R), ws(gg.workspace_bytes()) {}
+  // Weight dims up to 1024: every FP8 configuration runs, the 192-wide ones with restated scales.
+  Engine(int E, int64_t R) : gg(E, R, 0, 1024), ws(gg.workspace_bytes()) {}
   GroupedGemm gg;
   DeviceBuffer<uint8_t> ws;
   TensorView workspace() const { return TensorView(ws.get(), DType::kUInt8, {int64_t(ws.size())}); }
@@ -480,6 +481,16 @@ TEST_F(Fp8GroupedGemm, BadInputNamesTheArgument) {
   w.a = TensorView(wp.dy.cdata.get(), DType::kFP8E4M3, {128, 120});
   w.b = TensorView(wp.x.cdata.get(), DType::kFP8E4M3, {128, 120});
   expect_error_naming([&] { eng.run(w, stream); }, "'dy'");
+  // A 192-wide configuration forced on an engine built without the weight-dim bound (no room for
+  // its restated weight scales), and on one whose bound is below the weights' dims.
+  for (int64_t bound : {0, 128}) {
+    GroupedGemm gg(2, p.R, 0, bound);
+    DeviceBuffer<uint8_t> ws(gg.workspace_bytes());
+    gg.force_config(GemmOp::kFprop, "fp8_coop_128x192x128_c2x1");
+    expect_error_naming(
+        [&] { gg.run(p.fprop(yv), TensorView(ws.get(), DType::kUInt8, {int64_t(ws.size())}), stream); },
+        "max_weight_dim");
+  }
 }
 
 }  // namespace

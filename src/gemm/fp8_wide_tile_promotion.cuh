@@ -1,0 +1,104 @@
+// The FP8 block-scaled main loop for fprop-form tiles wider than 128 (docs/gemm.md, FP8): one
+// temporary accumulator (a second one, as in fp8_overlapped_promotion.cuh, does not fit the
+// registers beyond 128 columns), promoted after each 128-deep reduction block with one fused
+// multiply-add per element.
+//
+// The weights' scales come per 64 rows here (each 128 x 128 block's scale restated for both of its
+// halves), so that a 192-wide tile holds whole scale blocks. CUTLASS's collective cannot promote
+// such a tile (its promotion requires the scale fragment to have the accumulator's nested shape,
+// and three scale blocks per tile nest differently), and it would multiply by the two scales one
+// after the other (two operations per element). Here the product of the row's and the block's
+// scale is formed first: a thread's fragment spans 2 rows and 3 blocks, so the compiler keeps 6
+// products and each element costs one FMA. The collective is otherwise the base's: producer,
+// pipeline, scale layouts and tail (`mma_tail` releases the last block's stage).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+
+namespace moe::gemm {
+
+template <class Base>
+struct WideTilePromotionMainloop : Base {
+  using typename Base::MainloopPipeline;
+  using typename Base::Params;
+  using typename Base::PipelineState;
+  using typename Base::TensorStorage;
+  using typename Base::TileShape;
+  using typename Base::TiledMma;
+  using ElementScale = typename Base::ElementBlockScale;
+  static_assert(Base::ScalePromotionInterval == 4, "one promotion per k tile (the finest promotion interval)");
+  static_assert(Base::ScaleMsPerTile > 1 && Base::ScaleNsPerTile > 1,
+                "A scaled per row, B per block of rows narrower than the tile");
+
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum, int k_tile_count,
+                          int thread_idx, TensorStorage& shared_tensors, Params const&) {
+    using namespace cute;
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), typename Base::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), typename Base::SmemLayoutB{});
+    // The scales as (BLK_M, BLK_N, (BLK_K, PIPE)) views broadcast over the other operand's mode, so
+    // that they partition like the accumulator (as in fp8_overlapped_promotion.cuh).
+    using LayoutSFA = typename Base::SmemLayoutSFA;
+    using LayoutSFB = typename Base::SmemLayoutSFB;
+    Tensor sSFA = make_tensor(make_smem_ptr(shared_tensors.smem_SFA.data()),
+                              make_layout(make_shape(shape<0>(LayoutSFA{}), get<1>(TileShape{}),
+                                                     make_shape(shape<1>(LayoutSFA{}), shape<2>(LayoutSFA{}))),
+                                          make_stride(stride<0>(LayoutSFA{}), _0{},
+                                                      make_stride(stride<1>(LayoutSFA{}), stride<2>(LayoutSFA{})))));
+    Tensor sSFB = make_tensor(make_smem_ptr(shared_tensors.smem_SFB.data()),
+                              make_layout(make_shape(get<0>(TileShape{}), shape<0>(LayoutSFB{}),
+                                                     make_shape(shape<1>(LayoutSFB{}), shape<2>(LayoutSFB{}))),
+                                          make_stride(_0{}, stride<0>(LayoutSFB{}),
+                                                      make_stride(stride<1>(LayoutSFB{}), stride<2>(LayoutSFB{})))));
+
+    constexpr int kWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
+    const Layout group_layout = make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
+    const int group = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+    TiledMma tiled_mma;
+    auto thread_mma = tiled_mma.get_slice(group_layout(group));
+    Tensor tCsSFA = tiled_mma.get_slice(thread_idx).partition_C(sSFA);  // (MMA, MMA_M, MMA_N, (MMA_K, PIPE))
+    Tensor tCsSFB = tiled_mma.get_slice(thread_idx).partition_C(sSFB);
+    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
+    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));
+    Tensor tCrSFA = make_tensor_like<ElementScale>(tCsSFA(_, _, _, _0{}));  // (MMA, MMA_M, MMA_N)
+    Tensor tCrSFB = make_tensor_like<ElementScale>(tCsSFB(_, _, _, _0{}));
+    // The scale fragments nest the tile's columns by scale block ((8, 3) where the accumulator has
+    // 24), in the same order: the promotion indexes all three by the element's linear index.
+    CUTE_STATIC_ASSERT_V(size(tCrSFA) == size(accum));
+    CUTE_STATIC_ASSERT_V(size(tCrSFB) == size(accum));
+    Tensor temp = make_fragment_like(accum);
+
+    clear(accum);
+    warpgroup_fence_operand(accum);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int k = 0; k < k_tile_count; ++k) {
+      pipeline.consumer_wait(smem_pipe_read);
+      const int stage = smem_pipe_read.index();
+      warpgroup_fence_operand(temp);
+      warpgroup_arrive();
+      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTLASS_PRAGMA_UNROLL
+      for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
+        cute::gemm(tiled_mma, tCrA(_, _, k_block, stage), tCrB(_, _, k_block, stage), temp);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      // The scales load while the WGMMAs run (the stage is held until the release below).
+      copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), tCrSFA);
+      copy(tCsSFB(_, _, _, make_coord(_0{}, stage)), tCrSFB);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(temp);
+      // The stage's operands and scales are consumed: hand it back before promoting.
+      if (k + 1 < k_tile_count) pipeline.consumer_release(smem_pipe_read);
+      ++smem_pipe_read;
+      warpgroup_fence_operand(accum);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(accum); ++i) accum(i) += temp(i) * (tCrSFA(i) * tCrSFB(i));
+      warpgroup_fence_operand(accum);
+    }
+    // The last block's stage stays held: the kernel's mma_tail releases it.
+  }
+};
+
+}  // namespace moe::gemm
