@@ -38,7 +38,8 @@ void check_dim(int64_t v, const char* name, const char* what) {
 }
 
 // The per-call workspace: argument arrays (shapes, 4 pointer arrays, 4 leading-dimension arrays,
-// 2 FP8 scale pointer arrays) then CUTLASS's workspace, each piece 256-byte aligned.
+// 2 FP8 scale pointer arrays), CUTLASS's workspace, then (with max_weight_dim) the weight scales
+// restated per 64 rows for the 192-wide FP8 configurations, each piece 256-byte aligned.
 struct CallLayout {
   size_t shapes = 0, arr = 0, cutlass = 0, restated = 0;
   size_t total() const { return shapes + 10 * arr + cutlass + restated; }

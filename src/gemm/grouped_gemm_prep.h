@@ -65,8 +65,12 @@ void launch_prep(const PrepParams& p, const ArgArrays& out, cudaStream_t stream)
 
 // FP8 fprop form with 64-row weight scales (KernelEntry::weight_scale_rows == 64): dst[e] [dst_rows,
 // cols] row-major gets row r of expert e's [src_rows, cols] scales at row min(r / 2, src_rows - 1)
-// (each 128-row block's scale for both of its 64-row halves; rows past the last block repeat it,
-// for the tile columns past the matrix). dst_rows covers whole tiles: 3 * ceil(B rows / 192).
+// (each 128-row block's scale for both of its 64-row halves; rows past the last block repeat it).
+// dst_rows covers whole 192-wide tiles, 3 * ceil(B rows / 192), and the rows past ceil(B rows / 64)
+// are needed for memory safety, not only for the tile columns past the matrix: CUTLASS 4.2's scale
+// producer predicates a 64-row block by the coordinate of block b / 2, so in a tile that ends past
+// the matrix it reads up to one row beyond ceil(B rows / 64) (always below 3 * ceil(B rows / 192),
+// checked on the host for B rows 16..7168).
 void launch_restate_weight_scales(ExpertPtrs src, int experts, int64_t src_rows, int64_t cols, float* dst,
                                   int64_t dst_rows, cudaStream_t stream);
 
