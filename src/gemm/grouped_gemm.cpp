@@ -146,7 +146,8 @@ struct GroupedGemm::Impl {
   const gemm::KernelEntry* kernel(Op op, DType ab, DType out, bool accumulate, int64_t N, int64_t K,
                                   gemm::TileChoice* choice) const {
     const Forced& f = forced[int(op)];
-    gemm::TileChoice c = ab == DType::kFP8E4M3 ? gemm::choose_fp8_tiles(op, N, K) : gemm::choose_tiles(op, N, K);
+    gemm::TileChoice c = ab == DType::kFP8E4M3 ? gemm::choose_fp8_tiles(op, N, K, max_weight_dim >= std::max(N, K))
+                                                : gemm::choose_tiles(op, N, K);
     if (!f.name.empty() && gemm::find_kernel(op, ab, out, accumulate, f.name.c_str()))
       c = {f.name.c_str(), f.raster_along_n, f.tile_run};
     const gemm::KernelEntry* k = gemm::find_kernel(op, ab, out, accumulate, c.name);

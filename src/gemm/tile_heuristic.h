@@ -18,6 +18,8 @@ struct TileChoice {
 
 TileChoice choose_tiles(Op op, int64_t N, int64_t K);
 // The same for FP8 block-scaled operands (op kFprop serves fprop and dgrad, see grouped_kernel.h).
-TileChoice choose_fp8_tiles(Op op, int64_t N, int64_t K);
+// restated_scales: the engine can restate the weight scales per 64 rows for this product
+// (GroupedGemm's max_weight_dim covers N and K), which the 192-wide fprop-form tile needs.
+TileChoice choose_fp8_tiles(Op op, int64_t N, int64_t K, bool restated_scales);
 
 }  // namespace moe::gemm

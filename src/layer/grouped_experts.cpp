@@ -121,7 +121,12 @@ struct GroupedExperts::Impl {
   size_t gemm_ws_bytes = 0;
   int sm_count = 0;
 
-  explicit Impl(const ExpertsConfig& c) : cfg((c.validate(), c)), R(c.max_rows), gemm(c.experts, c.max_rows, c.max_sms) {
+  // FP8 experts: the engine's workspace also holds the weight scales restated per 64 rows, for the
+  // 192-wide fprop-form tiles (GroupedGemm's max_weight_dim: the largest weight dimension).
+  explicit Impl(const ExpertsConfig& c)
+      : cfg((c.validate(), c)), R(c.max_rows),
+        gemm(c.experts, c.max_rows, c.max_sms,
+             c.fp8 != Fp8Recipe::kNone ? std::max({c.fc1_out(), c.hidden, c.ffn}) : 0) {
     if (cfg.fuse_fc1) {
       const std::string why = fused::fc1_activation_unsupported(cfg.experts, cfg.hidden, cfg.ffn, cfg.activation);
       MOE_CHECK(why.empty(), "config 'fuse_fc1': ", why);

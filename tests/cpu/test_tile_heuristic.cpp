@@ -34,12 +34,19 @@ TEST(TileHeuristic, EveryNamedShapeProductHasACompiledChoice) {
       expect_compiled(Op::kWgrad, DType::kBF16, DType::kFP32, true, choose_tiles(Op::kWgrad, N, K),
                       what + " wgrad into main_grad");
       // FP8: one fprop-form kernel serves fprop and dgrad (grouped_kernel.h).
-      expect_compiled(Op::kFprop, DType::kFP8E4M3, DType::kBF16, false, choose_fp8_tiles(Op::kFprop, N, K),
-                      what + " fp8 fprop");
-      expect_compiled(Op::kWgrad, DType::kFP8E4M3, DType::kBF16, false, choose_fp8_tiles(Op::kWgrad, N, K),
-                      what + " fp8 wgrad");
-      expect_compiled(Op::kWgrad, DType::kFP8E4M3, DType::kFP32, true, choose_fp8_tiles(Op::kWgrad, N, K),
-                      what + " fp8 wgrad into main_grad");
+      for (bool restated : {false, true}) {
+        const std::string how = restated ? " (restated weight scales)" : "";
+        expect_compiled(Op::kFprop, DType::kFP8E4M3, DType::kBF16, false, choose_fp8_tiles(Op::kFprop, N, K, restated),
+                        what + " fp8 fprop" + how);
+        expect_compiled(Op::kWgrad, DType::kFP8E4M3, DType::kBF16, false, choose_fp8_tiles(Op::kWgrad, N, K, restated),
+                        what + " fp8 wgrad" + how);
+        expect_compiled(Op::kWgrad, DType::kFP8E4M3, DType::kFP32, true, choose_fp8_tiles(Op::kWgrad, N, K, restated),
+                        what + " fp8 wgrad into main_grad" + how);
+        // Only a configuration the engine can feed: 64-row weight scales only where restated.
+        const KernelEntry* k = find_kernel(Op::kFprop, DType::kFP8E4M3, DType::kBF16, false,
+                                           choose_fp8_tiles(Op::kFprop, N, K, restated).name);
+        if (k != nullptr && !restated) EXPECT_NE(k->weight_scale_rows, 64) << what;
+      }
     }
   }
 }
