@@ -110,7 +110,8 @@ struct Params {
 using Tile = RowTile;
 
 // Clusters of 2 split an expert's odd last row block between their CTAs by feature block
-// (row_tiles.cuh): each loads its own weight tile there, so no CTA runs a tile without rows.
+// (row_tiles.cuh): each loads its own weight tile there, and a CTA runs a tile without rows only
+// when the feature blocks are odd in number (one per odd expert instead of one per feature block).
 template <int kCluster>
 __device__ __forceinline__ Tile decode_tile(int t, const int32_t* start, const Params& p, int rank) {
   return decode_row_tile<kBM, kCluster, kCluster == 2>(t, start, p.offsets, p.E, p.R, p.feature_tiles, rank);
