@@ -5,7 +5,8 @@
 //     dispatch map with 16-byte cp.async (gather_rows.cuh), 64 columns (of H) at a time, into a
 //     5-stage ring. The fc2 weight tile -- 64 rows of H x 256 features of W2[e], MN-major for the
 //     WGMMA -- comes by TMA in four 64 x 64 boxes: two CTAs of a cluster, two row blocks of one
-//     expert, each load two boxes and multicast them to both. Per-expert weights (no single
+//     expert, each load two boxes and multicast them to both (on an expert's odd last row block,
+//     split by feature block, each CTA loads its own four). Per-expert weights (no single
 //     tensor for a TMA map) are copied by cp.async instead, each CTA its own.
 //   * warp groups 1 and 2 (consumers) take the CTA's tiles in turn (ping-pong): each runs WGMMA
 //     64x256x16 (A K-major, B MN-major) over a whole tile, then its epilogue from registers -- round
@@ -19,8 +20,9 @@
 // finished its previous one. That keeps every wait on a stage barrier at most one phase ahead of
 // it (a parity wait two phases ahead would pass on the wrong phase).
 // Tiles: (expert, cluster of 64-row blocks, feature block of 256) as in the fused fc1
-// (row_tiles.cuh, an odd last row block split by feature block). With more than one feature block, each writes its dprobs partial sum and a
-// second kernel adds them in feature-block order (deterministic).
+// (row_tiles.cuh; an odd last row block split by feature block). With more than one feature
+// block, each writes its dprobs partial sum and a second kernel adds them in feature-block order
+// (deterministic).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -116,7 +118,8 @@ struct Params {
 };
 
 // An expert's odd last row block is split between the cluster's CTAs by feature block
-// (row_tiles.cuh): each loads its own weight tile there, so no CTA runs a tile without rows.
+// (row_tiles.cuh): each loads its own weight tile there, and a CTA runs a tile without rows only
+// when the feature blocks are odd in number (with one feature block, F <= 256, nothing changes).
 __device__ __forceinline__ RowTile decode_tile(int t, const int32_t* start, const Params& p, int rank) {
   return decode_row_tile<kBM, kCluster, true>(t, start, p.offsets, p.E, p.R, p.feature_tiles, rank);
 }
