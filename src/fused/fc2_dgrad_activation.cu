@@ -5,7 +5,8 @@
 //     dispatch map with 16-byte cp.async (gather_rows.cuh), 64 columns (of H) at a time, into a
 //     5-stage ring. The fc2 weight tile -- 64 rows of H x 256 features of W2[e], MN-major for the
 //     WGMMA -- comes by TMA in four 64 x 64 boxes: two CTAs of a cluster, two row blocks of one
-//     expert, each load two boxes and multicast them to both. Per-expert weights (no single
+//     expert, each load two boxes and multicast them to both (on an expert's odd last row block,
+//     split by feature block, each CTA loads its own four). Per-expert weights (no single
 //     tensor for a TMA map) are copied by cp.async instead, each CTA its own.
 //   * warp groups 1 and 2 (consumers) take the CTA's tiles in turn (ping-pong): each runs WGMMA
 //     64x256x16 (A K-major, B MN-major) over a whole tile, then its epilogue from registers -- round
@@ -19,8 +20,9 @@
 // finished its previous one. That keeps every wait on a stage barrier at most one phase ahead of
 // it (a parity wait two phases ahead would pass on the wrong phase).
 // Tiles: (expert, cluster of 64-row blocks, feature block of 256) as in the fused fc1
-// (row_tiles.cuh). With more than one feature block, each writes its dprobs partial sum and a
-// second kernel adds them in feature-block order (deterministic).
+// (row_tiles.cuh; an odd last row block split by feature block). With more than one feature
+// block, each writes its dprobs partial sum and a second kernel adds them in feature-block order
+// (deterministic).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -115,8 +117,11 @@ struct Params {
   float* dprobs;  // [R] (one feature block) or the partials [feature_tiles, R]; null: none
 };
 
+// An expert's odd last row block is split between the cluster's CTAs by feature block
+// (row_tiles.cuh): each loads its own weight tile there, and a CTA runs a tile without rows only
+// when the feature blocks are odd in number (with one feature block, F <= 256, nothing changes).
 __device__ __forceinline__ RowTile decode_tile(int t, const int32_t* start, const Params& p, int rank) {
-  return decode_row_tile<kBM, kCluster>(t, start, p.offsets, p.E, p.R, p.feature_tiles, rank);
+  return decode_row_tile<kBM, kCluster, true>(t, start, p.offsets, p.E, p.R, p.feature_tiles, rank);
 }
 
 // Byte offset of the 16-byte chunk holding features f .. f + 7 of row k of a weight stage: the
@@ -161,16 +166,25 @@ __device__ void produce(SharedStorage& s, const Params& p, int total, int rank) 
       if constexpr (!kTma) {
         copy_weight_stage(b_dst + ring.stage * kStageBytesB, p.w2_table[tile.e], p, f0, kb, tid);
       } else if (tid == 0) {
-        // All four boxes land here (ours and the peer's multicast); this CTA loads boxes
-        // 2 rank and 2 rank + 1. Features past F and rows past H arrive as zeros.
+        // All four boxes land here: ours (boxes 2 rank and 2 rank + 1) and the peer's multicast,
+        // or, on an expert's odd last row block (tile.solo, the peer on another feature block),
+        // all four loaded by this CTA alone. Features past F and rows past H arrive as zeros.
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[ring.stage], kStageBytesB);
+        constexpr uint64_t kEvictLast = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_LAST);
+        char* stage_b = reinterpret_cast<char*>(s.b) + ring.stage * kStageBytesB;
+        if (tile.solo) {
 #pragma unroll
-        for (int b = 0; b < kBoxesPerCta; ++b) {
-          const int box = rank * kBoxesPerCta + b;
-          SM90_TMA_LOAD_MULTICAST_3D::copy(&p.w2_map, &s.full[ring.stage], static_cast<uint16_t>((1 << kCluster) - 1),
-                                           static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_LAST),
-                                           reinterpret_cast<char*>(s.b) + ring.stage * kStageBytesB + box * kBoxBytes,
-                                           f0 + box * kBoxCols, kb * kBK, tile.e);
+          for (int box = 0; box < kBoxesPerCta * kCluster; ++box)
+            SM90_TMA_LOAD_3D::copy(&p.w2_map, &s.full[ring.stage], kEvictLast, stage_b + box * kBoxBytes,
+                                   f0 + box * kBoxCols, kb * kBK, tile.e);
+        } else {
+#pragma unroll
+          for (int b = 0; b < kBoxesPerCta; ++b) {
+            const int box = rank * kBoxesPerCta + b;
+            SM90_TMA_LOAD_MULTICAST_3D::copy(&p.w2_map, &s.full[ring.stage], static_cast<uint16_t>((1 << kCluster) - 1),
+                                             kEvictLast, stage_b + box * kBoxBytes, f0 + box * kBoxCols, kb * kBK,
+                                             tile.e);
+          }
         }
       }
       gather_stage(a_dst + ring.stage * kStageBytesA, a_rows, p.H, kb, c);
@@ -273,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, 1) fc2_dgrad_activation_kernel(const
   SharedStorage& s = *reinterpret_cast<SharedStorage*>(align_smem_1024(smem_raw));
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   if (warp == 0) {
-    prefix_row_tiles<kBM, kCluster>(s.tile_start, p.offsets, p.E, p.R, p.feature_tiles, lane);
+    prefix_row_tiles<kBM, kCluster, true>(s.tile_start, p.offsets, p.E, p.R, p.feature_tiles, lane);
   } else if (warp == 1 && lane == 0) {
     // full: every producer thread's cp.async arrival (+ the TMA issuer's expect-tx arrival);
     // empty: the warps of the consumer warp group that took the stage, in both CTAs of the cluster;

@@ -1,38 +1,17 @@
 // Row tiles of the fused grouped GEMMs over ragged expert groups: a tile is (expert, cluster of
-// 128-row blocks, feature block), numbered expert by expert (a cluster of kCluster CTAs takes
-// kCluster consecutive row blocks of one expert and shares the weight tile between them); empty
-// experts take no tile. The per-expert prefix of tile counts is computed on the device from the
-// group offsets at kernel start (graph-safe: no host read of group sizes).
-//
-// kSplitOdd (clusters of 2 only): an expert with an odd number of row blocks would leave one CTA
-// of its last cluster without rows for every feature block. Instead both CTAs take that last row
-// block, each with its own feature block (CTA r: 2 j + r), and load their weight tiles alone (no
-// multicast): ceil(NT / 2) tiles instead of NT for that block.
+// 128-row blocks, feature block), numbered expert by expert (the arithmetic inside an expert, with
+// kSplitOdd's split of an odd last row block: row_tile_numbering.h); empty experts take no tile. The
+// per-expert prefix of tile counts is computed on the device from the group offsets at kernel start
+// (graph-safe: no host read of group sizes).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
 #include "device/device_groups.cuh"
+#include "fused/row_tile_numbering.h"
 
 namespace moe::fused {
-
-struct RowTile {
-  int e;
-  int64_t m0;  // first row
-  int rows;    // valid rows, 0..kBM (0: the cluster's last block lies past the expert's rows, or a
-               // kSplitOdd feature block lies past the last one)
-  int nt;      // feature block
-  bool solo;   // kSplitOdd's last row block: the cluster's CTAs have different feature blocks
-};
-
-// Tiles of an expert with `blocks` row blocks.
-template <int kCluster, bool kSplitOdd>
-__device__ __forceinline__ int row_tiles_of(int blocks, int feature_tiles) {
-  static_assert(!kSplitOdd || kCluster == 2, "the odd row block is split between the 2 CTAs of a cluster");
-  if constexpr (kSplitOdd) return blocks / 2 * feature_tiles + (blocks & 1) * ((feature_tiles + 1) / 2);
-  return (blocks + kCluster - 1) / kCluster * feature_tiles;
-}
 
 // start[e] = first tile of expert e, start[E] = tiles in all; one warp computes it, 32 experts at a
 // time (a warp-wide inclusive scan per batch).
@@ -75,27 +54,7 @@ __device__ __forceinline__ RowTile decode_row_tile(int t, const int32_t* start, 
   }
   int64_t begin, end;
   kernels::group_rows(offsets, lo, R, &begin, &end);
-  const int local = t - start[lo];
-  RowTile tile;
-  tile.e = lo;
-  tile.solo = false;
-  if constexpr (kSplitOdd) {
-    const int blocks = static_cast<int>((end - begin + kBM - 1) / kBM);
-    const int paired = blocks / 2 * feature_tiles;
-    if (local >= paired) {  // the last (odd) row block; with an odd NT, CTA 1's last tile has no rows
-      tile.solo = true;
-      tile.nt = 2 * (local - paired) + rank;
-      tile.m0 = begin + static_cast<int64_t>(blocks - 1) * kBM;
-      const int64_t left = end - tile.m0;
-      tile.rows = tile.nt >= feature_tiles ? 0 : (left < kBM ? static_cast<int>(left) : kBM);
-      return tile;
-    }
-  }
-  tile.nt = local % feature_tiles;
-  tile.m0 = begin + (static_cast<int64_t>(local / feature_tiles) * kCluster + rank) * kBM;
-  const int64_t left = end - tile.m0;
-  tile.rows = left <= 0 ? 0 : (left < kBM ? static_cast<int>(left) : kBM);
-  return tile;
+  return local_row_tile<kBM, kCluster, kSplitOdd>(lo, begin, end, t - start[lo], feature_tiles, rank);
 }
 
 // Grid of a persistent row-tile kernel, a whole number of clusters: at most one cluster tile per

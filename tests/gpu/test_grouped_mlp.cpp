@@ -476,18 +476,20 @@ TEST(GroupedMlp, FusedDgradStateKeepsNoAct) {
 
 // A shape with several k blocks (H = 320: a partial one), feature blocks (F = 200: a partial one;
 // F = 520: three 256-feature blocks of the fused fc2 dgrad, whose dprobs partials are summed, the
-// last one partial) and 128-row blocks per expert, balanced and skewed routing: fused against the
-// reference and against the unfused path.
+// last one partial; F = 384: two) and 128-row blocks per expert (odd numbers of them: split tiles),
+// balanced and skewed routing: fused against the reference and against the unfused path.
 TEST(GroupedMlp, FusedFc1LargerShapes) {
   MOE_REQUIRE_GPU();
   for (double skew : {0.0, 3.0}) {
     for (Activation act : {Activation::kSwiGLU, Activation::kSquaredReLU}) {
-    for (int mode : {0, 1, 2, 3}) {  // x_perm, no x_perm, both + fused fc2 dgrad (bias off in 3)
+    // x_perm, no x_perm, both + fused fc2 dgrad (bias off in 3), and 2 at F = 384: two feature
+    // blocks of the fused fc2 dgrad, so both CTAs of a split odd row block have features.
+    for (int mode : {0, 1, 2, 3, 4}) {
       const bool gathered = mode == 1 || mode == 3;
       SCOPED_TRACE(::testing::Message() << "skew " << skew << " " << activation_name(act) << " mode " << mode);
       Case c;
       c.cfg.hidden = 320;
-      c.cfg.ffn = mode >= 2 ? 520 : 200;
+      c.cfg.ffn = mode == 4 ? 384 : mode >= 2 ? 520 : 200;
       c.cfg.experts = 5;
       c.cfg.topk = 2;
       c.cfg.max_tokens = 700;
