@@ -9,11 +9,13 @@
 // and three scale blocks per tile nest differently), and it would multiply by the two scales one
 // after the other (two operations per element). Here the product of the row's and the block's
 // scale is formed first: a thread's fragment spans 2 rows and 3 blocks, so the compiler keeps 6
-// products and each element costs one FMA. The collective is otherwise the base's: producer,
-// pipeline, scale layouts and tail (`mma_tail` releases the last block's stage).
+// products and each element costs one FMA. The scales' producer is ours too (`load_auxiliary`,
+// below); the rest is the base's: operand producer, pipeline, scale layouts and tail (`mma_tail`
+// releases the last block's stage).
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/arch/memory_sm80.h>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 
 namespace moe::gemm {
@@ -30,6 +32,55 @@ struct WideTilePromotionMainloop : Base {
   static_assert(Base::ScalePromotionInterval == 4, "one promotion per k tile (the finest promotion interval)");
   static_assert(Base::ScaleMsPerTile > 1 && Base::ScaleNsPerTile > 1,
                 "A scaled per row, B per block of rows narrower than the tile");
+
+  static_assert(Base::ScaleGranularityM == 1, "token scales per row");
+
+  // The scale producer warp: lane i copies the token scales of rows i, i + 32, ... and weight-scale
+  // block i of each k tile, every word by one lane. The base's producer predicates its weight-scale
+  // copy on `lane < ScaleNsPerTile` but gives each lane a slice of the tile's columns that touches
+  // every 64-row block, so lanes 0-2 would each copy all three: the same values, yet a write-write
+  // race on shared memory. Out-of-range rows and blocks are not copied (their products are not
+  // stored). Every lane commits, as the pipeline's producer barrier counts the warp.
+  template <class TensorA, class TensorB, class TensorSFA, class TensorSFB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load_auxiliary(Params const&, MainloopPipeline pipeline, PipelineState smem_pipe_write,
+                                     cute::tuple<TensorA, TensorB, TensorSFA, TensorSFB> const& load_inputs,
+                                     BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
+                                     int lane, uint32_t, TensorStorage& shared_tensors) {
+    using namespace cute;
+    Tensor sSFA = make_tensor(make_smem_ptr(shared_tensors.smem_SFA.data()), typename Base::SmemLayoutSFA{});
+    Tensor sSFB = make_tensor(make_smem_ptr(shared_tensors.smem_SFB.data()), typename Base::SmemLayoutSFB{});
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    Tensor mSFA = get<2>(load_inputs);  // (m, k, l), broadcast within a scale block
+    Tensor mSFB = get<3>(load_inputs);  // (n, k, l)
+    // This work tile's (BLK_M, BLK_K, k) and (BLK_N, BLK_K, k) views, values and coordinates.
+    Tensor gSFA = local_tile(mSFA, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{})(_, _, m_coord, _, l_coord);
+    Tensor cSFA = local_tile(make_identity_tensor(shape(mSFA)), TileShape{}, make_coord(_, _, _),
+                             Step<_1, X, _1>{})(_, _, m_coord, _, l_coord);
+    Tensor gSFB = local_tile(mSFB, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{})(_, _, n_coord, _, l_coord);
+    Tensor cSFB = local_tile(make_identity_tensor(shape(mSFB)), TileShape{}, make_coord(_, _, _),
+                             Step<X, _1, _1>{})(_, _, n_coord, _, l_coord);
+    using Copy = cutlass::arch::cp_async<sizeof(ElementScale), cutlass::arch::CacheOperation::Always>;
+    constexpr int kLanes = cutlass::NumThreadsPerWarp;
+    static_assert(Base::ScaleNsPerTile <= kLanes, "one lane per weight-scale block");
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      pipeline.producer_acquire(smem_pipe_write);
+      const int stage = smem_pipe_write.index();
+      const auto k = *k_tile_iter;
+      CUTLASS_PRAGMA_UNROLL
+      for (int row = lane; row < Base::ScaleMsPerTile; row += kLanes) {
+        Copy(&sSFA(row, 0, stage), &gSFA(row, 0, k), elem_less(cSFA(row, 0, k), shape(mSFA)));
+      }
+      if (lane < Base::ScaleNsPerTile) {
+        const int col = lane * Base::ScaleGranularityN;
+        Copy(&sSFB(col, 0, stage), &gSFB(col, 0, k), elem_less(cSFB(col, 0, k), shape(mSFB)));
+      }
+      pipeline.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
+      ++k_tile_iter;
+      ++smem_pipe_write;
+    }
+  }
 
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum, int k_tile_count,
