@@ -15,6 +15,7 @@
 #include <cuda_runtime_api.h>
 
 #include "moe/activation.h"
+#include "moe/quantize.h"
 #include "moe/tensor.h"
 
 namespace moe {
@@ -24,6 +25,15 @@ namespace moe {
 // out bf16 [R, F]. F must be a multiple of 8 and every pointer 16-byte aligned (16-byte vectors).
 void activation_forward(const ActivationParams& params, const TensorView& h, const TensorView& probs,
                         const TensorView& group_offsets, const TensorView& out, cudaStream_t stream);
+
+// activation_forward and quantize of its output in one pass, act never stored: `out` receives
+// bitwise the codes and scales of quantize(config, out of activation_forward(params, h, probs,
+// group_offsets)), except that rows past the valid total are quantized as zeros (the unfused
+// activation leaves them unwritten). config: FP8 block scaling, 1-D blocks, either or both copies
+// ([R, F] rowwise, [F, R] columnwise). Arguments as for activation_forward, out as for quantize.
+void activation_forward_quantized(const ActivationParams& params, const TensorView& h, const TensorView& probs,
+                                  const TensorView& group_offsets, const QuantConfig& config,
+                                  const QuantizedTensor& out, cudaStream_t stream);
 
 // d_out bf16 [R, F] -> dh bf16 [R, fc1_out] (same layout as h) and dprobs fp32 [R] (or absent).
 // dh may be the very buffer of h (in place): every element of h is read before its gradient is

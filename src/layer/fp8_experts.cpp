@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "layer/expert_weight_quantize.h"
+#include "moe/activation_ops.h"
 #include "moe/error.h"
 #include "moe/quantize.h"
 
@@ -97,10 +98,9 @@ void Fp8ExpertsRecipe::quantize_weights(cudaStream_t s) const {
   quantize_weight(2, s);
 }
 
-void Fp8ExpertsRecipe::quantize(const TensorView& a, bool rowwise, uint8_t* col, float* col_scale,
-                                cudaStream_t s) const {
-  const int64_t rows = a.shape[0], cols = a.shape[1];
-  // Both copies come from one read of `a` (each with its own scale layout).
+// The views of a token operand's copies: rowwise in the token workspace, columnwise in (col, col_scale).
+QuantizedTensor Fp8ExpertsRecipe::token_copies(int64_t rows, int64_t cols, bool rowwise, uint8_t* col,
+                                               float* col_scale) const {
   QuantizedTensor q;
   if (rowwise) {
     q.rowwise_data = TensorView(row_, DType::kFP8E4M3, {rows, cols});
@@ -110,7 +110,23 @@ void Fp8ExpertsRecipe::quantize(const TensorView& a, bool rowwise, uint8_t* col,
     q.columnwise_data = TensorView(col, DType::kFP8E4M3, {cols, rows});
     q.columnwise_scale = TensorView(col_scale, DType::kFP32, {blocks(rows), cols});
   }
+  return q;
+}
+
+void Fp8ExpertsRecipe::quantize(const TensorView& a, bool rowwise, uint8_t* col, float* col_scale,
+                                cudaStream_t s) const {
+  // Both copies come from one read of `a` (each with its own scale layout).
+  const QuantizedTensor q = token_copies(a.shape[0], a.shape[1], rowwise, col, col_scale);
   if (rowwise || col != nullptr) moe::quantize(fp8_config(QuantBlocking::k1D, rowwise, col != nullptr), a, q, s);
+}
+
+void Fp8ExpertsRecipe::quantize_activation(const ActivationParams& params, const TensorView& h,
+                                           const TensorView& probs, const TensorView& group_offsets, bool rowwise,
+                                           uint8_t* col, float* col_scale, cudaStream_t s) const {
+  const QuantizedTensor q = token_copies(h.shape[0], cfg_.ffn, rowwise, col, col_scale);
+  if (rowwise || col != nullptr)
+    activation_forward_quantized(params, h, probs, group_offsets,
+                                 fp8_config(QuantBlocking::k1D, rowwise, col != nullptr), q, s);
 }
 
 // fprop reads the rowwise weight copy and reduces over K; dgrad the columnwise copy (W^T, viewed

@@ -4,7 +4,8 @@
 // the GEMMs (h, the activation, dact, dh, bias, probs) stays bf16 as in the bf16 path.
 //
 //   forward   x_perm -> rowwise (fc1 fprop)  + columnwise, saved (fc1 wgrad)
-//             act    -> rowwise (fc2 fprop)  + columnwise, saved (fc2 wgrad)
+//             act    -> rowwise (fc2 fprop)  + columnwise, saved (fc2 wgrad), quantized as the
+//                       activation computes it from h (act itself is never stored)
 //   backward  dY     -> rowwise (fc2 dgrad)  + columnwise (fc2 wgrad)
 //             dh     -> rowwise (fc1 dgrad)  + columnwise (fc1 wgrad)
 //   weights   128x128 blocks, rowwise (fprop) and columnwise (dgrad), at every forward
@@ -23,6 +24,7 @@
 #include <cuda_runtime_api.h>
 
 #include "device/device_arena.h"
+#include "moe/activation.h"
 #include "moe/grouped_gemm.h"
 #include "moe/grouped_mlp_config.h"
 #include "moe/quantize.h"
@@ -57,6 +59,11 @@ class Fp8ExpertsRecipe {
   // Quantizes a bf16 [rows, cols]: rowwise into the token workspace (read by the next fprop or
   // dgrad) when `rowwise`; columnwise into (col, col_scale) when col is given.
   void quantize(const TensorView& a, bool rowwise, uint8_t* col, float* col_scale, cudaStream_t stream) const;
+  // The same for act = activation(h) x probs [rows, ffn], computed on the way (act is not stored):
+  // bitwise the copies of quantize() on activation_forward's output.
+  void quantize_activation(const ActivationParams& params, const TensorView& h, const TensorView& probs,
+                           const TensorView& group_offsets, bool rowwise, uint8_t* col, float* col_scale,
+                           cudaStream_t stream) const;
   // The transient columnwise copy of dY or dh (backward), for the weight gradient that follows.
   uint8_t* col_workspace() const { return col_; }
   float* col_workspace_scale() const { return col_scale_; }
@@ -85,6 +92,7 @@ class Fp8ExpertsRecipe {
   };
   void plan_weight(DeviceArena& arena, Weight& w);
   void quantize_weight(int fc, cudaStream_t stream) const;
+  QuantizedTensor token_copies(int64_t rows, int64_t cols, bool rowwise, uint8_t* col, float* col_scale) const;
   void token_product(GemmOp op, const Weight& w, const GroupedGemm& gemm, const TensorView& gemm_ws,
                      const TensorView& g, const TensorView& out, cudaStream_t stream) const;
 

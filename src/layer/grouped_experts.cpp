@@ -303,16 +303,19 @@ struct GroupedExperts::Impl {
       gemm.fprop(x_perm, w1, g, bf16_view(b.h, rows, F1), gemm_workspace(), s);
     }
     if (cfg.bias) bias_add(bf16_view(b.h, rows, F1), b1, TensorView(), g, s);
-    activation_forward(cfg.activation, bf16_view(b.h, rows, F1), pp, g, bf16_view(b.act, rows, F), s);
+    // FP8: act is computed where it is quantized (fc2_forward, recompute), never stored.
+    if (!fp8) activation_forward(cfg.activation, bf16_view(b.h, rows, F1), pp, g, bf16_view(b.act, rows, F), s);
   }
 
-  // fc2 of a forward: Y = act W2^T (+ b2 p). FP8: act's two copies in one pass, the rowwise one for
-  // this product and the columnwise one saved for fc2's weight gradient.
+  // fc2 of a forward: Y = act W2^T (+ b2 p). FP8: act's two copies in one pass over h (act itself is
+  // not stored), the rowwise one for this product and the columnwise one saved for fc2's weight
+  // gradient.
   void fc2_forward(const StateBuffers& b, const TensorView& g, const TensorView& pp, const TensorView& Y, int64_t rows,
                    cudaStream_t s) const {
     const TensorView act = bf16_view(b.act, rows, cfg.ffn);
     if (fp8) {
-      fp8->quantize(act, /*rowwise=*/true, b.fp8.act_col, b.fp8.act_col_scale, s);
+      fp8->quantize_activation(cfg.activation, bf16_view(b.h, rows, cfg.fc1_out()), pp, g, /*rowwise=*/true,
+                               b.fp8.act_col, b.fp8.act_col_scale, s);
       fp8->fprop(2, gemm, gemm_workspace(), g, Y, s);
     } else if (emu) {
       emu->fprop(2, gemm, emu->tokens(act, g, /*columnwise=*/false, 0, s), g, Y, gemm_workspace(), s);
@@ -696,7 +699,8 @@ void GroupedExperts::recompute(const TensorView& x_perm, const TensorView& g, co
   m.fp8_weights(s, "GroupedExperts::recompute");
   m.activations(x_perm, g, pp, b, rows, s);
   if (m.fp8)  // only the columnwise copy: a recompute runs no fc2 product
-    m.fp8->quantize(bf16_view(b.act, rows, m.cfg.ffn), /*rowwise=*/false, b.fp8.act_col, b.fp8.act_col_scale, s);
+    m.fp8->quantize_activation(m.cfg.activation, bf16_view(b.h, rows, m.cfg.fc1_out()), pp, g, /*rowwise=*/false,
+                               b.fp8.act_col, b.fp8.act_col_scale, s);
   m.fill_header(state, x_perm, g, pp, rows);
 }
 

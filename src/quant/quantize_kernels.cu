@@ -6,8 +6,8 @@
 //   and the block's first lane the scale (NVFP4: a lane holds a whole 1 x 16 block). A warp covers
 //   512 contiguous bytes of x per load; the grid is one pass over the blocks (launch_geometry.h),
 //   two blocks per lane in flight.
-// - Anything with a columnwise copy or 2-D blocks: quantize_tile_kernel, one 128 x 128 tile of x
-//   per CTA. The tile is loaded into registers (8 vectors per thread) and stored to shared memory
+// - Anything with a columnwise copy or 2-D blocks: quantize_tile_kernel (quantize_tile.cuh, shared
+//   with the fused activation quantize), one 128 x 128 tile of x per CTA. The tile is loaded into registers (8 vectors per thread) and stored to shared memory
 //   (16-byte chunks, XOR-swizzled so that both the stores and the column reads are free of bank
 //   conflicts). After one barrier the rowwise copy is quantized from shared memory, 16 elements
 //   per thread, and each lane reads 16 consecutive rows of two adjacent columns (one 32-bit word
@@ -28,6 +28,7 @@
 #include "quant/launch_geometry.h"
 #include "quant/quant_args.h"
 #include "quant/quant_device.cuh"
+#include "quant/quantize_tile.cuh"
 #include "quant/quantize_fp32.h"
 
 namespace moe {
@@ -35,109 +36,7 @@ namespace moe {
 namespace quant {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kTile = 128;        // tile rows and columns of quantize_tile_kernel
-constexpr int kChunks = kTile / 8;  // 16-byte chunks per tile row
-constexpr int kRowUnroll = 2;     // blocks per lane in flight in quantize_rows_kernel
-
-struct CopyParams {
-  uint8_t* data;  // nullptr: copy not produced
-  void* scale;
-  int64_t block_rows, block_cols, scale_entries;
-  ScaleLayout layout;
-  bool vec;  // columnwise copy: rows of the copy start 16-byte (FP8) / 8-byte (FP4) aligned;
-             // rowwise copy: the data is 8-byte aligned
-};
-
-struct QuantParams {
-  const uint16_t* x;  // bf16 bits
-  int64_t M, K;
-  CopyParams row, col;
-  bool pow2;
-  const float* global_amax;  // NVFP4
-  uint64_t seed, offset;
-};
-
-CopyParams copy_params(const CopyArgs& a, bool vec) {
-  return CopyParams{static_cast<uint8_t*>(a.enabled ? a.data : nullptr), a.scale, a.block_rows, a.block_cols,
-                    a.scale_entries, a.layout, vec};
-}
-
-// Max over aligned groups of `width` lanes (a power of two <= 32); every lane of the warp calls it.
-template <int kWidth>
-__device__ __forceinline__ uint32_t group_max(uint32_t v) {
-#pragma unroll
-  for (int s = kWidth / 2; s > 0; s /= 2) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, s));
-  return v;
-}
-
-// The same on two 16-bit halves at once.
-template <int kWidth>
-__device__ __forceinline__ uint32_t group_max_pairs(uint32_t v) {
-#pragma unroll
-  for (int s = kWidth / 2; s > 0; s /= 2) v = __vmaxu2(v, __shfl_xor_sync(0xFFFFFFFFu, v, s));
-  return v;
-}
-
-__device__ __forceinline__ uint32_t chunk_amax_bits(const uint4& v) {
-  uint32_t a = abs_max_pairs(0u, v.x);
-  a = abs_max_pairs(a, v.y);
-  a = abs_max_pairs(a, v.z);
-  a = abs_max_pairs(a, v.w);
-  return pairs_amax_bits(a);
-}
-
-__device__ __forceinline__ uint4 load_chunk(const uint16_t* p) {
-  return __ldg(reinterpret_cast<const uint4*>(p));
-}
-
-// The eight E2M1 codes of one chunk of 8 consecutive elements (element 0 in the low nibble); pos
-// is the flat position of its first element in the rowwise copy (a multiple of 8; it keys the
-// stochastic rounding bits).
-template <bool kSR>
-__device__ __forceinline__ uint32_t fp4_chunk_codes(const QuantParams& p, const uint4& v, float factor, int64_t pos) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  uint32_t packed = 0;
-  if constexpr (kSR) {
-    const Philox4 r0 = sr_bits4(p.seed, p.offset, 0, static_cast<uint64_t>(pos) / 4);
-    const Philox4 r1 = sr_bits4(p.seed, p.offset, 0, static_cast<uint64_t>(pos) / 4 + 1);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float x = i % 2 ? bf16_word_hi(w[i / 2]) : bf16_word_lo(w[i / 2]);
-      packed |= static_cast<uint32_t>(e2m1_from_float_sr(__fmul_rn(x, factor), i < 4 ? r0.v[i] : r1.v[i - 4]))
-                << (4 * i);
-    }
-  } else {
-    with_numbers_tag(products_are_numbers(factor), [&](auto numbers) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float x = i % 2 ? bf16_word_hi(w[i / 2]) : bf16_word_lo(w[i / 2]);
-        packed |= e2m1_code<decltype(numbers)::value>(__fmul_rn(x, factor)) << (4 * i);
-      }
-    });
-  }
-  return packed;
-}
-
-// Stores the 16 codes of one NVFP4 block (lo: elements 0-7) at flat position pos (a multiple of
-// 16) of the rowwise copy: one 8-byte store where the copy is 8-byte aligned, else two 4-byte ones.
-__device__ __forceinline__ void store_fp4_block(const QuantParams& p, int64_t pos, uint32_t lo, uint32_t hi) {
-  uint32_t* out = reinterpret_cast<uint32_t*>(p.row.data + pos / 2);
-  if (p.row.vec) {
-    *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
-  } else {
-    out[0] = lo;
-    out[1] = hi;
-  }
-}
-
-// The eight E4M3 codes of one chunk of 8 consecutive elements (element 0 in the low byte).
-__device__ __forceinline__ uint2 fp8_chunk_codes(const uint4& v, float factor) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  return make_uint2(
-      encode_e4m3x4(bf16_word_lo(w[0]), bf16_word_hi(w[0]), bf16_word_lo(w[1]), bf16_word_hi(w[1]), factor),
-      encode_e4m3x4(bf16_word_lo(w[2]), bf16_word_hi(w[2]), bf16_word_lo(w[3]), bf16_word_hi(w[3]), factor));
-}
+constexpr int kRowUnroll = 2;  // blocks per lane in flight in quantize_rows_kernel
 
 // ---- rowwise copy, 1-D blocks ----------------------------------------------------------------
 
@@ -215,239 +114,6 @@ __global__ void __launch_bounds__(kThreads, kSR ? 3 : 5) quantize_rows_kernel(Qu
   }
 }
 
-// ---- tile kernel: columnwise copy and / or 2-D blocks ----------------------------------------
-
-// Shared tile: row r holds 16 chunks of 8 bf16; chunk c of row r sits at chunk position
-// c ^ swizzle(r) (the low three bits only). The term of r / 16 spreads the 8 rows r, r + 16, ...
-// that a warp's column read touches at once over 8 chunk positions; the term of r % 4 spreads the
-// 4 rows of the 16 x 16 block loads of 2-D NVFP4.
-__device__ __forceinline__ int tile_swizzle(int r) { return ((r >> 4) & 7) ^ ((r & 3) << 1); }
-
-// Rowwise copy of a tile with 1-D blocks, read back from shared memory: thread t takes chunks
-// 2 (t % 8) and 2 (t % 8) + 1 (16 elements) of tile rows t / 8 + 32 i, so a block is kB / 16 lanes
-// and its scale arithmetic runs once per 16 elements instead of once per 8 (the kernel is bound by
-// instruction issue), while a warp's store still covers whole rows of the copy (16-byte FP8
-// stores where the copy is 16-byte aligned, 8-byte NVFP4 stores where it is 8-byte aligned).
-// Every lane of the CTA calls it (the shuffles). Where the factors come from:
-enum class RowFactor {
-  kRowBlocks,     // 1-D blocks: computed here, scales stored here
-  kTile,          // 2-D FP8: the tile is one block, its factor passed in
-  kSharedBlocks,  // 2-D NVFP4: the 16 x 16 blocks' factors in shared memory, [block row][block column]
-};
-template <QuantFormat F, bool kSR, RowFactor kFactor = RowFactor::kRowBlocks>
-__device__ __forceinline__ void tile_rows_from_shared(const QuantParams& p, const uint4* tile, int64_t b, int64_t m0,
-                                                      int64_t k0, float S, float tile_factor = 0.0f,
-                                                      const float* blk_factor = nullptr) {
-  constexpr int kB = block_len<F>();
-  constexpr int kGroup = kB / 16;  // lanes per block: 8, 2 or 1
-  constexpr int kPasses = kTile * kChunks / (2 * kThreads);
-  const int pair = threadIdx.x % 8, sub = pair % kGroup;
-  const int64_t k = k0 + 16 * pair;  // first column of this thread (K % 8 == 0: the second chunk may be past K)
-#pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const int r = threadIdx.x / 8 + (kThreads / 8) * i;
-    const uint4 lo = tile[r * kChunks + ((2 * pair) ^ tile_swizzle(r))];
-    const uint4 hi = tile[r * kChunks + ((2 * pair + 1) ^ tile_swizzle(r))];
-    BlockEncode e;
-    if constexpr (kFactor == RowFactor::kTile) {
-      e.factor = tile_factor;
-    } else if constexpr (kFactor == RowFactor::kSharedBlocks) {
-      e.factor = blk_factor[(r / 16) * 8 + pair];
-    } else {
-      const float amax = __uint_as_float(group_max<kGroup>(max(chunk_amax_bits(lo), chunk_amax_bits(hi))));
-      e = block_encode<F>(amax, p.pow2, S);
-    }
-    const int64_t m = m0 + r;
-    if (m >= p.M || k >= p.K) continue;  // after the shuffle
-    if (kFactor == RowFactor::kRowBlocks && sub == 0) store_block_scale<F>(p.row, b, m, k / kB, e);
-    const int64_t pos = (b * p.M + m) * p.K + k;
-    if constexpr (F == QuantFormat::kNVFP4) {  // K % 16 == 0
-      store_fp4_block(p, pos, fp4_chunk_codes<kSR>(p, lo, e.factor, pos),
-                      fp4_chunk_codes<kSR>(p, hi, e.factor, pos + 8));
-    } else {
-      const uint2 c0 = fp8_chunk_codes(lo, e.factor);
-      uint8_t* out = p.row.data + pos;
-      if (k + 8 >= p.K) {
-        *reinterpret_cast<uint2*>(out) = c0;
-      } else if (reinterpret_cast<uintptr_t>(out) % 16 == 0) {
-        const uint2 c1 = fp8_chunk_codes(hi, e.factor);
-        *reinterpret_cast<uint4*>(out) = make_uint4(c0.x, c0.y, c1.x, c1.y);
-      } else {  // the copy is 8-byte aligned (the data check), or K % 16 == 8
-        reinterpret_cast<uint2*>(out)[0] = c0;
-        reinterpret_cast<uint2*>(out)[1] = fp8_chunk_codes(hi, e.factor);
-      }
-    }
-  }
-}
-
-template <QuantFormat F, bool kTwoD, bool kSR>
-__global__ void __launch_bounds__(kThreads, kSR ? 2 : 4) quantize_tile_kernel(QuantParams p) {
-  constexpr int kB = block_len<F>();
-  constexpr bool kNV2D = kTwoD && F == QuantFormat::kNVFP4;  // 16 x 16 blocks: one warp per block
-  constexpr int kLoads = kTile * kChunks / kThreads;          // 8 chunks per thread
-  __shared__ __align__(16) uint4 tile[kTile * kChunks];
-  __shared__ float blk_factor[kNV2D ? 64 : 1];  // 2-D NVFP4: [block row][block column] of the tile
-  __shared__ uint32_t warp_amax[kThreads / 32];  // 2-D FP8: the tile is one block
-
-  const int64_t b = blockIdx.z;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile, k0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const float S = F == QuantFormat::kNVFP4 ? nvfp4_global_scale(p.global_amax[b]) : 1.0f;
-  const uint16_t* xb = p.x + b * p.M * p.K;
-
-  // Which chunk (row r, chunk c of the tile) load i of this thread holds: 2-D NVFP4 gives warp w
-  // the 16 x 16 blocks (w, i), lane l row l / 2 and chunk l % 2 of the block; otherwise a half
-  // warp holds a tile row (one 1 x 128, four 1 x 32 or eight 1 x 16 blocks).
-  auto chunk_row = [&](int i) { return kNV2D ? 16 * warp + lane / 2 : tid / kChunks + 16 * i; };
-  auto chunk_col = [&](int i) { return kNV2D ? 2 * i + lane % 2 : tid % kChunks; };
-
-  uint4 v[kLoads];
-#pragma unroll
-  for (int i = 0; i < kLoads; ++i) {
-    const int64_t m = m0 + chunk_row(i), k = k0 + 8 * chunk_col(i);
-    v[i] = make_uint4(0, 0, 0, 0);  // outside x: zeros never raise an amax
-    if (m < p.M && k < p.K) v[i] = load_chunk(xb + m * p.K + k);
-  }
-#pragma unroll
-  for (int i = 0; i < kLoads; ++i) {
-    const int r = chunk_row(i);
-    tile[r * kChunks + (chunk_col(i) ^ tile_swizzle(r))] = v[i];
-  }
-
-  float tile_factor = 1.0f;  // 2-D FP8
-  if constexpr (kTwoD && F == QuantFormat::kFP8Block) {
-    uint32_t a = 0;
-#pragma unroll
-    for (int i = 0; i < kLoads; ++i) a = max(a, chunk_amax_bits(v[i]));
-    a = group_max<32>(a);
-    if (lane == 0) warp_amax[warp] = a;
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) a = max(a, warp_amax[w]);
-    const BlockEncode e = block_encode<F>(__uint_as_float(a), p.pow2, S);
-    tile_factor = e.factor;
-    if (tid == 0) {
-      const int64_t gr = m0 / kB, gc = k0 / kB;
-      if (p.row.data) store_block_scale<F>(p.row, b, gr, gc, e);
-      if (p.col.data) store_block_scale<F>(p.col, b, gc, gr, e);
-    }
-    if (p.row.data) tile_rows_from_shared<F, kSR, RowFactor::kTile>(p, tile, b, m0, k0, S, tile_factor);
-  } else if constexpr (kNV2D) {
-    // 16 x 16 blocks: a block is the whole warp (load i of warp w holds block (w, i)).
-#pragma unroll
-    for (int i = 0; i < kLoads; ++i) {
-      const float amax = __uint_as_float(group_max<32>(chunk_amax_bits(v[i])));
-      const BlockEncode e = block_encode<F>(amax, p.pow2, S);
-      if (lane == 0) {
-        blk_factor[warp * 8 + i] = e.factor;
-        const int64_t gr = m0 / kB + warp, gc = k0 / kB + i;
-        if (gr * kB < p.M && gc * kB < p.K) {  // M, K multiples of 16: the block is whole
-          if (p.row.data) store_block_scale<F>(p.row, b, gr, gc, e);
-          if (p.col.data) store_block_scale<F>(p.col, b, gc, gr, e);
-        }
-      }
-    }
-    __syncthreads();
-    if (p.row.data) tile_rows_from_shared<F, kSR, RowFactor::kSharedBlocks>(p, tile, b, m0, k0, S, 0.0f, blk_factor);
-  } else {
-    __syncthreads();  // the tile is in shared memory
-    if (p.row.data) tile_rows_from_shared<F, kSR>(p, tile, b, m0, k0, S);
-  }
-  if (!p.col.data) return;
-
-  // Columnwise copy (stored [K, M]: a column of x is a row of the copy). Pass `it` of warp w
-  // handles the column pair kp = 4 (w + 8 it) + lane / 8 (tile columns 2 kp, 2 kp + 1) and the
-  // 16 rows 16 run .. 16 run + 15 with run = lane % 8: per row one 32-bit word of shared memory
-  // (the two columns' bf16), the 32 lanes reading 8 rows x 4 words, all in different banks.
-  const uint32_t* words = reinterpret_cast<const uint32_t*>(tile);
-  const int run = lane % 8;
-  const int64_t mr = m0 + 16 * run;  // first row of this lane's run
-#pragma unroll 1
-  for (int it = 0; it < 2; ++it) {
-    const int kp = 4 * (warp + 8 * it) + lane / 8;
-    const int chunk = kp / 4;
-    uint32_t w[16];
-#pragma unroll
-    for (int jj = 0; jj < 16; ++jj) {
-      const int r = 16 * run + jj;
-      w[jj] = words[(r * kChunks + (chunk ^ tile_swizzle(r))) * 4 + kp % 4];
-    }
-    const int64_t k = k0 + 2 * kp;  // K % 8 == 0: k and k + 1 are both in x or both outside
-    float factor[2];
-    if constexpr (kTwoD) {
-      factor[0] = factor[1] = kNV2D ? blk_factor[run * 8 + kp / 8] : tile_factor;
-    } else {
-      uint32_t a = 0;
-#pragma unroll
-      for (int jj = 0; jj < 16; ++jj) a = abs_max_pairs(a, w[jj]);
-      a = group_max_pairs<kB / 16>(a);  // the lanes of one b x 1 block: 8, 2 or 1 runs
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float amax = __uint_as_float(h ? a & 0xFFFF0000u : a << 16);
-        const BlockEncode e = block_encode<F>(amax, p.pow2, S);
-        factor[h] = e.factor;
-        if (run % (kB / 16) == 0 && k < p.K && mr < p.M) store_block_scale<F>(p.col, b, k + h, mr / kB, e);
-      }
-    }
-    if (k >= p.K || mr >= p.M) continue;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float x[16];
-#pragma unroll
-      for (int jj = 0; jj < 16; ++jj) x[jj] = h ? bf16_word_hi(w[jj]) : bf16_word_lo(w[jj]);
-      const int64_t pos = (b * p.K + k + h) * p.M + mr;  // position in the columnwise copy
-      if constexpr (F == QuantFormat::kNVFP4) {
-        uint32_t packed[2] = {0, 0};  // M % 16 == 0: the run is whole and pos a multiple of 16
-        if constexpr (kSR) {
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            uint32_t rb[4];
-            if constexpr (kTwoD) {
-              // 2-D blocks round both copies with the rowwise position's bits (exact transpose).
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const uint64_t idx = static_cast<uint64_t>((b * p.M + mr + 4 * q + e) * p.K + k + h);
-                rb[e] = sr_bits4(p.seed, p.offset, 0, idx / 4).v[idx % 4];
-              }
-            } else {
-              const Philox4 r4 = sr_bits4(p.seed, p.offset, 1, static_cast<uint64_t>(pos) / 4 + q);
-#pragma unroll
-              for (int e = 0; e < 4; ++e) rb[e] = r4.v[e];
-            }
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              packed[q / 2] |= static_cast<uint32_t>(e2m1_from_float_sr(__fmul_rn(x[4 * q + e], factor[h]), rb[e]))
-                               << (4 * ((4 * q + e) % 8));
-          }
-        } else {
-          with_numbers_tag(products_are_numbers(factor[h]), [&](auto numbers) {
-#pragma unroll
-            for (int jj = 0; jj < 16; ++jj)
-              packed[jj / 8] |= e2m1_code<decltype(numbers)::value>(__fmul_rn(x[jj], factor[h])) << (4 * (jj % 8));
-          });
-        }
-        uint8_t* dst = p.col.data + pos / 2;
-        if (p.col.vec) {
-          *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
-        } else {  // 4-byte aligned (the data check)
-          reinterpret_cast<uint32_t*>(dst)[0] = packed[0];
-          reinterpret_cast<uint32_t*>(dst)[1] = packed[1];
-        }
-      } else {
-        uint32_t q[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) q[i] = encode_e4m3x4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3], factor[h]);
-        uint8_t* dst = p.col.data + pos;
-        if (p.col.vec && mr + 16 <= p.M) {
-          *reinterpret_cast<uint4*>(dst) = make_uint4(q[0], q[1], q[2], q[3]);
-        } else {  // FP8 block with M not a multiple of 16: rows one by one, inside x only
-          for (int jj = 0; jj < 16 && mr + jj < p.M; ++jj) dst[jj] = static_cast<uint8_t>(q[jj / 4] >> (8 * (jj % 4)));
-        }
-      }
-    }
-  }
-}
-
 // ---- NVFP4 global amax -----------------------------------------------------------------------
 
 // Grid (x: CTAs per matrix, y: matrix): max of |x| bit patterns over 16-byte vectors, four loads
@@ -492,14 +158,6 @@ void launch_rows(const QuantParams& p, int64_t B, cudaStream_t stream) {
   MOE_CUDA_CHECK_LAUNCH();
 }
 
-template <QuantFormat F, bool kTwoD, bool kSR>
-void launch_tile(const QuantParams& p, int64_t B, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((p.K + kTile - 1) / kTile), static_cast<unsigned>((p.M + kTile - 1) / kTile),
-                  static_cast<unsigned>(B));
-  quantize_tile_kernel<F, kTwoD, kSR><<<grid, kThreads, 0, stream>>>(p);
-  MOE_CUDA_CHECK_LAUNCH();
-}
-
 template <QuantFormat F, bool kSR>
 void launch_format(const QuantParams& p, bool two_d, int64_t B, cudaStream_t stream) {
   if (!two_d && !p.col.data)
@@ -516,11 +174,7 @@ void launch_format(const QuantParams& p, bool two_d, int64_t B, cudaStream_t str
 void quantize(const QuantConfig& config, const TensorView& x, const QuantizedTensor& out, cudaStream_t stream) {
   using namespace quant;
   const QuantArgs a = check_quantize_args(config, x, out);
-  const int scale_bytes = config.format == QuantFormat::kFP8Block ? 4 : 1;
-  // Layout padding is part of the output: zero it (a memset node when captured).
-  for (const CopyArgs* c : {&a.row, &a.col})
-    if (c->enabled && c->scale_padded && a.B > 0)
-      MOE_CUDA_CHECK(cudaMemsetAsync(c->scale, 0, static_cast<size_t>(a.B * c->scale_entries * scale_bytes), stream));
+  zero_scale_padding(config, a, stream);
   if (config.format == QuantFormat::kNVFP4 && a.B > 0) {
     MOE_CUDA_CHECK(cudaMemsetAsync(a.global_amax, 0, static_cast<size_t>(a.B) * sizeof(float), stream));
     const int64_t chunks = a.M * a.K / 8;  // K % 8 == 0
@@ -540,22 +194,7 @@ void quantize(const QuantConfig& config, const TensorView& x, const QuantizedTen
       return quantize_fp32_tiles(a, config.pow2_scale, stream);
     return quantize_fp32_blocks(a, config, stream);
   }
-  QuantParams p;
-  p.x = static_cast<const uint16_t*>(a.x);
-  p.M = a.M;
-  p.K = a.K;
-  // vec of the rowwise copy: 8-byte aligned FP4 data, written 16 codes per store.
-  p.row = copy_params(a.row, reinterpret_cast<uintptr_t>(a.row.data) % 8 == 0);
-  // Columnwise rows of M codes start at multiples of the vector size when M is a multiple of 16
-  // and the data pointer is aligned to the vector (16 bytes FP8, 8 bytes FP4).
-  const bool fp4 = config.format == QuantFormat::kNVFP4;
-  const bool col_vec = a.col.enabled && a.M % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(a.col.data) % (fp4 ? 8 : 16) == 0;
-  p.col = copy_params(a.col, col_vec);
-  p.pow2 = config.pow2_scale;
-  p.global_amax = a.global_amax;
-  p.seed = config.seed;
-  p.offset = config.offset;
+  const QuantParams p = quant_params(config, a);
   const bool two_d = config.blocking == QuantBlocking::k2D;
   switch (config.format) {
     case QuantFormat::kFP8Block:

@@ -1,0 +1,239 @@
+// The fused activation + FP8 quantize (activation_forward_quantized) against the bitwise CPU
+// quantize reference applied to the unfused activation kernel's output (which test_activation_ops
+// checks against the CPU activation reference): every activation and GLU interleave, with and
+// without probs, rows past the valid total, partial tiles, both copies or either one, power-of-two
+// scales; graph capture + replay with new data; zero rows; argument errors.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "moe/activation_ops.h"
+#include "moe/error.h"
+#include "moe/float_convert.h"
+#include "moe/quantize.h"
+#include "reference/quantize_ref.h"
+#include "support/expect_error.h"
+#include "support/gpu.h"
+
+namespace moe {
+namespace {
+
+using ::moe::testing::CapturedGraph;
+using ::moe::testing::DeviceBuffer;
+using ::moe::testing::expect_error_naming;
+
+ActivationParams activation(Activation kind, int interleave) {
+  ActivationParams p;
+  p.kind = kind;
+  p.glu_interleave = interleave;
+  return p;
+}
+
+// The layer's configuration: row-major scales for the rowwise copy, MN-major for the columnwise one.
+QuantConfig fp8_config(bool rowwise, bool columnwise, bool pow2) {
+  QuantConfig c;
+  c.rowwise = rowwise;
+  c.columnwise = columnwise;
+  c.columnwise_scale_layout = ScaleLayout::kMNMajor;
+  c.pow2_scale = pow2;
+  return c;
+}
+
+// Inputs of one call on the host and on the device.
+struct Inputs {
+  int64_t R, F, in_cols;
+  std::vector<uint16_t> h;
+  std::vector<float> probs;       // empty: absent
+  std::vector<int32_t> offsets;   // empty: absent
+  DeviceBuffer<uint16_t> dh;
+  DeviceBuffer<float> dprobs;
+  DeviceBuffer<int32_t> doffsets;
+
+  Inputs(const ActivationParams& params, int64_t rows, int64_t f, bool with_probs, std::vector<int32_t> offs,
+         uint64_t seed)
+      : R(rows), F(f), in_cols(fc1_out_features(params.kind, f)), offsets(std::move(offs)) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> nd(0.0f, 2.0f);
+    std::uniform_real_distribution<float> up(0.0f, 1.0f);
+    h.resize(R * in_cols);
+    for (auto& b : h) b = float_to_bf16_bits(nd(rng));
+    if (R > 0) h[0] = float_to_bf16_bits(40.0f);  // a large gate: one block's amax far above the rest
+    if (with_probs) {
+      probs.resize(R);
+      for (auto& p : probs) p = up(rng);
+      if (R > 3) probs[3] = 0.0f;  // a pad row: an all-zero block (amax 0)
+    }
+    dh = DeviceBuffer<uint16_t>(h);
+    dprobs = DeviceBuffer<float>(probs);
+    doffsets = DeviceBuffer<int32_t>(offsets);
+  }
+  TensorView h_view() const { return TensorView(dh.get(), DType::kBF16, {R, in_cols}); }
+  TensorView probs_view() const { return probs.empty() ? TensorView() : TensorView(dprobs.get(), DType::kFP32, {R}); }
+  TensorView offsets_view() const {
+    return offsets.empty() ? TensorView()
+                           : TensorView(doffsets.get(), DType::kInt32, {static_cast<int64_t>(offsets.size())});
+  }
+};
+
+// Device copies sized like the reference's output, poisoned so that unwritten bytes show.
+struct Copies {
+  DeviceBuffer<uint8_t> rd, rs, cd, cs;
+  QuantizedTensor q;
+  Copies(const QuantConfig& c, const ref::Quantized& want, int64_t R, int64_t F)
+      : rd(want.rowwise_data.size()), rs(want.rowwise_scale.size()), cd(want.columnwise_data.size()),
+        cs(want.columnwise_scale.size()) {
+    for (auto* b : {&rd, &rs, &cd, &cs}) b->fill_bytes(0xA5);
+    if (c.rowwise) {
+      const ScaleShape s = scale_shape(c, R, F);
+      q.rowwise_data = TensorView(rd.get(), DType::kFP8E4M3, {R, F});
+      q.rowwise_scale = TensorView(rs.get(), s.dtype, {s.rows, s.cols});
+    }
+    if (c.columnwise) {
+      const ScaleShape s = scale_shape(c, F, R, /*columnwise=*/true);
+      q.columnwise_data = TensorView(cd.get(), DType::kFP8E4M3, {F, R});
+      q.columnwise_scale = TensorView(cs.get(), s.dtype, {s.rows, s.cols});
+    }
+  }
+  void expect_equal(const ref::Quantized& want, const std::string& what) const {
+    EXPECT_EQ(rd.download(), want.rowwise_data) << what << " rowwise data";
+    EXPECT_EQ(rs.download(), want.rowwise_scale) << what << " rowwise scale";
+    EXPECT_EQ(cd.download(), want.columnwise_data) << what << " columnwise data";
+    EXPECT_EQ(cs.download(), want.columnwise_scale) << what << " columnwise scale";
+  }
+};
+
+// act as the unfused kernel writes it, with the rows it leaves unwritten zero.
+std::vector<uint16_t> unfused_act(const ActivationParams& params, const Inputs& in, cudaStream_t stream) {
+  DeviceBuffer<uint16_t> act(in.R * in.F);
+  act.fill_bytes(0);
+  activation_forward(params, in.h_view(), in.probs_view(), in.offsets_view(),
+                     TensorView(act.get(), DType::kBF16, {in.R, in.F}), stream);
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return act.download();
+}
+
+TEST(ActivationQuantize, MatchesTheReferenceOnTheUnfusedActivation) {
+  MOE_REQUIRE_GPU();
+  cudaStream_t stream;
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  struct Variant {
+    const char* name;
+    ActivationParams params;
+  };
+  const Variant variants[] = {{"swiglu", activation(Activation::kSwiGLU, 0)},
+                              {"swiglu_il1", activation(Activation::kSwiGLU, 1)},
+                              {"geglu_il32", activation(Activation::kGeGLU, 32)},
+                              {"clamped_il1", activation(Activation::kClampedSwiGLU, 1)},
+                              {"clamped", activation(Activation::kClampedSwiGLU, 0)},
+                              {"squared_relu", activation(Activation::kSquaredReLU, 0)}};
+  struct Shape {
+    int64_t R, F;
+    std::vector<int32_t> offsets;
+  };
+  // 384 x 256: whole tiles; 300 x 224: partial tiles in both directions (R % 16 != 0: the columnwise
+  // copy's row-by-row stores), valid rows 260 of 300; 256 x 128 with four groups, one empty.
+  const Shape shapes[] = {{384, 256, {}}, {300, 224, {0, 100, 260}}, {256, 128, {0, 128, 128, 200, 256}}};
+  uint64_t seed = 1;
+  for (const Variant& v : variants) {
+    for (const Shape& sh : shapes) {
+      for (bool with_probs : {true, false}) {
+        const Inputs in(v.params, sh.R, sh.F, with_probs, sh.offsets, seed++);
+        const std::vector<uint16_t> act = unfused_act(v.params, in, stream);
+        for (int copies = 0; copies < 3; ++copies) {
+          const bool pow2 = seed % 2 == 0;
+          const QuantConfig c = fp8_config(copies != 2, copies != 1, pow2);
+          const std::string what = std::string(v.name) + " R=" + std::to_string(sh.R) + " F=" + std::to_string(sh.F) +
+                                   (with_probs ? " probs" : "") + " copies=" + std::to_string(copies) +
+                                   (pow2 ? " pow2" : "");
+          const ref::Quantized want = ref::quantize(c, act, 1, sh.R, sh.F);
+          const Copies got(c, want, sh.R, sh.F);
+          activation_forward_quantized(v.params, in.h_view(), in.probs_view(), in.offsets_view(), c, got.q, stream);
+          MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+          got.expect_equal(want, what);
+        }
+      }
+    }
+  }
+  cudaStreamDestroy(stream);
+}
+
+TEST(ActivationQuantize, GraphReplayWithNewData) {
+  MOE_REQUIRE_GPU();
+  cudaStream_t stream;
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const ActivationParams params = activation(Activation::kSwiGLU, 0);
+  const int64_t R = 256, F = 256;
+  Inputs in(params, R, F, true, {0, 64, 192, 256}, 11);
+  const QuantConfig c = fp8_config(true, true, false);
+  const ref::Quantized first = ref::quantize(c, unfused_act(params, in, stream), 1, R, F);
+  const Copies got(c, first, R, F);
+  const CapturedGraph graph(stream, [&] {
+    activation_forward_quantized(params, in.h_view(), in.probs_view(), in.offsets_view(), c, got.q, stream);
+  });
+  graph.launch();
+  got.expect_equal(first, "first replay");
+  // New h, probs and group offsets in the same buffers: the replay reads them all on the device.
+  const Inputs next(params, R, F, true, {0, 32, 32, 160}, 12);
+  in.dh.upload(next.h);
+  in.dprobs.upload(next.probs);
+  in.doffsets.upload(next.offsets);
+  in.h = next.h;
+  in.probs = next.probs;
+  in.offsets = next.offsets;
+  const ref::Quantized second = ref::quantize(c, unfused_act(params, in, stream), 1, R, F);
+  graph.launch();
+  got.expect_equal(second, "second replay");
+  cudaStreamDestroy(stream);
+}
+
+TEST(ActivationQuantize, ZeroRowsAreValid) {
+  MOE_REQUIRE_GPU();
+  const ActivationParams params = activation(Activation::kSwiGLU, 0);
+  DeviceBuffer<uint16_t> h(16);
+  DeviceBuffer<float> probs(4);
+  const QuantConfig c = fp8_config(true, true, false);
+  const ref::Quantized want = ref::quantize(c, {}, 1, 0, 128);
+  const Copies got(c, want, 0, 128);
+  activation_forward_quantized(params, TensorView(h.get(), DType::kBF16, {0, 256}),
+                               TensorView(probs.get(), DType::kFP32, {0}), TensorView(), c, got.q, nullptr);
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  got.expect_equal(want, "zero rows");
+}
+
+TEST(ActivationQuantize, BadInputNamesTheArgument) {
+  MOE_REQUIRE_GPU();
+  const ActivationParams params = activation(Activation::kSwiGLU, 0);
+  const int64_t R = 128, F = 128;
+  const Inputs in(params, R, F, true, {}, 5);
+  const QuantConfig c = fp8_config(true, true, false);
+  const ref::Quantized shape = ref::quantize(c, std::vector<uint16_t>(R * F, 0), 1, R, F);
+  const Copies out(c, shape, R, F);
+  auto run = [&](const ActivationParams& p, const TensorView& h, const TensorView& probs, const QuantConfig& cfg,
+                 const QuantizedTensor& q) {
+    activation_forward_quantized(p, h, probs, TensorView(), cfg, q, nullptr);
+  };
+  QuantConfig mx = c;
+  mx.format = QuantFormat::kMXFP8;
+  expect_error_naming([&] { run(params, in.h_view(), in.probs_view(), mx, out.q); }, "'config'");
+  QuantConfig two_d = c;
+  two_d.blocking = QuantBlocking::k2D;
+  expect_error_naming([&] { run(params, in.h_view(), in.probs_view(), two_d, out.q); }, "'config'");
+  expect_error_naming([&] { run(params, TensorView(in.dh.get(), DType::kBF16, {R * 2 * F}), in.probs_view(), c, out.q); },
+                      "'h'");
+  expect_error_naming(
+      [&] { run(params, TensorView(in.dh.get(), DType::kFP32, {R, 2 * F}), in.probs_view(), c, out.q); }, "'h'");
+  expect_error_naming([&] { run(params, in.h_view(), TensorView(in.dprobs.get(), DType::kFP32, {R - 1}), c, out.q); },
+                      "'probs'");
+  QuantizedTensor bad = out.q;
+  bad.rowwise_data = TensorView(out.rd.get(), DType::kFP8E4M3, {R, F + 16});
+  expect_error_naming([&] { run(params, in.h_view(), in.probs_view(), c, bad); }, "'out.rowwise_data'");
+  bad = out.q;
+  bad.columnwise_scale = TensorView();
+  expect_error_naming([&] { run(params, in.h_view(), in.probs_view(), c, bad); }, "'out.columnwise_scale'");
+}
+
+}  // namespace
+}  // namespace moe
