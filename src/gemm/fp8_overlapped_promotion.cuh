@@ -16,6 +16,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 
+#include "gemm/fp8_scale_views.cuh"
+
 namespace moe::gemm {
 
 template <class Base>
@@ -36,20 +38,8 @@ struct OverlappedPromotionMainloop : Base {
     using namespace cute;
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), typename Base::SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), typename Base::SmemLayoutB{});
-    // The scales as (BLK_M, BLK_N, (BLK_K, PIPE)) views broadcast over the other operand's mode, so
-    // that they partition like the accumulator.
-    using LayoutSFA = typename Base::SmemLayoutSFA;
-    using LayoutSFB = typename Base::SmemLayoutSFB;
-    Tensor sSFA = make_tensor(make_smem_ptr(shared_tensors.smem_SFA.data()),
-                              make_layout(make_shape(shape<0>(LayoutSFA{}), get<1>(TileShape{}),
-                                                     make_shape(shape<1>(LayoutSFA{}), shape<2>(LayoutSFA{}))),
-                                          make_stride(stride<0>(LayoutSFA{}), _0{},
-                                                      make_stride(stride<1>(LayoutSFA{}), stride<2>(LayoutSFA{})))));
-    Tensor sSFB = make_tensor(make_smem_ptr(shared_tensors.smem_SFB.data()),
-                              make_layout(make_shape(get<0>(TileShape{}), shape<0>(LayoutSFB{}),
-                                                     make_shape(shape<1>(LayoutSFB{}), shape<2>(LayoutSFB{}))),
-                                          make_stride(_0{}, stride<0>(LayoutSFB{}),
-                                                      make_stride(stride<1>(LayoutSFB{}), stride<2>(LayoutSFB{})))));
+    Tensor sSFA = a_scale_view<Base>(shared_tensors);  // (BLK_M, BLK_N, (BLK_K, PIPE))
+    Tensor sSFB = b_scale_view<Base>(shared_tensors);
 
     constexpr int kWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
     const Layout group_layout = make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
