@@ -16,7 +16,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 
-#include "gemm/fp8_scale_views.cuh"
+#include "gemm/fp8_promotion_operands.cuh"
 
 namespace moe::gemm {
 
@@ -36,22 +36,14 @@ struct OverlappedPromotionMainloop : Base {
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum, int k_tile_count,
                           int thread_idx, TensorStorage& shared_tensors, Params const&) {
     using namespace cute;
-    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), typename Base::SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), typename Base::SmemLayoutB{});
-    Tensor sSFA = a_scale_view<Base>(shared_tensors);  // (BLK_M, BLK_N, (BLK_K, PIPE))
-    Tensor sSFB = b_scale_view<Base>(shared_tensors);
-
-    constexpr int kWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
-    const Layout group_layout = make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
-    const int group = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
     TiledMma tiled_mma;
-    auto thread_mma = tiled_mma.get_slice(group_layout(group));
-    Tensor tCsSFA = tiled_mma.get_slice(thread_idx).partition_C(sSFA);  // (MMA, MMA_M, MMA_N, (MMA_K, PIPE))
-    Tensor tCsSFB = tiled_mma.get_slice(thread_idx).partition_C(sSFB);
-    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
-    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));
-    Tensor tCrSFA = make_tensor_like<ElementScale>(tCsSFA(_, _, _, _0{}));  // (MMA, MMA_M, MMA_N)
-    Tensor tCrSFB = make_tensor_like<ElementScale>(tCsSFB(_, _, _, _0{}));
+    auto operands = promotion_operands<Base>(shared_tensors, thread_idx);  // named, not bound: lambdas use them
+    auto& tCrA = get<0>(operands);
+    auto& tCrB = get<1>(operands);
+    auto& tCsSFA = get<2>(operands);
+    auto& tCsSFB = get<3>(operands);
+    auto& tCrSFA = get<4>(operands);
+    auto& tCrSFB = get<5>(operands);
     // promote() indexes the scales by the accumulator's element index.
     CUTE_STATIC_ASSERT_V(shape(tCrSFA) == shape(accum));
     CUTE_STATIC_ASSERT_V(shape(tCrSFB) == shape(accum));
