@@ -125,6 +125,8 @@ void activation_forward_quantized(const ActivationParams& params, const TensorVi
   // act's shape, as activation_forward's out would have it: the checks below read its shape only.
   const TensorView act(h.data, DType::kBF16, {h.shape[0], gated ? h.shape[1] / 2 : h.shape[1]}, h.device);
   const kernels::ActivationDims d = kernels::check_activation_args(params, h, probs, group_offsets, act, "h");
+  // The quantize checks would name act 'x'; its one limit h can break is the grid's row tiles.
+  MOE_CHECK((d.R + 127) / 128 <= 65535, "argument 'h': expected at most 65535 * 128 rows, got ", d.R);
   const QuantArgs a = check_quantize_args(config, act, out);
   zero_scale_padding(config, a, stream);
   if (d.R == 0) return;

@@ -227,6 +227,9 @@ TEST(ActivationQuantize, BadInputNamesTheArgument) {
       [&] { run(params, TensorView(in.dh.get(), DType::kFP32, {R, 2 * F}), in.probs_view(), c, out.q); }, "'h'");
   expect_error_naming([&] { run(params, in.h_view(), TensorView(in.dprobs.get(), DType::kFP32, {R - 1}), c, out.q); },
                       "'probs'");
+  const int64_t too_many = 65535 * 128 + 1;  // the view is only checked, never read
+  expect_error_naming(
+      [&] { run(params, TensorView(in.dh.get(), DType::kBF16, {too_many, 2 * F}), TensorView(), c, out.q); }, "'h'");
   QuantizedTensor bad = out.q;
   bad.rowwise_data = TensorView(out.rd.get(), DType::kFP8E4M3, {R, F + 16});
   expect_error_naming([&] { run(params, in.h_view(), in.probs_view(), c, bad); }, "'out.rowwise_data'");
