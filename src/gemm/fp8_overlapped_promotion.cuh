@@ -102,6 +102,10 @@ struct OverlappedPromotionMainloop : Base {
       warpgroup_wait<1>();
       load_scales(stage);
       promote(done);
+      // One lane per warp arrives on the stage's empty barrier: the warp barrier orders every
+      // lane's scale reads before it, so that the producer's next copies into the stage cannot
+      // overtake them (racecheck reports the reads as racing with those writes otherwise).
+      __syncwarp();
       pipeline.consumer_release(release);
       ++release;
     };
@@ -139,6 +143,7 @@ struct OverlappedPromotionMainloop : Base {
       load_scales(stage0);
       promote(temp0);
     }
+    __syncwarp();  // as in retire(): before the tail's release of the last stage
     // The last block's stage stays held: the kernel's mma_tail releases it.
   }
 };

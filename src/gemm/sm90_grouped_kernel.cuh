@@ -231,9 +231,10 @@ using Sm90GroupedGemm = Sm90Gemm<Bf16Operands<kOp>, ElementD, ElementC, Tile, Cl
 //     scales stored [tokens/128, rows] (MN-major, a group's scales start at its first 128-token block).
 //   The fprop form's weight scales may come restated per 64 rows (kWeightScaleRows = 64), so that a
 //     192-wide tile holds whole scale blocks (GroupedGemm writes that copy per call).
-template <class ElementD, class ElementC, class Tile, class Cluster, class Schedule, int kWeightScaleRows = 128>
+template <class ElementD, class ElementC, class Tile, class Cluster, class Schedule, int kWeightScaleRows = 128,
+          class EpiTile = cutlass::epilogue::collective::EpilogueTileAuto>
 using Sm90Fp8FpropGemm = Sm90Gemm<Fp8BlockOperands<kWeightScaleRows, cute::GMMA::Major::K, cute::GMMA::Major::K>,
-                                  ElementD, ElementC, Tile, Cluster, Schedule>;
+                                  ElementD, ElementC, Tile, Cluster, Schedule, EpiTile>;
 template <class ElementD, class ElementC, class Tile, class Cluster, class Schedule>
 using Sm90Fp8WgradGemm = Sm90Gemm<Fp8BlockOperands<1, cute::GMMA::Major::MN, cute::GMMA::Major::MN>, ElementD,
                                   ElementC, Tile, Cluster, Schedule>;

@@ -229,8 +229,13 @@ TEST_F(Fp8GroupedGemm, FpropAndDgradMatchTheDequantizedReference) {
     std::vector<int> sizes;
   };
   // N and K not multiples of 128 (partial scale blocks in both operands), empty groups, groups
-  // shorter than a tile, one long group.
-  const Case cases[] = {{4, 400, 336, {130, 0, 77, 301}}, {3, 256, 512, {0, 640, 16}}, {1, 128, 128, {5}}};
+  // shorter than a tile, one long group. Reductions of 4 and 8 blocks take the 128x192 tile's
+  // 16-byte scale loads (four blocks per load; with 8, the second load too), the others its
+  // word-by-word copies.
+  const Case cases[] = {{4, 400, 336, {130, 0, 77, 301}},
+                        {3, 256, 512, {0, 640, 16}},
+                        {1, 128, 128, {5}},
+                        {2, 1024, 1024, {200, 72}}};
   // Every compiled fprop-form configuration (dgrad runs on the fprop-form kernel too).
   for (const std::string& config : GroupedGemm::configs(GemmOp::kFprop, DType::kBF16, DType::kFP8E4M3))
     for (const Case& cs : cases) {
