@@ -38,6 +38,7 @@ struct OverlappedPromotionMainloop : Base {
     using namespace cute;
     TiledMma tiled_mma;
     auto operands = promotion_operands<Base>(shared_tensors, thread_idx);  // named, not bound: lambdas use them
+    const ScalesReadBarrier scales_read(thread_idx);
     auto& tCrA = get<0>(operands);
     auto& tCrB = get<1>(operands);
     auto& tCsSFA = get<2>(operands);
@@ -102,10 +103,10 @@ struct OverlappedPromotionMainloop : Base {
       warpgroup_wait<1>();
       load_scales(stage);
       promote(done);
-      // One lane per warp arrives on the stage's empty barrier: the warp barrier orders every
-      // lane's scale reads before it, so that the producer's next copies into the stage cannot
-      // overtake them (racecheck reports the reads as racing with those writes otherwise).
-      __syncwarp();
+      // Only two threads of the warp group arrive on the stage's empty barrier: the warp group's
+      // barrier orders the scale reads of all four warps before them, so that the producer's next
+      // copies into the stage cannot overtake a lagging warp's reads.
+      scales_read.sync();
       pipeline.consumer_release(release);
       ++release;
     };
@@ -143,7 +144,7 @@ struct OverlappedPromotionMainloop : Base {
       load_scales(stage0);
       promote(temp0);
     }
-    __syncwarp();  // as in retire(): before the tail's release of the last stage
+    scales_read.sync();  // as in retire(): before the tail's release of the last stage
     // The last block's stage stays held: the kernel's mma_tail releases it.
   }
 };

@@ -6,9 +6,22 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
 
 namespace moe::gemm {
+
+// The barrier of one consumer warp group (128 threads, a user named barrier per group) that orders
+// the scale reads of all its warps before the stage is released: CUTLASS's pipeline lets only two
+// threads of a warp group arrive on a stage's empty barrier (one per CTA of the cluster), and
+// nothing else orders the other warps' shared-memory reads before the producer's next copies into
+// that stage.
+struct ScalesReadBarrier {
+  CUTE_DEVICE explicit ScalesReadBarrier(int thread_idx)
+      : id(uint32_t(thread_idx / cutlass::NumThreadsPerWarpGroup)) {}
+  CUTE_DEVICE void sync() const { cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, id); }
+  uint32_t id;
+};
 
 // Returns (tCrA, tCrB, tCsSFA, tCsSFB, tCrSFA, tCrSFB):
 //   tCrA, tCrB      (MMA, MMA_M / MMA_N, MMA_K, PIPE) operand descriptors

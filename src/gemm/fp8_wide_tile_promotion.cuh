@@ -158,6 +158,7 @@ struct WideTilePromotionMainloop : Base {
     CUTE_STATIC_ASSERT_V(size(tCrSFA) == size(accum));
     CUTE_STATIC_ASSERT_V(size(tCrSFB) == size(accum));
     Tensor temp = make_fragment_like(accum);
+    const ScalesReadBarrier scales_read(thread_idx);
 
     clear(accum);
     warpgroup_fence_operand(accum);
@@ -183,12 +184,12 @@ struct WideTilePromotionMainloop : Base {
       copy(tCsSFB(_, _, _, make_coord(_0{}, stage)), tCrSFB);
       warpgroup_wait<0>();
       warpgroup_fence_operand(temp);
-      // The stage's operands and scales are consumed: hand it back before promoting. One lane per
-      // warp arrives on the stage's empty barrier; the warp barrier orders every lane's scale reads
-      // before that arrive (and before the tail's release of the last stage), so that the
-      // producer's next stores into the stage cannot overtake them (racecheck reports a race
-      // otherwise once the stages wrap around).
-      __syncwarp();
+      // The stage's operands and scales are consumed: hand it back before promoting. Only two
+      // threads of the warp group arrive on its empty barrier (one per CTA of the cluster), so the
+      // warp group's barrier first orders the scale reads of all four warps before them (and
+      // before the tail's release of the last stage): the producer's next stores into the stage
+      // must not overtake a lagging warp's reads.
+      scales_read.sync();
       if (k + 1 < k_tile_count) pipeline.consumer_release(smem_pipe_read);
       ++smem_pipe_read;
       barrier_token = pipeline.consumer_try_wait(smem_pipe_read, k + 1 == k_tile_count);

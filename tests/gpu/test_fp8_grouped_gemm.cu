@@ -148,7 +148,8 @@ std::vector<const double*> expert_ptrs(const std::vector<double>& w, int E, int6
 
 struct Engine {
   // Weight dims up to 1024: every FP8 configuration runs, the 192-wide ones with restated scales.
-  Engine(int E, int64_t R) : gg(E, R, 0, 1024), ws(gg.workspace_bytes()) {}
+  // max_sms > 0: the persistent grid is that small, so each CTA runs several tiles.
+  Engine(int E, int64_t R, int max_sms = 0) : gg(E, R, max_sms, 1024), ws(gg.workspace_bytes()) {}
   GroupedGemm gg;
   DeviceBuffer<uint8_t> ws;
   TensorView workspace() const { return TensorView(ws.get(), DType::kUInt8, {int64_t(ws.size())}); }
@@ -227,23 +228,26 @@ TEST_F(Fp8GroupedGemm, FpropAndDgradMatchTheDequantizedReference) {
     int E;
     int64_t N, K;
     std::vector<int> sizes;
+    int sms = 0;  // > 0: a grid of that many SMs
   };
   // N and K not multiples of 128 (partial scale blocks in both operands), empty groups, groups
   // shorter than a tile, one long group. Reductions of 4 and 8 blocks take the 128x192 tile's
   // 16-byte scale loads (four blocks per load; with 8, the second load too), the others its
-  // word-by-word copies.
+  // word-by-word copies. The last case runs on 4 SMs: 8 blocks per tile and several tiles per CTA
+  // wrap the stage ring within and across tiles.
   const Case cases[] = {{4, 400, 336, {130, 0, 77, 301}},
                         {3, 256, 512, {0, 640, 16}},
                         {1, 128, 128, {5}},
-                        {2, 1024, 1024, {200, 72}}};
+                        {2, 1024, 1024, {200, 72}},
+                        {2, 1024, 1024, {200, 72}, 4}};
   // Every compiled fprop-form configuration (dgrad runs on the fprop-form kernel too).
   for (const std::string& config : GroupedGemm::configs(GemmOp::kFprop, DType::kBF16, DType::kFP8E4M3))
     for (const Case& cs : cases) {
       const TokenProblem p(cs.E, cs.N, cs.K, cs.sizes, 7 + cs.N, stream);
-      Engine eng(cs.E, p.R);
+      Engine eng(cs.E, p.R, cs.sms);
       eng.gg.force_config(GemmOp::kFprop, config);
-      const std::string tag =
-          config + " E=" + std::to_string(cs.E) + " N=" + std::to_string(cs.N) + " K=" + std::to_string(cs.K);
+      const std::string tag = config + " E=" + std::to_string(cs.E) + " N=" + std::to_string(cs.N) +
+                              " K=" + std::to_string(cs.K) + " SMs=" + std::to_string(eng.gg.sm_count());
       const ref::Groups g = groups_of(p.off);
       const std::vector<double> xd = p.x.values(false), dyd = p.dy.values(false), wd = p.w.values(false);
       const std::vector<double> xa = absolute(xd), dya = absolute(dyd), wa = absolute(wd);
@@ -321,7 +325,8 @@ struct WgradProblem {
 TEST_F(Fp8GroupedGemm, WgradMatchesTheDequantizedReference) {
   // Groups start on the 128-token grid (the dispatch pads to A = 128); the last one ends off it.
   const WgradProblem p(5, 272, 400, {256, 0, 128, 384, 208}, 23, stream);
-  Engine eng(p.E, p.R);
+  // On 4 SMs: each CTA runs about a dozen tiles, so the stage ring wraps across tiles.
+  Engine eng(p.E, p.R, 4);
   const ref::Groups g = groups_of(p.off);
   // The reference reads the tokens' copies back in token-major order.
   const std::vector<double> dyd = transpose(p.dy.values(true), p.N, p.R), xd = transpose(p.x.values(true), p.K, p.R);
