@@ -295,6 +295,28 @@ TEST_F(Fp8GroupedGemm, BothWeightLayoutsAreBitwiseEqual) {
   EXPECT_EQ(dx1.download(), dx2.download());
 }
 
+TEST_F(Fp8GroupedGemm, TokenScalesOffTheVectorAlignmentGiveTheSameBits) {
+  // 8 scale blocks per row: the 128x192 tile loads four at a time from 16-byte aligned scales and
+  // copies them word by word from scales starting one word off that alignment (valid input: fp32
+  // scales need 4-byte alignment only). The same products either way, bit for bit.
+  const TokenProblem p(2, 1024, 1024, {200, 72}, 13, stream);
+  const int64_t cols = p.x.scale_cols(false);
+  DeviceBuffer<float> shifted(p.R * cols + 1);
+  MOE_CUDA_CHECK(cudaMemcpyAsync(shifted.get() + 1, p.x.rscale.get(), p.R * cols * sizeof(float),
+                                 cudaMemcpyDeviceToDevice, stream));
+  for (const std::string& config : GroupedGemm::configs(GemmOp::kFprop, DType::kBF16, DType::kFP8E4M3)) {
+    Engine eng(p.E, p.R);
+    eng.gg.force_config(GemmOp::kFprop, config);
+    DeviceBuffer<uint16_t> y1(p.R * p.N), y2(p.R * p.N);
+    eng.run(p.fprop(TensorView(y1.get(), DType::kBF16, {p.R, p.N})), stream);
+    GemmProblem f = p.fprop(TensorView(y2.get(), DType::kBF16, {p.R, p.N}));
+    f.a_scale = TensorView(shifted.get() + 1, DType::kFP32, {p.R, cols});
+    eng.run(f, stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(y1.download(), y2.download()) << config;
+  }
+}
+
 // wgrad: dW_e [N, K] = dY_e^T X_e from the columnwise copies, groups on the 128-token grid.
 struct WgradProblem {
   int E;
