@@ -134,7 +134,7 @@ struct WideTilePromotionMainloop : Base {
         const int row = lane + j * kLanes;
         Copy(&sSFA(row, 0, stage), &gSFA(row, 0, k), row_ok >> j & 1u);
       }
-      if (lane < Base::ScaleNsPerTile) Copy(&sSFB(b_col, 0, stage), &gSFB(b_col, 0, k), b_lane);
+      if (b_lane) Copy(&sSFB(b_col, 0, stage), &gSFB(b_col, 0, k));
       pipeline.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
       ++k_tile_iter;
       ++smem_pipe_write;
