@@ -17,6 +17,7 @@ enum ErrorBits : uint32_t {
   kErrBadGroupOffsets = 1u << 5,      // grouped GEMM offsets not 0-based, decreasing or past the rows
   kErrNonFiniteLogit = 1u << 6,       // a NaN/Inf router logit or expert bias (the row was routed nowhere)
   kErrUnalignedGroup = 1u << 7,       // FP8 wgrad: a group not filling whole 128-token blocks (skipped)
+  kErrBadRowMap = 1u << 8,            // a row map entry below -1 or past the gathered rows (read as zeros)
 };
 
 // "expert id out of range; duplicate expert in a top-k row" -- empty for 0.

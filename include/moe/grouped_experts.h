@@ -89,7 +89,10 @@ class GroupedExperts {
   // nothing reads them), which the state then saves by reference like forward's x_perm. With an
   // empty x_perm_out no x_perm ever exists: the state saves x and row_slots by reference instead
   // (they must stay unchanged until the backward, or backward_dw in delayed mode, has run), and the
-  // fc1 weight gradient gathers the rows of x itself.
+  // fc1 weight gradient gathers the rows of x itself. With config.fp8 (instead of fuse_fc1) the
+  // gathered rows are quantized straight into the FP8 copies of x_perm (bitwise forward's), no
+  // x_perm exists (x_perm_out must be empty) and the state keeps no reference to x. A map entry
+  // outside [-1, T * slots) reads as a zero row and raises kErrBadRowMap in the error word.
   void forward_gathered(const TensorView& x, const TensorView& row_slots, int slots, const TensorView& group_offsets,
                         const TensorView& probs_perm, const TensorView& Y, const TensorView& x_perm_out,
                         const SavedState& state, cudaStream_t stream);
@@ -110,7 +113,9 @@ class GroupedExperts {
   // row_slots[r] < 0, the row map of forward_gathered -- with no separate pass building dY. The
   // kernel writes them to dY_out [rows, H] on the way, where the fc2 weight and bias gradients (and
   // backward_dw) read them; dY_out may be empty only without bias and delay_wgrad: then no dY_perm
-  // ever exists and the fc2 weight gradient gathers the rows of dy too. Otherwise as backward.
+  // ever exists and the fc2 weight gradient gathers the rows of dy too. With config.fp8 (instead of
+  // fuse_fc2_dgrad; without bias and delay_wgrad) the gathered rows are quantized straight into dY's
+  // FP8 copies (bitwise backward's) and dY_out must be empty. Otherwise as backward.
   void backward_gathered(const TensorView& dy, const TensorView& row_slots, int slots, const TensorView& dY_out,
                          const TensorView& dx_perm, const TensorView& d_probs_perm, const SavedState& state,
                          cudaStream_t stream);
@@ -120,7 +125,8 @@ class GroupedExperts {
   // The inputs a filled state reads again by address (x_perm, group_offsets, probs_perm; dY once a
   // delayed backward ran, else pass nullptr) now live elsewhere -- e.g. the caller offloaded them to
   // the host and restored them, or the state's own memory moved: point the state at them. Same
-  // shapes as at forward; the data must be unchanged.
+  // shapes as at forward; the data must be unchanged. With config.fp8, x_perm may be an empty view
+  // (the FP8 backward reads the state's own FP8 copy of it).
   void relocate(const SavedState& state, const TensorView& x_perm, const TensorView& group_offsets,
                 const TensorView& probs_perm, const TensorView* dY = nullptr) const;
   // The same for a state whose fc1 weight gradient gathers the rows of x (forward_gathered without

@@ -41,6 +41,16 @@ struct QuantizedTensor {
 // format (partial blocks) are in docs/quantization.md; anything else is a moe::Error naming 'x'.
 void quantize(const QuantConfig& config, const TensorView& x, const QuantizedTensor& out, cudaStream_t stream);
 
+// Quantizes the rows of bf16 x [T, K] gathered through a row map: row r of the quantized matrix
+// [rows, K] is x[row_slots[r] / slots], zeros where row_slots[r] = -1 -- bitwise quantize() of the
+// x_perm that Dispatcher::permute writes for a plan whose map this is (Dispatcher::row_slots), with
+// no x_perm written or read. row_slots int32 [rows], slots >= 1 (the plan's slots per token).
+// FP8 block scaling or MXFP8 with 1-D blocks (a token operand: NVFP4's global amax would be the
+// gathered matrix's). An entry below -1 or at or past T * slots reads as a zero row and ORs
+// kErrBadRowMap into error_word (when given).
+void quantize_gathered(const QuantConfig& config, const TensorView& x, const TensorView& row_slots, int slots,
+                       const QuantizedTensor& out, uint32_t* error_word, cudaStream_t stream);
+
 // Dequantizes one copy (columnwise = false: rowwise) into out (bf16 or fp32), shaped like that
 // copy's data: [B?, M, K] for rowwise, [B?, K, M] for columnwise. A value is the fp32 product of
 // the element and its block's decode factor (docs/quantization.md), rounded to bf16 when out is bf16.

@@ -16,6 +16,7 @@ std::string describe_error_bits(uint32_t bits) {
       {kErrBadGroupOffsets, "grouped GEMM group offsets not starting at 0, decreasing, or past the rows (groups clamped)"},
       {kErrNonFiniteLogit, "non-finite router logit or expert bias (row routed nowhere)"},
       {kErrUnalignedGroup, "FP8 wgrad group not filling whole 128-token blocks (group skipped)"},
+      {kErrBadRowMap, "row map entry below -1 or past the rows of the gathered tensor (row read as zeros)"},
   };
   std::string out;
   uint32_t known = 0;

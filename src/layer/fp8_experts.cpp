@@ -120,6 +120,14 @@ void Fp8ExpertsRecipe::quantize(const TensorView& a, bool rowwise, uint8_t* col,
   if (rowwise || col != nullptr) moe::quantize(fp8_config(QuantBlocking::k1D, rowwise, col != nullptr), a, q, s);
 }
 
+void Fp8ExpertsRecipe::quantize_gathered(const TensorView& x, const TensorView& row_slots, int slots, bool rowwise,
+                                         uint8_t* col, float* col_scale, uint32_t* error_word, cudaStream_t s) const {
+  const QuantizedTensor q = token_copies(row_slots.shape[0], x.shape[1], rowwise, col, col_scale);
+  if (rowwise || col != nullptr)
+    moe::quantize_gathered(fp8_config(QuantBlocking::k1D, rowwise, col != nullptr), x, row_slots, slots, q, error_word,
+                           s);
+}
+
 void Fp8ExpertsRecipe::quantize_activation(const ActivationParams& params, const TensorView& h,
                                            const TensorView& probs, const TensorView& group_offsets, bool rowwise,
                                            uint8_t* col, float* col_scale, cudaStream_t s) const {

@@ -3,10 +3,11 @@
 // GEMM operand is E4M3 with fp32 block scales (docs/quantization.md, FP8 block); everything between
 // the GEMMs (h, the activation, dact, dh, bias, probs) stays bf16 as in the bf16 path.
 //
-//   forward   x_perm -> rowwise (fc1 fprop)  + columnwise, saved (fc1 wgrad)
+//   forward   x_perm -> rowwise (fc1 fprop)  + columnwise, saved (fc1 wgrad), quantized from x_perm
+//                       or from the rows of x gathered through the dispatch map (same bits)
 //             act    -> rowwise (fc2 fprop)  + columnwise, saved (fc2 wgrad), quantized as the
 //                       activation computes it from h (act itself is never stored)
-//   backward  dY     -> rowwise (fc2 dgrad)  + columnwise (fc2 wgrad)
+//   backward  dY     -> rowwise (fc2 dgrad)  + columnwise (fc2 wgrad), from dY or gathered from dy
 //             dh     -> rowwise (fc1 dgrad)  + columnwise (fc1 wgrad)
 //   weights   128x128 blocks, rowwise (fprop) and columnwise (dgrad), at every forward
 //
@@ -59,6 +60,10 @@ class Fp8ExpertsRecipe {
   // Quantizes a bf16 [rows, cols]: rowwise into the token workspace (read by the next fprop or
   // dgrad) when `rowwise`; columnwise into (col, col_scale) when col is given.
   void quantize(const TensorView& a, bool rowwise, uint8_t* col, float* col_scale, cudaStream_t stream) const;
+  // The same for the rows of x [T, cols] gathered through a row map (row r = x[row_slots[r] /
+  // slots], zeros where -1): bitwise quantize() of the permuted matrix, which is never written.
+  void quantize_gathered(const TensorView& x, const TensorView& row_slots, int slots, bool rowwise, uint8_t* col,
+                         float* col_scale, uint32_t* error_word, cudaStream_t stream) const;
   // The same for act = activation(h) x probs [rows, ffn], computed on the way (act is not stored):
   // bitwise the copies of quantize() on activation_forward's output.
   void quantize_activation(const ActivationParams& params, const TensorView& h, const TensorView& probs,

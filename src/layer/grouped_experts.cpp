@@ -3,6 +3,8 @@
 // the math lives in the kernels it calls.
 //
 // Forward:  fc1 (+b1) -> act x p -> fc2 (+b2 p)     (fc1 to act x p in one kernel with fuse_fc1)
+//           (FP8: forward_gathered / backward_gathered quantize the rows of x / dy gathered through
+//           the row map: no x_perm or dY_perm in bf16)
 // Backward: [fc2 wgrad] -> fc2 dgrad -> act bwd (+dp) -> fc1 dgrad -> [fc1 wgrad]
 //           (weight gradients deferred to backward_dw in delayed mode; fc2 dgrad to act bwd in one
 //           kernel with fuse_fc2_dgrad, which leaves act as it is: fc2's wgrad may run after it)
@@ -295,16 +297,23 @@ struct GroupedExperts::Impl {
     const int64_t F = cfg.ffn, F1 = cfg.fc1_out();
     if (fp8) {
       fp8->quantize(x_perm, /*rowwise=*/true, b.fp8.x_col, b.fp8.x_col_scale, s);
-      fp8->fprop(1, gemm, gemm_workspace(), g, bf16_view(b.h, rows, F1), s);
-    } else if (emu) {
+      return fc1_from_quantized(g, b, rows, s);
+    }
+    if (emu) {
       emu->fprop(1, gemm, emu->tokens(x_perm, g, /*columnwise=*/false, 0, s), g, bf16_view(b.h, rows, F1),
                  gemm_workspace(), s);
     } else {
       gemm.fprop(x_perm, w1, g, bf16_view(b.h, rows, F1), gemm_workspace(), s);
     }
     if (cfg.bias) bias_add(bf16_view(b.h, rows, F1), b1, TensorView(), g, s);
-    // FP8: act is computed where it is quantized (fc2_forward, recompute), never stored.
-    if (!fp8) activation_forward(cfg.activation, bf16_view(b.h, rows, F1), pp, g, bf16_view(b.act, rows, F), s);
+    activation_forward(cfg.activation, bf16_view(b.h, rows, F1), pp, g, bf16_view(b.act, rows, F), s);
+  }
+  // FP8, after x_perm's copies were made (quantized from x_perm, or gathered from x): fc1 (+b1) into
+  // h. act is computed where it is quantized (fc2_forward, recompute), never stored.
+  void fc1_from_quantized(const TensorView& g, const StateBuffers& b, int64_t rows, cudaStream_t s) const {
+    const TensorView h = bf16_view(b.h, rows, cfg.fc1_out());
+    fp8->fprop(1, gemm, gemm_workspace(), g, h, s);
+    if (cfg.bias) bias_add(h, b1, TensorView(), g, s);
   }
 
   // fc2 of a forward: Y = act W2^T (+ b2 p). FP8: act's two copies in one pass over h (act itself is
@@ -410,7 +419,8 @@ struct GroupedExperts::Impl {
   }
 
   void check_x_perm(const Saved& v, const char* call) const {
-    MOE_CHECK(v.x_perm.data != nullptr || v.gathered || v.rows == 0, "argument 'state' of ", call,
+    // FP8 backwards read the saved FP8 copy of x_perm instead.
+    MOE_CHECK(v.x_perm.data != nullptr || v.gathered || v.rows == 0 || fp8, "argument 'state' of ", call,
               ": it refers to neither x_perm nor x (relocate() or relocate_gathered() it first)");
   }
 
@@ -442,6 +452,16 @@ struct GroupedExperts::Impl {
     else
       wgrad(2, dY, bf16_view(v.b.act, v.rows, cfg.ffn), v.g, s);
     if (cfg.bias) bias_grad(dY, v.pp, v.g, db2, accumulate(), bias_workspace(), s);
+  }
+  // FP8, after dY's copies were made (quantized from dY, or gathered from dy): the fc2 dgrad into
+  // act's workspace (the weight gradient reads act's saved columnwise copy), fc2's weight
+  // gradients (dY bf16 for the bias gradient only: empty without bias), the activation backward.
+  void fp8_fc2_backward(const TensorView& dY, const Saved& v, const TensorView& dpp, cudaStream_t s) {
+    const int64_t rows = v.rows, F = cfg.ffn, F1 = cfg.fc1_out();
+    fp8->dgrad(2, gemm, gemm_workspace(), v.g, bf16_view(v.b.act, rows, F), s);
+    wgrad_fc2(dY, v, s);
+    activation_backward(cfg.activation, bf16_view(v.b.h, rows, F1), v.pp, bf16_view(v.b.act, rows, F), v.g,
+                        bf16_view(v.b.h, rows, F1), probs_in_act() ? dpp : TensorView(), s);
   }
   // dprobs += <dY row, b2[e]>: the fc2 bias is scaled by the prob too.
   void bias_dprobs_of(const TensorView& dY, const Saved& v, const TensorView& dpp, cudaStream_t s) const {
@@ -653,7 +673,8 @@ void GroupedExperts::forward_gathered(const TensorView& x, const TensorView& row
                                       const TensorView& x_perm_out, const SavedState& state, cudaStream_t s) {
   Impl& m = *impl_;
   const auto& c = m.cfg;
-  MOE_CHECK(c.fuse_fc1, "GroupedExperts::forward_gathered: needs config.fuse_fc1 (the fused fc1 gathers the rows)");
+  MOE_CHECK(c.fuse_fc1 || m.fp8, "GroupedExperts::forward_gathered: needs config.fuse_fc1 (the fused fc1 gathers ",
+            "the rows) or config.fp8 (the quantize of x gathers them)");
   MOE_CHECK(m.have_weights, "GroupedExperts::forward_gathered: no weights bound (call set_weights first)");
   MOE_CHECK(x.ndim == 2 && x.shape[1] == c.hidden, "argument 'x': expected shape [T, ", c.hidden, "], got ",
             x.shape_string());
@@ -663,6 +684,8 @@ void GroupedExperts::forward_gathered(const TensorView& x, const TensorView& row
   const int64_t rows = row_slots.shape[0];
   MOE_CHECK(rows <= m.R, "argument 'row_slots': ", rows, " rows exceed config.max_rows = ", m.R);
   check_device_tensor(row_slots, "row_slots", DType::kInt32, {rows}, 4);
+  MOE_CHECK(!m.fp8 || rows % 16 == 0, "argument 'row_slots': the FP8 experts need rows in multiples of 16 (the ",
+            "weight gradients' columnwise copies), got ", rows);
   check_device_tensor(g, "group_offsets", DType::kInt32, {int64_t(c.experts) + 1}, 4);
   if (m.probs_in_act())
     check_device_tensor(pp, "probs_perm", DType::kFP32, {rows}, 4);
@@ -670,21 +693,31 @@ void GroupedExperts::forward_gathered(const TensorView& x, const TensorView& row
     MOE_CHECK(pp.data == nullptr, "argument 'probs_perm': the experts do not apply probs ",
               "(config.probs = at combine); pass an empty view");
   check_device_tensor(Y, "Y", c.dtype, {rows, c.hidden});
+  MOE_CHECK(!m.fp8 || x_perm_out.data == nullptr, "argument 'x_perm_out': with config.fp8 no x_perm is written ",
+            "(the FP8 copies of x_perm are quantized from the rows of x directly); pass an empty view");
   if (x_perm_out.data != nullptr) {
     check_device_tensor(x_perm_out, "x_perm_out", c.dtype, {rows, c.hidden});
     MOE_CHECK(x_perm_out.data != x.data && x_perm_out.data != Y.data, "argument 'x_perm_out': must not be the ",
               "buffer of x or Y (the kernel gathers from x while it writes x_perm_out)");
-  } else {
+  } else if (!m.fp8) {
     MOE_CHECK(Y.data != x.data || rows == 0, "argument 'Y': without x_perm_out the backward gathers the rows of x ",
               "again, so Y must not overwrite x");
   }
   check_state_fillable(state, "state", m.state_bytes, kStateHeaders, "GroupedExperts::forward_gathered");
   const StateBuffers b = m.state_layout(static_cast<char*>(state.device()));
-  m.fused_activations(x.data, row_slots.ptr<const int32_t>(), slots, g, pp, b, rows, s, x_perm_out.data);
+  m.fp8_weights(s, "GroupedExperts::forward_gathered");
+  if (m.fp8) {
+    m.fp8->quantize_gathered(x, row_slots, slots, /*rowwise=*/true, b.fp8.x_col, b.fp8.x_col_scale,
+                             m.errors.device_ptr(), s);
+    m.fc1_from_quantized(g, b, rows, s);
+  } else {
+    m.fused_activations(x.data, row_slots.ptr<const int32_t>(), slots, g, pp, b, rows, s, x_perm_out.data);
+  }
   m.fc2_forward(b, g, pp, Y, rows, s);
-  // Without x_perm_out, the fc1 weight gradient gathers the rows of x.
+  // Without x_perm_out, the fc1 weight gradient gathers the rows of x (FP8: it reads the saved copy,
+  // and the state refers to neither).
   const Impl::Gathered from_x{x, row_slots, slots};
-  m.fill_header(state, x_perm_out, g, pp, rows, x_perm_out.data == nullptr ? &from_x : nullptr);
+  m.fill_header(state, x_perm_out, g, pp, rows, x_perm_out.data == nullptr && !m.fp8 ? &from_x : nullptr);
 }
 
 void GroupedExperts::recompute(const TensorView& x_perm, const TensorView& g, const TensorView& pp,
@@ -762,13 +795,8 @@ void GroupedExperts::backward(const TensorView& dY, const TensorView& dx_perm, c
     m.fused_dgrad(dY.data, nullptr, 1, nullptr, partials, v, dpp, s);  // leaves act as it is, or writes it again
     if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);
   } else if (m.fp8) {
-    // dY rowwise for the dgrad, columnwise for the weight gradient; dact goes to act's workspace
-    // (the weight gradient reads act's saved columnwise copy).
     m.fp8->quantize(dY, /*rowwise=*/true, m.fp8->col_workspace(), m.fp8->col_workspace_scale(), s);
-    m.fp8->dgrad(2, m.gemm, m.gemm_workspace(), v.g, bf16_view(v.b.act, rows, F), s);
-    m.wgrad_fc2(dY, v, s);
-    activation_backward(c.activation, bf16_view(v.b.h, rows, F1), v.pp, bf16_view(v.b.act, rows, F), v.g,
-                        bf16_view(v.b.h, rows, F1), m.probs_in_act() ? dpp : TensorView(), s);
+    m.fp8_fc2_backward(dY, v, dpp, s);
   } else {
     if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);  // reads act before dact is written over it
     uint16_t* dact = c.delay_wgrad ? m.dact_ws : v.b.act;
@@ -787,7 +815,8 @@ void GroupedExperts::backward_gathered(const TensorView& dy, const TensorView& r
   Impl& m = *impl_;
   const auto& c = m.cfg;
   constexpr const char* kCall = "GroupedExperts::backward_gathered";
-  MOE_CHECK(c.fuse_fc2_dgrad, kCall, ": needs config.fuse_fc2_dgrad (the fused fc2 dgrad gathers the rows)");
+  MOE_CHECK(c.fuse_fc2_dgrad || m.fp8, kCall, ": needs config.fuse_fc2_dgrad (the fused fc2 dgrad gathers the ",
+            "rows) or config.fp8 (the quantize of dY gathers them)");
   MOE_CHECK(m.probs_in_act(), kCall, ": needs the probs in the activation (config.probs): with probs at the ",
             "combine the dY rows are scaled copies of dy");
   const Impl::Saved v = m.check_backward(state, dx_perm, dpp, kCall);
@@ -797,6 +826,8 @@ void GroupedExperts::backward_gathered(const TensorView& dy, const TensorView& r
   MOE_CHECK(slots >= 1, "argument 'slots': expected >= 1, got ", slots);
   check_device_tensor(row_slots, "row_slots", DType::kInt32, {rows}, 4);
   MOE_CHECK(dx_perm.data != dy.data || rows == 0, "argument 'dx_perm': must not be the buffer of dy");
+  MOE_CHECK(!m.fp8 || dY_out.data == nullptr, "argument 'dY_out': with config.fp8 no dY rows are written (dY's ",
+            "FP8 copies are quantized from the rows of dy directly); pass an empty view");
   if (dY_out.data != nullptr) {
     check_device_tensor(dY_out, "dY_out", c.dtype, {rows, H});
     MOE_CHECK(dY_out.data != dy.data, "argument 'dY_out': must not be the buffer of dy (the kernel gathers from dy ",
@@ -808,6 +839,12 @@ void GroupedExperts::backward_gathered(const TensorView& dy, const TensorView& r
               " (the gradients read the dY rows again); only without both may it be empty");
   }
 
+  if (m.fp8) {
+    m.fp8->quantize_gathered(dy, row_slots, slots, /*rowwise=*/true, m.fp8->col_workspace(),
+                             m.fp8->col_workspace_scale(), m.errors.device_ptr(), s);
+    m.fp8_fc2_backward(TensorView(), v, dpp, s);
+    return m.finish_backward(state, v, dY_out, dx_perm, s);
+  }
   float* partials = m.dprobs_partials(dx_perm, dy, dY_out, kCall);
   m.fused_dgrad(dy.data, row_slots.ptr<const int32_t>(), slots, dY_out.data, partials, v, dpp, s);
   if (dY_out.data != nullptr) {
@@ -863,7 +900,9 @@ void GroupedExperts::relocate(const SavedState& state, const TensorView& x_perm,
   check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
   check_state(state, "state", m.serial, StateKind::kExperts, {StateStatus::kFilled, StateStatus::kAwaitingWgrad},
               "GroupedExperts::relocate");
-  check_device_tensor(x_perm, "x_perm", m.cfg.dtype, {state.header(0).tokens, m.cfg.hidden});
+  // The FP8 backward reads the saved FP8 copy of x_perm: x_perm may be an empty view there.
+  if (!m.fp8 || x_perm.data != nullptr)
+    check_device_tensor(x_perm, "x_perm", m.cfg.dtype, {state.header(0).tokens, m.cfg.hidden});
   m.relocate_inputs(state, group_offsets, probs_perm, dY);
   state.header(0).pointer = reinterpret_cast<uint64_t>(x_perm.data);
   Impl::set_gathered(state, nullptr);

@@ -3,11 +3,13 @@
 //
 // Forward:  plan -> permute -> experts forward -> unpermute
 //           (fuse_fc1: plan -> experts forward gathering the rows of x, writing x_perm on the way
-//           unless save_x_perm is off -> unpermute)
+//           unless save_x_perm is off -> unpermute; fp8: the experts quantize the rows of x
+//           gathered through the dispatch map, no x_perm at all)
 // Backward: [recompute: permute + experts recompute] -> unpermute_bwd -> experts backward
 //           -> permute_bwd      (weight gradients deferred to backward_dw in delayed mode)
 //           (fuse_fc2_dgrad, probs in the activation: no unpermute_bwd -- the experts' fused fc2
-//           dgrad gathers the rows of dy through the dispatch map)
+//           dgrad gathers the rows of dy through the dispatch map; so does fp8's quantize of dY,
+//           probs in the activation, without bias and delay_wgrad)
 //
 // Saved state (caller-owned), device block: the dispatch plan, x_perm (not with save_x_perm off: the
 // fc1 weight gradient then gathers the rows of the caller's x, whose address the state keeps), Y when
@@ -15,12 +17,12 @@
 // reads it), and the experts' state (h, act, ...). Recompute mode keeps only the plan and the
 // address of the caller's x; x_perm, Y and the experts' activations then live in the layer's
 // workspace and are rebuilt by the backward with the same kernels on the same inputs (bitwise the
-// same gradients). The FP8 experts save their own columnwise copy of x_perm, so with fp8 the bf16
-// x_perm is only read inside the forward and lives in the workspace too.
+// same gradients). The FP8 experts save their own columnwise copy of x_perm, quantized from the
+// rows of x: with fp8 no bf16 x_perm exists (recompute aside).
 //
 // Workspace (shared by all states, used only while a call runs): `Y` is the experts' output when
 // probs are applied in the activation, then dY (non-delayed) and dx_perm -- the experts read dY
-// completely before they write dx_perm; d_probs_perm; x_perm (recompute, fp8).
+// completely before they write dx_perm; d_probs_perm; x_perm (recompute).
 #include "moe/grouped_mlp.h"
 
 #include "device/device_arena.h"
@@ -61,8 +63,7 @@ struct GroupedMlp::Impl {
   size_t block_bytes = 0;
   uint16_t* Y_ws = nullptr;
   float* dpp_ws = nullptr;
-  // Recompute mode: x_perm, the combine's Y and an experts state, all rebuilt by each backward
-  // (x_perm also with fp8).
+  // Recompute mode: x_perm, the combine's Y and an experts state, all rebuilt by each backward.
   uint16_t *x_perm_ws = nullptr, *Ycomb_ws = nullptr;
   char* experts_ws = nullptr;
   StateHeader recompute_header[GroupedExperts::kStateHeaders];
@@ -78,9 +79,13 @@ struct GroupedMlp::Impl {
   bool probs_in_act() const { return cfg.probs == ProbsPlacement::kInActivation; }
   // No x_perm: the fc1 weight gradient gathers the rows of x.
   bool gathered() const { return !cfg.save_x_perm; }
-  // x_perm is not part of a state: rebuilt by the backward (recompute), or not read by it (the FP8
-  // weight gradient reads the experts' saved columnwise copy).
-  bool x_perm_in_workspace() const { return cfg.recompute || cfg.fp8 != Fp8Recipe::kNone; }
+  bool fp8() const { return cfg.fp8 != Fp8Recipe::kNone; }
+  // x_perm in a state: not rebuilt by the backward (recompute), not gathered again (save_x_perm
+  // off), not replaced by the experts' saved FP8 copy (fp8, which never writes a bf16 x_perm).
+  bool x_perm_saved() const { return !gathered() && !cfg.recompute && !fp8(); }
+  // The experts' FP8 backward quantizes dY from the rows of dy (no dY_perm): dY's bf16 rows are read
+  // by nothing else (no bias gradient, no delayed weight gradient) and are dy's rows unscaled.
+  bool fp8_gathers_dy() const { return fp8() && probs_in_act() && !cfg.bias && !cfg.delay_wgrad; }
 
   StateLayout plan_state() const {
     const int64_t H = cfg.hidden;
@@ -93,7 +98,7 @@ struct GroupedMlp::Impl {
     };
     l.plan = at(static_cast<int64_t>(dispatcher.plan_bytes()));
     if (!cfg.recompute) {
-      l.has_x_perm = !gathered() && !x_perm_in_workspace();
+      l.has_x_perm = x_perm_saved();
       if (l.has_x_perm) l.x_perm = at(R * H * 2);
       l.has_Y = !probs_in_act();
       if (l.has_Y) l.Y = at(R * H * 2);
@@ -111,8 +116,8 @@ struct GroupedMlp::Impl {
     DeviceArena a(base);
     Y_ws = a.take<uint16_t>(R * H);
     if (probs_in_act()) dpp_ws = a.take<float>(R);
-    if (x_perm_in_workspace()) x_perm_ws = a.take<uint16_t>(R * H);
     if (cfg.recompute) {
+      x_perm_ws = a.take<uint16_t>(R * H);
       if (!probs_in_act()) Ycomb_ws = a.take<uint16_t>(R * H);
       experts_ws = a.take<char>(static_cast<int64_t>(experts.state_bytes()));
     }
@@ -129,7 +134,7 @@ struct GroupedMlp::Impl {
     return st.slice(layout.experts, experts.state_bytes(), kExpertsHeader, GroupedExperts::kStateHeaders);
   }
   void* at(const SavedState& st, size_t off) const { return static_cast<char*>(st.device()) + off; }
-  void* x_perm_of(const SavedState& st) const { return x_perm_in_workspace() ? x_perm_ws : at(st, layout.x_perm); }
+  void* x_perm_of(const SavedState& st) const { return cfg.recompute ? x_perm_ws : at(st, layout.x_perm); }
   // The Y the combine merges with probs (probs at combine only).
   void* Ycomb_of(const SavedState& st) const { return cfg.recompute ? Ycomb_ws : at(st, layout.Y); }
   TensorView pp_or_none(const SavedState& plan) const {
@@ -144,7 +149,7 @@ struct GroupedMlp::Impl {
   }
   // The same with the rows of x gathered inside the fused fc1, which writes x_perm on the way (none:
   // recompute mode, where the backward permutes again, and save_x_perm off, where the fc1 weight
-  // gradient gathers the rows of x again).
+  // gradient gathers the rows of x again), or by the FP8 quantize of x (never an x_perm).
   void run_experts_gathered(const SavedState& plan, const TensorView& x, void* x_perm, void* Y, const SavedState& es,
                             cudaStream_t s) {
     experts.forward_gathered(x, dispatcher.row_slots(plan), dispatcher.slots_per_token(),
@@ -155,7 +160,9 @@ struct GroupedMlp::Impl {
   // have moved; x may be the caller's view of the forward's x).
   void relocate_experts(const SavedState& state, const SavedState& plan, const SavedState& es, const TensorView& x,
                         const TensorView* dY) const {
-    if (gathered()) {
+    if (fp8() && !gathered()) {  // the FP8 backward reads no x_perm
+      experts.relocate(es, TensorView(), dispatcher.group_offsets(plan), pp_or_none(plan), dY);
+    } else if (gathered()) {
       experts.relocate_gathered(es, x, dispatcher.row_slots(plan), dispatcher.slots_per_token(),
                                 dispatcher.group_offsets(plan), pp_or_none(plan), dY);
     } else {
@@ -211,8 +218,8 @@ void GroupedMlp::forward(const TensorView& x, const RoutingView& routing, const 
   SavedState es = m.experts_of(state);
   if (c.recompute) es.reset();  // the workspace state only serves this call
   void* Y = m.probs_in_act() ? m.Y_ws : m.Ycomb_of(state);
-  if (c.fuse_fc1) {
-    m.run_experts_gathered(plan, x, c.recompute || m.gathered() ? nullptr : m.x_perm_of(state), Y, es, s);
+  if (c.fuse_fc1 || m.fp8()) {
+    m.run_experts_gathered(plan, x, m.x_perm_saved() ? m.x_perm_of(state) : nullptr, Y, es, s);
   } else {
     void* x_perm = m.x_perm_of(state);
     m.dispatcher.permute(plan, x, bf16_view(x_perm, m.R, c.hidden), s);
@@ -274,6 +281,8 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
     const bool keep_dY = !m.experts.config().dprobs_partials_in_dx_perm;
     m.experts.backward_gathered(dy, m.dispatcher.row_slots(plan), slots, keep_dY ? dYv : TensorView(), dx_perm,
                                 m.dpp(), es, s);
+  } else if (m.fp8_gathers_dy()) {
+    m.experts.backward_gathered(dy, m.dispatcher.row_slots(plan), slots, TensorView(), dx_perm, m.dpp(), es, s);
   } else if (m.probs_in_act()) {
     m.dispatcher.unpermute_backward(plan, dy, dYv, MergeProbs::kNone, s);
     m.experts.backward(dYv, dx_perm, m.dpp(), es, s);

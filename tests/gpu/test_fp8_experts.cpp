@@ -1,8 +1,9 @@
 // GroupedExperts with the FP8 block-scaling recipe (ExpertsConfig::fp8 = kBlock): forward and
 // backward against the bf16 experts on the same data, both weight layouts bitwise equal, a CUDA
 // graph replayed with new data bitwise equal to eager, train / eval / train with weights changed
-// between the steps equal to train / train (no stale quantized weights), an expert off the 128-row
-// grid reported, bad configurations named.
+// between the steps equal to train / train (no stale quantized weights), the gathered forward and
+// backward bitwise the permuted ones, an expert off the 128-row grid reported, bad configurations
+// named.
 //
 // Tolerance against the bf16 experts: relative L2 error <= 0.15 for every output and gradient.
 // Each quantized operand carries E4M3 rounding (at most 2^-4 relative per element, about 2.5% RMS
@@ -12,6 +13,7 @@
 // The FP8 GEMMs' own accuracy against a dequantize-then-fp64 reference is in test_fp8_grouped_gemm.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -460,6 +462,58 @@ TEST_F(Fp8Experts, EmulatedWeightsThroughACheckpointInEitherLayout) {
     set_quant_metadata(wrong, "layers.1.experts.fc1.weight", other);
     expect_error_naming([&] { load_fp8_expert_weights(grouped.ex, loaded, wrong, "layers.1.experts.", stream); },
                         "moe.quant.layers.1.experts.fc1.weight");
+  }
+}
+
+// The layer's calls: forward_gathered / backward_gathered quantize the rows of token matrices x and
+// dy gathered through a row map (tokens twice and never, pad rows) -- bitwise forward / backward
+// on the permuted rows, in both weight-gradient modes. No bf16 x_perm or dY rows are written:
+// x_perm_out and dY_out are refused.
+TEST_F(Fp8Experts, GatheredRowsGiveTheBitsOfThePermutedRows) {
+  for (WgradMode w : {WgradMode::kWrite, WgradMode::kAccumulate}) {
+    const ExpertsConfig c = experts_config(Activation::kSwiGLU, false, ProbsPlacement::kInActivation, w,
+                                           Fp8Recipe::kBlock, WeightLayout::kSingleGrouped);
+    const int64_t T = 300, H = c.hidden;
+    const int slots = 2;
+    Inputs in(c, {256, 0, 128, 384}, 7);
+    std::mt19937_64 rng(8);
+    const std::vector<uint16_t> x = to_bf16(random_bf16_values(T * H, 1.0, rng));
+    const std::vector<uint16_t> dy = to_bf16(random_bf16_values(T * H, 1.0, rng));
+    std::vector<int32_t> map(in.rows, -1);
+    std::uniform_int_distribution<int32_t> slot(0, static_cast<int32_t>(T * slots - 1));
+    for (size_t e = 0; e + 1 < in.off.size(); ++e)
+      for (int32_t r = in.off[e]; r < in.off[e + 1] - 16; ++r) map[r] = slot(rng);  // 16 pad rows per group
+    auto gather = [&](const std::vector<uint16_t>& src) {
+      std::vector<uint16_t> g(in.rows * H, 0);
+      for (int64_t r = 0; r < in.rows; ++r)
+        if (map[r] >= 0) std::copy_n(src.begin() + (map[r] / slots) * H, H, g.begin() + r * H);
+      return g;
+    };
+    in.x.upload(gather(x));
+    in.dY.upload(gather(dy));
+    const DeviceBuffer<uint16_t> x_tokens(x), dy_tokens(dy);
+    const DeviceBuffer<int32_t> dmap(map);
+    const TensorView xt(x_tokens.get(), DType::kBF16, {T, H}), dyt(dy_tokens.get(), DType::kBF16, {T, H});
+    const TensorView mv(dmap.get(), DType::kInt32, {in.rows});
+
+    ExpertsRun permuted(c, 9), gathered(c, 9);  // the same parameter values
+    permuted.train_step(in, stream);
+    GroupedExperts& ex = gathered.ex;
+    const TensorView y = gathered.rows_view(gathered.y, in.rows), dx = gathered.rows_view(gathered.dx, in.rows);
+    const TensorView dprobs(gathered.dprobs.get(), DType::kFP32, {in.rows});
+    expect_error_naming([&] {
+      ex.forward_gathered(xt, mv, slots, gathered.g(in), gathered.pp(in), y, gathered.rows_view(in.x, in.rows),
+                          gathered.state, stream);
+    }, "'x_perm_out'");
+    ex.forward_gathered(xt, mv, slots, gathered.g(in), gathered.pp(in), y, TensorView(), gathered.state, stream);
+    expect_error_naming([&] {
+      ex.backward_gathered(dyt, mv, slots, gathered.rows_view(in.dY, in.rows), dx, dprobs, gathered.state, stream);
+    }, "'dY_out'");
+    ex.backward_gathered(dyt, mv, slots, TensorView(), dx, dprobs, gathered.state, stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_NO_THROW(ex.check_errors(stream));
+    const auto want = permuted.results(in), got = gathered.results(in);
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got[i], want[i]) << kNames[i];
   }
 }
 

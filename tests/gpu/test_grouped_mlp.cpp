@@ -676,11 +676,16 @@ class GraphReplay : public ::testing::TestWithParam<int> {};
 TEST_P(GraphReplay, WithNewDataEqualsEager) {
   MOE_REQUIRE_GPU();
   GroupedMlpConfig k = small_config();
-  k.dispatch.align = 16;
-  k.fuse_fc1 = GetParam() > 0;
+  const bool fp8 = GetParam() == 5;
+  k.dispatch.align = fp8 ? 128 : 16;
+  k.fuse_fc1 = GetParam() > 0 && !fp8;
   k.save_x_perm = GetParam() != 2 && GetParam() != 4;
-  k.fuse_fc2_dgrad = GetParam() >= 3;
-  k.bias = GetParam() != 4;  // without bias and x_perm no dY_perm exists: fc2's wgrad gathers dy
+  k.fuse_fc2_dgrad = GetParam() >= 3 && !fp8;
+  // Without bias and x_perm no dY_perm exists: fc2's wgrad gathers dy; with fp8, dY's quantize does.
+  k.bias = GetParam() != 4 && !fp8;
+  k.fp8 = fp8 ? Fp8Recipe::kBlock : Fp8Recipe::kNone;
+  const DType gt = fp8 ? DType::kFP32 : DType::kBF16;  // the FP8 weight gradients write fp32
+  k.wgrad_dtype = gt;
   const int E = k.experts, K = k.topk;
   const int64_t T = 50, H = k.hidden, F = k.ffn, F1 = k.fc1_out();
   std::mt19937_64 rng(3);
@@ -688,10 +693,10 @@ TEST_P(GraphReplay, WithNewDataEqualsEager) {
   auto W2 = make_param(random_bf16_values(E * H * F, 0.1, rng), E, {H, F}, DType::kBF16, k.layout);
   auto B1 = make_param(random_bf16_values(E * F1, 0.5, rng), E, {F1}, DType::kBF16, k.layout);
   auto B2 = make_param(random_bf16_values(E * H, 0.5, rng), E, {H}, DType::kBF16, k.layout);
-  auto G1 = make_param(std::vector<double>(E * F1 * H), E, {F1, H}, DType::kBF16, k.layout);
-  auto G2 = make_param(std::vector<double>(E * H * F), E, {H, F}, DType::kBF16, k.layout);
-  auto GB1 = make_param(std::vector<double>(E * F1), E, {F1}, DType::kBF16, k.layout);
-  auto GB2 = make_param(std::vector<double>(E * H), E, {H}, DType::kBF16, k.layout);
+  auto G1 = make_param(std::vector<double>(E * F1 * H), E, {F1, H}, gt, k.layout);
+  auto G2 = make_param(std::vector<double>(E * H * F), E, {H, F}, gt, k.layout);
+  auto GB1 = make_param(std::vector<double>(E * F1), E, {F1}, gt, k.layout);
+  auto GB2 = make_param(std::vector<double>(E * H), E, {H}, gt, k.layout);
   DeviceBuffer<uint16_t> x(T * H), dy(T * H), y(T * H), dx(T * H);
   DeviceBuffer<int32_t> idx(T * K);
   DeviceBuffer<float> probs(T * K), dprobs(T * K);
@@ -728,7 +733,7 @@ TEST_P(GraphReplay, WithNewDataEqualsEager) {
     r.push_back(from_bf16(dx.download()));
     auto dp = dprobs.download();
     r.emplace_back(dp.begin(), dp.end());
-    for (auto* p : {&G1, &G2, &GB1, &GB2}) r.push_back(download_param(*p, DType::kBF16));
+    for (auto* p : {&G1, &G2, &GB1, &GB2}) r.push_back(download_param(*p, gt));
     return r;
   };
 
@@ -756,12 +761,13 @@ TEST_P(GraphReplay, WithNewDataEqualsEager) {
   cudaStreamDestroy(s);
 }
 
-// 0: unfused, 1: fused fc1, 2: fused fc1 without x_perm, 3 / 4: 1 / 2 with the fused fc2 dgrad.
+// 0: unfused, 1: fused fc1, 2: fused fc1 without x_perm, 3 / 4: 1 / 2 with the fused fc2 dgrad,
+// 5: FP8 (x and dy quantized from their gathered rows).
 std::string graph_replay_name(const ::testing::TestParamInfo<int>& info) {
-  static const char* const kNames[] = {"Unfused", "Fused", "FusedNoXPerm", "FusedDgrad", "FusedDgradNoXPerm"};
+  static const char* const kNames[] = {"Unfused", "Fused", "FusedNoXPerm", "FusedDgrad", "FusedDgradNoXPerm", "Fp8"};
   return kNames[info.param];
 }
-INSTANTIATE_TEST_SUITE_P(GroupedMlp, GraphReplay, ::testing::Values(0, 1, 2, 3, 4), graph_replay_name);
+INSTANTIATE_TEST_SUITE_P(GroupedMlp, GraphReplay, ::testing::Values(0, 1, 2, 3, 4, 5), graph_replay_name);
 
 // The FP8 layer against the reference computing the same recipe (quantized operands, the layer's
 // bf16 roundings), on data whose FP8 quantization and fc1 / fc2-dgrad products are exact: x, dy and
@@ -806,37 +812,44 @@ double rel_l2(const std::vector<double>& a, const std::vector<double>& b) {
   return std::sqrt(num / std::max(den, 1e-300));
 }
 
+// With bias the FP8 backward quantizes dY_perm; without it the rows of dy gathered through the
+// plan's row map (the forward always quantizes the gathered rows of x).
 TEST(GroupedMlp, Fp8MatchesTheReferenceWithQuantizedOperands) {
   MOE_REQUIRE_GPU();
-  Case cs = quantized_case();
-  cs.cfg.dispatch.align = 128;
-  cs.cfg.fp8 = Fp8Recipe::kBlock;
-  cs.cfg.wgrad = WgradMode::kWrite;
-  cs.cfg.wgrad_dtype = DType::kFP32;
-  cs.seed = 7;
-  Runner r(cs);
-  put_on_grid(r, 8);
-  ref::OperandQuant q;
-  q.tokens.format = q.weights.format = QuantFormat::kFP8Block;
-  q.weights.blocking = QuantBlocking::k2D;
-  const Outputs want = r.run_reference(&q);
-  const Outputs grouped = r.run_gpu(WeightLayout::kSingleGrouped), per_expert = r.run_gpu(WeightLayout::kPerExpert);
-  expect_bitwise(grouped, per_expert);
-  const struct {
-    const char* name;
-    const std::vector<double>*got, *want;
-    double bound;
-  } checks[] = {{"y", &grouped.y, &want.y, 5e-3},
-                {"dx", &grouped.dx, &want.dx, 5e-3},
-                {"dprobs", &grouped.dprobs, &want.dprobs, 1e-4},
-                {"fc1.weight grad", &grouped.dw1, &want.dw1, 5e-3},
-                {"fc2.weight grad", &grouped.dw2, &want.dw2, 5e-3},
-                {"fc1.bias grad", &grouped.db1, &want.db1, 5e-3},
-                {"fc2.bias grad", &grouped.db2, &want.db2, 5e-3}};
-  for (const auto& ch : checks) {
-    const double err = rel_l2(*ch.got, *ch.want);
-    std::printf("FP8 layer vs the quantized-operand reference: %s relative L2 %.2e\n", ch.name, err);
-    EXPECT_LE(err, ch.bound) << ch.name;
+  for (bool bias : {true, false}) {
+    SCOPED_TRACE(bias ? "bias" : "no bias");
+    Case cs = quantized_case();
+    cs.cfg.bias = bias;
+    cs.cfg.dispatch.align = 128;
+    cs.cfg.fp8 = Fp8Recipe::kBlock;
+    cs.cfg.wgrad = WgradMode::kWrite;
+    cs.cfg.wgrad_dtype = DType::kFP32;
+    cs.seed = 7;
+    Runner r(cs);
+    put_on_grid(r, 8);
+    ref::OperandQuant q;
+    q.tokens.format = q.weights.format = QuantFormat::kFP8Block;
+    q.weights.blocking = QuantBlocking::k2D;
+    const Outputs want = r.run_reference(&q);
+    const Outputs grouped = r.run_gpu(WeightLayout::kSingleGrouped), per_expert = r.run_gpu(WeightLayout::kPerExpert);
+    expect_bitwise(grouped, per_expert);
+    const struct {
+      const char* name;
+      const std::vector<double>*got, *want;
+      double bound;
+    } checks[] = {{"y", &grouped.y, &want.y, 5e-3},
+                  {"dx", &grouped.dx, &want.dx, 5e-3},
+                  {"dprobs", &grouped.dprobs, &want.dprobs, 1e-4},
+                  {"fc1.weight grad", &grouped.dw1, &want.dw1, 5e-3},
+                  {"fc2.weight grad", &grouped.dw2, &want.dw2, 5e-3},
+                  {"fc1.bias grad", &grouped.db1, &want.db1, 5e-3},
+                  {"fc2.bias grad", &grouped.db2, &want.db2, 5e-3}};
+    for (const auto& ch : checks) {
+      const double err = rel_l2(*ch.got, *ch.want);
+      std::printf("FP8 layer%s vs the quantized-operand reference: %s relative L2 %.2e\n", bias ? "" : " (no bias)",
+                  ch.name, err);
+      EXPECT_LE(err, ch.bound) << ch.name;
+    }
   }
 }
 

@@ -1,0 +1,81 @@
+// quantize_gathered (moe/quantize.h): the quantize tile kernel (quantize_tile.cuh) with a source that
+// reads row r of its matrix from x[row_slots[r] / slots] (zeros where the map has no slot), so the
+// codes and scales are bitwise those of quantize() on Dispatcher::permute's x_perm -- one gathered
+// read of x instead of the permute's write of x_perm and the quantize's read of it.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "device/cuda_check.h"
+#include "moe/device_errors.h"
+#include "moe/error.h"
+#include "moe/quantize.h"
+#include "quant/quant_args.h"
+#include "quant/quantize_tile.cuh"
+
+namespace moe {
+namespace quant {
+namespace {
+
+struct GatherSource {
+  static constexpr int kCtasPerSm = 4;
+  const uint16_t* x;  // bf16 bits [T, K]
+  const int32_t* row_slots;
+  int slots;
+  int64_t slot_end;  // T * slots: entries must lie in [-1, slot_end)
+  uint32_t* error_word;
+
+  struct Context {};
+  using Loaded = uint4;
+  __device__ __forceinline__ Context context(const QuantParams&) const { return {}; }
+  __device__ __forceinline__ static Loaded empty() { return make_uint4(0, 0, 0, 0); }
+  // The map entry is read per chunk (all of a thread's entry loads are independent of each other,
+  // so they are in flight together); a bad entry is reported once per row, by its first chunk.
+  __device__ __forceinline__ Loaded load(const Context&, const QuantParams& p, int64_t, int64_t m, int64_t k) const {
+    const int64_t slot = __ldg(row_slots + m);
+    if (slot >= 0 && slot < slot_end) return load_chunk(x + (slot / slots) * p.K + k);
+    if (slot != -1 && k == 0 && error_word != nullptr) atomicOr(error_word, kErrBadRowMap);
+    return empty();
+  }
+  __device__ __forceinline__ uint4 value(const Loaded& v) const { return v; }
+};
+
+}  // namespace
+}  // namespace quant
+
+void quantize_gathered(const QuantConfig& config, const TensorView& x, const TensorView& row_slots, int slots,
+                       const QuantizedTensor& out, uint32_t* error_word, cudaStream_t stream) {
+  using namespace quant;
+  validate_quant_config(config);
+  MOE_CHECK(config.blocking == QuantBlocking::k1D &&
+                (config.format == QuantFormat::kFP8Block || config.format == QuantFormat::kMXFP8),
+            "argument 'config': the gathered quantize produces FP8 block scaling or MXFP8 with 1-D blocks only");
+  MOE_CHECK(x.ndim == 2, "argument 'x': expected a matrix [T, K], got shape ", x.shape_string());
+  check_device_tensor(x, "x", DType::kBF16, {x.shape[0], x.shape[1]}, 16);
+  MOE_CHECK(slots >= 1, "argument 'slots': expected >= 1, got ", slots);
+  MOE_CHECK(row_slots.ndim == 1, "argument 'row_slots': expected one dimension [rows], got shape ",
+            row_slots.shape_string());
+  const int64_t rows = row_slots.shape[0];
+  check_device_tensor(row_slots, "row_slots", DType::kInt32, {rows}, 4);
+  MOE_CHECK((rows + 127) / 128 <= 65535, "argument 'row_slots': expected at most 65535 * 128 rows, got ", rows);
+  MOE_CHECK(config.format != QuantFormat::kMXFP8 || !config.columnwise || rows % 32 == 0, "argument 'row_slots': ",
+            "mxfp8 columnwise needs the rows a multiple of 32 (whole 32x1 blocks), got ", rows);
+  // The gathered matrix [rows, K], as quantize() would see it: the checks below read its shape and
+  // x's pointer only. With T = 0 (x may have no memory) every row is a zero row and x is never read:
+  // a placeholder address stands in for x's.
+  alignas(16) static const uint16_t kNoTokens[8] = {};
+  const TensorView gathered(x.shape[0] > 0 ? x.data : const_cast<uint16_t*>(kNoTokens), DType::kBF16,
+                            {rows, x.shape[1]}, x.device);
+  const QuantArgs a = check_quantize_args(config, gathered, out);
+  zero_scale_padding(config, a, stream);
+  if (a.M == 0 || a.K == 0) return;
+  const QuantParams p = quant_params(config, a);
+  const GatherSource src{static_cast<const uint16_t*>(x.data), row_slots.ptr<const int32_t>(), slots,
+                         x.shape[0] * static_cast<int64_t>(slots), error_word};
+  if (config.format == QuantFormat::kFP8Block)
+    launch_tile<QuantFormat::kFP8Block, false, false>(p, 1, stream, src);
+  else
+    launch_tile<QuantFormat::kMXFP8, false, false>(p, 1, stream, src);
+}
+
+}  // namespace moe
