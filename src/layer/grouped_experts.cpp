@@ -819,6 +819,8 @@ void GroupedExperts::backward_gathered(const TensorView& dy, const TensorView& r
             "rows) or config.fp8 (the quantize of dY gathers them)");
   MOE_CHECK(m.probs_in_act(), kCall, ": needs the probs in the activation (config.probs): with probs at the ",
             "combine the dY rows are scaled copies of dy");
+  MOE_CHECK(!m.fp8 || !c.bias, kCall, ": with config.fp8 and bias the bias gradients read dY in bf16, which the ",
+            "FP8 gathered backward never writes; use backward()");
   const Impl::Saved v = m.check_backward(state, dx_perm, dpp, kCall);
   const int64_t rows = v.rows, H = c.hidden;
   MOE_CHECK(dy.ndim == 2 && dy.shape[1] == H, "argument 'dy': expected shape [T, ", H, "], got ", dy.shape_string());

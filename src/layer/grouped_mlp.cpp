@@ -134,7 +134,10 @@ struct GroupedMlp::Impl {
     return st.slice(layout.experts, experts.state_bytes(), kExpertsHeader, GroupedExperts::kStateHeaders);
   }
   void* at(const SavedState& st, size_t off) const { return static_cast<char*>(st.device()) + off; }
-  void* x_perm_of(const SavedState& st) const { return cfg.recompute ? x_perm_ws : at(st, layout.x_perm); }
+  void* x_perm_of(const SavedState& st) const {
+    MOE_CHECK(cfg.recompute || layout.has_x_perm, "GroupedMlp: no x_perm in this mode (internal error)");
+    return cfg.recompute ? x_perm_ws : at(st, layout.x_perm);
+  }
   // The Y the combine merges with probs (probs at combine only).
   void* Ycomb_of(const SavedState& st) const { return cfg.recompute ? Ycomb_ws : at(st, layout.Y); }
   TensorView pp_or_none(const SavedState& plan) const {

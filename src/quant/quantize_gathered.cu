@@ -61,8 +61,9 @@ void quantize_gathered(const QuantConfig& config, const TensorView& x, const Ten
   MOE_CHECK(config.format != QuantFormat::kMXFP8 || !config.columnwise || rows % 32 == 0, "argument 'row_slots': ",
             "mxfp8 columnwise needs the rows a multiple of 32 (whole 32x1 blocks), got ", rows);
   // The gathered matrix [rows, K], as quantize() would see it: the checks below read its shape and
-  // x's pointer only. With T = 0 (x may have no memory) every row is a zero row and x is never read:
-  // a placeholder address stands in for x's.
+  // x's pointer only (non-null and aligned: no pointer attributes are queried). With T = 0 (x may
+  // have no memory) every row is a zero row and x is never read: a placeholder address, aligned and
+  // never dereferenced, stands in for x's.
   alignas(16) static const uint16_t kNoTokens[8] = {};
   const TensorView gathered(x.shape[0] > 0 ? x.data : const_cast<uint16_t*>(kNoTokens), DType::kBF16,
                             {rows, x.shape[1]}, x.device);

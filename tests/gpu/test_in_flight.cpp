@@ -330,7 +330,8 @@ struct Variant {
   bool bias, at_combine, delay, recompute;
   bool lean = false;  // the fused fc1 keeping no x_perm (a layer option): the state refers to each x
   bool dgrad = false;  // the fused fc2 dgrad (in the layer: gathering dy, no dY_perm when lean without bias)
-  bool fp8 = false;    // the FP8 experts (A = 128; the layer keeps x_perm in its workspace)
+  bool fp8 = false;    // the FP8 experts (A = 128; the layer quantizes the gathered rows of x, and of dy
+                       // without bias with the probs in the activation)
 };
 const Variant kVariants[] = {
     {"default", false, false, false, false},
@@ -343,6 +344,7 @@ const Variant kVariants[] = {
     {"fused fc2 dgrad, no x_perm or dY_perm", false, false, false, false, true, true},
     {"fused fc2 dgrad, bias, delayed wgrad", true, false, true, false, false, true},
     {"fp8", true, false, false, false, false, false, true},
+    {"fp8, no bias (dY quantized from dy's rows)", false, false, false, false, false, false, true},
     {"fp8, recompute, probs at combine", false, true, false, true, false, false, true},
 };
 
