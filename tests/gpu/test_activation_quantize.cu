@@ -17,6 +17,7 @@
 #include "reference/quantize_ref.h"
 #include "support/expect_error.h"
 #include "support/gpu.h"
+#include "support/quantized_copies.h"
 
 namespace moe {
 namespace {
@@ -24,6 +25,7 @@ namespace {
 using ::moe::testing::CapturedGraph;
 using ::moe::testing::DeviceBuffer;
 using ::moe::testing::expect_error_naming;
+using Copies = ::moe::testing::QuantizedCopies;
 
 ActivationParams activation(Activation kind, int interleave) {
   ActivationParams p;
@@ -75,33 +77,6 @@ struct Inputs {
   TensorView offsets_view() const {
     return offsets.empty() ? TensorView()
                            : TensorView(doffsets.get(), DType::kInt32, {static_cast<int64_t>(offsets.size())});
-  }
-};
-
-// Device copies sized like the reference's output, poisoned so that unwritten bytes show.
-struct Copies {
-  DeviceBuffer<uint8_t> rd, rs, cd, cs;
-  QuantizedTensor q;
-  Copies(const QuantConfig& c, const ref::Quantized& want, int64_t R, int64_t F)
-      : rd(want.rowwise_data.size()), rs(want.rowwise_scale.size()), cd(want.columnwise_data.size()),
-        cs(want.columnwise_scale.size()) {
-    for (auto* b : {&rd, &rs, &cd, &cs}) b->fill_bytes(0xA5);
-    if (c.rowwise) {
-      const ScaleShape s = scale_shape(c, R, F);
-      q.rowwise_data = TensorView(rd.get(), DType::kFP8E4M3, {R, F});
-      q.rowwise_scale = TensorView(rs.get(), s.dtype, {s.rows, s.cols});
-    }
-    if (c.columnwise) {
-      const ScaleShape s = scale_shape(c, F, R, /*columnwise=*/true);
-      q.columnwise_data = TensorView(cd.get(), DType::kFP8E4M3, {F, R});
-      q.columnwise_scale = TensorView(cs.get(), s.dtype, {s.rows, s.cols});
-    }
-  }
-  void expect_equal(const ref::Quantized& want, const std::string& what) const {
-    EXPECT_EQ(rd.download(), want.rowwise_data) << what << " rowwise data";
-    EXPECT_EQ(rs.download(), want.rowwise_scale) << what << " rowwise scale";
-    EXPECT_EQ(cd.download(), want.columnwise_data) << what << " columnwise data";
-    EXPECT_EQ(cs.download(), want.columnwise_scale) << what << " columnwise scale";
   }
 };
 

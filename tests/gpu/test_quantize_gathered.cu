@@ -19,6 +19,7 @@
 #include "reference/quantize_ref.h"
 #include "support/expect_error.h"
 #include "support/gpu.h"
+#include "support/quantized_copies.h"
 
 namespace moe {
 namespace {
@@ -26,6 +27,7 @@ namespace {
 using ::moe::testing::CapturedGraph;
 using ::moe::testing::DeviceBuffer;
 using ::moe::testing::expect_error_naming;
+using Copies = ::moe::testing::QuantizedCopies;
 
 QuantConfig config(QuantFormat f, bool rowwise, bool columnwise, bool pow2) {
   QuantConfig c;
@@ -71,33 +73,6 @@ std::vector<uint16_t> gather(const std::vector<uint16_t>& x, const std::vector<i
       for (int64_t j = 0; j < K; ++j) g[r * K + j] = x[(map[r] / slots) * K + j];
   return g;
 }
-
-// Device copies sized like the reference's output, poisoned so that unwritten bytes show.
-struct Copies {
-  DeviceBuffer<uint8_t> rd, rs, cd, cs;
-  QuantizedTensor q;
-  Copies(const QuantConfig& c, const ref::Quantized& want, int64_t M, int64_t K)
-      : rd(want.rowwise_data.size()), rs(want.rowwise_scale.size()), cd(want.columnwise_data.size()),
-        cs(want.columnwise_scale.size()) {
-    for (auto* b : {&rd, &rs, &cd, &cs}) b->fill_bytes(0xA5);
-    if (c.rowwise) {
-      const ScaleShape s = scale_shape(c, M, K);
-      q.rowwise_data = TensorView(rd.get(), DType::kFP8E4M3, {M, K});
-      q.rowwise_scale = TensorView(rs.get(), s.dtype, {s.rows, s.cols});
-    }
-    if (c.columnwise) {
-      const ScaleShape s = scale_shape(c, K, M, /*columnwise=*/true);
-      q.columnwise_data = TensorView(cd.get(), DType::kFP8E4M3, {K, M});
-      q.columnwise_scale = TensorView(cs.get(), s.dtype, {s.rows, s.cols});
-    }
-  }
-  void expect_equal(const ref::Quantized& want, const std::string& what) const {
-    EXPECT_EQ(rd.download(), want.rowwise_data) << what << " rowwise data";
-    EXPECT_EQ(rs.download(), want.rowwise_scale) << what << " rowwise scale";
-    EXPECT_EQ(cd.download(), want.columnwise_data) << what << " columnwise data";
-    EXPECT_EQ(cs.download(), want.columnwise_scale) << what << " columnwise scale";
-  }
-};
 
 TensorView x_view(const DeviceBuffer<uint16_t>& x, int64_t T, int64_t K) {
   return TensorView(x.get(), DType::kBF16, {T, K});
