@@ -117,6 +117,7 @@ TEST(QuantizeGathered, MatchesTheReferenceOnTheGatheredRows) {
         const Copies got(c, want, sh.rows, sh.K);
         quantize_gathered(c, x_view(dx, sh.T, sh.K), map_view(dmap, sh.rows), sh.slots, got.q, errors.device_ptr(),
                           stream);
+        MOE_CUDA_CHECK(cudaStreamSynchronize(stream));  // the copies are read back on another stream
         got.expect_equal(want, what);
         EXPECT_EQ(errors.fetch_and_clear(stream), 0u) << what;
       }
