@@ -163,7 +163,7 @@ struct GroupedMlp::Impl {
   // have moved; x may be the caller's view of the forward's x).
   void relocate_experts(const SavedState& state, const SavedState& plan, const SavedState& es, const TensorView& x,
                         const TensorView* dY) const {
-    if (fp8() && !gathered()) {  // the FP8 backward reads no x_perm
+    if (fp8()) {  // the FP8 backward reads no x_perm (and fp8 keeps save_x_perm on: no fused fc1)
       experts.relocate(es, TensorView(), dispatcher.group_offsets(plan), pp_or_none(plan), dY);
     } else if (gathered()) {
       experts.relocate_gathered(es, x, dispatcher.row_slots(plan), dispatcher.slots_per_token(),
