@@ -15,7 +15,12 @@
 //
 // --fp8 adds the FP8 block-scaled products (E4M3, 1x128 token blocks, 128x128 weight blocks,
 // docs/gemm.md) to the same interleaved measurements: operands quantized once beforehand (not
-// timed), fprop and dgrad writing bf16, wgrad fp32 (written, or accumulated into main_grad).
+// timed), fprop and dgrad writing bf16, wgrad fp32 (written, or accumulated into main_grad). The
+// token scales are MN-major, as the layer writes them. --fp8-scale-baselines also times each FP8
+// product with its scales where the kernels' scale producers take their other path (the "base"
+// column, graph-captured): fprop and dgrad with row-major token scales (16-byte register loads),
+// wgrad with copies of its scales one word off the 16-byte alignment of the bulk copies (word by
+// word).
 //
 // --groups-json writes the group sizes so that bench/torch_grouped_mm.py times torch._grouped_mm on
 // exactly the same groups (the same way, beside torch's own cuBLAS); --json writes our figures for
@@ -167,30 +172,41 @@ std::vector<double> interleaved_ms(const std::vector<Candidate>& cands, cudaStre
 struct Fp8Operands {
   static constexpr int64_t kB = 128;
   static int64_t blocks(int64_t n) { return (n + kB - 1) / kB; }
-  DeviceMem xr, xrs, xc, xcs, dyr, dyrs, dyc, dycs, wr, wrs, wc, wcs;
+  static int64_t round4(int64_t n) { return (n + 3) / 4 * 4; }
+  // Token copies: rowwise data with MN-major scales (xrs, dyrs) and the same scales row-major
+  // (xrs_rm, dyrs_rm); columnwise data and scales (wgrad). Weights: both copies.
+  DeviceMem xr, xrs, xrs_rm, xc, xcs, dyr, dyrs, dyrs_rm, dyc, dycs, wr, wrs, wc, wcs;
+  DeviceMem xcs_off, dycs_off;  // the columnwise scales again from the second word (16-byte misaligned)
   Fp8Operands(const void* x, const void* dy, const void* w, int64_t R, int64_t N, int64_t K, int64_t E,
               cudaStream_t s)
-      : xr(R * K), xrs(R * blocks(K) * 4), xc(R * K), xcs(blocks(R) * K * 4), dyr(R * N), dyrs(R * blocks(N) * 4),
-        dyc(R * N), dycs(blocks(R) * N * 4), wr(E * N * K), wrs(E * blocks(N) * blocks(K) * 4), wc(E * N * K),
-        wcs(E * blocks(N) * blocks(K) * 4) {
+      : xr(R * K), xrs(round4(R) * blocks(K) * 4), xrs_rm(R * blocks(K) * 4), xc(R * K), xcs(blocks(R) * K * 4),
+        dyr(R * N), dyrs(round4(R) * blocks(N) * 4), dyrs_rm(R * blocks(N) * 4), dyc(R * N), dycs(blocks(R) * N * 4), wr(E * N * K), wrs(E * blocks(N) * blocks(K) * 4), wc(E * N * K),
+        wcs(E * blocks(N) * blocks(K) * 4), xcs_off((blocks(R) * K + 1) * 4), dycs_off((blocks(R) * N + 1) * 4) {
     using moe::QuantizedTensor;
-    moe::QuantConfig rowwise, columnwise, weights;
+    moe::QuantConfig rowwise, rowwise_rm, columnwise, weights;
+    rowwise.scale_layout = moe::ScaleLayout::kMNMajor;
     columnwise.rowwise = false, columnwise.columnwise = true, columnwise.scale_layout = moe::ScaleLayout::kMNMajor;
     weights.blocking = moe::QuantBlocking::k2D, weights.columnwise = true;
-    auto token = [&](const void* src, int64_t cols, const DeviceMem& r, const DeviceMem& rs, const DeviceMem& c,
-                     const DeviceMem& cs) {
+    auto token = [&](const void* src, int64_t cols, const DeviceMem& r, const DeviceMem& rs, const DeviceMem& rs_rm,
+                     const DeviceMem& c, const DeviceMem& cs) {
       const TensorView v(const_cast<void*>(src), DType::kBF16, {R, cols});
       QuantizedTensor q;
       q.rowwise_data = TensorView(r.p, DType::kFP8E4M3, {R, cols});
-      q.rowwise_scale = TensorView(rs.p, DType::kFP32, {R, blocks(cols)});
+      q.rowwise_scale = TensorView(rs.p, DType::kFP32, {blocks(cols), round4(R)});
       moe::quantize(rowwise, v, q, s);
+      q.rowwise_scale = TensorView(rs_rm.p, DType::kFP32, {R, blocks(cols)});  // the same codes again
+      moe::quantize(rowwise_rm, v, q, s);
       QuantizedTensor qc;
       qc.columnwise_data = TensorView(c.p, DType::kFP8E4M3, {cols, R});
       qc.columnwise_scale = TensorView(cs.p, DType::kFP32, {blocks(R), cols});
       moe::quantize(columnwise, v, qc, s);
     };
-    token(x, K, xr, xrs, xc, xcs);
-    token(dy, N, dyr, dyrs, dyc, dycs);
+    token(x, K, xr, xrs, xrs_rm, xc, xcs);
+    token(dy, N, dyr, dyrs, dyrs_rm, dyc, dycs);
+    MOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<float*>(xcs_off.p) + 1, xcs.p, blocks(R) * K * 4,
+                                   cudaMemcpyDeviceToDevice, s));
+    MOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<float*>(dycs_off.p) + 1, dycs.p, blocks(R) * N * 4,
+                                   cudaMemcpyDeviceToDevice, s));
     QuantizedTensor qw;
     qw.rowwise_data = TensorView(wr.p, DType::kFP8E4M3, {E, N, K});
     qw.rowwise_scale = TensorView(wrs.p, DType::kFP32, {E, blocks(N), blocks(K)});
@@ -222,7 +238,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Grouped GEMM (fprop/dgrad/wgrad) TFLOP/s on the named shapes, beside cuBLAS dense"};
   std::vector<std::string> shapes, products, routings;
   std::string json_out, groups_out;
-  bool all_configs = false, fp8 = false;
+  bool all_configs = false, fp8 = false, fp8_scale_baselines = false;
   int rounds = 9;
   int tile_run = 1;
   double skew = 1.0;
@@ -230,6 +246,9 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_out, "write our figures to this JSON file");
   app.add_option("--groups-json", groups_out, "write the group sizes (for torch_grouped_mm.py)");
   app.add_flag("--fp8", fp8, "also time the FP8 block-scaled products in the same measurements");
+  app.add_flag("--fp8-scale-baselines", fp8_scale_baselines,
+               "with --fp8: also time the scale producers' other paths (row-major token scales; wgrad scales "
+               "off the bulk-copy alignment), graph-captured: the base column");
   app.add_flag("--all-configs", all_configs, "also time every compiled tile configuration and raster order");
   app.add_option("--rounds", rounds, "interleaved timing rounds per measurement (median reported)");
   app.add_option("--skew", skew, "Zipf-like skew of the skewed routing");
@@ -288,7 +307,9 @@ int main(int argc, char** argv) {
         const double flops = 2.0 * double(g.useful) * double(N) * double(K);
         std::unique_ptr<Fp8Operands> q;
         if (fp8) q = std::make_unique<Fp8Operands>(x.p, dy.p, w.p, R, N, K, int64_t(s.E), stream);
-        auto fp8_run = [&](GemmOp op, bool accumulate) {
+        // baseline: row-major token scales (fprop, dgrad), or scales one word off the 16-byte
+        // alignment (wgrad: a_scale from dycs_off, b_scale from xcs_off).
+        auto fp8_run = [&](GemmOp op, bool accumulate, bool baseline) {
           using moe::GemmProblem;
           const int64_t E = s.E;
           const auto nb = Fp8Operands::blocks(N), kb = Fp8Operands::blocks(K), rb = Fp8Operands::blocks(R);
@@ -297,22 +318,28 @@ int main(int argc, char** argv) {
           p.group_offsets = offs;
           if (op == GemmOp::kFprop) {
             p.a = TensorView(q->xr.p, DType::kFP8E4M3, {R, K});
-            p.a_scale = TensorView(q->xrs.p, DType::kFP32, {R, kb});
+            p.a_scale = baseline ? TensorView(q->xrs_rm.p, DType::kFP32, {R, kb})
+                               : TensorView(q->xrs.p, DType::kFP32, {kb, Fp8Operands::round4(R)});
+            p.a_scale_layout = baseline ? moe::ScaleLayout::kRowMajor : moe::ScaleLayout::kMNMajor;
             p.w = ExpertMatrices::grouped(TensorView(q->wr.p, DType::kFP8E4M3, {E, N, K}), "w");
             p.w_scale = ExpertMatrices::grouped(TensorView(q->wrs.p, DType::kFP32, {E, nb, kb}), "w_scale", 4);
             p.d = ty;
           } else if (op == GemmOp::kDgrad) {
             p.a = TensorView(q->dyr.p, DType::kFP8E4M3, {R, N});
-            p.a_scale = TensorView(q->dyrs.p, DType::kFP32, {R, nb});
+            p.a_scale = baseline ? TensorView(q->dyrs_rm.p, DType::kFP32, {R, nb})
+                               : TensorView(q->dyrs.p, DType::kFP32, {nb, Fp8Operands::round4(R)});
+            p.a_scale_layout = baseline ? moe::ScaleLayout::kRowMajor : moe::ScaleLayout::kMNMajor;
             p.w = ExpertMatrices::grouped(TensorView(q->wc.p, DType::kFP8E4M3, {E, K, N}), "w").as_transposed();
             p.w_scale =
                 ExpertMatrices::grouped(TensorView(q->wcs.p, DType::kFP32, {E, kb, nb}), "w_scale", 4).as_transposed();
             p.d = tdx;
           } else {
             p.a = TensorView(q->dyc.p, DType::kFP8E4M3, {N, R});
-            p.a_scale = TensorView(q->dycs.p, DType::kFP32, {rb, N});
+            p.a_scale =
+                TensorView(baseline ? static_cast<float*>(q->dycs_off.p) + 1 : q->dycs.p, DType::kFP32, {rb, N});
             p.b = TensorView(q->xc.p, DType::kFP8E4M3, {K, R});
-            p.b_scale = TensorView(q->xcs.p, DType::kFP32, {rb, K});
+            p.b_scale =
+                TensorView(baseline ? static_cast<float*>(q->xcs_off.p) + 1 : q->xcs.p, DType::kFP32, {rb, K});
             p.w = mmg;
             p.epilogue = accumulate ? moe::GemmEpilogue::kAccumulate : moe::GemmEpilogue::kStore;
           }
@@ -343,20 +370,29 @@ int main(int argc, char** argv) {
           const std::string chosen = gg.chosen_config(r.op, N, K, r.out);
           std::vector<Candidate> cands = {{"ours", r.ours, false}, {"graph", r.ours, true}};
           if (r.dense) cands.push_back({"cublas", r.dense, false});
-          size_t fp8_at = 0;
+          size_t fp8_at = 0, fp8_rm_at = 0;
           // FP8 dgrad runs the fprop-form kernels, so its configuration is forced as fprop's.
           const GemmOp fp8_op = r.op == GemmOp::kWgrad ? GemmOp::kWgrad : GemmOp::kFprop;
           const DType fp8_out = r.op == GemmOp::kWgrad ? DType::kFP32 : DType::kBF16;
           std::vector<std::pair<std::string, bool>> fp8_alt;
           if (fp8) {  // fp32 wgrad output either way: the bf16 row compares against a written fp32 gradient
             fp8_at = cands.size();
-            const std::function<void()> f = fp8_run(r.op, r.accumulate);
+            const std::function<void()> f = fp8_run(r.op, r.accumulate, false);
             const std::function<void()> heuristic = [&gg, f, fp8_op] {
               gg.force_config(fp8_op, "");
               f();
             };
             cands.push_back({"fp8", heuristic, false});
             cands.push_back({"fp8_graph", heuristic, true});
+            if (fp8_scale_baselines) {
+              fp8_rm_at = cands.size();
+              const std::function<void()> f_rm = fp8_run(r.op, r.accumulate, true);
+              cands.push_back({"fp8_base_graph", [&gg, f_rm, fp8_op] {
+                                 gg.force_config(fp8_op, "");
+                                 f_rm();
+                               },
+                               true});
+            }
             if (all_configs)
               for (const std::string& c : GroupedGemm::configs(fp8_op, fp8_out, DType::kFP8E4M3))
                 for (bool along_n : {false, true}) {
@@ -402,13 +438,18 @@ int main(int argc, char** argv) {
             std::snprintf(buf, sizeof buf, " %8.1f %8.1f %8.2fx", tflops(flops, ms[fp8_at]),
                           tflops(flops, ms[fp8_at + 1]), ms[0] / ms[fp8_at]);
             fp8_cols = buf;
+            if (fp8_rm_at > 0) {
+              rec["fp8_scale_baseline_graph_tflops"] = tflops(flops, ms[fp8_rm_at]);
+              std::snprintf(buf, sizeof buf, " base=%.1f", tflops(flops, ms[fp8_rm_at]));
+              fp8_cols += buf;
+            }
           }
           std::string alts;
           if (all_configs) {
             nlohmann::json alt = nlohmann::json::object();
             // The FP8 alternatives follow the two FP8 candidates; the bf16 alternatives come last.
             std::vector<size_t> alt_at;
-            for (size_t i = 0; i < fp8_alt.size(); ++i) alt_at.push_back(fp8_at + 2 + i);
+            for (size_t i = 0; i < fp8_alt.size(); ++i) alt_at.push_back(fp8_at + (fp8_rm_at > 0 ? 3 : 2) + i);
             for (size_t i = 0; i < alt_cfg.size(); ++i) alt_at.push_back(cands.size() - alt_cfg.size() + i);
             for (size_t i : alt_at) {
               alt[cands[i].label] = tflops(flops, ms[i]);

@@ -29,6 +29,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "moe/quant_format.h"
 #include "moe/tensor.h"
 
 namespace moe {
@@ -93,9 +94,13 @@ enum class GemmEpilogue : uint8_t {
 // dgrad) or bf16 / fp32 / accumulate (wgrad). FP8 tensor cores read both operands along the reduction, so
 // FP8 products take the quantized copies (moe/quantize.h, FP8 block) that are contiguous along it,
 // every scale an fp32 scale_inv:
-//   fprop  a = X rowwise 1x128 [rows, K], a_scale [rows, ceil(K/128)] (kRowMajor);
+//   fprop  a = X rowwise 1x128 [rows, K], a_scale [rows, ceil(K/128)] (kRowMajor) or, with
+//          a_scale_layout = kMNMajor, [ceil(K/128), round_up(rows, 4)] (quantize's kMNMajor: each
+//          128-row tile's scales of a block are one contiguous run, copied by the TMA engine
+//          where the groups start on multiples of 4 rows -- faster; docs/gemm.md);
 //          w = W rowwise 128x128 [E][N, K], w_scale [E][ceil(N/128), ceil(K/128)] (kRowMajor)
-//   dgrad  a = dY rowwise 1x128 [rows, N], a_scale [rows, ceil(N/128)] (kRowMajor);
+//   dgrad  a = dY rowwise 1x128 [rows, N], a_scale [rows, ceil(N/128)] (kRowMajor) or kMNMajor as
+//          for fprop;
 //          w = the weights' columnwise 128x128 copy W^T [E][K, N] viewed as_transposed(), w_scale
 //          its scales [E][ceil(K/128), ceil(N/128)] viewed as_transposed() too
 //   wgrad  a = dY columnwise 1x128 (dY^T) [N, rows], a_scale [ceil(rows/128), N] (kMNMajor);
@@ -113,6 +118,9 @@ struct GemmProblem {
   TensorView d;              // fprop: Y [rows, N]; dgrad: dX [rows, K]; unused by wgrad
   TensorView group_offsets;  // int32 [E + 1], device
   TensorView a_scale;        // FP8 only (see above)
+  // FP8 fprop / dgrad: a_scale's layout, kRowMajor or kMNMajor (wgrad's is always the latter and
+  // does not read this field).
+  ScaleLayout a_scale_layout = ScaleLayout::kRowMajor;
   TensorView b_scale;        // FP8 wgrad only
   ExpertMatrices w_scale;    // FP8 fprop and dgrad only, oriented as w (made with alignment 4 or 16)
   GemmEpilogue epilogue = GemmEpilogue::kStore;

@@ -86,7 +86,10 @@ void check_fp8_token_product(const GemmProblem& pr, int64_t rows, int64_t red, i
                   : "fprop reads the weights' rowwise copy W [N, K], got a transposed view");
   check_fp8_dim(red, dgrad ? "dy" : "x", dgrad ? "N (columns)" : "K (columns)");
   check_fp8_dim(out, "w", dgrad ? "K (columns)" : "N (rows)");
-  check_scale(pr.a_scale, "a_scale", {rows, blocks_of(red)});
+  if (pr.a_scale_layout == ScaleLayout::kMNMajor)
+    check_scale(pr.a_scale, "a_scale", {blocks_of(red), (rows + 3) / 4 * 4});
+  else
+    check_scale(pr.a_scale, "a_scale", {rows, blocks_of(red)});
   check_weight_scale(pr.w_scale, pr.w);
 }
 
@@ -271,6 +274,10 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
             "expert matrices made with alignment ", w.alignment());
   const bool fp8 = pr.a.dtype == DType::kFP8E4M3;
   check_matrix(pr.a, pr.op == GemmOp::kFprop ? "x" : "dy", fp8 ? DType::kFP8E4M3 : DType::kBF16);
+  MOE_CHECK(pr.a_scale_layout == ScaleLayout::kRowMajor || pr.a_scale_layout == ScaleLayout::kMNMajor,
+            "argument 'a_scale_layout': expected row_major or mn_major (FP8 block token scales), got enum value ",
+            static_cast<int>(pr.a_scale_layout));
+  const bool a_scale_mn_major = fp8 && pr.op != GemmOp::kWgrad && pr.a_scale_layout == ScaleLayout::kMNMajor;
   const DType ab = pr.a.dtype;
   // FP8 wgrad reads dY's columnwise copy [N, rows]: the tokens run along its columns.
   const int64_t rows = fp8 && pr.op == GemmOp::kWgrad ? pr.a.shape[1] : pr.a.shape[0];
@@ -347,6 +354,7 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
   p.error_word = pr.error_word;
   if (fp8) {
     p.fp8 = true;
+    p.a_scale_mn_major = a_scale_mn_major;
     p.a_scale = static_cast<const float*>(pr.a_scale.data);
     p.b_scale = static_cast<const float*>(pr.b_scale.data);
     p.w_scale = {static_cast<const char*>(pr.w_scale.base()), pr.w_scale.expert_stride_bytes(),
@@ -392,6 +400,7 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
   a.ptr_c = arrays.ptr_c, a.ld_c = arrays.ld_c;
   a.ptr_d = arrays.ptr_d, a.ld_d = arrays.ld_d;
   a.ptr_sfa = arrays.ptr_sfa, a.ptr_sfb = arrays.ptr_sfb;
+  a.a_scale_mn_ld = a_scale_mn_major ? (rows + 3) / 4 * 4 : 0;
   a.sm_count = s.sm_count;
   a.raster_along_n = choice.raster_along_n;
   a.tile_run = choice.tile_run;

@@ -54,7 +54,7 @@ __global__ void prep_kernel(PrepParams p, ArgArrays out) {
       out.ptr_b[e] = w, out.ld_b[e] = p.K;
       out.ptr_d[e] = p.d + start * p.N * 2, out.ld_d[e] = p.N;
       if (p.fp8) {
-        out.ptr_sfa[e] = p.a_scale + start * ((p.K + 127) / 128);
+        out.ptr_sfa[e] = p.a_scale + (p.a_scale_mn_major ? start : start * ((p.K + 127) / 128));
         out.ptr_sfb[e] = reinterpret_cast<const float*>(expert_ptr(p.w_scale, e));
       }
       break;

@@ -55,6 +55,7 @@ struct PrepParams {
   // 128-token blocks (start on the grid, end on it or at the end of the rows): one that does not is
   // skipped (as if empty) and raises kErrUnalignedGroup.
   bool fp8 = false;
+  bool a_scale_mn_major = false;  // fprop form: a_scale [ceil(K / 128), ld] (pointers at each group's first row)
   const float* a_scale = nullptr;
   const float* b_scale = nullptr;
   ExpertPtrs w_scale;

@@ -39,6 +39,10 @@ struct GroupedArgs {
   const int64_t* ld_d = nullptr;
   const float* const* ptr_sfa = nullptr;  // FP8 only: each group's scale_inv of A and B
   const float* const* ptr_sfb = nullptr;
+  // FP8 fprop form: 0 when the token scales are K-major ([rows, blocks], ptr_sfa at each group's
+  // first row), else their MN-major leading dimension ([blocks, ld], ptr_sfa at the group's first
+  // column).
+  int64_t a_scale_mn_ld = 0;
   float alpha = 1.0f;
   float beta = 0.0f;  // fp32 kernels: 1 accumulates into D
   int sm_count = 0;

@@ -19,6 +19,7 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include "gemm/fp8_overlapped_promotion.cuh"
+#include "gemm/fp8_scale_producer.cuh"
 #include "gemm/fp8_wide_tile_promotion.cuh"
 #include "gemm/grouped_kernel.h"
 #include "gemm/run_group_scheduler.cuh"
@@ -61,6 +62,7 @@ template <Op kOp>
 struct Bf16Operands {
   static constexpr bool kScaled = false;
   static constexpr int kScaleRowsB = 0;
+  static constexpr bool kFpropForm = false;
   using Element = cutlass::bfloat16_t;
   using LayoutA = typename OpLayouts<kOp>::A*;
   using LayoutB = typename OpLayouts<kOp>::B*;
@@ -79,6 +81,7 @@ template <int kGranN, cute::GMMA::Major kMajorSFA, cute::GMMA::Major kMajorSFB>
 struct Fp8BlockOperands {
   static constexpr bool kScaled = true;
   static constexpr int kScaleRowsB = kGranN;
+  static constexpr bool kFpropForm = kGranN > 1;  // B scaled per block of weight rows (not wgrad's per row)
   using Element = cutlass::float_e4m3_t;
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kGranN, 128, kMajorSFA, kMajorSFB>;
   using LayoutA = cute::tuple<cutlass::layout::RowMajor*, decltype(ScaleConfig::deduce_layoutSFA())*>;
@@ -126,11 +129,17 @@ struct Sm90Gemm {
   // next one's WGMMAs (fp8_overlapped_promotion.cuh); wider ones, whose two accumulator buffers
   // would not fit the registers, promote after it with one FMA per element
   // (fp8_wide_tile_promotion.cuh).
+  // Both fill the stages' scales with our producers (fp8_scale_producer.cuh); the fprop form's also
+  // reads MN-major token scales (GroupedArgs::a_scale_mn_ld).
   static constexpr bool kScaledCooperative = Operands::kScaled && std::is_same_v<Schedule, Cooperative>;
+  static constexpr bool kScaleProducer = kScaledCooperative && Operands::kFpropForm;
+  using ScaledMainloop = std::conditional_t<
+      kScaleProducer, Fp8FpropScaleProducer<Mainloop>,
+      std::conditional_t<kScaledCooperative, Fp8WgradScaleProducer<Mainloop>, Mainloop>>;
   using KernelMainloop = std::conditional_t<
       kScaledCooperative,
-      std::conditional_t<(cute::size<1>(Tile{}) <= 128), OverlappedPromotionMainloop<Mainloop>,
-                         WideTilePromotionMainloop<Mainloop>>,
+      std::conditional_t<(cute::size<1>(Tile{}) <= 128), OverlappedPromotionMainloop<ScaledMainloop>,
+                         WideTilePromotionMainloop<ScaledMainloop>>,
       Mainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, KernelMainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -167,6 +176,8 @@ struct Sm90Gemm {
       ml.layout_SFA = nullptr;
       ml.layout_SFB = nullptr;
     }
+    if constexpr (kScaleProducer) ml.sfa_mn_ld = a.a_scale_mn_ld;
+    else MOE_CHECK(a.a_scale_mn_ld == 0, "grouped GEMM: this configuration reads K-major token scales only");
     auto& ep = args.epilogue;
     ep.thread.alpha = a.alpha;
     ep.thread.beta = a.beta;

@@ -14,8 +14,9 @@ namespace {
 constexpr int64_t kBlock = 128;
 int64_t blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
-// Weights: 128x128 blocks, both copies, row-major scales. Tokens: 1x128 blocks, the rowwise copy's
-// scales row-major [rows, ceil(cols / 128)] (fprop / dgrad), the columnwise copy's kMNMajor
+// Weights: 128x128 blocks, both copies, row-major scales. Tokens: 1x128 blocks, both copies'
+// scales kMNMajor: the rowwise copy's [ceil(cols / 128), round_up(rows, 4)] (fprop / dgrad; each
+// tile's scales of a block contiguous, copied by the GEMM's TMA engine), the columnwise copy's
 // [ceil(rows / 128), cols] (the weight gradient; cols is a multiple of 16, so no padding).
 QuantConfig fp8_config(QuantBlocking blocking, bool rowwise, bool columnwise) {
   QuantConfig c;
@@ -23,10 +24,11 @@ QuantConfig fp8_config(QuantBlocking blocking, bool rowwise, bool columnwise) {
   c.blocking = blocking;
   c.rowwise = rowwise;
   c.columnwise = columnwise;
-  c.scale_layout = ScaleLayout::kRowMajor;
-  if (blocking == QuantBlocking::k1D) c.columnwise_scale_layout = ScaleLayout::kMNMajor;
+  c.scale_layout = blocking == QuantBlocking::k1D ? ScaleLayout::kMNMajor : ScaleLayout::kRowMajor;
   return c;
 }
+
+int64_t round4(int64_t n) { return (n + 3) / 4 * 4; }
 
 }  // namespace
 
@@ -56,7 +58,7 @@ void Fp8ExpertsRecipe::plan_workspace(DeviceArena& a) {
   plan_weight(a, w_[0]);
   plan_weight(a, w_[1]);
   row_ = a.take<uint8_t>(R_ * tok_cols_);
-  row_scale_ = a.take<float>(R_ * blocks(tok_cols_));
+  row_scale_ = a.take<float>(blocks(tok_cols_) * round4(R_));
   col_ = a.take<uint8_t>(R_ * tok_cols_);
   col_scale_ = a.take<float>(blocks(R_) * tok_cols_);
 }
@@ -104,7 +106,7 @@ QuantizedTensor Fp8ExpertsRecipe::token_copies(int64_t rows, int64_t cols, bool 
   QuantizedTensor q;
   if (rowwise) {
     q.rowwise_data = TensorView(row_, DType::kFP8E4M3, {rows, cols});
-    q.rowwise_scale = TensorView(row_scale_, DType::kFP32, {rows, blocks(cols)});
+    q.rowwise_scale = TensorView(row_scale_, DType::kFP32, {blocks(cols), round4(rows)});
   }
   if (col != nullptr) {
     q.columnwise_data = TensorView(col, DType::kFP8E4M3, {cols, rows});
@@ -138,7 +140,8 @@ void Fp8ExpertsRecipe::quantize_activation(const ActivationParams& params, const
 }
 
 // fprop reads the rowwise weight copy and reduces over K; dgrad the columnwise copy (W^T, viewed
-// transposed) and reduces over N. A is the token workspace's rowwise copy [rows, reduction].
+// transposed) and reduces over N. A is the token workspace's rowwise copy [rows, reduction], its
+// scales MN-major.
 void Fp8ExpertsRecipe::token_product(GemmOp op, const Weight& w, const GroupedGemm& gemm, const TensorView& ws,
                                      const TensorView& g, const TensorView& out, cudaStream_t s) const {
   const bool fprop = op == GemmOp::kFprop;
@@ -146,7 +149,8 @@ void Fp8ExpertsRecipe::token_product(GemmOp op, const Weight& w, const GroupedGe
   GemmProblem p;
   p.op = op;
   p.a = TensorView(row_, DType::kFP8E4M3, {rows, red});
-  p.a_scale = TensorView(row_scale_, DType::kFP32, {rows, blocks(red)});
+  p.a_scale = TensorView(row_scale_, DType::kFP32, {blocks(red), round4(rows)});
+  p.a_scale_layout = ScaleLayout::kMNMajor;
   p.w = fprop ? w.row_m : w.col_m;
   p.w_scale = fprop ? w.row_scale_m : w.col_scale_m;
   p.d = out;

@@ -2,7 +2,8 @@
 // columnwise copies) against a dequantize-then-fp64 reference: the operands are quantized by the
 // GPU kernels (checked bitwise against the CPU reference quantizer here too), dequantized by the
 // CPU reference and multiplied in fp64. Uneven, empty and partial-block groups, N and K that are
-// not multiples of 128 (partial scale blocks), both weight layouts (bitwise identical), transposed
+// not multiples of 128 (partial scale blocks), both weight layouts and both token-scale layouts
+// (bitwise identical), transposed
 // weight gradients (within the bound), main_grad accumulation, CUDA graph replay with new groups and data (bitwise
 // equal to eager), a wgrad group off the 128-token grid (reported, skipped), zero rows, bad input.
 //
@@ -317,6 +318,52 @@ TEST_F(Fp8GroupedGemm, TokenScalesOffTheVectorAlignmentGiveTheSameBits) {
   }
 }
 
+TEST_F(Fp8GroupedGemm, MnMajorTokenScalesGiveTheBitsOfRowMajorOnes) {
+  // The same token operands with their scales MN-major ([blocks, round_up(rows, 4)]): tiles whose
+  // group starts on a multiple of 4 rows take the bulk copy of a block's 128 scales, the others
+  // (starts at rows 130 and 207 in the first case) the word-by-word copy; partial last tiles read
+  // up to the layout's padding. Reductions of 3, 4 and 8 blocks, and a grid of 4 SMs that wraps the
+  // stage ring. The products are those of the row-major scales, bit for bit, fprop and dgrad.
+  struct Case {
+    int E;
+    int64_t N, K;
+    std::vector<int> sizes;
+    int sms = 0;
+  };
+  const Case cases[] = {{4, 400, 336, {130, 0, 77, 301}},
+                        {3, 256, 512, {0, 640, 16}},
+                        {1, 128, 128, {5}},
+                        {2, 1024, 1024, {200, 72}, 4}};
+  const QuantConfig mn = fp8_config(false, true, false, ScaleLayout::kMNMajor);
+  for (const std::string& config : GroupedGemm::configs(GemmOp::kFprop, DType::kBF16, DType::kFP8E4M3))
+    for (const Case& cs : cases) {
+      const TokenProblem p(cs.E, cs.N, cs.K, cs.sizes, 17 + cs.K, stream);
+      const Quant x_mn(mn, block_scaled(1, p.R, cs.K, 1, 128, 17 + cs.K), 1, p.R, cs.K, false, stream);
+      const Quant dy_mn(mn, block_scaled(1, p.R, cs.N, 1, 128, 18 + cs.K), 1, p.R, cs.N, false, stream);
+      Engine eng(cs.E, p.R, cs.sms);
+      eng.gg.force_config(GemmOp::kFprop, config);
+      const std::string tag = config + " E=" + std::to_string(cs.E) + " K=" + std::to_string(cs.K);
+      DeviceBuffer<uint16_t> y1(p.R * cs.N), y2(p.R * cs.N), dx1(p.R * cs.K), dx2(p.R * cs.K);
+      eng.run(p.fprop(TensorView(y1.get(), DType::kBF16, {p.R, cs.N})), stream);
+      eng.run(p.dgrad(TensorView(dx1.get(), DType::kBF16, {p.R, cs.K})), stream);
+      GemmProblem f = p.fprop(TensorView(y2.get(), DType::kBF16, {p.R, cs.N}));
+      f.a = TensorView(x_mn.rdata.get(), DType::kFP8E4M3, {p.R, cs.K});
+      f.a_scale = TensorView(x_mn.rscale.get(), DType::kFP32, {x_mn.scale_rows(false), x_mn.scale_cols(false)});
+      f.a_scale_layout = ScaleLayout::kMNMajor;
+      GemmProblem d = p.dgrad(TensorView(dx2.get(), DType::kBF16, {p.R, cs.K}));
+      d.a = TensorView(dy_mn.rdata.get(), DType::kFP8E4M3, {p.R, cs.N});
+      d.a_scale = TensorView(dy_mn.rscale.get(), DType::kFP32, {dy_mn.scale_rows(false), dy_mn.scale_cols(false)});
+      d.a_scale_layout = ScaleLayout::kMNMajor;
+      eng.run(f, stream);
+      eng.run(d, stream);
+      MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      // The codes are the same bytes in both layouts; only the scales move.
+      EXPECT_EQ(x_mn.rdata.download(), p.x.rdata.download()) << tag;
+      EXPECT_EQ(y1.download(), y2.download()) << "fprop " << tag;
+      EXPECT_EQ(dx1.download(), dx2.download()) << "dgrad " << tag;
+    }
+}
+
 // wgrad: dW_e [N, K] = dY_e^T X_e from the columnwise copies, groups on the 128-token grid.
 struct WgradProblem {
   int E;
@@ -407,6 +454,34 @@ TEST_F(Fp8GroupedGemm, WgradMatchesTheDequantizedReference) {
   eng.gg.force_config(GemmOp::kWgrad, "");
 }
 
+TEST_F(Fp8GroupedGemm, WgradScalesOffTheBulkAlignmentGiveTheSameBits) {
+  // Each stage's scales are two runs of a tile's rows, bulk-copied where they start 16-byte aligned
+  // (N and K are multiples of 16, so they do whenever the tensors do); scales one word off that
+  // alignment (valid: fp32 needs 4 bytes) take CUTLASS's word-by-word copy. The same bits either
+  // way, with partial last tiles (N = 272, K = 400).
+  const WgradProblem p(3, 272, 400, {256, 128, 208}, 29, stream);
+  const int64_t na = p.dy.scale_rows(true) * p.dy.scale_cols(true), nb = p.x.scale_rows(true) * p.x.scale_cols(true);
+  DeviceBuffer<float> sa(na + 1), sb(nb + 1);
+  MOE_CUDA_CHECK(cudaMemcpyAsync(sa.get() + 1, p.dy.cscale.get(), na * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+  MOE_CUDA_CHECK(cudaMemcpyAsync(sb.get() + 1, p.x.cscale.get(), nb * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+  const int64_t NK = p.N * p.K;
+  for (const std::string& config : GroupedGemm::configs(GemmOp::kWgrad, DType::kFP32, DType::kFP8E4M3)) {
+    Engine eng(p.E, p.R, 4);
+    eng.gg.force_config(GemmOp::kWgrad, config);
+    DeviceBuffer<float> dw1(p.E * NK), dw2(p.E * NK);
+    const auto dw = [&](DeviceBuffer<float>& b) {
+      return ExpertMatrices::grouped(TensorView(b.get(), DType::kFP32, {int64_t(p.E), p.N, p.K}), "dw");
+    };
+    eng.run(p.problem(dw(dw1), false), stream);
+    GemmProblem shifted = p.problem(dw(dw2), false);
+    shifted.a_scale = TensorView(sa.get() + 1, DType::kFP32, {p.dy.scale_rows(true), p.dy.scale_cols(true)});
+    shifted.b_scale = TensorView(sb.get() + 1, DType::kFP32, {p.x.scale_rows(true), p.x.scale_cols(true)});
+    eng.run(shifted, stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(dw1.download(), dw2.download()) << config;
+  }
+}
+
 TEST_F(Fp8GroupedGemm, WgradGroupOffTheTokenGridIsReportedAndSkipped) {
   // Expert 1 [128, 192) ends inside a 128-token block that expert 2 [192, 256) continues, so both
   // would read scale blocks shared with other tokens: both are skipped (as if empty) and reported;
@@ -486,6 +561,12 @@ TEST_F(Fp8GroupedGemm, BadInputNamesTheArgument) {
   f = p.fprop(yv);
   f.a_scale = TensorView(p.x.rscale.get(), DType::kFP32, {p.R, 1});
   expect_error_naming([&] { eng.run(f, stream); }, "'a_scale'");
+  f = p.fprop(yv);
+  f.a_scale_layout = ScaleLayout::kMNMajor;  // the row-major scales' shape, [rows, blocks]
+  expect_error_naming([&] { eng.run(f, stream); }, "'a_scale'");
+  f = p.fprop(yv);
+  f.a_scale_layout = ScaleLayout::kSwizzled128x4;
+  expect_error_naming([&] { eng.run(f, stream); }, "'a_scale_layout'");
   f = p.fprop(yv);
   f.w_scale = ExpertMatrices();
   expect_error_naming([&] { eng.run(f, stream); }, "'w_scale'");
