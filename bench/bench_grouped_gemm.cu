@@ -172,27 +172,36 @@ std::vector<double> interleaved_ms(const std::vector<Candidate>& cands, cudaStre
 struct Fp8Operands {
   static constexpr int64_t kB = 128;
   static int64_t blocks(int64_t n) { return (n + kB - 1) / kB; }
-  static int64_t round4(int64_t n) { return (n + 3) / 4 * 4; }
+  // The MN-major scale count of a rowwise copy of [rows, cols] (quantize's layout, rows padded to 4).
+  static int64_t mn_scales(int64_t rows, int64_t cols) {
+    moe::QuantConfig c;
+    c.scale_layout = moe::ScaleLayout::kMNMajor;
+    const moe::ScaleShape sh = moe::scale_shape(c, rows, cols);
+    return sh.rows * sh.cols;
+  }
   // Token copies: rowwise data with MN-major scales (xrs, dyrs) and the same scales row-major
   // (xrs_rm, dyrs_rm); columnwise data and scales (wgrad). Weights: both copies.
   DeviceMem xr, xrs, xrs_rm, xc, xcs, dyr, dyrs, dyrs_rm, dyc, dycs, wr, wrs, wc, wcs;
   DeviceMem xcs_off, dycs_off;  // the columnwise scales again from the second word (16-byte misaligned)
+  TensorView xrs_mn, dyrs_mn;   // views of xrs and dyrs as quantize wrote them
   Fp8Operands(const void* x, const void* dy, const void* w, int64_t R, int64_t N, int64_t K, int64_t E,
               cudaStream_t s)
-      : xr(R * K), xrs(round4(R) * blocks(K) * 4), xrs_rm(R * blocks(K) * 4), xc(R * K), xcs(blocks(R) * K * 4),
-        dyr(R * N), dyrs(round4(R) * blocks(N) * 4), dyrs_rm(R * blocks(N) * 4), dyc(R * N), dycs(blocks(R) * N * 4), wr(E * N * K), wrs(E * blocks(N) * blocks(K) * 4), wc(E * N * K),
-        wcs(E * blocks(N) * blocks(K) * 4), xcs_off((blocks(R) * K + 1) * 4), dycs_off((blocks(R) * N + 1) * 4) {
+      : xr(R * K), xrs(mn_scales(R, K) * 4), xrs_rm(R * blocks(K) * 4), xc(R * K), xcs(blocks(R) * K * 4),
+        dyr(R * N), dyrs(mn_scales(R, N) * 4), dyrs_rm(R * blocks(N) * 4), dyc(R * N), dycs(blocks(R) * N * 4),
+        wr(E * N * K), wrs(E * blocks(N) * blocks(K) * 4), wc(E * N * K), wcs(E * blocks(N) * blocks(K) * 4),
+        xcs_off((blocks(R) * K + 1) * 4), dycs_off((blocks(R) * N + 1) * 4) {
     using moe::QuantizedTensor;
     moe::QuantConfig rowwise, rowwise_rm, columnwise, weights;
     rowwise.scale_layout = moe::ScaleLayout::kMNMajor;
     columnwise.rowwise = false, columnwise.columnwise = true, columnwise.scale_layout = moe::ScaleLayout::kMNMajor;
     weights.blocking = moe::QuantBlocking::k2D, weights.columnwise = true;
     auto token = [&](const void* src, int64_t cols, const DeviceMem& r, const DeviceMem& rs, const DeviceMem& rs_rm,
-                     const DeviceMem& c, const DeviceMem& cs) {
+                     const DeviceMem& c, const DeviceMem& cs, TensorView& rs_mn) {
       const TensorView v(const_cast<void*>(src), DType::kBF16, {R, cols});
       QuantizedTensor q;
       q.rowwise_data = TensorView(r.p, DType::kFP8E4M3, {R, cols});
-      q.rowwise_scale = TensorView(rs.p, DType::kFP32, {blocks(cols), round4(R)});
+      const moe::ScaleShape sh = moe::scale_shape(rowwise, R, cols);
+      rs_mn = q.rowwise_scale = TensorView(rs.p, DType::kFP32, {sh.rows, sh.cols});
       moe::quantize(rowwise, v, q, s);
       q.rowwise_scale = TensorView(rs_rm.p, DType::kFP32, {R, blocks(cols)});  // the same codes again
       moe::quantize(rowwise_rm, v, q, s);
@@ -201,8 +210,8 @@ struct Fp8Operands {
       qc.columnwise_scale = TensorView(cs.p, DType::kFP32, {blocks(R), cols});
       moe::quantize(columnwise, v, qc, s);
     };
-    token(x, K, xr, xrs, xrs_rm, xc, xcs);
-    token(dy, N, dyr, dyrs, dyrs_rm, dyc, dycs);
+    token(x, K, xr, xrs, xrs_rm, xc, xcs, xrs_mn);
+    token(dy, N, dyr, dyrs, dyrs_rm, dyc, dycs, dyrs_mn);
     MOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<float*>(xcs_off.p) + 1, xcs.p, blocks(R) * K * 4,
                                    cudaMemcpyDeviceToDevice, s));
     MOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<float*>(dycs_off.p) + 1, dycs.p, blocks(R) * N * 4,
@@ -318,16 +327,14 @@ int main(int argc, char** argv) {
           p.group_offsets = offs;
           if (op == GemmOp::kFprop) {
             p.a = TensorView(q->xr.p, DType::kFP8E4M3, {R, K});
-            p.a_scale = baseline ? TensorView(q->xrs_rm.p, DType::kFP32, {R, kb})
-                               : TensorView(q->xrs.p, DType::kFP32, {kb, Fp8Operands::round4(R)});
+            p.a_scale = baseline ? TensorView(q->xrs_rm.p, DType::kFP32, {R, kb}) : q->xrs_mn;
             p.a_scale_layout = baseline ? moe::ScaleLayout::kRowMajor : moe::ScaleLayout::kMNMajor;
             p.w = ExpertMatrices::grouped(TensorView(q->wr.p, DType::kFP8E4M3, {E, N, K}), "w");
             p.w_scale = ExpertMatrices::grouped(TensorView(q->wrs.p, DType::kFP32, {E, nb, kb}), "w_scale", 4);
             p.d = ty;
           } else if (op == GemmOp::kDgrad) {
             p.a = TensorView(q->dyr.p, DType::kFP8E4M3, {R, N});
-            p.a_scale = baseline ? TensorView(q->dyrs_rm.p, DType::kFP32, {R, nb})
-                               : TensorView(q->dyrs.p, DType::kFP32, {nb, Fp8Operands::round4(R)});
+            p.a_scale = baseline ? TensorView(q->dyrs_rm.p, DType::kFP32, {R, nb}) : q->dyrs_mn;
             p.a_scale_layout = baseline ? moe::ScaleLayout::kRowMajor : moe::ScaleLayout::kMNMajor;
             p.w = ExpertMatrices::grouped(TensorView(q->wc.p, DType::kFP8E4M3, {E, K, N}), "w").as_transposed();
             p.w_scale =

@@ -32,6 +32,12 @@
 
 namespace moe::gemm {
 
+// Bytes of one bulk copy of `rows` consecutive fp32 scales: whole 16-byte words (the words past the
+// last row are inside the buffer: the next rows' or the layout's padding to a multiple of 4), and
+// nothing for a tile past the rows -- the second CTA of a 2-CTA cluster, which still loads the
+// shared operand tile for its partner.
+CUTLASS_DEVICE uint32_t scale_run_bytes(int rows) { return rows > 0 ? uint32_t((rows + 3) / 4 * 4) * 4u : 0u; }
+
 template <class Base>
 struct Fp8FpropScaleProducer : Base {
   using typename Base::MainloopPipeline;
@@ -39,6 +45,7 @@ struct Fp8FpropScaleProducer : Base {
   using typename Base::TensorStorage;
   using typename Base::TileShape;
   using ElementScale = typename Base::ElementBlockScale;
+  static_assert(sizeof(ElementScale) == 4, "fp32 scales (scale_run_bytes)");
   static_assert(Base::ScaleGranularityM == 1, "token scales per row");
   // The K-major token scales' 16-byte register loads. The 128-wide tile (one weight-scale block)
   // copies them word by word instead: with all three loops its producer warp group exceeds its 40
@@ -122,11 +129,7 @@ struct Fp8FpropScaleProducer : Base {
     auto plain_arrive = [](uint64_t* bar) { cutlass::arch::ClusterBarrier::arrive(bar); };
 
     if (a_bulk) {
-      // Whole 16-byte words of the tile's rows (the rows past the group's last are the next
-      // group's or the layout's padding to a multiple of 4, inside the buffer). A tile past the
-      // group's rows (the second CTA of a cluster along M, loading the shared B tile for its
-      // partner) copies nothing.
-      const uint32_t bytes = tile_rows > 0 ? uint32_t((tile_rows + 3) / 4 * 4) * uint32_t(sizeof(ElementScale)) : 0u;
+      const uint32_t bytes = scale_run_bytes(tile_rows);
       float4 b = {};
       if (b_vector && b_lane) b = *reinterpret_cast<const float4*>(&gSFB(b_col, 0, k0));
       CUTLASS_PRAGMA_NO_UNROLL
@@ -217,7 +220,7 @@ struct Fp8WgradScaleProducer : Base {
   using typename Base::PipelineState;
   using typename Base::TensorStorage;
   using typename Base::TileShape;
-  using ElementScale = typename Base::ElementBlockScale;
+  static_assert(sizeof(typename Base::ElementBlockScale) == 4, "fp32 scales (scale_run_bytes)");
   static_assert(Base::ScaleGranularityM == 1 && Base::ScaleGranularityN == 1, "both operands scaled per row");
 
   template <class TensorA, class TensorB, class TensorSFA, class TensorSFB, class KTileIterator, class BlockCoord>
@@ -249,13 +252,7 @@ struct Fp8WgradScaleProducer : Base {
     }
     Tensor sSFA = make_tensor(make_smem_ptr(shared_tensors.smem_SFA.data()), typename Base::SmemLayoutSFA{});
     Tensor sSFB = make_tensor(make_smem_ptr(shared_tensors.smem_SFB.data()), typename Base::SmemLayoutSFB{});
-    // Whole 16-byte words: the rows past the last are the next rows' (the rows are multiples of 16).
-    // A tile past the rows (the second CTA of a cluster, loading the shared tile for its partner)
-    // copies nothing of that operand.
-    auto run_bytes = [](int rows) {
-      return rows > 0 ? uint32_t((rows + 3) / 4 * 4) * uint32_t(sizeof(ElementScale)) : 0u;
-    };
-    const uint32_t bytes_a = run_bytes(rows_a), bytes_b = run_bytes(rows_b);
+    const uint32_t bytes_a = scale_run_bytes(rows_a), bytes_b = scale_run_bytes(rows_b);
     CUTLASS_PRAGMA_NO_UNROLL
     for (int i = 0; i < k_tile_count; ++i) {
       const int k = k0 + i;

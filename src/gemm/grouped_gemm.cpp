@@ -47,6 +47,8 @@ struct CallLayout {
 
 constexpr int64_t kFp8Block = 128;  // FP8 block scaling: elements per scale block
 int64_t blocks_of(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
+// Leading dimension of MN-major token scales ([blocks, rows rounded up to 4], quantize's kMNMajor).
+int64_t mn_major_ld(int64_t rows) { return (rows + 3) / 4 * 4; }
 // Rows of the weight scales restated per 64 rows of B (KernelEntry::weight_scale_rows == 64) for
 // `b_rows` rows of B: whole 192-wide tiles.
 int64_t restated_rows(int64_t b_rows) { return 3 * ((b_rows + 191) / 192); }
@@ -87,7 +89,7 @@ void check_fp8_token_product(const GemmProblem& pr, int64_t rows, int64_t red, i
   check_fp8_dim(red, dgrad ? "dy" : "x", dgrad ? "N (columns)" : "K (columns)");
   check_fp8_dim(out, "w", dgrad ? "K (columns)" : "N (rows)");
   if (pr.a_scale_layout == ScaleLayout::kMNMajor)
-    check_scale(pr.a_scale, "a_scale", {blocks_of(red), (rows + 3) / 4 * 4});
+    check_scale(pr.a_scale, "a_scale", {blocks_of(red), mn_major_ld(rows)});
   else
     check_scale(pr.a_scale, "a_scale", {rows, blocks_of(red)});
   check_weight_scale(pr.w_scale, pr.w);
@@ -400,7 +402,7 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
   a.ptr_c = arrays.ptr_c, a.ld_c = arrays.ld_c;
   a.ptr_d = arrays.ptr_d, a.ld_d = arrays.ld_d;
   a.ptr_sfa = arrays.ptr_sfa, a.ptr_sfb = arrays.ptr_sfb;
-  a.a_scale_mn_ld = a_scale_mn_major ? (rows + 3) / 4 * 4 : 0;
+  a.a_scale_mn_ld = a_scale_mn_major ? mn_major_ld(rows) : 0;
   a.sm_count = s.sm_count;
   a.raster_along_n = choice.raster_along_n;
   a.tile_run = choice.tile_run;

@@ -28,7 +28,14 @@ QuantConfig fp8_config(QuantBlocking blocking, bool rowwise, bool columnwise) {
   return c;
 }
 
-int64_t round4(int64_t n) { return (n + 3) / 4 * 4; }
+// The token workspace's rowwise scales of a [rows, cols] operand, in the layout fp8_config writes.
+ScaleShape row_scale_shape(int64_t rows, int64_t cols) {
+  return scale_shape(fp8_config(QuantBlocking::k1D, true, false), rows, cols);
+}
+TensorView row_scales(float* scales, int64_t rows, int64_t cols) {
+  const ScaleShape s = row_scale_shape(rows, cols);
+  return TensorView(scales, DType::kFP32, {s.rows, s.cols});
+}
 
 }  // namespace
 
@@ -58,7 +65,8 @@ void Fp8ExpertsRecipe::plan_workspace(DeviceArena& a) {
   plan_weight(a, w_[0]);
   plan_weight(a, w_[1]);
   row_ = a.take<uint8_t>(R_ * tok_cols_);
-  row_scale_ = a.take<float>(blocks(tok_cols_) * round4(R_));
+  const ScaleShape rs = row_scale_shape(R_, tok_cols_);
+  row_scale_ = a.take<float>(rs.rows * rs.cols);
   col_ = a.take<uint8_t>(R_ * tok_cols_);
   col_scale_ = a.take<float>(blocks(R_) * tok_cols_);
 }
@@ -106,7 +114,7 @@ QuantizedTensor Fp8ExpertsRecipe::token_copies(int64_t rows, int64_t cols, bool 
   QuantizedTensor q;
   if (rowwise) {
     q.rowwise_data = TensorView(row_, DType::kFP8E4M3, {rows, cols});
-    q.rowwise_scale = TensorView(row_scale_, DType::kFP32, {blocks(cols), round4(rows)});
+    q.rowwise_scale = row_scales(row_scale_, rows, cols);
   }
   if (col != nullptr) {
     q.columnwise_data = TensorView(col, DType::kFP8E4M3, {cols, rows});
@@ -149,7 +157,7 @@ void Fp8ExpertsRecipe::token_product(GemmOp op, const Weight& w, const GroupedGe
   GemmProblem p;
   p.op = op;
   p.a = TensorView(row_, DType::kFP8E4M3, {rows, red});
-  p.a_scale = TensorView(row_scale_, DType::kFP32, {blocks(red), round4(rows)});
+  p.a_scale = row_scales(row_scale_, rows, red);
   p.a_scale_layout = ScaleLayout::kMNMajor;
   p.w = fprop ? w.row_m : w.col_m;
   p.w_scale = fprop ? w.row_scale_m : w.col_scale_m;
