@@ -39,6 +39,8 @@ struct ActivationSource {
 
   struct Context {
     int64_t valid;  // rows of act: the end of the last group
+    int64_t m;      // row and column of act of the thread's first chunk
+    int j;
   };
   // A chunk's raw inputs: 8 gate and 8 linear values (interleave 1: 16 alternating ones, split in
   // value()), the row's prob, and whether the row is valid.
@@ -49,18 +51,19 @@ struct ActivationSource {
   };
 
   __device__ __forceinline__ static Loaded empty() { return Loaded{}; }
-  __device__ __forceinline__ Context context(const QuantParams& p) const {
-    return {kernels::valid_rows(in.group_offsets, in.groups, p.M)};
+  __device__ __forceinline__ Context context(const QuantParams& p, const TileSpan& t, int r0, int c0) const {
+    return {kernels::valid_rows(in.group_offsets, in.groups, p.M), t.m0 + r0, static_cast<int>(t.k0) + c0};  // F <= 2^29
   }
 
   // Rows past the end of the last group are quantized as zeros: the unfused activation leaves
   // those rows of act unwritten, and no product reads them.
-  __device__ __forceinline__ Loaded load(const Context& ctx, const QuantParams&, int64_t, int64_t m, int64_t k) const {
+  __device__ __forceinline__ Loaded load(const Context& ctx, const QuantParams&, int dr, int dc) const {
     using namespace kernels;
+    const int64_t m = ctx.m + dr;
     Loaded v{};
     v.live = m < ctx.valid;
     if (!v.live) return v;
-    const int j = static_cast<int>(k);  // F <= 2^29 (checked)
+    const int j = ctx.j + dc;  // F <= 2^29 (checked)
     const uint16_t* row = reinterpret_cast<const uint16_t*>(in.h) + m * in.in_cols;
     if (kGated && in.interleave == 1) {
       v.a = load_chunk(row + 2 * j);

@@ -216,10 +216,18 @@ __device__ __forceinline__ void with_numbers_tag(bool numbers, Fn&& f) {
     f(std::false_type{});
 }
 
+// Whether no product x * factor of an FP8 block (FP8 block scaling or MXFP8) can be NaN, from the
+// bits of the block's amax (the largest |x| bit pattern, so a NaN element makes it a NaN pattern):
+// without a NaN element every factor of these formats is finite and not zero, so a product is a
+// number or an infinity, which saturates to +-448. The E4M3 encoders then skip their NaN rewrite.
+__device__ __forceinline__ bool no_nan_products(uint32_t amax_bits) { return amax_bits <= 0x7F800000u; }
+
 // FP8 formats: one E4M3 byte of an element.
 __device__ __forceinline__ uint8_t encode_e4m3(float x, float factor) { return e4m3_from_float(__fmul_rn(x, factor)); }
 
-// Four products x[i] * factor as E4M3 bytes, x[0] in the low byte.
+// Four products x[i] * factor as E4M3 bytes, x[0] in the low byte. kNumbers: the caller knows that
+// no product is NaN (no_nan_products), so the NaN rewrite is left out.
+template <bool kNumbers = false>
 __device__ __forceinline__ uint32_t encode_e4m3x4(float x0, float x1, float x2, float x3, float factor) {
   const float p0 = __fmul_rn(x0, factor), p1 = __fmul_rn(x1, factor), p2 = __fmul_rn(x2, factor),
               p3 = __fmul_rn(x3, factor);
@@ -232,7 +240,7 @@ __device__ __forceinline__ uint32_t encode_e4m3x4(float x0, float x1, float x2, 
         "mov.b32 %0, {lo, hi};\n\t}"
         : "=r"(r)
         : "f"(p0), "f"(p1), "f"(p2), "f"(p3));
-    return e4m3_nan_bytes_to_7f(r);
+    return kNumbers ? r : e4m3_nan_bytes_to_7f(r);
   } else {
     return static_cast<uint32_t>(e4m3_from_float(p0)) | (static_cast<uint32_t>(e4m3_from_float(p1)) << 8) |
            (static_cast<uint32_t>(e4m3_from_float(p2)) << 16) | (static_cast<uint32_t>(e4m3_from_float(p3)) << 24);
@@ -265,13 +273,25 @@ __device__ __forceinline__ int64_t scale_index(ScaleLayout layout, int64_t r, in
 // matrix b. Copy: any struct with the copy's scale pointer, layout, block grid and scale entries
 // per matrix (the kernels' parameter structs).
 template <QuantFormat F, typename Copy>
-__device__ __forceinline__ void store_block_scale(const Copy& c, int64_t b, int64_t r, int64_t j,
-                                                  const BlockEncode& e) {
-  const int64_t i = b * c.scale_entries + scale_index(c.layout, r, j, c.block_rows, c.block_cols);
+__device__ __forceinline__ void store_scale_at(const Copy& c, int64_t i, const BlockEncode& e) {
   if constexpr (F == QuantFormat::kFP8Block)
     static_cast<float*>(c.scale)[i] = e.scale_f32;
   else
     static_cast<uint8_t*>(c.scale)[i] = e.scale_u8;
+}
+template <QuantFormat F, typename Copy>
+__device__ __forceinline__ void store_block_scale(const Copy& c, int64_t b, int64_t r, int64_t j,
+                                                  const BlockEncode& e) {
+  store_scale_at<F>(c, b * c.scale_entries + scale_index(c.layout, r, j, c.block_rows, c.block_cols), e);
+}
+
+// How far a scale index moves when the block row moves by d with the block column fixed:
+// scale_index(r + d, j) - scale_index(r, j). Exact for the linear layouts at any r; for the
+// swizzled one when r and r + d lie in one group of 128 rows and either d is a multiple of 32 or r
+// and r + d lie in one group of 32 (the steps the tile kernel takes).
+template <typename Copy>
+__device__ __forceinline__ int64_t scale_row_step(const Copy& c, int d) {
+  return scale_index(c.layout, d, 0, c.block_rows, c.block_cols) - scale_index(c.layout, 0, 0, c.block_rows, c.block_cols);
 }
 
 // ---- stochastic rounding bits ----------------------------------------------------------------

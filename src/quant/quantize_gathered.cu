@@ -4,6 +4,7 @@
 // read of x instead of the permute's write of x_perm and the quantize's read of it.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include <cutlass/fast_math.h>
@@ -26,20 +27,30 @@ struct GatherSource {
   // slot / slots as a high multiply and a shift (a 64-bit division was a subroutine call per chunk
   // that also spilled: docs/quantization.md).
   cutlass::FastDivmod by_slots;
-  int64_t slot_end;  // T * slots: entries must lie in [-1, slot_end)
+  uint32_t slot_end;  // min(T * slots, 2^31): entries must lie in [-1, slot_end)
+  uint32_t row_bytes;  // x's row pitch in bytes: 2 K < 2^32 (launch_tile: K < 2^31)
   uint32_t* error_word;
 
-  struct Context {};
+  struct Context {
+    const int32_t* map;  // the map entry of the thread's first chunk
+    const char* cols;    // x's row 0 at the thread's first chunk's column
+    bool reports;        // that column is 0: the thread's chunks in it report bad entries
+  };
   using Loaded = uint4;
-  __device__ __forceinline__ Context context(const QuantParams&) const { return {}; }
+  __device__ __forceinline__ Context context(const QuantParams&, const TileSpan& t, int r0, int c0) const {
+    return {row_slots + t.m0 + r0, reinterpret_cast<const char*>(x + t.k0 + c0), t.k0 + c0 == 0};
+  }
   __device__ __forceinline__ static Loaded empty() { return make_uint4(0, 0, 0, 0); }
   // The map entry is read per chunk (the compiler waits for it before the chunk's row load; issuing
   // all of a thread's entry loads first measured the same: the kernel is issue-bound). A bad entry
   // is reported once per row, by its first chunk.
-  __device__ __forceinline__ Loaded load(const Context&, const QuantParams& p, int64_t, int64_t m, int64_t k) const {
-    const int32_t slot = __ldg(row_slots + m);
-    if (slot >= 0 && slot < slot_end) return load_chunk(x + static_cast<int64_t>(by_slots.div(slot)) * p.K + k);
-    if (slot != -1 && k == 0 && error_word != nullptr) atomicOr(error_word, kErrBadRowMap);
+  __device__ __forceinline__ Loaded load(const Context& ctx, const QuantParams&, int dr, int dc) const {
+    const int32_t slot = __ldg(ctx.map + dr);
+    if (static_cast<uint32_t>(slot) < slot_end) {  // -1 and other negative entries wrap past it
+      const uint32_t token = static_cast<uint32_t>(by_slots.div(slot));
+      return load_chunk(reinterpret_cast<const uint16_t*>(ctx.cols + 2 * dc + static_cast<uint64_t>(token) * row_bytes));
+    }
+    if (slot != -1 && dc == 0 && ctx.reports && error_word != nullptr) atomicOr(error_word, kErrBadRowMap);
     return empty();
   }
   __device__ __forceinline__ uint4 value(const Loaded& v) const { return v; }
@@ -76,8 +87,11 @@ void quantize_gathered(const QuantConfig& config, const TensorView& x, const Ten
   zero_scale_padding(config, a, stream);
   if (a.M == 0 || a.K == 0) return;
   const QuantParams p = quant_params(config, a);
+  // Entries are int32, so at most 2^31 slots are addressable whatever T * slots is.
+  const int64_t slot_end = std::min<int64_t>(x.shape[0] * static_cast<int64_t>(slots), int64_t{1} << 31);
   const GatherSource src{static_cast<const uint16_t*>(x.data), row_slots.ptr<const int32_t>(),
-                         cutlass::FastDivmod(slots), x.shape[0] * static_cast<int64_t>(slots), error_word};
+                         cutlass::FastDivmod(slots), static_cast<uint32_t>(slot_end),
+                         static_cast<uint32_t>(2 * p.K), error_word};
   if (config.format == QuantFormat::kFP8Block)
     launch_tile<QuantFormat::kFP8Block, false, false>(p, 1, stream, src);
   else

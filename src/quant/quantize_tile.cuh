@@ -7,8 +7,10 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <climits>
 
 #include "device/cuda_check.h"
+#include "moe/error.h"
 #include "moe/quantize.h"
 #include "quant/quant_args.h"
 #include "quant/quant_device.cuh"
@@ -110,16 +112,34 @@ __device__ __forceinline__ void store_fp4_block(const QuantParams& p, int64_t po
   }
 }
 
-// The eight E4M3 codes of one chunk of 8 consecutive elements (element 0 in the low byte).
+// The eight E4M3 codes of one chunk of 8 consecutive elements (element 0 in the low byte);
+// kNumbers as encode_e4m3x4's.
+template <bool kNumbers = false>
 __device__ __forceinline__ uint2 fp8_chunk_codes(const uint4& v, float factor) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  return make_uint2(
-      encode_e4m3x4(bf16_word_lo(w[0]), bf16_word_hi(w[0]), bf16_word_lo(w[1]), bf16_word_hi(w[1]), factor),
-      encode_e4m3x4(bf16_word_lo(w[2]), bf16_word_hi(w[2]), bf16_word_lo(w[3]), bf16_word_hi(w[3]), factor));
+  return make_uint2(encode_e4m3x4<kNumbers>(bf16_word_lo(w[0]), bf16_word_hi(w[0]), bf16_word_lo(w[1]),
+                                            bf16_word_hi(w[1]), factor),
+                    encode_e4m3x4<kNumbers>(bf16_word_lo(w[2]), bf16_word_hi(w[2]), bf16_word_lo(w[3]),
+                                            bf16_word_hi(w[3]), factor));
+}
+
+// Whether every lane of the warp has a NaN-free FP8 block (no_nan_products of its amax bits): the
+// encoders' NaN rewrite is then skipped by the whole warp, a branch rather than a predicate.
+__device__ __forceinline__ bool warp_no_nan_products(uint32_t amax_bits) {
+  return __all_sync(0xFFFFFFFFu, no_nan_products(amax_bits));
 }
 
 
 // ---- tile kernel: columnwise copy and / or 2-D blocks ----------------------------------------
+
+// Where a CTA's tile lies: matrix b, first row m0 and column k0 (multiples of 128), and how many of
+// its rows and columns lie inside x (1 .. 128). Positions inside the tile are 32-bit; each thread
+// turns them into addresses from 64-bit bases it computes once (the kernel is bound by instruction
+// issue, and 64-bit index arithmetic per chunk was a large part of what it issued).
+struct TileSpan {
+  int64_t b, m0, k0;
+  int rows, cols;
+};
 
 // Shared tile: row r holds 16 chunks of 8 bf16; chunk c of row r sits at chunk position
 // c ^ swizzle(r) (the low three bits only). The term of r / 16 spreads the 8 rows r, r + 16, ...
@@ -139,66 +159,129 @@ enum class RowFactor {
   kSharedBlocks,  // 2-D NVFP4: the 16 x 16 blocks' factors in shared memory, [block row][block column]
 };
 template <QuantFormat F, bool kSR, RowFactor kFactor = RowFactor::kRowBlocks>
-__device__ __forceinline__ void tile_rows_from_shared(const QuantParams& p, const uint4* tile, int64_t b, int64_t m0,
-                                                      int64_t k0, float S, float tile_factor = 0.0f,
+__device__ __forceinline__ void tile_rows_from_shared(const QuantParams& p, const uint4* tile, const TileSpan& t,
+                                                      float S, float tile_factor = 0.0f, bool tile_numbers = false,
                                                       const float* blk_factor = nullptr) {
   constexpr int kB = block_len<F>();
   constexpr int kGroup = kB / 16;  // lanes per block: 8, 2 or 1
-  constexpr int kPasses = kTile * kChunks / (2 * kThreads);
-  const int pair = threadIdx.x % 8, sub = pair % kGroup;
-  const int64_t k = k0 + 16 * pair;  // first column of this thread (K % 8 == 0: the second chunk may be past K)
+  constexpr int kRows = kThreads / 8;  // tile rows per pass
+  constexpr int kPasses = kTile / kRows;
+  const int pair = threadIdx.x % 8, sub = pair % kGroup, r0 = threadIdx.x / 8;
+  const int c = 16 * pair;  // first tile column of this thread (K % 8 == 0: the second chunk may be past K)
+  const bool cols_inside = c < t.cols;
+  const bool one_chunk = c + 8 >= t.cols;  // only the first chunk inside x (K % 16 == 8, last tile)
+  // FP8 rows start 16-byte aligned: one 16-byte store per thread (else two 8-byte ones; the data
+  // check makes the copy 8-byte aligned).
+  const bool vec16 = reinterpret_cast<uintptr_t>(p.row.data) % 16 == 0 && p.K % 16 == 0;
+  // Flat position of (row r0, column c) in the rowwise copy and the index of its block's scale;
+  // each pass moves both down kRows rows.
+  int64_t pos = (t.b * p.M + t.m0 + r0) * p.K + t.k0 + c;
+  const int64_t pos_step = kRows * p.K;
+  int64_t scale_at = 0, scale_step = 0;
+  if constexpr (kFactor == RowFactor::kRowBlocks) {
+    scale_at = t.b * p.row.scale_entries +
+               scale_index(p.row.layout, t.m0 + r0, (t.k0 + c) / kB, p.row.block_rows, p.row.block_cols);
+    scale_step = scale_row_step(p.row, kRows);
+  }
+  // With at least as many lanes per block as passes (FP8 block scaling: 8 and 4), all passes'
+  // blocks are encoded at once: lane `sub` of a block's lanes encodes the block of pass `sub` and
+  // stores its scale, and the factors travel by shuffle -- one scale computation (two IEEE
+  // divisions) and one scale store per lane instead of one per pass. The chunks are read from
+  // shared memory again in the passes (the registers would not hold them).
+  constexpr bool kEncodeAtOnce = kFactor == RowFactor::kRowBlocks && kGroup >= kPasses;
+  float pass_factor[kPasses];
+  bool numbers_at_once = false;
+  if constexpr (kEncodeAtOnce) {
+    uint32_t amax_bits[kPasses], all = 0;
 #pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const int r = threadIdx.x / 8 + (kThreads / 8) * i;
+    for (int i = 0; i < kPasses; ++i) {
+      const int r = r0 + kRows * i;
+      const uint4 lo = tile[r * kChunks + ((2 * pair) ^ tile_swizzle(r))];
+      const uint4 hi = tile[r * kChunks + ((2 * pair + 1) ^ tile_swizzle(r))];
+      amax_bits[i] = group_max<kGroup>(max(chunk_amax_bits(lo), chunk_amax_bits(hi)));
+      all = max(all, amax_bits[i]);
+    }
+    uint32_t mine = amax_bits[0];
+#pragma unroll
+    for (int i = 1; i < kPasses; ++i)
+      if (sub == i) mine = amax_bits[i];
+    const BlockEncode e = block_encode<F>(__uint_as_float(mine), p.pow2, S);
+    // The block's row is the row of pass `sub`; its first column is that of the block's first lane.
+    if (sub < kPasses && r0 + kRows * sub < t.rows && c - 16 * sub < t.cols)
+      store_scale_at<F>(p.row, scale_at + sub * scale_step, e);
+    const int first_lane = (threadIdx.x % 32) & ~(kGroup - 1);
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) pass_factor[i] = __shfl_sync(0xFFFFFFFFu, e.factor, first_lane + i);
+    numbers_at_once = warp_no_nan_products(all);
+  }
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i, pos += pos_step, scale_at += scale_step) {
+    const int r = r0 + kRows * i;
     const uint4 lo = tile[r * kChunks + ((2 * pair) ^ tile_swizzle(r))];
     const uint4 hi = tile[r * kChunks + ((2 * pair + 1) ^ tile_swizzle(r))];
     BlockEncode e;
-    if constexpr (kFactor == RowFactor::kTile) {
+    bool numbers = tile_numbers;  // FP8: no product of the warp's blocks is NaN
+    if constexpr (kEncodeAtOnce) {
+      e.factor = pass_factor[i];
+      numbers = numbers_at_once;
+    } else if constexpr (kFactor == RowFactor::kTile) {
       e.factor = tile_factor;
     } else if constexpr (kFactor == RowFactor::kSharedBlocks) {
       e.factor = blk_factor[(r / 16) * 8 + pair];
     } else {
-      const float amax = __uint_as_float(group_max<kGroup>(max(chunk_amax_bits(lo), chunk_amax_bits(hi))));
-      e = block_encode<F>(amax, p.pow2, S);
+      const uint32_t amax_bits = group_max<kGroup>(max(chunk_amax_bits(lo), chunk_amax_bits(hi)));
+      e = block_encode<F>(__uint_as_float(amax_bits), p.pow2, S);
+      if constexpr (F != QuantFormat::kNVFP4) numbers = warp_no_nan_products(amax_bits);
     }
-    const int64_t m = m0 + r;
-    if (m >= p.M || k >= p.K) continue;  // after the shuffle
-    if (kFactor == RowFactor::kRowBlocks && sub == 0) store_block_scale<F>(p.row, b, m, k / kB, e);
-    const int64_t pos = (b * p.M + m) * p.K + k;
+    if (r >= t.rows || !cols_inside) continue;  // after the shuffles
+    if (kFactor == RowFactor::kRowBlocks && !kEncodeAtOnce && sub == 0) store_scale_at<F>(p.row, scale_at, e);
     if constexpr (F == QuantFormat::kNVFP4) {  // K % 16 == 0
       store_fp4_block(p, pos, fp4_chunk_codes<kSR>(p, lo, e.factor, pos),
                       fp4_chunk_codes<kSR>(p, hi, e.factor, pos + 8));
     } else {
-      const uint2 c0 = fp8_chunk_codes(lo, e.factor);
       uint8_t* out = p.row.data + pos;
-      if (k + 8 >= p.K) {
-        *reinterpret_cast<uint2*>(out) = c0;
-      } else if (reinterpret_cast<uintptr_t>(out) % 16 == 0) {
-        const uint2 c1 = fp8_chunk_codes(hi, e.factor);
-        *reinterpret_cast<uint4*>(out) = make_uint4(c0.x, c0.y, c1.x, c1.y);
-      } else {  // the copy is 8-byte aligned (the data check), or K % 16 == 8
-        reinterpret_cast<uint2*>(out)[0] = c0;
-        reinterpret_cast<uint2*>(out)[1] = fp8_chunk_codes(hi, e.factor);
-      }
+      with_numbers_tag(numbers, [&](auto tag) {
+        constexpr bool kNumbers = decltype(tag)::value;
+        const uint2 c0 = fp8_chunk_codes<kNumbers>(lo, e.factor);
+        if (one_chunk) {
+          *reinterpret_cast<uint2*>(out) = c0;
+          return;
+        }
+        const uint2 c1 = fp8_chunk_codes<kNumbers>(hi, e.factor);
+        if (vec16) {
+          *reinterpret_cast<uint4*>(out) = make_uint4(c0.x, c0.y, c1.x, c1.y);
+        } else {
+          reinterpret_cast<uint2*>(out)[0] = c0;
+          reinterpret_cast<uint2*>(out)[1] = c1;
+        }
+      });
     }
   }
 }
 
 // Where the tile kernel's bf16 chunks come from: x itself (quantize), or act(h) x prob computed in
 // registers (activation_forward_quantized). A source works in three steps, so that all of a
-// thread's loads are in flight before any arithmetic on them: context() once per thread (what every
-// chunk needs, e.g. values read from global memory), load() issues the reads of the chunk at
-// (matrix b, row m, column k), inside the matrix, and value() gives its 8 bf16 elements.
-// empty() stands for a chunk outside the matrix (zeros, which never raise an amax); kCtasPerSm is
-// the occupancy the kernel is compiled for (its registers hold a thread's loaded chunks).
+// thread's loads are in flight before any arithmetic on them: context() once per thread, given the
+// tile position (r0, c0) of the thread's first chunk (what every chunk of the thread needs: base
+// addresses, values read from global memory); load() issues the reads of the chunk at tile
+// position (r0 + dr, c0 + dc), inside the matrix (dr, dc are compile-time constants once the
+// kernel's loop is unrolled, so addresses are bases plus constant offsets); value() gives its 8
+// bf16 elements. empty() stands for a chunk outside the matrix (zeros, which never raise an amax);
+// kCtasPerSm is the occupancy the kernel is compiled for (its registers hold a thread's loaded
+// chunks).
 struct MatrixSource {
   static constexpr int kCtasPerSm = 4;
-  struct Context {};
+  struct Context {
+    const uint16_t* first;  // the thread's first chunk
+    uint32_t K;             // < 2^31 (launch_tile)
+  };
   using Loaded = uint4;
-  __device__ __forceinline__ Context context(const QuantParams&) const { return {}; }
+  __device__ __forceinline__ Context context(const QuantParams& p, const TileSpan& t, int r0, int c0) const {
+    return {p.x + (t.b * p.M + t.m0 + r0) * p.K + t.k0 + c0, static_cast<uint32_t>(p.K)};
+  }
   __device__ __forceinline__ static Loaded empty() { return make_uint4(0, 0, 0, 0); }
-  __device__ __forceinline__ Loaded load(const Context&, const QuantParams& p, int64_t b, int64_t m, int64_t k) const {
-    return load_chunk(p.x + (b * p.M + m) * p.K + k);
+  __device__ __forceinline__ Loaded load(const Context& ctx, const QuantParams&, int dr, int dc) const {
+    return load_chunk(ctx.first + static_cast<uint64_t>(static_cast<uint32_t>(dr)) * ctx.K + dc);
   }
   __device__ __forceinline__ uint4 value(const Loaded& v) const { return v; }
 };
@@ -212,10 +295,14 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : Source::kCtasPerSm) quanti
   __shared__ float blk_factor[kNV2D ? 64 : 1];  // 2-D NVFP4: [block row][block column] of the tile
   __shared__ uint32_t warp_amax[kThreads / 32];  // 2-D FP8: the tile is one block
 
-  const int64_t b = blockIdx.z;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile, k0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  TileSpan t;
+  t.b = blockIdx.z;
+  t.m0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  t.k0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  t.rows = static_cast<int>(min(p.M - t.m0, static_cast<int64_t>(kTile)));
+  t.cols = static_cast<int>(min(p.K - t.k0, static_cast<int64_t>(kTile)));
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const float S = F == QuantFormat::kNVFP4 ? nvfp4_global_scale(p.global_amax[b]) : 1.0f;
+  const float S = F == QuantFormat::kNVFP4 ? nvfp4_global_scale(p.global_amax[t.b]) : 1.0f;
 
   // Which chunk (row r, chunk c of the tile) load i of this thread holds: 2-D NVFP4 gives warp w
   // the 16 x 16 blocks (w, i), lane l row l / 2 and chunk l % 2 of the block; otherwise a half
@@ -223,12 +310,13 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : Source::kCtasPerSm) quanti
   auto chunk_row = [&](int i) { return kNV2D ? 16 * warp + lane / 2 : tid / kChunks + 16 * i; };
   auto chunk_col = [&](int i) { return kNV2D ? 2 * i + lane % 2 : tid % kChunks; };
 
-  const typename Source::Context ctx = src.context(p);
+  const int r0 = chunk_row(0), c0 = 8 * chunk_col(0);
+  const typename Source::Context ctx = src.context(p, t, r0, c0);
   typename Source::Loaded loaded[kLoads];
 #pragma unroll
   for (int i = 0; i < kLoads; ++i) {
-    const int64_t m = m0 + chunk_row(i), k = k0 + 8 * chunk_col(i);
-    loaded[i] = m < p.M && k < p.K ? src.load(ctx, p, b, m, k) : Source::empty();
+    const int r = chunk_row(i), c = 8 * chunk_col(i);
+    loaded[i] = r < t.rows && c < t.cols ? src.load(ctx, p, r - r0, c - c0) : Source::empty();
   }
   uint4 v[kLoads];
 #pragma unroll
@@ -239,7 +327,8 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : Source::kCtasPerSm) quanti
     tile[r * kChunks + (chunk_col(i) ^ tile_swizzle(r))] = v[i];
   }
 
-  float tile_factor = 1.0f;  // 2-D FP8
+  float tile_factor = 1.0f;     // 2-D FP8
+  bool tile_numbers = false;    // 2-D FP8: no product of the tile is NaN
   if constexpr (kTwoD && F == QuantFormat::kFP8Block) {
     uint32_t a = 0;
 #pragma unroll
@@ -251,12 +340,14 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : Source::kCtasPerSm) quanti
     for (int w = 0; w < kThreads / 32; ++w) a = max(a, warp_amax[w]);
     const BlockEncode e = block_encode<F>(__uint_as_float(a), p.pow2, S);
     tile_factor = e.factor;
+    tile_numbers = no_nan_products(a);
     if (tid == 0) {
-      const int64_t gr = m0 / kB, gc = k0 / kB;
-      if (p.row.data) store_block_scale<F>(p.row, b, gr, gc, e);
-      if (p.col.data) store_block_scale<F>(p.col, b, gc, gr, e);
+      const int64_t gr = t.m0 / kB, gc = t.k0 / kB;
+      if (p.row.data) store_block_scale<F>(p.row, t.b, gr, gc, e);
+      if (p.col.data) store_block_scale<F>(p.col, t.b, gc, gr, e);
     }
-    if (p.row.data) tile_rows_from_shared<F, kSR, RowFactor::kTile>(p, tile, b, m0, k0, S, tile_factor);
+    if (p.row.data)
+      tile_rows_from_shared<F, kSR, RowFactor::kTile>(p, tile, t, S, tile_factor, tile_numbers);
   } else if constexpr (kNV2D) {
     // 16 x 16 blocks: a block is the whole warp (load i of warp w holds block (w, i)).
 #pragma unroll
@@ -265,18 +356,19 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : Source::kCtasPerSm) quanti
       const BlockEncode e = block_encode<F>(amax, p.pow2, S);
       if (lane == 0) {
         blk_factor[warp * 8 + i] = e.factor;
-        const int64_t gr = m0 / kB + warp, gc = k0 / kB + i;
+        const int64_t gr = t.m0 / kB + warp, gc = t.k0 / kB + i;
         if (gr * kB < p.M && gc * kB < p.K) {  // M, K multiples of 16: the block is whole
-          if (p.row.data) store_block_scale<F>(p.row, b, gr, gc, e);
-          if (p.col.data) store_block_scale<F>(p.col, b, gc, gr, e);
+          if (p.row.data) store_block_scale<F>(p.row, t.b, gr, gc, e);
+          if (p.col.data) store_block_scale<F>(p.col, t.b, gc, gr, e);
         }
       }
     }
     __syncthreads();
-    if (p.row.data) tile_rows_from_shared<F, kSR, RowFactor::kSharedBlocks>(p, tile, b, m0, k0, S, 0.0f, blk_factor);
+    if (p.row.data)
+      tile_rows_from_shared<F, kSR, RowFactor::kSharedBlocks>(p, tile, t, S, 0.0f, false, blk_factor);
   } else {
     __syncthreads();  // the tile is in shared memory
-    if (p.row.data) tile_rows_from_shared<F, kSR>(p, tile, b, m0, k0, S);
+    if (p.row.data) tile_rows_from_shared<F, kSR>(p, tile, t, S);
   }
   if (!p.col.data) return;
 
@@ -286,44 +378,72 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : Source::kCtasPerSm) quanti
   // (the two columns' bf16), the 32 lanes reading 8 rows x 4 words, all in different banks.
   const uint32_t* words = reinterpret_cast<const uint32_t*>(tile);
   const int run = lane % 8;
-  const int64_t mr = m0 + 16 * run;  // first row of this lane's run
+  const int mr = 16 * run;  // first tile row of this lane's run
+  const bool run_inside = mr < t.rows, run_whole = mr + 16 <= t.rows;
+  const int kp0 = 4 * warp + lane / 8;  // column pair of pass 0; a pass moves it by 32 (64 columns)
+  // Flat position of (column 2 kp0, row mr) in the columnwise copy and the index of its block's
+  // scale; h = 1 (the pair's second column) and each pass move both.
+  int64_t pos = (t.b * p.K + t.k0 + 2 * kp0) * p.M + t.m0 + mr;
+  int64_t scale_at = 0, scale_h = 0, scale_pass = 0;
+  if constexpr (!kTwoD) {
+    scale_at = t.b * p.col.scale_entries +
+               scale_index(p.col.layout, t.k0 + 2 * kp0, (t.m0 + mr) / kB, p.col.block_rows, p.col.block_cols);
+    scale_h = scale_row_step(p.col, 1);
+    scale_pass = scale_row_step(p.col, 64);
+  }
 #pragma unroll 1
-  for (int it = 0; it < 2; ++it) {
-    const int kp = 4 * (warp + 8 * it) + lane / 8;
+  for (int it = 0; it < 2; ++it, pos += 64 * p.M, scale_at += scale_pass) {
+    const int kp = kp0 + 32 * it;
     const int chunk = kp / 4;
     uint32_t w[16];
 #pragma unroll
     for (int jj = 0; jj < 16; ++jj) {
-      const int r = 16 * run + jj;
+      const int r = mr + jj;
       w[jj] = words[(r * kChunks + (chunk ^ tile_swizzle(r))) * 4 + kp % 4];
     }
-    const int64_t k = k0 + 2 * kp;  // K % 8 == 0: k and k + 1 are both in x or both outside
+    const bool cols_inside = 2 * kp < t.cols;  // K % 8 == 0: both columns are inside x or neither
     float factor[2];
+    bool numbers = tile_numbers;  // FP8: no product of the warp's blocks is NaN
     if constexpr (kTwoD) {
       factor[0] = factor[1] = kNV2D ? blk_factor[run * 8 + kp / 8] : tile_factor;
     } else {
       uint32_t a = 0;
 #pragma unroll
       for (int jj = 0; jj < 16; ++jj) a = abs_max_pairs(a, w[jj]);
-      a = group_max_pairs<kB / 16>(a);  // the lanes of one b x 1 block: 8, 2 or 1 runs
+      constexpr int kRuns = kB / 16;  // the lanes of one b x 1 block: 8, 2 or 1 runs
+      a = group_max_pairs<kRuns>(a);
+      if constexpr (F != QuantFormat::kNVFP4) numbers = warp_no_nan_products(pairs_amax_bits(a));
+      if constexpr (kRuns >= 2) {
+        // The pair's two blocks encoded at once: run h of the block's runs encodes column h and
+        // stores its scale, the factors travel by shuffle (as in the rowwise passes).
+        const int h = run % kRuns;
+        const BlockEncode e = block_encode<F>(__uint_as_float(h == 1 ? a & 0xFFFF0000u : a << 16), p.pow2, S);
+        // The block is inside where its first run is.
+        if (h < 2 && cols_inside && 16 * (run - h) < t.rows) store_scale_at<F>(p.col, scale_at + h * scale_h, e);
+        const int first_lane = lane & ~(kRuns - 1);
+        factor[0] = __shfl_sync(0xFFFFFFFFu, e.factor, first_lane);
+        factor[1] = __shfl_sync(0xFFFFFFFFu, e.factor, first_lane + 1);
+      } else {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float amax = __uint_as_float(h ? a & 0xFFFF0000u : a << 16);
-        const BlockEncode e = block_encode<F>(amax, p.pow2, S);
-        factor[h] = e.factor;
-        if (run % (kB / 16) == 0 && k < p.K && mr < p.M) store_block_scale<F>(p.col, b, k + h, mr / kB, e);
+        for (int h = 0; h < 2; ++h) {
+          const float amax = __uint_as_float(h ? a & 0xFFFF0000u : a << 16);
+          const BlockEncode e = block_encode<F>(amax, p.pow2, S);
+          factor[h] = e.factor;
+          if (cols_inside && run_inside) store_scale_at<F>(p.col, scale_at + h * scale_h, e);
+        }
       }
     }
-    if (k >= p.K || mr >= p.M) continue;
+    if (!cols_inside || !run_inside) continue;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float x[16];
 #pragma unroll
       for (int jj = 0; jj < 16; ++jj) x[jj] = h ? bf16_word_hi(w[jj]) : bf16_word_lo(w[jj]);
-      const int64_t pos = (b * p.K + k + h) * p.M + mr;  // position in the columnwise copy
+      const int64_t hpos = pos + h * p.M;  // position in the columnwise copy
       if constexpr (F == QuantFormat::kNVFP4) {
-        uint32_t packed[2] = {0, 0};  // M % 16 == 0: the run is whole and pos a multiple of 16
+        uint32_t packed[2] = {0, 0};  // M % 16 == 0: the run is whole and hpos a multiple of 16
         if constexpr (kSR) {
+          const int64_t k = t.k0 + 2 * kp, m = t.m0 + mr;  // matrix column and first row of the run
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
             uint32_t rb[4];
@@ -331,11 +451,11 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : Source::kCtasPerSm) quanti
               // 2-D blocks round both copies with the rowwise position's bits (exact transpose).
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
-                const uint64_t idx = static_cast<uint64_t>((b * p.M + mr + 4 * q + e) * p.K + k + h);
+                const uint64_t idx = static_cast<uint64_t>((t.b * p.M + m + 4 * q + e) * p.K + k + h);
                 rb[e] = sr_bits4(p.seed, p.offset, 0, idx / 4).v[idx % 4];
               }
             } else {
-              const Philox4 r4 = sr_bits4(p.seed, p.offset, 1, static_cast<uint64_t>(pos) / 4 + q);
+              const Philox4 r4 = sr_bits4(p.seed, p.offset, 1, static_cast<uint64_t>(hpos) / 4 + q);
 #pragma unroll
               for (int e = 0; e < 4; ++e) rb[e] = r4.v[e];
             }
@@ -345,13 +465,13 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : Source::kCtasPerSm) quanti
                                << (4 * ((4 * q + e) % 8));
           }
         } else {
-          with_numbers_tag(products_are_numbers(factor[h]), [&](auto numbers) {
+          with_numbers_tag(products_are_numbers(factor[h]), [&](auto tag) {
 #pragma unroll
             for (int jj = 0; jj < 16; ++jj)
-              packed[jj / 8] |= e2m1_code<decltype(numbers)::value>(__fmul_rn(x[jj], factor[h])) << (4 * (jj % 8));
+              packed[jj / 8] |= e2m1_code<decltype(tag)::value>(__fmul_rn(x[jj], factor[h])) << (4 * (jj % 8));
           });
         }
-        uint8_t* dst = p.col.data + pos / 2;
+        uint8_t* dst = p.col.data + hpos / 2;
         if (p.col.vec) {
           *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
         } else {  // 4-byte aligned (the data check)
@@ -359,20 +479,24 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : Source::kCtasPerSm) quanti
           reinterpret_cast<uint32_t*>(dst)[1] = packed[1];
         }
       } else {
-        uint32_t q[4];
+        uint8_t* dst = p.col.data + hpos;
+        with_numbers_tag(numbers, [&](auto tag) {
+          constexpr bool kNumbers = decltype(tag)::value;
+          uint32_t q[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) q[i] = encode_e4m3x4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3], factor[h]);
-        uint8_t* dst = p.col.data + pos;
-        if (p.col.vec && mr + 16 <= p.M) {
-          *reinterpret_cast<uint4*>(dst) = make_uint4(q[0], q[1], q[2], q[3]);
-        } else {  // FP8 block with M not a multiple of 16: rows one by one, inside x only
-          for (int jj = 0; jj < 16 && mr + jj < p.M; ++jj) dst[jj] = static_cast<uint8_t>(q[jj / 4] >> (8 * (jj % 4)));
-        }
+          for (int i = 0; i < 4; ++i)
+            q[i] = encode_e4m3x4<kNumbers>(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3], factor[h]);
+          if (p.col.vec && run_whole) {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(q[0], q[1], q[2], q[3]);
+          } else {  // FP8 block with M not a multiple of 16: rows one by one, inside x only
+            for (int jj = 0; jj < 16 && mr + jj < t.rows; ++jj)
+              dst[jj] = static_cast<uint8_t>(q[jj / 4] >> (8 * (jj % 4)));
+          }
+        });
       }
     }
   }
 }
-
 
 // Layout padding is part of the output: zero it (a memset node when captured).
 inline void zero_scale_padding(const QuantConfig& config, const QuantArgs& a, cudaStream_t stream) {
@@ -405,6 +529,8 @@ inline QuantParams quant_params(const QuantConfig& config, const QuantArgs& a) {
 
 template <QuantFormat F, bool kTwoD, bool kSR, class Source = MatrixSource>
 void launch_tile(const QuantParams& p, int64_t B, cudaStream_t stream, const Source& src = {}) {
+  // The kernel's in-tile offsets are 32-bit (row times K included).
+  MOE_CHECK(p.K <= INT32_MAX, "argument 'x': expected fewer than 2^31 columns, got ", p.K);
   const dim3 grid(static_cast<unsigned>((p.K + kTile - 1) / kTile), static_cast<unsigned>((p.M + kTile - 1) / kTile),
                   static_cast<unsigned>(B));
   quantize_tile_kernel<F, kTwoD, kSR, Source><<<grid, kThreads, 0, stream>>>(p, src);

@@ -205,6 +205,10 @@ std::vector<Case> cases() {
   add(QF::kFP8Block, QB::k1D, SL::kMNMajor, true, false, 2, 37, 392, true, true);
   add(QF::kFP8Block, QB::k1D, SL::kRowMajor, true, false, 1, 4096, 1160, false);
   add(QF::kFP8Block, QB::k1D, SL::kRowMajor, true, true, 1, 17, 24, false);
+  // One tile shorter than a columnwise run pair and narrower than the rowwise lanes of a block:
+  // scales are stored by lanes whose own chunks lie outside x.
+  add(QF::kFP8Block, QB::k1D, SL::kMNMajor, true, true, 1, 9, 40, false);
+  add(QF::kFP8Block, QB::k1D, SL::kRowMajor, true, true, 2, 13, 16, true);
   add(QF::kFP8Block, QB::k1D, SL::kMNMajor, false, true, 2, 147, 40, true);
   add(QF::kFP8Block, QB::k1D, SL::kMNMajor, true, true, 1, 1040, 1160, false);
   // Each copy in its own layout (FP8 training: row-major rowwise scales, mn_major columnwise).
