@@ -205,9 +205,10 @@ __device__ __forceinline__ uint32_t e2m1_code(float p) {
   return kNumbers ? e2m1_encode_rn_not_nan(p) : e2m1_encode_rn(p);
 }
 
-// Runs f(std::true_type{}) when `numbers` (the block's products are numbers: products_are_numbers)
-// and f(std::false_type{}) otherwise; f passes the tag's value to e2m1_code as kNumbers, so the
-// common path is compiled without the NaN test.
+// Runs f(std::true_type{}) when `numbers` (the block's products are numbers: products_are_numbers
+// for NVFP4, no_nan_products for the FP8 formats) and f(std::false_type{}) otherwise; f passes the
+// tag's value to e2m1_code or encode_e4m3x4 as kNumbers, so the common path is compiled without
+// the NaN test or rewrite.
 template <class Fn>
 __device__ __forceinline__ void with_numbers_tag(bool numbers, Fn&& f) {
   if (numbers)
