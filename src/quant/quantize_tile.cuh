@@ -183,6 +183,15 @@ __device__ __forceinline__ void tile_rows_from_shared(const QuantParams& p, cons
                scale_index(p.row.layout, t.m0 + r0, (t.k0 + c) / kB, p.row.block_rows, p.row.block_cols);
     scale_step = scale_row_step(p.row, kRows);
   }
+  // This thread's two chunks of tile row r, and the amax bits of their block (a shuffle reduction
+  // over the block's lanes: every lane calls it).
+  auto read_chunks = [&](int r, uint4& lo, uint4& hi) {
+    lo = tile[r * kChunks + ((2 * pair) ^ tile_swizzle(r))];
+    hi = tile[r * kChunks + ((2 * pair + 1) ^ tile_swizzle(r))];
+  };
+  auto block_amax_bits = [](const uint4& lo, const uint4& hi) {
+    return group_max<kGroup>(max(chunk_amax_bits(lo), chunk_amax_bits(hi)));
+  };
   // With at least as many lanes per block as passes (FP8 block scaling: 8 and 4), all passes'
   // blocks are encoded at once: lane `sub` of a block's lanes encodes the block of pass `sub` and
   // stores its scale, and the factors travel by shuffle -- one scale computation (two IEEE
@@ -195,10 +204,9 @@ __device__ __forceinline__ void tile_rows_from_shared(const QuantParams& p, cons
     uint32_t amax_bits[kPasses], all = 0;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
-      const int r = r0 + kRows * i;
-      const uint4 lo = tile[r * kChunks + ((2 * pair) ^ tile_swizzle(r))];
-      const uint4 hi = tile[r * kChunks + ((2 * pair + 1) ^ tile_swizzle(r))];
-      amax_bits[i] = group_max<kGroup>(max(chunk_amax_bits(lo), chunk_amax_bits(hi)));
+      uint4 lo, hi;
+      read_chunks(r0 + kRows * i, lo, hi);
+      amax_bits[i] = block_amax_bits(lo, hi);
       all = max(all, amax_bits[i]);
     }
     uint32_t mine = amax_bits[0];
@@ -217,8 +225,8 @@ __device__ __forceinline__ void tile_rows_from_shared(const QuantParams& p, cons
 #pragma unroll
   for (int i = 0; i < kPasses; ++i, pos += pos_step, scale_at += scale_step) {
     const int r = r0 + kRows * i;
-    const uint4 lo = tile[r * kChunks + ((2 * pair) ^ tile_swizzle(r))];
-    const uint4 hi = tile[r * kChunks + ((2 * pair + 1) ^ tile_swizzle(r))];
+    uint4 lo, hi;
+    read_chunks(r, lo, hi);
     BlockEncode e;
     bool numbers = tile_numbers;  // FP8: no product of the warp's blocks is NaN
     if constexpr (kEncodeAtOnce) {
@@ -229,7 +237,7 @@ __device__ __forceinline__ void tile_rows_from_shared(const QuantParams& p, cons
     } else if constexpr (kFactor == RowFactor::kSharedBlocks) {
       e.factor = blk_factor[(r / 16) * 8 + pair];
     } else {
-      const uint32_t amax_bits = group_max<kGroup>(max(chunk_amax_bits(lo), chunk_amax_bits(hi)));
+      const uint32_t amax_bits = block_amax_bits(lo, hi);
       e = block_encode<F>(__uint_as_float(amax_bits), p.pow2, S);
       if constexpr (F != QuantFormat::kNVFP4) numbers = warp_no_nan_products(amax_bits);
     }
