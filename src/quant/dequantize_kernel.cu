@@ -11,7 +11,7 @@
 
 #include "device/cuda_check.h"
 #include "moe/quantize.h"
-#include "quant/launch_geometry.h"
+#include "device/launch_geometry.h"
 #include "quant/quant_args.h"
 #include "quant/quant_device.cuh"
 

@@ -20,7 +20,7 @@
 #include "device/cuda_check.h"
 #include "moe/error.h"
 #include "quant/fake_quantize.h"
-#include "quant/launch_geometry.h"
+#include "device/launch_geometry.h"
 #include "quant/quant_device.cuh"
 
 namespace moe::quant {

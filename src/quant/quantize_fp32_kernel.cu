@@ -18,7 +18,7 @@
 #include <cstdint>
 
 #include "device/cuda_check.h"
-#include "quant/launch_geometry.h"
+#include "device/launch_geometry.h"
 #include "quant/quant_device.cuh"
 #include "quant/quantize_fp32.h"
 

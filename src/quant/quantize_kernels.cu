@@ -25,7 +25,7 @@
 
 #include "device/cuda_check.h"
 #include "moe/quantize.h"
-#include "quant/launch_geometry.h"
+#include "device/launch_geometry.h"
 #include "quant/quant_args.h"
 #include "quant/quant_device.cuh"
 #include "quant/quantize_tile.cuh"

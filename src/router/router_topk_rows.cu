@@ -41,6 +41,7 @@
 #include <algorithm>
 
 #include "device/cuda_check.h"
+#include "device/launch_geometry.h"
 #include "moe/device_errors.h"
 #include "router/router_kernels.h"
 #include "router/router_math.cuh"
@@ -390,23 +391,40 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
   if (threadIdx.x == 0) a.tickets[0] = 0;
 }
 
+// The grid. With the candidate filter at k <= 2 and E <= 256 (the cheapest tiles), one wave of
+// resident CTAs whose warps loop over the tiles (device/launch_geometry.h): a CTA per eight tiles,
+// capped at kRouterMaxBlocks, left 1.94 waves at T = 65536 (the SMs idle a fifth of the kernel in
+// the partial wave, Nsight Compute) and ended every CTA with a histogram flush; one wave is
+// 1.09-1.13x faster at E = 128 and 256 (docs/router.md). Elsewhere the longer tiles balance better
+// as they were (one wave was up to 3% slower at k = 8, and at E = 64), so they keep a CTA per eight
+// tiles; E = 512 was not measured and keeps it too.
+template <int G, int V, int L, bool kFilter>
+void launch_kernel(const RouterForwardArgs& a, int64_t tiles, cudaStream_t stream) {
+  const auto kernel = topk_rows_kernel<G, V, L, kFilter>;
+  const unsigned blocks =
+      kFilter && L == 2 && G <= 8
+          ? one_wave_grid_x(reinterpret_cast<const void*>(kernel), kThreads, tiles, kRouterWarps)
+          : static_cast<unsigned>(std::clamp<int64_t>((tiles + kRouterWarps - 1) / kRouterWarps, 1, kRouterMaxBlocks));
+  kernel<<<blocks, kThreads, 0, stream>>>(a);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
 template <int G, int V, bool kFilter>
-void launch_for_list(const RouterForwardArgs& a, int blocks, cudaStream_t stream) {
+void launch_for_list(const RouterForwardArgs& a, int64_t tiles, cudaStream_t stream) {
   const int k = a.p.k;
   if (k <= 2)
-    topk_rows_kernel<G, V, 2, kFilter><<<blocks, kThreads, 0, stream>>>(a);
+    launch_kernel<G, V, 2, kFilter>(a, tiles, stream);
   else if (k <= 4)
-    topk_rows_kernel<G, V, 4, kFilter><<<blocks, kThreads, 0, stream>>>(a);
+    launch_kernel<G, V, 4, kFilter>(a, tiles, stream);
   else
-    topk_rows_kernel<G, V, 8, kFilter><<<blocks, kThreads, 0, stream>>>(a);
-  MOE_CUDA_CHECK_LAUNCH();
+    launch_kernel<G, V, 8, kFilter>(a, tiles, stream);
 }
 
 // The candidate filter where k <= G (its threshold needs k lane maxima).
 template <int G, int V>
-void launch_filtered(const RouterForwardArgs& a, int blocks, cudaStream_t stream) {
-  if (a.p.k <= G) return launch_for_list<G, V, true>(a, blocks, stream);
-  return launch_for_list<G, V, false>(a, blocks, stream);
+void launch_filtered(const RouterForwardArgs& a, int64_t tiles, cudaStream_t stream) {
+  if (a.p.k <= G) return launch_for_list<G, V, true>(a, tiles, stream);
+  return launch_for_list<G, V, false>(a, tiles, stream);
 }
 
 }  // namespace
@@ -430,19 +448,18 @@ void launch_router_topk_rows(const RouterForwardArgs& a, cudaStream_t stream) {
     V = 1;
     while (V * 8 < E) V *= 2;
   }
+  // Any grid gives the same results (integer counts only).
   const int64_t tiles = (int64_t{a.p.T} + 32 / G - 1) / (32 / G);
-  // Any grid gives the same results (integer counts only); one warp per 32 / G rows up to the cap.
-  const int blocks = static_cast<int>(std::clamp<int64_t>((tiles + kRouterWarps - 1) / kRouterWarps, 1, kRouterMaxBlocks));
   constexpr int VL = kExpertsPerLane / 8;
   switch (G) {
     case 1:
-      if (V == 1) return launch_for_list<1, 1, false>(a, blocks, stream);
-      if (V == 2) return launch_for_list<1, 2, false>(a, blocks, stream);
-      return launch_for_list<1, VL, false>(a, blocks, stream);
-    case 2: return launch_for_list<2, VL, false>(a, blocks, stream);  // the filter measured slower here
-    case 4: return launch_filtered<4, VL>(a, blocks, stream);
-    case 8: return launch_filtered<8, VL>(a, blocks, stream);
-    default: return launch_filtered<16, VL>(a, blocks, stream);
+      if (V == 1) return launch_for_list<1, 1, false>(a, tiles, stream);
+      if (V == 2) return launch_for_list<1, 2, false>(a, tiles, stream);
+      return launch_for_list<1, VL, false>(a, tiles, stream);
+    case 2: return launch_for_list<2, VL, false>(a, tiles, stream);  // the filter measured slower here
+    case 4: return launch_filtered<4, VL>(a, tiles, stream);
+    case 8: return launch_filtered<8, VL>(a, tiles, stream);
+    default: return launch_filtered<16, VL>(a, tiles, stream);
   }
 }
 

@@ -1,4 +1,4 @@
-#include "quant/launch_geometry.h"
+#include "device/launch_geometry.h"
 
 #include <algorithm>
 
@@ -6,7 +6,7 @@
 
 #include "device/cuda_check.h"
 
-namespace moe::quant {
+namespace moe {
 
 unsigned one_wave_grid_x(const void* kernel, int threads, int64_t work, int64_t per_cta, int64_t B) {
   int dev = 0, sms = 0, per_sm = 0;
@@ -24,4 +24,4 @@ unsigned one_pass_grid_x(int64_t work, int64_t per_cta) {
   return static_cast<unsigned>(std::clamp<int64_t>(want, 1, 0x7FFFFFFF));
 }
 
-}  // namespace moe::quant
+}  // namespace moe

@@ -1,5 +1,5 @@
-// Grid size of the quantization kernels, which loop over their work with a grid stride. Two
-// policies, chosen per kernel by measurement on the H100:
+// Grid size of kernels that loop over their work with a grid stride (the quantization kernels, the
+// router's top-k rows kernel). Two policies, chosen per kernel by measurement:
 // - one wave of resident CTAs, each looping over many units (reductions, and kernels with a long
 //   per-CTA setup);
 // - one pass: a CTA per `per_cta` units, so that the CTAs in flight at any moment touch one compact
@@ -10,7 +10,7 @@
 
 #include <cstdint>
 
-namespace moe::quant {
+namespace moe {
 
 // Grid x for `work` units per matrix, `per_cta` units per CTA per pass, over B matrices (grid y):
 // ceil(work / per_cta), capped so that all B matrices together fill at most one wave of `kernel`
@@ -21,4 +21,4 @@ unsigned one_wave_grid_x(const void* kernel, int threads, int64_t work, int64_t 
 // largest grid x (the kernels' grid stride covers the rest).
 unsigned one_pass_grid_x(int64_t work, int64_t per_cta);
 
-}  // namespace moe::quant
+}  // namespace moe
