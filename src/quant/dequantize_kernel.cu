@@ -10,8 +10,8 @@
 #include <cstdint>
 
 #include "device/cuda_check.h"
-#include "moe/quantize.h"
 #include "device/launch_geometry.h"
+#include "moe/quantize.h"
 #include "quant/quant_args.h"
 #include "quant/quant_device.cuh"
 

@@ -18,9 +18,9 @@
 #include <cstdint>
 
 #include "device/cuda_check.h"
+#include "device/launch_geometry.h"
 #include "moe/error.h"
 #include "quant/fake_quantize.h"
-#include "device/launch_geometry.h"
 #include "quant/quant_device.cuh"
 
 namespace moe::quant {
