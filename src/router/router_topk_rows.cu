@@ -192,12 +192,20 @@ __device__ __forceinline__ uint32_t candidate_mask(const uint4 (&raw)[V], float 
   return mask;
 }
 
+// The filtered tiles with k <= 2 at E <= 256: the cheapest, which take the one-wave grid and load
+// each tile's logits a tile ahead (measured, docs/router.md).
+template <int G, int L, bool kFilter>
+constexpr bool kCheapTiles = kFilter && L == 2 && G <= 8;
+
 // G lanes per row, V 16-byte vectors per lane (vector c = i G + lane_g of the row: a warp's load
 // i covers G consecutive vectors of each of its 32 / G rows), lists of L keys; kFilter: the
 // candidate filter (k <= G), else every vector sorted.
 template <int G, int V, int L, bool kFilter>
 __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArgs a) {
   constexpr int RPW = 32 / G;
+  // The cheapest tiles run on a one-wave grid (launch_kernel below), about four per warp: each
+  // tile's logits are loaded while the warp works on the one before (16 registers, 64 in all).
+  constexpr bool kPrefetch = kCheapTiles<G, L, kFilter>;
   constexpr int kS = L >= G ? L / G : 1;  // output slots per lane
   static_assert(!kFilter || (G >= 2 && V == 4), "the filter's masks hold a lane's 32 logits");
   __shared__ int32_t hist[kMaxExperts];
@@ -234,17 +242,33 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
     if ((in_row >> i) & 1u) in_row_bits |= 0x000f000fu << (4 * i);
   // Expert of candidate bit b (word w = b & 15 = 4 i + m, half h = b >> 4): (i G + lane_g) 8 + 2 m + h.
   const uint32_t lane_id0 = Key32::id_of(lane_g * 8);
-  for (int64_t tile = int64_t{blockIdx.x} * kRouterWarps + warp; tile < tiles;
-       tile += int64_t{gridDim.x} * kRouterWarps) {
+  const int64_t tile_stride = int64_t{gridDim.x} * kRouterWarps;
+  const uint32_t fill = kFilter ? kLowestPair : 0u;
+  // The lane's vectors of a tile's row (fill past E and past T).
+  auto load_tile = [&](int64_t tile, uint4 (&dst)[V]) {
+    const int64_t t = tile * RPW + lanes.slot;
+    const uint32_t valid = t < p.T ? in_row : 0u;
+    const uint4* row = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.logits) + t * E);
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      dst[i] = (valid >> i) & 1u ? __ldg(row + i * G + lane_g) : make_uint4(fill, fill, fill, fill);
+  };
+  uint4 next[V];
+  const int64_t first_tile = int64_t{blockIdx.x} * kRouterWarps + warp;
+  if (kPrefetch && first_tile < tiles) load_tile(first_tile, next);
+  for (int64_t tile = first_tile; tile < tiles; tile += tile_stride) {
     const int64_t t = tile * RPW + lanes.slot;
     const bool live = t < p.T;
     const uint4* row = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.logits) + t * E);
     const uint32_t valid = live ? in_row : 0u;
-    const uint32_t fill = kFilter ? kLowestPair : 0u;
     uint4 raw[V];
+    if constexpr (kPrefetch) {
 #pragma unroll
-    for (int i = 0; i < V; ++i)
-      raw[i] = (valid >> i) & 1u ? __ldg(row + i * G + lane_g) : make_uint4(fill, fill, fill, fill);
+      for (int i = 0; i < V; ++i) raw[i] = next[i];
+      if (tile + tile_stride < tiles) load_tile(tile + tile_stride, next);  // in flight while this tile is worked on
+    } else {
+      load_tile(tile, raw);
+    }
     // The lane's sorted top L (of its candidates, with the filter), and whether the row holds a
     // non-finite logit. Such a row is routed nowhere (the general kernel's rule). Every vote runs
     // on every lane: the warp stays converged.
@@ -402,7 +426,7 @@ template <int G, int V, int L, bool kFilter>
 void launch_kernel(const RouterForwardArgs& a, int64_t tiles, cudaStream_t stream) {
   const auto kernel = topk_rows_kernel<G, V, L, kFilter>;
   const unsigned blocks =
-      kFilter && L == 2 && G <= 8
+      kCheapTiles<G, L, kFilter>
           ? one_wave_grid_x(reinterpret_cast<const void*>(kernel), kThreads, tiles, kRouterWarps)
           : static_cast<unsigned>(std::clamp<int64_t>((tiles + kRouterWarps - 1) / kRouterWarps, 1, kRouterMaxBlocks));
   kernel<<<blocks, kThreads, 0, stream>>>(a);
