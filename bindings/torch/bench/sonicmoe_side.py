@@ -18,6 +18,12 @@ except Exception:  # not staged: the comparison runs without the SonicMoE column
     AVAILABLE = False
 
 
+def time_like_sonic(fn, grads=None):
+    """Mean ms of fn by SonicMoE's method (triton's do_bench: warm-up 5, 500 ms, L2 flushed before each
+    call), so that the other side can be timed the same way too."""
+    return do_bench(fn, warmup=5, rep=500, grad_to_none=grads)
+
+
 class SonicSide:
     def __init__(self, T, H, F, E, k, x, dy):
         # torch 2.11: a compiled backward with retain_graph=True (their method) needs donated buffers off.
@@ -41,7 +47,9 @@ class SonicSide:
                                          m.c_proj.weight.permute(1, 2, 0), None, m.top_k, m.stream_id, self.act,
                                          False)[0]
 
-    def measure(self):
+    def prepare(self):
+        """Compiles the timed functions and runs one forward+backward for the peak extra memory;
+        returns {"sonic_extra_gib": ...}. time() may then be called any number of times."""
         m, x = self.moe, self.x
 
         @torch.compile
@@ -56,13 +64,22 @@ class SonicSide:
 
         out = self._layer()
         assert torch.isfinite(out).all() and out.abs().mean() > 0
-        grads = [x, m.c_fc.weight, m.c_proj.weight, m.router.weight]
-        t_f = do_bench(fwd, warmup=5, rep=500)
-        t_fb = do_bench(fwd_bwd, warmup=5, rep=500, grad_to_none=grads)
+        self._fwd, self._fwd_bwd = fwd, fwd_bwd
+        self._grads = [x, m.c_fc.weight, m.c_proj.weight, m.router.weight]
+        fwd()  # compiled here, outside the memory measurement and the timing
+        fwd_bwd()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         fwd_bwd()
         torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        return {"sonic_fwd_ms": t_f, "sonic_fwd_bwd_ms": t_fb, "sonic_extra_gib": peak}
+        return {"sonic_extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30}
+
+    def time(self):
+        """(forward ms, forward+backward ms) by their method: do_bench, warm-up 5, 500 ms."""
+        return time_like_sonic(self._fwd), time_like_sonic(self._fwd_bwd, self._grads)
+
+    def measure(self):
+        res = self.prepare()
+        res["sonic_fwd_ms"], res["sonic_fwd_bwd_ms"] = self.time()
+        return res
