@@ -46,6 +46,10 @@ def torch_moe(x, idx, probs, w1, w2):
     return torch.zeros_like(x).index_add_(0, tok, y)
 
 
+def median(values):
+    return sorted(values)[len(values) // 2]
+
+
 def median_ms(fn, iters=10, warm=3):
     for _ in range(warm):
         fn()
@@ -58,7 +62,7 @@ def median_ms(fn, iters=10, warm=3):
         e.record()
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e))
-    return sorted(times)[len(times) // 2]
+    return median(times)
 
 
 def measure(name, rounds=3):
@@ -110,6 +114,10 @@ def measure(name, rounds=3):
         res.update(sonic.prepare())
         x.grad = None
 
+    def clear_grads():
+        x.grad = w1.grad = w2.grad = None
+        mod.zero_grad(set_to_none=True)
+
     # Peak extra memory of one eager step, then the step captured.
     def peak_extra_gib(step):
         torch.cuda.synchronize()
@@ -118,8 +126,7 @@ def measure(name, rounds=3):
         step()
         torch.cuda.synchronize()
         gib = (torch.cuda.max_memory_allocated() - base) / 2**30
-        x.grad = w1.grad = w2.grad = None
-        mod.zero_grad(set_to_none=True)
+        clear_grads()
         return gib
 
     def graph_of(label, step):
@@ -129,8 +136,7 @@ def measure(name, rounds=3):
             res[f"{label}_graph_error"] = str(ex)[:160]
             return None
         finally:
-            x.grad = w1.grad = w2.grad = None
-            mod.zero_grad(set_to_none=True)
+            clear_grads()
 
     res["ours_extra_gib"] = peak_extra_gib(ours_step)
     step_graph = graph_of("ours", ours_step)
@@ -156,15 +162,13 @@ def measure(name, rounds=3):
             t_f, t_fb = sonic.time()
             sample("sonic_fwd_ms", t_f)
             sample("sonic_fwd_bwd_ms", t_fb)
-            x.grad = None
             sample("ours_fwd_bwd_sonic_method_ms", time_like_sonic(step_graph or ours_step))
         sample("ours_eager_ms", median_ms(ours_step))
         if step_graph is not None:
             sample("ours_graph_ms", median_ms(step_graph))
-    x.grad = w1.grad = w2.grad = None
-    mod.zero_grad(set_to_none=True)
+    clear_grads()
     for key, ms in samples.items():
-        res[key] = sorted(ms)[len(ms) // 2]
+        res[key] = median(ms)
         res[key + "_rounds"] = ms
     res.setdefault("ours_fwd_graph_ms", None)
     res.setdefault("ours_graph_ms", None)
@@ -177,11 +181,9 @@ def measure(name, rounds=3):
     # clocks (ours ran 2.6-6.6% behind `moe-engine bench` on the large shapes when timed after it).
     res["torch_extra_gib"] = peak_extra_gib(torch_step)
     res["torch_eager_ms"] = median_ms(torch_step)
-    x.grad = w1.grad = w2.grad = None
-    torch_graph = graph_of("torch", torch_step)
+    torch_graph = graph_of("torch", torch_step)  # torch_step clears the gradients it finds
     res["torch_graph_ms"] = median_ms(torch_graph) if torch_graph is not None else None
-    x.grad = w1.grad = w2.grad = None
-    mod.zero_grad(set_to_none=True)
+    clear_grads()
     # The layer's own planned memory is allocated once outside PyTorch's allocator: count it too.
     res["ours_extra_gib"] += mod.workspace_bytes() / 2**30
     for label in ("torch", "ours"):

@@ -78,8 +78,3 @@ class SonicSide:
     def time(self):
         """(forward ms, forward+backward ms) by their method: do_bench, warm-up 5, 500 ms."""
         return time_like_sonic(self._fwd), time_like_sonic(self._fwd_bwd, self._grads)
-
-    def measure(self):
-        res = self.prepare()
-        res["sonic_fwd_ms"], res["sonic_fwd_bwd_ms"] = self.time()
-        return res
