@@ -135,10 +135,14 @@ class GroupedExperts {
   // forward and the next call of this op.
   void fc2_rows(const SavedState& state, const TensorView& row_begin, const TensorView& offsets,
                 const TensorView& out, cudaStream_t stream);
-  // fc1_dgrad_rows: dx_perm from the dh a backward left in the state (consumed, or awaiting its
-  // backward_dw), until the state is filled again.
+  // fc1_dgrad_rows: dx_perm from the dh a backward left in the state, until the state is filled
+  // again. Without delay_wgrad the backward leaves fc1's weight gradients and every hook to
+  // finish_row_windows, which the caller makes after its fc1_dgrad_rows calls (so that, as without
+  // windows, every read of the weights is enqueued before a hook runs); with delay_wgrad
+  // backward_dw does that work as always.
   void fc1_dgrad_rows(const SavedState& state, const TensorView& row_begin, const TensorView& offsets,
                       const TensorView& out, cudaStream_t stream);
+  void finish_row_windows(const SavedState& state, cudaStream_t stream);
 
   // The inputs a filled state reads again by address (x_perm, group_offsets, probs_perm; dY once a
   // delayed backward ran, else pass nullptr) now live elsewhere -- e.g. the caller offloaded them to

@@ -187,7 +187,7 @@ void GroupedMlpConfig::validate() const {
 int64_t GroupedMlpConfig::chunk_row_bound() const {
   const int64_t R = row_bound();
   const int slots = routing_form == RoutingForm::kMap ? experts : topk;
-  const int64_t tokens = (max_tokens + token_chunks - 1) / token_chunks;
+  const int64_t tokens = std::max<int64_t>(1, (max_tokens + token_chunks - 1) / token_chunks);  // as chunk_tokens
   return std::min(R, tokens * slots);
 }
 

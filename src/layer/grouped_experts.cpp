@@ -713,7 +713,7 @@ void GroupedExperts::forward_gathered(const TensorView& x, const TensorView& row
     MOE_CHECK(x_perm_out.data != x.data && x_perm_out.data != Y.data, "argument 'x_perm_out': must not be the ",
               "buffer of x or Y (the kernel gathers from x while it writes x_perm_out)");
   } else if (!m.fp8) {
-    MOE_CHECK(Y.data != x.data || rows == 0, "argument 'Y': without x_perm_out the backward gathers the rows of x ",
+    MOE_CHECK(Y.data == nullptr || Y.data != x.data || rows == 0, "argument 'Y': without x_perm_out the backward gathers the rows of x ",
               "again, so Y must not overwrite x");
   }
   check_state_fillable(state, "state", m.state_bytes, kStateHeaders, "GroupedExperts::forward_gathered");
@@ -800,6 +800,13 @@ void GroupedExperts::Impl::finish_backward(const SavedState& state, const Saved&
     h.status = static_cast<int32_t>(StateStatus::kAwaitingWgrad);
     return;
   }
+  if (cfg.row_windows) {
+    // fc1's weight gradient and the hooks wait for finish_row_windows, after the caller's
+    // fc1_dgrad_rows: every read of the weights is then enqueued before a hook runs, as without
+    // windows.
+    h.status = static_cast<int32_t>(StateStatus::kAwaitingWgrad);
+    return;
+  }
   wgrad_fc1(dh, v, s);
   h.status = static_cast<int32_t>(StateStatus::kConsumed);  // h holds dh (and act dact when unfused)
   for (Param p : kHookOrder) fire_hooks(p);
@@ -852,7 +859,8 @@ void GroupedExperts::backward_gathered(const TensorView& dy, const TensorView& r
   check_device_tensor(dy, "dy", c.dtype, {dy.shape[0], H});
   MOE_CHECK(slots >= 1, "argument 'slots': expected >= 1, got ", slots);
   check_device_tensor(row_slots, "row_slots", DType::kInt32, {rows}, 4);
-  MOE_CHECK(dx_perm.data != dy.data || rows == 0, "argument 'dx_perm': must not be the buffer of dy");
+  MOE_CHECK(dx_perm.data == nullptr || dx_perm.data != dy.data || rows == 0,
+            "argument 'dx_perm': must not be the buffer of dy");
   MOE_CHECK(!m.fp8 || dY_out.data == nullptr, "argument 'dY_out': with config.fp8 no dY rows are written (dY's ",
             "FP8 copies are quantized from the rows of dy directly); pass an empty view");
   if (dY_out.data != nullptr) {
@@ -922,6 +930,19 @@ void GroupedExperts::fc1_dgrad_rows(const SavedState& state, const TensorView& r
                                     const TensorView& out, cudaStream_t s) {
   impl_->run_windows(GemmOp::kDgrad, state, {StateStatus::kConsumed, StateStatus::kAwaitingWgrad}, row_begin,
                      offsets, out, "GroupedExperts::fc1_dgrad_rows", s);
+}
+
+void GroupedExperts::finish_row_windows(const SavedState& state, cudaStream_t s) {
+  Impl& m = *impl_;
+  constexpr const char* kCall = "GroupedExperts::finish_row_windows";
+  MOE_CHECK(m.cfg.row_windows && !m.cfg.delay_wgrad, kCall, ": only for config.row_windows without delay_wgrad");
+  check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
+  check_state(state, "state", m.serial, StateKind::kExperts, {StateStatus::kAwaitingWgrad}, kCall);
+  MOE_CHECK(m.have_grads, kCall, ": no gradient tensors bound (call set_grads first)");
+  const Impl::Saved v = m.saved(state);
+  m.wgrad_fc1(bf16_view(v.b.h, v.rows, m.cfg.fc1_out()), v, s);  // dh, written over h
+  state.header(0).status = static_cast<int32_t>(StateStatus::kConsumed);
+  for (Param p : kHookOrder) m.fire_hooks(p);
 }
 
 void GroupedExperts::backward_dw(const SavedState& state, cudaStream_t s) {

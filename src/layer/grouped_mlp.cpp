@@ -131,7 +131,7 @@ struct GroupedMlp::Impl {
       Y_rows = cfg.chunk_row_bound();
       // The backward's dx_perm scratch also holds the fused fc2 dgrad's dprobs partial sums: one
       // float per row of the plan and block of 256 features.
-      if (experts.config().dprobs_partials_in_dx_perm) {
+      if (experts.config().dprobs_partials_in_dx_perm && cfg.ffn > 256) {
         const int64_t partial_bytes = R * ((cfg.ffn + 255) / 256) * 4;
         Y_rows = std::max(Y_rows, (partial_bytes + 2 * H - 1) / (2 * H));
       }
@@ -339,6 +339,10 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
     // (GroupedMlpConfig::experts_config decides it once: without dY_perm the dprobs partials live
     // in dx_perm, which then must not be dY_perm's buffer.)
     const bool keep_dY = !m.experts.config().dprobs_partials_in_dx_perm;
+    // Token chunks: Y_ws holds one piece, so a dY_perm kept there would not fit (the config allows
+    // chunks only where none is kept there: without one, or in the state with delay_wgrad).
+    MOE_CHECK(m.chunks() == 1 || !keep_dY || c.delay_wgrad, "GroupedMlp::backward: token chunks with a dY_perm in ",
+              "the workspace (internal error)");
     m.experts.backward_gathered(dy, m.dispatcher.row_slots(plan), slots, keep_dY ? dYv : TensorView(), dx_perm,
                                 m.dpp(), es, s);
   } else if (m.fp8_gathers_dy()) {
@@ -354,6 +358,7 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
   }
   if (m.chunks() > 1) {
     m.dgrad_and_sum_by_chunk(plan, es, dx, dprobs, s);
+    if (!c.delay_wgrad) m.experts.finish_row_windows(es, s);  // fc1's weight gradients, the hooks
   } else if (m.probs_in_act()) {
     const TensorView dpp = m.dpp();
     m.dispatcher.permute_backward(plan, dx_perm, dx, s, &dpp, &dprobs);

@@ -811,7 +811,9 @@ TEST(GroupedMlp, TokenChunksAreBitwiseTheWholeBatch) {
     for (int n : {2, 3, 7}) {
       SCOPED_TRACE(::testing::Message() << "token_chunks=" << n);
       c.cfg.token_chunks = n;
-      expect_bitwise(Runner(c).run_gpu(WeightLayout::kSingleGrouped), whole);
+      const Outputs chunked = Runner(c).run_gpu(WeightLayout::kSingleGrouped);
+      expect_bitwise(chunked, whole);
+      EXPECT_EQ(chunked.hook_order, whole.hook_order);  // every hook once, after the last piece
       if (m.F == 64 && m.align == 0)  // R x H x 2 bytes shrink to a piece's rows (plus its windows)
         EXPECT_LT(GroupedMlp(c.cfg).workspace_bytes(), whole_ws);
     }
