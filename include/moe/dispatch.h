@@ -102,6 +102,8 @@ class Dispatcher {
   void chunk_windows(const SavedState& plan, int chunks, const TensorView& windows, cudaStream_t stream) const;
   TensorView chunk_row_begin(const TensorView& windows, int chunks, int chunk) const;
   TensorView chunk_offsets(const TensorView& windows, int chunks, int chunk) const;
+  // int32 [T, slots]: every slot's row inside its piece's packed rows, -1 where it has none.
+  TensorView chunk_slot_rows(const TensorView& windows, int chunks, int64_t T) const;
   // unpermute (weight 1: probs applied in the experts) of piece `chunk`: Y_chunk [rows', H], the
   // piece's packed rows (rows' >= min(R, chunk_tokens(T, chunks) x slots), which bounds every
   // piece's) -> y's rows of the piece's tokens (y [T, H]).

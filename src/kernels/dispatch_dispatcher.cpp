@@ -292,6 +292,13 @@ TensorView Dispatcher::chunk_offsets(const TensorView& windows, int chunks, int 
   return TensorView(window_part(windows, chunks, E, 1) + chunk * (E + 1), DType::kInt32, {E + 1}, Device::kCUDA);
 }
 
+TensorView Dispatcher::chunk_slot_rows(const TensorView& windows, int chunks, int64_t T) const {
+  check_device_tensor(windows, "windows", DType::kInt32, {chunk_windows_size(chunks)}, 4);
+  MOE_CHECK(T >= 0 && T <= impl_->cfg.max_tokens, "argument 'T': expected 0..", impl_->cfg.max_tokens, ", got ", T);
+  return TensorView(window_part(windows, chunks, impl_->cfg.num_experts, 2), DType::kInt32, {T, impl_->slots},
+                    Device::kCUDA);
+}
+
 // The tokens of piece `chunk` of a plan of T tokens: [*t0, *t0 + *n).
 static void chunk_token_range(int64_t T, int chunks, int chunk, int64_t* t0, int64_t* n) {
   MOE_CHECK(chunk >= 0 && chunk < chunks, "argument 'chunk': expected 0..", chunks - 1, ", got ", chunk);

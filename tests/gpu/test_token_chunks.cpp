@@ -20,6 +20,7 @@
 #include "moe/float_convert.h"
 #include "moe/grouped_gemm.h"
 #include "moe/saved_state.h"
+#include "reference/dispatch_ref.h"
 #include "reference/routing_gen.h"
 #include "reference/routing_ref.h"
 #include "support/gpu.h"
@@ -84,36 +85,21 @@ TEST_F(TokenChunks, WindowsFollowThePlanAndChunkSumsAreBitwiseTheWholeBatch) {
     MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     ew.check(stream);
 
-    // Expected windows from the plan's maps: a chunk's rows of expert e are the rows of e whose
-    // slot belongs to one of the chunk's tokens.
-    const auto slot_rows = download<int32_t>(d.slot_rows(plan));
-    const auto offsets = download<int32_t>(d.offsets(plan));
-    const auto counts = download<int32_t>(d.counts(plan));
+    // The windows against the CPU reference's (the reference plan is the device plan's, tested in
+    // test_dispatch.cu), every entry; the slots' packed rows too.
+    DispatchOptions o;
+    o.align = pc.align;
+    o.row_bound = R;  // the device plan's bound (from T_max)
+    const ref::DispatchPlan rp = ref::plan_dispatch(rt, o);
+    const ref::ChunkWindows want = ref::chunk_windows(rp, n);
     const int64_t Tc = Dispatcher::chunk_tokens(pc.T, n);
-    std::vector<int32_t> packed_row(slot_rows.size(), -1);  // every slot's row in its chunk's packed rows
+    ASSERT_EQ(Tc, want.Tc);
+    auto as64 = [](const std::vector<int32_t>& v) { return std::vector<int64_t>(v.begin(), v.end()); };
     for (int c = 0; c < n; ++c) {
-      const auto begin = download<int32_t>(d.chunk_row_begin(wv, n, c));
-      const auto offs = download<int32_t>(d.chunk_offsets(wv, n, c));
-      ASSERT_EQ(offs[0], 0);
-      for (int e = 0; e < pc.E; ++e) {
-        std::vector<int32_t> rows;  // rows of e for tokens of chunk c, in row order
-        for (int64_t t = c * Tc; t < std::min(pc.T, (c + 1) * Tc); ++t)
-          for (int s = 0; s < pc.k; ++s) {
-            const int32_t r = slot_rows[t * pc.k + s];
-            if (r >= offsets[e] && r < offsets[e] + counts[e]) rows.push_back(r);
-          }
-        std::sort(rows.begin(), rows.end());
-        ASSERT_EQ(offs[e + 1] - offs[e], static_cast<int32_t>(rows.size())) << "chunk " << c << " expert " << e;
-        for (size_t i = 0; i < rows.size(); ++i) {
-          ASSERT_EQ(rows[i], begin[e] + static_cast<int32_t>(i)) << "the window is not contiguous";
-        }
-        for (int64_t t = c * Tc; t < std::min(pc.T, (c + 1) * Tc); ++t)
-          for (int s = 0; s < pc.k; ++s) {
-            const int32_t r = slot_rows[t * pc.k + s];
-            if (r >= offsets[e] && r < offsets[e] + counts[e]) packed_row[t * pc.k + s] = r - begin[e] + offs[e];
-          }
-      }
+      EXPECT_EQ(as64(download<int32_t>(d.chunk_row_begin(wv, n, c))), want.row_begin[c]) << "chunk " << c;
+      EXPECT_EQ(as64(download<int32_t>(d.chunk_offsets(wv, n, c))), want.offsets[c]) << "chunk " << c;
     }
+    EXPECT_EQ(as64(download<int32_t>(d.chunk_slot_rows(wv, n, pc.T))), want.local_row);
 
     // The combine and the permute backward piece by piece, each piece's rows packed from Y.
     std::mt19937_64 rng(5);
