@@ -34,6 +34,7 @@ struct BenchArgs {
   std::string emulate = "none";
   std::string fc1 = "auto";
   std::string dgrad = "auto";
+  int token_chunks = 1;
   double skew = 0.0;
   int align = 0;
   int repeats = 20;
@@ -148,8 +149,10 @@ void run_bench(const BenchArgs& a) {
     o.fuse_fc1 = !unfused && uses_fused_fc1(a.fc1, s);
     o.save_x_perm = saves_x_perm(a.x_perm, o.fuse_fc1, s);
     o.fuse_fc2_dgrad = !unfused && uses_fused_fc2_dgrad(a.dgrad, s, o.save_x_perm);
+    o.token_chunks = a.token_chunks;
     std::string fc1_name = a.fp8 ? "fp8" : emulated ? a.emulate : !o.fuse_fc1 ? "unfused" : o.save_x_perm ? "fused" : "fused-g";
     if (o.fuse_fc2_dgrad) fc1_name += "+d";
+    if (o.token_chunks > 1) fc1_name += "/" + std::to_string(o.token_chunks);
     bench::LayerBenchResult r = bench::run_layer_bench(s, o);
     const double ff = r.flops_fwd();
     const double g_bwd = r.fwd_bwd_graph.median_ms - r.fwd_graph.median_ms;
@@ -161,7 +164,7 @@ void run_bench(const BenchArgs& a) {
       nlohmann::json j = {
           {"shape", s.name}, {"T", s.T}, {"H", s.H}, {"F", s.F}, {"E", s.E}, {"k", s.k}, {"device", device},
           {"skew", r.skew}, {"align", o.align}, {"activation", a.activation}, {"fc1", o.fuse_fc1 ? "fused" : "unfused"}, {"fp8", a.fp8}, {"emulate", a.emulate}, {"x_perm", o.save_x_perm ? "saved" : "gathered"},
-          {"fc2_dgrad", o.fuse_fc2_dgrad ? "fused" : "unfused"},
+          {"fc2_dgrad", o.fuse_fc2_dgrad ? "fused" : "unfused"}, {"token_chunks", o.token_chunks},
           {"graph", {{"fwd_ms", r.fwd_graph.median_ms}, {"bwd_ms", g_bwd}, {"total_ms", r.fwd_bwd_graph.median_ms},
                      {"fwd_tflops", tflops(ff, r.fwd_graph.median_ms)}, {"bwd_tflops", tflops(2 * ff, g_bwd)},
                      {"total_tflops", tflops(3 * ff, r.fwd_bwd_graph.median_ms)},
@@ -229,6 +232,10 @@ void setup_bench(CLI::App& app) {
                   "kernel; shown as '+d' in the fc1 column), unfused (separate kernels, the reference path) or auto (fused "
                   "where it costs no time: F <= 256, or without x_perm)")
       ->check(CLI::IsMember({"auto", "fused", "unfused"}));
+  sub->add_option("--token-chunks", args->token_chunks, "fc2 + combine and fc1 dgrad + dx sum in this many pieces "
+                  "of consecutive tokens: the layer's R x H workspace holds one piece (needs the fused fc2 dgrad "
+                  "without x_perm, no bias, bf16; shown as '/N' in the fc1 column)")
+      ->check(CLI::Range(1, 64));
   sub->add_flag("--fp8", args->fp8, "FP8 block-scaled experts (E4M3 GEMM operands, 1x128 / 128x128 scales; the "
                 "unfused path, A = 128 unless --align says otherwise; shown as 'fp8' in the fc1 column)");
   sub->add_option("--emulate", args->emulate, "Emulated Blackwell formats: mxfp8 or nvfp4 GEMM operands "

@@ -123,6 +123,7 @@ LayerBenchResult run_layer_bench(const Shape& s, const LayerBenchOptions& o) {
   c.fuse_fc1 = o.fuse_fc1;
   c.save_x_perm = o.save_x_perm || !o.fuse_fc1;
   c.fuse_fc2_dgrad = o.fuse_fc2_dgrad;
+  c.token_chunks = o.token_chunks;
   c.fp8 = o.fp8;
   c.fp8_weight_refresh = o.fp8_weight_refresh;
   c.emulated = o.emulated;

@@ -20,6 +20,7 @@ struct LayerBenchOptions {
   bool fuse_fc1 = true;   // the fused fc1 (gather + GEMM + bias + activation x prob); false: unfused
   bool save_x_perm = true;  // false (fused only): no x_perm, the fc1 weight gradient gathers the rows of x
   bool fuse_fc2_dgrad = false;  // fc2 dgrad gathering dy + activation backward in one kernel
+  int token_chunks = 1;  // fc2 + combine and fc1 dgrad + dx sum in this many pieces of tokens
   Fp8Recipe fp8 = Fp8Recipe::kNone;  // FP8 experts (needs align 128 and the unfused path)
   // kOnRequest: the weights are quantized once after binding, outside the timed runs (as in a step
   // with several micro-batches); kEveryForward: inside every forward.

@@ -87,6 +87,34 @@ class Dispatcher {
                           cudaStream_t stream, const TensorView* probs = nullptr, const TensorView* Y = nullptr,
                           const TensorView* dprobs = nullptr) const;
 
+  // ---- Token chunks (docs/state.md) ----
+  // The combine and the permute backward in `chunks` pieces of consecutive tokens, so that the
+  // experts' output for every routed row (Y, d_x_perm) need exist for one piece at a time. Piece c
+  // holds tokens [c Tc, min((c + 1) Tc, T)), Tc = chunk_tokens(T, chunks). Inside an expert the rows
+  // follow the tokens, so a piece's rows of expert e are one window of e's rows (pad rows belong to
+  // no window); a grouped GEMM reads the windows with GemmProblem::a_row_begin and writes them packed.
+  // chunk_windows() writes into `windows` (int32 [chunk_windows_size(chunks)], device; the caller's
+  // memory, valid until the plan is refilled) what chunk_row_begin() / chunk_offsets() view per piece
+  // -- row_begin int32 [E], the first row of each window, and offsets int32 [E + 1], the windows
+  // packed in expert order -- and every slot's row inside its piece's packed rows.
+  static int64_t chunk_tokens(int64_t T, int chunks);  // ceil(T / chunks), at least 1
+  int64_t chunk_windows_size(int chunks) const;
+  void chunk_windows(const SavedState& plan, int chunks, const TensorView& windows, cudaStream_t stream) const;
+  TensorView chunk_row_begin(const TensorView& windows, int chunks, int chunk) const;
+  TensorView chunk_offsets(const TensorView& windows, int chunks, int chunk) const;
+  // int32 [T, slots]: every slot's row inside its piece's packed rows, -1 where it has none.
+  TensorView chunk_slot_rows(const TensorView& windows, int chunks, int64_t T) const;
+  // unpermute (weight 1: probs applied in the experts) of piece `chunk`: Y_chunk [rows', H], the
+  // piece's packed rows (rows' >= min(R, chunk_tokens(T, chunks) x slots), which bounds every
+  // piece's) -> y's rows of the piece's tokens (y [T, H]).
+  void unpermute_chunk(const SavedState& plan, const TensorView& windows, int chunks, int chunk,
+                       const TensorView& Y_chunk, const TensorView& y, cudaStream_t stream) const;
+  // permute_backward of piece `chunk`: d_x_perm_chunk [rows', H] -> dx's rows of the piece's tokens;
+  // with d_probs_perm fp32 [R] (every row of the plan): dprobs fp32 [T, slots] of those tokens.
+  void permute_backward_chunk(const SavedState& plan, const TensorView& windows, int chunks, int chunk,
+                              const TensorView& d_x_perm_chunk, const TensorView& dx, cudaStream_t stream,
+                              const TensorView* d_probs_perm = nullptr, const TensorView* dprobs = nullptr) const;
+
   // Views into a filled plan's device memory (valid while the plan's memory lives):
   int64_t tokens(const SavedState& plan) const;                                 // T of the plan
   TensorView counts(const SavedState& plan, DType dtype = DType::kInt32) const;  // [E] tokens routed to e

@@ -122,6 +122,28 @@ class GroupedExperts {
   // Delayed mode: fc2's weight gradients, then fc1's, each parameter's hooks once it is final.
   void backward_dw(const SavedState& state, cudaStream_t stream);
 
+  // Windows of rows (config.row_windows; docs/state.md, token chunks). The forwards then take an
+  // empty Y and stop after the activation, and the backwards compute no dx_perm: their dx_perm is
+  // scratch for the fused fc2 dgrad's dprobs partial sums (config.dprobs_partials_in_dx_perm; at
+  // least rows x ceil(F / 256) floats) or an empty view. These two compute fc2 and the fc1 dgrad for
+  // a window of each group's rows -- rows [row_begin[e], row_begin[e] + n_e) of group e, n_e =
+  // offsets[e + 1] - offsets[e] -- into rows [offsets[e], offsets[e + 1]) of `out` [>= offsets[E],
+  // H], the same bits as those rows of the whole product. row_begin int32 [E] and offsets int32
+  // [E + 1] (offsets[0] = 0) are device views (Dispatcher::chunk_windows makes them per token chunk).
+  // fc2_rows: Y from a filled state's act. A state that does not keep act (the fused fc2 dgrad
+  // without delay_wgrad recomputes it) finds it in the op's workspace, so call fc2_rows between the
+  // forward and the next call of this op.
+  void fc2_rows(const SavedState& state, const TensorView& row_begin, const TensorView& offsets,
+                const TensorView& out, cudaStream_t stream);
+  // fc1_dgrad_rows: dx_perm from the dh a backward left in the state, until the state is filled
+  // again. Without delay_wgrad the backward leaves fc1's weight gradients and every hook to
+  // finish_row_windows, which the caller makes after its fc1_dgrad_rows calls (so that, as without
+  // windows, every read of the weights is enqueued before a hook runs); with delay_wgrad
+  // backward_dw does that work as always.
+  void fc1_dgrad_rows(const SavedState& state, const TensorView& row_begin, const TensorView& offsets,
+                      const TensorView& out, cudaStream_t stream);
+  void finish_row_windows(const SavedState& state, cudaStream_t stream);
+
   // The inputs a filled state reads again by address (x_perm, group_offsets, probs_perm; dY once a
   // delayed backward ran, else pass nullptr) now live elsewhere -- e.g. the caller offloaded them to
   // the host and restored them, or the state's own memory moved: point the state at them. Same

@@ -124,6 +124,13 @@ struct GemmProblem {
   TensorView b_scale;        // FP8 wgrad only
   ExpertMatrices w_scale;    // FP8 fprop and dgrad only, oriented as w (made with alignment 4 or 16)
   GemmEpilogue epilogue = GemmEpilogue::kStore;
+  // Optional, bf16 fprop and dgrad only: int32 [E], device. Group e reads its rows of `a` from row
+  // a_row_begin[e] on instead of group_offsets[e] -- a window of each group's rows, e.g. one chunk
+  // of tokens of every expert -- and still writes rows [group_offsets[e], group_offsets[e + 1]) of
+  // `d`, so `a` may hold more rows than `d`. A window that starts below 0 or runs past a's rows is
+  // clamped to them and raises kErrBadGroupOffsets in error_word. Each output row gets the same
+  // bits as in a call without windows (the tile configuration depends on N and K only).
+  TensorView a_row_begin;
   // Optional device error word (moe::ErrorWord): offsets that are not 0-based, decrease or run past
   // the rows raise kErrBadGroupOffsets (the groups are clamped either way, never read out of bounds).
   uint32_t* error_word = nullptr;

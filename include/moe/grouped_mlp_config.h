@@ -111,6 +111,11 @@ struct ExpertsConfig {
   // Emulated MXFP8 / NVFP4 compute (see EmulatedQuant): needs hidden and ffn multiples of the block
   // (32 for MXFP8, 16 for NVFP4), the unfused path, the standard weight orientation, no fp8.
   EmulatedQuant emulated = EmulatedQuant::kNone;
+  // Windows of rows (docs/state.md, token chunks): the forwards stop after the activation (Y is an
+  // empty view) and the backwards compute no dx_perm; GroupedExperts::fc2_rows and fc1_dgrad_rows
+  // compute those two products for windows of each group's rows instead, the same bits per row.
+  // bf16 only (no fp8, no emulated format), no bias.
+  bool row_windows = false;
 
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
   void validate() const;  // throws moe::Error naming the bad field
@@ -161,9 +166,20 @@ struct GroupedMlpConfig {
   // 16 (NVFP4) gives every expert whole columnwise blocks, as Blackwell's grouped GEMMs need;
   // other alignments quantize each expert's last block as a partial one.
   EmulatedQuant emulated = EmulatedQuant::kNone;
+  // Token chunks (docs/state.md). 1: the experts' output for every routed row -- Y in the forward,
+  // dx_perm in the backward, [R, H] each -- exists at once in the layer's workspace. n > 1: both are
+  // made and consumed in n pieces of consecutive tokens (fc2, then the combine of the piece's tokens;
+  // the fc1 dgrad, then the sum of the piece's tokens' rows), so the workspace holds one piece:
+  // about (n - 1) / n of R x H x 2 bytes less, for n launches of fc2 and of the fc1 dgrad instead of
+  // one and more partly filled GEMM tiles. Bitwise the same results. Needs the probs in the
+  // activation, bf16 experts (no fp8, no emulated format), no bias and the fused fc2 dgrad
+  // gathering dy (fuse_fc2_dgrad, with save_x_perm = false or delay_wgrad).
+  int token_chunks = 1;
 
   int64_t fc1_out() const { return fc1_out_features(activation.kind, ffn); }
   int64_t row_bound() const;  // R resolved from dispatch options
+  // Rows of one token chunk's packed windows: min(R, ceil(max_tokens / token_chunks) x slots).
+  int64_t chunk_row_bound() const;
   ExpertsConfig experts_config() const;  // the experts part, max_rows = row_bound()
   DispatcherConfig dispatcher_config() const;  // the dispatch part, row_bound = row_bound()
   void validate() const;      // throws moe::Error naming the bad field

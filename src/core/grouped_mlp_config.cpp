@@ -1,5 +1,7 @@
 #include "moe/grouped_mlp_config.h"
 
+#include <algorithm>
+
 #include "moe/error.h"
 
 namespace moe {
@@ -101,6 +103,10 @@ void ExpertsConfig::validate() const {
             "fused fc2 dgrad computes dprobs from partial sums)");
   MOE_CHECK(fp8 == Fp8Recipe::kNone || max_rows % 16 == 0, "config 'max_rows': the FP8 weight gradients read the ",
             "tokens' columnwise copies, whose rows need a multiple of 16 tokens; got ", max_rows);
+  MOE_CHECK(!row_windows || (dtype == DType::kBF16 && fp8 == Fp8Recipe::kNone && emulated == EmulatedQuant::kNone &&
+                             !bias),
+            "config 'row_windows': windows of rows are offered for bf16 experts without fp8, emulated formats or ",
+            "bias");
 }
 
 ExpertsConfig GroupedMlpConfig::experts_config() const {
@@ -129,6 +135,7 @@ ExpertsConfig GroupedMlpConfig::experts_config() const {
   e.fp8 = fp8;
   e.fp8_weight_refresh = fp8_weight_refresh;
   e.emulated = emulated;
+  e.row_windows = token_chunks > 1;
   return e;
 }
 
@@ -163,7 +170,25 @@ void GroupedMlpConfig::validate() const {
   MOE_CHECK(save_x_perm || fuse_fc1, "config 'save_x_perm': false needs fuse_fc1 (the fused kernels gather the ",
             "rows of x)");
   MOE_CHECK(max_sms >= 0, "config 'max_sms': expected 0 (every SM) or a positive count, got ", max_sms);
+  MOE_CHECK(token_chunks >= 1 && token_chunks <= 64, "config 'token_chunks': expected 1..64, got ", token_chunks);
+  if (token_chunks > 1) {
+    MOE_CHECK(probs == ProbsPlacement::kInActivation, "config 'token_chunks': needs the probs in the activation (a ",
+              "combine merging probs reads the whole Y again in backward)");
+    MOE_CHECK(dtype == DType::kBF16 && fp8 == Fp8Recipe::kNone && emulated == EmulatedQuant::kNone,
+              "config 'token_chunks': needs bf16 experts without fp8 or an emulated format");
+    MOE_CHECK(!bias, "config 'token_chunks': not offered with bias yet");
+    MOE_CHECK(fuse_fc2_dgrad && (!save_x_perm || delay_wgrad), "config 'token_chunks': needs the fused fc2 dgrad ",
+              "gathering dy with no dY_perm in the workspace (fuse_fc2_dgrad, and save_x_perm = false or ",
+              "delay_wgrad)");
+  }
   (void)row_bound();  // throws for map form without an explicit bound
+}
+
+int64_t GroupedMlpConfig::chunk_row_bound() const {
+  const int64_t R = row_bound();
+  const int slots = routing_form == RoutingForm::kMap ? experts : topk;
+  const int64_t tokens = std::max<int64_t>(1, (max_tokens + token_chunks - 1) / token_chunks);  // as chunk_tokens
+  return std::min(R, tokens * slots);
 }
 
 }  // namespace moe

@@ -281,8 +281,22 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
             static_cast<int>(pr.a_scale_layout));
   const bool a_scale_mn_major = fp8 && pr.op != GemmOp::kWgrad && pr.a_scale_layout == ScaleLayout::kMNMajor;
   const DType ab = pr.a.dtype;
+  // Windows of a's rows (GemmProblem::a_row_begin): a may hold more rows than d; `rows` are d's.
+  const bool windows = pr.a_row_begin.data != nullptr;
+  if (windows) {
+    MOE_CHECK(!fp8 && pr.op != GemmOp::kWgrad, "argument 'a_row_begin': windows of rows are offered for bf16 fprop ",
+              "and dgrad only");
+    check_dtype(pr.a_row_begin, "a_row_begin", DType::kInt32);
+    check_device(pr.a_row_begin, "a_row_begin", Device::kCUDA);
+    check_shape(pr.a_row_begin, "a_row_begin", {int64_t(w.experts())});
+    check_contiguous(pr.a_row_begin, "a_row_begin");
+    check_pointer(pr.a_row_begin, "a_row_begin", 4);
+    MOE_CHECK(pr.d.ndim == 2, "argument '", pr.op == GemmOp::kFprop ? "y" : "dx", "': expected a matrix, got shape ",
+              pr.d.shape_string());
+    s.check_rows(pr.a.shape[0], pr.op == GemmOp::kFprop ? "x" : "dy");
+  }
   // FP8 wgrad reads dY's columnwise copy [N, rows]: the tokens run along its columns.
-  const int64_t rows = fp8 && pr.op == GemmOp::kWgrad ? pr.a.shape[1] : pr.a.shape[0];
+  const int64_t rows = windows ? pr.d.shape[0] : fp8 && pr.op == GemmOp::kWgrad ? pr.a.shape[1] : pr.a.shape[0];
   int64_t N = 0, K = 0;
   DType out = DType::kBF16;  // fprop and dgrad write bf16 (from bf16 or FP8 operands); wgrad: dw's dtype
   gemm::PrepParams p{};
@@ -354,6 +368,10 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
   s.check_workspace(workspace, w.experts());
   p.offsets = pr.group_offsets.ptr<const int32_t>();
   p.error_word = pr.error_word;
+  if (windows) {
+    p.a_row_begin = pr.a_row_begin.ptr<const int32_t>();
+    p.a_rows = pr.a.shape[0];
+  }
   if (fp8) {
     p.fp8 = true;
     p.a_scale_mn_major = a_scale_mn_major;

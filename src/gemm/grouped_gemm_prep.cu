@@ -33,6 +33,19 @@ __global__ void restate_weight_scales_kernel(ExpertPtrs src, int64_t src_rows, i
   }
 }
 
+// The first row of `a` of group e (fprop, dgrad) and its row count m, which a window of
+// a_row_begin clamps to a's rows (raising kErrBadGroupOffsets).
+__device__ inline int64_t a_window(const PrepParams& p, int e, int64_t start, int32_t* m) {
+  if (p.a_row_begin == nullptr) return start;
+  int64_t begin = p.a_row_begin[e];
+  if (begin < 0 || begin + *m > p.a_rows) {
+    if (p.error_word != nullptr) atomicOr(p.error_word, kErrBadGroupOffsets);
+    begin = begin < 0 ? 0 : (begin > p.a_rows ? p.a_rows : begin);
+    if (begin + *m > p.a_rows) *m = static_cast<int32_t>(p.a_rows - begin);
+  }
+  return begin;
+}
+
 __global__ void prep_kernel(PrepParams p, ArgArrays out) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= p.groups) return;
@@ -48,9 +61,10 @@ __global__ void prep_kernel(PrepParams p, ArgArrays out) {
   const char* w = expert_ptr(p.weights, e);
   int32_t* shape = out.shapes + 3 * e;
   switch (p.op) {
-    case Op::kFprop:  // Y_e [m, N] = X_e [m, K] W_e^T
+    case Op::kFprop: {  // Y_e [m, N] = X_e [m, K] W_e^T
+      const int64_t a_start = a_window(p, e, start, &m);
       shape[0] = m, shape[1] = N, shape[2] = K;
-      out.ptr_a[e] = p.a + start * p.K * eb, out.ld_a[e] = p.K;
+      out.ptr_a[e] = p.a + a_start * p.K * eb, out.ld_a[e] = p.K;
       out.ptr_b[e] = w, out.ld_b[e] = p.K;
       out.ptr_d[e] = p.d + start * p.N * 2, out.ld_d[e] = p.N;
       if (p.fp8) {
@@ -58,12 +72,15 @@ __global__ void prep_kernel(PrepParams p, ArgArrays out) {
         out.ptr_sfb[e] = reinterpret_cast<const float*>(expert_ptr(p.w_scale, e));
       }
       break;
-    case Op::kDgrad:  // dX_e [m, K] = dY_e [m, N] W_e
+    }
+    case Op::kDgrad: {  // dX_e [m, K] = dY_e [m, N] W_e
+      const int64_t a_start = a_window(p, e, start, &m);
       shape[0] = m, shape[1] = K, shape[2] = N;
-      out.ptr_a[e] = p.a + start * p.N * eb, out.ld_a[e] = p.N;
+      out.ptr_a[e] = p.a + a_start * p.N * eb, out.ld_a[e] = p.N;
       out.ptr_b[e] = w, out.ld_b[e] = p.K;
       out.ptr_d[e] = p.d + start * p.K * 2, out.ld_d[e] = p.K;
       break;
+    }
     case Op::kWgrad:  // dW_e [N, K] = dY_e^T X_e, reduction over the group's m rows.
       if (p.fp8 && off_token_grid(start, end, p.rows)) {
         // Its scale blocks would straddle other tokens (and its TMA base could be misaligned):

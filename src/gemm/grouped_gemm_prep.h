@@ -59,6 +59,10 @@ struct PrepParams {
   const float* a_scale = nullptr;
   const float* b_scale = nullptr;
   ExpertPtrs w_scale;
+  // fprop / dgrad, bf16: group e's rows of `a` start at a_row_begin[e] (of a_rows rows) instead of
+  // its first row of `d` (GemmProblem::a_row_begin); null: at offsets[e].
+  const int32_t* a_row_begin = nullptr;
+  int64_t a_rows = 0;
 };
 
 // One thread per group; enqueued on `stream`.

@@ -19,7 +19,8 @@ constexpr int kWarps = 4;  // tokens per block
 template <typename T, int kUnroll, int kRows>
 __global__ void __launch_bounds__(kWarps * 32)
     combine_kernel(const uint4* Y, uint4* y, int64_t nvec, const int32_t* slot_row, int slots, int32_t T_tokens,
-                   const float* probs_perm, const float* slot_probs, const float* d_probs_perm, float* dprobs) {
+                   const float* probs_perm, const float* slot_probs, const float* d_probs_perm, float* dprobs,
+                   const int32_t* prob_row) {
   constexpr int kE = RowVec<T>::kElems;
   extern __shared__ int32_t lists[];  // per warp: rows [slots], weights [slots]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -42,7 +43,8 @@ __global__ void __launch_bounds__(kWarps * 32)
       rows[pos] = row;
       ws[pos] = slot_probs ? __ldg(slot_probs + i) : probs_perm ? __ldg(probs_perm + row) : 1.0f;
     }
-    if (dprobs && s < slots) dprobs[i] = (valid && d_probs_perm) ? __ldg(d_probs_perm + row) : 0.0f;
+    if (dprobs && s < slots)
+      dprobs[i] = (valid && d_probs_perm) ? __ldg(d_probs_perm + (prob_row ? __ldg(prob_row + i) : row)) : 0.0f;
     n += __popc(ballot);
   }
   __syncwarp();
@@ -93,7 +95,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 void launch_combine(DType dtype, const void* Y, void* y, int64_t H, const int32_t* slot_row, int slots, int32_t T,
                     const float* probs_perm, const float* slot_probs, const float* d_probs_perm, float* dprobs,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, const int32_t* prob_row) {
   if (T == 0) return;
   const unsigned blocks = static_cast<unsigned>((T + kWarps - 1) / kWarps);
   const size_t smem = sizeof(int32_t) * 2 * kWarps * slots;
@@ -102,7 +104,8 @@ void launch_combine(DType dtype, const void* Y, void* y, int64_t H, const int32_
     const int64_t nvec = H / RowVec<E>::kElems;
     auto kernel = slots <= 2 ? combine_kernel<E, 4, 2> : slots <= 4 ? combine_kernel<E, 4, 4> : combine_kernel<E, 2, 8>;
     kernel<<<blocks, kWarps * 32, smem, stream>>>(static_cast<const uint4*>(Y), static_cast<uint4*>(y), nvec,
-                                                  slot_row, slots, T, probs_perm, slot_probs, d_probs_perm, dprobs);
+                                                  slot_row, slots, T, probs_perm, slot_probs, d_probs_perm, dprobs,
+                                                  prob_row);
   };
   switch (dtype) {
     case DType::kBF16: launch(__nv_bfloat16{}); break;

@@ -1,4 +1,5 @@
 // moe::Dispatcher: argument checks, the plan layout in caller-owned state, and the kernel launches.
+#include <algorithm>
 #include <limits>
 #include <tuple>
 
@@ -232,6 +233,129 @@ void Dispatcher::unpermute_backward(const SavedState& plan, const TensorView& dy
   kernels::launch_scale_rows_backward(m.cfg.row_dtype, dy.data, want_dot ? Y->data : nullptr, dY.data, m.cfg.hidden,
                                       p.row_slot, m.slots, static_cast<int32_t>(m.R), by_row, by_slot, merging,
                                       want_dot ? dprobs->ptr<float>() : nullptr, stream);
+}
+
+int64_t Dispatcher::chunk_tokens(int64_t T, int chunks) {
+  MOE_CHECK(chunks >= 1, "argument 'chunks': expected >= 1, got ", chunks);
+  return std::max<int64_t>(1, (T + chunks - 1) / chunks);
+}
+
+// Layout of the windows: row_begin [chunks][E], offsets [chunks][E + 1], local rows [T_max, slots].
+int64_t Dispatcher::chunk_windows_size(int chunks) const {
+  MOE_CHECK(chunks >= 1, "argument 'chunks': expected >= 1, got ", chunks);
+  const int64_t E = impl_->cfg.num_experts;
+  return chunks * (2 * E + 1) + impl_->cfg.max_tokens * impl_->slots;
+}
+
+namespace {
+int32_t* window_part(const TensorView& windows, int chunks, int64_t E, int part) {
+  int32_t* w = windows.ptr<int32_t>();
+  return part == 0 ? w : part == 1 ? w + chunks * E : w + chunks * (2 * E + 1);
+}
+}  // namespace
+
+void Dispatcher::chunk_windows(const SavedState& plan, int chunks, const TensorView& windows,
+                               cudaStream_t stream) const {
+  const Impl& m = *impl_;
+  int64_t T = 0;
+  const PlanLayout p = m.filled(plan, "Dispatcher::chunk_windows", &T);
+  check_device_tensor(windows, "windows", DType::kInt32, {chunk_windows_size(chunks)}, 4);
+  const int64_t E = m.cfg.num_experts;
+  kernels::WindowArgs a;
+  a.chunks = chunks;
+  a.E = m.cfg.num_experts;
+  a.slots = m.slots;
+  a.T = static_cast<int32_t>(T);
+  a.Tc = static_cast<int32_t>(chunk_tokens(T, chunks));
+  a.R = static_cast<int32_t>(m.R);
+  a.offset32 = p.offset32;
+  a.count32 = p.count32;
+  a.row_slot = p.row_slot;
+  a.slot_row = p.slot_row;
+  a.row_begin = window_part(windows, chunks, E, 0);
+  a.offsets = window_part(windows, chunks, E, 1);
+  a.local_row = window_part(windows, chunks, E, 2);
+  kernels::launch_chunk_windows(a, stream);
+}
+
+TensorView Dispatcher::chunk_row_begin(const TensorView& windows, int chunks, int chunk) const {
+  check_device_tensor(windows, "windows", DType::kInt32, {chunk_windows_size(chunks)}, 4);
+  MOE_CHECK(chunk >= 0 && chunk < chunks, "argument 'chunk': expected 0..", chunks - 1, ", got ", chunk);
+  const int64_t E = impl_->cfg.num_experts;
+  return TensorView(window_part(windows, chunks, E, 0) + chunk * E, DType::kInt32, {E}, Device::kCUDA);
+}
+
+TensorView Dispatcher::chunk_offsets(const TensorView& windows, int chunks, int chunk) const {
+  check_device_tensor(windows, "windows", DType::kInt32, {chunk_windows_size(chunks)}, 4);
+  MOE_CHECK(chunk >= 0 && chunk < chunks, "argument 'chunk': expected 0..", chunks - 1, ", got ", chunk);
+  const int64_t E = impl_->cfg.num_experts;
+  return TensorView(window_part(windows, chunks, E, 1) + chunk * (E + 1), DType::kInt32, {E + 1}, Device::kCUDA);
+}
+
+TensorView Dispatcher::chunk_slot_rows(const TensorView& windows, int chunks, int64_t T) const {
+  check_device_tensor(windows, "windows", DType::kInt32, {chunk_windows_size(chunks)}, 4);
+  MOE_CHECK(T >= 0 && T <= impl_->cfg.max_tokens, "argument 'T': expected 0..", impl_->cfg.max_tokens, ", got ", T);
+  return TensorView(window_part(windows, chunks, impl_->cfg.num_experts, 2), DType::kInt32, {T, impl_->slots},
+                    Device::kCUDA);
+}
+
+// The tokens of piece `chunk` of a plan of T tokens: [*t0, *t0 + *n).
+static void chunk_token_range(int64_t T, int chunks, int chunk, int64_t* t0, int64_t* n) {
+  MOE_CHECK(chunk >= 0 && chunk < chunks, "argument 'chunk': expected 0..", chunks - 1, ", got ", chunk);
+  const int64_t Tc = Dispatcher::chunk_tokens(T, chunks);
+  *t0 = std::min(T, chunk * Tc);
+  *n = std::min(T, *t0 + Tc) - *t0;
+}
+
+// A piece's packed rows: at most its Tc tokens' slots (and R); the rows the combine may read.
+static void check_piece_rows(const TensorView& rows, const char* name, int64_t T, int chunks, int slots, int64_t R) {
+  const int64_t need = std::min(R, Dispatcher::chunk_tokens(T, chunks) * slots);
+  MOE_CHECK(rows.shape[0] >= need, "argument '", name, "': a piece of ", Dispatcher::chunk_tokens(T, chunks),
+            " tokens may have ", need, " packed rows, got ", rows.shape[0]);
+}
+
+void Dispatcher::unpermute_chunk(const SavedState& plan, const TensorView& windows, int chunks, int chunk,
+                                 const TensorView& Y_chunk, const TensorView& y, cudaStream_t stream) const {
+  const Impl& m = *impl_;
+  int64_t T = 0;
+  m.filled(plan, "Dispatcher::unpermute_chunk", &T);
+  m.require_arith("unpermute_chunk");
+  check_device_tensor(windows, "windows", DType::kInt32, {chunk_windows_size(chunks)}, 4);
+  MOE_CHECK(Y_chunk.ndim == 2, "argument 'Y_chunk': expected [rows, ", m.cfg.hidden, "], got ", Y_chunk.shape_string());
+  m.check_rows(Y_chunk, "Y_chunk", Y_chunk.shape[0]);
+  check_piece_rows(Y_chunk, "Y_chunk", T, chunks, m.slots, m.R);
+  m.check_rows(y, "y", T);
+  int64_t t0 = 0, n = 0;
+  chunk_token_range(T, chunks, chunk, &t0, &n);
+  const int32_t* local = window_part(windows, chunks, m.cfg.num_experts, 2) + t0 * m.slots;
+  void* y0 = static_cast<char*>(y.data) + dtype_bytes(m.cfg.row_dtype, t0 * m.cfg.hidden);
+  kernels::launch_combine(m.cfg.row_dtype, Y_chunk.data, y0, m.cfg.hidden, local, m.slots, static_cast<int32_t>(n),
+                          nullptr, nullptr, nullptr, nullptr, stream);
+}
+
+void Dispatcher::permute_backward_chunk(const SavedState& plan, const TensorView& windows, int chunks, int chunk,
+                                        const TensorView& d_x_perm_chunk, const TensorView& dx, cudaStream_t stream,
+                                        const TensorView* d_probs_perm, const TensorView* dprobs) const {
+  const Impl& m = *impl_;
+  int64_t T = 0;
+  const PlanLayout p = m.filled(plan, "Dispatcher::permute_backward_chunk", &T);
+  m.require_arith("permute_backward_chunk");
+  check_device_tensor(windows, "windows", DType::kInt32, {chunk_windows_size(chunks)}, 4);
+  MOE_CHECK(d_x_perm_chunk.ndim == 2, "argument 'd_x_perm_chunk': expected [rows, ", m.cfg.hidden, "], got ",
+            d_x_perm_chunk.shape_string());
+  m.check_rows(d_x_perm_chunk, "d_x_perm_chunk", d_x_perm_chunk.shape[0]);
+  check_piece_rows(d_x_perm_chunk, "d_x_perm_chunk", T, chunks, m.slots, m.R);
+  m.check_rows(dx, "dx", T);
+  if (d_probs_perm) check_device_tensor(*d_probs_perm, "d_probs_perm", DType::kFP32, {m.R}, 4);
+  if (dprobs) check_device_tensor(*dprobs, "dprobs", DType::kFP32, {T, m.slots}, 4);
+  int64_t t0 = 0, n = 0;
+  chunk_token_range(T, chunks, chunk, &t0, &n);
+  const int32_t* local = window_part(windows, chunks, m.cfg.num_experts, 2) + t0 * m.slots;
+  void* dx0 = static_cast<char*>(dx.data) + dtype_bytes(m.cfg.row_dtype, t0 * m.cfg.hidden);
+  kernels::launch_combine(m.cfg.row_dtype, d_x_perm_chunk.data, dx0, m.cfg.hidden, local, m.slots,
+                          static_cast<int32_t>(n), nullptr, nullptr,
+                          d_probs_perm ? d_probs_perm->ptr<float>() : nullptr,
+                          dprobs ? dprobs->ptr<float>() + t0 * m.slots : nullptr, stream, p.slot_row + t0 * m.slots);
 }
 
 namespace {

@@ -72,8 +72,30 @@ void launch_scale_rows_backward(DType dtype, const void* dy, const void* Y, void
 // y [T, H] = sum over s in slot order of w * Y[slot_row[t, s]] (rows < 0 skipped), fp32
 // accumulation, w = slot_probs[t, s] when given, else probs_perm[row] when given, else 1. With dprobs (permute
 // backward): dprobs[t, s] = d_probs_perm[row] (0 where row < 0 or d_probs_perm is null).
+// prob_row (optional): the rows d_probs_perm is read at, when slot_row holds other rows (a token
+// chunk's packed rows); null: slot_row's.
 void launch_combine(DType dtype, const void* Y, void* y, int64_t H, const int32_t* slot_row, int slots, int32_t T,
                     const float* probs_perm, const float* slot_probs, const float* d_probs_perm, float* dprobs,
-                    cudaStream_t stream);
+                    cudaStream_t stream, const int32_t* prob_row = nullptr);
+
+// ---- token chunks (dispatch_windows.cu) ----
+// Chunk c = tokens [c Tc, min((c + 1) Tc, T)). Each chunk's rows of expert e are one window of e's
+// real rows (the plan keeps token order inside an expert): row_begin [chunks][E] its first row,
+// offsets [chunks][E + 1] the windows packed in expert order (offsets[c][0] = 0); local_row
+// [T, slots] every slot's row in its chunk's packed rows (-1 where slot_row is -1).
+struct WindowArgs {
+  int chunks = 0;
+  int E = 0;
+  int slots = 0;
+  int32_t T = 0, Tc = 1, R = 0;
+  const int32_t* offset32 = nullptr;  // [E] first row of e (may exceed R)
+  const int32_t* count32 = nullptr;   // [E] rows of e without padding
+  const int32_t* row_slot = nullptr;  // [R]
+  const int32_t* slot_row = nullptr;  // [T, slots]
+  int32_t* row_begin = nullptr;
+  int32_t* offsets = nullptr;
+  int32_t* local_row = nullptr;
+};
+void launch_chunk_windows(const WindowArgs& a, cudaStream_t stream);
 
 }  // namespace moe::kernels

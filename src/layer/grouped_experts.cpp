@@ -290,6 +290,15 @@ struct GroupedExperts::Impl {
     return rows;
   }
 
+  // A forward's Y: [rows, H], or an empty view with windows of rows (fc2_rows computes fc2 then).
+  void check_Y(const TensorView& Y, int64_t rows) const {
+    if (cfg.row_windows)
+      MOE_CHECK(Y.data == nullptr, "argument 'Y': with config.row_windows the forward stops after the activation ",
+                "(fc2_rows computes fc2 window by window); pass an empty view");
+    else
+      check_device_tensor(Y, "Y", cfg.dtype, {rows, cfg.hidden});
+  }
+
   // fc1 (+b1) and the activation into the state's buffers.
   void activations(const TensorView& x_perm, const TensorView& g, const TensorView& pp, const StateBuffers& b,
                    int64_t rows, cudaStream_t s) const {
@@ -438,6 +447,10 @@ struct GroupedExperts::Impl {
   // The backward's checks shared by backward and backward_gathered; returns the saved inputs.
   Saved check_backward(const SavedState& state, const TensorView& dx_perm, const TensorView& dpp,
                        const char* call) const;
+  // fc2_rows (fprop from act) and fc1_dgrad_rows (dgrad from dh): the state checked for `statuses`.
+  void run_windows(GemmOp op, const SavedState& state, std::initializer_list<StateStatus> statuses,
+                   const TensorView& row_begin, const TensorView& offsets, const TensorView& out, const char* call,
+                   cudaStream_t s);
   // After fc2's gradients: fc1 dgrad, then (unless delayed) fc1's weight gradients and the hooks.
   void finish_backward(const SavedState& state, const Saved& v, const TensorView& dY, const TensorView& dx_perm,
                        cudaStream_t s);
@@ -659,12 +672,12 @@ void GroupedExperts::forward(const TensorView& x_perm, const TensorView& g, cons
                              const SavedState& state, cudaStream_t s) {
   Impl& m = *impl_;
   const int64_t rows = m.check_inputs(x_perm, g, pp, "GroupedExperts::forward");
-  check_device_tensor(Y, "Y", m.cfg.dtype, {rows, m.cfg.hidden});
+  m.check_Y(Y, rows);
   check_state_fillable(state, "state", m.state_bytes, kStateHeaders, "GroupedExperts::forward");
   const StateBuffers b = m.state_layout(static_cast<char*>(state.device()));
   m.fp8_weights(s, "GroupedExperts::forward");
   m.activations(x_perm, g, pp, b, rows, s);
-  m.fc2_forward(b, g, pp, Y, rows, s);
+  if (!m.cfg.row_windows) m.fc2_forward(b, g, pp, Y, rows, s);
   m.fill_header(state, x_perm, g, pp, rows);
 }
 
@@ -692,7 +705,7 @@ void GroupedExperts::forward_gathered(const TensorView& x, const TensorView& row
   else
     MOE_CHECK(pp.data == nullptr, "argument 'probs_perm': the experts do not apply probs ",
               "(config.probs = at combine); pass an empty view");
-  check_device_tensor(Y, "Y", c.dtype, {rows, c.hidden});
+  m.check_Y(Y, rows);
   MOE_CHECK(!m.fp8 || x_perm_out.data == nullptr, "argument 'x_perm_out': with config.fp8 no x_perm is written ",
             "(the FP8 copies of x_perm are quantized from the rows of x directly); pass an empty view");
   if (x_perm_out.data != nullptr) {
@@ -700,7 +713,7 @@ void GroupedExperts::forward_gathered(const TensorView& x, const TensorView& row
     MOE_CHECK(x_perm_out.data != x.data && x_perm_out.data != Y.data, "argument 'x_perm_out': must not be the ",
               "buffer of x or Y (the kernel gathers from x while it writes x_perm_out)");
   } else if (!m.fp8) {
-    MOE_CHECK(Y.data != x.data || rows == 0, "argument 'Y': without x_perm_out the backward gathers the rows of x ",
+    MOE_CHECK(Y.data == nullptr || Y.data != x.data || rows == 0, "argument 'Y': without x_perm_out the backward gathers the rows of x ",
               "again, so Y must not overwrite x");
   }
   check_state_fillable(state, "state", m.state_bytes, kStateHeaders, "GroupedExperts::forward_gathered");
@@ -713,7 +726,7 @@ void GroupedExperts::forward_gathered(const TensorView& x, const TensorView& row
   } else {
     m.fused_activations(x.data, row_slots.ptr<const int32_t>(), slots, g, pp, b, rows, s, x_perm_out.data);
   }
-  m.fc2_forward(b, g, pp, Y, rows, s);
+  if (!c.row_windows) m.fc2_forward(b, g, pp, Y, rows, s);
   // Without x_perm_out, the fc1 weight gradient gathers the rows of x (FP8: it reads the saved copy,
   // and the state refers to neither).
   const Impl::Gathered from_x{x, row_slots, slots};
@@ -747,15 +760,27 @@ GroupedExperts::Impl::Saved GroupedExperts::Impl::check_backward(const SavedStat
   const Saved v = saved(state);
   check_x_perm(v, call);
   const int64_t rows = v.rows;
-  check_device_tensor(dx_perm, "dx_perm", cfg.dtype, {rows, cfg.hidden});
+  if (!cfg.row_windows) {
+    check_device_tensor(dx_perm, "dx_perm", cfg.dtype, {rows, cfg.hidden});
+  } else if (dx_perm.data != nullptr) {  // scratch only: the dprobs partial sums, if they live there
+    MOE_CHECK(dx_perm.ndim == 2 && dx_perm.shape[1] == cfg.hidden, "argument 'dx_perm': expected shape [rows', ",
+              cfg.hidden, "], got ", dx_perm.shape_string());
+    check_device_tensor(dx_perm, "dx_perm", cfg.dtype, {dx_perm.shape[0], cfg.hidden});
+  }
+  MOE_CHECK(!cfg.row_windows || !cfg.dprobs_partials_in_dx_perm || feature_blocks == 1 ||
+                dx_perm.nbytes() >= rows * feature_blocks * static_cast<int64_t>(sizeof(float)),
+            "argument 'dx_perm': with config.row_windows and dprobs_partials_in_dx_perm it is the scratch of ", rows,
+            " x ", feature_blocks, " dprobs partial sums, which it is too small for (", dx_perm.shape_string(), ")");
   if (probs_in_act())
     check_device_tensor(dpp, "d_probs_perm", DType::kFP32, {rows}, 4);
   else
     MOE_CHECK(dpp.data == nullptr, "argument 'd_probs_perm': the experts do not apply probs (config.probs = at ",
               "combine); pass an empty view");
-  MOE_CHECK(dx_perm.data != v.x_perm.data || rows == 0, "argument 'dx_perm': the fc1 weight gradient reads the ",
-            "saved x_perm after dx_perm is written, so dx_perm must not be the buffer of x_perm");
-  MOE_CHECK(!v.gathered || dx_perm.data != v.from_x.x.data || rows == 0, "argument 'dx_perm': the fc1 weight ",
+  MOE_CHECK(dx_perm.data == nullptr || dx_perm.data != v.x_perm.data || rows == 0, "argument 'dx_perm': the fc1 ",
+            "weight gradient reads the saved x_perm after dx_perm is written, so dx_perm must not be the buffer of ",
+            "x_perm");
+  MOE_CHECK(!v.gathered || dx_perm.data == nullptr || dx_perm.data != v.from_x.x.data || rows == 0,
+            "argument 'dx_perm': the fc1 weight ",
             "gradient gathers the saved x after dx_perm is written, so dx_perm must not be the buffer of x");
   return v;
 }
@@ -766,12 +791,19 @@ void GroupedExperts::Impl::finish_backward(const SavedState& state, const Saved&
   if (fp8) {  // dh rowwise for the dgrad, columnwise for the weight gradient below
     fp8->quantize(dh, /*rowwise=*/true, fp8->col_workspace(), fp8->col_workspace_scale(), s);
     fp8->dgrad(1, gemm, gemm_workspace(), v.g, dx_perm, s);
-  } else {
+  } else if (!cfg.row_windows) {  // windows: fc1_dgrad_rows computes it
     dgrad(1, dh, v.g, dx_perm, s);
   }
   StateHeader& h = state.header(0);
   if (cfg.delay_wgrad) {
     h.reserved[2] = reinterpret_cast<uint64_t>(dY.data);
+    h.status = static_cast<int32_t>(StateStatus::kAwaitingWgrad);
+    return;
+  }
+  if (cfg.row_windows) {
+    // fc1's weight gradient and the hooks wait for finish_row_windows, after the caller's
+    // fc1_dgrad_rows: every read of the weights is then enqueued before a hook runs, as without
+    // windows.
     h.status = static_cast<int32_t>(StateStatus::kAwaitingWgrad);
     return;
   }
@@ -827,7 +859,8 @@ void GroupedExperts::backward_gathered(const TensorView& dy, const TensorView& r
   check_device_tensor(dy, "dy", c.dtype, {dy.shape[0], H});
   MOE_CHECK(slots >= 1, "argument 'slots': expected >= 1, got ", slots);
   check_device_tensor(row_slots, "row_slots", DType::kInt32, {rows}, 4);
-  MOE_CHECK(dx_perm.data != dy.data || rows == 0, "argument 'dx_perm': must not be the buffer of dy");
+  MOE_CHECK(dx_perm.data == nullptr || dx_perm.data != dy.data || rows == 0,
+            "argument 'dx_perm': must not be the buffer of dy");
   MOE_CHECK(!m.fp8 || dY_out.data == nullptr, "argument 'dY_out': with config.fp8 no dY rows are written (dY's ",
             "FP8 copies are quantized from the rows of dy directly); pass an empty view");
   if (dY_out.data != nullptr) {
@@ -858,6 +891,58 @@ void GroupedExperts::backward_gathered(const TensorView& dy, const TensorView& r
     m.wgrad_gathered(v.b.act, c.ffn, Impl::Gathered{dy, row_slots, slots}, m.dw2, /*x_major=*/true, v, s);
   }
   m.finish_backward(state, v, dY_out, dx_perm, s);
+}
+
+void GroupedExperts::Impl::run_windows(GemmOp op, const SavedState& state, std::initializer_list<StateStatus> statuses,
+                                       const TensorView& row_begin, const TensorView& offsets, const TensorView& out,
+                                       const char* call, cudaStream_t s) {
+  MOE_CHECK(cfg.row_windows, call, ": only for config.row_windows = true");
+  check_state_capacity(state, "state", state_bytes, kStateHeaders);
+  check_state(state, "state", serial, StateKind::kExperts, statuses, call);
+  MOE_CHECK(state.header(0).binding == binding, "argument 'state' of ", call, ": the weights were rebound since its ",
+            "forward (set_weights between a forward and this call)");
+  const Saved v = saved(state);
+  check_device_tensor(row_begin, "row_begin", DType::kInt32, {int64_t(cfg.experts)}, 4);
+  check_device_tensor(offsets, "offsets", DType::kInt32, {int64_t(cfg.experts) + 1}, 4);
+  MOE_CHECK(out.ndim == 2 && out.shape[1] == cfg.hidden, "argument 'out': expected shape [rows', ", cfg.hidden,
+            "], got ", out.shape_string());
+  check_device_tensor(out, "out", cfg.dtype, {out.shape[0], cfg.hidden});
+  MOE_CHECK(out.shape[0] <= R, "argument 'out': ", out.shape[0], " rows exceed config.max_rows = ", R);
+  GemmProblem p;
+  p.op = op;
+  // fc2: act [rows, F] -> Y; the fc1 dgrad: dh [rows, fc1_out] (written over h) -> dx_perm.
+  p.a = op == GemmOp::kFprop ? bf16_view(v.b.act, v.rows, cfg.ffn) : bf16_view(v.b.h, v.rows, cfg.fc1_out());
+  p.w = op == GemmOp::kFprop ? w2 : w1;
+  p.d = out;
+  p.group_offsets = offsets;
+  p.a_row_begin = row_begin;
+  p.error_word = errors.device_ptr();
+  gemm.run(p, gemm_workspace(), s);
+}
+
+void GroupedExperts::fc2_rows(const SavedState& state, const TensorView& row_begin, const TensorView& offsets,
+                              const TensorView& out, cudaStream_t s) {
+  impl_->run_windows(GemmOp::kFprop, state, {StateStatus::kFilled}, row_begin, offsets, out,
+                     "GroupedExperts::fc2_rows", s);
+}
+
+void GroupedExperts::fc1_dgrad_rows(const SavedState& state, const TensorView& row_begin, const TensorView& offsets,
+                                    const TensorView& out, cudaStream_t s) {
+  impl_->run_windows(GemmOp::kDgrad, state, {StateStatus::kConsumed, StateStatus::kAwaitingWgrad}, row_begin,
+                     offsets, out, "GroupedExperts::fc1_dgrad_rows", s);
+}
+
+void GroupedExperts::finish_row_windows(const SavedState& state, cudaStream_t s) {
+  Impl& m = *impl_;
+  constexpr const char* kCall = "GroupedExperts::finish_row_windows";
+  MOE_CHECK(m.cfg.row_windows && !m.cfg.delay_wgrad, kCall, ": only for config.row_windows without delay_wgrad");
+  check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
+  check_state(state, "state", m.serial, StateKind::kExperts, {StateStatus::kAwaitingWgrad}, kCall);
+  MOE_CHECK(m.have_grads, kCall, ": no gradient tensors bound (call set_grads first)");
+  const Impl::Saved v = m.saved(state);
+  m.wgrad_fc1(bf16_view(v.b.h, v.rows, m.cfg.fc1_out()), v, s);  // dh, written over h
+  state.header(0).status = static_cast<int32_t>(StateStatus::kConsumed);
+  for (Param p : kHookOrder) m.fire_hooks(p);
 }
 
 void GroupedExperts::backward_dw(const SavedState& state, cudaStream_t s) {

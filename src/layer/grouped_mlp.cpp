@@ -23,7 +23,15 @@
 // Workspace (shared by all states, used only while a call runs): `Y` is the experts' output when
 // probs are applied in the activation, then dY (non-delayed) and dx_perm -- the experts read dY
 // completely before they write dx_perm; d_probs_perm; x_perm (recompute).
+//
+// Token chunks (config.token_chunks = n > 1): `Y` holds one piece of consecutive tokens' rows. The
+// forward runs the experts up to the activation, then per piece fc2 on the piece's windows of rows
+// and the combine of its tokens; the backward runs the experts' backward without the fc1 dgrad
+// (its dprobs partial sums in `Y`), then per piece the fc1 dgrad and the sum of its tokens' rows.
+// The windows (Dispatcher::chunk_windows) are made again by each call from its plan.
 #include "moe/grouped_mlp.h"
+
+#include <algorithm>
 
 #include "device/device_arena.h"
 #include "device/state_check.h"
@@ -62,6 +70,8 @@ struct GroupedMlp::Impl {
   DeviceBuffer block;
   size_t block_bytes = 0;
   uint16_t* Y_ws = nullptr;
+  int64_t Y_rows = 0;  // rows of Y_ws: R, or one token chunk's
+  int32_t* windows_ws = nullptr;  // token chunks: Dispatcher::chunk_windows
   float* dpp_ws = nullptr;
   // Recompute mode: x_perm, the combine's Y and an experts state, all rebuilt by each backward.
   uint16_t *x_perm_ws = nullptr, *Ycomb_ws = nullptr;
@@ -111,10 +121,23 @@ struct GroupedMlp::Impl {
     return l;
   }
 
+  int chunks() const { return cfg.token_chunks; }
+
   void plan_workspace(char* base) {
     const int64_t H = cfg.hidden;
     DeviceArena a(base);
-    Y_ws = a.take<uint16_t>(R * H);
+    Y_rows = R;
+    if (chunks() > 1) {
+      Y_rows = cfg.chunk_row_bound();
+      // The backward's dx_perm scratch also holds the fused fc2 dgrad's dprobs partial sums: one
+      // float per row of the plan and block of 256 features.
+      if (experts.config().dprobs_partials_in_dx_perm && cfg.ffn > 256) {
+        const int64_t partial_bytes = R * ((cfg.ffn + 255) / 256) * 4;
+        Y_rows = std::max(Y_rows, (partial_bytes + 2 * H - 1) / (2 * H));
+      }
+      windows_ws = a.take<int32_t>(dispatcher.chunk_windows_size(chunks()));
+    }
+    Y_ws = a.take<uint16_t>(Y_rows * H);
     if (probs_in_act()) dpp_ws = a.take<float>(R);
     if (cfg.recompute) {
       x_perm_ws = a.take<uint16_t>(R * H);
@@ -159,6 +182,31 @@ struct GroupedMlp::Impl {
                              dispatcher.group_offsets(plan), pp_or_none(plan), bf16_view(Y, R, cfg.hidden),
                              x_perm ? bf16_view(x_perm, R, cfg.hidden) : TensorView(), es, s);
   }
+  TensorView windows() const {
+    return TensorView(windows_ws, DType::kInt32, {dispatcher.chunk_windows_size(chunks())}, Device::kCUDA);
+  }
+  // Token chunks, forward: per piece, fc2 on its windows of rows into Y_ws, then its tokens' combine.
+  void fc2_and_combine_by_chunk(const SavedState& plan, const SavedState& es, const TensorView& y, cudaStream_t s) {
+    const TensorView w = windows(), Y = bf16_view(Y_ws, Y_rows, cfg.hidden);
+    dispatcher.chunk_windows(plan, chunks(), w, s);
+    for (int c = 0; c < chunks(); ++c) {
+      experts.fc2_rows(es, dispatcher.chunk_row_begin(w, chunks(), c), dispatcher.chunk_offsets(w, chunks(), c), Y, s);
+      dispatcher.unpermute_chunk(plan, w, chunks(), c, Y, y, s);
+    }
+  }
+  // Token chunks, backward: per piece, the fc1 dgrad on its windows of dh into Y_ws, then the sum of
+  // its tokens' rows (and their dprobs).
+  void dgrad_and_sum_by_chunk(const SavedState& plan, const SavedState& es, const TensorView& dx,
+                              const TensorView& dprobs, cudaStream_t s) {
+    const TensorView w = windows(), dX = bf16_view(Y_ws, Y_rows, cfg.hidden), pp_grad = dpp();
+    dispatcher.chunk_windows(plan, chunks(), w, s);
+    for (int c = 0; c < chunks(); ++c) {
+      experts.fc1_dgrad_rows(es, dispatcher.chunk_row_begin(w, chunks(), c), dispatcher.chunk_offsets(w, chunks(), c),
+                             dX, s);
+      dispatcher.permute_backward_chunk(plan, w, chunks(), c, dX, dx, s, &pp_grad, &dprobs);
+    }
+  }
+
   // Points the experts' state at the inputs its backward reads, where they are now (the state may
   // have moved; x may be the caller's view of the forward's x).
   void relocate_experts(const SavedState& state, const SavedState& plan, const SavedState& es, const TensorView& x,
@@ -220,7 +268,8 @@ void GroupedMlp::forward(const TensorView& x, const RoutingView& routing, const 
   m.dispatcher.plan(routing, m.errors.device_ptr(), plan, s);
   SavedState es = m.experts_of(state);
   if (c.recompute) es.reset();  // the workspace state only serves this call
-  void* Y = m.probs_in_act() ? m.Y_ws : m.Ycomb_of(state);
+  // With token chunks the experts stop after the activation (no Y: fc2 runs piece by piece below).
+  void* Y = m.chunks() > 1 ? nullptr : m.probs_in_act() ? m.Y_ws : m.Ycomb_of(state);
   if (c.fuse_fc1 || m.fp8()) {
     m.run_experts_gathered(plan, x, m.x_perm_saved() ? m.x_perm_of(state) : nullptr, Y, es, s);
   } else {
@@ -228,9 +277,14 @@ void GroupedMlp::forward(const TensorView& x, const RoutingView& routing, const 
     m.dispatcher.permute(plan, x, bf16_view(x_perm, m.R, c.hidden), s);
     m.run_experts(plan, x_perm, Y, es, s);
   }
-  if (c.recompute) es.reset();
-  m.dispatcher.unpermute(plan, bf16_view(Y, m.R, c.hidden), y, m.probs_in_act() ? MergeProbs::kNone : MergeProbs::kPlanned,
-                         s);
+  if (m.chunks() > 1) {
+    m.fc2_and_combine_by_chunk(plan, es, y, s);
+    if (c.recompute) es.reset();
+  } else {
+    if (c.recompute) es.reset();
+    m.dispatcher.unpermute(plan, bf16_view(Y, m.R, c.hidden), y,
+                           m.probs_in_act() ? MergeProbs::kNone : MergeProbs::kPlanned, s);
+  }
   mark_filled(state, m.serial, StateKind::kLayer, T);
   state.header(kLayerHeader).pointer = reinterpret_cast<uint64_t>(x.data);
   state.header(kLayerHeader).binding = m.experts.weight_binding();
@@ -274,7 +328,10 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
       m.run_experts(plan, m.x_perm_ws, m.Ycomb_ws, es, s);
   }
   void* dY = c.delay_wgrad ? m.at(state, m.layout.dY) : m.Y_ws;
-  const TensorView dYv = bf16_view(dY, m.R, H), dx_perm = bf16_view(m.Y_ws, m.R, H);
+  // With token chunks Y_ws holds one piece's rows: dx_perm is then the experts' scratch only (the
+  // fc1 dgrad runs piece by piece below), and no dY_perm lives there (config: the fused fc2 dgrad
+  // gathers dy, or delay_wgrad keeps dY in the state).
+  const TensorView dYv = bf16_view(dY, m.R, H), dx_perm = bf16_view(m.Y_ws, m.Y_rows, H);
   if (m.probs_in_act() && c.fuse_fc2_dgrad) {
     // The fused fc2 dgrad gathers the rows of dy itself; dY_perm is written (on the way) only where
     // a later stage reads it: bias gradients, backward_dw, the fc2 weight gradient beside a saved
@@ -282,6 +339,10 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
     // (GroupedMlpConfig::experts_config decides it once: without dY_perm the dprobs partials live
     // in dx_perm, which then must not be dY_perm's buffer.)
     const bool keep_dY = !m.experts.config().dprobs_partials_in_dx_perm;
+    // Token chunks: Y_ws holds one piece, so a dY_perm kept there would not fit (the config allows
+    // chunks only where none is kept there: without one, or in the state with delay_wgrad).
+    MOE_CHECK(m.chunks() == 1 || !keep_dY || c.delay_wgrad, "GroupedMlp::backward: token chunks with a dY_perm in ",
+              "the workspace (internal error)");
     m.experts.backward_gathered(dy, m.dispatcher.row_slots(plan), slots, keep_dY ? dYv : TensorView(), dx_perm,
                                 m.dpp(), es, s);
   } else if (m.fp8_gathers_dy()) {
@@ -295,7 +356,10 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
     m.dispatcher.unpermute_backward(plan, dy, dYv, MergeProbs::kPlanned, s, nullptr, &Yv, &dprobs);
     m.experts.backward(dYv, dx_perm, TensorView(), es, s);
   }
-  if (m.probs_in_act()) {
+  if (m.chunks() > 1) {
+    m.dgrad_and_sum_by_chunk(plan, es, dx, dprobs, s);
+    if (!c.delay_wgrad) m.experts.finish_row_windows(es, s);  // fc1's weight gradients, the hooks
+  } else if (m.probs_in_act()) {
     const TensorView dpp = m.dpp();
     m.dispatcher.permute_backward(plan, dx_perm, dx, s, &dpp, &dprobs);
   } else {

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "moe/error.h"
+
 namespace moe::ref {
 
 void permute(const DispatchPlan& plan, const double* x, int64_t H, double* x_perm, double* probs_perm) {
@@ -64,6 +66,41 @@ void unpermute_backward(const DispatchPlan& plan, const double* Y, const double*
       for (int64_t h = 0; h < H; ++h) dot += Y[row * H + h] * dy[t * H + h];
       dprobs[i] = dot;
     }
+}
+
+ChunkWindows chunk_windows(const DispatchPlan& plan, int chunks) {
+  MOE_CHECK(chunks >= 1, "argument 'chunks': expected >= 1, got ", chunks);
+  const int E = plan.E, S = plan.slots;
+  ChunkWindows w;
+  w.Tc = std::max<int64_t>(1, (plan.T + chunks - 1) / chunks);
+  w.row_begin.assign(chunks, std::vector<int64_t>(E, 0));
+  w.offsets.assign(chunks, std::vector<int64_t>(E + 1, 0));
+  w.local_row.assign(static_cast<size_t>(plan.T * S), -1);
+  for (int c = 0; c < chunks; ++c) {
+    const int64_t first = c * w.Tc, last = (c + 1) * w.Tc;  // tokens [first, last)
+    for (int e = 0; e < E; ++e) {
+      // e's real rows inside [0, R), in row order; the chunk's are those of its tokens.
+      const int64_t lo = std::min(plan.offset[e], plan.R), hi = std::min(plan.offset[e] + plan.count[e], plan.R);
+      int64_t begin = hi, n = 0;
+      for (int64_t r = lo; r < hi; ++r) {
+        const int64_t t = plan.row_token[r];
+        if (t >= first && begin == hi) begin = r;
+        if (t >= first && t < last) {
+          MOE_CHECK(r == begin + n, "chunk_windows: the rows of expert ", e, " for chunk ", c, " are not contiguous");
+          ++n;
+        }
+      }
+      w.row_begin[c][e] = begin;
+      w.offsets[c][e + 1] = w.offsets[c][e] + n;
+    }
+  }
+  for (int64_t i = 0; i < plan.T * S; ++i) {
+    const int64_t r = plan.slot_row[i], e = plan.slot_expert[i];
+    if (r < 0 || e < 0) continue;
+    const int64_t c = (i / S) / w.Tc;
+    w.local_row[i] = r - w.row_begin[c][e] + w.offsets[c][e];
+  }
+  return w;
 }
 
 }  // namespace moe::ref

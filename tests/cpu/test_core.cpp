@@ -130,6 +130,49 @@ TEST(Activation, LayoutAndValidation) {
   expect_error_naming([] { activation_from_name("relu6"); }, "activation");
 }
 
+// Token chunks are offered where the layer's workspace holds nothing else of R x H: the probs in the
+// activation, bf16 experts without bias, the fused fc2 dgrad gathering dy (no dY_perm).
+TEST(GroupedMlpConfig, TokenChunksNeedWhatTheyAreBuiltOn) {
+  GroupedMlpConfig c;
+  c.hidden = 128;
+  c.ffn = 64;
+  c.experts = 4;
+  c.topk = 2;
+  c.max_tokens = 33;
+  c.fuse_fc1 = true;
+  c.save_x_perm = false;
+  c.fuse_fc2_dgrad = true;
+  c.token_chunks = 4;
+  c.validate();
+  EXPECT_TRUE(c.experts_config().row_windows);
+  EXPECT_EQ(c.chunk_row_bound(), 9 * 2);  // ceil(33 / 4) tokens x k rows
+  c.token_chunks = 64;
+  EXPECT_EQ(c.chunk_row_bound(), 1 * 2);
+  c.token_chunks = 1;
+  EXPECT_FALSE(c.experts_config().row_windows);
+  EXPECT_EQ(c.chunk_row_bound(), c.row_bound());
+  c.token_chunks = 2;
+  c.delay_wgrad = true;  // dY lives in the state then: x_perm may be saved
+  c.save_x_perm = true;
+  c.validate();
+  c.delay_wgrad = false;
+  c.save_x_perm = false;
+  auto refused = [&](auto edit, const char* needle) {
+    GroupedMlpConfig b = c;
+    edit(b);
+    expect_error_naming([&] { b.validate(); }, needle);
+  };
+  refused([](GroupedMlpConfig& b) { b.token_chunks = 0; }, "token_chunks");
+  refused([](GroupedMlpConfig& b) { b.token_chunks = 65; }, "token_chunks");
+  refused([](GroupedMlpConfig& b) { b.probs = ProbsPlacement::kAtCombine; }, "probs in the activation");
+  refused([](GroupedMlpConfig& b) { b.bias = true; }, "bias");
+  refused([](GroupedMlpConfig& b) { b.fuse_fc2_dgrad = false; }, "fuse_fc2_dgrad");
+  refused([](GroupedMlpConfig& b) { b.save_x_perm = true; }, "save_x_perm");
+  ExpertsConfig e = c.experts_config();
+  e.bias = true;
+  expect_error_naming([&] { e.validate(); }, "row_windows");
+}
+
 TEST(GroupedMlpConfig, ValidatesFields) {
   GroupedMlpConfig c;
   c.hidden = 128;

@@ -525,5 +525,52 @@ TEST(EdgeCases, MapFormTokensWithZeroToAllExperts) {
   }
 }
 
+// Token chunks of the running example, by hand: chunks {t0, t1} and {t2, t3}.
+TEST(ChunkWindows, HandComputed) {
+  const DispatchPlan p = plan_dispatch(example(), opts());
+  const ChunkWindows w = chunk_windows(p, 2);
+  EXPECT_EQ(w.Tc, 2);
+  // expert 0: rows 0 (t0) | 1, 2 (t2, t3); expert 1: none | 3, 4; expert 2: 5, 6 (t0, t1) | none.
+  EXPECT_EQ(w.row_begin[0], (V64{0, 3, 5}));
+  EXPECT_EQ(w.offsets[0], (V64{0, 1, 1, 3}));
+  EXPECT_EQ(w.row_begin[1], (V64{1, 3, 7}));
+  EXPECT_EQ(w.offsets[1], (V64{0, 2, 4, 4}));
+  EXPECT_EQ(w.local_row, (V64{0, 1, 2, -1, 2, 0, 1, 3}));
+  // One chunk: the windows are the groups' real rows.
+  const ChunkWindows one = chunk_windows(p, 1);
+  EXPECT_EQ(one.row_begin[0], (V64{0, 3, 5}));
+  EXPECT_EQ(one.offsets[0], (V64{0, 3, 5, 7}));
+}
+
+// Random routings with padding, skew and row overflow: a chunk's packed rows are exactly its
+// tokens' rows, each once, in window order.
+TEST(ChunkWindows, PackedRowsAreTheChunksRows) {
+  for (const int align : {0, 16, 32})
+    for (const int64_t R : {int64_t{-1}, int64_t{70}})
+      for (const int chunks : {1, 3, 8, 40}) {
+        SCOPED_TRACE(::testing::Message() << "A=" << align << " R=" << R << " chunks=" << chunks);
+        const Routing rt = make_topk_routing(37, 6, 3, 11 + chunks, 1.5);
+        const DispatchPlan p = plan_dispatch(rt, opts(align, R));
+        const ChunkWindows w = chunk_windows(p, chunks);
+        std::vector<std::vector<int64_t>> seen(chunks);
+        for (int c = 0; c < chunks; ++c) seen[c].assign(w.offsets[c][p.E], -1);
+        for (int64_t i = 0; i < p.T * p.slots; ++i) {
+          const int64_t r = p.slot_row[i];
+          if (r < 0) {
+            EXPECT_EQ(w.local_row[i], -1);
+            continue;
+          }
+          const int64_t c = (i / p.slots) / w.Tc, e = p.slot_expert[i], l = w.local_row[i];
+          ASSERT_GE(l, w.offsets[c][e]);
+          ASSERT_LT(l, w.offsets[c][e + 1]);
+          EXPECT_EQ(w.row_begin[c][e] + (l - w.offsets[c][e]), r);  // the packed row is the plan's row
+          EXPECT_EQ(seen[c][l], -1) << "packed row " << l << " taken twice";
+          seen[c][l] = i;
+        }
+        for (int c = 0; c < chunks; ++c)
+          for (int64_t v : seen[c]) EXPECT_GE(v, 0) << "a packed row of chunk " << c << " belongs to no slot";
+      }
+}
+
 }  // namespace
 }  // namespace moe::ref

@@ -682,7 +682,11 @@ TEST_P(GraphReplay, WithNewDataEqualsEager) {
   k.save_x_perm = GetParam() != 2 && GetParam() != 4;
   k.fuse_fc2_dgrad = GetParam() >= 3 && !fp8;
   // Without bias and x_perm no dY_perm exists: fc2's wgrad gathers dy; with fp8, dY's quantize does.
-  k.bias = GetParam() != 4 && !fp8;
+  k.bias = GetParam() != 4 && GetParam() != 6 && !fp8;
+  if (GetParam() == 6) {  // token chunks: 2 without x_perm, fc2 and the fc1 dgrad in three pieces
+    k.save_x_perm = false;
+    k.token_chunks = 3;
+  }
   k.fp8 = fp8 ? Fp8Recipe::kBlock : Fp8Recipe::kNone;
   const DType gt = fp8 ? DType::kFP32 : DType::kBF16;  // the FP8 weight gradients write fp32
   k.wgrad_dtype = gt;
@@ -762,12 +766,59 @@ TEST_P(GraphReplay, WithNewDataEqualsEager) {
 }
 
 // 0: unfused, 1: fused fc1, 2: fused fc1 without x_perm, 3 / 4: 1 / 2 with the fused fc2 dgrad,
-// 5: FP8 (x and dy quantized from their gathered rows).
+// 5: FP8 (x and dy quantized from their gathered rows), 6: 4 in three token chunks.
 std::string graph_replay_name(const ::testing::TestParamInfo<int>& info) {
-  static const char* const kNames[] = {"Unfused", "Fused", "FusedNoXPerm", "FusedDgrad", "FusedDgradNoXPerm", "Fp8"};
+  static const char* const kNames[] = {"Unfused",           "Fused", "FusedNoXPerm", "FusedDgrad",
+                                       "FusedDgradNoXPerm", "Fp8",   "TokenChunks"};
   return kNames[info.param];
 }
-INSTANTIATE_TEST_SUITE_P(GroupedMlp, GraphReplay, ::testing::Values(0, 1, 2, 3, 4, 5), graph_replay_name);
+INSTANTIATE_TEST_SUITE_P(GroupedMlp, GraphReplay, ::testing::Values(0, 1, 2, 3, 4, 5, 6), graph_replay_name);
+
+// Token chunks (config.token_chunks): fc2 and the combine, the fc1 dgrad and the sum of each
+// token's rows, one piece of consecutive tokens at a time -- bitwise the results of the whole batch
+// at once, for piece counts that divide T and that do not, more pieces than tokens, no token,
+// skewed routing (experts with no row in some pieces), padding A = 16 and 128, two feature blocks
+// of the fused fc2 dgrad (its dprobs partial sums in the pieces' scratch), delayed weight gradients
+// and recompute. And the layer's workspace shrinks by about a piece's share of R x H x 2 bytes.
+TEST(GroupedMlp, TokenChunksAreBitwiseTheWholeBatch) {
+  MOE_REQUIRE_GPU();
+  struct Mode {
+    int64_t T, F;
+    int align;
+    double skew;
+    bool delay, recompute;
+  };
+  for (const Mode m : {Mode{61, 64, 0, 0.0, false, false}, Mode{64, 64, 128, 2.0, false, false},
+                       Mode{50, 384, 16, 1.0, false, false}, Mode{47, 64, 0, 1.0, true, false},
+                       Mode{37, 384, 0, 0.0, false, true}, Mode{3, 64, 0, 0.0, false, false},
+                       Mode{0, 64, 0, 0.0, false, false}}) {
+    SCOPED_TRACE(::testing::Message() << "T=" << m.T << " F=" << m.F << " A=" << m.align << " skew=" << m.skew
+                                      << " delay=" << m.delay << " recompute=" << m.recompute);
+    Case c;
+    c.cfg = small_config();
+    c.cfg.ffn = m.F;
+    c.cfg.dispatch.align = m.align;
+    c.cfg.fuse_fc1 = true;
+    c.cfg.save_x_perm = false;
+    c.cfg.fuse_fc2_dgrad = true;
+    c.cfg.delay_wgrad = m.delay;
+    c.cfg.recompute = m.recompute;
+    c.T = m.T;
+    c.skew = m.skew;
+    const Outputs whole = Runner(c).run_gpu(WeightLayout::kSingleGrouped);
+    if (m.T == 61) compare(whole, Runner(c).run_reference(), false);
+    const size_t whole_ws = GroupedMlp(c.cfg).workspace_bytes();
+    for (int n : {2, 3, 7}) {
+      SCOPED_TRACE(::testing::Message() << "token_chunks=" << n);
+      c.cfg.token_chunks = n;
+      const Outputs chunked = Runner(c).run_gpu(WeightLayout::kSingleGrouped);
+      expect_bitwise(chunked, whole);
+      EXPECT_EQ(chunked.hook_order, whole.hook_order);  // every hook once, after the last piece
+      if (m.F == 64 && m.align == 0)  // R x H x 2 bytes shrink to a piece's rows (plus its windows)
+        EXPECT_LT(GroupedMlp(c.cfg).workspace_bytes(), whole_ws);
+    }
+  }
+}
 
 // The FP8 layer against the reference computing the same recipe (quantized operands, the layer's
 // bf16 roundings), on data whose FP8 quantization and fc1 / fc2-dgrad products are exact: x, dy and

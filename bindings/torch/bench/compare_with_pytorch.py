@@ -6,7 +6,7 @@ CUDA-graph captured, on the named shapes of docs/shapes.md. Ours and SonicMoE ar
 alternating rounds (--rounds, default 3) and the medians over the rounds are reported; ours is
 timed by its own method (medians of CUDA-event-timed calls back to back) and by SonicMoE's too.
 
-usage: python3 bindings/torch/bench/compare_with_pytorch.py [SHAPE ...] [--rounds N] [--png chart.png]      (no names: all shapes)"""
+usage: python3 bindings/torch/bench/compare_with_pytorch.py [SHAPE ...] [--rounds N] [--token-chunks N] [--png chart.png]      (no names: all shapes)"""
 import argparse
 import json
 
@@ -65,7 +65,7 @@ def median_ms(fn, iters=10, warm=3):
     return median(times)
 
 
-def measure(name, rounds=3):
+def measure(name, rounds=3, token_chunks=1):
     T, H, Fd, E, k = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(T, H, device="cuda", generator=gen) * 0.5).bfloat16().requires_grad_()
@@ -76,7 +76,7 @@ def measure(name, rounds=3):
     bench_idx, bench_probs = idx, probs
     if sonic is not None:  # the same routing for every side
         idx, probs = sonic.routing()
-    mod = GroupedMLP(H, Fd, E, k, max_tokens=T)
+    mod = GroupedMLP(H, Fd, E, k, max_tokens=T, token_chunks=token_chunks)
     w1 = mod.fc1.weight.detach().clone().requires_grad_()
     w2 = mod.fc2.weight.detach().clone().requires_grad_()
     flops = 18 * T * k * H * Fd
@@ -205,6 +205,8 @@ def main():
     ap.add_argument("shapes", nargs="*")
     ap.add_argument("--png")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of ours and SonicMoE (medians reported)")
+    ap.add_argument("--token-chunks", type=int, default=1, help="ours with fc2 + combine and the fc1 dgrad + dx sum "
+                    "in this many pieces of tokens (GroupedMLP(token_chunks=N): less memory)")
     args = ap.parse_args()
     names = args.shapes or list(SHAPES)
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}: forward+backward, bf16, swiglu x prob")
@@ -213,7 +215,7 @@ def main():
              if SONIC else ""))
     rows = []
     for n in names:
-        r = measure(n, args.rounds)
+        r = measure(n, args.rounds, args.token_chunks)
         rows.append(r)
         print(json.dumps(r), flush=True)
         t = r["torch_graph_ms"] or r["torch_eager_ms"]

@@ -28,7 +28,8 @@ int64_t mlp_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t topk, i
                    bool bias, bool probs_at_combine, int64_t align, bool pre_padded, int64_t row_bound,
                    bool map_routing, bool per_expert, bool accumulate, bool fp32_wgrad, bool delay_wgrad,
                    bool recompute, bool fuse_fc1, bool save_x_perm, bool fuse_fc2_dgrad,
-                   bool transposed_weights, const std::string& fp8, const std::string& fp8_weight_refresh) {
+                   bool transposed_weights, const std::string& fp8, const std::string& fp8_weight_refresh,
+                   int64_t token_chunks) {
   return translate_errors([&] {
     GroupedMlpConfig c;
     c.hidden = hidden;
@@ -48,6 +49,7 @@ int64_t mlp_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t topk, i
     c.fuse_fc2_dgrad = fuse_fc2_dgrad;
     c.transposed_weights = transposed_weights;
     set_fp8_options(c, fp8, fp8_weight_refresh);
+    c.token_chunks = static_cast<int>(token_chunks);
     return registry().add(std::make_unique<MlpState>(c));
   });
 }
@@ -158,7 +160,8 @@ TORCH_LIBRARY_FRAGMENT(moe_engine, m) {
         "float alpha, float limit, float offset, bool bias, bool probs_at_combine, int align, bool pre_padded, "
         "int row_bound, bool map_routing, bool per_expert, bool accumulate, bool fp32_wgrad, bool delay_wgrad, "
         "bool recompute, bool fuse_fc1=False, bool save_x_perm=True, bool fuse_fc2_dgrad=False, "
-        "bool transposed_weights=False, str fp8=\"none\", str fp8_weight_refresh=\"every_forward\") -> int",
+        "bool transposed_weights=False, str fp8=\"none\", str fp8_weight_refresh=\"every_forward\", "
+        "int token_chunks=1) -> int",
         &mlp_create);
   m.def("mlp_refresh_fp8_weights(int handle, Tensor[] fc1_weight, Tensor[] fc1_bias, Tensor[] fc2_weight, "
         "Tensor[] fc2_bias) -> ()",

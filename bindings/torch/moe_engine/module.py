@@ -44,6 +44,12 @@ recomputed from the pre-activation). GroupedMLP's default (None) picks it where 
 ffn_hidden_size <= 256, or without x_perm, bias, delay_wgrad and probs_at_combine (the fc2 weight
 gradient then gathers dy too); GroupedExperts fuses only when asked.
 
+`token_chunks=n` (GroupedMLP): fc2 + combine and the fc1 dgrad + the sum of each token's rows in n
+pieces of consecutive tokens, so the layer's workspace holds one piece of the experts' [rows, H]
+output instead of all of it (docs/state.md, token chunks): bitwise the same results, for n launches
+of fc2 and of the fc1 dgrad. Needs the fused fc2 dgrad without x_perm (the default up to
+ffn_hidden_size 2048), no bias, probs in the activation, bf16.
+
 `fp8="block"` (GroupedMLP): the experts' six GEMMs run in FP8 E4M3 with block scaling (1x128 blocks
 for tokens and gradients, 128x128 for weights, fp32 scales; TransformerEngine's Float8BlockScaling
 recipe); parameters, inputs, outputs and gradients stay bf16 / fp32 (docs/layer.md, FP8 experts).
@@ -280,10 +286,11 @@ class GroupedMLP(_ExpertModule):
                  map_routing=False, per_expert_weights=False, accumulate_into_main_grad=False,
                  wgrad_dtype=torch.bfloat16, delay_wgrad=False, recompute=False, clamp_alpha=1.702,
                  clamp_limit=7.0, clamp_offset=1.0, device=None, init_std=None, fuse_fc1=None, save_x_perm=None,
-                 fuse_fc2_dgrad=None, fp8=None, fp8_weight_refresh="every_forward"):
+                 fuse_fc2_dgrad=None, fp8=None, fp8_weight_refresh="every_forward", token_chunks=1):
         super().__init__()
         _check_fp8_options(fp8, fp8_weight_refresh, accumulate_into_main_grad)
         self.fp8 = fp8
+        self.token_chunks = token_chunks
         if fp8 is not None:
             # The quantized experts run the unfused path on expert rows aligned to their blocks.
             fuse_fc1 = False if fuse_fc1 is None else fuse_fc1
@@ -304,7 +311,7 @@ class GroupedMLP(_ExpertModule):
                                        per_expert_weights, accumulate_into_main_grad,
                                        wgrad_dtype == torch.float32, delay_wgrad, recompute, self.fuse_fc1,
                                        self.save_x_perm, self.fuse_fc2_dgrad, False, fp8 or "none",
-                                       fp8_weight_refresh)
+                                       fp8_weight_refresh, token_chunks)
         self._state_bytes = _ops.mlp_state_bytes(self._handle)
         self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
                            accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std,
