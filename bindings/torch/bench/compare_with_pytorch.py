@@ -3,8 +3,8 @@ torch._grouped_mm, SwiGLU x prob, index_add_ combine), moe_engine.GroupedMLP and
 `sonicmoe` imports -- SonicMoE (timed by its own method, sonicmoe_side.py), on the same tokens and
 routing (SonicMoE's router's when it is there): forward and forward+backward, eager and
 CUDA-graph captured, on the named shapes of docs/shapes.md. Ours and SonicMoE are timed in
-alternating rounds (--rounds, default 3) and the medians over the rounds are reported; ours is
-timed by its own method (medians of CUDA-event-timed calls back to back) and by SonicMoE's too.
+alternating rounds (--rounds, default 4; every other round in reverse order) and the medians over
+the rounds are reported; ours is timed by its own method (medians of CUDA-event-timed calls back to back) and by SonicMoE's too.
 
 usage: python3 bindings/torch/bench/compare_with_pytorch.py [SHAPE ...] [--rounds N] [--token-chunks N] [--png chart.png]      (no names: all shapes)"""
 import argparse
@@ -65,7 +65,7 @@ def median_ms(fn, iters=10, warm=3):
     return median(times)
 
 
-def measure(name, rounds=3, token_chunks=1):
+def measure(name, rounds=4, token_chunks=1):
     T, H, Fd, E, k = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(T, H, device="cuda", generator=gen) * 0.5).bfloat16().requires_grad_()
@@ -141,31 +141,36 @@ def measure(name, rounds=3, token_chunks=1):
     res["ours_extra_gib"] = peak_extra_gib(ours_step)
     step_graph = graph_of("ours", ours_step)
 
-    # Ours and SonicMoE in alternating rounds, each round both layers back to back (ours' forward,
-    # SonicMoE's forward and forward+backward, ours' forward+backward), medians over the rounds: the
-    # clocks at the 700 W limit drift with the GPU's temperature over a run, and a single sample of
-    # either side moved the ratio by up to 8% between runs.
+    # Ours and SonicMoE in alternating rounds, medians over the rounds: the clocks at the 700 W limit
+    # drift with the GPU's temperature and the load just before, and a single sample of either side
+    # moved the ratio by up to 8% between runs. A round times ours' forward, SonicMoE's forward and
+    # forward+backward, then ours' forward+backward; every other round runs the same steps in the
+    # reverse order, so that each side's forward follows a heavy step as often as a light one.
     samples = {}
 
     def sample(key, ms):
         samples.setdefault(key, []).append(ms)
 
-    for _ in range(rounds):
-        sample("ours_fwd_eager_ms", median_ms(ours_forward))
-        if fwd_graph is not None:
-            sample("ours_fwd_graph_ms", median_ms(fwd_graph))
-        if sonic is not None:
-            # Ours by SonicMoE's method as well (its do_bench flushes the L2 before every call, and
-            # the flush's pauses let the clocks recover at the power limit), around SonicMoE's own.
-            sample("ours_fwd_sonic_method_ms", time_like_sonic(fwd_graph or ours_forward))
+    steps = [lambda: sample("ours_fwd_eager_ms", median_ms(ours_forward))]
+    if fwd_graph is not None:
+        steps.append(lambda: sample("ours_fwd_graph_ms", median_ms(fwd_graph)))
+    if sonic is not None:
+        # Ours by SonicMoE's method as well (its do_bench flushes the L2 before every call, and the
+        # flush's pauses let the clocks recover at the power limit).
+        steps.append(lambda: sample("ours_fwd_sonic_method_ms", time_like_sonic(fwd_graph or ours_forward)))
+
+        def sonic_step(key, fn):
             x.grad = None  # ours' last step left it set
-            t_f, t_fb = sonic.time()
-            sample("sonic_fwd_ms", t_f)
-            sample("sonic_fwd_bwd_ms", t_fb)
-            sample("ours_fwd_bwd_sonic_method_ms", time_like_sonic(step_graph or ours_step))
-        sample("ours_eager_ms", median_ms(ours_step))
-        if step_graph is not None:
-            sample("ours_graph_ms", median_ms(step_graph))
+            sample(key, fn())
+        steps.append(lambda: sonic_step("sonic_fwd_ms", sonic.time_fwd))
+        steps.append(lambda: sonic_step("sonic_fwd_bwd_ms", sonic.time_fwd_bwd))
+        steps.append(lambda: sample("ours_fwd_bwd_sonic_method_ms", time_like_sonic(step_graph or ours_step)))
+    steps.append(lambda: sample("ours_eager_ms", median_ms(ours_step)))
+    if step_graph is not None:
+        steps.append(lambda: sample("ours_graph_ms", median_ms(step_graph)))
+    for r in range(rounds):
+        for step in (steps if r % 2 == 0 else reversed(steps)):
+            step()
     clear_grads()
     for key, ms in samples.items():
         res[key] = median(ms)
@@ -204,7 +209,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("shapes", nargs="*")
     ap.add_argument("--png")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of ours and SonicMoE (medians reported)")
+    ap.add_argument("--rounds", type=int, default=4, help="alternating rounds of ours and SonicMoE, every other one in reverse order (medians reported)")
     ap.add_argument("--token-chunks", type=int, default=1, help="ours with fc2 + combine and the fc1 dgrad + dx sum "
                     "in this many pieces of tokens (GroupedMLP(token_chunks=N): less memory)")
     args = ap.parse_args()
