@@ -16,6 +16,10 @@
 // (indices / map, probs, selected, counts, losses, d logits), so two builds can be compared bit for
 // bit. The timed table also ends each line with the hash of that router's outputs.
 //
+// "read us" is the read floor: a kernel that only reads the same logits (16-byte loads, one wave of
+// blocks) and writes one word per warp, timed the same way -- what any router's forward pays at the
+// least, its launch, ramp-up and tail included; "%cp" beside it is its rate against the copy's.
+//
 // GB/s counts the logits read once (T * E * element bytes) -- the floor of any router; the other traffic
 // (indices / probs / selected written, d logits written) is listed at the end. Two comparisons with
 // the device-to-device copy measured in the same run (a 2 GiB buffer, so DRAM-bound):
@@ -57,6 +61,45 @@ uint64_t hash_device(uint64_t h, const void* p, size_t bytes) {
   for (unsigned char c : host) h = (h ^ c) * 1099511628211ull;
   return h;
 }
+
+// The read floor: reads n 16-byte words (a grid-stride loop, four loads in flight per thread) and
+// writes one word per warp, so that the loads cannot be dropped.
+__global__ void read_floor_kernel(const uint4* __restrict__ p, int64_t n, uint32_t* __restrict__ out) {
+  uint32_t acc = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    const uint4 a = p[i], b = p[i + stride], c = p[i + 2 * stride], d = p[i + 3 * stride];
+    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+  }
+  for (; i < n; i += stride) {
+    const uint4 a = p[i];
+    acc ^= a.x ^ a.y ^ a.z ^ a.w;
+  }
+  for (int o = 16; o > 0; o /= 2) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+  if ((threadIdx.x & 31) == 0) out[(static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32] = acc;
+}
+
+// One wave of read_floor_kernel blocks over the device.
+struct ReadFloor {
+  static constexpr int kThreads = 256;
+  int blocks = 0;
+  uint32_t* out = nullptr;
+  ReadFloor() {
+    int device = 0, sms = 0, per_sm = 0;
+    MOE_CUDA_CHECK(cudaGetDevice(&device));
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, read_floor_kernel, kThreads, 0));
+    blocks = sms * std::max(per_sm, 1);
+    MOE_CUDA_CHECK(cudaMalloc(&out, sizeof(uint32_t) * blocks * (kThreads / 32)));
+  }
+  ~ReadFloor() { cudaFree(out); }
+  // bytes: a multiple of 16 (every timed logits tensor: E is a multiple of 8 for bf16).
+  void read(const void* p, size_t bytes, cudaStream_t s) const {
+    read_floor_kernel<<<blocks, kThreads, 0, s>>>(static_cast<const uint4*>(p), static_cast<int64_t>(bytes / 16), out);
+    MOE_CUDA_CHECK(cudaGetLastError());
+  }
+};
 
 // One router on random logits: device buffers for every output and gradient; forward + backward.
 struct Bench {
@@ -305,8 +348,10 @@ int main(int argc, char** argv) {
   if (calls > 1)
     std::printf("time per call of %d routers back to back in one graph, each with buffers of its own\n", calls);
   std::printf("\n");
-  std::printf("%-9s %4s %6s %4s %3s %9s %9s %6s %6s %9s %9s %6s %6s %16s\n", "variant", "type", "T", "E", "k",
-              "fwd us", "fwd GB/s", "%cp", "%rd", "bwd us", "bwd GB/s", "%cp", "%rd", "output hash");
+  std::printf("%-9s %4s %6s %4s %3s %9s %9s %6s %6s %9s %6s %9s %9s %6s %6s %16s\n", "variant", "type", "T", "E",
+              "k", "fwd us", "fwd GB/s", "%cp", "%rd", "read us", "%cp", "bwd us", "bwd GB/s", "%cp", "%rd",
+              "output hash");
+  const ReadFloor read_floor;
 
   const Variant variants[] = {
       {"mixtral", [](RouterConfig& c) { c.normalize_topk = true; }},
@@ -354,14 +399,18 @@ int main(int argc, char** argv) {
             };
             const double f_ms = ms_per_call([&](Bench& x) { x.forward(ew.device_ptr(), stream); });
             const double b_ms = ms_per_call([&](Bench& x) { x.backward(stream); });
+            const double r_ms = ms_per_call([&](Bench& x) { read_floor.read(x.logits, x.esize * T * E, stream); });
             ew.check(stream);
             const uint64_t h = b.hash();
             const double bytes = static_cast<double>(b.esize) * T * E;
             const double fg = bytes / (f_ms * 1e-3) / 1e9, bg = bytes / (b_ms * 1e-3) / 1e9;
-            std::printf("%-9s %4s %6lld %4d %3d %9.1f %9.0f %5.1f%% %5.1f%% %9.1f %9.0f %5.1f%% %5.1f%% %016llx\n",
+            const double rg = bytes / (r_ms * 1e-3) / 1e9;
+            std::printf("%-9s %4s %6lld %4d %3d %9.1f %9.0f %5.1f%% %5.1f%% %9.1f %5.1f%% %9.1f %9.0f %5.1f%% %5.1f%% "
+                        "%016llx\n",
                         v.name, bf16 ? "bf16" : "fp32", static_cast<long long>(T), E, k, f_ms * 1e3, fg,
-                        100.0 * fg / copy_gbs, 100.0 * fg / copy_read_gbs, b_ms * 1e3, bg, 100.0 * bg / copy_gbs,
-                        100.0 * bg / copy_read_gbs, static_cast<unsigned long long>(h));
+                        100.0 * fg / copy_gbs, 100.0 * fg / copy_read_gbs, r_ms * 1e3, 100.0 * rg / copy_gbs,
+                        b_ms * 1e3, bg, 100.0 * bg / copy_gbs, 100.0 * bg / copy_read_gbs,
+                        static_cast<unsigned long long>(h));
             std::fflush(stdout);
           }
   std::printf("\nbytes per row (s = 2 for bf16, 4 for fp32 logits): forward reads sE (logits) and writes 8k\n"
