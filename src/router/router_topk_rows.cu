@@ -39,6 +39,7 @@
 // the same bit for bit. Selection counts go to a shared histogram, then to the router's scratch
 // accumulator; the last block writes the counts and clears it (as the general kernel does).
 #include <algorithm>
+#include <type_traits>
 
 #include "device/cuda_check.h"
 #include "device/launch_geometry.h"
@@ -66,8 +67,8 @@ constexpr uint32_t kLowestPair = 0xff7fff7fu;
 
 // Keeps in a the top L of the sorted (descending) lists a and b: elementwise max against b reversed
 // gives a bitonic sequence holding the top L of both; log2(L) exchange stages sort it.
-template <int L>
-__device__ __forceinline__ void merge_top(uint32_t (&a)[L], const uint32_t (&b)[L]) {
+template <int L, typename K>
+__device__ __forceinline__ void merge_top(K (&a)[L], const K (&b)[L]) {
 #pragma unroll
   for (int i = 0; i < L; ++i) a[i] = max(a[i], b[L - 1 - i]);
 #pragma unroll
@@ -118,6 +119,34 @@ __device__ __forceinline__ float group_kth_largest(float v, int k, int lane_g) {
 // ordered bits in the high half).
 constexpr uint32_t kAboveFinite = 0xff800000u;
 constexpr uint32_t kLowestFinite = 0x00800000u;
+
+// What differs between bf16 and fp32 logits: a 16-byte vector holds 8 or 4 of them; a key is 32 bits
+// (the bf16 value, then the id) or 64 (the fp32 value, then the id); the filler of vectors past E
+// and rows past T is the lowest finite value.
+template <class In>
+struct Logits;
+template <>
+struct Logits<__nv_bfloat16> {
+  using Key = Key32;
+  using K = uint32_t;
+  static constexpr int kPerVector = 8;
+  static constexpr uint32_t kFill = kLowestPair;
+  // Logit j of a vector: the low half of word j / 2 for even j, the high half for odd j.
+  __device__ static float at(const uint4& r, int j) {
+    const uint32_t w = j / 2 == 0 ? r.x : j / 2 == 1 ? r.y : j / 2 == 2 ? r.z : r.w;
+    return __uint_as_float(j % 2 == 0 ? w << 16 : w & 0xffff0000u);
+  }
+};
+template <>
+struct Logits<float> {
+  using Key = Key64;
+  using K = uint64_t;
+  static constexpr int kPerVector = 4;
+  static constexpr uint32_t kFill = 0xff7fffffu;
+  __device__ static float at(const uint4& r, int j) {
+    return __uint_as_float(j == 0 ? r.x : j == 1 ? r.y : j == 2 ? r.z : r.w);
+  }
+};
 
 // The sorted top L of a lane's V vectors (keys 0 for vectors that are not valid, bit i of
 // `valid`), and the lowest key of its valid vectors.
@@ -192,28 +221,104 @@ __device__ __forceinline__ uint32_t candidate_mask(const uint4 (&raw)[V], float 
   return mask;
 }
 
-// The filtered tiles with k <= 2 at E <= 256: the cheapest, which take the one-wave grid and load
-// each tile's logits a tile ahead (measured, docs/router.md).
-template <int G, int L, bool kFilter>
-constexpr bool kCheapTiles = kFilter && L == 2 && G <= 8;
+// fp32 logits: the sorted top L of a lane's V vectors of 4 (keys 0 for vectors that are not valid,
+// bit i of `valid`), two vectors per sorted group of 8 keys. (The non-finite test is the extremes'.)
+template <int G, int V, int L>
+__device__ __forceinline__ void lane_top_sorted_fp32(const uint4 (&raw)[V], uint32_t valid, int lane_g,
+                                                     uint64_t (&top)[L]) {
+  static_assert(V % 2 == 0, "two vectors of 4 per group of 8 keys");
+#pragma unroll
+  for (int g = 0; g < V / 2; ++g) {
+    uint64_t key[8];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int i = 2 * g + u;
+      const bool ok = (valid >> i) & 1u;
+      const uint32_t id0 = Key64::id_of((i * G + lane_g) * 4);  // expert 4 c + m has id id0 - m
+#pragma unroll
+      for (int m = 0; m < 4; ++m) key[4 * u + m] = ok ? Key64::make_id(Logits<float>::at(raw[i], m), id0 - m) : 0u;
+    }
+    sort_desc<8>(key);
+    if (g == 0) {
+#pragma unroll
+      for (int j = 0; j < L; ++j) top[j] = key[j];
+    } else {
+      uint64_t b[L];
+#pragma unroll
+      for (int j = 0; j < L; ++j) b[j] = key[j];
+      merge_top<L>(top, b);
+    }
+  }
+}
 
-// G lanes per row, V 16-byte vectors per lane (vector c = i G + lane_g of the row: a warp's load
-// i covers G consecutive vectors of each of its 32 / G rows), lists of L keys; kFilter: the
-// candidate filter (k <= G), else every vector sorted.
-template <int G, int V, int L, bool kFilter>
+// NaN-propagating max and min (PTX max.NaN / min.NaN, sm_80 and later).
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+__device__ __forceinline__ float fmin_nan(float a, float b) {
+  float d;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+// fp32 logits: the lane's largest logit and whether one is NaN or infinite (vectors past E and rows
+// past T hold the lowest finite value).
+template <int V>
+__device__ __forceinline__ void lane_extremes_fp32(const uint4 (&raw)[V], float& first, bool& non_finite) {
+  float mx = Logits<float>::at(raw[0], 0), mn = mx;
+#pragma unroll
+  for (int i = 0; i < V; ++i)
+#pragma unroll
+    for (int m = i == 0 ? 1 : 0; m < 4; ++m) {
+      const float x = Logits<float>::at(raw[i], m);
+      mx = fmax_nan(mx, x);
+      mn = fmin_nan(mn, x);
+    }
+  non_finite = !(mx < INFINITY && mn > -INFINITY);
+  first = mx;
+}
+
+// fp32 logits: bit 4 i + m of the lane's logits at or above tau (vector i, element m).
+template <int V>
+__device__ __forceinline__ uint32_t candidate_mask_fp32(const uint4 (&raw)[V], float tau) {
+  static_assert(V * 4 <= 32, "a lane's logits fit the mask");
+  uint32_t mask = 0;
+#pragma unroll
+  for (int i = 0; i < V; ++i)
+#pragma unroll
+    for (int m = 0; m < 4; ++m) mask |= (Logits<float>::at(raw[i], m) >= tau ? 1u : 0u) << (4 * i + m);
+  return mask;
+}
+
+// The filtered bf16 tiles with k <= 2 at E <= 256: the cheapest, which take the one-wave grid and
+// load each tile's logits a tile ahead (measured, docs/router.md). (fp32 would hold twice the
+// registers for the tile ahead.)
+template <class In, int G, int L, bool kFilter>
+constexpr bool kCheapTiles = std::is_same_v<In, __nv_bfloat16> && kFilter && L == 2 && G <= 8;
+
+// In: the logits' type (bf16 or fp32). G lanes per row, V 16-byte vectors per lane (vector c =
+// i G + lane_g of the row: a warp's load i covers G consecutive vectors of each of its 32 / G rows),
+// lists of L keys; kFilter: the candidate filter (k <= G), else every vector sorted.
+template <class In, int G, int V, int L, bool kFilter>
 __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArgs a) {
+  using Key = typename Logits<In>::Key;
+  using K = typename Logits<In>::K;
+  constexpr bool kBF16 = std::is_same_v<In, __nv_bfloat16>;
+  constexpr int P = Logits<In>::kPerVector;
   constexpr int RPW = 32 / G;
   // The cheapest tiles run on a one-wave grid (launch_kernel below), about four per warp: each
   // tile's logits are loaded while the warp works on the one before (16 registers, 64 in all).
-  constexpr bool kPrefetch = kCheapTiles<G, L, kFilter>;
+  constexpr bool kPrefetch = kCheapTiles<In, G, L, kFilter>;
   constexpr int kS = L >= G ? L / G : 1;  // output slots per lane
-  static_assert(!kFilter || (G >= 2 && V == 4), "the filter's masks hold a lane's 32 logits");
+  static_assert(!kFilter || (G >= 2 && V * P == 32), "the filter's masks hold a lane's 32 logits");
   __shared__ int32_t hist[kMaxExperts];
   // The filter reads a candidate's logit back from here: this thread's vector i at
   // staged[i * kThreads + threadIdx.x] (conflict-free 16-byte stores).
   __shared__ uint4 staged[kFilter ? V * kThreads : 1];
   const RouterRowParams& p = a.p;
-  const int E = p.E, k = p.k, vecs = E / 8;
+  const int E = p.E, k = p.k, vecs = E / P;
   for (int e = threadIdx.x; e < E; e += kThreads) hist[e] = 0;
   __syncthreads();
   const Lanes<G> lanes = lanes_of<G>();
@@ -231,35 +336,39 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
   const uintptr_t out_bits = reinterpret_cast<uintptr_t>(a.indices) | reinterpret_cast<uintptr_t>(a.selected) |
                              reinterpret_cast<uintptr_t>(a.probs);
   const bool vector_out = k == L && out_bits % (4 * kS) == 0;
-  // Bit i: the lane's vector i lies inside the row (c < E / 8).
+  // Bit i: the lane's vector i lies inside the row (c < E / P).
   uint32_t in_row = 0;
 #pragma unroll
   for (int i = 0; i < V; ++i) in_row |= (i * G + lane_g < vecs ? 1u : 0u) << i;
-  // The candidate bits of the vectors inside the row (vector i: words 4i .. 4i + 3).
+  // The candidate bits of the vectors inside the row (bf16 vector i: words 4i .. 4i + 3, both
+  // halves; fp32 vector i: bits 4i .. 4i + 3).
   uint32_t in_row_bits = 0;
 #pragma unroll
   for (int i = 0; i < V; ++i)
-    if ((in_row >> i) & 1u) in_row_bits |= 0x000f000fu << (4 * i);
-  // Expert of candidate bit b (word w = b & 15 = 4 i + m, half h = b >> 4): (i G + lane_g) 8 + 2 m + h.
-  const uint32_t lane_id0 = Key32::id_of(lane_g * 8);
+    if ((in_row >> i) & 1u) in_row_bits |= (kBF16 ? 0x000f000fu : 0xfu) << (4 * i);
+  // Expert of candidate bit b: bf16 (word w = b & 15 = 4 i + m, half h = b >> 4): (i G + lane_g) 8 +
+  // 2 m + h; fp32 (i = b >> 2, m = b & 3): (i G + lane_g) 4 + m.
+  const uint32_t lane_id0 = Key::id_of(lane_g * P);
   const int64_t tile_stride = int64_t{gridDim.x} * kRouterWarps;
-  const uint32_t fill = kFilter ? kLowestPair : 0u;
+  const uint32_t fill = kFilter || !kBF16 ? Logits<In>::kFill : 0u;
   // The lane's vectors of a tile's row (fill past E and past T).
   auto load_tile = [&](int64_t tile, uint4 (&dst)[V]) {
     const int64_t t = tile * RPW + lanes.slot;
     const uint32_t valid = t < p.T ? in_row : 0u;
-    const uint4* row = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.logits) + t * E);
+    const uint4* row = reinterpret_cast<const uint4*>(static_cast<const In*>(p.logits) + t * E);
 #pragma unroll
     for (int i = 0; i < V; ++i)
       dst[i] = (valid >> i) & 1u ? __ldg(row + i * G + lane_g) : make_uint4(fill, fill, fill, fill);
   };
-  uint4 next[V];
+  uint4 next[kPrefetch ? V : 1];
   const int64_t first_tile = int64_t{blockIdx.x} * kRouterWarps + warp;
-  if (kPrefetch && first_tile < tiles) load_tile(first_tile, next);
+  if constexpr (kPrefetch) {
+    if (first_tile < tiles) load_tile(first_tile, next);
+  }
   for (int64_t tile = first_tile; tile < tiles; tile += tile_stride) {
     const int64_t t = tile * RPW + lanes.slot;
     const bool live = t < p.T;
-    const uint4* row = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.logits) + t * E);
+    const uint4* row = reinterpret_cast<const uint4*>(static_cast<const In*>(p.logits) + t * E);
     const uint32_t valid = live ? in_row : 0u;
     uint4 raw[V];
     if constexpr (kPrefetch) {
@@ -272,60 +381,82 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
     // The lane's sorted top L (of its candidates, with the filter), and whether the row holds a
     // non-finite logit. Such a row is routed nowhere (the general kernel's rule). Every vote runs
     // on every lane: the warp stays converged.
-    uint32_t top[L];
+    K top[L];
     bool bad;
     if constexpr (kFilter) {
       float first;
       bool non_finite;
-      lane_extremes<V>(raw, first, non_finite);
+      if constexpr (kBF16)
+        lane_extremes<V>(raw, first, non_finite);
+      else
+        lane_extremes_fp32<V>(raw, first, non_finite);
       const bool any_non_finite = group_any(non_finite, lanes);  // a vote: every lane, never behind &&
       bad = live && any_non_finite;
       const float tau = group_kth_largest<G>(first, k, lane_g);
-      uint32_t mask = bad ? 0u : candidate_mask<V>(raw, tau) & (live ? in_row_bits : 0u);
+      const uint32_t cand = kBF16 ? candidate_mask<V>(raw, tau) : candidate_mask_fp32<V>(raw, tau);
+      uint32_t mask = bad ? 0u : cand & (live ? in_row_bits : 0u);
       if (__any_sync(kFull, __popc(mask) > kMaxLaneCandidates)) {
-        uint32_t low;
-        lane_top_sorted<G, V, L>(raw, valid, lane_g, top, low);
+        if constexpr (kBF16) {
+          uint32_t low;
+          lane_top_sorted<G, V, L>(raw, valid, lane_g, top, low);
+        } else {
+          lane_top_sorted_fp32<G, V, L>(raw, valid, lane_g, top);
+        }
       } else {
 #pragma unroll
         for (int i = 0; i < V; ++i) staged[i * kThreads + threadIdx.x] = raw[i];
-        const unsigned short* mine = reinterpret_cast<const unsigned short*>(staged) + 8 * threadIdx.x;
 #pragma unroll
         for (int j = 0; j < L; ++j) top[j] = 0u;
         while (mask != 0u) {
           const int b = __ffs(mask) - 1;
           mask &= mask - 1u;
-          const int w = b & 15, h = b >> 4;
-          // Word w of the lane is 32-bit word w & 3 of its vector w >> 2.
-          const uint32_t v = mine[(w >> 2) * (8 * kThreads) + 2 * (w & 3) + h];
-          const uint32_t id = lane_id0 - (w >> 2) * (8 * G) - 2 * (w & 3) - h;
-          uint32_t key = Key32::make_id(__uint_as_float(v << 16), id);
+          K key;
+          if constexpr (kBF16) {
+            const unsigned short* mine = reinterpret_cast<const unsigned short*>(staged) + 8 * threadIdx.x;
+            const int w = b & 15, h = b >> 4;
+            // Word w of the lane is 32-bit word w & 3 of its vector w >> 2.
+            const uint32_t v = mine[(w >> 2) * (8 * kThreads) + 2 * (w & 3) + h];
+            const uint32_t id = lane_id0 - (w >> 2) * (8 * G) - 2 * (w & 3) - h;
+            key = Key32::make_id(__uint_as_float(v << 16), id);
+          } else {
+            const float* mine = reinterpret_cast<const float*>(staged) + 4 * threadIdx.x;
+            const int i = b >> 2, m = b & 3;
+            key = Key64::make_id(mine[i * (4 * kThreads) + m], lane_id0 - i * (4 * G) - m);
+          }
 #pragma unroll
           for (int j = 0; j < L; ++j) {  // insertion into the sorted list
-            const uint32_t hi = max(top[j], key);
+            const K hi = max(top[j], key);
             key = min(top[j], key);
             top[j] = hi;
           }
         }
       }
-    } else {
+    } else if constexpr (kBF16) {
       uint32_t low;
       lane_top_sorted<G, V, L>(raw, valid, lane_g, top, low);
       const bool low_bad = group_any(low < kLowestFinite, lanes);  // a vote: every lane, never behind &&
       bad = live && low_bad;
+    } else {
+      float first;
+      bool non_finite;
+      lane_extremes_fp32<V>(raw, first, non_finite);
+      const bool any_non_finite = group_any(non_finite, lanes);  // a vote: every lane, never behind &&
+      bad = live && any_non_finite;
+      lane_top_sorted_fp32<G, V, L>(raw, valid, lane_g, top);
     }
 #pragma unroll
     for (int o = 1; o < G; o *= 2) {
-      uint32_t b[L];
+      K b[L];
 #pragma unroll
       for (int j = 0; j < L; ++j) b[j] = __shfl_xor_sync(kFull, top[j], o);
       merge_top<L>(top, b);
     }
-    // Every lane of the row now holds its sorted top L; the top key tells a +inf or a NaN with the
-    // sign bit clear (the sorted path's other half of the non-finite test).
-    if constexpr (!kFilter) bad = bad || (live && top[0] >= kAboveFinite);
+    // Every lane of the row now holds its sorted top L; for bf16 the top key tells a +inf or a NaN
+    // with the sign bit clear (the sorted path's other half of the non-finite test).
+    if constexpr (!kFilter && kBF16) bad = bad || (live && top[0] >= kAboveFinite);
     float z[L], s[L];
 #pragma unroll
-    for (int j = 0; j < L; ++j) z[j] = Key32::value(top[j]);
+    for (int j = 0; j < L; ++j) z[j] = Key::value(top[j]);
     const float mx = z[0];
     // Scores of the chosen slots: exp(z - max) for a softmax (the row's max is the winner's logit,
     // no bias), the sigmoid otherwise; then the sum the probs are divided by.
@@ -343,10 +474,8 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
         const int c = i * G + lane_g;
         if (live && c < vecs) {
           const uint4 r = __ldg(row + c);
-          const uint32_t w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
-          for (int m = 0; m < 4; ++m)
-            sum += expf(__uint_as_float(w[m] << 16) - mx) + expf(__uint_as_float(w[m] & 0xffff0000u) - mx);
+          for (int j = 0; j < P; j += 2) sum += expf(Logits<In>::at(r, j) - mx) + expf(Logits<In>::at(r, j + 1) - mx);
         }
       }
       inv = 1.0f / group_sum(sum, lanes);
@@ -366,7 +495,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
       if (j / kS != lane_g) continue;
       // The general kernel's formulas: a score ex / sum, a renormalised one score / (sum of the k).
       const float score = full_sum ? __fmul_rn(s[j], inv) : s[j];
-      ev[j % kS] = bad ? -1 : Key32::expert(top[j]);
+      ev[j % kS] = bad ? -1 : Key::expert(top[j]);
       pv[j % kS] = bad ? 0.0f : (renorm ? score / den : score) * p.alpha;
     }
     const int j0 = lane_g * kS;
@@ -422,33 +551,62 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
 // 1.09-1.13x faster at E = 128 and 256 (docs/router.md). Elsewhere the longer tiles balance better
 // as they were (one wave was up to 3% slower at k = 8, and at E = 64), so they keep a CTA per eight
 // tiles; E = 512 was not measured and keeps it too.
-template <int G, int V, int L, bool kFilter>
+template <class In, int G, int V, int L, bool kFilter>
 void launch_kernel(const RouterForwardArgs& a, int64_t tiles, cudaStream_t stream) {
-  const auto kernel = topk_rows_kernel<G, V, L, kFilter>;
+  const auto kernel = topk_rows_kernel<In, G, V, L, kFilter>;
   const unsigned blocks =
-      kCheapTiles<G, L, kFilter>
+      kCheapTiles<In, G, L, kFilter>
           ? one_wave_grid_x(reinterpret_cast<const void*>(kernel), kThreads, tiles, kRouterWarps)
           : static_cast<unsigned>(std::clamp<int64_t>((tiles + kRouterWarps - 1) / kRouterWarps, 1, kRouterMaxBlocks));
   kernel<<<blocks, kThreads, 0, stream>>>(a);
   MOE_CUDA_CHECK_LAUNCH();
 }
 
-template <int G, int V, bool kFilter>
+template <class In, int G, int V, bool kFilter>
 void launch_for_list(const RouterForwardArgs& a, int64_t tiles, cudaStream_t stream) {
   const int k = a.p.k;
   if (k <= 2)
-    launch_kernel<G, V, 2, kFilter>(a, tiles, stream);
+    launch_kernel<In, G, V, 2, kFilter>(a, tiles, stream);
   else if (k <= 4)
-    launch_kernel<G, V, 4, kFilter>(a, tiles, stream);
+    launch_kernel<In, G, V, 4, kFilter>(a, tiles, stream);
   else
-    launch_kernel<G, V, 8, kFilter>(a, tiles, stream);
+    launch_kernel<In, G, V, 8, kFilter>(a, tiles, stream);
 }
 
 // The candidate filter where k <= G (its threshold needs k lane maxima).
-template <int G, int V>
+template <class In, int G, int V>
 void launch_filtered(const RouterForwardArgs& a, int64_t tiles, cudaStream_t stream) {
-  if (a.p.k <= G) return launch_for_list<G, V, true>(a, tiles, stream);
-  return launch_for_list<G, V, false>(a, tiles, stream);
+  if (a.p.k <= G) return launch_for_list<In, G, V, true>(a, tiles, stream);
+  return launch_for_list<In, G, V, false>(a, tiles, stream);
+}
+
+// Lanes per row and vectors per lane: kExpertsPerLane experts per lane (V vectors of P), one lane per
+// row below that (the fewest vectors that hold the row; fp32 groups its vectors in pairs).
+template <class In>
+void launch_for_type(const RouterForwardArgs& a, cudaStream_t stream) {
+  constexpr int P = Logits<In>::kPerVector, VL = kExpertsPerLane / P, kMinV = P == 4 ? 2 : 1;
+  const int E = a.p.E;
+  int G = 1;
+  while (G * kExpertsPerLane < E) G *= 2;
+  int V = VL;
+  if (G == 1) {
+    V = kMinV;
+    while (V * P < E) V *= 2;
+  }
+  // Any grid gives the same results (integer counts only).
+  const int64_t tiles = (int64_t{a.p.T} + 32 / G - 1) / (32 / G);
+  switch (G) {
+    case 1:
+      if (V == kMinV) return launch_for_list<In, 1, kMinV, false>(a, tiles, stream);
+      if (V == 2 * kMinV) return launch_for_list<In, 1, 2 * kMinV, false>(a, tiles, stream);
+      if constexpr (4 * kMinV < VL)
+        if (V == 4 * kMinV) return launch_for_list<In, 1, 4 * kMinV, false>(a, tiles, stream);
+      return launch_for_list<In, 1, VL, false>(a, tiles, stream);
+    case 2: return launch_for_list<In, 2, VL, false>(a, tiles, stream);  // the filter measured slower here
+    case 4: return launch_filtered<In, 4, VL>(a, tiles, stream);
+    case 8: return launch_filtered<In, 8, VL>(a, tiles, stream);
+    default: return launch_filtered<In, 16, VL>(a, tiles, stream);
+  }
 }
 
 }  // namespace
@@ -456,35 +614,15 @@ void launch_filtered(const RouterForwardArgs& a, int64_t tiles, cudaStream_t str
 
 bool router_topk_rows_apply(const RouterForwardArgs& a) {
   const RouterRowParams& p = a.p;
-  return p.bf16 && p.vec && p.E % 8 == 0 && p.E <= router::kMaxExperts && p.k <= router::kMaxK && p.W == p.k &&
+  return p.vec && p.E % 8 == 0 && p.E <= router::kMaxExperts && p.k <= router::kMaxK && p.W == p.k &&
          a.form == RoutingForm::kTopK && a.select == SelectKey::kNone && p.bias == nullptr && p.groups == 1 &&
          p.aux_coeff == 0.0f && p.seq_coeff == 0.0f && p.z_coeff == 0.0f;
 }
 
 void launch_router_topk_rows(const RouterForwardArgs& a, cudaStream_t stream) {
   using namespace router;
-  const int E = a.p.E;
-  // Lanes per row and vectors per lane: kExpertsPerLane experts per lane, one lane per row below.
-  int G = 1;
-  while (G * kExpertsPerLane < E) G *= 2;
-  int V = kExpertsPerLane / 8;
-  if (G == 1) {
-    V = 1;
-    while (V * 8 < E) V *= 2;
-  }
-  // Any grid gives the same results (integer counts only).
-  const int64_t tiles = (int64_t{a.p.T} + 32 / G - 1) / (32 / G);
-  constexpr int VL = kExpertsPerLane / 8;
-  switch (G) {
-    case 1:
-      if (V == 1) return launch_for_list<1, 1, false>(a, tiles, stream);
-      if (V == 2) return launch_for_list<1, 2, false>(a, tiles, stream);
-      return launch_for_list<1, VL, false>(a, tiles, stream);
-    case 2: return launch_for_list<2, VL, false>(a, tiles, stream);  // the filter measured slower here
-    case 4: return launch_filtered<4, VL>(a, tiles, stream);
-    case 8: return launch_filtered<8, VL>(a, tiles, stream);
-    default: return launch_filtered<16, VL>(a, tiles, stream);
-  }
+  if (a.p.bf16) return launch_for_type<__nv_bfloat16>(a, stream);
+  return launch_for_type<float>(a, stream);
 }
 
 }  // namespace moe::kernels

@@ -627,6 +627,68 @@ TEST(Router, PlainTopKKernelLayouts) {
   run_case(ties8);
 }
 
+// The plain top-k kernel on fp32 logits (64-bit keys, 16-byte vectors of 4 experts, 32 experts per
+// lane): one lane per row with 2, 4 or 8 vectors (some past E), 2 lanes per row (every vector
+// sorted), 4 to 16 lanes per row with the candidate filter (k <= G) and without it (k > G), kept
+// lists of 2, 4 and 8 keys, every score form, k = 1 and k = E, several row tiles per warp; ties on a
+// coarse grid, signed zeros, non-finite rows beside live rows; ties at the filter's threshold beside
+// constant rows (those warps sort every vector); misaligned logits (the general kernel).
+TEST(Router, PlainTopKKernelLayoutsFp32) {
+  MOE_REQUIRE_GPU();
+  auto norm = [](RouterConfig& c) { c.normalize_topk = true; };
+  auto after = [](RouterConfig& c) { c.softmax_after_topk = true; };
+  auto sigmoid = [](RouterConfig& c) { c.score = ScoreFunction::kSigmoid; };
+  auto sigmoid_norm_scaled = [](RouterConfig& c) {
+    c.score = ScoreFunction::kSigmoid;
+    c.normalize_topk = true;
+    c.scaling_factor = 2.5f;
+  };
+  run_case(make("fp32 E8 k1 plain (G1 V2 L2)", 8, 1, 1001, nullptr));
+  run_case(make("fp32 E8 k8 = E norm (G1 V2 L8)", 8, 8, 333, norm));
+  run_case(make("fp32 E16 k3 norm (G1 V4 L4)", 16, 3, 517, norm));
+  run_case(make("fp32 E24 k2 sigmoid (G1 V8 L2, 6 of 8 vectors)", 24, 2, 1201, sigmoid));
+  run_case(make("fp32 E32 k4 after (G1 V8 L4)", 32, 4, 1003, after));
+  run_case(make("fp32 E64 k8 plain (G2 L8, full-row sum over 2 lanes)", 64, 8, 2000, nullptr));
+  run_case(make("fp32 E72 k4 sigmoid (G4 filter, 18 of 32 vectors)", 72, 4, 999, sigmoid));
+  run_case(make("fp32 E128 k2 sigmoid norm scaled (G4 filter L2)", 128, 2, 1500, sigmoid_norm_scaled));
+  run_case(make("fp32 E128 k8 norm (G4 sorted L8, two slots per lane)", 128, 8, 1777, norm));
+  run_case(make("fp32 E200 k5 plain (G8 filter L8, 50 of 64 vectors, full-row sum)", 200, 5, 777, nullptr));
+  run_case(make("fp32 E256 k8 norm T 4099 (G8 filter)", 256, 8, 4099, norm));
+  run_case(make("fp32 E256 k2 plain T 65537 (G8 filter L2, several tiles per warp)", 256, 2, 65537, nullptr));
+  run_case(make("fp32 E512 k7 after T 40003 (G16 filter)", 512, 7, 40003, after));
+  Case ties = make("fp32 E256 k8 norm: ties, signed zeros, non-finite rows", 256, 8, 2001, norm);
+  ties.edit_logits = [](std::vector<double>& z) {
+    const size_t E = 256, T = z.size() / E;
+    for (auto& v : z) v = std::round(v * 2.0) / 2.0;  // many exact ties, broken toward the lower id
+    for (size_t t = 0; t < T; t += 7)
+      for (size_t e = 0; e < E; ++e) z[t * E + e] = (e * 5 + t) % 3 == 0 ? -0.0 : 0.0;
+    z[5 * E + 3] = std::numeric_limits<double>::quiet_NaN();
+    z[17 * E + 255] = std::numeric_limits<double>::infinity();
+    z[18 * E + 0] = -std::numeric_limits<double>::infinity();
+    z[2000 * E + 100] = -std::numeric_limits<double>::quiet_NaN();  // the last tile's only row
+  };
+  run_case(ties);
+  Case ties64 = make("fp32 E64 k4 sigmoid: ties and non-finite rows (G2, sorted)", 64, 4, 1001, sigmoid);
+  ties64.edit_logits = [](std::vector<double>& z) {
+    for (auto& v : z) v = std::round(v);
+    z[3 * 64 + 63] = std::numeric_limits<double>::infinity();
+    z[4 * 64 + 0] = -std::numeric_limits<double>::infinity();
+    z[1000 * 64 + 7] = std::numeric_limits<double>::quiet_NaN();
+  };
+  run_case(ties64);
+  Case grid = make("fp32 E256 k4 sigmoid: ties at the filter's threshold, constant rows", 256, 4, 3001, sigmoid);
+  grid.edit_logits = [](std::vector<double>& z) {
+    const size_t E = 256, T = z.size() / E;
+    for (auto& v : z) v = std::round(v * 16.0) / 16.0;
+    for (size_t t = 0; t < T; t += 37)
+      for (size_t e = 0; e < E; ++e) z[t * E + e] = 0.25;
+  };
+  run_case(grid);
+  Case mis = make("fp32 E256 k8 misaligned logits (general kernel)", 256, 8, 555, norm);
+  mis.offset = 1;
+  run_case(mis);
+}
+
 // The group-limit layouts, one test each so that a failure names its layout.
 // bf16 without a bias (32-bit keys) and group limit: fast path (16 experts per group: 2 lanes of a
 // group of 8 lanes per row, four rows per warp).
