@@ -95,8 +95,8 @@ struct RouterForwardArgs {
 // Runs the forward: the plain top-k kernel where it applies (router_topk_rows_apply), else the
 // general row kernel and, with a capacity or rounding, the select pass.
 void launch_router_forward(const RouterForwardArgs& a, cudaStream_t stream);
-// The plain top-k kernel (router_topk_rows.cu): bf16 logits in 16-byte vector rows (RouterRowParams
-// vec), E <= 512, k <= 8, top-k form, no bias, group limit, loss, capacity or rounding.
+// The plain top-k kernel (router_topk_rows.cu): bf16 or fp32 logits in 16-byte vector rows
+// (RouterRowParams vec), E <= 512, k <= 8, top-k form, no bias, group limit, loss, capacity or rounding.
 bool router_topk_rows_apply(const RouterForwardArgs& a);
 void launch_router_topk_rows(const RouterForwardArgs& a, cudaStream_t stream);
 

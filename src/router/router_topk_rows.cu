@@ -1,7 +1,8 @@
-// The router's forward for plain top-k routing of bf16 logits (docs/router.md, "Plain top-k"):
-// softmax (before top-k, renormalised or not, or over the k chosen logits) or sigmoid, a scaling
-// factor, no expert bias, no group limit, no loss, no capacity or rounding, k <= 8, E <= 512 with
-// 16-byte vector rows (the general kernel's: E a multiple of 8, of 16 above 256). Everything else runs the general row kernel (router_forward.cu).
+// The router's forward for plain top-k routing of bf16 or fp32 logits (docs/router.md, "Plain
+// top-k"): softmax (before top-k, renormalised or not, or over the k chosen logits) or sigmoid, a
+// scaling factor, no expert bias, no group limit, no loss, no capacity or rounding, k <= 8, E <= 512
+// with 16-byte vector rows (the general kernel's: E a multiple of 8, of 16 above 256). Everything
+// else runs the general row kernel (router_forward.cu).
 //
 // Why a kernel of its own: the general kernel gives each row a group of up to 32 lanes and selects
 // by k rounds of a group max over presorted lane keys; at E = 256 that is ~830 warp instructions
@@ -35,8 +36,10 @@
 // Measured against sorting every vector (docs/router.md): 1.03-1.13x at E = 256 (k = 2 and 8) and
 // at E = 128 with k = 2; nothing at E = 128 with k = 8 (there a threshold from each lane's two
 // largest logits) and slower at E = 64, which keep the sort.
-// Keys are the general kernel's Key32 (bf16 value, then the lower expert id), so the selection is
-// the same bit for bit. Selection counts go to a shared histogram, then to the router's scratch
+// fp32 logits take the same steps with 16-byte vectors of 4 experts (V = 8 per lane) and 64-bit keys
+// (Key64: fp32 value, then the lower expert id); a lane's vectors are sorted two at a time (8 keys),
+// and NaN-propagating max / min give the non-finite test on both paths.
+// Keys are the general kernel's Key32 / Key64, so the selection is the same bit for bit. Selection counts go to a shared histogram, then to the router's scratch
 // accumulator; the last block writes the counts and clears it (as the general kernel does).
 #include <algorithm>
 #include <type_traits>
