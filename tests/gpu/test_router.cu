@@ -562,6 +562,39 @@ TEST(Router, LaneGroupLayouts) {
   }));
 }
 
+// Score forms of the plain top-k kernel's cases.
+void norm(RouterConfig& c) { c.normalize_topk = true; }
+void after(RouterConfig& c) { c.softmax_after_topk = true; }
+void sigmoid(RouterConfig& c) { c.score = ScoreFunction::kSigmoid; }
+void sigmoid_norm_scaled(RouterConfig& c) {
+  c.score = ScoreFunction::kSigmoid;
+  c.normalize_topk = true;
+  c.scaling_factor = 2.5f;
+}
+
+// Logits on a 1/2 grid (many exact ties, broken toward the lower id), every 7th row signed zeros,
+// and non-finite rows: NaN, +inf, -inf, and a negative NaN in the last row (T = 2001).
+void ties_signed_zeros_non_finite_256(std::vector<double>& z) {
+  const size_t E = 256, T = z.size() / E;
+  for (auto& v : z) v = std::round(v * 2.0) / 2.0;
+  for (size_t t = 0; t < T; t += 7)
+    for (size_t e = 0; e < E; ++e) z[t * E + e] = (e * 5 + t) % 3 == 0 ? -0.0 : 0.0;
+  z[5 * E + 3] = std::numeric_limits<double>::quiet_NaN();
+  z[17 * E + 255] = std::numeric_limits<double>::infinity();
+  z[18 * E + 0] = -std::numeric_limits<double>::infinity();
+  z[(T - 1) * E + 100] = -std::numeric_limits<double>::quiet_NaN();  // the last tile's only row
+}
+
+// Logits on a 1/16 grid (ties at the filter's threshold, a lane's candidates inserted in any
+// order), and every 37th row constant (every logit a candidate: those warps take the sorted path,
+// the others the filter, in one launch).
+void threshold_ties_constant_rows_256(std::vector<double>& z) {
+  const size_t E = 256, T = z.size() / E;
+  for (auto& v : z) v = std::round(v * 16.0) / 16.0;
+  for (size_t t = 0; t < T; t += 37)
+    for (size_t e = 0; e < E; ++e) z[t * E + e] = 0.25;
+}
+
 // The plain top-k kernel (bf16 logits in 16-byte rows, E <= 512, k <= 8, no bias, group limit,
 // loss, capacity or rounding): every layout -- one lane per row with 1, 2 or 4 vectors of 8
 // experts, 2 to 16 lanes per row with 4 vectors (some past E), kept lists of 2, 4 and 8 keys --
@@ -574,14 +607,6 @@ TEST(Router, LaneGroupLayouts) {
 // vector (too many candidates).
 TEST(Router, PlainTopKKernelLayouts) {
   MOE_REQUIRE_GPU();
-  auto norm = [](RouterConfig& c) { c.normalize_topk = true; };
-  auto after = [](RouterConfig& c) { c.softmax_after_topk = true; };
-  auto sigmoid = [](RouterConfig& c) { c.score = ScoreFunction::kSigmoid; };
-  auto sigmoid_norm_scaled = [](RouterConfig& c) {
-    c.score = ScoreFunction::kSigmoid;
-    c.normalize_topk = true;
-    c.scaling_factor = 2.5f;
-  };
   run_case(make("E8 k1 plain (G1 V1 L2)", 8, 1, 1001, nullptr, true));
   run_case(make("E8 k8 = E norm (G1 V1 L8)", 8, 8, 333, norm, true));
   run_case(make("E16 k3 norm (G1 V2 L4)", 16, 3, 517, norm, true));
@@ -596,27 +621,10 @@ TEST(Router, PlainTopKKernelLayouts) {
   run_case(make("E256 k8 norm T 4099 (G8)", 256, 8, 4099, norm, true));
   run_case(make("E512 k7 after T 40003 (G16, several tiles per warp)", 512, 7, 40003, after, true));
   Case ties = make("E256 k8 norm: ties, signed zeros, non-finite rows", 256, 8, 2001, norm, true);
-  ties.edit_logits = [](std::vector<double>& z) {
-    const size_t E = 256, T = z.size() / E;
-    for (auto& v : z) v = std::round(v * 2.0) / 2.0;  // many exact ties, broken toward the lower id
-    for (size_t t = 0; t < T; t += 7)
-      for (size_t e = 0; e < E; ++e) z[t * E + e] = (e * 5 + t) % 3 == 0 ? -0.0 : 0.0;
-    z[5 * E + 3] = std::numeric_limits<double>::quiet_NaN();
-    z[17 * E + 255] = std::numeric_limits<double>::infinity();
-    z[18 * E + 0] = -std::numeric_limits<double>::infinity();
-    z[2000 * E + 100] = -std::numeric_limits<double>::quiet_NaN();  // the last tile's only row
-  };
+  ties.edit_logits = ties_signed_zeros_non_finite_256;
   run_case(ties);
-  // The filter (two or more lanes per row): logits on a 1/16 grid (ties at the threshold, a lane's
-  // candidates inserted in any order), and constant rows in some warps (every logit a candidate:
-  // those warps take the sorted path, the others the filter, in one launch).
   Case grid = make("E256 k4 sigmoid: ties at the filter's threshold, constant rows", 256, 4, 3001, sigmoid, true);
-  grid.edit_logits = [](std::vector<double>& z) {
-    const size_t E = 256, T = z.size() / E;
-    for (auto& v : z) v = std::round(v * 16.0) / 16.0;
-    for (size_t t = 0; t < T; t += 37)
-      for (size_t e = 0; e < E; ++e) z[t * E + e] = 0.25;
-  };
+  grid.edit_logits = threshold_ties_constant_rows_256;
   run_case(grid);
   Case ties8 = make("E8 k2 norm: ties and non-finite rows, one lane per row", 8, 2, 999, norm, true);
   ties8.edit_logits = [](std::vector<double>& z) {
@@ -635,14 +643,6 @@ TEST(Router, PlainTopKKernelLayouts) {
 // constant rows (those warps sort every vector); misaligned logits (the general kernel).
 TEST(Router, PlainTopKKernelLayoutsFp32) {
   MOE_REQUIRE_GPU();
-  auto norm = [](RouterConfig& c) { c.normalize_topk = true; };
-  auto after = [](RouterConfig& c) { c.softmax_after_topk = true; };
-  auto sigmoid = [](RouterConfig& c) { c.score = ScoreFunction::kSigmoid; };
-  auto sigmoid_norm_scaled = [](RouterConfig& c) {
-    c.score = ScoreFunction::kSigmoid;
-    c.normalize_topk = true;
-    c.scaling_factor = 2.5f;
-  };
   run_case(make("fp32 E8 k1 plain (G1 V2 L2)", 8, 1, 1001, nullptr));
   run_case(make("fp32 E8 k8 = E norm (G1 V2 L8)", 8, 8, 333, norm));
   run_case(make("fp32 E16 k3 norm (G1 V4 L4)", 16, 3, 517, norm));
@@ -657,16 +657,7 @@ TEST(Router, PlainTopKKernelLayoutsFp32) {
   run_case(make("fp32 E256 k2 plain T 65537 (G8 filter L2, several tiles per warp)", 256, 2, 65537, nullptr));
   run_case(make("fp32 E512 k7 after T 40003 (G16 filter)", 512, 7, 40003, after));
   Case ties = make("fp32 E256 k8 norm: ties, signed zeros, non-finite rows", 256, 8, 2001, norm);
-  ties.edit_logits = [](std::vector<double>& z) {
-    const size_t E = 256, T = z.size() / E;
-    for (auto& v : z) v = std::round(v * 2.0) / 2.0;  // many exact ties, broken toward the lower id
-    for (size_t t = 0; t < T; t += 7)
-      for (size_t e = 0; e < E; ++e) z[t * E + e] = (e * 5 + t) % 3 == 0 ? -0.0 : 0.0;
-    z[5 * E + 3] = std::numeric_limits<double>::quiet_NaN();
-    z[17 * E + 255] = std::numeric_limits<double>::infinity();
-    z[18 * E + 0] = -std::numeric_limits<double>::infinity();
-    z[2000 * E + 100] = -std::numeric_limits<double>::quiet_NaN();  // the last tile's only row
-  };
+  ties.edit_logits = ties_signed_zeros_non_finite_256;
   run_case(ties);
   Case ties64 = make("fp32 E64 k4 sigmoid: ties and non-finite rows (G2, sorted)", 64, 4, 1001, sigmoid);
   ties64.edit_logits = [](std::vector<double>& z) {
@@ -677,12 +668,7 @@ TEST(Router, PlainTopKKernelLayoutsFp32) {
   };
   run_case(ties64);
   Case grid = make("fp32 E256 k4 sigmoid: ties at the filter's threshold, constant rows", 256, 4, 3001, sigmoid);
-  grid.edit_logits = [](std::vector<double>& z) {
-    const size_t E = 256, T = z.size() / E;
-    for (auto& v : z) v = std::round(v * 16.0) / 16.0;
-    for (size_t t = 0; t < T; t += 37)
-      for (size_t e = 0; e < E; ++e) z[t * E + e] = 0.25;
-  };
+  grid.edit_logits = threshold_ties_constant_rows_256;
   run_case(grid);
   Case mis = make("fp32 E256 k8 misaligned logits (general kernel)", 256, 8, 555, norm);
   mis.offset = 1;
