@@ -8,8 +8,8 @@
 // by k rounds of a group max over presorted lane keys; at E = 256 that is ~830 warp instructions
 // per row, most of them the rounds, the full-row softmax and the variants' bookkeeping, and the
 // kernel is bound by instruction issue (Nsight Compute). Here a row has G lanes (E / 32 rounded up
-// to a power of two, at least 1), each lane owns V (up to 4) 16-byte vectors of 8 experts, and
-// top-k is a merge of sorted lists:
+// to a power of two, at least 1), each lane owns V (up to 4) 16-byte vectors of 8 bf16 experts
+// (fp32: below), and top-k is a merge of sorted lists:
 //   - each vector's 8 keys are sorted by a fixed 19-exchange network, and the lane keeps the top L
 //     (L = 2, 4 or 8 >= k) of its vectors by bitonic merges (a max against the other list reversed,
 //     then log2(L) exchange stages);
@@ -39,8 +39,9 @@
 // fp32 logits take the same steps with 16-byte vectors of 4 experts (V = 8 per lane) and 64-bit keys
 // (Key64: fp32 value, then the lower expert id); a lane's vectors are sorted two at a time (8 keys),
 // and NaN-propagating max / min give the non-finite test on both paths.
-// Keys are the general kernel's Key32 / Key64, so the selection is the same bit for bit. Selection counts go to a shared histogram, then to the router's scratch
-// accumulator; the last block writes the counts and clears it (as the general kernel does).
+// Keys are the general kernel's Key32 / Key64, so the selection is the same bit for bit. Selection
+// counts go to a shared histogram, then to the router's scratch accumulator; the last block writes
+// the counts and clears it (as the general kernel does).
 #include <algorithm>
 #include <type_traits>
 
