@@ -1,6 +1,7 @@
 // moe::Dispatcher: argument checks, the plan layout in caller-owned state, and the kernel launches.
 #include <algorithm>
 #include <limits>
+#include <string>
 #include <tuple>
 
 #include "device/cuda_check.h"
@@ -76,6 +77,22 @@ struct Dispatcher::Impl {
     MOE_CHECK(is_arith_dtype(cfg.row_dtype), "Dispatcher::", op, ": row dtype ", dtype_name(cfg.row_dtype),
               " moves through permute only; expected bf16, fp16 or fp32");
   }
+
+  // Token chunks' windows: row_begin [chunks][E], offsets [chunks][E + 1], local rows [T_max, slots].
+  int64_t windows_size(int chunks) const {
+    MOE_CHECK(chunks >= 1, "argument 'chunks': expected >= 1, got ", chunks);
+    return chunks * (2 * int64_t{cfg.num_experts} + 1) + cfg.max_tokens * slots;
+  }
+  // What a sum of one token chunk's rows (unpermute_chunk, permute_backward_chunk) checks and reads:
+  // the plan, the windows, the piece's packed rows `rows` and the [T, H] output `out`.
+  struct PieceSum {
+    PlanLayout plan;
+    int64_t T = 0;
+    int64_t t0 = 0, n = 0;          // the piece's tokens [t0, t0 + n)
+    const int32_t* local = nullptr;  // their slots' rows in the piece's packed rows
+  };
+  PieceSum piece_sum(const SavedState& plan, const TensorView& windows, int chunks, int chunk, const TensorView& rows,
+                     const char* rows_name, const TensorView& out, const char* out_name, const char* op) const;
 };
 
 Dispatcher::Dispatcher(const DispatcherConfig& config) : impl_(std::make_unique<Impl>()) {
@@ -240,12 +257,7 @@ int64_t Dispatcher::chunk_tokens(int64_t T, int chunks) {
   return std::max<int64_t>(1, (T + chunks - 1) / chunks);
 }
 
-// Layout of the windows: row_begin [chunks][E], offsets [chunks][E + 1], local rows [T_max, slots].
-int64_t Dispatcher::chunk_windows_size(int chunks) const {
-  MOE_CHECK(chunks >= 1, "argument 'chunks': expected >= 1, got ", chunks);
-  const int64_t E = impl_->cfg.num_experts;
-  return chunks * (2 * E + 1) + impl_->cfg.max_tokens * impl_->slots;
-}
+int64_t Dispatcher::chunk_windows_size(int chunks) const { return impl_->windows_size(chunks); }
 
 namespace {
 int32_t* window_part(const TensorView& windows, int chunks, int64_t E, int part) {
@@ -299,37 +311,35 @@ TensorView Dispatcher::chunk_slot_rows(const TensorView& windows, int chunks, in
                     Device::kCUDA);
 }
 
-// The tokens of piece `chunk` of a plan of T tokens: [*t0, *t0 + *n).
-static void chunk_token_range(int64_t T, int chunks, int chunk, int64_t* t0, int64_t* n) {
+Dispatcher::Impl::PieceSum Dispatcher::Impl::piece_sum(const SavedState& plan, const TensorView& windows, int chunks,
+                                                       int chunk, const TensorView& rows, const char* rows_name,
+                                                       const TensorView& out, const char* out_name,
+                                                       const char* op) const {
+  PieceSum r;
+  r.plan = filled(plan, (std::string("Dispatcher::") + op).c_str(), &r.T);
+  require_arith(op);
+  check_device_tensor(windows, "windows", DType::kInt32, {windows_size(chunks)}, 4);
   MOE_CHECK(chunk >= 0 && chunk < chunks, "argument 'chunk': expected 0..", chunks - 1, ", got ", chunk);
-  const int64_t Tc = Dispatcher::chunk_tokens(T, chunks);
-  *t0 = std::min(T, chunk * Tc);
-  *n = std::min(T, *t0 + Tc) - *t0;
-}
-
-// A piece's packed rows: at most its Tc tokens' slots (and R); the rows the combine may read.
-static void check_piece_rows(const TensorView& rows, const char* name, int64_t T, int chunks, int slots, int64_t R) {
-  const int64_t need = std::min(R, Dispatcher::chunk_tokens(T, chunks) * slots);
-  MOE_CHECK(rows.shape[0] >= need, "argument '", name, "': a piece of ", Dispatcher::chunk_tokens(T, chunks),
-            " tokens may have ", need, " packed rows, got ", rows.shape[0]);
+  MOE_CHECK(rows.ndim == 2, "argument '", rows_name, "': expected [rows, ", cfg.hidden, "], got ",
+            rows.shape_string());
+  check_rows(rows, rows_name, rows.shape[0]);
+  // A piece's packed rows: at most its Tc tokens' slots (and R); the rows the combine may read.
+  const int64_t Tc = Dispatcher::chunk_tokens(r.T, chunks), need = std::min(R, Tc * slots);
+  MOE_CHECK(rows.shape[0] >= need, "argument '", rows_name, "': a piece of ", Tc, " tokens may have ", need,
+            " packed rows, got ", rows.shape[0]);
+  check_rows(out, out_name, r.T);
+  r.t0 = std::min(r.T, chunk * Tc);
+  r.n = std::min(r.T, r.t0 + Tc) - r.t0;
+  r.local = window_part(windows, chunks, cfg.num_experts, 2) + r.t0 * slots;
+  return r;
 }
 
 void Dispatcher::unpermute_chunk(const SavedState& plan, const TensorView& windows, int chunks, int chunk,
                                  const TensorView& Y_chunk, const TensorView& y, cudaStream_t stream) const {
   const Impl& m = *impl_;
-  int64_t T = 0;
-  m.filled(plan, "Dispatcher::unpermute_chunk", &T);
-  m.require_arith("unpermute_chunk");
-  check_device_tensor(windows, "windows", DType::kInt32, {chunk_windows_size(chunks)}, 4);
-  MOE_CHECK(Y_chunk.ndim == 2, "argument 'Y_chunk': expected [rows, ", m.cfg.hidden, "], got ", Y_chunk.shape_string());
-  m.check_rows(Y_chunk, "Y_chunk", Y_chunk.shape[0]);
-  check_piece_rows(Y_chunk, "Y_chunk", T, chunks, m.slots, m.R);
-  m.check_rows(y, "y", T);
-  int64_t t0 = 0, n = 0;
-  chunk_token_range(T, chunks, chunk, &t0, &n);
-  const int32_t* local = window_part(windows, chunks, m.cfg.num_experts, 2) + t0 * m.slots;
-  void* y0 = static_cast<char*>(y.data) + dtype_bytes(m.cfg.row_dtype, t0 * m.cfg.hidden);
-  kernels::launch_combine(m.cfg.row_dtype, Y_chunk.data, y0, m.cfg.hidden, local, m.slots, static_cast<int32_t>(n),
+  const Impl::PieceSum p = m.piece_sum(plan, windows, chunks, chunk, Y_chunk, "Y_chunk", y, "y", "unpermute_chunk");
+  void* y0 = static_cast<char*>(y.data) + dtype_bytes(m.cfg.row_dtype, p.t0 * m.cfg.hidden);
+  kernels::launch_combine(m.cfg.row_dtype, Y_chunk.data, y0, m.cfg.hidden, p.local, m.slots, static_cast<int32_t>(p.n),
                           nullptr, nullptr, nullptr, nullptr, stream);
 }
 
@@ -337,25 +347,16 @@ void Dispatcher::permute_backward_chunk(const SavedState& plan, const TensorView
                                         const TensorView& d_x_perm_chunk, const TensorView& dx, cudaStream_t stream,
                                         const TensorView* d_probs_perm, const TensorView* dprobs) const {
   const Impl& m = *impl_;
-  int64_t T = 0;
-  const PlanLayout p = m.filled(plan, "Dispatcher::permute_backward_chunk", &T);
-  m.require_arith("permute_backward_chunk");
-  check_device_tensor(windows, "windows", DType::kInt32, {chunk_windows_size(chunks)}, 4);
-  MOE_CHECK(d_x_perm_chunk.ndim == 2, "argument 'd_x_perm_chunk': expected [rows, ", m.cfg.hidden, "], got ",
-            d_x_perm_chunk.shape_string());
-  m.check_rows(d_x_perm_chunk, "d_x_perm_chunk", d_x_perm_chunk.shape[0]);
-  check_piece_rows(d_x_perm_chunk, "d_x_perm_chunk", T, chunks, m.slots, m.R);
-  m.check_rows(dx, "dx", T);
+  const Impl::PieceSum p = m.piece_sum(plan, windows, chunks, chunk, d_x_perm_chunk, "d_x_perm_chunk", dx, "dx",
+                                       "permute_backward_chunk");
   if (d_probs_perm) check_device_tensor(*d_probs_perm, "d_probs_perm", DType::kFP32, {m.R}, 4);
-  if (dprobs) check_device_tensor(*dprobs, "dprobs", DType::kFP32, {T, m.slots}, 4);
-  int64_t t0 = 0, n = 0;
-  chunk_token_range(T, chunks, chunk, &t0, &n);
-  const int32_t* local = window_part(windows, chunks, m.cfg.num_experts, 2) + t0 * m.slots;
-  void* dx0 = static_cast<char*>(dx.data) + dtype_bytes(m.cfg.row_dtype, t0 * m.cfg.hidden);
-  kernels::launch_combine(m.cfg.row_dtype, d_x_perm_chunk.data, dx0, m.cfg.hidden, local, m.slots,
-                          static_cast<int32_t>(n), nullptr, nullptr,
+  if (dprobs) check_device_tensor(*dprobs, "dprobs", DType::kFP32, {p.T, m.slots}, 4);
+  void* dx0 = static_cast<char*>(dx.data) + dtype_bytes(m.cfg.row_dtype, p.t0 * m.cfg.hidden);
+  kernels::launch_combine(m.cfg.row_dtype, d_x_perm_chunk.data, dx0, m.cfg.hidden, p.local, m.slots,
+                          static_cast<int32_t>(p.n), nullptr, nullptr,
                           d_probs_perm ? d_probs_perm->ptr<float>() : nullptr,
-                          dprobs ? dprobs->ptr<float>() + t0 * m.slots : nullptr, stream, p.slot_row + t0 * m.slots);
+                          dprobs ? dprobs->ptr<float>() + p.t0 * m.slots : nullptr, stream,
+                          p.plan.slot_row + p.t0 * m.slots);
 }
 
 namespace {
