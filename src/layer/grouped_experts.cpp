@@ -451,6 +451,8 @@ struct GroupedExperts::Impl {
   void run_windows(GemmOp op, const SavedState& state, std::initializer_list<StateStatus> statuses,
                    const TensorView& row_begin, const TensorView& offsets, const TensorView& out, const char* call,
                    cudaStream_t s);
+  // fc1's weight gradient from dh (written over h), the state consumed, the hooks.
+  void finish_fc1(const SavedState& state, const Saved& v, cudaStream_t s);
   // After fc2's gradients: fc1 dgrad, then (unless delayed) fc1's weight gradients and the hooks.
   void finish_backward(const SavedState& state, const Saved& v, const TensorView& dY, const TensorView& dx_perm,
                        cudaStream_t s);
@@ -795,20 +797,20 @@ void GroupedExperts::Impl::finish_backward(const SavedState& state, const Saved&
     dgrad(1, dh, v.g, dx_perm, s);
   }
   StateHeader& h = state.header(0);
-  if (cfg.delay_wgrad) {
-    h.reserved[2] = reinterpret_cast<uint64_t>(dY.data);
+  // Delayed: backward_dw runs fc1's weight gradient. Windows: finish_row_windows runs it and the
+  // hooks after the caller's fc1_dgrad_rows, so every read of the weights is enqueued before a hook
+  // runs, as without windows.
+  if (cfg.delay_wgrad || cfg.row_windows) {
+    if (cfg.delay_wgrad) h.reserved[2] = reinterpret_cast<uint64_t>(dY.data);
     h.status = static_cast<int32_t>(StateStatus::kAwaitingWgrad);
     return;
   }
-  if (cfg.row_windows) {
-    // fc1's weight gradient and the hooks wait for finish_row_windows, after the caller's
-    // fc1_dgrad_rows: every read of the weights is then enqueued before a hook runs, as without
-    // windows.
-    h.status = static_cast<int32_t>(StateStatus::kAwaitingWgrad);
-    return;
-  }
-  wgrad_fc1(dh, v, s);
-  h.status = static_cast<int32_t>(StateStatus::kConsumed);  // h holds dh (and act dact when unfused)
+  finish_fc1(state, v, s);
+}
+
+void GroupedExperts::Impl::finish_fc1(const SavedState& state, const Saved& v, cudaStream_t s) {
+  wgrad_fc1(bf16_view(v.b.h, v.rows, cfg.fc1_out()), v, s);  // dh, written over h
+  state.header(0).status = static_cast<int32_t>(StateStatus::kConsumed);  // h holds dh (and act dact when unfused)
   for (Param p : kHookOrder) fire_hooks(p);
 }
 
@@ -939,10 +941,7 @@ void GroupedExperts::finish_row_windows(const SavedState& state, cudaStream_t s)
   check_state_capacity(state, "state", m.state_bytes, kStateHeaders);
   check_state(state, "state", m.serial, StateKind::kExperts, {StateStatus::kAwaitingWgrad}, kCall);
   MOE_CHECK(m.have_grads, kCall, ": no gradient tensors bound (call set_grads first)");
-  const Impl::Saved v = m.saved(state);
-  m.wgrad_fc1(bf16_view(v.b.h, v.rows, m.cfg.fc1_out()), v, s);  // dh, written over h
-  state.header(0).status = static_cast<int32_t>(StateStatus::kConsumed);
-  for (Param p : kHookOrder) m.fire_hooks(p);
+  m.finish_fc1(state, m.saved(state), s);
 }
 
 void GroupedExperts::backward_dw(const SavedState& state, cudaStream_t s) {
