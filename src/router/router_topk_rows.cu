@@ -296,11 +296,11 @@ __device__ __forceinline__ uint32_t candidate_mask_fp32(const uint4 (&raw)[V], f
   return mask;
 }
 
-// The filtered bf16 tiles with k <= 2 at E <= 256: the cheapest, which take the one-wave grid and
-// load each tile's logits a tile ahead (measured, docs/router.md). (fp32 would hold twice the
-// registers for the tile ahead.)
-template <class In, int G, int L, bool kFilter>
-constexpr bool kCheapTiles = std::is_same_v<In, __nv_bfloat16> && kFilter && L == 2 && G <= 8;
+// The filtered tiles with k <= 2 at E <= 256: the cheapest, which take the one-wave grid and (bf16)
+// load each tile's logits a tile ahead (measured, docs/router.md; fp32 would hold twice the
+// registers for the tile ahead, and its one-wave grid alone was 1.12x faster at E = 128).
+template <int G, int L, bool kFilter>
+constexpr bool kCheapTiles = kFilter && L == 2 && G <= 8;
 
 // In: the logits' type (bf16 or fp32). G lanes per row, V 16-byte vectors per lane (vector c =
 // i G + lane_g of the row: a warp's load i covers G consecutive vectors of each of its 32 / G rows),
@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
   constexpr int RPW = 32 / G;
   // The cheapest tiles run on a one-wave grid (launch_kernel below), about four per warp: each
   // tile's logits are loaded while the warp works on the one before (16 registers, 64 in all).
-  constexpr bool kPrefetch = kCheapTiles<In, G, L, kFilter>;
+  constexpr bool kPrefetch = kBF16 && kCheapTiles<G, L, kFilter>;
   constexpr int kS = L >= G ? L / G : 1;  // output slots per lane
   static_assert(!kFilter || (G >= 2 && V * P == 32), "the filter's masks hold a lane's 32 logits");
   __shared__ int32_t hist[kMaxExperts];
@@ -559,7 +559,7 @@ template <class In, int G, int V, int L, bool kFilter>
 void launch_kernel(const RouterForwardArgs& a, int64_t tiles, cudaStream_t stream) {
   const auto kernel = topk_rows_kernel<In, G, V, L, kFilter>;
   const unsigned blocks =
-      kCheapTiles<In, G, L, kFilter>
+      kCheapTiles<G, L, kFilter>
           ? one_wave_grid_x(reinterpret_cast<const void*>(kernel), kThreads, tiles, kRouterWarps)
           : static_cast<unsigned>(std::clamp<int64_t>((tiles + kRouterWarps - 1) / kRouterWarps, 1, kRouterMaxBlocks));
   kernel<<<blocks, kThreads, 0, stream>>>(a);
