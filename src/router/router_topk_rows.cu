@@ -580,8 +580,12 @@ void launch_for_list(const RouterForwardArgs& a, int64_t tiles, cudaStream_t str
 // The candidate filter where k <= G (its threshold needs k lane maxima).
 template <class In, int G, int V>
 void launch_filtered(const RouterForwardArgs& a, int64_t tiles, cudaStream_t stream) {
-  if (a.p.k <= G) return launch_for_list<In, G, V, true>(a, tiles, stream);
-  return launch_for_list<In, G, V, false>(a, tiles, stream);
+  if constexpr (G >= kMaxK) {  // k <= kMaxK <= G: the sorting kernels of this G would never run
+    return launch_for_list<In, G, V, true>(a, tiles, stream);
+  } else {
+    if (a.p.k <= G) return launch_for_list<In, G, V, true>(a, tiles, stream);
+    return launch_for_list<In, G, V, false>(a, tiles, stream);
+  }
 }
 
 // Lanes per row and vectors per lane: kExpertsPerLane experts per lane (V vectors of P), one lane per
@@ -603,8 +607,6 @@ void launch_for_type(const RouterForwardArgs& a, cudaStream_t stream) {
     case 1:
       if (V == kMinV) return launch_for_list<In, 1, kMinV, false>(a, tiles, stream);
       if (V == 2 * kMinV) return launch_for_list<In, 1, 2 * kMinV, false>(a, tiles, stream);
-      if constexpr (4 * kMinV < VL)
-        if (V == 4 * kMinV) return launch_for_list<In, 1, 4 * kMinV, false>(a, tiles, stream);
       return launch_for_list<In, 1, VL, false>(a, tiles, stream);
     case 2: return launch_for_list<In, 2, VL, false>(a, tiles, stream);  // the filter measured slower here
     case 4: return launch_filtered<In, 4, VL>(a, tiles, stream);

@@ -557,8 +557,9 @@ TEST(Router, LaneGroupLayouts) {
     c.aux_loss_coeff = 0.01f;
     c.z_loss_coeff = 0.001f;
   }, true));
-  run_case(make("E256 k8 fp32 T 9001 softmax after", 256, 8, 9001, [](RouterConfig& c) {
+  run_case(make("E256 k8 fp32 T 9001 softmax after, z-loss (general kernel)", 256, 8, 9001, [](RouterConfig& c) {
     c.softmax_after_topk = true;
+    c.z_loss_coeff = 0.001f;
   }));
 }
 
@@ -670,6 +671,31 @@ TEST(Router, PlainTopKKernelLayoutsFp32) {
   Case grid = make("fp32 E256 k4 sigmoid: ties at the filter's threshold, constant rows", 256, 4, 3001, sigmoid);
   grid.edit_logits = threshold_ties_constant_rows_256;
   run_case(grid);
+  run_case(make("fp32 E256 k1 plain (G8 filter, the threshold is the row's max; slots one by one)", 256, 1, 1001,
+                nullptr));
+  run_case(make("fp32 E320 k2 sigmoid (G16 filter L2, 80 of 128 vectors)", 320, 2, 3001, sigmoid));
+  run_case(make("fp32 E400 k4 norm (G16 filter L4, 100 of 128 vectors)", 400, 4, 2001, norm));
+  Case ties8 = make("fp32 E8 k2 norm: ties and non-finite rows, one lane per row", 8, 2, 999, norm);
+  ties8.edit_logits = [](std::vector<double>& z) {
+    for (auto& v : z) v = std::round(v);
+    z[3 * 8 + 7] = std::numeric_limits<double>::infinity();
+    z[998 * 8 + 0] = std::numeric_limits<double>::quiet_NaN();
+  };
+  run_case(ties8);
+  // Real logits equal to the filler of vectors past E (the lowest finite float) and to the largest:
+  // whole rows of -FLT_MAX (every logit a candidate), and single ones beside ordinary logits.
+  Case extremes = make("fp32 E200 k4 sigmoid: -FLT_MAX rows and +-FLT_MAX logits", 200, 4, 1501, sigmoid);
+  extremes.edit_logits = [](std::vector<double>& z) {
+    const size_t E = 200, T = z.size() / E;
+    const double lowest = std::numeric_limits<float>::lowest(), largest = std::numeric_limits<float>::max();
+    for (size_t t = 0; t < T; t += 11)
+      for (size_t e = 0; e < E; ++e) z[t * E + e] = lowest;
+    for (size_t t = 5; t < T; t += 13) {
+      z[t * E + (t % E)] = largest;
+      z[t * E + ((t * 7) % E)] = lowest;
+    }
+  };
+  run_case(extremes);
   Case mis = make("fp32 E256 k8 misaligned logits (general kernel)", 256, 8, 555, norm);
   mis.offset = 1;
   run_case(mis);
