@@ -104,9 +104,18 @@ __device__ __forceinline__ void store_slots(T* dst, const T (&v)[n]) {
 __device__ __forceinline__ __nv_bfloat162 as_bf162(uint32_t w) { return *reinterpret_cast<const __nv_bfloat162*>(&w); }
 
 // The k-th largest of the G lanes' values v (every lane of the group gets it): a bitonic sort across
-// the group, descending by lane, then lane k - 1's value.
+// the group, descending by lane, then lane k - 1's value; for k = G (the minimum) and k = 1 (the
+// maximum) a butterfly, a fifth of the sort's instructions.
 template <int G>
 __device__ __forceinline__ float group_kth_largest(float v, int k, int lane_g) {
+  if (k == G || k == 1) {  // k is the kernel's argument: the whole warp takes the same branch
+#pragma unroll
+    for (int o = 1; o < G; o *= 2) {
+      const float u = __shfl_xor_sync(kFull, v, o);
+      v = k == 1 ? fmaxf(v, u) : fminf(v, u);
+    }
+    return v;
+  }
 #pragma unroll
   for (int size = 2; size <= G; size *= 2)
 #pragma unroll
@@ -151,6 +160,20 @@ struct Logits<float> {
     return __uint_as_float(j == 0 ? r.x : j == 1 ? r.y : j == 2 ? r.z : r.w);
   }
 };
+
+// Entry m S + i of the sorted list (m < M, the lane's own slot; i < S, compile-time): a tree of
+// selects on the bits of m, where indexing the list by m would put it in local memory.
+template <int M, int S, int L, typename K>
+__device__ __forceinline__ K pick_entry(const K (&top)[L], int m, int i) {
+  K c[M];
+#pragma unroll
+  for (int u = 0; u < M; ++u) c[u] = top[u * S + i];
+#pragma unroll
+  for (int width = M, b = 0; width > 1; width /= 2, ++b)
+#pragma unroll
+    for (int u = 0; u < width / 2; ++u) c[u] = (m >> b) & 1 ? c[2 * u + 1] : c[2 * u];
+  return c[0];
+}
 
 // The sorted top L of a lane's V vectors (keys 0 for vectors that are not valid, bit i of
 // `valid`), and the lowest key of its valid vectors.
@@ -411,7 +434,11 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
         for (int i = 0; i < V; ++i) staged[i * kThreads + threadIdx.x] = raw[i];
 #pragma unroll
         for (int j = 0; j < L; ++j) top[j] = 0u;
-        while (mask != 0u) {
+        // Candidate n passes the list's first n + 1 entries only: the rest still hold 0, below every
+        // key (at most kMaxLaneCandidates per lane here, so the unrolled loop takes them all).
+#pragma unroll
+        for (int n = 0; n < kMaxLaneCandidates; ++n) {
+          if (mask == 0u) break;
           const int b = __ffs(mask) - 1;
           mask &= mask - 1u;
           K key;
@@ -428,7 +455,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
             key = Key64::make_id(mine[i * (4 * kThreads) + m], lane_id0 - i * (4 * G) - m);
           }
 #pragma unroll
-          for (int j = 0; j < L; ++j) {  // insertion into the sorted list
+          for (int j = 0; j < (n + 1 < L ? n + 1 : L); ++j) {  // insertion into the sorted list
             const K hi = max(top[j], key);
             key = min(top[j], key);
             top[j] = hi;
@@ -458,17 +485,33 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
     // Every lane of the row now holds its sorted top L; for bf16 the top key tells a +inf or a NaN
     // with the sign bit clear (the sorted path's other half of the non-finite test).
     if constexpr (!kFilter && kBF16) bad = bad || (live && top[0] >= kAboveFinite);
-    float z[L], s[L];
+    // Lane g owns slots g kS .. g kS + kS - 1 (lanes past L / kS own none) and scores those only:
+    // exp(z - max) for a softmax (the row's max is the winner's logit, no bias), the sigmoid
+    // otherwise. The sum the probs are divided by gathers the k scores in slot order, the same
+    // additions as one lane scoring every slot. (Every lane scoring all L slots and dividing, with
+    // its own slots picked at the end, was a quarter of the k = 8 kernel's instructions.)
+    constexpr int M = L / kS;  // lanes that own slots
+    const float mx = Key::value(top[0]);
+    K own[kS];
+    float s[kS];
 #pragma unroll
-    for (int j = 0; j < L; ++j) z[j] = Key::value(top[j]);
-    const float mx = z[0];
-    // Scores of the chosen slots: exp(z - max) for a softmax (the row's max is the winner's logit,
-    // no bias), the sigmoid otherwise; then the sum the probs are divided by.
+    for (int i = 0; i < kS; ++i) {
+      own[i] = pick_entry<M, kS>(top, lane_g & (M - 1), i);
+      const float z = Key::value(own[i]);
+      s[i] = soft ? expf(z - mx) : sigmoid_score(z);
+    }
     float den = 0.0f;
+    if (renorm) {  // a kernel argument: the whole warp takes the same branch
+      const int group_lane0 = (threadIdx.x & 31) & ~(G - 1);
 #pragma unroll
-    for (int j = 0; j < L; ++j) {
-      s[j] = soft ? expf(z[j] - mx) : sigmoid_score(z[j]);
-      if (j < k) den += s[j];
+      for (int j = 0; j < L; ++j) {
+        float sj;
+        if constexpr (G == 1)
+          sj = s[j];
+        else
+          sj = __shfl_sync(kFull, s[j % kS], group_lane0 + j / kS);
+        if (j < k) den += sj;
+      }
     }
     float inv = 1.0f;
     if (full_sum) {  // the softmax's own denominator: every logit of the row, read again (L1 hits)
@@ -485,22 +528,16 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
       inv = 1.0f / group_sum(sum, lanes);
     }
     if (bad) bits |= kErrNonFiniteLogit;
-    // Every lane holds the whole sorted list; lane g writes the kS consecutive slots g kS .. onward,
-    // as vectors where it can, so a warp's consecutive rows leave as contiguous bytes.
+    // Lane g writes its kS consecutive slots g kS .. onward, as vectors where it can, so a warp's
+    // consecutive rows leave as contiguous bytes.
     int ev[kS];
     float pv[kS];
 #pragma unroll
     for (int i = 0; i < kS; ++i) {
-      ev[i] = -1;
-      pv[i] = 0.0f;
-    }
-#pragma unroll
-    for (int j = 0; j < L; ++j) {
-      if (j / kS != lane_g) continue;
       // The general kernel's formulas: a score ex / sum, a renormalised one score / (sum of the k).
-      const float score = full_sum ? __fmul_rn(s[j], inv) : s[j];
-      ev[j % kS] = bad ? -1 : Key::expert(top[j]);
-      pv[j % kS] = bad ? 0.0f : (renorm ? score / den : score) * p.alpha;
+      const float score = full_sum ? __fmul_rn(s[i], inv) : s[i];
+      ev[i] = bad ? -1 : Key::expert(own[i]);
+      pv[i] = bad ? 0.0f : (renorm ? score / den : score) * p.alpha;
     }
     const int j0 = lane_g * kS;
     const bool mine = live && j0 < k;  // the lane owns slots of this row
