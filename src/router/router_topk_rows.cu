@@ -17,7 +17,8 @@
 //     ends with the row's sorted top L -- no rounds;
 //   - a renormalised softmax (or softmax over the chosen logits) needs no full-row softmax: the
 //     row's max is the winner's logit, and the k exponentials cancel the full sum.
-//   - lane g of a row writes L / G consecutive slots (at least one) with 16- or 8-byte stores when
+//   - lane g of a row scores only the L / G consecutive slots it writes (at least one; the sum of
+//     the k scores gathered by shuffles in slot order), with 16- or 8-byte stores when
 //     k = L and the outputs are aligned (one by one otherwise), and at G <= 2 the lanes that chose
 //     one expert in the same slot position add to its count once (match_any):
 //     scalar stores and a shared atomic per row made k = 8 at small E 2x slower.
@@ -26,10 +27,14 @@
 // only its logits at or above it (candidates; ~2-21 per row of 256 at k = 2..8 for Gaussian
 // logits) enter its list:
 //   - packed bf16 max / min over the lane's words give its largest logit and the non-finite test
-//     (NaN-propagating max and min);
-//   - the threshold is the k-th largest of the G lane maxima (a bitonic sort across the group);
+//     (NaN-propagating max and min), and for k > 2 its second largest;
+//   - the threshold is the k-th largest of the G lane maxima (a bitonic sort across the group, a
+//     butterfly for k = G), for bf16 with k > 2 raised to the ceil(k / 2)-th largest of the lanes'
+//     second largest logits if that is higher (so many lanes hold two logits at or above it: at
+//     E = 256, k = 8, 12 candidates per row instead of 21);
 //   - a packed compare per word gives a 32-bit candidate mask, and the lane inserts each candidate
-//     into its sorted list (the value read back from its row part staged in shared memory);
+//     into the filled part of its sorted list (the value read back from its row part staged in
+//     shared memory);
 //   - a warp in which some lane has more than kMaxLaneCandidates candidates (ties, constant rows)
 //     sorts every vector instead, so the worst case costs what the sort costs.
 // The row's top k is then the same as the sort's (entries past k may differ; nothing reads them).
@@ -63,7 +68,7 @@ constexpr int kMaxExperts = 512;  // 16 lanes x 32 experts
 constexpr int kExpertsPerLane = 32;
 constexpr int kMaxK = 8;
 // The most candidates a lane inserts one by one; a warp with a lane above it sorts every vector (an
-// insertion costs ~35 instructions, sorting and merging a lane's four vectors ~400).
+// insertion costs 20-35 instructions, sorting and merging a lane's four vectors ~470).
 constexpr int kMaxLaneCandidates = 10;
 // Two bf16 -3.39e38 (the lowest finite value): the filter's filler for vectors past E or rows past T
 // (finite, so never taken for a non-finite logit; their candidate bits are cleared).
@@ -213,15 +218,16 @@ __device__ __forceinline__ void lane_top_sorted(const uint4 (&raw)[V], uint32_t 
 
 // The filter's first pass over a lane's 4 V words (vectors past E and rows past T hold kLowestPair):
 // the lane's largest logit, and whether one is NaN or infinite.
-template <int V>
-__device__ __forceinline__ void lane_extremes(const uint4 (&raw)[V], float& first, bool& non_finite) {
-  __nv_bfloat162 m1 = as_bf162(raw[0].x), mn = m1;
+template <int V, bool kSecond>
+__device__ __forceinline__ void lane_extremes(const uint4 (&raw)[V], float& first, float& second, bool& non_finite) {
+  __nv_bfloat162 m1 = as_bf162(raw[0].x), mn = m1, m2 = as_bf162(kLowestPair);
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     const uint32_t w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
 #pragma unroll
     for (int m = i == 0 ? 1 : 0; m < 4; ++m) {
       const __nv_bfloat162 x = as_bf162(w[m]);
+      if constexpr (kSecond) m2 = __hmax2(m2, __hmin2(m1, x));
       m1 = __hmax2_nan(m1, x);  // NaN-propagating: a NaN shows in the test below
       mn = __hmin2_nan(mn, x);
     }
@@ -229,6 +235,7 @@ __device__ __forceinline__ void lane_extremes(const uint4 (&raw)[V], float& firs
   const float a = __low2float(m1), b = __high2float(m1), c = __low2float(mn), d = __high2float(mn);
   non_finite = !(a < INFINITY && b < INFINITY && c > -INFINITY && d > -INFINITY);
   first = fmaxf(a, b);
+  second = kSecond ? fmaxf(fminf(a, b), fmaxf(__low2float(m2), __high2float(m2))) : first;
 }
 
 // Bit w (word w's low half) and bit 16 + w (its high half) of the lane's logits at or above tau.
@@ -319,11 +326,16 @@ __device__ __forceinline__ uint32_t candidate_mask_fp32(const uint4 (&raw)[V], f
   return mask;
 }
 
-// The filtered tiles with k <= 2 at E <= 256: the cheapest, which take the one-wave grid and (bf16)
-// load each tile's logits a tile ahead (measured, docs/router.md; fp32 would hold twice the
-// registers for the tile ahead, and its one-wave grid alone was 1.12x faster at E = 128).
-template <int G, int L, bool kFilter>
-constexpr bool kCheapTiles = kFilter && L == 2 && G <= 8;
+// The configurations that run on a one-wave grid (launch_kernel below): the filtered tiles with
+// k <= 2 at E <= 256, and every bf16 tile at 128 <= E <= 256.
+template <class In, int G, int L, bool kFilter>
+constexpr bool kOneWave = (kFilter && L == 2 && G <= 8) || (std::is_same_v<In, __nv_bfloat16> && G >= 4 && G <= 8);
+// The bf16 filtered tiles at E <= 256 load each tile's logits a tile ahead (16 registers, 64 in all;
+// fp32 would hold 32 more).
+template <class In, int G, bool kFilter>
+constexpr bool kTileAhead = std::is_same_v<In, __nv_bfloat16> && kFilter && G <= 8;
+static_assert(kOneWave<__nv_bfloat16, 4, 8, true> && kOneWave<__nv_bfloat16, 8, 8, true>,
+              "the tile ahead needs several tiles per warp");
 
 // In: the logits' type (bf16 or fp32). G lanes per row, V 16-byte vectors per lane (vector c =
 // i G + lane_g of the row: a warp's load i covers G consecutive vectors of each of its 32 / G rows),
@@ -335,9 +347,9 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
   constexpr bool kBF16 = std::is_same_v<In, __nv_bfloat16>;
   constexpr int P = Logits<In>::kPerVector;
   constexpr int RPW = 32 / G;
-  // The cheapest tiles run on a one-wave grid (launch_kernel below), about four per warp: each
-  // tile's logits are loaded while the warp works on the one before (16 registers, 64 in all).
-  constexpr bool kPrefetch = kBF16 && kCheapTiles<G, L, kFilter>;
+  // On the one-wave grid a warp works on about four tiles: the bf16 filtered ones load each tile's
+  // logits while the warp works on the one before.
+  constexpr bool kPrefetch = kTileAhead<In, G, kFilter>;
   constexpr int kS = L >= G ? L / G : 1;  // output slots per lane
   static_assert(!kFilter || (G >= 2 && V * P == 32), "the filter's masks hold a lane's 32 logits");
   __shared__ int32_t hist[kMaxExperts];
@@ -411,15 +423,20 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
     K top[L];
     bool bad;
     if constexpr (kFilter) {
-      float first;
+      float first, second;
       bool non_finite;
+      // Lanes whose second largest logit is at or above t hold two logits each there, so
+      // ceil(k / 2) of them hold k: a threshold too. (Measured for bf16 only; the fp32 kernels
+      // with lists of 8 already spill a few registers.)
+      constexpr bool kSecond = kBF16 && L >= 4;
       if constexpr (kBF16)
-        lane_extremes<V>(raw, first, non_finite);
+        lane_extremes<V, kSecond>(raw, first, second, non_finite);
       else
         lane_extremes_fp32<V>(raw, first, non_finite);
       const bool any_non_finite = group_any(non_finite, lanes);  // a vote: every lane, never behind &&
       bad = live && any_non_finite;
-      const float tau = group_kth_largest<G>(first, k, lane_g);
+      float tau = group_kth_largest<G>(first, k, lane_g);
+      if constexpr (kSecond) tau = fmaxf(tau, group_kth_largest<G>(second, (k + 1) / 2, lane_g));
       const uint32_t cand = kBF16 ? candidate_mask<V>(raw, tau) : candidate_mask_fp32<V>(raw, tau);
       uint32_t mask = bad ? 0u : cand & (live ? in_row_bits : 0u);
       if (__any_sync(kFull, __popc(mask) > kMaxLaneCandidates)) {
@@ -585,18 +602,19 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
   if (threadIdx.x == 0) a.tickets[0] = 0;
 }
 
-// The grid. With the candidate filter at k <= 2 and E <= 256 (the cheapest tiles), one wave of
-// resident CTAs whose warps loop over the tiles (device/launch_geometry.h): a CTA per eight tiles,
-// capped at kRouterMaxBlocks, left 1.94 waves at T = 65536 (the SMs idle a fifth of the kernel in
-// the partial wave, Nsight Compute) and ended every CTA with a histogram flush; one wave is
-// 1.09-1.13x faster at E = 128 and 256 (docs/router.md). Elsewhere the longer tiles balance better
-// as they were (one wave was up to 3% slower at k = 8, and at E = 64), so they keep a CTA per eight
+// The grid. With the candidate filter at k <= 2 and E <= 256 (the cheapest tiles) and for bf16 at
+// 128 <= E <= 256, one wave of resident CTAs whose warps loop over the tiles
+// (device/launch_geometry.h): a CTA per eight tiles, capped at kRouterMaxBlocks, left 1.94 waves at
+// T = 65536 (the SMs idle a fifth of the kernel in the partial wave, Nsight Compute) and ended every
+// CTA with a histogram flush; one wave is 1.09-1.13x faster at E = 128 and 256 with k = 2, and with
+// the tile ahead 1.03-1.04x at k = 8 (docs/router.md). Elsewhere the longer tiles balance better as
+// they were (fp32 with k = 8 and E = 64 ran 1-3% slower on one wave), so they keep a CTA per eight
 // tiles; E = 512 was not measured and keeps it too.
 template <class In, int G, int V, int L, bool kFilter>
 void launch_kernel(const RouterForwardArgs& a, int64_t tiles, cudaStream_t stream) {
   const auto kernel = topk_rows_kernel<In, G, V, L, kFilter>;
   const unsigned blocks =
-      kCheapTiles<G, L, kFilter>
+      kOneWave<In, G, L, kFilter>
           ? one_wave_grid_x(reinterpret_cast<const void*>(kernel), kThreads, tiles, kRouterWarps)
           : static_cast<unsigned>(std::clamp<int64_t>((tiles + kRouterWarps - 1) / kRouterWarps, 1, kRouterMaxBlocks));
   kernel<<<blocks, kThreads, 0, stream>>>(a);
