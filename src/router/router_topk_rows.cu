@@ -29,8 +29,8 @@
 //   - packed bf16 max / min over the lane's words give its largest logit and the non-finite test
 //     (NaN-propagating max and min), and for k > 2 its second largest;
 //   - the threshold is the k-th largest of the G lane maxima (a bitonic sort across the group, a
-//     butterfly for k = G), for bf16 with k > 2 raised to the ceil(k / 2)-th largest of the lanes'
-//     second largest logits if that is higher (so many lanes hold two logits at or above it: at
+//     butterfly for k = G), for k > 2 raised to the ceil(k / 2)-th largest of the lanes' second
+//     largest logits if that is higher (so many lanes hold two logits at or above it: at
 //     E = 256, k = 8, 12 candidates per row instead of 21);
 //   - a packed compare per word gives a 32-bit candidate mask, and the lane inserts each candidate
 //     into the filled part of its sorted list (the value read back from its row part staged in
@@ -48,6 +48,7 @@
 // counts go to a shared histogram, then to the router's scratch accumulator; the last block writes
 // the counts and clears it (as the general kernel does).
 #include <algorithm>
+#include <cfloat>
 #include <type_traits>
 
 #include "device/cuda_check.h"
@@ -299,19 +300,22 @@ __device__ __forceinline__ float fmin_nan(float a, float b) {
 
 // fp32 logits: the lane's largest logit and whether one is NaN or infinite (vectors past E and rows
 // past T hold the lowest finite value).
-template <int V>
-__device__ __forceinline__ void lane_extremes_fp32(const uint4 (&raw)[V], float& first, bool& non_finite) {
-  float mx = Logits<float>::at(raw[0], 0), mn = mx;
+template <int V, bool kSecond>
+__device__ __forceinline__ void lane_extremes_fp32(const uint4 (&raw)[V], float& first, float& second,
+                                                   bool& non_finite) {
+  float mx = Logits<float>::at(raw[0], 0), mn = mx, m2 = -FLT_MAX;
 #pragma unroll
   for (int i = 0; i < V; ++i)
 #pragma unroll
     for (int m = i == 0 ? 1 : 0; m < 4; ++m) {
       const float x = Logits<float>::at(raw[i], m);
+      if constexpr (kSecond) m2 = fmaxf(m2, fminf(mx, x));
       mx = fmax_nan(mx, x);
       mn = fmin_nan(mn, x);
     }
   non_finite = !(mx < INFINITY && mn > -INFINITY);
   first = mx;
+  second = kSecond ? m2 : mx;
 }
 
 // fp32 logits: bit 4 i + m of the lane's logits at or above tau (vector i, element m).
@@ -426,13 +430,13 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
       float first, second;
       bool non_finite;
       // Lanes whose second largest logit is at or above t hold two logits each there, so
-      // ceil(k / 2) of them hold k: a threshold too. (Measured for bf16 only; the fp32 kernels
-      // with lists of 8 already spill a few registers.)
-      constexpr bool kSecond = kBF16 && L >= 4;
+      // ceil(k / 2) of them hold k: a threshold too (fewer candidates for k > 2; measured faster
+      // at E = 256, k = 8 for both types, docs/router.md).
+      constexpr bool kSecond = L >= 4;
       if constexpr (kBF16)
         lane_extremes<V, kSecond>(raw, first, second, non_finite);
       else
-        lane_extremes_fp32<V>(raw, first, non_finite);
+        lane_extremes_fp32<V, kSecond>(raw, first, second, non_finite);
       const bool any_non_finite = group_any(non_finite, lanes);  // a vote: every lane, never behind &&
       bad = live && any_non_finite;
       float tau = group_kth_largest<G>(first, k, lane_g);
@@ -485,9 +489,9 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
       const bool low_bad = group_any(low < kLowestFinite, lanes);  // a vote: every lane, never behind &&
       bad = live && low_bad;
     } else {
-      float first;
+      float first, second;
       bool non_finite;
-      lane_extremes_fp32<V>(raw, first, non_finite);
+      lane_extremes_fp32<V, false>(raw, first, second, non_finite);
       const bool any_non_finite = group_any(non_finite, lanes);  // a vote: every lane, never behind &&
       bad = live && any_non_finite;
       lane_top_sorted_fp32<G, V, L>(raw, valid, lane_g, top);
