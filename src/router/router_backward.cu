@@ -316,6 +316,7 @@ void launch_router_backward(const RouterBackwardArgs& a, cudaStream_t stream) {
   using namespace router;
   const RouterRowParams& p = a.p;
   if (p.T == 0) return;
+  if (router_backward_is_topk_only(a)) return launch_router_backward_topk(a, stream);
   const RouterRowGrid grid = router_row_grid(p.T, p.G);
   if (router_experts_per_lane(p.E) == 16) {
     if (p.bf16)

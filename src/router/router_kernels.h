@@ -116,6 +116,12 @@ struct RouterBackwardArgs {
 
 void launch_router_backward(const RouterBackwardArgs& a, cudaStream_t stream);
 
+// True when d logits are zero outside each row's k chosen experts and need only their logits: top-k
+// form, no loss, scores of the chosen logits alone (not a plain softmax), 16-byte rows of d logits.
+// launch_router_backward then runs launch_router_backward_topk (router_backward_topk.cu).
+bool router_backward_is_topk_only(const RouterBackwardArgs& a);
+void launch_router_backward_topk(const RouterBackwardArgs& a, cudaStream_t stream);
+
 // bias[e] += rate * sign(sum(counts) - E * counts[e]).
 void launch_update_expert_bias(const void* counts, bool counts64, float* bias, int E, float rate, cudaStream_t stream);
 

@@ -442,6 +442,27 @@ TEST(Router, CapacityAndRounding) {
     c.output_form = RoutingForm::kMap;
     c.aux_loss_coeff = 0.01f;
   }));
+  // Top-k form without losses at E >= 64: the backward of the chosen logits alone, where a dropped
+  // slot gets no gradient but its score stays in the renormalising sum.
+  run_case(make("capacity 0.8 by position, top-k form, bf16 (backward of the chosen logits)", 128, 4, 3001,
+                [](RouterConfig& c) {
+                  c.capacity_factor = 0.8;
+                  c.drop_policy = CapacityDropPolicy::kPosition;
+                  c.normalize_topk = true;
+                },
+                true));
+  run_case(make("capacity 1.0 by position, softmax after, top-k form", 256, 8, 1999, [](RouterConfig& c) {
+    c.capacity_factor = 1.0;
+    c.drop_policy = CapacityDropPolicy::kPosition;
+    c.softmax_after_topk = true;
+  }));
+  run_case(make("capacity 0.7 by position, sigmoid norm scaled, top-k form", 64, 6, 2500, [](RouterConfig& c) {
+    c.score = ScoreFunction::kSigmoid;
+    c.normalize_topk = true;
+    c.scaling_factor = 2.5f;
+    c.capacity_factor = 0.7;
+    c.drop_policy = CapacityDropPolicy::kPosition;
+  }));
 }
 
 TEST(Router, TiesAndNonFiniteLogits) {
