@@ -331,15 +331,13 @@ __device__ __forceinline__ uint32_t candidate_mask_fp32(const uint4 (&raw)[V], f
 }
 
 // The configurations that run on a one-wave grid (launch_kernel below): the filtered tiles with
-// k <= 2 at E <= 256, and every bf16 tile at 128 <= E <= 256.
+// k <= 2 at E <= 256, and every bf16 tile at 64 < E <= 256 (four or eight lanes a row).
 template <class In, int G, int L, bool kFilter>
 constexpr bool kOneWave = (kFilter && L == 2 && G <= 8) || (std::is_same_v<In, __nv_bfloat16> && G >= 4 && G <= 8);
 // The bf16 filtered tiles at E <= 256 load each tile's logits a tile ahead (16 registers, 64 in all;
 // fp32 would hold 32 more).
 template <class In, int G, bool kFilter>
 constexpr bool kTileAhead = std::is_same_v<In, __nv_bfloat16> && kFilter && G <= 8;
-static_assert(kOneWave<__nv_bfloat16, 4, 8, true> && kOneWave<__nv_bfloat16, 8, 8, true>,
-              "the tile ahead needs several tiles per warp");
 
 // In: the logits' type (bf16 or fp32). G lanes per row, V 16-byte vectors per lane (vector c =
 // i G + lane_g of the row: a warp's load i covers G consecutive vectors of each of its 32 / G rows),
@@ -429,7 +427,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
     if constexpr (kFilter) {
       float first, second;
       bool non_finite;
-      // Lanes whose second largest logit is at or above t hold two logits each there, so
+      // Lanes whose second largest logit is at or above tau hold two logits each there, so
       // ceil(k / 2) of them hold k: a threshold too (fewer candidates for k > 2; measured faster
       // at E = 256, k = 8 for both types, docs/router.md).
       constexpr bool kSecond = L >= 4;
@@ -607,7 +605,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
 }
 
 // The grid. With the candidate filter at k <= 2 and E <= 256 (the cheapest tiles) and for bf16 at
-// 128 <= E <= 256, one wave of resident CTAs whose warps loop over the tiles
+// 64 < E <= 256, one wave of resident CTAs whose warps loop over the tiles
 // (device/launch_geometry.h): a CTA per eight tiles, capped at kRouterMaxBlocks, left 1.94 waves at
 // T = 65536 (the SMs idle a fifth of the kernel in the partial wave, Nsight Compute) and ended every
 // CTA with a histogram flush; one wave is 1.09-1.13x faster at E = 128 and 256 with k = 2, and with
@@ -616,6 +614,8 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
 // tiles; E = 512 was not measured and keeps it too.
 template <class In, int G, int V, int L, bool kFilter>
 void launch_kernel(const RouterForwardArgs& a, int64_t tiles, cudaStream_t stream) {
+  static_assert(!kTileAhead<In, G, kFilter> || kOneWave<In, G, L, kFilter>,
+                "the tile ahead needs several tiles per warp");
   const auto kernel = topk_rows_kernel<In, G, V, L, kFilter>;
   const unsigned blocks =
       kOneWave<In, G, L, kFilter>
