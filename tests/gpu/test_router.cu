@@ -45,6 +45,7 @@ struct Case {
   uint64_t seed = 1;
   double scale = 1.5;  // logits ~ N(0, scale)
   int64_t offset = 0;  // logits and d logits start this many elements into their buffers (alignment)
+  bool no_d_probs = false;  // backward without incoming d probs (an empty view: zero)
   std::function<void(RouterConfig&)> edit;
   std::function<void(std::vector<double>&)> edit_logits;
 };
@@ -90,6 +91,7 @@ struct RouterRun {
   DeviceBuffer<int64_t> counts64;
   bool bf16;
   int64_t offset;  // elements before the logits (and d logits) in their buffers
+  bool with_d_probs = true;  // false: backward without incoming d probs (an empty view)
 
   RouterRun(const RouterConfig& c, int64_t T_, int W_, bool bf16_, int64_t offset_ = 0)
       : cfg(c), T(T_), W(W_), bf16(bf16_), offset(offset_) {
@@ -141,7 +143,7 @@ struct RouterRun {
   RouterGrads grads() const {
     RouterGrads g;
     const bool map_form = cfg.output_form == RoutingForm::kMap;
-    g.d_probs = TensorView(dprobs.get(), DType::kFP32, {T, map_form ? cfg.num_experts : cfg.topk});
+    if (with_d_probs) g.d_probs = TensorView(dprobs.get(), DType::kFP32, {T, map_form ? cfg.num_experts : cfg.topk});
     g.d_aux_loss = TensorView(dlosses.get(), DType::kFP32, {1});
     g.d_seq_aux_loss = TensorView(dlosses.get() + 1, DType::kFP32, {1});
     g.d_z_loss = TensorView(dlosses.get() + 2, DType::kFP32, {1});
@@ -169,7 +171,7 @@ struct RouterRun {
     }
     logits.upload(bytes);
     bias.upload(std::vector<float>(b.begin(), b.end()));
-    dprobs.upload(std::vector<float>(dp.begin(), dp.end()));
+    if (!dp.empty()) dprobs.upload(std::vector<float>(dp.begin(), dp.end()));
     dlosses.upload({static_cast<float>(dl[0]), static_cast<float>(dl[1]), static_cast<float>(dl[2])});
   }
   void poison() {
@@ -230,7 +232,7 @@ Inputs make_inputs(const Case& c, const RouterConfig& cfg, uint64_t seed) {
   in.b = make_bias(cfg.num_experts, seed + 7);
   std::mt19937_64 rng(seed + 9);
   std::normal_distribution<float> n;
-  in.dp.resize(c.T * (cfg.output_form == RoutingForm::kMap ? cfg.num_experts : cfg.topk));
+  if (!c.no_d_probs) in.dp.resize(c.T * (cfg.output_form == RoutingForm::kMap ? cfg.num_experts : cfg.topk));
   for (auto& v : in.dp) v = n(rng);
   return in;
 }
@@ -275,7 +277,7 @@ void check(const Case& c, const RouterConfig& cfg, const RouterRun& run, const I
     // the k largest of E scores, is at least k/E for softmax; sigmoid scores here are far larger).
     double mag = 0;
     const int slots = cfg.output_form == RoutingForm::kMap ? E : k;
-    for (int s = 0; s < slots; ++s) mag += std::fabs(in.dp[t * slots + s]);
+    for (int s = 0; s < slots && !in.dp.empty(); ++s) mag += std::fabs(in.dp[t * slots + s]);
     mag *= cfg.scaling_factor * (cfg.normalize_topk || cfg.softmax_after_topk ? double(E) / k : 1.0);
     // |d/da| of the balancing losses, and the z-loss factor 2 lse / T (|lse| < 30 here).
     if (T > 0) {
@@ -307,6 +309,7 @@ void run_case(const Case& c) {
   const RouterConfig cfg = config_of(c);
   Router router(cfg);
   RouterRun run(cfg, c.T, router.selection_width(), c.bf16, c.offset);
+  run.with_d_probs = !c.no_d_probs;
   const Inputs in = make_inputs(c, cfg, c.seed);
   run.upload(in.z, in.b, in.dp, in.dl);
   ErrorWord ew;
@@ -463,6 +466,15 @@ TEST(Router, CapacityAndRounding) {
     c.capacity_factor = 0.7;
     c.drop_policy = CapacityDropPolicy::kPosition;
   }));
+  // One slot lane per row (k = 1), and no incoming d probs (a zero gradient, every row written).
+  run_case(make("E256 k1 bf16 sigmoid, top-k form (one slot lane per row)", 256, 1, 1001,
+                [](RouterConfig& c) { c.score = ScoreFunction::kSigmoid; }, true));
+  Case none = make("E64 k3 sigmoid norm without d probs", 64, 3, 777, [](RouterConfig& c) {
+    c.score = ScoreFunction::kSigmoid;
+    c.normalize_topk = true;
+  });
+  none.no_d_probs = true;
+  run_case(none);
 }
 
 TEST(Router, TiesAndNonFiniteLogits) {
