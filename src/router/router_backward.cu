@@ -183,7 +183,8 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) backward_kernel(Rou
     float S = 0.0f, GS = 0.0f, zm = -INFINITY;
 #pragma unroll 1
     for (int j = L.lane_g; j < W; j += G) {
-      const int e = routed ? __ldg(a.selected + t * W + j) : -1;
+      int e = routed ? __ldg(a.selected + t * W + j) : -1;
+      if (e >= E) e = -1;  // saved outputs made elsewhere: never a load or a store outside the row
       float g = 0.0f, pv = 0.0f;
       if (e >= 0) {
         const bool kept = topk ? (j < k && __ldg(a.indices + t * k + j) == e) : a.map[t * E + e] != 0;

@@ -82,8 +82,9 @@ __global__ void __launch_bounds__(kThreads) backward_topk_kernel(RouterBackwardA
       if (on) {
         on = __ldg(a.selected + t * W) >= 0;  // -1: a row with non-finite logits, zero gradient
         e = __ldg(a.selected + t * W + j);
-        on = on && e >= 0;  // (the forward fills every slot of a routed row; saved outputs made
-                            // elsewhere must not send a load or a store outside the row)
+        on = on && e >= 0 && e < E;  // (the forward fills every slot of a routed row with an
+                                     // expert; saved outputs made elsewhere must not send a load
+                                     // or a store outside the row)
       }
       if (on) {
         z = logit_at<kBF16>(p, t, e);
