@@ -39,6 +39,19 @@ namespace {
 
 constexpr int kTileBytes = 4096;  // a warp's tile of d logits rows in shared memory
 
+template <int KP>
+__device__ __forceinline__ float slots_sum(float v) {
+#pragma unroll
+  for (int o = 1; o < KP; o *= 2) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+template <int KP>
+__device__ __forceinline__ float slots_max(float v) {
+#pragma unroll
+  for (int o = 1; o < KP; o *= 2) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
+
 template <bool kBF16, int KP>
 __global__ void __launch_bounds__(kThreads) backward_topk_kernel(RouterBackwardArgs a, int rows_per_tile) {
   __shared__ __align__(16) uint4 tiles_smem[kRouterWarps][kTileBytes / 16];
@@ -48,7 +61,6 @@ __global__ void __launch_bounds__(kThreads) backward_topk_kernel(RouterBackwardA
   const int E = p.E, k = p.k, W = p.W, R = rows_per_tile;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const int j = lane % KP, rp = lane / KP;  // the lane's slot and row within a pass
-  const Lanes<KP> slot_lanes = lanes_of<KP>();  // a row's KP slot lanes: its sums and maximum
   const int64_t row_bytes = int64_t{E} * sizeof(Out);
   const int tile_vecs = static_cast<int>(R * row_bytes / 16);
   uint4* const buf = tiles_smem[warp];
@@ -82,16 +94,16 @@ __global__ void __launch_bounds__(kThreads) backward_topk_kernel(RouterBackwardA
       }
       float c;
       if (soft) {
-        const float zm = group_max(on ? z : -INFINITY, slot_lanes);
+        const float zm = slots_max<KP>(on ? z : -INFINITY);
         const float ez = on ? expf(z - zm) : 0.0f;
-        const float q = ez / group_sum(ez, slot_lanes);
-        const float gq = group_sum(on ? g * q : 0.0f, slot_lanes);
+        const float q = ez / slots_sum<KP>(ez);
+        const float gq = slots_sum<KP>(on ? g * q : 0.0f);
         c = p.alpha * q * (g - gq);
       } else {
         const float s = on ? sigmoid_score(z) : 0.0f;
         if (p.normalize) {
-          const float S = group_sum(s, slot_lanes);
-          const float gn = group_sum(g * s, slot_lanes) / S;
+          const float S = slots_sum<KP>(s);
+          const float gn = slots_sum<KP>(g * s) / S;
           c = p.alpha * (g - gn) / S * (s * (1.0f - s));
         } else {
           c = p.alpha * g * (s * (1.0f - s));
