@@ -71,6 +71,8 @@ constexpr int kMaxK = 8;
 // The most candidates a lane inserts one by one; a warp with a lane above it sorts every vector (an
 // insertion costs 20-35 instructions, sorting and merging a lane's four vectors ~470).
 constexpr int kMaxLaneCandidates = 10;
+// The most candidates a row ranks (lists of L >= 4); a warp with a row above it sorts every vector.
+constexpr int kMaxRowCandidates = 32;
 // Two bf16 -3.39e38 (the lowest finite value): the filter's filler for vectors past E or rows past T
 // (finite, so never taken for a non-finite logit; their candidate bits are cleared).
 constexpr uint32_t kLowestPair = 0xff7fff7fu;
@@ -105,6 +107,24 @@ __device__ __forceinline__ void store_slots(T* dst, const T (&v)[n]) {
   } else {
     dst[0] = v[0];
   }
+}
+
+// The number of keys of list[0, n) above key; list holds zeros (below every key) up to n rounded up
+// to 4, and is 16-byte aligned.
+template <typename K>
+__device__ __forceinline__ int keys_above(const K* list, int n, K key) {
+  int r = 0;
+  for (int i = 0; i < n; i += 4) {
+    if constexpr (sizeof(K) == 4) {
+      const uint4 q = *reinterpret_cast<const uint4*>(list + i);
+      r += (q.x > key) + (q.y > key) + (q.z > key) + (q.w > key);
+    } else {
+      const ulonglong2 a = *reinterpret_cast<const ulonglong2*>(list + i);
+      const ulonglong2 b = *reinterpret_cast<const ulonglong2*>(list + i + 2);
+      r += (a.x > key) + (a.y > key) + (b.x > key) + (b.y > key);
+    }
+  }
+  return r;
 }
 
 __device__ __forceinline__ __nv_bfloat162 as_bf162(uint32_t w) { return *reinterpret_cast<const __nv_bfloat162*>(&w); }
@@ -358,6 +378,13 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
   // The filter reads a candidate's logit back from here: this thread's vector i at
   // staged[i * kThreads + threadIdx.x] (conflict-free 16-byte stores).
   __shared__ uint4 staged[kFilter ? V * kThreads : 1];
+  // fp32 lists of L >= 4 with the filter: a row's candidates are ranked rather than merged (a
+  // merge step of 64-bit keys costs twice a 32-bit one's; measured at E = 256, k = 8: 1.18x for
+  // fp32, 0.89x for bf16, docs/router.md). Each row's candidates (row_keys, in lane order) and its
+  // top L by rank (row_top).
+  constexpr bool kRank = kFilter && L >= 4 && !kBF16;
+  __shared__ __align__(16) K row_keys[kRank ? kRouterWarps * RPW * kMaxRowCandidates : 1];
+  __shared__ K row_top[kRank ? kRouterWarps * RPW * L : 1];
   const RouterRowParams& p = a.p;
   const int E = p.E, k = p.k, vecs = E / P;
   for (int e = threadIdx.x; e < E; e += kThreads) hist[e] = 0;
@@ -424,6 +451,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
     // on every lane: the warp stays converged.
     K top[L];
     bool bad;
+    bool ranked = false;  // the row's top L is in row_top (kRank), not in top
     if constexpr (kFilter) {
       float first, second;
       bool non_finite;
@@ -441,7 +469,21 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
       if constexpr (kSecond) tau = fmaxf(tau, group_kth_largest<G>(second, (k + 1) / 2, lane_g));
       const uint32_t cand = kBF16 ? candidate_mask<V>(raw, tau) : candidate_mask_fp32<V>(raw, tau);
       uint32_t mask = bad ? 0u : cand & (live ? in_row_bits : 0u);
-      if (__any_sync(kFull, __popc(mask) > kMaxLaneCandidates)) {
+      const int count = __popc(mask);
+      // Ranking: the row's candidate count and this lane's first place in the row's list (a scan
+      // over the row's lanes in lane order).
+      int row_count = 0, place = 0;
+      if constexpr (kRank) {
+        int upto = count;
+#pragma unroll
+        for (int o = 1; o < G; o *= 2) {
+          const int y = __shfl_up_sync(kFull, upto, o, G);
+          if (lane_g >= o) upto += y;
+        }
+        row_count = __shfl_sync(kFull, upto, G - 1, G);
+        place = upto - count;
+      }
+      if (__any_sync(kFull, count > kMaxLaneCandidates || row_count > kMaxRowCandidates)) {
         if constexpr (kBF16) {
           uint32_t low;
           lane_top_sorted<G, V, L>(raw, valid, lane_g, top, low);
@@ -451,33 +493,65 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
       } else {
 #pragma unroll
         for (int i = 0; i < V; ++i) staged[i * kThreads + threadIdx.x] = raw[i];
-#pragma unroll
-        for (int j = 0; j < L; ++j) top[j] = 0u;
-        // Candidate n passes the list's first n + 1 entries only: the rest still hold 0, below every
-        // key (at most kMaxLaneCandidates per lane here, so the unrolled loop takes them all).
-#pragma unroll
-        for (int n = 0; n < kMaxLaneCandidates; ++n) {
-          if (mask == 0u) break;
-          const int b = __ffs(mask) - 1;
-          mask &= mask - 1u;
-          K key;
+        // Candidate bit b's key, its logit read back from the lane's staged vectors.
+        auto candidate_key = [&](int b) {
           if constexpr (kBF16) {
             const unsigned short* mine = reinterpret_cast<const unsigned short*>(staged) + 8 * threadIdx.x;
             const int w = b & 15, h = b >> 4;
             // Word w of the lane is 32-bit word w & 3 of its vector w >> 2.
             const uint32_t v = mine[(w >> 2) * (8 * kThreads) + 2 * (w & 3) + h];
             const uint32_t id = lane_id0 - (w >> 2) * (8 * G) - 2 * (w & 3) - h;
-            key = Key32::make_id(__uint_as_float(v << 16), id);
+            return static_cast<K>(Key32::make_id(__uint_as_float(v << 16), id));
           } else {
             const float* mine = reinterpret_cast<const float*>(staged) + 4 * threadIdx.x;
             const int i = b >> 2, m = b & 3;
-            key = Key64::make_id(mine[i * (4 * kThreads) + m], lane_id0 - i * (4 * G) - m);
+            return static_cast<K>(Key64::make_id(mine[i * (4 * kThreads) + m], lane_id0 - i * (4 * G) - m));
           }
+        };
+        if constexpr (kRank) {
+          // The row's candidates go to its list in lane order; each is then ranked by the number
+          // of the row's keys above it (keys are distinct: the expert id breaks ties), and the
+          // first L ranks fill the row's top. The same entries as merging the lanes' sorted lists,
+          // without the merges (a few candidates per lane at E = 256, k = 8).
+          static_assert(G >= 4, "four lanes write the list's zero padding");
+          K* const keys = row_keys + (warp * RPW + lanes.slot) * kMaxRowCandidates;
+          if (row_count + lane_g < kMaxRowCandidates && lane_g < 4) keys[row_count + lane_g] = 0u;
 #pragma unroll
-          for (int j = 0; j < (n + 1 < L ? n + 1 : L); ++j) {  // insertion into the sorted list
-            const K hi = max(top[j], key);
-            key = min(top[j], key);
-            top[j] = hi;
+          for (int n = 0; n < kMaxLaneCandidates; ++n) {
+            if (mask == 0u) break;
+            const int b = __ffs(mask) - 1;
+            mask &= mask - 1u;
+            keys[place + n] = candidate_key(b);
+          }
+          __syncwarp();
+          K* const row_out = row_top + (warp * RPW + lanes.slot) * L;
+          const int most = __reduce_max_sync(kFull, row_count);
+          for (int j = lane_g; j < most; j += G) {
+            if (j < row_count) {
+              const K key = keys[j];
+              const int rank = keys_above(keys, row_count, key);
+              if (rank < L) row_out[rank] = key;
+            }
+          }
+          __syncwarp();
+          ranked = true;
+        } else {
+#pragma unroll
+          for (int j = 0; j < L; ++j) top[j] = 0u;
+          // Candidate n passes the list's first n + 1 entries only: the rest still hold 0, below
+          // every key (at most kMaxLaneCandidates per lane here, so the unrolled loop takes them all).
+#pragma unroll
+          for (int n = 0; n < kMaxLaneCandidates; ++n) {
+            if (mask == 0u) break;
+            const int b = __ffs(mask) - 1;
+            mask &= mask - 1u;
+            K key = candidate_key(b);
+#pragma unroll
+            for (int j = 0; j < (n + 1 < L ? n + 1 : L); ++j) {  // insertion into the sorted list
+              const K hi = max(top[j], key);
+              key = min(top[j], key);
+              top[j] = hi;
+            }
           }
         }
       }
@@ -494,28 +568,37 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
       bad = live && any_non_finite;
       lane_top_sorted_fp32<G, V, L>(raw, valid, lane_g, top);
     }
-#pragma unroll
-    for (int o = 1; o < G; o *= 2) {
-      K b[L];
-#pragma unroll
-      for (int j = 0; j < L; ++j) b[j] = __shfl_xor_sync(kFull, top[j], o);
-      merge_top<L>(top, b);
-    }
-    // Every lane of the row now holds its sorted top L; for bf16 the top key tells a +inf or a NaN
-    // with the sign bit clear (the sorted path's other half of the non-finite test).
-    if constexpr (!kFilter && kBF16) bad = bad || (live && top[0] >= kAboveFinite);
     // Lane g owns slots g kS .. g kS + kS - 1 (lanes past L / kS own none) and scores those only:
     // exp(z - max) for a softmax (the row's max is the winner's logit, no bias), the sigmoid
     // otherwise. The sum the probs are divided by gathers the k scores in slot order, the same
     // additions as one lane scoring every slot. (Every lane scoring all L slots and dividing, with
     // its own slots picked at the end, was a quarter of the k = 8 kernel's instructions.)
     constexpr int M = L / kS;  // lanes that own slots
-    const float mx = Key::value(top[0]);
     K own[kS];
+    float mx;
+    if (kRank && ranked) {
+      const K* const row_out = row_top + (warp * RPW + lanes.slot) * L;
+      mx = Key::value(row_out[0]);
+#pragma unroll
+      for (int i = 0; i < kS; ++i) own[i] = row_out[(lane_g & (M - 1)) * kS + i];
+    } else {
+#pragma unroll
+      for (int o = 1; o < G; o *= 2) {
+        K b[L];
+#pragma unroll
+        for (int j = 0; j < L; ++j) b[j] = __shfl_xor_sync(kFull, top[j], o);
+        merge_top<L>(top, b);
+      }
+      // Every lane of the row now holds its sorted top L; for bf16 the top key tells a +inf or a
+      // NaN with the sign bit clear (the sorted path's other half of the non-finite test).
+      if constexpr (!kFilter && kBF16) bad = bad || (live && top[0] >= kAboveFinite);
+      mx = Key::value(top[0]);
+#pragma unroll
+      for (int i = 0; i < kS; ++i) own[i] = pick_entry<M, kS>(top, lane_g & (M - 1), i);
+    }
     float s[kS];
 #pragma unroll
     for (int i = 0; i < kS; ++i) {
-      own[i] = pick_entry<M, kS>(top, lane_g & (M - 1), i);
       const float z = Key::value(own[i]);
       s[i] = soft ? expf(z - mx) : sigmoid_score(z);
     }
