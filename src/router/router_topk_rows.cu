@@ -43,7 +43,9 @@
 // largest logits) and slower at E = 64, which keep the sort.
 // fp32 logits take the same steps with 16-byte vectors of 4 experts (V = 8 per lane) and 64-bit keys
 // (Key64: fp32 value, then the lower expert id); a lane's vectors are sorted two at a time (8 keys),
-// and NaN-propagating max / min give the non-finite test on both paths.
+// and NaN-propagating max / min give the non-finite test on both paths. With the filter and k > 2,
+// an fp32 row's candidates are ranked in shared memory (each by the number of the row's keys above
+// it) instead of inserted into the lanes' lists and merged: 64-bit merges cost twice the 32-bit ones.
 // Keys are the general kernel's Key32 / Key64, so the selection is the same bit for bit. Selection
 // counts go to a shared histogram, then to the router's scratch accumulator; the last block writes
 // the counts and clears it (as the general kernel does).
