@@ -10,7 +10,8 @@
 // between kernels are shared by N calls, as in a stream of work, so the figure is the router's
 // throughput rather than the latency of one call.
 //
-// --T / --E / --k / --variant keep one value of that axis (one kernel to profile). --checksum times
+// --T / --E / --k / --variant keep one value of that axis (one kernel to profile); --T, --E and --k
+// may also name a value outside the default axis (any T, E >= k, k <= E). --checksum times
 // nothing: it runs one forward + backward of each of a list of routers (every routing variant, form,
 // loss and lane layout; T not a multiple of a warp's rows) and prints a hash of every output bit
 // (indices / map, probs, selected, counts, losses, d logits), so two builds can be compared bit for
@@ -371,16 +372,18 @@ int main(int argc, char** argv) {
          c.z_loss_coeff = 0.001f;
        }},
   };
+  const std::vector<int64_t> Ts = only_T ? std::vector<int64_t>{only_T} : std::vector<int64_t>{16384, 32768, 65536};
+  const std::vector<int> Es = only_E ? std::vector<int>{only_E} : std::vector<int>{8, 64, 128, 256};
+  const std::vector<int> ks = only_k ? std::vector<int>{only_k} : std::vector<int>{2, 8};
   for (const bool bf16 : {true, false})
-    for (int64_t T : {16384, 32768, 65536})
-      for (int E : {8, 64, 128, 256})
-        for (int k : {2, 8})
+    for (int64_t T : Ts)
+      for (int E : Es)
+        for (int k : ks)
           for (const Variant& v : variants) {
             if (std::string(v.name) == "deepseek" && E < 64) continue;
+            if (k > E) continue;
             if (dtypes != "both" && (dtypes == "bf16") != bf16) continue;
-            if ((only_T && T != only_T) || (only_E && E != only_E) || (only_k && k != only_k) ||
-                (!only_variant.empty() && only_variant != v.name))
-              continue;
+            if (!only_variant.empty() && only_variant != v.name) continue;
             RouterConfig cfg;
             cfg.num_experts = E;
             cfg.topk = k;
