@@ -11,7 +11,8 @@
 // throughput rather than the latency of one call.
 //
 // --T / --E / --k / --variant keep one value of that axis (one kernel to profile); --T, --E and --k
-// may also name a value outside the default axis (any T, E >= k, k <= E). --checksum times
+// may also name a value outside the default axis (E >= k; the deepseek variant needs E >= 64 and
+// E a multiple of its 8 groups). --checksum times
 // nothing: it runs one forward + backward of each of a list of routers (every routing variant, form,
 // loss and lane layout; T not a multiple of a warp's rows) and prints a hash of every output bit
 // (indices / map, probs, selected, counts, losses, d logits), so two builds can be compared bit for

@@ -453,7 +453,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
     // on every lane: the warp stays converged.
     K top[L];
     bool bad;
-    bool ranked = false;  // the row's top L is in row_top (kRank), not in top
+    bool ranked = false;  // the row's top keys are in row_top (kRank), not in top
     if constexpr (kFilter) {
       float first, second;
       bool non_finite;
@@ -513,8 +513,11 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
         if constexpr (kRank) {
           // The row's candidates go to its list in lane order; each is then ranked by the number
           // of the row's keys above it (keys are distinct: the expert id breaks ties), and the
-          // first L ranks fill the row's top. The same entries as merging the lanes' sorted lists,
-          // without the merges (a few candidates per lane at E = 256, k = 8).
+          // first L ranks fill the row's top: its first min(L, candidates) entries are those of
+          // merging the lanes' sorted lists, without the merges (a few candidates per lane at
+          // E = 256, k = 8). A live finite row has at least k candidates; the entries past them
+          // are stale, and nothing reads a slot past k (a dead or non-finite row writes no
+          // expert and no prob from them).
           static_assert(G >= 4, "four lanes write the list's zero padding");
           K* const keys = row_keys + (warp * RPW + lanes.slot) * kMaxRowCandidates;
           if (row_count + lane_g < kMaxRowCandidates && lane_g < 4) keys[row_count + lane_g] = 0u;
