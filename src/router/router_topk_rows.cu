@@ -27,14 +27,17 @@
 // only its logits at or above it (candidates; ~2-21 per row of 256 at k = 2..8 for Gaussian
 // logits) enter its list:
 //   - packed bf16 max / min over the lane's words give its largest logit and the non-finite test
-//     (NaN-propagating max and min), and for k > 2 its second largest;
+//     (NaN-propagating max and min), and for k > 2 a second value: the smaller of the low halves'
+//     and the high halves' maxima, two of its logits, so at most its second largest;
 //   - the threshold is the k-th largest of the G lane maxima (a bitonic sort across the group, a
 //     butterfly for k = G), for k > 2 raised to the ceil(k / 2)-th largest of the lanes' second
-//     largest logits if that is higher (so many lanes hold two logits at or above it: at
-//     E = 256, k = 8, 12 candidates per row instead of 21);
+//     values if that is higher (so many lanes hold two logits at or above it: at E = 256, k = 8,
+//     about 16 candidates per row instead of 21; the exact second largest leaves 12 but costs two
+//     more operations a word);
 //   - a packed compare per word gives a 32-bit candidate mask, and the lane inserts each candidate
 //     into the filled part of its sorted list (the value read back from its row part staged in
-//     shared memory);
+//     shared memory); with 16 lanes a row (E > 256) and lists of 8 the row's candidates are
+//     instead spread over its lanes, two a lane, and sorted there by a bitonic network;
 //   - a warp in which some lane has more than kMaxLaneCandidates candidates (ties, constant rows)
 //     sorts every vector instead, so the worst case costs what the sort costs.
 // The row's top k is then the same as the sort's (entries past k may differ; nothing reads them).
@@ -46,6 +49,8 @@
 // and NaN-propagating max / min give the non-finite test on both paths. With the filter and k > 2,
 // an fp32 row's candidates are ranked in shared memory (each by the number of the row's keys above
 // it) instead of inserted into the lanes' lists and merged: 64-bit merges cost twice the 32-bit ones.
+// Its second value is the exact second largest where that measured faster, else the smaller of the
+// even and the odd elements' maxima (SecondValue).
 // Keys are the general kernel's Key32 / Key64, so the selection is the same bit for bit. Selection
 // counts go to a shared histogram, then to the router's scratch accumulator; the last block writes
 // the counts and clears it (as the general kernel does).
@@ -127,6 +132,37 @@ __device__ __forceinline__ int keys_above(const K* list, int n, K key) {
     }
   }
   return r;
+}
+
+// Sorts a row's G R keys descending, key i = v[i % R] of the row's lane i / R: a bitonic network
+// whose exchanges at distances below R stay in a lane's registers and the others are lane shuffles
+// (a predicated integer min or max each). Used on the candidates of a bf16 row (below).
+template <int G, int R, typename K>
+__device__ __forceinline__ void sort_row_desc(K (&v)[R], int lane_g) {
+#pragma unroll
+  for (int size = 2; size <= G * R; size *= 2)
+#pragma unroll
+    for (int stride = size / 2; stride > 0; stride /= 2) {
+      if (stride >= R) {
+        const int lanes_apart = stride / R;
+        // Element i keeps the larger key when it is the lower of its pair in a descending block.
+        const bool keep_max = (((lane_g * R) & size) == 0) == ((lane_g & lanes_apart) == 0);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const K o = __shfl_xor_sync(kFull, v[r], lanes_apart);
+          v[r] = keep_max ? max(v[r], o) : min(v[r], o);
+        }
+      } else {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          if (r & stride) continue;
+          const bool descending = ((lane_g * R + r) & size) == 0;
+          const K hi = max(v[r], v[r + stride]), lo = min(v[r], v[r + stride]);
+          v[r] = descending ? hi : lo;
+          v[r + stride] = descending ? lo : hi;
+        }
+      }
+    }
 }
 
 __device__ __forceinline__ __nv_bfloat162 as_bf162(uint32_t w) { return *reinterpret_cast<const __nv_bfloat162*>(&w); }
@@ -240,17 +276,20 @@ __device__ __forceinline__ void lane_top_sorted(const uint4 (&raw)[V], uint32_t 
 }
 
 // The filter's first pass over a lane's 4 V words (vectors past E and rows past T hold kLowestPair):
-// the lane's largest logit, and whether one is NaN or infinite.
-template <int V, bool kSecond>
+// the lane's largest logit, a value at most its second largest, and whether one is NaN or infinite.
+// The packed max gives the largest of the words' low halves and of their high halves, two of the
+// lane's logits: the smaller is the second value. (The exact second largest, a packed max of packed
+// minima, cost two more operations a word and was slower at E = 256 and 512 for k = 5..8, though it
+// leaves fewer candidates: docs/router.md.)
+template <int V>
 __device__ __forceinline__ void lane_extremes(const uint4 (&raw)[V], float& first, float& second, bool& non_finite) {
-  __nv_bfloat162 m1 = as_bf162(raw[0].x), mn = m1, m2 = as_bf162(kLowestPair);
+  __nv_bfloat162 m1 = as_bf162(raw[0].x), mn = m1;
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     const uint32_t w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
 #pragma unroll
     for (int m = i == 0 ? 1 : 0; m < 4; ++m) {
       const __nv_bfloat162 x = as_bf162(w[m]);
-      if constexpr (kSecond) m2 = __hmax2(m2, __hmin2(m1, x));
       m1 = __hmax2_nan(m1, x);  // NaN-propagating: a NaN shows in the test below
       mn = __hmin2_nan(mn, x);
     }
@@ -258,7 +297,7 @@ __device__ __forceinline__ void lane_extremes(const uint4 (&raw)[V], float& firs
   const float a = __low2float(m1), b = __high2float(m1), c = __low2float(mn), d = __high2float(mn);
   non_finite = !(a < INFINITY && b < INFINITY && c > -INFINITY && d > -INFINITY);
   first = fmaxf(a, b);
-  second = kSecond ? fmaxf(fminf(a, b), fmaxf(__low2float(m2), __high2float(m2))) : first;
+  second = fminf(a, b);
 }
 
 // Bit w (word w's low half) and bit 16 + w (its high half) of the lane's logits at or above tau.
@@ -320,24 +359,52 @@ __device__ __forceinline__ float fmin_nan(float a, float b) {
   return d;
 }
 
-// fp32 logits: the lane's largest logit and whether one is NaN or infinite (vectors past E and rows
-// past T hold the lowest finite value).
-template <int V, bool kSecond>
+// How the fp32 filter finds a lane's second value (a value at most its second largest logit).
+enum class SecondValue {
+  kNone,    // lists of 2: not needed
+  kExact,   // the second largest (a max of minima: two more operations an element)
+  kHalves,  // the smaller of the even and the odd elements' maxima (no extra operation)
+};
+
+// fp32 logits: the lane's largest logit, its second value and whether one is NaN or infinite
+// (vectors past E and rows past T hold the lowest finite value).
+template <int V, SecondValue kSecond>
 __device__ __forceinline__ void lane_extremes_fp32(const uint4 (&raw)[V], float& first, float& second,
                                                    bool& non_finite) {
-  float mx = Logits<float>::at(raw[0], 0), mn = mx, m2 = -FLT_MAX;
+  float mx, mn;
+  if constexpr (kSecond == SecondValue::kHalves) {
+    // Two of the lane's logits, so the smaller is at most its second largest.
+    float me = Logits<float>::at(raw[0], 0), mo = Logits<float>::at(raw[0], 1);
+    mn = fmin_nan(me, mo);
 #pragma unroll
-  for (int i = 0; i < V; ++i)
+    for (int i = 0; i < V; ++i)
 #pragma unroll
-    for (int m = i == 0 ? 1 : 0; m < 4; ++m) {
-      const float x = Logits<float>::at(raw[i], m);
-      if constexpr (kSecond) m2 = fmaxf(m2, fminf(mx, x));
-      mx = fmax_nan(mx, x);
-      mn = fmin_nan(mn, x);
-    }
+      for (int m = i == 0 ? 2 : 0; m < 4; ++m) {
+        const float x = Logits<float>::at(raw[i], m);
+        if (m % 2 == 0)
+          me = fmax_nan(me, x);
+        else
+          mo = fmax_nan(mo, x);
+        mn = fmin_nan(mn, x);
+      }
+    mx = fmax_nan(me, mo);
+    second = fminf(me, mo);
+  } else {
+    float m2 = -FLT_MAX;
+    mx = mn = Logits<float>::at(raw[0], 0);
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+#pragma unroll
+      for (int m = i == 0 ? 1 : 0; m < 4; ++m) {
+        const float x = Logits<float>::at(raw[i], m);
+        if constexpr (kSecond == SecondValue::kExact) m2 = fmaxf(m2, fminf(mx, x));
+        mx = fmax_nan(mx, x);
+        mn = fmin_nan(mn, x);
+      }
+    second = kSecond == SecondValue::kExact ? m2 : mx;
+  }
   non_finite = !(mx < INFINITY && mn > -INFINITY);
   first = mx;
-  second = kSecond ? m2 : mx;
 }
 
 // fp32 logits: bit 4 i + m of the lane's logits at or above tau (vector i, element m).
@@ -384,8 +451,16 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
   // merge step of 64-bit keys costs twice a 32-bit one's; measured at E = 256, k = 8: 1.18x for
   // fp32, 0.89x for bf16, docs/router.md). Each row's candidates (row_keys, in lane order) and its
   // top L by rank (row_top).
-  constexpr bool kRank = kFilter && L >= 4 && !kBF16;
-  __shared__ __align__(16) K row_keys[kRank ? kRouterWarps * RPW * kMaxRowCandidates : 1];
+  // bf16 lists of 8 with the filter and 16 lanes a row (E > 256): a row's candidates are spread over
+  // its lanes, two a lane, and sorted there by a bitonic network (sort_row_desc) instead of merged
+  // in four butterfly steps. Measured (docs/router.md): faster there; slower with 8 lanes a row,
+  // with lists of 4, and for fp32 (against the ranking).
+  constexpr bool kSortRow = kFilter && L == 8 && G >= 16 && kBF16;
+  constexpr bool kRank = kFilter && L >= 4 && !kBF16 && !kSortRow;
+  constexpr int kRowSlots = 32, kSlotsPerLane = kRowSlots / G;
+  static_assert(!kSortRow || (kSlotsPerLane >= 2 && L % kSlotsPerLane == 0), "whole vectors of a row's slots");
+  __shared__ __align__(16) K row_keys[kRank ? kRouterWarps * RPW * kMaxRowCandidates
+                                            : kSortRow ? kRouterWarps * RPW * kRowSlots : 1];
   __shared__ K row_top[kRank ? kRouterWarps * RPW * L : 1];
   const RouterRowParams& p = a.p;
   const int E = p.E, k = p.k, vecs = E / P;
@@ -453,18 +528,23 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
     // on every lane: the warp stays converged.
     K top[L];
     bool bad;
-    bool ranked = false;  // the row's top keys are in row_top (kRank), not in top
+    bool ranked = false;  // the row's top keys are in shared memory (kRank, kSortRow), not in top
     if constexpr (kFilter) {
       float first, second;
       bool non_finite;
-      // Lanes whose second largest logit is at or above tau hold two logits each there, so
-      // ceil(k / 2) of them hold k: a threshold too (fewer candidates for k > 2; measured faster
-      // at E = 256, k = 8 for both types, docs/router.md).
+      // Lanes whose second value is at or above tau hold two logits each there, so ceil(k / 2) of
+      // them hold k: a threshold too (fewer candidates for k > 2; measured faster at E = 256,
+      // k = 8 for both types, docs/router.md). The second value is exact where it pays for its two
+      // extra operations an element (fp32 with 8 lanes a row and lists of 8, or 4 lanes a row), the
+      // smaller of two lane maxima elsewhere (bf16: the packed max's halves). Measured, docs/router.md.
       constexpr bool kSecond = L >= 4;
+      constexpr SecondValue kSecondFp32 = !kSecond                      ? SecondValue::kNone
+                                          : G >= 16 || (G == 8 && L == 4) ? SecondValue::kHalves
+                                                                          : SecondValue::kExact;
       if constexpr (kBF16)
-        lane_extremes<V, kSecond>(raw, first, second, non_finite);
+        lane_extremes<V>(raw, first, second, non_finite);
       else
-        lane_extremes_fp32<V, kSecond>(raw, first, second, non_finite);
+        lane_extremes_fp32<V, kSecondFp32>(raw, first, second, non_finite);
       const bool any_non_finite = group_any(non_finite, lanes);  // a vote: every lane, never behind &&
       bad = live && any_non_finite;
       float tau = group_kth_largest<G>(first, k, lane_g);
@@ -475,7 +555,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
       // Ranking: the row's candidate count and this lane's first place in the row's list (a scan
       // over the row's lanes in lane order).
       int row_count = 0, place = 0;
-      if constexpr (kRank) {
+      if constexpr (kRank || kSortRow) {
         int upto = count;
 #pragma unroll
         for (int o = 1; o < G; o *= 2) {
@@ -485,7 +565,8 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
         row_count = __shfl_sync(kFull, upto, G - 1, G);
         place = upto - count;
       }
-      if (__any_sync(kFull, count > kMaxLaneCandidates || row_count > kMaxRowCandidates)) {
+      constexpr int kMaxRow = kSortRow ? kRowSlots : kMaxRowCandidates;
+      if (__any_sync(kFull, count > kMaxLaneCandidates || row_count > kMaxRow)) {
         if constexpr (kBF16) {
           uint32_t low;
           lane_top_sorted<G, V, L>(raw, valid, lane_g, top, low);
@@ -510,7 +591,34 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
             return static_cast<K>(Key64::make_id(mine[i * (4 * kThreads) + m], lane_id0 - i * (4 * G) - m));
           }
         };
-        if constexpr (kRank) {
+        if constexpr (kSortRow) {
+          // The row's candidates go to its kRowSlots slots in lane order (zeros, below every key,
+          // fill the rest), each lane takes kSlotsPerLane consecutive slots, and the row's lanes
+          // sort them; the sorted first L slots are the row's top L (those of merging the lanes'
+          // sorted lists: keys are distinct).
+          struct alignas(sizeof(K) * kSlotsPerLane) Slots {
+            K v[kSlotsPerLane];
+          };
+          K* const keys = row_keys + (warp * RPW + lanes.slot) * kRowSlots;
+          Slots* const mine = reinterpret_cast<Slots*>(keys) + lane_g;
+          __syncwarp();  // the row's lanes have read the previous tile's top (scoring, below)
+          *mine = Slots{};  // zero keys
+          __syncwarp();
+#pragma unroll
+          for (int n = 0; n < kMaxLaneCandidates; ++n) {
+            if (mask == 0u) break;
+            const int b = __ffs(mask) - 1;
+            mask &= mask - 1u;
+            keys[place + n] = candidate_key(b);
+          }
+          __syncwarp();
+          Slots got = *mine;
+          sort_row_desc<G, kSlotsPerLane>(got.v, lane_g);
+          __syncwarp();  // every lane has read its slots before any is written back
+          if (lane_g * kSlotsPerLane < L) *mine = got;
+          __syncwarp();
+          ranked = true;
+        } else if constexpr (kRank) {
           // The row's candidates go to its list in lane order; each is then ranked by the number
           // of the row's keys above it (keys are distinct: the expert id breaks ties), and the
           // first L ranks fill the row's top: its first min(L, candidates) entries are those of
@@ -568,7 +676,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
     } else {
       float first, second;
       bool non_finite;
-      lane_extremes_fp32<V, false>(raw, first, second, non_finite);
+      lane_extremes_fp32<V, SecondValue::kNone>(raw, first, second, non_finite);
       const bool any_non_finite = group_any(non_finite, lanes);  // a vote: every lane, never behind &&
       bad = live && any_non_finite;
       lane_top_sorted_fp32<G, V, L>(raw, valid, lane_g, top);
@@ -581,8 +689,9 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
     constexpr int M = L / kS;  // lanes that own slots
     K own[kS];
     float mx;
-    if (kRank && ranked) {
-      const K* const row_out = row_top + (warp * RPW + lanes.slot) * L;
+    if ((kRank || kSortRow) && ranked) {
+      const K* const row_out = kSortRow ? row_keys + (warp * RPW + lanes.slot) * kRowSlots
+                                        : row_top + (warp * RPW + lanes.slot) * L;
       mx = Key::value(row_out[0]);
 #pragma unroll
       for (int i = 0; i < kS; ++i) own[i] = row_out[(lane_g & (M - 1)) * kS + i];

@@ -654,6 +654,8 @@ TEST(Router, PlainTopKKernelLayouts) {
   run_case(make("E200 k5 plain (G8 L8, 25 of 32 vectors, full-row sum over 8 lanes)", 200, 5, 777, nullptr, true));
   run_case(make("E256 k8 norm T 4099 (G8)", 256, 8, 4099, norm, true));
   run_case(make("E512 k7 after T 40003 (G16, several tiles per warp)", 512, 7, 40003, after, true));
+  run_case(make("E512 k3 sigmoid norm scaled T 5003 (G16 L4, two sorted slots per lane)", 512, 3, 5003,
+                sigmoid_norm_scaled, true));
   Case ties = make("E256 k8 norm: ties, signed zeros, non-finite rows", 256, 8, 2001, norm, true);
   ties.edit_logits = ties_signed_zeros_non_finite_256;
   run_case(ties);
