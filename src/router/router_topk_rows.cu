@@ -24,7 +24,7 @@
 //     scalar stores and a shared atomic per row made k = 8 at small E 2x slower.
 // With four or more lanes per row (E > 64) and k <= G, the lane does not sort every vector (the
 // candidate filter): it first finds a threshold no larger than the row's k-th largest logit, and
-// only its logits at or above it (candidates; ~2-21 per row of 256 at k = 2..8 for Gaussian
+// only its logits at or above it (candidates; ~2-16 per row of 256 at k = 2..8 for Gaussian
 // logits) enter its list:
 //   - packed bf16 max / min over the lane's words give its largest logit and the non-finite test
 //     (NaN-propagating max and min), and for k > 2 a second value: the smaller of the low halves'
@@ -42,8 +42,8 @@
 //     sorts every vector instead, so the worst case costs what the sort costs.
 // The row's top k is then the same as the sort's (entries past k may differ; nothing reads them).
 // Measured against sorting every vector (docs/router.md): 1.03-1.13x at E = 256 (k = 2 and 8) and
-// at E = 128 with k = 2; nothing at E = 128 with k = 8 (there a threshold from each lane's two
-// largest logits) and slower at E = 64, which keep the sort.
+// at E = 128 with k = 2; nothing at E = 128 with k = 8 (there a threshold from the lanes' second
+// values too) and slower at E = 64, which keep the sort.
 // fp32 logits take the same steps with 16-byte vectors of 4 experts (V = 8 per lane) and 64-bit keys
 // (Key64: fp32 value, then the lower expert id); a lane's vectors are sorted two at a time (8 keys),
 // and NaN-propagating max / min give the non-finite test on both paths. With the filter and k > 2,
@@ -78,7 +78,8 @@ constexpr int kMaxK = 8;
 // The most candidates a lane inserts one by one; a warp with a lane above it sorts every vector (an
 // insertion costs 20-35 instructions, sorting and merging a lane's four vectors ~470).
 constexpr int kMaxLaneCandidates = 10;
-// The most candidates a row ranks (lists of L >= 4); a warp with a row above it sorts every vector.
+// The most candidates a row ranks (fp32 lists of L >= 4) or sorts across its lanes (bf16, kRowSlots);
+// a warp with a row above it sorts every vector.
 constexpr int kMaxRowCandidates = 32;
 // Two bf16 -3.39e38 (the lowest finite value): the filter's filler for vectors past E or rows past T
 // (finite, so never taken for a non-finite logit; their candidate bits are cleared).
@@ -136,7 +137,9 @@ __device__ __forceinline__ int keys_above(const K* list, int n, K key) {
 
 // Sorts a row's G R keys descending, key i = v[i % R] of the row's lane i / R: a bitonic network
 // whose exchanges at distances below R stay in a lane's registers and the others are lane shuffles
-// (a predicated integer min or max each). Used on the candidates of a bf16 row (below).
+// (a predicated integer min or max each). G and R are powers of two; the warp is converged (full-
+// mask shuffles, each within the row's aligned group of G lanes). Used on the candidates of a bf16
+// row (below).
 template <int G, int R, typename K>
 __device__ __forceinline__ void sort_row_desc(K (&v)[R], int lane_g) {
 #pragma unroll
@@ -145,7 +148,8 @@ __device__ __forceinline__ void sort_row_desc(K (&v)[R], int lane_g) {
     for (int stride = size / 2; stride > 0; stride /= 2) {
       if (stride >= R) {
         const int lanes_apart = stride / R;
-        // Element i keeps the larger key when it is the lower of its pair in a descending block.
+        // Element i keeps the larger key when it is the lower of its pair in a descending block,
+        // or the higher of its pair in an ascending one.
         const bool keep_max = (((lane_g * R) & size) == 0) == ((lane_g & lanes_apart) == 0);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -278,9 +282,10 @@ __device__ __forceinline__ void lane_top_sorted(const uint4 (&raw)[V], uint32_t 
 // The filter's first pass over a lane's 4 V words (vectors past E and rows past T hold kLowestPair):
 // the lane's largest logit, a value at most its second largest, and whether one is NaN or infinite.
 // The packed max gives the largest of the words' low halves and of their high halves, two of the
-// lane's logits: the smaller is the second value. (The exact second largest, a packed max of packed
-// minima, cost two more operations a word and was slower at E = 256 and 512 for k = 5..8, though it
-// leaves fewer candidates: docs/router.md.)
+// lane's logits (or the filler, the lowest finite value, which only lowers the threshold): the
+// smaller is the second value. (The exact second largest, a packed max of packed minima, costs two
+// more operations a word and was slower at E = 256 and 512 for k = 3..8, though it leaves fewer
+// candidates: docs/router.md.)
 template <int V>
 __device__ __forceinline__ void lane_extremes(const uint4 (&raw)[V], float& first, float& second, bool& non_finite) {
   __nv_bfloat162 m1 = as_bf162(raw[0].x), mn = m1;
@@ -373,7 +378,8 @@ __device__ __forceinline__ void lane_extremes_fp32(const uint4 (&raw)[V], float&
                                                    bool& non_finite) {
   float mx, mn;
   if constexpr (kSecond == SecondValue::kHalves) {
-    // Two of the lane's logits, so the smaller is at most its second largest.
+    // Two of the lane's logits (or the filler, the lowest finite value), so the smaller is at most
+    // its second largest.
     float me = Logits<float>::at(raw[0], 0), mo = Logits<float>::at(raw[0], 1);
     mn = fmin_nan(me, mo);
 #pragma unroll
@@ -552,8 +558,8 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
       const uint32_t cand = kBF16 ? candidate_mask<V>(raw, tau) : candidate_mask_fp32<V>(raw, tau);
       uint32_t mask = bad ? 0u : cand & (live ? in_row_bits : 0u);
       const int count = __popc(mask);
-      // Ranking: the row's candidate count and this lane's first place in the row's list (a scan
-      // over the row's lanes in lane order).
+      // Ranking and the sorted row: the row's candidate count and this lane's first place in the
+      // row's list (a scan over the row's lanes in lane order).
       int row_count = 0, place = 0;
       if constexpr (kRank || kSortRow) {
         int upto = count;
@@ -591,6 +597,16 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
             return static_cast<K>(Key64::make_id(mine[i * (4 * kThreads) + m], lane_id0 - i * (4 * G) - m));
           }
         };
+        // The lane's candidates to list[place ...] in bit order (the row's list in lane order).
+        auto write_candidates = [&](K* list) {
+#pragma unroll
+          for (int n = 0; n < kMaxLaneCandidates; ++n) {
+            if (mask == 0u) break;
+            const int b = __ffs(mask) - 1;
+            mask &= mask - 1u;
+            list[place + n] = candidate_key(b);
+          }
+        };
         if constexpr (kSortRow) {
           // The row's candidates go to its kRowSlots slots in lane order (zeros, below every key,
           // fill the rest), each lane takes kSlotsPerLane consecutive slots, and the row's lanes
@@ -604,18 +620,11 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
           __syncwarp();  // the row's lanes have read the previous tile's top (scoring, below)
           *mine = Slots{};  // zero keys
           __syncwarp();
-#pragma unroll
-          for (int n = 0; n < kMaxLaneCandidates; ++n) {
-            if (mask == 0u) break;
-            const int b = __ffs(mask) - 1;
-            mask &= mask - 1u;
-            keys[place + n] = candidate_key(b);
-          }
+          write_candidates(keys);
           __syncwarp();
           Slots got = *mine;
           sort_row_desc<G, kSlotsPerLane>(got.v, lane_g);
-          __syncwarp();  // every lane has read its slots before any is written back
-          if (lane_g * kSlotsPerLane < L) *mine = got;
+          if (lane_g * kSlotsPerLane < L) *mine = got;  // each lane writes back the slots it read
           __syncwarp();
           ranked = true;
         } else if constexpr (kRank) {
@@ -629,13 +638,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
           static_assert(G >= 4, "four lanes write the list's zero padding");
           K* const keys = row_keys + (warp * RPW + lanes.slot) * kMaxRowCandidates;
           if (row_count + lane_g < kMaxRowCandidates && lane_g < 4) keys[row_count + lane_g] = 0u;
-#pragma unroll
-          for (int n = 0; n < kMaxLaneCandidates; ++n) {
-            if (mask == 0u) break;
-            const int b = __ffs(mask) - 1;
-            mask &= mask - 1u;
-            keys[place + n] = candidate_key(b);
-          }
+          write_candidates(keys);
           __syncwarp();
           K* const row_out = row_top + (warp * RPW + lanes.slot) * L;
           const int most = __reduce_max_sync(kFull, row_count);

@@ -606,27 +606,42 @@ void sigmoid_norm_scaled(RouterConfig& c) {
   c.scaling_factor = 2.5f;
 }
 
-// Logits on a 1/2 grid (many exact ties, broken toward the lower id), every 7th row signed zeros,
-// and non-finite rows: NaN, +inf, -inf, and a negative NaN in the last row (T = 2001).
-void ties_signed_zeros_non_finite_256(std::vector<double>& z) {
-  const size_t E = 256, T = z.size() / E;
-  for (auto& v : z) v = std::round(v * 2.0) / 2.0;
-  for (size_t t = 0; t < T; t += 7)
-    for (size_t e = 0; e < E; ++e) z[t * E + e] = (e * 5 + t) % 3 == 0 ? -0.0 : 0.0;
-  z[5 * E + 3] = std::numeric_limits<double>::quiet_NaN();
-  z[17 * E + 255] = std::numeric_limits<double>::infinity();
-  z[18 * E + 0] = -std::numeric_limits<double>::infinity();
-  z[(T - 1) * E + 100] = -std::numeric_limits<double>::quiet_NaN();  // the last tile's only row
+// Logits of E experts on a 1/2 grid (many exact ties, broken toward the lower id), every 7th row
+// signed zeros, and non-finite rows: NaN, +inf, -inf, and a negative NaN in the last row
+// (T = 2001).
+std::function<void(std::vector<double>&)> ties_signed_zeros_non_finite(size_t E) {
+  return [E](std::vector<double>& z) {
+    const size_t T = z.size() / E;
+    for (auto& v : z) v = std::round(v * 2.0) / 2.0;
+    for (size_t t = 0; t < T; t += 7)
+      for (size_t e = 0; e < E; ++e) z[t * E + e] = (e * 5 + t) % 3 == 0 ? -0.0 : 0.0;
+    z[5 * E + 3] = std::numeric_limits<double>::quiet_NaN();
+    z[17 * E + E - 1] = std::numeric_limits<double>::infinity();
+    z[18 * E + 0] = -std::numeric_limits<double>::infinity();
+    z[(T - 1) * E + 100] = -std::numeric_limits<double>::quiet_NaN();  // the last tile's only row
+  };
 }
 
-// Logits on a 1/16 grid (ties at the filter's threshold, a lane's candidates inserted in any
-// order), and every 37th row constant (every logit a candidate: those warps take the sorted path,
-// the others the filter, in one launch).
-void threshold_ties_constant_rows_256(std::vector<double>& z) {
-  const size_t E = 256, T = z.size() / E;
-  for (auto& v : z) v = std::round(v * 16.0) / 16.0;
-  for (size_t t = 0; t < T; t += 37)
-    for (size_t e = 0; e < E; ++e) z[t * E + e] = 0.25;
+// Logits of E experts on a 1/16 grid (ties at the filter's threshold, a lane's candidates inserted
+// in any order), and every 37th row constant (every logit a candidate: those warps take the sorted
+// path, the others the filter, in one launch).
+std::function<void(std::vector<double>&)> threshold_ties_constant_rows(size_t E) {
+  return [E](std::vector<double>& z) {
+    const size_t T = z.size() / E;
+    for (auto& v : z) v = std::round(v * 16.0) / 16.0;
+    for (size_t t = 0; t < T; t += 37)
+      for (size_t e = 0; e < E; ++e) z[t * E + e] = 0.25;
+  };
+}
+
+// E = 512 (16 lanes a row, vectors i 16 + g of lane g): every 5th row holds 48 equal maxima, the
+// first expert of each lane's first three vectors, so the row has 48 candidates although no lane has
+// more than three -- past the 32 slots of the bf16 row sort, whose warps take the sorted path.
+void many_candidates_few_per_lane_512(std::vector<double>& z) {
+  const size_t E = 512, T = z.size() / E;
+  for (size_t t = 0; t < T; t += 5)
+    for (size_t i = 0; i < 3; ++i)
+      for (size_t g = 0; g < 16; ++g) z[t * E + (i * 16 + g) * 8] = 6.0;
 }
 
 // The plain top-k kernel (bf16 logits in 16-byte rows, E <= 512, k <= 8, no bias, group limit,
@@ -636,9 +651,10 @@ void threshold_ties_constant_rows_256(std::vector<double>& z) {
 // logits; sigmoid, renormalised or not; scaled), k = 1 and k = E, T not a multiple of a warp's rows,
 // several row tiles per warp; a lane's slots written as 16- or 8-byte vectors (k = L) or one by one;
 // counts of a warp's 16 or 32 rows merged per expert (E <= 64); ties on a coarse grid, signed
-// zeros, and non-finite rows beside live rows of the same warp; the candidate filter (threshold
-// from each lane's largest logit, k <= G, or two largest, k <= 2 G) beside warps that sort every
-// vector (too many candidates).
+// zeros, and non-finite rows beside live rows of the same warp; the candidate filter (k <= G: a
+// threshold from the lanes' largest logits and, for k > 2, their second values) beside warps that
+// sort every vector (too many candidates in a lane, or, with 16 lanes a row, in a row); a row's
+// candidates sorted across its 16 lanes (E = 512, lists of 8).
 TEST(Router, PlainTopKKernelLayouts) {
   MOE_REQUIRE_GPU();
   run_case(make("E8 k1 plain (G1 V1 L2)", 8, 1, 1001, nullptr, true));
@@ -654,13 +670,22 @@ TEST(Router, PlainTopKKernelLayouts) {
   run_case(make("E200 k5 plain (G8 L8, 25 of 32 vectors, full-row sum over 8 lanes)", 200, 5, 777, nullptr, true));
   run_case(make("E256 k8 norm T 4099 (G8)", 256, 8, 4099, norm, true));
   run_case(make("E512 k7 after T 40003 (G16, several tiles per warp)", 512, 7, 40003, after, true));
-  run_case(make("E512 k3 sigmoid norm scaled T 5003 (G16 L4, two sorted slots per lane)", 512, 3, 5003,
-                sigmoid_norm_scaled, true));
+  run_case(make("E512 k5 sigmoid norm scaled T 5003 (G16 L8: the row's candidates sorted across its lanes)",
+                512, 5, 5003, sigmoid_norm_scaled, true));
+  run_case(make("E512 k3 norm T 3001 (G16 L4)", 512, 3, 3001, norm, true));
   Case ties = make("E256 k8 norm: ties, signed zeros, non-finite rows", 256, 8, 2001, norm, true);
-  ties.edit_logits = ties_signed_zeros_non_finite_256;
+  ties.edit_logits = ties_signed_zeros_non_finite(256);
   run_case(ties);
+  Case ties512 = make("E512 k8 norm: ties, signed zeros, non-finite rows (G16, sorted across lanes)", 512, 8,
+                      2001, norm, true);
+  ties512.edit_logits = ties_signed_zeros_non_finite(512);
+  run_case(ties512);
+  Case crowded = make("E512 k6 norm: 48 candidates, 3 a lane (past the row sort's 32 slots)", 512, 6, 1003, norm,
+                      true);
+  crowded.edit_logits = many_candidates_few_per_lane_512;
+  run_case(crowded);
   Case grid = make("E256 k4 sigmoid: ties at the filter's threshold, constant rows", 256, 4, 3001, sigmoid, true);
-  grid.edit_logits = threshold_ties_constant_rows_256;
+  grid.edit_logits = threshold_ties_constant_rows(256);
   run_case(grid);
   Case ties8 = make("E8 k2 norm: ties and non-finite rows, one lane per row", 8, 2, 999, norm, true);
   ties8.edit_logits = [](std::vector<double>& z) {
@@ -693,7 +718,7 @@ TEST(Router, PlainTopKKernelLayoutsFp32) {
   run_case(make("fp32 E256 k2 plain T 65537 (G8 filter L2, several tiles per warp)", 256, 2, 65537, nullptr));
   run_case(make("fp32 E512 k7 after T 40003 (G16 filter)", 512, 7, 40003, after));
   Case ties = make("fp32 E256 k8 norm: ties, signed zeros, non-finite rows", 256, 8, 2001, norm);
-  ties.edit_logits = ties_signed_zeros_non_finite_256;
+  ties.edit_logits = ties_signed_zeros_non_finite(256);
   run_case(ties);
   Case ties64 = make("fp32 E64 k4 sigmoid: ties and non-finite rows (G2, sorted)", 64, 4, 1001, sigmoid);
   ties64.edit_logits = [](std::vector<double>& z) {
@@ -704,7 +729,7 @@ TEST(Router, PlainTopKKernelLayoutsFp32) {
   };
   run_case(ties64);
   Case grid = make("fp32 E256 k4 sigmoid: ties at the filter's threshold, constant rows", 256, 4, 3001, sigmoid);
-  grid.edit_logits = threshold_ties_constant_rows_256;
+  grid.edit_logits = threshold_ties_constant_rows(256);
   run_case(grid);
   run_case(make("fp32 E256 k1 plain (G8 filter, the threshold is the row's max; slots one by one)", 256, 1, 1001,
                 nullptr));
