@@ -78,8 +78,8 @@ constexpr int kMaxK = 8;
 // The most candidates a lane inserts one by one; a warp with a lane above it sorts every vector (an
 // insertion costs 20-35 instructions, sorting and merging a lane's four vectors ~470).
 constexpr int kMaxLaneCandidates = 10;
-// The most candidates a row ranks (fp32 lists of L >= 4) or sorts across its lanes (bf16, kRowSlots);
-// a warp with a row above it sorts every vector.
+// The most candidates a row ranks (fp32 lists of L >= 4) or sorts across its lanes (bf16: its slots,
+// a power of two); a warp with a row above it sorts every vector.
 constexpr int kMaxRowCandidates = 32;
 // Two bf16 -3.39e38 (the lowest finite value): the filter's filler for vectors past E or rows past T
 // (finite, so never taken for a non-finite logit; their candidate bits are cleared).
@@ -463,10 +463,9 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
   // with lists of 4, and for fp32 (against the ranking).
   constexpr bool kSortRow = kFilter && L == 8 && G >= 16 && kBF16;
   constexpr bool kRank = kFilter && L >= 4 && !kBF16 && !kSortRow;
-  constexpr int kRowSlots = 32, kSlotsPerLane = kRowSlots / G;
+  constexpr int kSlotsPerLane = kMaxRowCandidates / G;
   static_assert(!kSortRow || (kSlotsPerLane >= 2 && L % kSlotsPerLane == 0), "whole vectors of a row's slots");
-  __shared__ __align__(16) K row_keys[kRank ? kRouterWarps * RPW * kMaxRowCandidates
-                                            : kSortRow ? kRouterWarps * RPW * kRowSlots : 1];
+  __shared__ __align__(16) K row_keys[kRank || kSortRow ? kRouterWarps * RPW * kMaxRowCandidates : 1];
   __shared__ K row_top[kRank ? kRouterWarps * RPW * L : 1];
   const RouterRowParams& p = a.p;
   const int E = p.E, k = p.k, vecs = E / P;
@@ -571,8 +570,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
         row_count = __shfl_sync(kFull, upto, G - 1, G);
         place = upto - count;
       }
-      constexpr int kMaxRow = kSortRow ? kRowSlots : kMaxRowCandidates;
-      if (__any_sync(kFull, count > kMaxLaneCandidates || row_count > kMaxRow)) {
+      if (__any_sync(kFull, count > kMaxLaneCandidates || row_count > kMaxRowCandidates)) {
         if constexpr (kBF16) {
           uint32_t low;
           lane_top_sorted<G, V, L>(raw, valid, lane_g, top, low);
@@ -608,14 +606,14 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
           }
         };
         if constexpr (kSortRow) {
-          // The row's candidates go to its kRowSlots slots in lane order (zeros, below every key,
+          // The row's candidates go to its kMaxRowCandidates slots in lane order (zeros, below every key,
           // fill the rest), each lane takes kSlotsPerLane consecutive slots, and the row's lanes
           // sort them; the sorted first L slots are the row's top L (those of merging the lanes'
           // sorted lists: keys are distinct).
           struct alignas(sizeof(K) * kSlotsPerLane) Slots {
             K v[kSlotsPerLane];
           };
-          K* const keys = row_keys + (warp * RPW + lanes.slot) * kRowSlots;
+          K* const keys = row_keys + (warp * RPW + lanes.slot) * kMaxRowCandidates;
           Slots* const mine = reinterpret_cast<Slots*>(keys) + lane_g;
           __syncwarp();  // the row's lanes have read the previous tile's top (scoring, below)
           *mine = Slots{};  // zero keys
@@ -693,7 +691,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
     K own[kS];
     float mx;
     if ((kRank || kSortRow) && ranked) {
-      const K* const row_out = kSortRow ? row_keys + (warp * RPW + lanes.slot) * kRowSlots
+      const K* const row_out = kSortRow ? row_keys + (warp * RPW + lanes.slot) * kMaxRowCandidates
                                         : row_top + (warp * RPW + lanes.slot) * L;
       mx = Key::value(row_out[0]);
 #pragma unroll
