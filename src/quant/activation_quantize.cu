@@ -32,9 +32,12 @@ struct ActivationInputs {
 template <Activation A, bool kProbs>
 struct ActivationSource {
   static constexpr bool kGated = A != Activation::kSquaredReLU;
-  // Half the quantize kernel's occupancy: 128 registers hold a thread's 8 chunks of gate and linear
-  // inputs, all loaded before the first activation (at 64 they spill).
-  static constexpr int kCtasPerSm = 2;
+  // A thread's 8 chunks of gate and linear inputs loaded in two passes of 4: 64 registers, four CTAs
+  // per SM. All 8 at once took 115 registers (two CTAs, spills at 64) and ran 1.28x as long
+  // (Nsight Compute, H200, mixtral-8x7b's act: 582 against 454 us, DRAM 52% against 67%): with two
+  // CTAs per SM the loads of one overlapped the other's arithmetic too little.
+  static constexpr int kCtasPerSm = 4;
+  static constexpr int kLoadPasses = 2;
   ActivationInputs in;
 
   struct Context {

@@ -276,9 +276,10 @@ __device__ __forceinline__ void tile_rows_from_shared(const QuantParams& p, cons
 // kernel's loop is unrolled, so addresses are bases plus constant offsets); value() gives its 8
 // bf16 elements. empty() stands for a chunk outside the matrix (zeros, which never raise an amax);
 // kCtasPerSm is the occupancy the kernel is compiled for (its registers hold a thread's loaded
-// chunks).
+// chunks) and kLoadPasses how many groups of them it loads one after the other.
 struct MatrixSource {
   static constexpr int kCtasPerSm = 4;
+  static constexpr int kLoadPasses = 1;
   struct Context {
     const uint16_t* first;  // the thread's first chunk
     uint32_t K;             // < 2^31 (launch_tile)
@@ -320,19 +321,27 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : Source::kCtasPerSm) quanti
 
   const int r0 = chunk_row(0), c0 = 8 * chunk_col(0);
   const typename Source::Context ctx = src.context(p, t, r0, c0);
-  typename Source::Loaded loaded[kLoads];
-#pragma unroll
-  for (int i = 0; i < kLoads; ++i) {
-    const int r = chunk_row(i), c = 8 * chunk_col(i);
-    loaded[i] = r < t.rows && c < t.cols ? src.load(ctx, p, r - r0, c - c0) : Source::empty();
-  }
+  // The loads are issued in Source::kLoadPasses passes (each loaded, converted and put in shared
+  // memory before the next): a source whose loaded chunks take many registers holds a fraction of
+  // them at a time, for more CTAs per SM. The 2-D paths read v again below: one pass.
+  constexpr int kPasses = Source::kLoadPasses, kPerPass = kLoads / kPasses;
+  static_assert(kLoads % kPasses == 0 && (kPasses == 1 || !kTwoD), "load passes: 1-D blocks, whole passes");
   uint4 v[kLoads];
 #pragma unroll
-  for (int i = 0; i < kLoads; ++i) v[i] = src.value(loaded[i]);
+  for (int pass = 0; pass < kPasses; ++pass) {
+    typename Source::Loaded loaded[kPerPass];
 #pragma unroll
-  for (int i = 0; i < kLoads; ++i) {
-    const int r = chunk_row(i);
-    tile[r * kChunks + (chunk_col(i) ^ tile_swizzle(r))] = v[i];
+    for (int q = 0; q < kPerPass; ++q) {
+      const int i = pass * kPerPass + q, r = chunk_row(i), c = 8 * chunk_col(i);
+      loaded[q] = r < t.rows && c < t.cols ? src.load(ctx, p, r - r0, c - c0) : Source::empty();
+    }
+#pragma unroll
+    for (int q = 0; q < kPerPass; ++q) v[pass * kPerPass + q] = src.value(loaded[q]);
+#pragma unroll
+    for (int q = 0; q < kPerPass; ++q) {
+      const int i = pass * kPerPass + q, r = chunk_row(i);
+      tile[r * kChunks + (chunk_col(i) ^ tile_swizzle(r))] = v[i];
+    }
   }
 
   float tile_factor = 1.0f;     // 2-D FP8
