@@ -32,9 +32,9 @@ struct ActivationInputs {
 template <Activation A, bool kProbs>
 struct ActivationSource {
   static constexpr bool kGated = A != Activation::kSquaredReLU;
-  // A thread's 8 chunks of gate and linear inputs loaded in two passes of 4: 64 registers, four CTAs
-  // per SM. All 8 at once took 115 registers (two CTAs, spills at 64) and ran 1.28x as long
-  // (Nsight Compute, H200, mixtral-8x7b's act: 582 against 454 us, DRAM 52% against 67%): with two
+  // A thread's 8 chunks of gate and linear inputs loaded in two passes of 4: 64 registers, four
+  // CTAs per SM. All 8 at once took 115 registers (two CTAs, spills at 64) and ran 1.3x as long
+  // (Nsight Compute, H200, mixtral-8x7b's act: 584 against 448 us, DRAM 52% against 68%): with two
   // CTAs per SM the loads of one overlapped the other's arithmetic too little.
   static constexpr int kCtasPerSm = 4;
   static constexpr int kLoadPasses = 2;
