@@ -44,4 +44,17 @@ void activation_backward(const ActivationParams& params, const TensorView& h, co
                          const TensorView& d_out, const TensorView& group_offsets, const TensorView& dh,
                          const TensorView& dprobs, cudaStream_t stream);
 
+// activation_backward and quantize of its dh in one pass, dh never stored: `out` receives bitwise
+// the codes and scales of quantize(config, dh of activation_backward(...)) ([R, fc1_out] rowwise,
+// [fc1_out, R] columnwise), except that rows past the valid total are quantized as zeros. config:
+// FP8 block scaling, 1-D blocks, either or both copies. dprobs fp32 [R] or absent: the same sum as
+// activation_backward's, added in another order (per 128-column tile of dh, then over the tiles),
+// so equal to it within fp32 rounding; it needs dprobs_workspace, fp32 with at least
+// activation_backward_quantized_workspace(params, R, F) elements (unused without dprobs).
+int64_t activation_backward_quantized_workspace(const ActivationParams& params, int64_t R, int64_t F);
+void activation_backward_quantized(const ActivationParams& params, const TensorView& h, const TensorView& probs,
+                                   const TensorView& d_out, const TensorView& group_offsets,
+                                   const QuantConfig& config, const QuantizedTensor& out, const TensorView& dprobs,
+                                   const TensorView& dprobs_workspace, cudaStream_t stream);
+
 }  // namespace moe

@@ -69,6 +69,10 @@ void Fp8ExpertsRecipe::plan_workspace(DeviceArena& a) {
   row_scale_ = a.take<float>(rs.rows * rs.cols);
   col_ = a.take<uint8_t>(R_ * tok_cols_);
   col_scale_ = a.take<float>(blocks(R_) * tok_cols_);
+  if (fused_activation_grad() && cfg_.probs == ProbsPlacement::kInActivation) {
+    grad_partials_count_ = activation_backward_quantized_workspace(cfg_.activation, R_, cfg_.ffn);
+    grad_partials_ = a.take<float>(grad_partials_count_);
+  }
 }
 
 Fp8ExpertsRecipe::SavedCopies Fp8ExpertsRecipe::plan_state(DeviceArena& a) const {
@@ -145,6 +149,25 @@ void Fp8ExpertsRecipe::quantize_activation(const ActivationParams& params, const
   if (rowwise || col != nullptr)
     activation_forward_quantized(params, h, probs, group_offsets,
                                  fp8_config(QuantBlocking::k1D, rowwise, col != nullptr), q, s);
+}
+
+bool Fp8ExpertsRecipe::fused_activation_grad() const {
+  const ActivationParams& a = cfg_.activation;
+  const bool once = a.kind == Activation::kSquaredReLU || a.glu_interleave == 1 ||
+                    (a.glu_interleave == 0 && cfg_.ffn % kBlock == 0);
+  return !cfg_.bias && once;
+}
+
+void Fp8ExpertsRecipe::quantize_activation_grad(const ActivationParams& params, const TensorView& h,
+                                                const TensorView& probs, const TensorView& d_out,
+                                                const TensorView& group_offsets, const TensorView& dprobs,
+                                                cudaStream_t s) const {
+  MOE_CHECK(fused_activation_grad(), "Fp8ExpertsRecipe::quantize_activation_grad: not offered for this ",
+            "configuration (see fused_activation_grad)");
+  const QuantizedTensor q = token_copies(h.shape[0], cfg_.fc1_out(), /*rowwise=*/true, col_, col_scale_);
+  activation_backward_quantized(params, h, probs, d_out, group_offsets,
+                                fp8_config(QuantBlocking::k1D, /*rowwise=*/true, /*columnwise=*/true), q, dprobs,
+                                TensorView(grad_partials_, DType::kFP32, {grad_partials_count_}), s);
 }
 
 // fprop reads the rowwise weight copy and reduces over K; dgrad the columnwise copy (W^T, viewed

@@ -8,7 +8,8 @@
 //             act    -> rowwise (fc2 fprop)  + columnwise, saved (fc2 wgrad), quantized as the
 //                       activation computes it from h (act itself is never stored)
 //   backward  dY     -> rowwise (fc2 dgrad)  + columnwise (fc2 wgrad), from dY or gathered from dy
-//             dh     -> rowwise (fc1 dgrad)  + columnwise (fc1 wgrad)
+//             dh     -> rowwise (fc1 dgrad)  + columnwise (fc1 wgrad), without the fc1 bias
+//                       quantized as the activation backward computes it (dh is never stored)
 //   weights   128x128 blocks, rowwise (fprop) and columnwise (dgrad), at every forward
 //
 // Quantizing the weights at every forward (and recompute) makes the copies a pure function of the
@@ -69,6 +70,18 @@ class Fp8ExpertsRecipe {
   void quantize_activation(const ActivationParams& params, const TensorView& h, const TensorView& probs,
                            const TensorView& group_offsets, bool rowwise, uint8_t* col, float* col_scale,
                            cudaStream_t stream) const;
+  // The same for dh = activation_backward(h, d_out, probs) [rows, fc1_out], computed on the way
+  // (dh is not stored): bitwise the copies of quantize() on activation_backward's dh, rowwise into
+  // the token workspace and columnwise into the transient copy; dprobs [rows] (or absent) summed
+  // per tile of dh in the recipe's workspace (fused_activation_grad() says whether it has one).
+  void quantize_activation_grad(const ActivationParams& params, const TensorView& h, const TensorView& probs,
+                                const TensorView& d_out, const TensorView& group_offsets, const TensorView& dprobs,
+                                cudaStream_t stream) const;
+  // Whether the backward quantizes dh as the activation backward computes it: without the fc1
+  // bias (whose gradient sums dh in bf16), and where that kernel evaluates each feature's
+  // derivatives once (activation_backward_quantized: squared-relu, GLU interleave 1, or interleave
+  // 0 with F a multiple of 128); elsewhere the activation backward and dh's quantize run apart.
+  bool fused_activation_grad() const;
   // The transient columnwise copy of dY or dh (backward), for the weight gradient that follows.
   uint8_t* col_workspace() const { return col_; }
   float* col_workspace_scale() const { return col_scale_; }
@@ -111,6 +124,9 @@ class Fp8ExpertsRecipe {
   float* row_scale_ = nullptr;
   uint8_t* col_ = nullptr;
   float* col_scale_ = nullptr;
+  // The tile sums of dprobs of quantize_activation_grad ([tiles of dh's columns, rows]).
+  float* grad_partials_ = nullptr;
+  int64_t grad_partials_count_ = 0;
 };
 
 }  // namespace moe

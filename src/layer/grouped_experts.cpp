@@ -470,13 +470,20 @@ struct GroupedExperts::Impl {
   }
   // FP8, after dY's copies were made (quantized from dY, or gathered from dy): the fc2 dgrad into
   // act's workspace (the weight gradient reads act's saved columnwise copy), fc2's weight
-  // gradients (dY bf16 for the bias gradient only: empty without bias), the activation backward.
+  // gradients (dY bf16 for the bias gradient only: empty without bias), the activation backward:
+  // without the fc1 bias straight into dh's FP8 copies (dh itself is never written), otherwise dh
+  // over h, quantized by finish_backward.
   void fp8_fc2_backward(const TensorView& dY, const Saved& v, const TensorView& dpp, cudaStream_t s) {
     const int64_t rows = v.rows, F = cfg.ffn, F1 = cfg.fc1_out();
     fp8->dgrad(2, gemm, gemm_workspace(), v.g, bf16_view(v.b.act, rows, F), s);
     wgrad_fc2(dY, v, s);
-    activation_backward(cfg.activation, bf16_view(v.b.h, rows, F1), v.pp, bf16_view(v.b.act, rows, F), v.g,
-                        bf16_view(v.b.h, rows, F1), probs_in_act() ? dpp : TensorView(), s);
+    const TensorView dprobs = probs_in_act() ? dpp : TensorView();
+    if (fp8->fused_activation_grad())
+      fp8->quantize_activation_grad(cfg.activation, bf16_view(v.b.h, rows, F1), v.pp, bf16_view(v.b.act, rows, F),
+                                    v.g, dprobs, s);
+    else
+      activation_backward(cfg.activation, bf16_view(v.b.h, rows, F1), v.pp, bf16_view(v.b.act, rows, F), v.g,
+                          bf16_view(v.b.h, rows, F1), dprobs, s);
   }
   // dprobs += <dY row, b2[e]>: the fc2 bias is scaled by the prob too.
   void bias_dprobs_of(const TensorView& dY, const Saved& v, const TensorView& dpp, cudaStream_t s) const {
@@ -789,9 +796,10 @@ GroupedExperts::Impl::Saved GroupedExperts::Impl::check_backward(const SavedStat
 
 void GroupedExperts::Impl::finish_backward(const SavedState& state, const Saved& v, const TensorView& dY,
                                            const TensorView& dx_perm, cudaStream_t s) {
-  const TensorView dh = bf16_view(v.b.h, v.rows, cfg.fc1_out());  // written over h
+  const TensorView dh = bf16_view(v.b.h, v.rows, cfg.fc1_out());  // written over h (not by FP8's fused path)
   if (fp8) {  // dh rowwise for the dgrad, columnwise for the weight gradient below
-    fp8->quantize(dh, /*rowwise=*/true, fp8->col_workspace(), fp8->col_workspace_scale(), s);
+    if (!fp8->fused_activation_grad())  // otherwise fp8_fc2_backward made them
+      fp8->quantize(dh, /*rowwise=*/true, fp8->col_workspace(), fp8->col_workspace_scale(), s);
     fp8->dgrad(1, gemm, gemm_workspace(), v.g, dx_perm, s);
   } else if (!cfg.row_windows) {  // windows: fc1_dgrad_rows computes it
     dgrad(1, dh, v.g, dx_perm, s);
@@ -810,7 +818,8 @@ void GroupedExperts::Impl::finish_backward(const SavedState& state, const Saved&
 
 void GroupedExperts::Impl::finish_fc1(const SavedState& state, const Saved& v, cudaStream_t s) {
   wgrad_fc1(bf16_view(v.b.h, v.rows, cfg.fc1_out()), v, s);  // dh, written over h
-  state.header(0).status = static_cast<int32_t>(StateStatus::kConsumed);  // h holds dh (and act dact when unfused)
+  // h holds dh (FP8 with the fused activation backward: still h), act dact when unfused.
+  state.header(0).status = static_cast<int32_t>(StateStatus::kConsumed);
   for (Param p : kHookOrder) fire_hooks(p);
 }
 

@@ -38,6 +38,7 @@ struct ActivationSource {
   // CTAs per SM the loads of one overlapped the other's arithmetic too little.
   static constexpr int kCtasPerSm = 4;
   static constexpr int kLoadPasses = 2;
+  static constexpr bool kRowPartials = false, kPaired = false;
   ActivationInputs in;
 
   struct Context {

@@ -26,6 +26,7 @@ struct GatherSource {
   // five; two load passes at five CTAs 625).
   static constexpr int kCtasPerSm = 5;
   static constexpr int kLoadPasses = 1;
+  static constexpr bool kRowPartials = false, kPaired = false;
   const uint16_t* x;  // bf16 bits [T, K]
   const int32_t* row_slots;
   // slot / slots as a high multiply and a shift (a 64-bit division was a subroutine call per chunk

@@ -267,128 +267,16 @@ __device__ __forceinline__ void tile_rows_from_shared(const QuantParams& p, cons
   }
 }
 
-// Where the tile kernel's bf16 chunks come from: x itself (quantize), or act(h) x prob computed in
-// registers (activation_forward_quantized). A source works in three steps, so that all of a
-// thread's loads are in flight before any arithmetic on them: context() once per thread, given the
-// tile position (r0, c0) of the thread's first chunk (what every chunk of the thread needs: base
-// addresses, values read from global memory); load() issues the reads of the chunk at tile
-// position (r0 + dr, c0 + dc), inside the matrix (dr, dc are compile-time constants once the
-// kernel's loop is unrolled, so addresses are bases plus constant offsets); value() gives its 8
-// bf16 elements. empty() stands for a chunk outside the matrix (zeros, which never raise an amax);
-// kCtasPerSm is the occupancy the kernel is compiled for (its registers hold a thread's loaded
-// chunks) and kLoadPasses how many groups of them it loads one after the other.
-struct MatrixSource {
-  static constexpr int kCtasPerSm = 4;
-  static constexpr int kLoadPasses = 1;
-  struct Context {
-    const uint16_t* first;  // the thread's first chunk
-    uint32_t K;             // < 2^31 (launch_tile)
-  };
-  using Loaded = uint4;
-  __device__ __forceinline__ Context context(const QuantParams& p, const TileSpan& t, int r0, int c0) const {
-    return {p.x + (t.b * p.M + t.m0 + r0) * p.K + t.k0 + c0, static_cast<uint32_t>(p.K)};
-  }
-  __device__ __forceinline__ static Loaded empty() { return make_uint4(0, 0, 0, 0); }
-  __device__ __forceinline__ Loaded load(const Context& ctx, const QuantParams&, int dr, int dc) const {
-    return load_chunk(ctx.first + static_cast<uint64_t>(static_cast<uint32_t>(dr)) * ctx.K + dc);
-  }
-  __device__ __forceinline__ uint4 value(const Loaded& v) const { return v; }
-};
-
-template <QuantFormat F, bool kTwoD, bool kSR, class Source = MatrixSource>
-__global__ void __launch_bounds__(kThreads, kSR ? 2 : Source::kCtasPerSm) quantize_tile_kernel(QuantParams p, Source src) {
+// Columnwise copy of a tile, read back from shared memory (the tile kernel's second pass; factors
+// as in tile_rows_from_shared: computed here for 1-D blocks, passed in for 2-D ones). Every lane of
+// the CTA calls it (the shuffles).
+template <QuantFormat F, bool kTwoD, bool kSR>
+__device__ __forceinline__ void tile_cols_from_shared(const QuantParams& p, const uint4* tile, const TileSpan& t,
+                                                      float S, float tile_factor, bool tile_numbers,
+                                                      const float* blk_factor) {
   constexpr int kB = block_len<F>();
-  constexpr bool kNV2D = kTwoD && F == QuantFormat::kNVFP4;  // 16 x 16 blocks: one warp per block
-  constexpr int kLoads = kTile * kChunks / kThreads;          // 8 chunks per thread
-  __shared__ __align__(16) uint4 tile[kTile * kChunks];
-  __shared__ float blk_factor[kNV2D ? 64 : 1];  // 2-D NVFP4: [block row][block column] of the tile
-  __shared__ uint32_t warp_amax[kThreads / 32];  // 2-D FP8: the tile is one block
-
-  TileSpan t;
-  t.b = blockIdx.z;
-  t.m0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  t.k0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  t.rows = static_cast<int>(min(p.M - t.m0, static_cast<int64_t>(kTile)));
-  t.cols = static_cast<int>(min(p.K - t.k0, static_cast<int64_t>(kTile)));
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const float S = F == QuantFormat::kNVFP4 ? nvfp4_global_scale(p.global_amax[t.b]) : 1.0f;
-
-  // Which chunk (row r, chunk c of the tile) load i of this thread holds: 2-D NVFP4 gives warp w
-  // the 16 x 16 blocks (w, i), lane l row l / 2 and chunk l % 2 of the block; otherwise a half
-  // warp holds a tile row (one 1 x 128, four 1 x 32 or eight 1 x 16 blocks).
-  auto chunk_row = [&](int i) { return kNV2D ? 16 * warp + lane / 2 : tid / kChunks + 16 * i; };
-  auto chunk_col = [&](int i) { return kNV2D ? 2 * i + lane % 2 : tid % kChunks; };
-
-  const int r0 = chunk_row(0), c0 = 8 * chunk_col(0);
-  const typename Source::Context ctx = src.context(p, t, r0, c0);
-  // The loads are issued in Source::kLoadPasses passes (each loaded, converted and put in shared
-  // memory before the next): a source whose loaded chunks take many registers holds a fraction of
-  // them at a time, for more CTAs per SM. The 2-D paths read v again below: one pass.
-  constexpr int kPasses = Source::kLoadPasses, kPerPass = kLoads / kPasses;
-  static_assert(kLoads % kPasses == 0 && (kPasses == 1 || !kTwoD), "load passes: 1-D blocks, whole passes");
-  uint4 v[kLoads];
-#pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) {
-    typename Source::Loaded loaded[kPerPass];
-#pragma unroll
-    for (int q = 0; q < kPerPass; ++q) {
-      const int i = pass * kPerPass + q, r = chunk_row(i), c = 8 * chunk_col(i);
-      loaded[q] = r < t.rows && c < t.cols ? src.load(ctx, p, r - r0, c - c0) : Source::empty();
-    }
-#pragma unroll
-    for (int q = 0; q < kPerPass; ++q) v[pass * kPerPass + q] = src.value(loaded[q]);
-#pragma unroll
-    for (int q = 0; q < kPerPass; ++q) {
-      const int i = pass * kPerPass + q, r = chunk_row(i);
-      tile[r * kChunks + (chunk_col(i) ^ tile_swizzle(r))] = v[i];
-    }
-  }
-
-  float tile_factor = 1.0f;     // 2-D FP8
-  bool tile_numbers = false;    // 2-D FP8: no product of the tile is NaN
-  if constexpr (kTwoD && F == QuantFormat::kFP8Block) {
-    uint32_t a = 0;
-#pragma unroll
-    for (int i = 0; i < kLoads; ++i) a = max(a, chunk_amax_bits(v[i]));
-    a = group_max<32>(a);
-    if (lane == 0) warp_amax[warp] = a;
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) a = max(a, warp_amax[w]);
-    const BlockEncode e = block_encode<F>(__uint_as_float(a), p.pow2, S);
-    tile_factor = e.factor;
-    tile_numbers = no_nan_products(a);
-    if (tid == 0) {
-      const int64_t gr = t.m0 / kB, gc = t.k0 / kB;
-      if (p.row.data) store_block_scale<F>(p.row, t.b, gr, gc, e);
-      if (p.col.data) store_block_scale<F>(p.col, t.b, gc, gr, e);
-    }
-    if (p.row.data)
-      tile_rows_from_shared<F, kSR, RowFactor::kTile>(p, tile, t, S, tile_factor, tile_numbers);
-  } else if constexpr (kNV2D) {
-    // 16 x 16 blocks: a block is the whole warp (load i of warp w holds block (w, i)).
-#pragma unroll
-    for (int i = 0; i < kLoads; ++i) {
-      const float amax = __uint_as_float(group_max<32>(chunk_amax_bits(v[i])));
-      const BlockEncode e = block_encode<F>(amax, p.pow2, S);
-      if (lane == 0) {
-        blk_factor[warp * 8 + i] = e.factor;
-        const int64_t gr = t.m0 / kB + warp, gc = t.k0 / kB + i;
-        if (gr * kB < p.M && gc * kB < p.K) {  // M, K multiples of 16: the block is whole
-          if (p.row.data) store_block_scale<F>(p.row, t.b, gr, gc, e);
-          if (p.col.data) store_block_scale<F>(p.col, t.b, gc, gr, e);
-        }
-      }
-    }
-    __syncthreads();
-    if (p.row.data)
-      tile_rows_from_shared<F, kSR, RowFactor::kSharedBlocks>(p, tile, t, S, 0.0f, false, blk_factor);
-  } else {
-    __syncthreads();  // the tile is in shared memory
-    if (p.row.data) tile_rows_from_shared<F, kSR>(p, tile, t, S);
-  }
-  if (!p.col.data) return;
-
+  constexpr bool kNV2D = kTwoD && F == QuantFormat::kNVFP4;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   // Columnwise copy (stored [K, M]: a column of x is a row of the copy). Pass `it` of warp w
   // handles the column pair kp = 4 (w + 8 it) + lane / 8 (tile columns 2 kp, 2 kp + 1) and the
   // 16 rows 16 run .. 16 run + 15 with run = lane % 8: per row one 32-bit word of shared memory
@@ -515,6 +403,176 @@ __global__ void __launch_bounds__(kThreads, kSR ? 2 : Source::kCtasPerSm) quanti
   }
 }
 
+// Where the tile kernel's bf16 chunks come from: x itself (quantize), or act(h) x prob computed in
+// registers (activation_forward_quantized). A source works in three steps, so that all of a
+// thread's loads are in flight before any arithmetic on them: context() once per thread, given the
+// tile position (r0, c0) of the thread's first chunk (what every chunk of the thread needs: base
+// addresses, values read from global memory); load() issues the reads of the chunk at tile
+// position (r0 + dr, c0 + dc), inside the matrix (dr, dc are compile-time constants once the
+// kernel's loop is unrolled, so addresses are bases plus constant offsets); value() gives its 8
+// bf16 elements. empty() stands for a chunk outside the matrix (zeros, which never raise an amax);
+// kCtasPerSm is the occupancy the kernel is compiled for (its registers hold a thread's loaded
+// chunks) and kLoadPasses how many groups of them it loads one after the other. A source with
+// kRowPartials also sums a term along each row: value(loaded, term) gives a chunk's, and each tile
+// row's sum goes to store_partial(row, grid column, sum). A kPaired source makes two tiles per CTA:
+// value(loaded, [term,] second) also gives the chunk at the same place of the tile
+// second_tile_offset() columns to the right, and the grid covers first_tiles(K) column tiles.
+struct MatrixSource {
+  static constexpr int kCtasPerSm = 4;
+  static constexpr int kLoadPasses = 1;
+  static constexpr bool kRowPartials = false, kPaired = false;
+  struct Context {
+    const uint16_t* first;  // the thread's first chunk
+    uint32_t K;             // < 2^31 (launch_tile)
+  };
+  using Loaded = uint4;
+  __device__ __forceinline__ Context context(const QuantParams& p, const TileSpan& t, int r0, int c0) const {
+    return {p.x + (t.b * p.M + t.m0 + r0) * p.K + t.k0 + c0, static_cast<uint32_t>(p.K)};
+  }
+  __device__ __forceinline__ static Loaded empty() { return make_uint4(0, 0, 0, 0); }
+  __device__ __forceinline__ Loaded load(const Context& ctx, const QuantParams&, int dr, int dc) const {
+    return load_chunk(ctx.first + static_cast<uint64_t>(static_cast<uint32_t>(dr)) * ctx.K + dc);
+  }
+  __device__ __forceinline__ uint4 value(const Loaded& v) const { return v; }
+};
+
+template <QuantFormat F, bool kTwoD, bool kSR, class Source = MatrixSource>
+__global__ void __launch_bounds__(kThreads, kSR ? 2 : Source::kCtasPerSm) quantize_tile_kernel(QuantParams p, Source src) {
+  constexpr int kB = block_len<F>();
+  constexpr bool kNV2D = kTwoD && F == QuantFormat::kNVFP4;  // 16 x 16 blocks: one warp per block
+  constexpr int kLoads = kTile * kChunks / kThreads;          // 8 chunks per thread
+  __shared__ __align__(16) uint4 tile[kTile * kChunks];
+  __shared__ float blk_factor[kNV2D ? 64 : 1];  // 2-D NVFP4: [block row][block column] of the tile
+  __shared__ uint32_t warp_amax[kThreads / 32];  // 2-D FP8: the tile is one block
+
+  TileSpan t;
+  t.b = blockIdx.z;
+  t.m0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  t.k0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  t.rows = static_cast<int>(min(p.M - t.m0, static_cast<int64_t>(kTile)));
+  t.cols = static_cast<int>(min(p.K - t.k0, static_cast<int64_t>(kTile)));
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const float S = F == QuantFormat::kNVFP4 ? nvfp4_global_scale(p.global_amax[t.b]) : 1.0f;
+
+  // Which chunk (row r, chunk c of the tile) load i of this thread holds: 2-D NVFP4 gives warp w
+  // the 16 x 16 blocks (w, i), lane l row l / 2 and chunk l % 2 of the block; otherwise a half
+  // warp holds a tile row (one 1 x 128, four 1 x 32 or eight 1 x 16 blocks).
+  auto chunk_row = [&](int i) { return kNV2D ? 16 * warp + lane / 2 : tid / kChunks + 16 * i; };
+  auto chunk_col = [&](int i) { return kNV2D ? 2 * i + lane % 2 : tid % kChunks; };
+
+  const int r0 = chunk_row(0), c0 = 8 * chunk_col(0);
+  const typename Source::Context ctx = src.context(p, t, r0, c0);
+  // The loads are issued in Source::kLoadPasses passes (each loaded, converted and put in shared
+  // memory before the next): a source whose loaded chunks take many registers holds a fraction of
+  // them at a time, for more CTAs per SM. The 2-D paths read v again below: one pass.
+  constexpr int kPasses = Source::kLoadPasses, kPerPass = kLoads / kPasses;
+  static_assert(kLoads % kPasses == 0 && (kPasses == 1 || !kTwoD), "load passes: 1-D blocks, whole passes");
+  // A paired source gives each chunk of this tile and the one at the same place of a second tile
+  // (see ActivationGradSource), kept in registers until the first tile is quantized.
+  constexpr bool kPaired = Source::kPaired;
+  static_assert((!kPaired && !Source::kRowPartials) || (F == QuantFormat::kFP8Block && !kTwoD),
+                "paired tiles and row partial sums: FP8 block scaling with 1-D blocks");
+  uint4 v[kLoads];
+  uint4 second[kPaired ? kLoads : 1];
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    typename Source::Loaded loaded[kPerPass];
+#pragma unroll
+    for (int q = 0; q < kPerPass; ++q) {
+      const int i = pass * kPerPass + q, r = chunk_row(i), c = 8 * chunk_col(i);
+      loaded[q] = r < t.rows && c < t.cols ? src.load(ctx, p, r - r0, c - c0) : Source::empty();
+    }
+    if constexpr (Source::kRowPartials) {
+      float term[kPerPass];
+#pragma unroll
+      for (int q = 0; q < kPerPass; ++q) {
+        const int i = pass * kPerPass + q;
+        if constexpr (kPaired)
+          v[i] = src.value(loaded[q], term[q], second[i]);
+        else
+          v[i] = src.value(loaded[q], term[q]);
+      }
+#pragma unroll
+      for (int q = 0; q < kPerPass; ++q) {  // a half warp holds a tile row: a fixed shuffle tree
+#pragma unroll
+        for (int s = kChunks / 2; s > 0; s /= 2) term[q] += __shfl_xor_sync(0xFFFFFFFFu, term[q], s);
+        const int i = pass * kPerPass + q, r = chunk_row(i);
+        if (chunk_col(i) == 0 && r < t.rows) src.store_partial(t.m0 + r, static_cast<int>(blockIdx.x), term[q]);
+      }
+    } else if constexpr (kPaired) {
+#pragma unroll
+      for (int q = 0; q < kPerPass; ++q) v[pass * kPerPass + q] = src.value(loaded[q], second[pass * kPerPass + q]);
+    } else {
+#pragma unroll
+      for (int q = 0; q < kPerPass; ++q) v[pass * kPerPass + q] = src.value(loaded[q]);
+    }
+#pragma unroll
+    for (int q = 0; q < kPerPass; ++q) {
+      const int i = pass * kPerPass + q, r = chunk_row(i);
+      tile[r * kChunks + (chunk_col(i) ^ tile_swizzle(r))] = v[i];
+    }
+  }
+
+  float tile_factor = 1.0f;     // 2-D FP8
+  bool tile_numbers = false;    // 2-D FP8: no product of the tile is NaN
+  if constexpr (kTwoD && F == QuantFormat::kFP8Block) {
+    uint32_t a = 0;
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) a = max(a, chunk_amax_bits(v[i]));
+    a = group_max<32>(a);
+    if (lane == 0) warp_amax[warp] = a;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) a = max(a, warp_amax[w]);
+    const BlockEncode e = block_encode<F>(__uint_as_float(a), p.pow2, S);
+    tile_factor = e.factor;
+    tile_numbers = no_nan_products(a);
+    if (tid == 0) {
+      const int64_t gr = t.m0 / kB, gc = t.k0 / kB;
+      if (p.row.data) store_block_scale<F>(p.row, t.b, gr, gc, e);
+      if (p.col.data) store_block_scale<F>(p.col, t.b, gc, gr, e);
+    }
+    if (p.row.data)
+      tile_rows_from_shared<F, kSR, RowFactor::kTile>(p, tile, t, S, tile_factor, tile_numbers);
+  } else if constexpr (kNV2D) {
+    // 16 x 16 blocks: a block is the whole warp (load i of warp w holds block (w, i)).
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const float amax = __uint_as_float(group_max<32>(chunk_amax_bits(v[i])));
+      const BlockEncode e = block_encode<F>(amax, p.pow2, S);
+      if (lane == 0) {
+        blk_factor[warp * 8 + i] = e.factor;
+        const int64_t gr = t.m0 / kB + warp, gc = t.k0 / kB + i;
+        if (gr * kB < p.M && gc * kB < p.K) {  // M, K multiples of 16: the block is whole
+          if (p.row.data) store_block_scale<F>(p.row, t.b, gr, gc, e);
+          if (p.col.data) store_block_scale<F>(p.col, t.b, gc, gr, e);
+        }
+      }
+    }
+    __syncthreads();
+    if (p.row.data)
+      tile_rows_from_shared<F, kSR, RowFactor::kSharedBlocks>(p, tile, t, S, 0.0f, false, blk_factor);
+  } else {
+    __syncthreads();  // the tile is in shared memory
+    if (p.row.data) tile_rows_from_shared<F, kSR>(p, tile, t, S);
+  }
+  if (p.col.data) tile_cols_from_shared<F, kTwoD, kSR>(p, tile, t, S, tile_factor, tile_numbers, blk_factor);
+  if constexpr (kPaired) {
+    TileSpan t2 = t;
+    t2.k0 = t.k0 + src.second_tile_offset();
+    t2.cols = static_cast<int>(min(p.K - t2.k0, static_cast<int64_t>(kTile)));
+    __syncthreads();  // every read of the first tile is done
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int r = chunk_row(i);
+      tile[r * kChunks + (chunk_col(i) ^ tile_swizzle(r))] = second[i];
+    }
+    __syncthreads();
+    if (p.row.data) tile_rows_from_shared<F, kSR>(p, tile, t2, S);
+    if (p.col.data) tile_cols_from_shared<F, kTwoD, kSR>(p, tile, t2, S, tile_factor, tile_numbers, blk_factor);
+  }
+}
+
 // Layout padding is part of the output: zero it (a memset node when captured).
 inline void zero_scale_padding(const QuantConfig& config, const QuantArgs& a, cudaStream_t stream) {
   const int scale_bytes = config.format == QuantFormat::kFP8Block ? 4 : 1;
@@ -548,7 +606,10 @@ template <QuantFormat F, bool kTwoD, bool kSR, class Source = MatrixSource>
 void launch_tile(const QuantParams& p, int64_t B, cudaStream_t stream, const Source& src = {}) {
   // The kernel's in-tile offsets are 32-bit (row times K included).
   MOE_CHECK(p.K <= INT32_MAX, "argument 'x': expected fewer than 2^31 columns, got ", p.K);
-  const dim3 grid(static_cast<unsigned>((p.K + kTile - 1) / kTile), static_cast<unsigned>((p.M + kTile - 1) / kTile),
+  // A paired source's grid covers the first tile of each pair (its own column tiles).
+  int64_t col_tiles = (p.K + kTile - 1) / kTile;
+  if constexpr (Source::kPaired) col_tiles = src.first_tiles(p.K);
+  const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>((p.M + kTile - 1) / kTile),
                   static_cast<unsigned>(B));
   quantize_tile_kernel<F, kTwoD, kSR, Source><<<grid, kThreads, 0, stream>>>(p, src);
   MOE_CUDA_CHECK_LAUNCH();
