@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -96,29 +97,33 @@ std::vector<uint16_t> unfused_act(const ActivationParams& params, const Inputs& 
   return act.download();
 }
 
+// Every activation and the GLU interleaves 0, 1 and 32 (the backward adds 8).
+struct Variant {
+  const char* name;
+  ActivationParams params;
+};
+const Variant kVariants[] = {{"swiglu", activation(Activation::kSwiGLU, 0)},
+                             {"swiglu_il1", activation(Activation::kSwiGLU, 1)},
+                             {"geglu_il32", activation(Activation::kGeGLU, 32)},
+                             {"clamped_il1", activation(Activation::kClampedSwiGLU, 1)},
+                             {"clamped", activation(Activation::kClampedSwiGLU, 0)},
+                             {"squared_relu", activation(Activation::kSquaredReLU, 0)}};
+
+// R x F with group offsets (none: every row valid).
+struct Shape {
+  int64_t R, F;
+  std::vector<int32_t> offsets;
+};
+
 TEST(ActivationQuantize, MatchesTheReferenceOnTheUnfusedActivation) {
   MOE_REQUIRE_GPU();
   cudaStream_t stream;
   MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  struct Variant {
-    const char* name;
-    ActivationParams params;
-  };
-  const Variant variants[] = {{"swiglu", activation(Activation::kSwiGLU, 0)},
-                              {"swiglu_il1", activation(Activation::kSwiGLU, 1)},
-                              {"geglu_il32", activation(Activation::kGeGLU, 32)},
-                              {"clamped_il1", activation(Activation::kClampedSwiGLU, 1)},
-                              {"clamped", activation(Activation::kClampedSwiGLU, 0)},
-                              {"squared_relu", activation(Activation::kSquaredReLU, 0)}};
-  struct Shape {
-    int64_t R, F;
-    std::vector<int32_t> offsets;
-  };
   // 384 x 256: whole tiles; 300 x 224: partial tiles in both directions (R % 16 != 0: the columnwise
   // copy's row-by-row stores), valid rows 260 of 300; 256 x 128 with four groups, one empty.
   const Shape shapes[] = {{384, 256, {}}, {300, 224, {0, 100, 260}}, {256, 128, {0, 128, 128, 200, 256}}};
   uint64_t seed = 1;
-  for (const Variant& v : variants) {
+  for (const Variant& v : kVariants) {
     for (const Shape& sh : shapes) {
       for (bool with_probs : {true, false}) {
         const Inputs in(v.params, sh.R, sh.F, with_probs, sh.offsets, seed++);
@@ -297,21 +302,8 @@ TEST(ActivationBackwardQuantize, MatchesTheReferenceOnTheUnfusedBackward) {
   MOE_REQUIRE_GPU();
   cudaStream_t stream;
   MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  struct Variant {
-    const char* name;
-    ActivationParams params;
-  };
-  const Variant variants[] = {{"swiglu", activation(Activation::kSwiGLU, 0)},
-                              {"swiglu_il1", activation(Activation::kSwiGLU, 1)},
-                              {"swiglu_il8", activation(Activation::kSwiGLU, 8)},
-                              {"geglu_il32", activation(Activation::kGeGLU, 32)},
-                              {"clamped_il1", activation(Activation::kClampedSwiGLU, 1)},
-                              {"clamped", activation(Activation::kClampedSwiGLU, 0)},
-                              {"squared_relu", activation(Activation::kSquaredReLU, 0)}};
-  struct Shape {
-    int64_t R, F;
-    std::vector<int32_t> offsets;
-  };
+  std::vector<Variant> variants(std::begin(kVariants), std::end(kVariants));
+  variants.push_back({"swiglu_il8", activation(Activation::kSwiGLU, 8)});
   // 384 x 256: whole tiles; 300 x 224: partial tiles both ways (fc1_out 448: with interleave 0 a
   // tile holds gate and linear columns, each chunk computed on its own), valid rows 260 of 300;
   // 256 x 128 with four groups, one empty; 128 x 640: ten column tiles of dh. With interleave 0 and
