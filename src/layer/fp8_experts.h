@@ -73,7 +73,8 @@ class Fp8ExpertsRecipe {
   // The same for dh = activation_backward(h, d_out, probs) [rows, fc1_out], computed on the way
   // (dh is not stored): bitwise the copies of quantize() on activation_backward's dh, rowwise into
   // the token workspace and columnwise into the transient copy; dprobs [rows] (or absent) summed
-  // per tile of dh in the recipe's workspace (fused_activation_grad() says whether it has one).
+  // per tile of dh in the recipe's workspace (which it has with fused_activation_grad() and the
+  // probs in the activation).
   void quantize_activation_grad(const ActivationParams& params, const TensorView& h, const TensorView& probs,
                                 const TensorView& d_out, const TensorView& group_offsets, const TensorView& dprobs,
                                 cudaStream_t stream) const;

@@ -85,7 +85,7 @@ struct ActivationGradSource {
     Loaded v{};
     v.live = m < ctx.valid;
     if (!v.live) return v;
-    const int col = ctx.col + dc;  // a multiple of 8; F < 2^29 (checked)
+    const int col = ctx.col + dc;  // a multiple of 8; F <= 2^29 (checked)
     const uint16_t* h = reinterpret_cast<const uint16_t*>(in.h) + m * in.in_cols;
     const uint16_t* d_out = reinterpret_cast<const uint16_t*>(in.d_out) + m * in.F;
     v.gate = true;
@@ -250,6 +250,10 @@ void activation_backward_quantized(const ActivationParams& params, const TensorV
               "argument 'dprobs_workspace': expected fp32 with at least ", need,
               " elements (activation_backward_quantized_workspace), got ", dtype_name(dprobs_workspace.dtype), " ",
               dprobs_workspace.shape_string());
+    if (need > 0) {
+      check_device(dprobs_workspace, "dprobs_workspace", Device::kCUDA);
+      check_pointer(dprobs_workspace, "dprobs_workspace", 4);
+    }
   }
   // dh's shape, as activation_backward's would have it: the quantize checks read its shape only.
   const TensorView dh(h.data, DType::kBF16, {d.R, d.in_cols}, h.device);

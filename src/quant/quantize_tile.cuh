@@ -1,6 +1,7 @@
 // The quantize kernels' shared parts: parameters, chunk helpers and the tile kernel (one 128 x 128
-// tile per CTA: the columnwise copy and / or 2-D blocks), used by quantize() and by the fused
-// activation_forward_quantized(), which feeds the same kernel act(h) x prob instead of x. See
+// tile per CTA: the columnwise copy and / or 2-D blocks), used by quantize() and, with other
+// sources of the tile's chunks, by quantize_gathered() (rows gathered through a row map),
+// activation_forward_quantized() (act(h) x prob) and activation_backward_quantized() (dh). See
 // quantize_kernels.cu for how the kernels divide the work.
 #pragma once
 
@@ -403,9 +404,10 @@ __device__ __forceinline__ void tile_cols_from_shared(const QuantParams& p, cons
   }
 }
 
-// Where the tile kernel's bf16 chunks come from: x itself (quantize), or act(h) x prob computed in
-// registers (activation_forward_quantized). A source works in three steps, so that all of a
-// thread's loads are in flight before any arithmetic on them: context() once per thread, given the
+// Where the tile kernel's bf16 chunks come from: x itself (quantize), x's rows through a row map
+// (quantize_gathered), or act(h) x prob / dh computed in registers (activation_forward_quantized,
+// activation_backward_quantized). A source works in three steps, so that a pass's loads are in
+// flight before any arithmetic on them: context() once per thread, given the
 // tile position (r0, c0) of the thread's first chunk (what every chunk of the thread needs: base
 // addresses, values read from global memory); load() issues the reads of the chunk at tile
 // position (r0 + dr, c0 + dc), inside the matrix (dr, dc are compile-time constants once the

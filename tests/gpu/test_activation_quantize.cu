@@ -430,6 +430,11 @@ TEST(ActivationBackwardQuantize, ZeroRowsAndBadInput) {
       [&] { run(in.d_out_view(), c, out.q, vdp, TensorView(ws.get(), DType::kFP32, {static_cast<int64_t>(ws.size()) - 1})); },
       "'dprobs_workspace'");
   expect_error_naming([&] { run(in.d_out_view(), c, out.q, vdp, TensorView()); }, "'dprobs_workspace'");
+  std::vector<float> host_ws(ws.size());
+  expect_error_naming([&] {
+    run(in.d_out_view(), c, out.q, vdp,
+        TensorView(host_ws.data(), DType::kFP32, {static_cast<int64_t>(host_ws.size())}, Device::kCPU));
+  }, "'dprobs_workspace'");
   QuantizedTensor bad = out.q;
   bad.rowwise_data = TensorView(out.rd.get(), DType::kFP8E4M3, {R, F});
   expect_error_naming([&] { run(in.d_out_view(), c, bad, vdp, vws); }, "'out.rowwise_data'");
