@@ -52,6 +52,10 @@ void activation_backward(const ActivationParams& params, const TensorView& h, co
 // so equal to it within fp32 rounding; it needs dprobs_workspace, fp32 with at least
 // activation_backward_quantized_workspace(params, R, F) elements (unused without dprobs).
 int64_t activation_backward_quantized_workspace(const ActivationParams& params, int64_t R, int64_t F);
+// Whether activation_backward_quantized evaluates each feature's derivatives once (squared-relu,
+// GLU interleave 1, or interleave 0 with F a multiple of 128, where a CTA makes a feature block's
+// gate and linear tiles); elsewhere twice, once for the gate and once for the linear chunk.
+bool activation_backward_quantized_evaluates_once(const ActivationParams& params, int64_t F);
 void activation_backward_quantized(const ActivationParams& params, const TensorView& h, const TensorView& probs,
                                    const TensorView& d_out, const TensorView& group_offsets,
                                    const QuantConfig& config, const QuantizedTensor& out, const TensorView& dprobs,

@@ -152,10 +152,7 @@ void Fp8ExpertsRecipe::quantize_activation(const ActivationParams& params, const
 }
 
 bool Fp8ExpertsRecipe::fused_activation_grad() const {
-  const ActivationParams& a = cfg_.activation;
-  const bool once = a.kind == Activation::kSquaredReLU || a.glu_interleave == 1 ||
-                    (a.glu_interleave == 0 && cfg_.ffn % kBlock == 0);
-  return !cfg_.bias && once;
+  return !cfg_.bias && activation_backward_quantized_evaluates_once(cfg_.activation, cfg_.ffn);
 }
 
 void Fp8ExpertsRecipe::quantize_activation_grad(const ActivationParams& params, const TensorView& h,

@@ -80,8 +80,8 @@ class Fp8ExpertsRecipe {
                                 cudaStream_t stream) const;
   // Whether the backward quantizes dh as the activation backward computes it: without the fc1
   // bias (whose gradient sums dh in bf16), and where that kernel evaluates each feature's
-  // derivatives once (activation_backward_quantized: squared-relu, GLU interleave 1, or interleave
-  // 0 with F a multiple of 128); elsewhere the activation backward and dh's quantize run apart.
+  // derivatives once (activation_backward_quantized_evaluates_once); elsewhere the activation
+  // backward and dh's quantize run apart.
   bool fused_activation_grad() const;
   // The transient columnwise copy of dY or dh (backward), for the weight gradient that follows.
   uint8_t* col_workspace() const { return col_; }

@@ -27,7 +27,9 @@ namespace {
 
 // A gated activation's gate and linear tiles can be made by one CTA when each feature block's two
 // tiles are whole tiles of dh: interleave 0 and F a multiple of 128.
-bool paired_tiles(int interleave, int64_t F) { return interleave == 0 && F % kTile == 0; }
+bool paired_tiles(const ActivationParams& params, int64_t F) {
+  return params.kind != Activation::kSquaredReLU && params.glu_interleave == 0 && F % kTile == 0;
+}
 
 // What the source reads: h [M, in_cols] in the GLU interleave of the params, d_out [M, F], probs [M]
 // or null; where it writes the tiles' row sums of the prob's gradient ([tiles, M], null: none).
@@ -207,14 +209,13 @@ void launch(const QuantParams& p, const GradInputs& in, cudaStream_t stream) {
 }
 
 template <Activation A>
-void launch(const QuantParams& p, const GradInputs& in, cudaStream_t stream) {
-  if constexpr (A == Activation::kSquaredReLU) {
+void launch(const QuantParams& p, const GradInputs& in, bool paired, cudaStream_t stream) {
+  if constexpr (A == Activation::kSquaredReLU) {  // paired is false: one tile per feature block
     if (in.probs != nullptr)
       launch<A, true, false>(p, in, stream);
     else
       launch<A, false, false>(p, in, stream);
   } else {
-    const bool paired = paired_tiles(in.interleave, in.F);
     if (in.probs != nullptr)
       paired ? launch<A, true, true>(p, in, stream) : launch<A, true, false>(p, in, stream);
     else
@@ -226,6 +227,10 @@ int64_t tiles_of(int64_t cols) { return (cols + kTile - 1) / kTile; }
 
 }  // namespace
 }  // namespace quant
+
+bool activation_backward_quantized_evaluates_once(const ActivationParams& params, int64_t F) {
+  return params.kind == Activation::kSquaredReLU || params.glu_interleave == 1 || quant::paired_tiles(params, F);
+}
 
 int64_t activation_backward_quantized_workspace(const ActivationParams& params, int64_t R, int64_t F) {
   return R * quant::tiles_of(fc1_out_features(params.kind, F));
@@ -273,17 +278,17 @@ void activation_backward_quantized(const ActivationParams& params, const TensorV
   in.interleave = params.glu_interleave;
   in.c = kernels::ActConsts{params.alpha, params.limit, params.offset};
   in.partials = with_dprobs ? dprobs_workspace.ptr<float>() : nullptr;
+  const bool paired = paired_tiles(params, d.F);
   switch (params.kind) {
-    case Activation::kSwiGLU: launch<Activation::kSwiGLU>(p, in, stream); break;
-    case Activation::kGeGLU: launch<Activation::kGeGLU>(p, in, stream); break;
-    case Activation::kClampedSwiGLU: launch<Activation::kClampedSwiGLU>(p, in, stream); break;
-    case Activation::kSquaredReLU: launch<Activation::kSquaredReLU>(p, in, stream); break;
+    case Activation::kSwiGLU: launch<Activation::kSwiGLU>(p, in, paired, stream); break;
+    case Activation::kGeGLU: launch<Activation::kGeGLU>(p, in, paired, stream); break;
+    case Activation::kClampedSwiGLU: launch<Activation::kClampedSwiGLU>(p, in, paired, stream); break;
+    case Activation::kSquaredReLU: launch<Activation::kSquaredReLU>(p, in, paired, stream); break;
   }
   if (with_dprobs) {
     constexpr int kThreadsPerBlock = 256;
     const dim3 grid(static_cast<unsigned>((d.R + kThreadsPerBlock - 1) / kThreadsPerBlock));
     // The grid's column tiles (paired: the gate tiles), each of which wrote its rows' sums.
-    const bool paired = params.kind != Activation::kSquaredReLU && paired_tiles(in.interleave, d.F);
     const int64_t tiles = paired ? d.F / kTile : tiles_of(d.in_cols);
     sum_tile_partials_kernel<<<grid, kThreadsPerBlock, 0, stream>>>(in.partials, static_cast<int>(tiles),
                                                                     d.R, in.group_offsets, in.groups,
