@@ -374,7 +374,7 @@ int main(int argc, char** argv) {
           const std::string product = "fc" + std::to_string(fc) + ":" + r.label;
           if (!products.empty() && std::find(products.begin(), products.end(), product) == products.end()) continue;
           gg.force_config(r.op, "");
-          const std::string chosen = gg.chosen_config(r.op, N, K, r.out);
+          const std::string chosen = gg.chosen_config(r.op, N, K, r.out, r.accumulate);
           std::vector<Candidate> cands = {{"ours", r.ours, false}, {"graph", r.ours, true}};
           if (r.dense) cands.push_back({"cublas", r.dense, false});
           size_t fp8_at = 0, fp8_rm_at = 0;

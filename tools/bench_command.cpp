@@ -31,6 +31,7 @@ struct BenchArgs {
   std::string x_perm = "auto";
   bool fp8 = false;
   std::string fp8_weights = "every-forward";
+  std::string wgrad = "write";
   std::string emulate = "none";
   std::string fc1 = "auto";
   std::string dgrad = "auto";
@@ -109,6 +110,7 @@ void run_bench(const BenchArgs& a) {
   o.check = !a.no_check;
   o.repeats = a.repeats;
   o.activation = activation_from_name(a.activation);
+  o.wgrad = a.wgrad == "accumulate" ? WgradMode::kAccumulate : WgradMode::kWrite;
   if (a.fp8) {
     // The FP8 experts run the unfused path on 128-aligned expert rows (ExpertsConfig::fp8).
     o.fp8 = Fp8Recipe::kBlock;
@@ -246,6 +248,9 @@ void setup_bench(CLI::App& app) {
                   "(inside each timed forward) or on-request (once after binding, as in a step of several "
                   "micro-batches)")
       ->check(CLI::IsMember({"every-forward", "on-request"}));
+  sub->add_option("--wgrad", args->wgrad, "Weight gradients written in bf16 (write) or added into fp32 main_grad "
+                  "buffers (accumulate: Megatron-LM's gradient-accumulation fusion; their memory counts as extra)")
+      ->check(CLI::IsMember({"write", "accumulate"}));
   sub->add_flag("--no-check", args->no_check, "Skip the sampled comparison with the CPU reference");
   sub->callback([args] { run_bench(*args); });
 }

@@ -127,6 +127,7 @@ LayerBenchResult run_layer_bench(const Shape& s, const LayerBenchOptions& o) {
   c.fp8 = o.fp8;
   c.fp8_weight_refresh = o.fp8_weight_refresh;
   c.emulated = o.emulated;
+  c.wgrad = o.wgrad;
   const int64_t F1 = c.fc1_out();
 
   // Inputs and weights (not counted as extra memory, as in the PyTorch baseline).
@@ -147,12 +148,21 @@ LayerBenchResult run_layer_bench(const Shape& s, const LayerBenchOptions& o) {
   {
     GroupedMlp layer(c);
     DeviceMem y(s.T * s.H * 2), dx(s.T * s.H * 2), dprobs(s.T * s.k * 4);
-    DeviceMem dw1(int64_t(s.E) * F1 * s.H * 2), dw2(int64_t(s.E) * s.H * s.F * 2);
+    // Written weight gradients in bf16; added into main_grad in fp32 (zeroed: the accumulation only
+    // grows it over the runs).
+    const bool main_grad = o.wgrad == WgradMode::kAccumulate;
+    const DType gt = main_grad ? DType::kFP32 : DType::kBF16;
+    const int64_t gb = main_grad ? 4 : 2;
+    DeviceMem dw1(int64_t(s.E) * F1 * s.H * gb), dw2(int64_t(s.E) * s.H * s.F * gb);
+    if (main_grad) {
+      MOE_CUDA_CHECK(cudaMemsetAsync(dw1.p, 0, int64_t(s.E) * F1 * s.H * gb, stream));
+      MOE_CUDA_CHECK(cudaMemsetAsync(dw2.p, 0, int64_t(s.E) * s.H * s.F * gb, stream));
+    }
     ExpertTensors w, g;
     w.fc1_weight = {TensorView(w1.p, DType::kBF16, {s.E, F1, s.H})};
     w.fc2_weight = {TensorView(w2.p, DType::kBF16, {s.E, s.H, s.F})};
-    g.fc1_weight = {TensorView(dw1.p, DType::kBF16, {s.E, F1, s.H})};
-    g.fc2_weight = {TensorView(dw2.p, DType::kBF16, {s.E, s.H, s.F})};
+    g.fc1_weight = {TensorView(dw1.p, gt, {s.E, F1, s.H})};
+    g.fc2_weight = {TensorView(dw2.p, gt, {s.E, s.H, s.F})};
     layer.set_weights(w);
     layer.set_grads(g);
     if ((c.fp8 != Fp8Recipe::kNone || c.emulated != EmulatedQuant::kNone) &&

@@ -151,8 +151,9 @@ struct GroupedGemm::Impl {
   const gemm::KernelEntry* kernel(Op op, DType ab, DType out, bool accumulate, int64_t N, int64_t K,
                                   gemm::TileChoice* choice) const {
     const Forced& f = forced[int(op)];
-    gemm::TileChoice c = ab == DType::kFP8E4M3 ? gemm::choose_fp8_tiles(op, N, K, max_weight_dim >= std::max(N, K))
-                                                : gemm::choose_tiles(op, N, K);
+    gemm::TileChoice c = ab == DType::kFP8E4M3
+                             ? gemm::choose_fp8_tiles(op, N, K, max_weight_dim >= std::max(N, K), accumulate)
+                             : gemm::choose_tiles(op, N, K, accumulate);
     if (!f.name.empty() && gemm::find_kernel(op, ab, out, accumulate, f.name.c_str()))
       c = {f.name.c_str(), f.raster_along_n, f.tile_run};
     const gemm::KernelEntry* k = gemm::find_kernel(op, ab, out, accumulate, c.name);
@@ -230,9 +231,9 @@ size_t GroupedGemm::workspace_bytes(int experts) const {
   return impl_->layout(E).total();
 }
 
-std::string GroupedGemm::chosen_config(GemmOp op, int64_t N, int64_t K, DType out_dtype) const {
+std::string GroupedGemm::chosen_config(GemmOp op, int64_t N, int64_t K, DType out_dtype, bool accumulate) const {
   gemm::TileChoice c{};
-  const gemm::KernelEntry* k = impl_->kernel(to_op(op), DType::kBF16, out_dtype, false, N, K, &c);
+  const gemm::KernelEntry* k = impl_->kernel(to_op(op), DType::kBF16, out_dtype, accumulate, N, K, &c);
   return std::string(k->name) + (c.raster_along_n ? "/N" : "/M") +
          (c.tile_run > 1 ? "/run" + std::to_string(c.tile_run) : std::string());
 }

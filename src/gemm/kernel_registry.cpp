@@ -18,10 +18,12 @@ const KernelEntry& entry_dgrad_pong_128x192x64_c2x1();
 const KernelEntry& entry_dgrad_pong_128x192x64_c1x2();
 const KernelEntry& entry_wgrad_coop_128x256x64_c2x1();
 const KernelEntry& entry_wgrad_coop_128x256x64_c2x1_f32();
+const KernelEntry& entry_wgrad_coop_128x256x64_c2x1_f32_wgstores();
 const KernelEntry& entry_fp8_fprop_coop_128x128x128_c1x2();
 const KernelEntry& entry_fp8_fprop_coop_128x192x128_c2x1();
 const KernelEntry& entry_fp8_wgrad_coop_128x128x128_c2x1();
 const KernelEntry& entry_fp8_wgrad_coop_128x128x128_c2x1_f32();
+const KernelEntry& entry_fp8_wgrad_coop_128x128x128_c2x1_f32_wgstores();
 
 const KernelEntry* const* kernel_registry(int* count) {
   static const KernelEntry* const entries[] = {
@@ -37,10 +39,12 @@ const KernelEntry* const* kernel_registry(int* count) {
       &entry_dgrad_pong_128x192x64_c1x2(),
       &entry_wgrad_coop_128x256x64_c2x1(),
       &entry_wgrad_coop_128x256x64_c2x1_f32(),
+      &entry_wgrad_coop_128x256x64_c2x1_f32_wgstores(),
       &entry_fp8_fprop_coop_128x128x128_c1x2(),
       &entry_fp8_fprop_coop_128x192x128_c2x1(),
       &entry_fp8_wgrad_coop_128x128x128_c2x1(),
       &entry_fp8_wgrad_coop_128x128x128_c2x1_f32(),
+      &entry_fp8_wgrad_coop_128x128x128_c2x1_f32_wgstores(),
   };
   *count = static_cast<int>(sizeof(entries) / sizeof(entries[0]));
   return entries;

@@ -23,6 +23,7 @@
 #include "gemm/fp8_wide_tile_promotion.cuh"
 #include "gemm/grouped_kernel.h"
 #include "gemm/run_group_scheduler.cuh"
+#include "gemm/warp_group_store_epilogue.cuh"
 #include "moe/error.h"
 
 namespace moe::gemm {
@@ -93,9 +94,11 @@ struct Fp8BlockOperands {
 // Operands: Bf16Operands<op> or Fp8BlockOperands<...>; ElementD: bf16 or float; ElementC: void (no
 // source) or float (beta * C); Tile/Cluster: cute shapes; Schedule: Cooperative or Pingpong;
 // EpiTile: the output subtile the epilogue stages through shared memory per TMA store (CUTLASS's
-// choice by default: 64x32 for ping-pong, 128x32 for cooperative bf16 output).
+// choice by default: 64x32 for ping-pong, 128x32 for cooperative bf16 output); kWarpGroupStores:
+// each consumer warp group stores its own half of the tile instead (warp_group_store_epilogue.cuh;
+// cooperative only).
 template <class Operands, class ElementD, class ElementC, class Tile, class Cluster, class Schedule,
-          class EpiTile = cutlass::epilogue::collective::EpilogueTileAuto>
+          class EpiTile = cutlass::epilogue::collective::EpilogueTileAuto, bool kWarpGroupStores = false>
 struct Sm90Gemm {
   using ElementAB = typename Operands::Element;
   using ElementAcc = float;
@@ -113,11 +116,13 @@ struct Sm90Gemm {
   using ProblemShape = std::conditional_t<kTileRuns, RunGroupProblemShape,
                                           cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>>;
 
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using TmaEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
       EpiTile, ElementAcc, ElementAcc,
       ElementC, LayoutD*, kAlignC, ElementD, LayoutD*, kAlignD, typename Schedule::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAcc, ElementC, ElementAcc>>::CollectiveOp;
+  static_assert(!kWarpGroupStores || std::is_same_v<Schedule, Cooperative>, "warp-group stores: cooperative only");
+  using Epilogue = std::conditional_t<kWarpGroupStores, WarpGroupStoreEpilogue<TmaEpilogue>, TmaEpilogue>;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename Operands::LayoutA, kAlignAB, ElementAB,
@@ -246,9 +251,10 @@ template <class ElementD, class ElementC, class Tile, class Cluster, class Sched
           class EpiTile = cutlass::epilogue::collective::EpilogueTileAuto>
 using Sm90Fp8FpropGemm = Sm90Gemm<Fp8BlockOperands<kWeightScaleRows, cute::GMMA::Major::K, cute::GMMA::Major::K>,
                                   ElementD, ElementC, Tile, Cluster, Schedule, EpiTile>;
-template <class ElementD, class ElementC, class Tile, class Cluster, class Schedule>
+template <class ElementD, class ElementC, class Tile, class Cluster, class Schedule, bool kWarpGroupStores = false>
 using Sm90Fp8WgradGemm = Sm90Gemm<Fp8BlockOperands<1, cute::GMMA::Major::MN, cute::GMMA::Major::MN>, ElementD,
-                                  ElementC, Tile, Cluster, Schedule>;
+                                  ElementC, Tile, Cluster, Schedule, cutlass::epilogue::collective::EpilogueTileAuto,
+                                  kWarpGroupStores>;
 
 }  // namespace moe::gemm
 

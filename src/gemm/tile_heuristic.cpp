@@ -24,8 +24,12 @@ namespace moe::gemm {
 //    fc2 dgrad 0.86x, sonic-30b-fine 0.85x with 128x192);
 //  - wgrad: the scheduler walks each expert's tiles along N when the output is taller than wide
 //    (measured 1.0-1.05x on bf16 and up to 1.38x on the fp32 main_grad of mixtral fc1; along M
-//    is better the other way round).
-TileChoice choose_tiles(Op op, int64_t N, int64_t K) {
+//    is better the other way round); added into a main_grad, each consumer warp group stores its
+//    own rows by vector reductions (warp_group_store_epilogue.cuh): 1.02-1.10x over CUTLASS's
+//    epilogue, which loads C through a producer warp (mixtral-8x7b, deepseek-v3-ep32,
+//    sonic-120b-coarse); written, CUTLASS's TMA epilogue stays (the warp-group stores were 1-4%
+//    faster in bf16 with no gain in the layer's step, and cost the FP8 layer's backward 0.5-3%).
+TileChoice choose_tiles(Op op, int64_t N, int64_t K, bool accumulate) {
   switch (op) {
     case Op::kFprop: {  // Y [m, N], reduction K
       const bool short_k = K <= 1024 || (K <= 2048 && N <= 2048);
@@ -39,7 +43,7 @@ TileChoice choose_tiles(Op op, int64_t N, int64_t K) {
       if (N <= 768) return {"pong_128x128x64_c2x1", true, N <= 512 ? 4 : 1};
       return {K % 512 == 0 ? "coop_128x256x64_c1x2" : "coop_128x256x64_c2x1", false};
     case Op::kWgrad:  // dW [N, K], reduction over the tokens of an expert
-      return {"coop_128x256x64_c2x1", N > K};
+      return {accumulate ? "coop_128x256x64_c2x1_wgstores" : "coop_128x256x64_c2x1", N > K};
   }
   return {"coop_128x256x64_c2x1", false};
 }
@@ -50,9 +54,10 @@ TileChoice choose_tiles(Op op, int64_t N, int64_t K) {
 // (along N costs up to 9% there); wgrad follows the bf16 rule. Where the engine can restate the
 // weight scales, the fprop form takes DeepGEMM's 128x192 tile with the 2x1 cluster: 7-13% faster on
 // seven of the twelve deepseek / mixtral / 120b fprop and dgrad products, 1-6% slower on three, with
-// no rule on (N, K) that separates them (docs/gemm.md).
-TileChoice choose_fp8_tiles(Op op, int64_t N, int64_t K, bool restated_scales) {
-  if (op == Op::kWgrad) return {"fp8_coop_128x128x128_c2x1", N > K};
+// no rule on (N, K) that separates them (docs/gemm.md). Weight gradients added into a main_grad
+// take the warp-group stores, as in bf16 (1.07-1.12x at 2048 tokens per expert, 0.95-0.98x at 8192).
+TileChoice choose_fp8_tiles(Op op, int64_t N, int64_t K, bool restated_scales, bool accumulate) {
+  if (op == Op::kWgrad) return {accumulate ? "fp8_coop_128x128x128_c2x1_wgstores" : "fp8_coop_128x128x128_c2x1", N > K};
   if (restated_scales) return {"fp8_coop_128x192x128_c2x1", N <= 4096};
   return {"fp8_coop_128x128x128_c1x2", N <= 4096};
 }

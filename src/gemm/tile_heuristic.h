@@ -16,10 +16,11 @@ struct TileChoice {
   int tile_run = 1;
 };
 
-TileChoice choose_tiles(Op op, int64_t N, int64_t K);
+// accumulate: a weight gradient added into an fp32 main_grad (beta = 1).
+TileChoice choose_tiles(Op op, int64_t N, int64_t K, bool accumulate = false);
 // The same for FP8 block-scaled operands (op kFprop serves fprop and dgrad, see grouped_kernel.h).
 // restated_scales: the engine can restate the weight scales per 64 rows for this product
 // (GroupedGemm's max_weight_dim covers N and K), which the 192-wide fprop-form tile needs.
-TileChoice choose_fp8_tiles(Op op, int64_t N, int64_t K, bool restated_scales);
+TileChoice choose_fp8_tiles(Op op, int64_t N, int64_t K, bool restated_scales, bool accumulate = false);
 
 }  // namespace moe::gemm

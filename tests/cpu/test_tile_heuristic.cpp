@@ -31,7 +31,9 @@ TEST(TileHeuristic, EveryNamedShapeProductHasACompiledChoice) {
       expect_compiled(Op::kFprop, DType::kBF16, DType::kBF16, false, choose_tiles(Op::kFprop, N, K), what + " fprop");
       expect_compiled(Op::kDgrad, DType::kBF16, DType::kBF16, false, choose_tiles(Op::kDgrad, N, K), what + " dgrad");
       expect_compiled(Op::kWgrad, DType::kBF16, DType::kBF16, false, choose_tiles(Op::kWgrad, N, K), what + " wgrad");
-      expect_compiled(Op::kWgrad, DType::kBF16, DType::kFP32, true, choose_tiles(Op::kWgrad, N, K),
+      expect_compiled(Op::kWgrad, DType::kBF16, DType::kFP32, false, choose_tiles(Op::kWgrad, N, K),
+                      what + " wgrad fp32");
+      expect_compiled(Op::kWgrad, DType::kBF16, DType::kFP32, true, choose_tiles(Op::kWgrad, N, K, true),
                       what + " wgrad into main_grad");
       // FP8: one fprop-form kernel serves fprop and dgrad (grouped_kernel.h).
       for (bool restated : {false, true}) {
@@ -40,8 +42,8 @@ TEST(TileHeuristic, EveryNamedShapeProductHasACompiledChoice) {
                         what + " fp8 fprop" + how);
         expect_compiled(Op::kWgrad, DType::kFP8E4M3, DType::kBF16, false, choose_fp8_tiles(Op::kWgrad, N, K, restated),
                         what + " fp8 wgrad" + how);
-        expect_compiled(Op::kWgrad, DType::kFP8E4M3, DType::kFP32, true, choose_fp8_tiles(Op::kWgrad, N, K, restated),
-                        what + " fp8 wgrad into main_grad" + how);
+        expect_compiled(Op::kWgrad, DType::kFP8E4M3, DType::kFP32, true,
+                        choose_fp8_tiles(Op::kWgrad, N, K, restated, true), what + " fp8 wgrad into main_grad" + how);
         // Only a configuration the engine can feed: 64-row weight scales only where restated.
         const KernelEntry* k = find_kernel(Op::kFprop, DType::kFP8E4M3, DType::kBF16, false,
                                            choose_fp8_tiles(Op::kFprop, N, K, restated).name);
@@ -54,6 +56,23 @@ TEST(TileHeuristic, EveryNamedShapeProductHasACompiledChoice) {
 // The dgrad rule measured on the fine-grained shapes (docs/gemm.md): ping-pong 128x192 for reductions
 // up to 2048 into outputs at least 768 wide, with the 1x2 cluster where 192-wide tile pairs fill the
 // output; the cooperative tile for narrow outputs and long reductions.
+TEST(TileHeuristic, WeightGradientsIntoMainGradTakeTheWarpGroupStores) {
+  // Added into an fp32 main_grad: the warp-group store epilogue (vector reductions, no load of C);
+  // written: CUTLASS's TMA epilogue.
+  for (auto [N, K] : {std::pair<int64_t, int64_t>{28672, 4096}, {4096, 14336}, {512, 7168}}) {
+    const auto ends_with_stores = [](const char* name) {
+      const std::string s(name);
+      return s.size() > 9 && s.compare(s.size() - 9, 9, "_wgstores") == 0;
+    };
+    EXPECT_TRUE(ends_with_stores(choose_tiles(Op::kWgrad, N, K, true).name)) << N << "x" << K;
+    EXPECT_FALSE(ends_with_stores(choose_tiles(Op::kWgrad, N, K, false).name)) << N << "x" << K;
+    for (bool restated : {false, true}) {
+      EXPECT_TRUE(ends_with_stores(choose_fp8_tiles(Op::kWgrad, N, K, restated, true).name)) << N << "x" << K;
+      EXPECT_FALSE(ends_with_stores(choose_fp8_tiles(Op::kWgrad, N, K, restated, false).name)) << N << "x" << K;
+    }
+  }
+}
+
 TEST(TileHeuristic, DgradTilesFollowTheMeasuredRule) {
   EXPECT_STREQ(choose_tiles(Op::kDgrad, 512, 1536).name, "pong_128x192x64_c1x2");   // sonic-7b-fine fc1
   EXPECT_STREQ(choose_tiles(Op::kDgrad, 1536, 2048).name, "pong_128x192x64_c2x1");  // qwen3-30b-a3b-ep8 fc1

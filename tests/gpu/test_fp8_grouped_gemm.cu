@@ -482,6 +482,37 @@ TEST_F(Fp8GroupedGemm, WgradScalesOffTheBulkAlignmentGiveTheSameBits) {
   }
 }
 
+TEST_F(Fp8GroupedGemm, WgradWarpGroupStoresGiveTheTmaEpiloguesBits) {
+  // The warp-group store epilogue (the fp32 configuration the engine takes for main_grad
+  // accumulation) against CUTLASS's TMA epilogue on the same main loop: the same bits written and
+  // added into a main_grad, with partial tiles in both directions (N = 272, K = 400), an empty
+  // expert, and several tiles per CTA (4 SMs), so that each warp group's buffer is reused across
+  // tiles and groups.
+  const WgradProblem p(4, 272, 400, {256, 0, 384, 208}, 37, stream);
+  const int64_t NK = p.N * p.K;
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+  std::vector<float> prior(p.E * NK);
+  for (float& f : prior) f = u(rng);
+  const auto nk = [&p](float* data) {
+    return ExpertMatrices::grouped(TensorView(data, DType::kFP32, {int64_t(p.E), p.N, p.K}), "dw");
+  };
+  const auto run = [&](const char* config) {
+    Engine eng(p.E, p.R, 4);
+    eng.gg.force_config(GemmOp::kWgrad, config);
+    DeviceBuffer<float> dw(p.E * NK), main_grad(prior);
+    dw.fill_bytes(0xFF);
+    eng.run(p.problem(nk(dw.get()), false), stream);
+    eng.run(p.problem(nk(main_grad.get()), true), stream);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return std::make_pair(dw.download(), main_grad.download());
+  };
+  const auto tma = run("fp8_coop_128x128x128_c2x1"), rows = run("fp8_coop_128x128x128_c2x1_wgstores");
+  EXPECT_EQ(rows.first, tma.first) << "written";
+  EXPECT_EQ(rows.second, tma.second) << "added into main_grad";
+  EXPECT_NE(tma.second, prior) << "the accumulation changed main_grad";
+}
+
 TEST_F(Fp8GroupedGemm, WgradGroupOffTheTokenGridIsReportedAndSkipped) {
   // Expert 1 [128, 192) ends inside a 128-token block that expert 2 [192, 256) continues, so both
   // would read scale blocks shared with other tokens: both are skipped (as if empty) and reported;

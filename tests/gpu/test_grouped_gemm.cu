@@ -322,6 +322,39 @@ TEST(GroupedGemm, EveryConfigurationUnevenAndEmptyGroups) {
   run_and_check_all(gg, p, "heuristic");
 }
 
+TEST(GroupedGemm, WgradWarpGroupStoresGiveTheTmaEpiloguesBits) {
+  MOE_REQUIRE_GPU();
+  // The warp-group store epilogue (the fp32 configuration the engine takes for main_grad
+  // accumulation) against CUTLASS's TMA epilogue on the same main loop: the same bits written and
+  // added into a main_grad, with partial tiles (N = 264, K = 200), empty and one-row experts, and
+  // several tiles per CTA (4 SMs), so that each warp group's buffer is reused across tiles and
+  // groups.
+  const std::vector<int> sizes = {0, 37, 0, 300, 1, 257, 0};
+  const auto off = offsets_from_sizes(sizes);
+  Problem p(int(sizes.size()), 264, 200, off.back() + 19, off, 5);
+  const int64_t wn = p.E * p.N * p.K;
+  std::mt19937_64 rng(17);
+  const std::vector<float> prior = random_f32(wn, rng);
+  const auto run = [&](const char* config) {
+    TestGemm gg(p.E, p.R, 4);
+    gg.force_config(GemmOp::kWgrad, config);
+    EXPECT_EQ(gg.chosen_config(GemmOp::kWgrad, p.N, p.K, DType::kFP32).rfind(config, 0), 0u);
+    DeviceBuffer<float> dw(wn), mg(prior);
+    dw.fill_bytes(0xFF);
+    const auto dw_of = [&](DeviceBuffer<float>& b) {
+      return ExpertMatrices::grouped(TensorView(b.get(), DType::kFP32, {int64_t(p.E), p.N, p.K}), "dw");
+    };
+    gg.wgrad(p.dy_view(), p.x_view(), p.off_view(), dw_of(dw), false, nullptr);
+    gg.wgrad(p.dy_view(), p.x_view(), p.off_view(), dw_of(mg), true, nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    return std::make_pair(dw.download(), mg.download());
+  };
+  const auto tma = run("coop_128x256x64_c2x1"), rows = run("coop_128x256x64_c2x1_wgstores");
+  EXPECT_EQ(rows.first, tma.first) << "written";
+  EXPECT_EQ(rows.second, tma.second) << "added into main_grad";
+  EXPECT_NE(tma.second, prior) << "the accumulation changed main_grad";
+}
+
 TEST(GroupedGemm, TileRunsCoverEveryTileOnce) {
   MOE_REQUIRE_GPU();
   // The persistent schedule in runs of consecutive cluster tiles (run_group_scheduler.cuh): full
