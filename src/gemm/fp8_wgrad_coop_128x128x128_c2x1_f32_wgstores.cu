@@ -3,8 +3,9 @@
 // (warp_group_store_epilogue.cuh). Taken for main_grad accumulation, where it skips CUTLASS's load
 // of C (tile_heuristic.cpp).
 #include "gemm/sm90_grouped_kernel.cuh"
+#include "gemm/warp_group_store_epilogue.cuh"
 
 MOE_GROUPED_KERNEL(entry_fp8_wgrad_coop_128x128x128_c2x1_f32_wgstores, "fp8_coop_128x128x128_c2x1_wgstores",
                    Op::kWgrad,
                    Sm90Fp8WgradGemm<float, float, cute::Shape<cute::_128, cute::_128, cute::_128>,
-                                    cute::Shape<cute::_2, cute::_1, cute::_1>, Cooperative, true>)
+                                    cute::Shape<cute::_2, cute::_1, cute::_1>, Cooperative, WarpGroupStores>)

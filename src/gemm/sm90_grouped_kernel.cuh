@@ -23,7 +23,6 @@
 #include "gemm/fp8_wide_tile_promotion.cuh"
 #include "gemm/grouped_kernel.h"
 #include "gemm/run_group_scheduler.cuh"
-#include "gemm/warp_group_store_epilogue.cuh"
 #include "moe/error.h"
 
 namespace moe::gemm {
@@ -94,11 +93,17 @@ struct Fp8BlockOperands {
 // Operands: Bf16Operands<op> or Fp8BlockOperands<...>; ElementD: bf16 or float; ElementC: void (no
 // source) or float (beta * C); Tile/Cluster: cute shapes; Schedule: Cooperative or Pingpong;
 // EpiTile: the output subtile the epilogue stages through shared memory per TMA store (CUTLASS's
-// choice by default: 64x32 for ping-pong, 128x32 for cooperative bf16 output); kWarpGroupStores:
-// each consumer warp group stores its own half of the tile instead (warp_group_store_epilogue.cuh;
-// cooperative only).
+// choice by default: 64x32 for ping-pong, 128x32 for cooperative bf16 output); EpiloguePolicy:
+// which epilogue runs, given CUTLASS's TMA epilogue built for the configuration (its `type<Tma>`):
+// that one (CutlassEpilogue), or one of ours that takes its types from it, declared in its own
+// header and included by the configurations that use it (e.g. WarpGroupStores,
+// warp_group_store_epilogue.cuh).
+struct CutlassEpilogue {
+  template <class Tma>
+  using type = Tma;
+};
 template <class Operands, class ElementD, class ElementC, class Tile, class Cluster, class Schedule,
-          class EpiTile = cutlass::epilogue::collective::EpilogueTileAuto, bool kWarpGroupStores = false>
+          class EpiTile = cutlass::epilogue::collective::EpilogueTileAuto, class EpiloguePolicy = CutlassEpilogue>
 struct Sm90Gemm {
   using ElementAB = typename Operands::Element;
   using ElementAcc = float;
@@ -121,8 +126,7 @@ struct Sm90Gemm {
       EpiTile, ElementAcc, ElementAcc,
       ElementC, LayoutD*, kAlignC, ElementD, LayoutD*, kAlignD, typename Schedule::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAcc, ElementC, ElementAcc>>::CollectiveOp;
-  static_assert(!kWarpGroupStores || std::is_same_v<Schedule, Cooperative>, "warp-group stores: cooperative only");
-  using Epilogue = std::conditional_t<kWarpGroupStores, WarpGroupStoreEpilogue<TmaEpilogue>, TmaEpilogue>;
+  using Epilogue = typename EpiloguePolicy::template type<TmaEpilogue>;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename Operands::LayoutA, kAlignAB, ElementAB,
@@ -251,10 +255,11 @@ template <class ElementD, class ElementC, class Tile, class Cluster, class Sched
           class EpiTile = cutlass::epilogue::collective::EpilogueTileAuto>
 using Sm90Fp8FpropGemm = Sm90Gemm<Fp8BlockOperands<kWeightScaleRows, cute::GMMA::Major::K, cute::GMMA::Major::K>,
                                   ElementD, ElementC, Tile, Cluster, Schedule, EpiTile>;
-template <class ElementD, class ElementC, class Tile, class Cluster, class Schedule, bool kWarpGroupStores = false>
+template <class ElementD, class ElementC, class Tile, class Cluster, class Schedule,
+          class EpiloguePolicy = CutlassEpilogue>
 using Sm90Fp8WgradGemm = Sm90Gemm<Fp8BlockOperands<1, cute::GMMA::Major::MN, cute::GMMA::Major::MN>, ElementD,
                                   ElementC, Tile, Cluster, Schedule, cutlass::epilogue::collective::EpilogueTileAuto,
-                                  kWarpGroupStores>;
+                                  EpiloguePolicy>;
 
 }  // namespace moe::gemm
 

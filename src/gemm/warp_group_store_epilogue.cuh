@@ -73,7 +73,8 @@ class WarpGroupStoreEpilogue {
   static_assert(std::is_same_v<ElementD, cutlass::bfloat16_t> || std::is_same_v<ElementD, float>,
                 "bf16 or fp32 output");
   static_assert(kTileN % kPassCols == 0 && kPassCols % 8 == 0, "whole passes of 8-column accumulator groups");
-  static_assert(kGroupRows == 64, "one 64-row WGMMA slice per consumer warp group");
+  static_assert(NumEpilogueWarpGroups == 2 && kGroupRows == 64,
+                "the cooperative schedule: two consumer warp groups, one 64-row WGMMA slice each");
   static_assert((kGroupRows * kPassCols / kChunkElems) % kThreadsPerGroup == 0, "whole chunks per thread");
 
   struct TensorStorage {
@@ -236,6 +237,12 @@ class WarpGroupStoreEpilogue {
 
  private:
   Params params_;
+};
+
+// The epilogue policy of Sm90Gemm (sm90_grouped_kernel.cuh) for the cooperative schedule.
+struct WarpGroupStores {
+  template <class Tma>
+  using type = WarpGroupStoreEpilogue<Tma>;
 };
 
 }  // namespace moe::gemm
