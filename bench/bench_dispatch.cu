@@ -15,9 +15,9 @@
 // Rows of x_perm / dY past sum(padded) up to the static bound R are zeroed too but not counted.
 // Times: median of CUDA-event-timed replays of a CUDA graph holding one call (the headline, how
 // the layer runs), and the eager median beside it.
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
@@ -41,15 +41,12 @@ struct Row {
 }  // namespace
 
 int main(int argc, char** argv) {
+  CLI::App app{"Token dispatch kernels: GB/s on the named shapes beside the copy bandwidth"};
   std::vector<std::string> names;
   int repeats = 20;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--repeats" && i + 1 < argc)
-      repeats = std::atoi(argv[++i]);
-    else
-      names.push_back(a);
-  }
+  app.add_option("SHAPE", names, "named shapes (default: every named shape)");
+  app.add_option("--repeats", repeats, "timed repeats per measurement (median reported)");
+  CLI11_PARSE(app, argc, argv);
   std::vector<bench::Shape> shapes;
   if (names.empty())
     shapes = bench::named_shapes();

@@ -36,12 +36,14 @@
 // the other ranks, (P - 1) * C * H * 2, over the median time of the rows exchange. In-process, the
 // copies of every rank run on the one shared stream: the overlap is then only functional (the
 // pipeline's results), not a measurement.
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -151,31 +153,24 @@ struct DroplessRow {
 }  // namespace
 
 int main(int argc, char** argv) try {
+  CLI::App app{"Expert-parallel MoE forward per rank: dispatch, experts, combine, all-to-all, overlapped pipeline"};
   std::vector<std::string> names;
   int repeats = 20, P = 0, chunks = 4, comm_sms = 0;
   double factor = 1.25;
   bool in_process = false, graph = false, dropless = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--repeats" && i + 1 < argc)
-      repeats = std::atoi(argv[++i]);
-    else if (a == "--ranks" && i + 1 < argc)
-      P = std::atoi(argv[++i]);
-    else if (a == "--capacity-factor" && i + 1 < argc)
-      factor = std::atof(argv[++i]);
-    else if (a == "--chunks" && i + 1 < argc)
-      chunks = std::atoi(argv[++i]);
-    else if (a == "--comm-sms" && i + 1 < argc)
-      comm_sms = std::atoi(argv[++i]);
-    else if (a == "--graph")
-      graph = true;
-    else if (a == "--in-process")
-      in_process = true;
-    else if (a == "--dropless")
-      dropless = true;
-    else
-      names.push_back(a);
-  }
+  app.add_option("SHAPE", names, "named shapes, read per rank (default: qwen3-30b-a3b-ep8 deepseek-v3-ep32)");
+  app.add_option("--ranks", P, "ranks P (default: every visible GPU with NCCL, else 2 simulated on one GPU)");
+  app.add_option("--capacity-factor", factor,
+                 "capacity factor F: C = ceil(F * T * k / P) rows per (source, destination) pair");
+  app.add_option("--repeats", repeats, "timed calls per measurement after warm-up (median reported)");
+  app.add_option("--chunks", chunks, "chunks n of the overlapped pipeline (1..64 and at most C)")
+      ->check(CLI::Range(1, 64));
+  app.add_option("--comm-sms", comm_sms, "SMs the chunked pipeline's experts leave to the all-to-all (0: none)")
+      ->check(CLI::Range(0, std::numeric_limits<int>::max()));
+  app.add_flag("--graph", graph, "time CUDA-graph replays of the pipeline table's forwards (NCCL only)");
+  app.add_flag("--in-process", in_process, "simulate the ranks on one GPU even with NCCL and >= 2 GPUs");
+  app.add_flag("--dropless", dropless, "also time the dropless eager mode's dispatch and combine");
+  CLI11_PARSE(app, argc, argv);
   if (names.empty()) names = {"qwen3-30b-a3b-ep8", "deepseek-v3-ep32"};
   int gpus = 0;
   MOE_CUDA_CHECK(cudaGetDeviceCount(&gpus));
@@ -185,16 +180,8 @@ int main(int argc, char** argv) try {
     std::fprintf(stderr, "--ranks %d: only %d GPUs\n", P, gpus);
     return 2;
   }
-  if (chunks < 1 || chunks > 64) {
-    std::fprintf(stderr, "--chunks %d: expected 1..64\n", chunks);
-    return 2;
-  }
   if (graph && !use_nccl) {
     std::fprintf(stderr, "--graph: NCCL ranks only (in-process ranks share one stream from several threads)\n");
-    return 2;
-  }
-  if (comm_sms < 0) {
-    std::fprintf(stderr, "--comm-sms %d: expected >= 0\n", comm_sms);
     return 2;
   }
   std::printf("# %s; transport: %s, P = %d ranks; capacity factor %.2f; pipeline: %d chunks%s, %d SMs left to "

@@ -15,6 +15,7 @@
 // Times: median of CUDA-event-timed replays of a CUDA graph holding one call (the NVFP4 graph
 // holds the global amax memset and pass too). "% copy" is GB/s over the device-to-device copy
 // bandwidth (bytes read + written) measured at the start of the same run.
+#include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -76,20 +77,21 @@ double scale_bytes(const QuantConfig& c, int64_t rows, int64_t cols, bool column
 constexpr int kWarmup = 20;
 
 int main(int argc, char** argv) {
-  std::vector<std::pair<int64_t, int64_t>> shapes;
+  CLI::App app{"Quantize / dequantize GB/s of every format on bf16 matrices, beside the copy bandwidth"};
+  std::vector<std::string> shape_args;
   int repeats = 20;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--repeats" && i + 1 < argc) {
-      repeats = std::atoi(argv[++i]);
-    } else {
-      const size_t xpos = a.find('x');
-      if (xpos == std::string::npos) {
-        std::fprintf(stderr, "bad shape '%s' (expected MxK)\n", a.c_str());
-        return 2;
-      }
-      shapes.push_back({std::atoll(a.substr(0, xpos).c_str()), std::atoll(a.substr(xpos + 1).c_str())});
-    }
+  const CLI::Validator mxk(
+      [](std::string& a) {
+        return a.find('x') == std::string::npos ? "bad shape '" + a + "' (expected MxK)" : std::string();
+      },
+      "MxK");
+  app.add_option("MxK", shape_args, "matrix shapes, e.g. 16384x7168 (default: 16384x7168 65536x2048)")->check(mxk);
+  app.add_option("--repeats", repeats, "timed graph replays per measurement (median reported)");
+  CLI11_PARSE(app, argc, argv);
+  std::vector<std::pair<int64_t, int64_t>> shapes;
+  for (const std::string& a : shape_args) {
+    const size_t xpos = a.find('x');
+    shapes.push_back({std::atoll(a.substr(0, xpos).c_str()), std::atoll(a.substr(xpos + 1).c_str())});
   }
   if (shapes.empty()) shapes = {{16384, 7168}, {65536, 2048}};
 

@@ -32,11 +32,12 @@
 // CUDA-event-timed replays of a graph holding one call; before each timed replay a 256 MiB write
 // evicts the logits from L2 (they would otherwise stay there between replays: at most 32 MiB here),
 // unless --warm-l2. Each time includes the graph launch of one call.
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -296,40 +297,26 @@ int run_checksums(cudaStream_t stream, ErrorWord& ew) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  CLI::App app{"Fused router: forward and backward time and logits-read GB/s, beside the copy bandwidth"};
   int repeats = 20, calls = 1;
   bool warm_l2 = false, checksum = false;
   std::string dtypes = "both", only_variant;
   int64_t only_T = 0;
   int only_E = 0, only_k = 0;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--repeats" && i + 1 < argc) {
-      repeats = std::max(1, std::atoi(argv[++i]));
-    } else if (a == "--calls" && i + 1 < argc) {
-      calls = std::max(1, std::min(64, std::atoi(argv[++i])));
-    } else if (a == "--warm-l2") {
-      warm_l2 = true;
-    } else if (a == "--checksum") {
-      checksum = true;
-    } else if (a == "--T" && i + 1 < argc) {
-      only_T = std::atoll(argv[++i]);
-    } else if (a == "--E" && i + 1 < argc) {
-      only_E = std::atoi(argv[++i]);
-    } else if (a == "--k" && i + 1 < argc) {
-      only_k = std::atoi(argv[++i]);
-    } else if (a == "--variant" && i + 1 < argc) {
-      only_variant = argv[++i];
-    } else if (a == "--dtype" && i + 1 < argc && (std::string(argv[i + 1]) == "bf16" ||
-                                                   std::string(argv[i + 1]) == "fp32" ||
-                                                   std::string(argv[i + 1]) == "both")) {
-      dtypes = argv[++i];
-    } else {
-      std::fprintf(stderr,
-                   "usage: bench_router [--repeats N] [--warm-l2] [--calls N] [--dtype bf16|fp32|both] [--T N]\n"
-                   "                    [--E N] [--k N] [--variant mixtral|deepseek|losses] [--checksum]\n");
-      return 2;
-    }
-  }
+  // --repeats and --calls: out-of-range values are clamped into the range (CLI::Bound), as before.
+  app.add_option("--repeats", repeats, "timed graph replays per measurement (median reported; at least 1)")
+      ->transform(CLI::Bound(1, std::numeric_limits<int>::max()));
+  app.add_flag("--warm-l2", warm_l2, "keep the logits in L2 between timed replays (no 256 MiB flush write)");
+  app.add_option("--calls", calls, "time N routers back to back in one graph, each with buffers of its own (1..64)")
+      ->transform(CLI::Bound(1, 64));
+  app.add_option("--dtype", dtypes, "logits types: bf16, fp32 or both")->check(CLI::IsMember({"bf16", "fp32", "both"}));
+  app.add_option("--T", only_T, "only this T (default: 16384, 32768, 65536; other values allowed)");
+  app.add_option("--E", only_E, "only this E (default: 8, 64, 128, 256; E >= k; deepseek: E >= 64, a multiple of 8)");
+  app.add_option("--k", only_k, "only this k (default: 2, 8; other values allowed)");
+  app.add_option("--variant", only_variant, "only this routing variant: mixtral, deepseek or losses");
+  app.add_flag("--checksum", checksum,
+               "time nothing: hash every output bit of a list of routers (to compare two builds bit for bit)");
+  CLI11_PARSE(app, argc, argv);
   cudaStream_t stream;
   MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   ErrorWord ew;
