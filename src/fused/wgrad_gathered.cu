@@ -34,6 +34,7 @@
 
 #include "device/cuda_check.h"
 #include "device/device_groups.cuh"
+#include "device/main_grad_add.cuh"
 #include "fused/async_copy.cuh"
 #include "fused/pipeline.cuh"
 #include "fused/cluster_launch.h"
@@ -305,7 +306,7 @@ __device__ __forceinline__ uint32_t half_pair(float a, float b, bool high) {
 // lanes store one whole row segment (128 bytes of bf16, 256 of fp32). bf16 values are rounded once,
 // as by store_tile_elementwise; fp32 values travel as their high and low 16-bit halves in two planes
 // (stmatrix moves 16-bit elements) and are put together bit for bit, and main_grad gets the same
-// single addition. Every store instruction covers whole 128-byte lines (the shuffle-transposed
+// single addition, as a vector reduction in L2 (device/main_grad_add.cuh). Every store instruction covers whole 128-byte lines (the shuffle-transposed
 // vector stores this replaces spread each instruction over 8 to 32 rows). M % 8 ==
 // N % 8 == 0, so a row segment of 8 is wholly in or out.
 template <bool kXMajor, bool kFp32, class Acc, class Coord>
@@ -366,11 +367,10 @@ __device__ __forceinline__ void store_tile_staged(const Params& p, const Tile& t
                                  __uint_as_float(__byte_perm(lo.y, hi.y, 0x7632)));
           const int64_t at = kXMajor ? static_cast<int64_t>(a) * p.M + b : static_cast<int64_t>(b) * p.N + a;
           float4* q = reinterpret_cast<float4*>(reinterpret_cast<float*>(dw) + at);
-          if (p.accumulate) {
-            const float4 o = *q;
-            v = make_float4(o.x + v.x, o.y + v.y, o.z + v.z, o.w + v.w);
-          }
-          *q = v;
+          if (p.accumulate)
+            kernels::add_to_main_grad(reinterpret_cast<float*>(q), v);  // in L2: no load to wait for
+          else
+            *q = v;
         }
       } else {
         const uint32_t from = buf + row * 128 + ((cq ^ (row & 7)) << 4);

@@ -30,6 +30,8 @@
 #include <cutlass/cutlass.h>
 #include <cuda_bf16.h>
 
+#include "device/main_grad_add.cuh"
+
 namespace moe::gemm {
 
 template <class Base>
@@ -216,9 +218,8 @@ class WarpGroupStoreEpilogue {
           ElementD* out = d_base + int64_t(grow) * ld + gcol;
           if constexpr (std::is_same_v<ElementD, float>) {
             if (params_.accumulate) {
-              asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(out), "f"(__uint_as_float(v.x)),
-                           "f"(__uint_as_float(v.y)), "f"(__uint_as_float(v.z)), "f"(__uint_as_float(v.w))
-                           : "memory");
+              kernels::add_to_main_grad(out, make_float4(__uint_as_float(v.x), __uint_as_float(v.y),
+                                                         __uint_as_float(v.z), __uint_as_float(v.w)));
               continue;
             }
           }
