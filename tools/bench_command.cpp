@@ -132,13 +132,14 @@ void run_bench(const BenchArgs& a) {
 
   const std::string device = bench::device_description();
   if (!a.json) {
-    std::printf("moe-engine bench on %s: %s, %s, probs in the activation, A=%d, routing skew %.2f, fc1 %s\n",
+    std::printf("moe-engine bench on %s: %s, %s, probs in the activation, A=%d, routing skew %.2f, fc1 %s%s\n",
                 device.c_str(),
                 (precision + (!unfused                       ? ""
                               : a.fp8_weights == "on-request" ? " (weights quantized once, outside the runs)"
                                                               : " (weights quantized in every forward)"))
                     .c_str(),
-                a.activation.c_str(), o.align, a.skew, unfused ? "unfused" : a.fc1.c_str());
+                a.activation.c_str(), o.align, a.skew, unfused ? "unfused" : a.fc1.c_str(),
+                o.wgrad == WgradMode::kAccumulate ? ", weight gradients added into fp32 main_grad" : "");
     std::printf("TFLOP/s: forward 6TkHF, backward 12TkHF, total 18TkHF (padding rows not counted); "
                 "times are medians of %d runs (min-max)\n\n", a.repeats);
     std::printf("%-18s | %-26s | %-26s | %-26s | %-21s | %8s | %-7s | %s\n", "shape", "graph fwd ms (TFLOP/s)",
@@ -167,6 +168,7 @@ void run_bench(const BenchArgs& a) {
           {"shape", s.name}, {"T", s.T}, {"H", s.H}, {"F", s.F}, {"E", s.E}, {"k", s.k}, {"device", device},
           {"skew", r.skew}, {"align", o.align}, {"activation", a.activation}, {"fc1", o.fuse_fc1 ? "fused" : "unfused"}, {"fp8", a.fp8}, {"emulate", a.emulate}, {"x_perm", o.save_x_perm ? "saved" : "gathered"},
           {"fc2_dgrad", o.fuse_fc2_dgrad ? "fused" : "unfused"}, {"token_chunks", o.token_chunks},
+          {"wgrad", a.wgrad},
           {"graph", {{"fwd_ms", r.fwd_graph.median_ms}, {"bwd_ms", g_bwd}, {"total_ms", r.fwd_bwd_graph.median_ms},
                      {"fwd_tflops", tflops(ff, r.fwd_graph.median_ms)}, {"bwd_tflops", tflops(2 * ff, g_bwd)},
                      {"total_tflops", tflops(3 * ff, r.fwd_bwd_graph.median_ms)},

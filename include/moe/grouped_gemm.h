@@ -170,10 +170,10 @@ class GroupedGemm {
   void wgrad(const TensorView& dy, const TensorView& x, const TensorView& group_offsets, const ExpertMatrices& dw,
              bool accumulate, const TensorView& workspace, cudaStream_t stream) const;
 
-  // The tile configuration used for this op and shape (wgrad: out_dtype of dw, and whether it is
-  // added into a main_grad) -- the shape
-  // heuristic's unless forced -- as "name/M" or "name/N" (the scheduler's tile order inside a group),
-  // and the names of every compiled configuration of that op. For benchmarks and tests.
+  // The tile configuration used for this op and shape on bf16 operands (wgrad: out_dtype of dw,
+  // and whether it is added into a main_grad, which needs fp32) -- the shape heuristic's unless
+  // forced -- as "name/M" or "name/N" (the scheduler's tile order inside a group), and the names of
+  // every compiled configuration of that op. For benchmarks and tests.
   std::string chosen_config(GemmOp op, int64_t N, int64_t K, DType out_dtype = DType::kBF16,
                             bool accumulate = false) const;
   // operands: kBF16 or kFP8E4M3 (FP8 dgrad runs the fprop-form kernels: list and force them as fprop).

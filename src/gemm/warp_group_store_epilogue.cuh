@@ -6,29 +6,32 @@
 // groups fill together: each of its rounds has barriers over all 256 consumer threads, one thread
 // issues a TMA store and waits for earlier stores to leave the buffer before it is refilled,
 // accumulation loads C through a producer warp into shared memory first, and every group change
-// rewrites the epilogue's tensor maps. Here a warp group needs nothing from the other one: it converts its
-// accumulators into its half of a padded shared buffer (one pass per 128 bytes of each row), waits
-// on its own 128-thread barrier, and every thread stores whole 16-byte chunks of rows to global
-// memory -- a warp covers four full 128-byte lines per instruction. Accumulation (beta = 1, C = D,
-// the fp32 main_grad) is one `red.global.add.v4.f32` per chunk: D + acc, added once per element
-// in L2, with no load of C. No tensor map, no TMA store to wait for, no producer warp.
+// rewrites the epilogue's tensor maps. Here a warp group needs nothing from the other one: it
+// converts its accumulators into its half of a padded shared buffer (one pass per 128 bytes of each
+// row), waits on its own 128-thread barrier, and every thread stores whole 16-byte chunks of rows to
+// global memory (a warp covers four rows of 128 bytes per instruction). Accumulation (beta = 1,
+// C = D, the fp32 main_grad) is one `red.global.add.v4.f32` per chunk: D + acc, added once per
+// element in L2, with no load of C. No tensor map, no TMA store to wait for, no producer warp.
 //
-// The values are CUTLASS's: bf16 output rounds the fp32 accumulator to nearest (alpha = 1), fp32
-// output stores it, accumulation adds it to D once in fp32 with round to nearest (one addend per
-// element, so in no particular order; the tests compare the bits with CUTLASS's epilogue). The PTX
-// f32 reduction may flush subnormal operands and results to zero, where CUTLASS's FMA keeps them:
-// magnitudes below 2^-126, far under any gradient's resolution.
+// The values are CUTLASS's: fp32 output stores the accumulator (alpha = 1), accumulation adds it
+// to D once in fp32 with round to nearest (one addend per element, so in no particular order; the
+// tests compare the bits with CUTLASS's epilogue). The PTX f32 reduction may flush subnormal
+// operands and results to zero, where CUTLASS's FMA keeps them: magnitudes below 2^-126, far under
+// any gradient's resolution.
 //
-// Requirements, which GroupedGemm's checks guarantee: alpha = 1; beta 0 or 1 with C = D; each
-// group's D 16-byte aligned with a leading dimension and a width N that are multiples of 16 bytes.
+// Requirements, which GroupedGemm's checks guarantee and can_implement cannot see (they live on
+// the device): C = D; each group's D 16-byte aligned, with a leading dimension and a width N that
+// are multiples of 4 (16 bytes). The two consumer warp groups own rows 0-63 and 64-127 of the tile
+// (CUTLASS's cooperative layout of two 64-row WGMMA atoms along M).
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/cuda_host_adapter.hpp>
 #include <cutlass/cutlass.h>
-#include <cuda_bf16.h>
 
 #include "device/main_grad_add.cuh"
 
@@ -64,16 +67,16 @@ class WarpGroupStoreEpilogue {
   static constexpr int kTileN = cute::size<1>(CtaTileMNK{});
   static constexpr int kThreadsPerGroup = cutlass::NumThreadsPerWarpGroup;
   static constexpr int kGroupRows = kTileM / NumEpilogueWarpGroups;
-  // One pass stores 128 bytes of each row of the tile: 64 bf16 or 32 fp32 columns.
+  // One pass stores 128 bytes of each row of the tile: 32 fp32 columns.
   static constexpr int kChunkElems = 16 / int(sizeof(ElementD));
   static constexpr int kPassCols = 128 / int(sizeof(ElementD));
   static constexpr int kPasses = kTileN / kPassCols;
-  // Rows padded by 8 elements (144 or 160 bytes apart): a warp's accumulator writes -- eight rows of
-  // four 4-byte pairs (bf16), or per half warp four rows of four 8-byte pairs (fp32) -- then fall
-  // on distinct banks, and 16-byte chunks stay aligned.
+  // Rows padded by 8 elements (160 bytes apart): a half warp's accumulator writes -- four rows of
+  // four 8-byte pairs -- then fall on distinct banks, and 16-byte chunks stay aligned.
   static constexpr int kRowStride = kPassCols + 8;
-  static_assert(std::is_same_v<ElementD, cutlass::bfloat16_t> || std::is_same_v<ElementD, float>,
-                "bf16 or fp32 output");
+  // fp32 output only: the engine takes this epilogue for main_grad accumulation, and its bf16
+  // form was slower than CUTLASS's in the layer (docs/gemm.md), so it is not built.
+  static_assert(std::is_same_v<ElementD, float>, "fp32 output (written or added into main_grad)");
   static_assert(kTileN % kPassCols == 0 && kPassCols % 8 == 0, "whole passes of 8-column accumulator groups");
   static_assert(NumEpilogueWarpGroups == 2 && kGroupRows == 64,
                 "the cooperative schedule: two consumer warp groups, one 64-row WGMMA slice each");
@@ -109,10 +112,13 @@ class WarpGroupStoreEpilogue {
   }
   template <class ProblemShape>
   static bool can_implement(ProblemShape problem_shape, Arguments const& args) {
+    // What it can check on the host; C = D and the 16-byte widths live on the device (GroupedGemm
+    // guarantees them, see the top of this file).
     const bool accumulates = args.thread.beta != 0.0f;
     return Base::can_implement(problem_shape, args) && args.thread.alpha == 1.0f && args.thread.alpha_ptr == nullptr &&
-           args.thread.beta_ptr == nullptr && (args.thread.beta == 0.0f || args.thread.beta == 1.0f) &&
-           (!accumulates || (std::is_same_v<ElementD, float> && args.ptr_C != nullptr));
+           args.thread.beta_ptr == nullptr && args.thread.alpha_ptr_array == nullptr &&
+           args.thread.beta_ptr_array == nullptr && (args.thread.beta == 0.0f || args.thread.beta == 1.0f) &&
+           (!accumulates || args.ptr_C != nullptr);
   }
   template <class TileShapeMNK>
   CUTLASS_HOST_DEVICE static constexpr int get_load_pipe_increment(TileShapeMNK) {
@@ -164,7 +170,9 @@ class WarpGroupStoreEpilogue {
     const int tile_col = int(get<1>(tile_coord_mnkl)) * kTileN;
     const int warp_group = thread_idx / kThreadsPerGroup;
     const int t = thread_idx % kThreadsPerGroup;
-    const uint32_t barrier_id = uint32_t(warp_group);  // the warp group's user barrier, as the main loop's
+    // The warp group's user barrier (ids 0 and 1), which the FP8 main loop's ScalesReadBarrier also
+    // uses: safe because every use of it is by all 128 threads of the group, in program order.
+    const uint32_t barrier_id = uint32_t(warp_group);
     auto group_sync = [&] { cutlass::arch::NamedBarrier::sync(kThreadsPerGroup, barrier_id); };
 
     // Each accumulator's (row, column) in the tile. The WGMMA fragment is ((2, 2, N / 8), 1, 1) with
@@ -195,11 +203,7 @@ class WarpGroupStoreEpilogue {
         const auto c = coords(i);
         const int row = int(get<0>(c)), col = int(get<1>(c)) - pass * kPassCols;
         ElementD* dst = buffer + row * kRowStride + col;
-        if constexpr (std::is_same_v<ElementD, float>) {
-          *reinterpret_cast<float2*>(dst) = make_float2(accumulators(i), accumulators(i + 1));
-        } else {
-          *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(accumulators(i), accumulators(i + 1));
-        }
+        *reinterpret_cast<float2*>(dst) = make_float2(accumulators(i), accumulators(i + 1));
       }
       group_sync();
       // The warp group's 64 rows x kPassCols columns leave as 16-byte chunks, eight per row: thread
@@ -216,14 +220,11 @@ class WarpGroupStoreEpilogue {
         if (grow < M && gcol < N) {
           const uint4 v = *reinterpret_cast<const uint4*>(buffer + (warp_group * kGroupRows + row) * kRowStride + col);
           ElementD* out = d_base + int64_t(grow) * ld + gcol;
-          if constexpr (std::is_same_v<ElementD, float>) {
-            if (params_.accumulate) {
-              kernels::add_to_main_grad(out, make_float4(__uint_as_float(v.x), __uint_as_float(v.y),
-                                                         __uint_as_float(v.z), __uint_as_float(v.w)));
-              continue;
-            }
-          }
-          *reinterpret_cast<uint4*>(out) = v;
+          if (params_.accumulate)
+            kernels::add_to_main_grad(out, make_float4(__uint_as_float(v.x), __uint_as_float(v.y),
+                                                       __uint_as_float(v.z), __uint_as_float(v.w)));
+          else
+            *reinterpret_cast<uint4*>(out) = v;
         }
       }
     }

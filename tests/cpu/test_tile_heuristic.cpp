@@ -53,9 +53,6 @@ TEST(TileHeuristic, EveryNamedShapeProductHasACompiledChoice) {
   }
 }
 
-// The dgrad rule measured on the fine-grained shapes (docs/gemm.md): ping-pong 128x192 for reductions
-// up to 2048 into outputs at least 768 wide, with the 1x2 cluster where 192-wide tile pairs fill the
-// output; the cooperative tile for narrow outputs and long reductions.
 TEST(TileHeuristic, WeightGradientsIntoMainGradTakeTheWarpGroupStores) {
   // Added into an fp32 main_grad: the warp-group store epilogue (vector reductions, no load of C);
   // written: CUTLASS's TMA epilogue.
@@ -73,6 +70,9 @@ TEST(TileHeuristic, WeightGradientsIntoMainGradTakeTheWarpGroupStores) {
   }
 }
 
+// The dgrad rule measured on the fine-grained shapes (docs/gemm.md): ping-pong 128x192 for reductions
+// up to 2048 into outputs at least 768 wide, with the 1x2 cluster where 192-wide tile pairs fill the
+// output; the cooperative tile for narrow outputs and long reductions.
 TEST(TileHeuristic, DgradTilesFollowTheMeasuredRule) {
   EXPECT_STREQ(choose_tiles(Op::kDgrad, 512, 1536).name, "pong_128x192x64_c1x2");   // sonic-7b-fine fc1
   EXPECT_STREQ(choose_tiles(Op::kDgrad, 1536, 2048).name, "pong_128x192x64_c2x1");  // qwen3-30b-a3b-ep8 fc1

@@ -484,10 +484,10 @@ TEST_F(Fp8GroupedGemm, WgradScalesOffTheBulkAlignmentGiveTheSameBits) {
 
 TEST_F(Fp8GroupedGemm, WgradWarpGroupStoresGiveTheTmaEpiloguesBits) {
   // The warp-group store epilogue (the fp32 configuration the engine takes for main_grad
-  // accumulation) against CUTLASS's TMA epilogue on the same main loop: the same bits written and
-  // added into a main_grad, with partial tiles in both directions (N = 272, K = 400), an empty
-  // expert, and several tiles per CTA (4 SMs), so that each warp group's buffer is reused across
-  // tiles and groups.
+  // accumulation) against CUTLASS's TMA epilogue on the same main loop: the same bytes written and
+  // added into a main_grad, in both tile orders, with partial tiles in both directions (N = 272,
+  // K = 400), an empty expert, and several tiles per CTA (4 SMs), so that each warp group's buffer
+  // is reused across tiles and groups.
   const WgradProblem p(4, 272, 400, {256, 0, 384, 208}, 37, stream);
   const int64_t NK = p.N * p.K;
   std::mt19937_64 rng(7);
@@ -497,9 +497,9 @@ TEST_F(Fp8GroupedGemm, WgradWarpGroupStoresGiveTheTmaEpiloguesBits) {
   const auto nk = [&p](float* data) {
     return ExpertMatrices::grouped(TensorView(data, DType::kFP32, {int64_t(p.E), p.N, p.K}), "dw");
   };
-  const auto run = [&](const char* config) {
+  const auto run = [&](const char* config, bool along_n) {
     Engine eng(p.E, p.R, 4);
-    eng.gg.force_config(GemmOp::kWgrad, config);
+    eng.gg.force_config(GemmOp::kWgrad, config, along_n);
     DeviceBuffer<float> dw(p.E * NK), main_grad(prior);
     dw.fill_bytes(0xFF);
     eng.run(p.problem(nk(dw.get()), false), stream);
@@ -507,10 +507,16 @@ TEST_F(Fp8GroupedGemm, WgradWarpGroupStoresGiveTheTmaEpiloguesBits) {
     MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     return std::make_pair(dw.download(), main_grad.download());
   };
-  const auto tma = run("fp8_coop_128x128x128_c2x1"), rows = run("fp8_coop_128x128x128_c2x1_wgstores");
-  EXPECT_EQ(rows.first, tma.first) << "written";
-  EXPECT_EQ(rows.second, tma.second) << "added into main_grad";
-  EXPECT_NE(tma.second, prior) << "the accumulation changed main_grad";
+  const auto same_bytes = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  };
+  for (bool along_n : {false, true}) {
+    const auto tma = run("fp8_coop_128x128x128_c2x1", along_n);
+    const auto rows = run("fp8_coop_128x128x128_c2x1_wgstores", along_n);
+    EXPECT_TRUE(same_bytes(rows.first, tma.first)) << "written, along " << (along_n ? "N" : "M");
+    EXPECT_TRUE(same_bytes(rows.second, tma.second)) << "added into main_grad, along " << (along_n ? "N" : "M");
+    EXPECT_FALSE(same_bytes(tma.second, prior)) << "the accumulation changed main_grad";
+  }
 }
 
 TEST_F(Fp8GroupedGemm, WgradGroupOffTheTokenGridIsReportedAndSkipped) {

@@ -325,20 +325,20 @@ TEST(GroupedGemm, EveryConfigurationUnevenAndEmptyGroups) {
 TEST(GroupedGemm, WgradWarpGroupStoresGiveTheTmaEpiloguesBits) {
   MOE_REQUIRE_GPU();
   // The warp-group store epilogue (the fp32 configuration the engine takes for main_grad
-  // accumulation) against CUTLASS's TMA epilogue on the same main loop: the same bits written and
-  // added into a main_grad, with partial tiles (N = 264, K = 200), empty and one-row experts, and
-  // several tiles per CTA (4 SMs), so that each warp group's buffer is reused across tiles and
-  // groups.
+  // accumulation) against CUTLASS's TMA epilogue on the same main loop: the same bytes written and
+  // added into a main_grad, in both tile orders, with partial tiles (N = 264, K = 200), empty and
+  // one-row experts, and several tiles per CTA (4 SMs), so that each warp group's buffer is reused
+  // across tiles and groups.
   const std::vector<int> sizes = {0, 37, 0, 300, 1, 257, 0};
   const auto off = offsets_from_sizes(sizes);
   Problem p(int(sizes.size()), 264, 200, off.back() + 19, off, 5);
   const int64_t wn = p.E * p.N * p.K;
   std::mt19937_64 rng(17);
   const std::vector<float> prior = random_f32(wn, rng);
-  const auto run = [&](const char* config) {
+  const auto run = [&](const std::string& config, bool along_n) {
     TestGemm gg(p.E, p.R, 4);
-    gg.force_config(GemmOp::kWgrad, config);
-    EXPECT_EQ(gg.chosen_config(GemmOp::kWgrad, p.N, p.K, DType::kFP32).rfind(config, 0), 0u);
+    gg.force_config(GemmOp::kWgrad, config, along_n);
+    EXPECT_EQ(gg.chosen_config(GemmOp::kWgrad, p.N, p.K, DType::kFP32), config + (along_n ? "/N" : "/M"));
     DeviceBuffer<float> dw(wn), mg(prior);
     dw.fill_bytes(0xFF);
     const auto dw_of = [&](DeviceBuffer<float>& b) {
@@ -349,10 +349,15 @@ TEST(GroupedGemm, WgradWarpGroupStoresGiveTheTmaEpiloguesBits) {
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
     return std::make_pair(dw.download(), mg.download());
   };
-  const auto tma = run("coop_128x256x64_c2x1"), rows = run("coop_128x256x64_c2x1_wgstores");
-  EXPECT_EQ(rows.first, tma.first) << "written";
-  EXPECT_EQ(rows.second, tma.second) << "added into main_grad";
-  EXPECT_NE(tma.second, prior) << "the accumulation changed main_grad";
+  const auto same_bytes = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  };
+  for (bool along_n : {false, true}) {
+    const auto tma = run("coop_128x256x64_c2x1", along_n), rows = run("coop_128x256x64_c2x1_wgstores", along_n);
+    EXPECT_TRUE(same_bytes(rows.first, tma.first)) << "written, along " << (along_n ? "N" : "M");
+    EXPECT_TRUE(same_bytes(rows.second, tma.second)) << "added into main_grad, along " << (along_n ? "N" : "M");
+    EXPECT_FALSE(same_bytes(tma.second, prior)) << "the accumulation changed main_grad";
+  }
 }
 
 TEST(GroupedGemm, TileRunsCoverEveryTileOnce) {
