@@ -152,11 +152,12 @@ LayerBenchResult run_layer_bench(const Shape& s, const LayerBenchOptions& o) {
     // grows it over the runs).
     const bool main_grad = o.wgrad == WgradMode::kAccumulate;
     const DType gt = main_grad ? DType::kFP32 : DType::kBF16;
-    const int64_t gb = main_grad ? 4 : 2;
-    DeviceMem dw1(int64_t(s.E) * F1 * s.H * gb), dw2(int64_t(s.E) * s.H * s.F * gb);
+    const int64_t dw1_bytes = int64_t(s.E) * F1 * s.H * dtype_bytes(gt, 1);
+    const int64_t dw2_bytes = int64_t(s.E) * s.H * s.F * dtype_bytes(gt, 1);
+    DeviceMem dw1(dw1_bytes), dw2(dw2_bytes);
     if (main_grad) {
-      MOE_CUDA_CHECK(cudaMemsetAsync(dw1.p, 0, int64_t(s.E) * F1 * s.H * gb, stream));
-      MOE_CUDA_CHECK(cudaMemsetAsync(dw2.p, 0, int64_t(s.E) * s.H * s.F * gb, stream));
+      MOE_CUDA_CHECK(cudaMemsetAsync(dw1.p, 0, dw1_bytes, stream));
+      MOE_CUDA_CHECK(cudaMemsetAsync(dw2.p, 0, dw2_bytes, stream));
     }
     ExpertTensors w, g;
     w.fc1_weight = {TensorView(w1.p, DType::kBF16, {s.E, F1, s.H})};

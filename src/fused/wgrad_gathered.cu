@@ -306,9 +306,9 @@ __device__ __forceinline__ uint32_t half_pair(float a, float b, bool high) {
 // lanes store one whole row segment (128 bytes of bf16, 256 of fp32). bf16 values are rounded once,
 // as by store_tile_elementwise; fp32 values travel as their high and low 16-bit halves in two planes
 // (stmatrix moves 16-bit elements) and are put together bit for bit, and main_grad gets the same
-// single addition, as a vector reduction in L2 (device/main_grad_add.cuh). Every store instruction covers whole 128-byte lines (the shuffle-transposed
-// vector stores this replaces spread each instruction over 8 to 32 rows). M % 8 ==
-// N % 8 == 0, so a row segment of 8 is wholly in or out.
+// single addition, as a vector reduction in L2 (device/main_grad_add.cuh). Every store instruction
+// covers whole 128-byte lines (the shuffle-transposed vector stores this replaces spread each
+// instruction over 8 to 32 rows). M % 8 == N % 8 == 0, so a row segment of 8 is wholly in or out.
 template <bool kXMajor, bool kFp32, class Acc, class Coord>
 __device__ __forceinline__ void store_tile_staged(const Params& p, const Tile& tile, char* dw, const Acc& acc,
                                                   const Coord& coord, uint32_t buf, int group, int gtid, int lane) {
