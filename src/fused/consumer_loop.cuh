@@ -28,11 +28,14 @@ __device__ __forceinline__ void init_stage_barriers(uint64_t* full, uint64_t* em
 // Accumulates k_blocks stages into acc (which the caller cleared): tCrA / tCrB are the WGMMA
 // fragments of all stages (last mode: stage). `before(stage, kb)` runs once the stage has landed and
 // before the WGMMAs read it (generic-proxy shared-memory writes it makes are fenced after it);
-// `during(stage, kb)` runs while the stage's WGMMAs are in flight (reads of the stage only).
+// `during(stage, kb)` runs while the stage's WGMMAs are in flight (reads of the stage only; a kernel
+// whose `during` reads shared memory passes `every_thread_releases` and counts every consumer
+// thread's arrival on `empty`, see release_stage).
 template <int kCluster, int kStages, class Mma, class FragA, class FragB, class Acc, class Before, class During>
 __device__ __forceinline__ void consume_k_blocks(Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
                                                  uint64_t* full, uint64_t* empty, RingPosition<kStages>& ring,
-                                                 int k_blocks, int lane, Before&& before, During&& during) {
+                                                 int k_blocks, int lane, Before&& before, During&& during,
+                                                 bool every_thread_releases = false) {
   using namespace cute;
   int prev = -1;
   for (int kb = 0; kb < k_blocks; ++kb) {
@@ -47,13 +50,13 @@ __device__ __forceinline__ void consume_k_blocks(Mma& mma, const FragA& tCrA, co
     during(ring.stage, kb);
     warpgroup_wait<1>();  // the previous stage's WGMMAs are done: hand it back
     warpgroup_fence_operand(acc);
-    if (prev >= 0) release_stage<kCluster>(&empty[prev], lane);
+    if (prev >= 0) release_stage<kCluster>(&empty[prev], lane, every_thread_releases);
     prev = ring.stage;
     ring.advance();
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
-  if (prev >= 0) release_stage<kCluster>(&empty[prev], lane);
+  if (prev >= 0) release_stage<kCluster>(&empty[prev], lane, every_thread_releases);
 }
 
 }  // namespace moe::fused

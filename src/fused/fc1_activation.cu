@@ -243,7 +243,8 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
         [&](int stage, int kb) {
           if (p.a_out != nullptr && kb % p.feature_tiles == tile.nt)
             store_gathered_stage<kConsumerThreads>(s.a[stage], p.a_out, tile, p.H, kb, ctid);
-        });
+        },
+        p.a_out != nullptr);  // those copies read the stage: each thread releases its own reads
 
     // Epilogue. Accumulator (v0, v1, v2) = index v0 + 2 v1 + 4 v2 is row r + 8 v1, column
     // 8 v2 + 2 (lane % 4) + v0 (gated: v2 < 16 gate, v2 + 16 its linear partner). The 4 lanes of a
@@ -328,8 +329,10 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_activation_kernel(const __gri
     prefix_row_tiles<kBM, kCluster, kCluster == 2>(s.tile_start, p.offsets, p.E, p.R, p.feature_tiles, lane);
   } else if (warp == 1 && lane == 0) {
     // full: every producer thread's cp.async arrival (+ the TMA issuer's expect-tx arrival);
-    // empty: every consumer warp of every CTA of the cluster.
-    init_stage_barriers<kStages>(s.full, s.empty, kProducerThreads + (kTma ? 1 : 0), kCluster * kConsumerThreads / 32);
+    // empty: every consumer warp of every CTA of the cluster (every consumer thread when the
+    // consumers copy the stages out to x_perm).
+    const int releases = p.a_out != nullptr ? kConsumerThreads : kConsumerThreads / 32;
+    init_stage_barriers<kStages>(s.full, s.empty, kProducerThreads + (kTma ? 1 : 0), kCluster * releases);
   }
   if (kTma && threadIdx.x == 0) cute::prefetch_tma_descriptor(&p.w1_map);
   // The peer's barriers must be initialized before anything arrives on them.

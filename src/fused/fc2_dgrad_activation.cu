@@ -240,7 +240,8 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
         [&](int stage, int kb) {
           if (p.dy_out != nullptr && kb % p.feature_tiles == tile.nt)
             store_gathered_stage<kGroupThreads, kBM>(s.a[stage], p.dy_out, tile, p.H, kb, gtid);
-        });
+        },
+        p.dy_out != nullptr);  // those copies read the stage: each thread releases its own reads
     // The ring passes to the other warp group for the next tile; this one skips that tile's stages.
     __syncwarp();
     if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.order[group ^ 1]);
@@ -290,10 +291,12 @@ __global__ void __launch_bounds__(kThreads, 1) fc2_dgrad_activation_kernel(const
     prefix_row_tiles<kBM, kCluster, true>(s.tile_start, p.offsets, p.E, p.R, p.feature_tiles, lane);
   } else if (warp == 1 && lane == 0) {
     // full: every producer thread's cp.async arrival (+ the TMA issuer's expect-tx arrival);
-    // empty: the warps of the consumer warp group that took the stage, in both CTAs of the cluster;
-    // order: the warps of the other consumer warp group.
+    // empty: the warps of the consumer warp group that took the stage, in both CTAs of the cluster
+    // (its threads when they copy the stages out to dY_perm); order: the warps of the other
+    // consumer warp group.
     for (int g = 0; g < kConsumerGroups; ++g) cutlass::arch::ClusterBarrier::init(&s.order[g], kGroupThreads / 32);
-    init_stage_barriers<kStages>(s.full, s.empty, kProducerThreads + (kTma ? 1 : 0), kCluster * kGroupThreads / 32);
+    const int releases = p.dy_out != nullptr ? kGroupThreads : kGroupThreads / 32;
+    init_stage_barriers<kStages>(s.full, s.empty, kProducerThreads + (kTma ? 1 : 0), kCluster * releases);
   }
   if (kTma && threadIdx.x == 0) cute::prefetch_tma_descriptor(&p.w2_map);
   // The peer's barriers must be initialized before anything arrives on them.

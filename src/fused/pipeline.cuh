@@ -27,11 +27,16 @@ struct RingPosition {
   }
 };
 
-// Called by every consumer warp (the barrier counts one arrival per warp of each CTA).
+// Called by every consumer warp. The barrier counts one arrival per warp of each CTA, or, with
+// `every_thread`, one per consumer thread: a kernel whose consumers read a stage with ordinary
+// shared-memory loads (not only through WGMMA) releases it that way, so that each reading thread's
+// own arrival orders its reads before the producer's next copies into the stage. The __syncwarp
+// before one lane's arrival orders them too under the PTX memory model, but compute-sanitizer's
+// racecheck only counts a thread's own arrival (it reports the other lanes' reads as WAR hazards).
 template <int kCluster>
-__device__ __forceinline__ void release_stage(uint64_t* empty, int lane) {
+__device__ __forceinline__ void release_stage(uint64_t* empty, int lane, bool every_thread = false) {
   __syncwarp();
-  if (lane == 0) {
+  if (every_thread || lane == 0) {
     if constexpr (kCluster == 1) {
       cutlass::arch::ClusterBarrier::arrive(empty);
     } else {
