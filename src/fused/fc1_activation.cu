@@ -331,8 +331,8 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_activation_kernel(const __gri
     // full: every producer thread's cp.async arrival (+ the TMA issuer's expect-tx arrival);
     // empty: every consumer warp of every CTA of the cluster (every consumer thread when the
     // consumers copy the stages out to x_perm).
-    const int releases = p.a_out != nullptr ? kConsumerThreads : kConsumerThreads / 32;
-    init_stage_barriers<kStages>(s.full, s.empty, kProducerThreads + (kTma ? 1 : 0), kCluster * releases);
+    init_stage_barriers<kStages>(s.full, s.empty, kProducerThreads + (kTma ? 1 : 0),
+                                 kCluster * stage_releases(kConsumerThreads, p.a_out != nullptr));
   }
   if (kTma && threadIdx.x == 0) cute::prefetch_tma_descriptor(&p.w1_map);
   // The peer's barriers must be initialized before anything arrives on them.

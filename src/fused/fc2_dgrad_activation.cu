@@ -295,8 +295,8 @@ __global__ void __launch_bounds__(kThreads, 1) fc2_dgrad_activation_kernel(const
     // (its threads when they copy the stages out to dY_perm); order: the warps of the other
     // consumer warp group.
     for (int g = 0; g < kConsumerGroups; ++g) cutlass::arch::ClusterBarrier::init(&s.order[g], kGroupThreads / 32);
-    const int releases = p.dy_out != nullptr ? kGroupThreads : kGroupThreads / 32;
-    init_stage_barriers<kStages>(s.full, s.empty, kProducerThreads + (kTma ? 1 : 0), kCluster * releases);
+    init_stage_barriers<kStages>(s.full, s.empty, kProducerThreads + (kTma ? 1 : 0),
+                                 kCluster * stage_releases(kGroupThreads, p.dy_out != nullptr));
   }
   if (kTma && threadIdx.x == 0) cute::prefetch_tma_descriptor(&p.w2_map);
   // The peer's barriers must be initialized before anything arrives on them.

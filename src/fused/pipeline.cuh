@@ -27,6 +27,13 @@ struct RingPosition {
   }
 };
 
+// The arrivals one CTA's consumers make on a stage's `empty` barrier through release_stage: one per
+// warp of `consumer_threads`, or one per thread with `every_thread` (the barrier's count is this
+// times the CTAs of the cluster).
+__host__ __device__ constexpr int stage_releases(int consumer_threads, bool every_thread) {
+  return every_thread ? consumer_threads : consumer_threads / 32;
+}
+
 // Called by every consumer warp. The barrier counts one arrival per warp of each CTA, or, with
 // `every_thread`, one per consumer thread: a kernel whose consumers read a stage with ordinary
 // shared-memory loads (not only through WGMMA) releases it that way, so that each reading thread's

@@ -443,7 +443,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_gathered_kernel(const __gri
   if (threadIdx.x == 32) {
     // full: every producer thread's cp.async arrival + the TMA issuer's expect-tx arrival;
     // empty: every consumer warp of both CTAs of the cluster.
-    init_stage_barriers<kStages>(s.full, s.empty, kProducerThreads + 1, kCluster * kConsumerThreads / 32);
+    init_stage_barriers<kStages>(s.full, s.empty, kProducerThreads + 1,
+                                 kCluster * stage_releases(kConsumerThreads, false));
   }
   if (threadIdx.x == 0) cute::prefetch_tma_descriptor(&p.dy_map);
   // The peer's barriers must be initialized before anything arrives on them.
