@@ -41,7 +41,7 @@ __host__ __device__ constexpr int stage_releases(int consumer_threads, bool ever
 // before one lane's arrival orders them too under the PTX memory model, but compute-sanitizer's
 // racecheck only counts a thread's own arrival (it reports the other lanes' reads as WAR hazards).
 template <int kCluster>
-__device__ __forceinline__ void release_stage(uint64_t* empty, int lane, bool every_thread = false) {
+__device__ __forceinline__ void release_stage(uint64_t* empty, int lane, bool every_thread) {
   __syncwarp();
   if (every_thread || lane == 0) {
     if constexpr (kCluster == 1) {
