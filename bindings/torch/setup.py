@@ -7,7 +7,10 @@
 ABI exactly; an isolated build would fetch another torch). The build runs the project's CMake for
 the C++/CUDA libraries the extension needs (in MOE_CMAKE_BUILD_DIR, default <root>/build-torch;
 reused when it is already built), then compiles the extension moe_engine._C that registers the
-torch.ops.moe_engine operators on top of them.
+torch.ops.moe_engine operators on top of them. With MOE_LIBRARIES_DIR set to a folder that holds
+those static libraries already (built by the project's CMake with the same options, e.g. copied from
+its build/src), the CMake step is skipped and they are linked as they are: the extension itself
+includes only the public headers of include/moe.
 
 This file also serves the repository root's setup.py, which runs it with the root as the working
 directory: every path handed to setuptools is relative to the working directory."""
@@ -33,6 +36,13 @@ CMAKE_OPTIONS = ["-DCMAKE_BUILD_TYPE=Release", "-DMOE_BUILD_TESTS=OFF", "-DMOE_B
 
 
 def build_libraries():
+    prebuilt = os.environ.get("MOE_LIBRARIES_DIR")
+    if prebuilt:
+        paths = [os.path.join(prebuilt, f"lib{name}.a") for name in LIBS]
+        missing = [p for p in paths if not os.path.exists(p)]
+        if missing:
+            raise RuntimeError(f"MOE_LIBRARIES_DIR={prebuilt}: missing {', '.join(missing)}")
+        return paths
     if not os.path.exists(os.path.join(ROOT, ".deps", "cutlass", "include", "cutlass", "cutlass.h")):
         subprocess.check_call(["bash", os.path.join(ROOT, "scripts", "setup.sh")])
     subprocess.check_call(["cmake", "-S", ROOT, "-B", BUILD, *CMAKE_OPTIONS])

@@ -5,6 +5,8 @@ routing (SonicMoE's router's when it is there): forward and forward+backward, ea
 CUDA-graph captured, on the named shapes of docs/shapes.md. Ours and SonicMoE are timed in
 alternating rounds (--rounds, default 4; every other round in reverse order) and the medians over
 the rounds are reported; ours is timed by its own method (medians of CUDA-event-timed calls back to back) and by SonicMoE's too.
+In the same rounds, the layer's six products as dense cuBLAS GEMMs of the same sizes (dense_gemms):
+how fast any layer could be whose GEMMs ran at cuBLAS's dense rate and whose other passes were free.
 
 usage: python3 bindings/torch/bench/compare_with_pytorch.py [SHAPE ...] [--rounds N] [--token-chunks N] [--png chart.png]      (no names: all shapes)"""
 import argparse
@@ -44,6 +46,36 @@ def torch_moe(x, idx, probs, w1, w2):
     a = (F.silu(g) * u) * probs.reshape(-1)[order].unsqueeze(-1).to(h.dtype)
     y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
     return torch.zeros_like(x).index_add_(0, tok, y)
+
+
+def dense_gemms(T, H, Fd, k):
+    """The layer's six products as dense cuBLAS GEMMs (torch.mm, bf16 in and out, fp32 accumulation)
+    over all T*k rows at once: fc1 (H -> 2F, gate and linear halves) and fc2 (F -> H) forward, then
+    their input and weight gradients; 6*T*k*H*F FLOPs forward and 12*T*k*H*F backward, the layer's own
+    count. Nothing else: no gather or permute, no activation, no combine, no padding, and one
+    reduction over every row where the layer's weight gradients reduce each expert's rows apart. A
+    layer whose GEMMs ran at cuBLAS's dense rate and whose every other pass cost nothing would take
+    this long: the speed of light the layer ratios are read against. Returns (forward,
+    forward_backward), each writing into buffers allocated here."""
+    R = T * k
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    t = lambda *size: (torch.randn(*size, device="cuda", generator=gen) * 0.1).bfloat16()
+    x_rows, w1, w2, dy_rows = t(R, H), t(H, 2 * Fd), t(Fd, H), t(R, H)
+    act, dh = t(R, Fd), t(R, 2 * Fd)
+    h, y, dact, dx_rows = t(R, 2 * Fd), t(R, H), t(R, Fd), t(R, H)
+    dw1, dw2 = t(H, 2 * Fd), t(Fd, H)
+
+    def forward():
+        torch.mm(x_rows, w1, out=h)
+        torch.mm(act, w2, out=y)
+
+    def forward_backward():
+        forward()
+        torch.mm(dy_rows, w2.t(), out=dact)   # fc2 dgrad
+        torch.mm(act.t(), dy_rows, out=dw2)   # fc2 wgrad
+        torch.mm(dh, w1.t(), out=dx_rows)     # fc1 dgrad
+        torch.mm(x_rows.t(), dh, out=dw1)     # fc1 wgrad
+    return forward, forward_backward
 
 
 def median(values):
@@ -168,10 +200,18 @@ def measure(name, rounds=4, token_chunks=1):
     steps.append(lambda: sample("ours_eager_ms", median_ms(ours_step)))
     if step_graph is not None:
         steps.append(lambda: sample("ours_graph_ms", median_ms(step_graph)))
+    dense = dense_gemms(T, H, Fd, k)  # held until the rounds end: the graphs replay into its buffers
+    dense_fwd, dense_fwd_bwd = (graphed(f) for f in dense)
+    steps.append(lambda: sample("dense_fwd_ms", median_ms(dense_fwd)))
+    steps.append(lambda: sample("dense_fwd_bwd_ms", median_ms(dense_fwd_bwd)))
+    if sonic is not None:
+        steps.append(lambda: sample("dense_fwd_sonic_method_ms", time_like_sonic(dense_fwd)))
+        steps.append(lambda: sample("dense_fwd_bwd_sonic_method_ms", time_like_sonic(dense_fwd_bwd)))
     for r in range(rounds):
         for step in (steps if r % 2 == 0 else reversed(steps)):
             step()
     clear_grads()
+    del dense, dense_fwd, dense_fwd_bwd
     for key, ms in samples.items():
         res[key] = median(ms)
         res[key + "_rounds"] = ms
@@ -181,6 +221,9 @@ def measure(name, rounds=4, token_chunks=1):
         best_fwd = min(v for v in (res["ours_fwd_eager_ms"], res["ours_fwd_graph_ms"]) if v)
         res["fwd_vs_sonic"] = res["sonic_fwd_ms"] / best_fwd
         res["fwd_vs_sonic_same_method"] = res["sonic_fwd_ms"] / res["ours_fwd_sonic_method_ms"]
+        # The most any layer could lead SonicMoE by with its GEMMs at cuBLAS's dense rate (same method).
+        res["dense_fwd_vs_sonic"] = res["sonic_fwd_ms"] / res["dense_fwd_sonic_method_ms"]
+        res["dense_fwd_bwd_vs_sonic"] = res["sonic_fwd_bwd_ms"] / res["dense_fwd_bwd_sonic_method_ms"]
 
     # The plain PyTorch baseline last: timed after the fast layers, its long run would lower their
     # clocks (ours ran 2.6-6.6% behind `moe-engine bench` on the large shapes when timed after it).
@@ -195,6 +238,8 @@ def measure(name, rounds=4, token_chunks=1):
         for mode in ("eager", "graph"):
             ms = res.get(f"{label}_{mode}_ms")
             res[f"{label}_{mode}_tflops"] = flops / (ms * 1e-3) / 1e12 if ms else None
+    res["dense_fwd_tflops"] = flops / 3 / (res["dense_fwd_ms"] * 1e-3) / 1e12
+    res["dense_fwd_bwd_tflops"] = flops / (res["dense_fwd_bwd_ms"] * 1e-3) / 1e12
     best = lambda l: min(v for v in (res[f"{l}_eager_ms"], res.get(f"{l}_graph_ms")) if v)
     res["speedup"] = best("torch") / best("ours")
     if sonic is not None:
@@ -216,6 +261,7 @@ def main():
     names = args.shapes or list(SHAPES)
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}: forward+backward, bf16, swiglu x prob")
     print(f"{'shape':<18} {'torch ms':>9} {'TF/s':>6} {'GiB':>6} | {'ours ms':>9} {'TF/s':>6} {'GiB':>6} | {'ratio':>5}"
+          " | dense cuBLAS fwd / fwd+bwd ms (TF/s)"
           + (" | sonic fwd / fwd+bwd ms, GiB, ours fwd / fwd+bwd speed-up (ours by our method; both by SonicMoE's)"
              if SONIC else ""))
     rows = []
@@ -227,10 +273,13 @@ def main():
         o = r["ours_graph_ms"] or r["ours_eager_ms"]
         print(f"{n:<18} {t:9.3f} {r['torch_graph_tflops'] or r['torch_eager_tflops']:6.0f} {r['torch_extra_gib']:6.2f} | "
               f"{o:9.3f} {r['ours_graph_tflops'] or r['ours_eager_tflops']:6.0f} {r['ours_extra_gib']:6.2f} | "
-              f"{r['speedup']:5.2f}"
+              f"{r['speedup']:5.2f} | {r['dense_fwd_ms']:.3f} / {r['dense_fwd_bwd_ms']:.3f} "
+              f"({r['dense_fwd_tflops']:.0f} / {r['dense_fwd_bwd_tflops']:.0f})"
               + (f" | {r['sonic_fwd_ms']:.3f} / {r['sonic_fwd_bwd_ms']:.3f}, {r['sonic_extra_gib']:.2f}, "
                  f"{r['fwd_vs_sonic']:.2f}x / {r['fwd_bwd_vs_sonic']:.2f}x, both by its method "
-                 f"{r['fwd_vs_sonic_same_method']:.2f}x / {r['fwd_bwd_vs_sonic_same_method']:.2f}x" if SONIC else ""), flush=True)
+                 f"{r['fwd_vs_sonic_same_method']:.2f}x / {r['fwd_bwd_vs_sonic_same_method']:.2f}x, "
+                 f"dense bound {r['dense_fwd_vs_sonic']:.2f}x / {r['dense_fwd_bwd_vs_sonic']:.2f}x" if SONIC else ""),
+              flush=True)
     if args.png:
         import matplotlib
         matplotlib.use("Agg")
