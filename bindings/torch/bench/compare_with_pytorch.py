@@ -278,7 +278,7 @@ def main():
               + (f" | {r['sonic_fwd_ms']:.3f} / {r['sonic_fwd_bwd_ms']:.3f}, {r['sonic_extra_gib']:.2f}, "
                  f"{r['fwd_vs_sonic']:.2f}x / {r['fwd_bwd_vs_sonic']:.2f}x, both by its method "
                  f"{r['fwd_vs_sonic_same_method']:.2f}x / {r['fwd_bwd_vs_sonic_same_method']:.2f}x, "
-                 f"dense bound {r['dense_fwd_vs_sonic']:.2f}x / {r['dense_fwd_bwd_vs_sonic']:.2f}x" if SONIC else ""),
+                 f"SonicMoE over the dense GEMMs {r['dense_fwd_vs_sonic']:.2f}x / {r['dense_fwd_bwd_vs_sonic']:.2f}x" if SONIC else ""),
               flush=True)
     if args.png:
         import matplotlib
