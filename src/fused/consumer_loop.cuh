@@ -35,7 +35,7 @@ template <int kCluster, int kStages, class Mma, class FragA, class FragB, class 
 __device__ __forceinline__ void consume_k_blocks(Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
                                                  uint64_t* full, uint64_t* empty, RingPosition<kStages>& ring,
                                                  int k_blocks, int lane, Before&& before, During&& during,
-                                                 bool every_thread_releases = false) {
+                                                 bool every_thread_releases) {
   using namespace cute;
   int prev = -1;
   for (int kb = 0; kb < k_blocks; ++kb) {

@@ -413,7 +413,7 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
           const int valid = static_cast<int>(std::min<int64_t>(rows - int64_t(kb) * kBK, kBK));
           if (valid < kBK) zero_rows_past_group(s, stage, valid, ctid);
         },
-        [](int, int) {});
+        [](int, int) {}, false);  // WGMMA alone reads the stages: one release per warp
 
     if (p.accumulate && k_blocks == 0) continue;  // main_grad keeps its value
     char* dw = p.dw_table != nullptr ? static_cast<char*>(p.dw_table[tile.e]) : p.dw_base + tile.e * p.dw_stride;
