@@ -153,6 +153,14 @@ struct Sm90Gemm {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, KernelMainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
+  // Whether the epilogue's fusion takes alpha and beta (CUTLASS's linear combination) or stores the
+  // accumulator as it is (PlainConversion, epilogue_plain_conversion.cuh).
+  template <class T, class = void>
+  struct HasAlpha : std::false_type {};
+  template <class T>
+  struct HasAlpha<T, std::void_t<decltype(std::declval<T&>().alpha)>> : std::true_type {};
+  static constexpr bool kScalesAccumulator = HasAlpha<decltype(std::declval<typename Epilogue::Arguments&>().thread)>::value;
+
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
   using StrideC = typename Kernel::InternalStrideC;
@@ -188,14 +196,18 @@ struct Sm90Gemm {
     if constexpr (kScaleProducer) ml.sfa_mn_ld = a.a_scale_mn_ld;
     else MOE_CHECK(a.a_scale_mn_ld == 0, "grouped GEMM: this configuration reads K-major token scales only");
     auto& ep = args.epilogue;
-    ep.thread.alpha = a.alpha;
-    ep.thread.beta = a.beta;
-    ep.thread.alpha_ptr = nullptr;
-    ep.thread.beta_ptr = nullptr;
-    ep.thread.alpha_ptr_array = nullptr;
-    ep.thread.beta_ptr_array = nullptr;
-    ep.thread.dAlpha = {cute::_0{}, cute::_0{}, 0};
-    ep.thread.dBeta = {cute::_0{}, cute::_0{}, 0};
+    if constexpr (kScalesAccumulator) {
+      ep.thread.alpha = a.alpha;
+      ep.thread.beta = a.beta;
+      ep.thread.alpha_ptr = nullptr;
+      ep.thread.beta_ptr = nullptr;
+      ep.thread.alpha_ptr_array = nullptr;
+      ep.thread.beta_ptr_array = nullptr;
+      ep.thread.dAlpha = {cute::_0{}, cute::_0{}, 0};
+      ep.thread.dBeta = {cute::_0{}, cute::_0{}, 0};
+    } else {
+      MOE_CHECK(a.alpha == 1.0f && a.beta == 0.0f, "grouped GEMM: this configuration stores the accumulator as it is (alpha 1, beta 0)");
+    }
     if constexpr (!std::is_void_v<ElementC>) {
       ep.ptr_C = reinterpret_cast<const ElementC**>(const_cast<const void**>(a.ptr_c));
       ep.dC = reinterpret_cast<StrideC*>(const_cast<int64_t*>(a.ld_c));

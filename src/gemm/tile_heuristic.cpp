@@ -7,8 +7,12 @@ namespace moe::gemm {
 //    warp group's epilogue overlapping the other's main loop) beats the cooperative 128x256 tile;
 //    its 128x192 tile beats 128x128 (1.5x fewer tiles, so fewer per-tile costs: the group change,
 //    the pipeline fill, the epilogue drain), forward 1.01-1.03x on the fine-grained shapes; the
-//    1x2 cluster only where whole pairs of 192-wide tiles fill N (the fc2 of qwen3-30b-a3b-ep8,
-//    11 tiles wide, is 0.92x with it);
+//    1x2 cluster only where whole pairs of 192-wide tiles fill N, i.e. the tile count is even
+//    (the fc2 of qwen3-30b-a3b-ep8, 11 tiles wide, is 0.92x with it; sonic-30b-fine's and
+//    sonic-30b-coarse's, 4096 wide = 22 tiles, are 1.03-1.05x over 2x1, and so are their fc1
+//    dgrads); its epilogue converts the accumulator without CUTLASS's alpha multiply
+//    (epilogue_plain_conversion.cuh: 1.10x on sonic-7b-fine's fc2, K = 256, where the epilogue is
+//    longer than the main loop it should hide behind);
 //  - long reductions: cooperative 128x256; the 1x2 cluster (token tile multicast to two N tiles)
 //    beats 2x1 when the output width fills whole cluster pairs of 256-wide tiles, otherwise half a
 //    cluster idles and 2x1 is used;
@@ -29,17 +33,23 @@ namespace moe::gemm {
 //    epilogue, which loads C through a producer warp (mixtral-8x7b, deepseek-v3-ep32,
 //    sonic-120b-coarse); written, CUTLASS's TMA epilogue stays (the warp-group stores were 1-4%
 //    faster in bf16 with no gain in the layer's step, and cost the FP8 layer's backward 0.5-3%).
+namespace {
+// 192-wide tiles across an output width: the 1x2 cluster needs an even count, or half of the last
+// cluster idles.
+int64_t tiles_192(int64_t width) { return (width + 191) / 192; }
+}  // namespace
+
 TileChoice choose_tiles(Op op, int64_t N, int64_t K, bool accumulate) {
   switch (op) {
     case Op::kFprop: {  // Y [m, N], reduction K
       const bool short_k = K <= 1024 || (K <= 2048 && N <= 2048);
       if (short_k && N % 256 == 0)
-        return {N % 384 == 0 ? "pong_128x192x64_c1x2" : "pong_128x192x64_c2x1", true, K <= 512 ? 4 : 1};
+        return {tiles_192(N) % 2 == 0 ? "pong_128x192x64_c1x2" : "pong_128x192x64_c2x1", true, K <= 512 ? 4 : 1};
       return {N % 512 == 0 ? "coop_128x256x64_c1x2" : "coop_128x256x64_c2x1", false};
     }
     case Op::kDgrad:  // dX [m, K], reduction N
       if (N <= 2048 && K >= 768)
-        return {K % 384 == 0 ? "pong_128x192x64_c1x2" : "pong_128x192x64_c2x1", true, 1};
+        return {tiles_192(K) % 2 == 0 ? "pong_128x192x64_c1x2" : "pong_128x192x64_c2x1", true, 1};
       if (N <= 768) return {"pong_128x128x64_c2x1", true, N <= 512 ? 4 : 1};
       return {K % 512 == 0 ? "coop_128x256x64_c1x2" : "coop_128x256x64_c2x1", false};
     case Op::kWgrad:  // dW [N, K], reduction over the tokens of an expert

@@ -76,6 +76,8 @@ TEST(TileHeuristic, WeightGradientsIntoMainGradTakeTheWarpGroupStores) {
 TEST(TileHeuristic, DgradTilesFollowTheMeasuredRule) {
   EXPECT_STREQ(choose_tiles(Op::kDgrad, 512, 1536).name, "pong_128x192x64_c1x2");   // sonic-7b-fine fc1
   EXPECT_STREQ(choose_tiles(Op::kDgrad, 1536, 2048).name, "pong_128x192x64_c2x1");  // qwen3-30b-a3b-ep8 fc1
+  EXPECT_STREQ(choose_tiles(Op::kDgrad, 1024, 4096).name, "pong_128x192x64_c1x2");  // sonic-30b-fine fc1
+  EXPECT_STREQ(choose_tiles(Op::kDgrad, 2048, 4096).name, "pong_128x192x64_c1x2");  // sonic-30b-coarse fc1
   EXPECT_STREQ(choose_tiles(Op::kDgrad, 2048, 768).name, "pong_128x192x64_c1x2");   // qwen3-30b-a3b-ep8 fc2
   EXPECT_STREQ(choose_tiles(Op::kDgrad, 1536, 256).name, "coop_128x256x64_c2x1");   // sonic-7b-fine fc2
   EXPECT_STREQ(choose_tiles(Op::kDgrad, 4096, 512).name, "coop_128x256x64_c1x2");   // sonic-30b-fine fc2
@@ -85,6 +87,23 @@ TEST(TileHeuristic, DgradTilesFollowTheMeasuredRule) {
     EXPECT_TRUE(choose_tiles(Op::kDgrad, N, K).raster_along_n) << N << " " << K;
     EXPECT_EQ(choose_tiles(Op::kDgrad, N, K).tile_run, 1) << N << " " << K;
   }
+}
+
+// Short-reduction fprop: ping-pong 128x192, with the 1x2 cluster wherever the output is an even
+// number of 192-wide tiles (4096 = 21 1/3 tiles: 22, so the last pair is whole too), the 2x1 cluster
+// otherwise; runs of four tiles for reductions up to 512.
+TEST(TileHeuristic, ShortReductionFpropTilesPairWholeClusters) {
+  const auto expect = [](int64_t N, int64_t K, const char* name, int run) {
+    const TileChoice c = choose_tiles(Op::kFprop, N, K);
+    EXPECT_STREQ(c.name, name) << N << " " << K;
+    EXPECT_EQ(c.tile_run, run) << N << " " << K;
+    EXPECT_TRUE(c.raster_along_n) << N << " " << K;
+  };
+  expect(1536, 256, "pong_128x192x64_c1x2", 4);   // sonic-7b-fine fc2
+  expect(4096, 512, "pong_128x192x64_c1x2", 4);   // sonic-30b-fine fc2
+  expect(4096, 1024, "pong_128x192x64_c1x2", 1);  // sonic-30b-coarse fc2
+  expect(2048, 768, "pong_128x192x64_c2x1", 1);   // qwen3-30b-a3b-ep8 fc2 (11 tiles)
+  expect(2048, 1024, "pong_128x192x64_c2x1", 1);  // olmoe-1b-7b fc2
 }
 
 }  // namespace
