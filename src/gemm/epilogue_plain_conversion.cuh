@@ -3,7 +3,7 @@
 // CUTLASS's linear combination computes bf16(alpha * acc) with a multiply per element even when
 // alpha is 1. The values are the same (the engine's alpha is always 1; the kernel refuses any other
 // at launch). What it saves is epilogue time: with a short reduction the ping-pong kernels' epilogue
-// is longer than the other warp group's main loop it should hide behind, and a fifth of its
+// is longer than the other warp group's main loop it should hide behind, and over a quarter of its
 // instructions were those multiplies (sonic-7b-fine's fc2, K = 256: 1.10x, docs/gemm.md).
 #pragma once
 
