@@ -34,9 +34,11 @@ namespace moe::gemm {
 //    sonic-120b-coarse); written, CUTLASS's TMA epilogue stays (the warp-group stores were 1-4%
 //    faster in bf16 with no gain in the layer's step, and cost the FP8 layer's backward 0.5-3%).
 namespace {
-// 192-wide tiles across an output width: the 1x2 cluster needs an even count, or half of the last
-// cluster idles.
-int64_t tiles_192(int64_t width) { return (width + 191) / 192; }
+// The ping-pong 128x192 tile across an output width: the 1x2 cluster where the 192-wide tiles are
+// even in number, the 2x1 cluster otherwise (or half of the last cluster would idle).
+const char* pong_192(int64_t width) {
+  return (width + 191) / 192 % 2 == 0 ? "pong_128x192x64_c1x2" : "pong_128x192x64_c2x1";
+}
 }  // namespace
 
 TileChoice choose_tiles(Op op, int64_t N, int64_t K, bool accumulate) {
@@ -44,12 +46,12 @@ TileChoice choose_tiles(Op op, int64_t N, int64_t K, bool accumulate) {
     case Op::kFprop: {  // Y [m, N], reduction K
       const bool short_k = K <= 1024 || (K <= 2048 && N <= 2048);
       if (short_k && N % 256 == 0)
-        return {tiles_192(N) % 2 == 0 ? "pong_128x192x64_c1x2" : "pong_128x192x64_c2x1", true, K <= 512 ? 4 : 1};
+        return {pong_192(N), true, K <= 512 ? 4 : 1};
       return {N % 512 == 0 ? "coop_128x256x64_c1x2" : "coop_128x256x64_c2x1", false};
     }
     case Op::kDgrad:  // dX [m, K], reduction N
       if (N <= 2048 && K >= 768)
-        return {tiles_192(K) % 2 == 0 ? "pong_128x192x64_c1x2" : "pong_128x192x64_c2x1", true, 1};
+        return {pong_192(K), true, 1};
       if (N <= 768) return {"pong_128x128x64_c2x1", true, N <= 512 ? 4 : 1};
       return {K % 512 == 0 ? "coop_128x256x64_c1x2" : "coop_128x256x64_c2x1", false};
     case Op::kWgrad:  // dW [N, K], reduction over the tokens of an expert
