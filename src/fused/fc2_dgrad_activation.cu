@@ -14,7 +14,8 @@
 //     dact x act for dprobs (a quad of lanes holds a row's 256 features: two shuffles, no atomics),
 //     optionally write the recomputed act x prob -- while the other warp group's main loop keeps
 //     the tensor cores busy. The epilogue waits on memory (h in, dh and act out); without the
-//     overlap the tensor cores idle through it.
+//     overlap the tensor cores idle through it. It keeps the loads of h a few chunks ahead of its
+//     arithmetic, so that its 16 chunks do not each wait for a round trip to memory.
 // The two consumer warp groups read one stage ring in tile order: a warp group skips the stages of
 // the other's tiles, and an order barrier lets it start a main loop only after the other has
 // finished its previous one. That keeps every wait on a stage barrier at most one phase ahead of
@@ -75,6 +76,9 @@ constexpr int kStageBytesB = kBN * kBK * 2;                // 32 KiB: all four b
 constexpr int kBoxesPerCta = kBN / kBoxCols / kCluster;    // 2
 constexpr int kMaxExperts = kMaxRowTileExperts;
 constexpr int kProducerRegs = 56, kConsumerRegs = 224;     // 128 * 56 + 256 * 224 = 384 * 168, the launch pool
+// Chunks of h (8 features of a row) a consumer thread has loaded ahead of the one it works on in the
+// epilogue: 2 and 4 measured alike, 8 spills.
+constexpr int kHAhead = 4;
 
 // A: K-major 128-byte swizzled (as the fused fc1's). B: MN-major, 64 consecutive features of one
 // row of H are 128 contiguous bytes; the atoms of one 64-feature box stack along K first, so that a
@@ -250,32 +254,61 @@ __device__ void consume(SharedStorage& s, const Params& p, int total, int rank) 
     // Epilogue. Accumulator index v0 + 2 v1 + 4 v2 is row r + 8 v1, feature 8 v2 + 2 (lane % 4) + v0;
     // after a quad transpose of packed bf16 pairs each lane holds 8 consecutive features of a row
     // (see the fused fc1), so h, dh and act move as 16-byte vectors. The bf16 packing is the
-    // rounding of dact the unfused path stores.
+    // rounding of dact the unfused path stores. A thread works through 16 chunks of 8 features
+    // (chunk i: row v1 = i / 8, column block m = i % 8) and loads the saved pre-activation of chunk
+    // i + kHAhead before it works on chunk i: dh is written over h, so without the loads in flight
+    // ahead each chunk would wait for its own round trip to memory.
     const int j = lane & 3;
     const int r_first = get<0>(coord(0));
+    constexpr int kChunksPerRow = kBN / 32, kChunks = 2 * kChunksPerRow;
+    bool row_ok[2];
+    float prob[2];
+    __nv_bfloat16* h_row[2];
+    __nv_bfloat16* act_row[2];
 #pragma unroll
     for (int v1 = 0; v1 < 2; ++v1) {
       const int r = r_first + 8 * v1;
-      const bool row_ok = r < tile.rows;
+      row_ok[v1] = r < tile.rows;
       const int64_t row = tile.m0 + r;
-      const float prob = (p.probs != nullptr && row_ok) ? p.probs[row] : 1.0f;
-      __nv_bfloat16* h_row = p.h + row * h_cols;
-      __nv_bfloat16* act_row = p.act_out != nullptr ? p.act_out + row * p.F : nullptr;
-      float dp = 0.0f;
+      prob[v1] = (p.probs != nullptr && row_ok[v1]) ? p.probs[row] : 1.0f;
+      h_row[v1] = p.h + row * h_cols;
+      act_row[v1] = p.act_out != nullptr ? p.act_out + row * p.F : nullptr;
+    }
+    const auto chunk_f = [&](int i) { return tile.nt * kBN + 8 * (4 * (i % kChunksPerRow) + j); };
+    const auto chunk_ok = [&](int i) { return row_ok[i / kChunksPerRow] && chunk_f(i) < p.F; };
+    const auto load_chunk = [&](int i) {
+      return chunk_ok(i) ? kernels::load_h_x8<A>(h_row[i / kChunksPerRow], chunk_f(i), p.F, p.interleave)
+                         : kernels::HChunk{};
+    };
+    kernels::HChunk ahead[kHAhead];
 #pragma unroll
-      for (int m = 0; m < kBN / 32; ++m) {
-        uint32_t out[4];
-        pack_transpose_pairs(acc, 2 * v1 + 16 * m, j, out);  // all lanes take part: before any row check
-        const int f = tile.nt * kBN + 8 * (4 * m + j);
-        if (!row_ok || f >= p.F) continue;
+    for (int i = 0; i < kHAhead; ++i) ahead[i] = load_chunk(i);
+    // dact rounded to bf16 pairs and transposed at once (all lanes take part: before any row
+    // check), which frees half of the accumulators' registers for the chunks in flight.
+    uint32_t dact[kChunks][4];
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i)
+      pack_transpose_pairs(acc, 2 * (i / kChunksPerRow) + 16 * (i % kChunksPerRow), j, dact[i]);
+    float dp = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int v1 = i / kChunksPerRow, m = i % kChunksPerRow;
+      const kernels::HChunk h = ahead[i % kHAhead];
+      if (i + kHAhead < kChunks) ahead[i % kHAhead] = load_chunk(i + kHAhead);
+      if (chunk_ok(i)) {
         float go[kVec];
-        unpack_bf16x8(out, go);
-        kernels::activation_backward_x8<A>(h_row, h_row, f, p.F, p.interleave, p.consts, go, prob, dp, act_row);
+        unpack_bf16x8(dact[i], go);
+        kernels::activation_backward_x8<A>(h, h_row[v1], chunk_f(i), p.F, p.interleave, p.consts, go, prob[v1], dp,
+                                           act_row[v1]);
       }
-      // The row's 256 features live in the 4 lanes of a quad: a fixed two-step sum.
-      dp += __shfl_xor_sync(kernels::kFullMask, dp, 1);
-      dp += __shfl_xor_sync(kernels::kFullMask, dp, 2);
-      if (p.dprobs != nullptr && row_ok && j == 0) p.dprobs[static_cast<int64_t>(tile.nt) * p.R + row] = dp;
+      if (m == kChunksPerRow - 1) {
+        // The row's 256 features live in the 4 lanes of a quad: a fixed two-step sum.
+        dp += __shfl_xor_sync(kernels::kFullMask, dp, 1);
+        dp += __shfl_xor_sync(kernels::kFullMask, dp, 2);
+        if (p.dprobs != nullptr && row_ok[v1] && j == 0)
+          p.dprobs[static_cast<int64_t>(tile.nt) * p.R + tile.m0 + r_first + 8 * v1] = dp;
+        dp = 0.0f;
+      }
     }
   }
 }

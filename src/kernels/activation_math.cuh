@@ -142,25 +142,54 @@ __device__ __forceinline__ void store_glu_alternating(__nv_bfloat16* row, int j,
   store_bf16x8(row + 2 * j + kVec, hi);
 }
 
-// The backward of activation x prob for the 8 logical columns [j, j + 8) of a row, from the d_out
-// values `go` and the row's prob: reads h_row, writes dh (dh_row may be h_row: every element is
-// read before its gradient is written), adds go * act_unscaled (the prob's gradient) to dp column
-// by column, and writes the recomputed act x prob to act_row when one is given. fp32 math.
+// The pre-activation of the 8 logical columns [j, j + 8) of a row as loaded, not yet converted:
+// the gate and linear vectors (squared-relu: its input in `gate`), or with interleave 1 the 16
+// physical columns [2j, 2j + 16). Loading apart from the arithmetic lets a caller issue the loads
+// of later columns before it works on (and writes over) these.
+struct HChunk {
+  uint4 gate, linear;
+};
+
 template <Activation A>
-__device__ __forceinline__ void activation_backward_x8(const __nv_bfloat16* h_row, __nv_bfloat16* dh_row, int j,
-                                                        int F, int interleave, const ActConsts& c,
-                                                        const float (&go)[kVec], float prob, float& dp,
-                                                        __nv_bfloat16* act_row = nullptr) {
+__device__ __forceinline__ HChunk load_h_x8(const __nv_bfloat16* h_row, int j, int F, int interleave) {
+  constexpr bool kGated = A != Activation::kSquaredReLU;
+  HChunk h;
+  if (kGated && interleave == 1) {
+    h.gate = *reinterpret_cast<const uint4*>(h_row + 2 * j);
+    h.linear = *reinterpret_cast<const uint4*>(h_row + 2 * j + kVec);
+  } else {
+    h.gate = *reinterpret_cast<const uint4*>(h_row + (kGated ? gate_col(j, F, interleave) : j));
+    h.linear = kGated ? *reinterpret_cast<const uint4*>(h_row + linear_col(j, F, interleave)) : make_uint4(0, 0, 0, 0);
+  }
+  return h;
+}
+
+// The backward of activation x prob for the 8 logical columns [j, j + 8) of a row, from their
+// pre-activation `h` (load_h_x8), the d_out values `go` and the row's prob: writes dh to dh_row
+// (which may be the row h was loaded from), adds go * act_unscaled (the prob's gradient) to dp
+// column by column, and writes the recomputed act x prob to act_row when one is given. fp32 math.
+template <Activation A>
+__device__ __forceinline__ void activation_backward_x8(const HChunk& h, __nv_bfloat16* dh_row, int j, int F,
+                                                       int interleave, const ActConsts& c,
+                                                       const float (&go)[kVec], float prob, float& dp,
+                                                       __nv_bfloat16* act_row = nullptr) {
   constexpr bool kGated = A != Activation::kSquaredReLU;
   float g[kVec], l[kVec], dg[kVec], dl[kVec], act[kVec];
   const bool alternating = kGated && interleave == 1;
-  const int cg = kGated ? gate_col(j, F, interleave) : j;
-  const int cl = kGated ? linear_col(j, F, interleave) : 0;
   if (alternating) {
-    load_glu_alternating(h_row, j, g, l);
+    float lo[kVec], hi[kVec];
+    unpack<__nv_bfloat16>(h.gate, lo);
+    unpack<__nv_bfloat16>(h.linear, hi);
+#pragma unroll
+    for (int i = 0; i < kVec / 2; ++i) {
+      g[i] = lo[2 * i];
+      l[i] = lo[2 * i + 1];
+      g[i + kVec / 2] = hi[2 * i];
+      l[i + kVec / 2] = hi[2 * i + 1];
+    }
   } else {
-    load_bf16x8(h_row + cg, g);
-    if (kGated) load_bf16x8(h_row + cl, l);
+    unpack<__nv_bfloat16>(h.gate, g);
+    if (kGated) unpack<__nv_bfloat16>(h.linear, l);
   }
 #pragma unroll
   for (int i = 0; i < kVec; ++i) {
@@ -175,10 +204,20 @@ __device__ __forceinline__ void activation_backward_x8(const __nv_bfloat16* h_ro
   if (alternating) {
     store_glu_alternating(dh_row, j, dg, dl);
   } else {
-    store_bf16x8(dh_row + cg, dg);
-    if (kGated) store_bf16x8(dh_row + cl, dl);
+    store_bf16x8(dh_row + (kGated ? gate_col(j, F, interleave) : j), dg);
+    if (kGated) store_bf16x8(dh_row + linear_col(j, F, interleave), dl);
   }
   if (act_row != nullptr) store_bf16x8(act_row + j, act);
+}
+
+// The same, loading h from h_row (dh_row may be h_row: every element is read before its gradient
+// is written).
+template <Activation A>
+__device__ __forceinline__ void activation_backward_x8(const __nv_bfloat16* h_row, __nv_bfloat16* dh_row, int j,
+                                                       int F, int interleave, const ActConsts& c,
+                                                       const float (&go)[kVec], float prob, float& dp,
+                                                       __nv_bfloat16* act_row = nullptr) {
+  activation_backward_x8<A>(load_h_x8<A>(h_row, j, F, interleave), dh_row, j, F, interleave, c, go, prob, dp, act_row);
 }
 
 // Rows to process: all R, or the clamped end of the last group read on the device (graph-safe).
