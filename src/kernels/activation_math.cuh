@@ -113,13 +113,10 @@ __device__ __forceinline__ int linear_col(int j, int F, int s) {
 
 // Interleave 1 (gate and linear alternate column by column, the GPT-OSS / SonicMoE layout): the 8
 // logical columns [j, j + 8) are the 16 contiguous physical columns [2j, 2j + 16), gate at even and
-// linear at odd positions -- two 16-byte loads split in registers (j is a multiple of 8, so both
-// vectors are 16-byte aligned).
-__device__ __forceinline__ void load_glu_alternating(const __nv_bfloat16* row, int j, float (&g)[kVec],
-                                                     float (&l)[kVec]) {
-  float lo[kVec], hi[kVec];
-  load_bf16x8(row + 2 * j, lo);
-  load_bf16x8(row + 2 * j + kVec, hi);
+// linear at odd positions -- two 16-byte vectors (lo, hi) split in registers (j is a multiple of 8,
+// so both vectors are 16-byte aligned).
+__device__ __forceinline__ void split_glu_alternating(const float (&lo)[kVec], const float (&hi)[kVec],
+                                                      float (&g)[kVec], float (&l)[kVec]) {
 #pragma unroll
   for (int i = 0; i < kVec / 2; ++i) {
     g[i] = lo[2 * i];
@@ -127,6 +124,13 @@ __device__ __forceinline__ void load_glu_alternating(const __nv_bfloat16* row, i
     g[i + kVec / 2] = hi[2 * i];
     l[i + kVec / 2] = hi[2 * i + 1];
   }
+}
+__device__ __forceinline__ void load_glu_alternating(const __nv_bfloat16* row, int j, float (&g)[kVec],
+                                                     float (&l)[kVec]) {
+  float lo[kVec], hi[kVec];
+  load_bf16x8(row + 2 * j, lo);
+  load_bf16x8(row + 2 * j + kVec, hi);
+  split_glu_alternating(lo, hi, g, l);
 }
 __device__ __forceinline__ void store_glu_alternating(__nv_bfloat16* row, int j, const float (&g)[kVec],
                                                       const float (&l)[kVec]) {
@@ -180,13 +184,7 @@ __device__ __forceinline__ void activation_backward_x8(const HChunk& h, __nv_bfl
     float lo[kVec], hi[kVec];
     unpack<__nv_bfloat16>(h.gate, lo);
     unpack<__nv_bfloat16>(h.linear, hi);
-#pragma unroll
-    for (int i = 0; i < kVec / 2; ++i) {
-      g[i] = lo[2 * i];
-      l[i] = lo[2 * i + 1];
-      g[i + kVec / 2] = hi[2 * i];
-      l[i + kVec / 2] = hi[2 * i + 1];
-    }
+    split_glu_alternating(lo, hi, g, l);
   } else {
     unpack<__nv_bfloat16>(h.gate, g);
     if (kGated) unpack<__nv_bfloat16>(h.linear, l);
