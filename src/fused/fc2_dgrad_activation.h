@@ -23,6 +23,13 @@
 
 namespace moe::fused {
 
+// How the two consumer warp groups share the tiles (docs/fused.md): ping-pong -- a 64-row tile each,
+// in turn, one's epilogue under the other's main loop -- or cooperative -- both on one 128-row
+// tile, 64 rows each, half the weight traffic per row but the epilogue in the open. The results are
+// bitwise the same. kAuto takes the cooperative one where the reduction (H) is long enough that the
+// lighter traffic pays for the exposed epilogue (measured: H >= 4096).
+enum class Fc2DgradSchedule { kAuto, kPingPong, kCooperative };
+
 struct Fc2DgradActivationArgs {
   // dY rows: dY_perm [R, H] (row_slots null) or dy [T, H] gathered through row_slots [R].
   const void* dy = nullptr;
@@ -44,6 +51,7 @@ struct Fc2DgradActivationArgs {
   float* dprobs = nullptr;    // [R] or null
   float* dprobs_partial = nullptr;  // [feature blocks, R] when fc2_dgrad_feature_blocks(F) > 1 and dprobs
   int sm_count = 0;
+  Fc2DgradSchedule schedule = Fc2DgradSchedule::kAuto;
 };
 
 // Whether the fused kernel handles these sizes (host check; the caller falls back or refuses).
