@@ -21,7 +21,7 @@
 //     loop only after the other has finished its previous one. That keeps every wait on a stage
 //     barrier at most one phase ahead of it (a parity wait two phases ahead would pass on the wrong
 //     phase). Cooperative: both take every tile, 64 rows each, so a weight stage serves 128 rows
-//     (two thirds of the L2 -> SM bytes per row), and the tensor cores idle through the epilogue.
+//     (half the weight bytes per row), and the tensor cores idle through the epilogue.
 // Tiles: (expert, cluster of row blocks, feature block of 256) as in the fused fc1 (row_tiles.cuh;
 // an odd last row block split by feature block). With more than one feature block, each writes
 // its dprobs partial sum and a second kernel adds them in feature-block order (deterministic).
@@ -357,9 +357,9 @@ __global__ void __launch_bounds__(kThreads, 1) fc2_dgrad_activation_kernel(const
     prefix_row_tiles<S::kBM, kCluster, true>(s.tile_start, p.offsets, p.E, p.R, p.feature_tiles, lane);
   } else if (warp == 1 && lane == 0) {
     // full: every producer thread's cp.async arrival (+ the TMA issuer's expect-tx arrival);
-    // empty: the warps of the consumer warp group that took the stage, in both CTAs of the cluster
-    // (its threads when they copy the stages out to dY_perm); order: the warps of the other
-    // consumer warp group.
+    // empty: the warps of the consumer warp group that took the stage (ping-pong) or of both
+    // (cooperative), in both CTAs of the cluster (their threads when they copy the stages out to
+    // dY_perm); order (ping-pong only): the warps of the other consumer warp group.
     for (int g = 0; g < kConsumerGroups; ++g) cutlass::arch::ClusterBarrier::init(&s.order[g], kGroupThreads / 32);
     init_stage_barriers<S::kStages>(s.full, s.empty, kProducerThreads + (kTma ? 1 : 0),
                                     kCluster * stage_releases((kCoop ? kConsumerGroups : 1) * kGroupThreads,

@@ -5,8 +5,9 @@
 // (tests/gpu/test_grouped_mlp.cpp). Covered: dh written over h, dprobs (one feature block, and two
 // with the partial sums), the recomputed act x prob, the gathered rows written to dY_perm,
 // gathering through a row map with padding rows and reading dY_perm directly, uneven and empty
-// groups (odd last row blocks, groups shorter than a tile, longer than the stage ring), the TMA and
-// the per-expert (cp.async) weights, and a grid of a few SMs so that each CTA runs many tiles.
+// groups (single-block groups, whose one block is split between the cluster's CTAs by feature
+// block, groups shorter than a tile and of several tiles), the TMA and the per-expert (cp.async)
+// weights, and grids of a few SMs so that each CTA runs several tiles.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -41,8 +42,8 @@ struct Outputs {
 
 Outputs run(const Case& c, fused::Fc2DgradSchedule schedule, cudaStream_t stream) {
   constexpr int E = 6, slots = 4;
-  // Rows per expert: empty, one short of a 64-row block, an odd number of 64-row blocks, several
-  // 128-row tiles with a partial one, exactly two tiles, a few rows.
+  // Rows per expert (padded to multiples of 8): empty, one short of a 64-row block, two 128-row
+  // blocks with a partial one, six with a partial one, exactly two, a few rows.
   const std::vector<int> counts = {0, 63, 3 * 64 + 5, 5 * 128 + 17, 256, 9};
   constexpr int align = 8;  // padding rows (row map -1) to a multiple of 8 per group
   std::mt19937_64 rng(1234 + c.H + 7 * c.F + (c.gather ? 1 : 0) + (c.table ? 2 : 0));
