@@ -69,15 +69,6 @@ constexpr int kBN = 256, kBK = kGatherCols, kCluster = 2;
 static_assert(kBK == 64, "the gathered A stage (gather_rows.cuh) is 64 columns wide");
 constexpr int kProducerThreads = kGatherThreads, kGroupThreads = 128, kConsumerGroups = 2;
 constexpr int kThreads = kProducerThreads + kConsumerGroups * kGroupThreads;
-// The two schedules: ping-pong (each consumer warp group a 64-row tile of its own, in turn, a 5-stage
-// ring) or cooperative (both on one 128-row tile, 64 rows each, a 4-stage ring).
-template <bool kCoop>
-struct Schedule {
-  static constexpr int kBM = kCoop ? 128 : 64;
-  static constexpr int kStages = kCoop ? 4 : 5;
-  static constexpr int kRows = rows_per_thread(kBM);     // rows of a tile one producer thread copies
-  static constexpr int kStageBytesA = kBM * kBK * 2;     // 8 or 16 KiB
-};
 constexpr int kBoxCols = 64;                               // one TMA box: 64 features (128 bytes) x 64 rows of H
 constexpr int kBoxBytes = kBoxCols * kBK * 2;              // 8 KiB
 constexpr int kStageBytesB = kBN * kBK * 2;                // 32 KiB: all four boxes land in every CTA
@@ -88,27 +79,32 @@ constexpr int kProducerRegs = 56, kConsumerRegs = 224;     // 128 * 56 + 256 * 2
 // epilogue: 2 and 4 measured alike, 8 spills.
 constexpr int kHAhead = 4;
 
+// The two schedules: ping-pong (each consumer warp group a 64-row tile of its own, in turn, a 5-stage
+// ring) or cooperative (both on one 128-row tile, 64 rows each, a 4-stage ring).
 // A: K-major 128-byte swizzled (as the fused fc1's). B: MN-major, 64 consecutive features of one
 // row of H are 128 contiguous bytes; the atoms of one 64-feature box stack along K first, so that a
 // box is 8 KiB of contiguous shared memory, exactly what one TMA box writes.
 template <bool kCoop>
-struct Layouts {
-  using S = Schedule<kCoop>;
+struct Schedule {
+  static constexpr int kBM = kCoop ? 128 : 64;
+  static constexpr int kStages = kCoop ? 4 : 5;
+  static constexpr int kRows = rows_per_thread(kBM);     // rows of a tile one producer thread copies
+  static constexpr int kStageBytesA = kBM * kBK * 2;     // 8 or 16 KiB
   using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{},
-                                             make_shape(Int<S::kBM>{}, Int<kBK>{}, Int<S::kStages>{})));
+                                             make_shape(Int<kBM>{}, Int<kBK>{}, Int<kStages>{})));
   using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<bf16>{},
-                                             make_shape(Int<kBN>{}, Int<kBK>{}, Int<S::kStages>{}), Step<_2, _1, _3>{}));
+                                             make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{}), Step<_2, _1, _3>{}));
   // One warp group per tile (ping-pong) or both along the tile's rows (cooperative).
   using TiledMma = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{},
                                            Layout<Shape<Int<kCoop ? 2 : 1>, _1, _1>>{}));
-  static_assert(cosize_v<SmemLayoutB> == S::kStages * kBN * kBK, "the weight stages are contiguous");
+  static_assert(cosize_v<SmemLayoutB> == kStages * kBN * kBK, "the weight stages are contiguous");
 };
 
 template <bool kCoop>
 struct SharedStorage {
   using S = Schedule<kCoop>;
   alignas(1024) uint8_t a[S::kStages][S::kStageBytesA];
-  alignas(1024) bf16 b[cosize_v<typename Layouts<kCoop>::SmemLayoutB>];
+  alignas(1024) bf16 b[cosize_v<typename S::SmemLayoutB>];
   alignas(8) uint64_t full[S::kStages];   // producer -> consumers: the stage's copies and boxes landed
   alignas(8) uint64_t empty[S::kStages];  // consumers of both CTAs -> producer: the stage's WGMMAs are done
   alignas(8) uint64_t order[kConsumerGroups];  // ping-pong: consumer warp group g may start its next main loop
@@ -150,7 +146,7 @@ __device__ __forceinline__ RowTile decode_tile(int t, const int32_t* start, cons
 // (bits 4-6 ^= bits 7-9; the stages are 1024-byte aligned).
 template <bool kCoop>
 __device__ __forceinline__ uint32_t b_chunk_offset(int f, int k) {
-  const uint32_t linear = 2u * static_cast<uint32_t>(typename Layouts<kCoop>::SmemLayoutB{}.layout_b()(f, k, 0));
+  const uint32_t linear = 2u * static_cast<uint32_t>(typename Schedule<kCoop>::SmemLayoutB{}.layout_b()(f, k, 0));
   return linear ^ ((linear >> 3) & 0x70u);
 }
 
@@ -224,7 +220,6 @@ __device__ void produce(SharedStorage<kCoop>& s, const Params& p, int total, int
 template <Activation A, bool kCoop>
 __device__ void consume(SharedStorage<kCoop>& s, const Params& p, int total, int rank) {
   using S = Schedule<kCoop>;
-  using L = Layouts<kCoop>;
   constexpr int kBM = S::kBM;
   constexpr bool kGated = A != Activation::kSquaredReLU;
   const int ctid = threadIdx.x - kProducerThreads;
@@ -233,10 +228,10 @@ __device__ void consume(SharedStorage<kCoop>& s, const Params& p, int total, int
   constexpr int kTileThreads = kCoop ? kConsumerGroups * kGroupThreads : kGroupThreads;
   const int ttid = kCoop ? ctid : gtid;
   const int lane = threadIdx.x & 31;
-  typename L::TiledMma mma;
+  typename S::TiledMma mma;
   mma.accumulate_ = GMMA::ScaleOut::One;
-  Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<bf16*>(s.a[0])), typename L::SmemLayoutA{});
-  Tensor sB = make_tensor(make_smem_ptr(s.b), typename L::SmemLayoutB{});
+  Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<bf16*>(s.a[0])), typename S::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(s.b), typename S::SmemLayoutB{});
   auto thr = mma.get_thread_slice(ttid);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
@@ -405,7 +400,8 @@ CUtensorMap weight_map(const void* base, int E, int H, int F) {
 }
 
 template <Activation A, bool kCoop>
-void launch_kernel(const Params& p, bool tma, int grid, cudaStream_t stream) {
+void launch_kernel(const Params& p, bool tma, int sm_count, cudaStream_t stream) {
+  const int grid = row_tile_grid<Schedule<kCoop>::kBM>(p.R, p.E, p.feature_tiles, kCluster, sm_count);
   if (tma) {
     launch_clustered(fc2_dgrad_activation_kernel<A, true, kCoop>, p, grid, kThreads, kCluster, smem_bytes<kCoop>(p.E),
                      smem_bytes<kCoop>(kMaxExperts), stream);
@@ -429,14 +425,11 @@ bool cooperative_schedule(const Fc2DgradActivationArgs& a) {
 }
 
 template <Activation A>
-void launch_schedule(const Params& p, bool tma, bool coop, const Fc2DgradActivationArgs& a, cudaStream_t stream) {
-  if (coop) {
-    const int grid = row_tile_grid<Schedule<true>::kBM>(a.R, a.experts, p.feature_tiles, kCluster, a.sm_count);
-    launch_kernel<A, true>(p, tma, grid, stream);
-  } else {
-    const int grid = row_tile_grid<Schedule<false>::kBM>(a.R, a.experts, p.feature_tiles, kCluster, a.sm_count);
-    launch_kernel<A, false>(p, tma, grid, stream);
-  }
+void launch_schedule(const Params& p, bool tma, bool coop, int sm_count, cudaStream_t stream) {
+  if (coop)
+    launch_kernel<A, true>(p, tma, sm_count, stream);
+  else
+    launch_kernel<A, false>(p, tma, sm_count, stream);
 }
 
 }  // namespace
@@ -480,10 +473,10 @@ void launch_fc2_dgrad_activation(const Fc2DgradActivationArgs& a, cudaStream_t s
   }
   const bool coop = cooperative_schedule(a);
   switch (a.activation.kind) {
-    case Activation::kSwiGLU: launch_schedule<Activation::kSwiGLU>(p, tma, coop, a, stream); break;
-    case Activation::kGeGLU: launch_schedule<Activation::kGeGLU>(p, tma, coop, a, stream); break;
-    case Activation::kClampedSwiGLU: launch_schedule<Activation::kClampedSwiGLU>(p, tma, coop, a, stream); break;
-    case Activation::kSquaredReLU: launch_schedule<Activation::kSquaredReLU>(p, tma, coop, a, stream); break;
+    case Activation::kSwiGLU: launch_schedule<Activation::kSwiGLU>(p, tma, coop, a.sm_count, stream); break;
+    case Activation::kGeGLU: launch_schedule<Activation::kGeGLU>(p, tma, coop, a.sm_count, stream); break;
+    case Activation::kClampedSwiGLU: launch_schedule<Activation::kClampedSwiGLU>(p, tma, coop, a.sm_count, stream); break;
+    case Activation::kSquaredReLU: launch_schedule<Activation::kSquaredReLU>(p, tma, coop, a.sm_count, stream); break;
   }
   if (partials) {
     const int threads = 256;
