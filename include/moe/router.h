@@ -61,7 +61,8 @@ class Router {
   const RouterConfig& config() const;
   int selection_width() const;      // k, plus the rounding candidates with kUp / kNearest
   size_t workspace_bytes() const;   // device scratch held
-  // The capacity for T tokens (ceil(T * k / E * capacity_factor)), or -1 when dropless.
+  // The capacity for T tokens (ceil(T * k / E * capacity_factor), at most T: no expert receives more), or
+  // -1 when dropless.
   int64_t capacity(int64_t T) const;
 
   // logits bf16 or fp32 [T, E] (T <= max_tokens); bias fp32 [E] when config.expert_bias.

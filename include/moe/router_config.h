@@ -74,7 +74,8 @@ void validate_router_config(const RouterConfig& config);
 // Columns of the `selected` output: k, plus the rounding candidates with kUp / kNearest.
 int router_selection_width(const RouterConfig& config);
 
-// ceil(T * k / E * capacity_factor) (Megatron's rule), or -1 when capacity_factor is 0.
+// ceil(T * k / E * capacity_factor) (Megatron's rule) capped at T (no expert receives more: the same
+// selection), or -1 when capacity_factor is 0.
 int64_t router_capacity(const RouterConfig& config, int64_t T);
 
 // Token rounding: the target count of an expert chosen by `chosen` tokens (before candidates are

@@ -28,6 +28,9 @@ Activation activation_from_name(const std::string& name) {
 int64_t fc1_out_features(Activation a, int64_t ffn) { return is_gated(a) ? 2 * ffn : ffn; }
 
 void validate_activation(const ActivationParams& p, int64_t ffn) {
+  MOE_CHECK(p.kind == Activation::kSwiGLU || p.kind == Activation::kGeGLU || p.kind == Activation::kClampedSwiGLU ||
+                p.kind == Activation::kSquaredReLU,
+            "argument 'activation': unknown kind ", int(p.kind));
   MOE_CHECK(ffn > 0, "argument 'ffn': expected > 0, got ", ffn);
   if (p.kind == Activation::kClampedSwiGLU) {
     MOE_CHECK(std::isfinite(p.alpha), "argument 'alpha': expected a finite value, got ", p.alpha);

@@ -1,6 +1,8 @@
 #include "moe/grouped_mlp_config.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 
 #include "moe/error.h"
 
@@ -32,17 +34,38 @@ int64_t GroupedMlpConfig::row_bound() const {
 }
 
 namespace {
+constexpr int64_t kMaxRows = std::numeric_limits<int32_t>::max();  // row indices are int32 on the device
+// The widest row a kernel indexes (the activation's gated rows hold 2 F features); far past any model,
+// and small enough that rows x width cannot wrap in the workspace arithmetic.
+constexpr int64_t kMaxWidth = int64_t{1} << 29;
+constexpr int kMaxGemmExperts = 65535;           // the grouped GEMM's groups
+constexpr int kMaxDispatchExperts = 1024;        // the dispatcher's per-warp tables (GroupedMlp)
+constexpr int64_t kMaxQuantizedRows = int64_t{65535} * 128;  // the quantize kernels' grid of 128-row tiles
+
 // Checks shared by the layer and the experts (field names as in both configs).
 void validate_expert_fields(int64_t hidden, int64_t ffn, int experts, const ActivationParams& activation, DType dtype,
                             DType wgrad_dtype) {
   // BF16 GEMM operands need 16-byte aligned rows: K and N multiples of 8.
-  MOE_CHECK(hidden > 0 && hidden % 8 == 0, "config 'hidden': expected a positive multiple of 8, got ", hidden);
-  MOE_CHECK(ffn > 0 && ffn % 8 == 0, "config 'ffn': expected a positive multiple of 8, got ", ffn);
-  MOE_CHECK(experts > 0, "config 'experts': expected > 0, got ", experts);
+  MOE_CHECK(hidden > 0 && hidden % 8 == 0 && hidden <= kMaxWidth, "config 'hidden': expected a positive multiple ",
+            "of 8 up to 2^29, got ", hidden);
+  MOE_CHECK(ffn > 0 && ffn % 8 == 0 && ffn <= kMaxWidth, "config 'ffn': expected a positive multiple of 8 up to ",
+            "2^29, got ", ffn);
+  MOE_CHECK(experts > 0 && experts <= kMaxGemmExperts, "config 'experts': expected 1..", kMaxGemmExperts, ", got ",
+            experts);
   validate_activation(activation, ffn);
   MOE_CHECK(dtype == DType::kBF16, "config 'dtype': expected bf16, got ", dtype_name(dtype));
   MOE_CHECK(wgrad_dtype == DType::kBF16 || wgrad_dtype == DType::kFP32,
             "config 'wgrad_dtype': expected bf16 or fp32, got ", dtype_name(wgrad_dtype));
+}
+
+// The enumerations both configs carry (a value outside them would select no code path).
+void validate_modes(ProbsPlacement probs, WeightLayout layout, WgradMode wgrad) {
+  MOE_CHECK(probs == ProbsPlacement::kInActivation || probs == ProbsPlacement::kAtCombine,
+            "config 'probs': unknown value ", int(probs));
+  MOE_CHECK(layout == WeightLayout::kSingleGrouped || layout == WeightLayout::kPerExpert,
+            "config 'layout': unknown value ", int(layout));
+  MOE_CHECK(wgrad == WgradMode::kWrite || wgrad == WgradMode::kAccumulate, "config 'wgrad': unknown value ",
+            int(wgrad));
 }
 
 // The fused kernels load weight tiles in the standard orientation ([E, fc1_out, H], [E, H, F]).
@@ -91,7 +114,11 @@ void validate_emulated(EmulatedQuant q, Fp8Recipe fp8, int64_t hidden, int64_t f
 
 void ExpertsConfig::validate() const {
   validate_expert_fields(hidden, ffn, experts, activation, dtype, wgrad_dtype);
+  validate_modes(probs, layout, wgrad);
   MOE_CHECK(max_rows >= 0 && max_rows < (int64_t(1) << 31), "config 'max_rows': expected 0..2^31-1, got ",
+            max_rows);
+  MOE_CHECK((fp8 == Fp8Recipe::kNone && emulated == EmulatedQuant::kNone) || max_rows <= kMaxQuantizedRows,
+            "config 'max_rows': the quantized experts' quantize kernels take at most 65535 x 128 rows, got ",
             max_rows);
   MOE_CHECK(max_sms >= 0, "config 'max_sms': expected 0 (every SM) or a positive count, got ", max_sms);
   validate_transposed(transposed_weights, fuse_fc1, fuse_fc2_dgrad);
@@ -154,9 +181,17 @@ DispatcherConfig GroupedMlpConfig::dispatcher_config() const {
 
 void GroupedMlpConfig::validate() const {
   validate_expert_fields(hidden, ffn, experts, activation, dtype, wgrad_dtype);
+  validate_modes(probs, layout, wgrad);
+  MOE_CHECK(experts <= kMaxDispatchExperts, "config 'experts': the layer's dispatcher takes 1..",
+            kMaxDispatchExperts, " experts, got ", experts);
+  MOE_CHECK(routing_form == RoutingForm::kTopK || routing_form == RoutingForm::kMap,
+            "config 'routing_form': unknown value ", int(routing_form));
   MOE_CHECK(topk > 0 && (routing_form == RoutingForm::kMap || topk <= experts),
             "config 'topk': expected 1..experts (", experts, "), got ", topk);
-  MOE_CHECK(max_tokens >= 0, "config 'max_tokens': expected >= 0, got ", max_tokens);
+  // Bounded by division, so that max_tokens x slots cannot wrap into a small row bound.
+  const int slots = routing_form == RoutingForm::kMap ? experts : topk;
+  MOE_CHECK(max_tokens >= 0 && max_tokens <= kMaxRows / slots, "config 'max_tokens': expected 0..",
+            kMaxRows / slots, " (max_tokens x ", slots, " slots must fit the int32 row indices), got ", max_tokens);
   validate_dispatch_options(dispatch);
   MOE_CHECK(!(recompute && delay_wgrad), "config 'recompute': activation recompute is not combinable with ",
             "delay_wgrad (the delayed weight gradients need the saved activations)");
@@ -181,7 +216,10 @@ void GroupedMlpConfig::validate() const {
               "gathering dy with no dY_perm in the workspace (fuse_fc2_dgrad, and save_x_perm = false or ",
               "delay_wgrad)");
   }
-  (void)row_bound();  // throws for map form without an explicit bound
+  const int64_t R = row_bound();  // throws for map form without an explicit bound
+  MOE_CHECK((fp8 == Fp8Recipe::kNone && emulated == EmulatedQuant::kNone) || R <= kMaxQuantizedRows,
+            "config 'max_tokens': the quantized experts' quantize kernels take at most 65535 x 128 rows, and ",
+            "max_tokens = ", max_tokens, " gives a row bound of ", R);
 }
 
 int64_t GroupedMlpConfig::chunk_row_bound() const {

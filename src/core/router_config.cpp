@@ -26,10 +26,15 @@ void validate_router_config(const RouterConfig& c) {
             ", got ", c.num_experts);
   MOE_CHECK(c.topk >= 1 && c.topk <= std::min(kMaxTopk, c.num_experts), "argument 'topk': expected 1..",
             std::min(kMaxTopk, c.num_experts), " (at most 16 and at most num_experts), got ", c.topk);
-  MOE_CHECK(c.max_tokens >= 0, "argument 'max_tokens': expected >= 0, got ", c.max_tokens);
-  MOE_CHECK(c.max_tokens * int64_t{std::max(c.num_experts, kMaxWidth)} <= std::numeric_limits<int32_t>::max(),
-            "argument 'max_tokens': max_tokens * num_experts = ", c.max_tokens * c.num_experts,
-            " does not fit the int32 indices of the device lists");
+  // The device lists hold max_tokens x max(num_experts, 32) int32 indices; bounded by division, so that
+  // the product cannot wrap into a small list.
+  const int64_t per_token = std::max(c.num_experts, kMaxWidth);
+  const int64_t max_tokens_bound = std::numeric_limits<int32_t>::max() / per_token;
+  MOE_CHECK(c.max_tokens >= 0 && c.max_tokens <= max_tokens_bound, "argument 'max_tokens': expected 0..",
+            max_tokens_bound, " (max_tokens x ", per_token, " must fit the int32 indices of the device lists), got ",
+            c.max_tokens);
+  MOE_CHECK(c.score == ScoreFunction::kSoftmax || c.score == ScoreFunction::kSigmoid,
+            "argument 'score': expected softmax or sigmoid, got ", int(c.score));
   MOE_CHECK(!c.softmax_after_topk || c.score == ScoreFunction::kSoftmax,
             "argument 'softmax_after_topk': needs score = softmax");
   MOE_CHECK(std::isfinite(c.scaling_factor) && c.scaling_factor > 0.0f,
@@ -79,8 +84,10 @@ int router_selection_width(const RouterConfig& c) {
 
 int64_t router_capacity(const RouterConfig& c, int64_t T) {
   if (c.capacity_factor == 0.0) return -1;
-  return static_cast<int64_t>(
-      std::ceil(static_cast<double>(T) * c.topk / c.num_experts * c.capacity_factor));
+  // An expert receives at most T tokens: a larger capacity keeps every token (and a huge factor must
+  // not reach the conversion to int64, which is undefined past its range).
+  const double cap = std::ceil(static_cast<double>(T) * c.topk / c.num_experts * c.capacity_factor);
+  return cap >= static_cast<double>(T) ? T : static_cast<int64_t>(cap);
 }
 
 int64_t router_rounded_count(const RouterConfig& c, int64_t chosen, int64_t T) {

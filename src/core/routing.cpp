@@ -1,5 +1,8 @@
 #include "moe/routing.h"
 
+#include <cstdint>
+#include <limits>
+
 #include "moe/error.h"
 
 namespace moe {
@@ -9,6 +12,12 @@ bool is_valid_alignment(int align) {
 }
 
 int64_t default_row_bound(int64_t T, int k, int E, int align, bool pre_padded) {
+  // Row indices are int32 on the device. Checked by division, so that T * k cannot wrap into a small
+  // bound that every later check would pass.
+  constexpr int64_t kMaxRows = std::numeric_limits<int32_t>::max();
+  MOE_CHECK(k >= 1, "argument 'topk': expected >= 1, got ", k);
+  MOE_CHECK(T >= 0 && T <= kMaxRows / k, "argument 'max_tokens': expected 0..", kMaxRows / k, " (T_max x ", k,
+            " slots must fit the int32 row indices), got ", T);
   int64_t pad = (align == 0 || pre_padded) ? 0 : static_cast<int64_t>(E) * (align - 1);
   return T * k + pad;
 }

@@ -45,6 +45,8 @@ bool TensorView::is_contiguous() const {
 }
 
 std::string TensorView::shape_string() const {
+  // The fields are public: a view set up by hand may carry any ndim; messages must not read past shape.
+  if (ndim < 0 || ndim > kMaxDims) return "[invalid ndim " + std::to_string(ndim) + "]";
   std::string s = "[";
   for (int d = 0; d < ndim; ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
   return s + "]";
@@ -68,6 +70,8 @@ void check_contiguous(const TensorView& t, const char* name) {
 namespace {
 void check_shape_of(const TensorView& t, const char* name, const int64_t* expected, size_t n) {
   bool ok = t.ndim == static_cast<int>(n);
+  // A negative extent is never a valid shape (a negative expected extent means "any").
+  for (size_t d = 0; ok && d < n; ++d) ok = t.shape[d] >= 0;
   std::string want = "[";
   for (size_t d = 0; d < n; ++d) {
     const int64_t e = expected[d];

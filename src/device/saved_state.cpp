@@ -85,8 +85,9 @@ void SavedState::reset() {
 }
 
 SavedState SavedState::slice(size_t device_offset, size_t device_bytes, int first_header, int header_count) const {
-  MOE_CHECK(device_offset + device_bytes <= device_bytes_ && first_header >= 0 &&
-                first_header + header_count <= header_count_,
+  // Compared by subtraction, so that no sum can wrap around and pass.
+  MOE_CHECK(device_offset <= device_bytes_ && device_bytes <= device_bytes_ - device_offset && first_header >= 0 &&
+                first_header < header_count_ && header_count >= 1 && header_count <= header_count_ - first_header,
             "saved state: slice outside the state");
   SavedState s = *this;
   s.device_ = static_cast<char*>(device_) + device_offset;

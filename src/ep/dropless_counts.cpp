@@ -43,8 +43,9 @@ void check_counts(const int64_t* counts, int P, int64_t max_send, int64_t max_re
     int64_t sent = 0;
     for (int d = 0; d < P; ++d) {
       const int64_t n = counts[int64_t{s} * P + d];
-      MOE_CHECK(n >= 0, "EpDispatcher counts exchange: rank ", s, " sends ", n, " rows to rank ", d,
-                " (corrupt counts)");
+      // Each count is bounded before it is added, so that no sum can wrap around and pass.
+      MOE_CHECK(n >= 0 && n <= max_send, "EpDispatcher counts exchange: rank ", s, " sends ", n, " rows to rank ",
+                d, " (corrupt counts)");
       sent += n;
     }
     MOE_CHECK(sent <= max_send, "EpDispatcher counts exchange: rank ", s, " sends ", sent,
@@ -52,7 +53,7 @@ void check_counts(const int64_t* counts, int P, int64_t max_send, int64_t max_re
   }
   for (int d = 0; d < P; ++d) {
     int64_t received = 0;
-    for (int s = 0; s < P; ++s) received += counts[int64_t{s} * P + d];
+    for (int s = 0; s < P; ++s) received += counts[int64_t{s} * P + d];  // each <= max_send: no wrap
     MOE_CHECK(received <= max_recv, "argument 'dropless_max_rows' (config): rank ", d, " would receive ", received,
               " rows in this dispatch, more than dropless_max_rows = ", max_recv,
               "; raise it (its buffers are sized at construction) -- nothing was dropped or moved");

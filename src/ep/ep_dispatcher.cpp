@@ -224,7 +224,8 @@ EpDispatcher::EpDispatcher(const EpDispatcherConfig& config, EpTransport& transp
   MOE_CHECK(E <= kInt32Max, "argument 'local_experts': ranks * local_experts = ", E, " does not fit int32");
   MOE_CHECK(is_arith_dtype(c.row_dtype), "argument 'row_dtype': expected bf16, fp16 or fp32, got ",
             dtype_name(c.row_dtype));
-  MOE_CHECK(c.hidden > 0 && dtype_bytes(c.row_dtype, c.hidden) % 16 == 0, "argument 'hidden': expected a row of ",
+  MOE_CHECK(c.hidden > 0 && c.hidden <= kInt32Max && dtype_bytes(c.row_dtype, c.hidden) % 16 == 0,
+            "argument 'hidden': expected a row of ",
             "a multiple of 16 bytes, got H = ", c.hidden, " of ", dtype_name(c.row_dtype));
   if (c.form == RoutingForm::kTopK)
     MOE_CHECK(c.topk >= 1 && c.topk <= 1024, "argument 'topk': expected 1..1024, got ", c.topk);
@@ -239,6 +240,10 @@ EpDispatcher::EpDispatcher(const EpDispatcherConfig& config, EpTransport& transp
   m.dropless = c.mode == EpMode::kDroplessEager;
   m.P = c.ranks;
   m.slots = c.form == RoutingForm::kTopK ? c.topk : static_cast<int>(E);
+  // Every product below is bounded by division first, so that none can wrap into a small buffer.
+  MOE_CHECK(c.max_tokens <= kInt32Max / 2 / m.slots, "argument 'max_tokens': expected at most ",
+            kInt32Max / 2 / m.slots, " (T_max x ", m.slots, " slots must fit the int32 row indices), got ",
+            c.max_tokens);
   if (m.dropless) {
     MOE_CHECK(c.chunks == 1, "argument 'chunks': the overlapped pipeline is capacity mode only, expected 1 with ",
               "mode = EpMode::kDroplessEager, got ", c.chunks);
@@ -246,8 +251,12 @@ EpDispatcher::EpDispatcher(const EpDispatcherConfig& config, EpTransport& transp
               "case, got ", c.dropless_max_rows);
     // A token reaches a rank at most once per local expert, so P * T_max * min(slots, E_local) rows
     // is what one rank can receive at most.
-    m.M = c.dropless_max_rows >= 0 ? c.dropless_max_rows
-                                   : m.P * c.max_tokens * std::min<int64_t>(m.slots, c.local_experts);
+    const int64_t per_token = m.P * std::min<int64_t>(m.slots, c.local_experts);
+    MOE_CHECK(c.dropless_max_rows >= 0 || c.max_tokens <= kInt32Max / 2 / per_token, "argument ",
+              "'dropless_max_rows': its default, the most a rank can receive, ranks x T_max x min(slots, ",
+              "local_experts) = ", m.P, " x ", c.max_tokens, " x ", per_token / m.P, ", does not fit the int32 row ",
+              "indices; give a bound");
+    m.M = c.dropless_max_rows >= 0 ? c.dropless_max_rows : c.max_tokens * per_token;
     m.S = c.max_tokens * m.slots;
     m.B = std::max(m.S, m.M);
     MOE_CHECK(m.B <= kInt32Max / 2, "argument 'dropless_max_rows': max(T_max * slots, dropless_max_rows) = ", m.B,
@@ -256,6 +265,8 @@ EpDispatcher::EpDispatcher(const EpDispatcherConfig& config, EpTransport& transp
     const int64_t max_chunks = std::min<int64_t>(kEpMaxChunks, std::max<int64_t>(c.capacity, 1));
     MOE_CHECK(c.chunks >= 1 && c.chunks <= max_chunks, "argument 'chunks': expected 1..", max_chunks,
               " (at most 64 and at most capacity = ", c.capacity, "), got ", c.chunks);
+    MOE_CHECK(c.capacity <= kInt32Max / 2 / m.P, "argument 'capacity': expected at most ", kInt32Max / 2 / m.P,
+              " rows per pair (ranks x capacity must fit the int32 row indices), got ", c.capacity);
     m.C = c.capacity;
     m.PC = m.P * m.C;
     MOE_CHECK(m.PC <= kInt32Max / 2, "argument 'capacity': ranks * capacity = ", m.PC,

@@ -106,18 +106,21 @@ Dispatcher::Dispatcher(const DispatcherConfig& config) : impl_(std::make_unique<
     MOE_CHECK(c.topk >= 1 && c.topk <= kMaxExperts, "argument 'topk': expected 1..", kMaxExperts, ", got ", c.topk);
   MOE_CHECK(is_row_dtype(c.row_dtype), "argument 'row_dtype': expected bf16, fp16, fp32, fp8_e4m3, fp8_e5m2 or ",
             "fp4_e2m1, got ", dtype_name(c.row_dtype));
-  MOE_CHECK(c.hidden > 0 && dtype_bytes(c.row_dtype, c.hidden) % 16 == 0, "argument 'hidden': expected a row of ",
+  MOE_CHECK(c.hidden > 0 && c.hidden <= kInt32Max && dtype_bytes(c.row_dtype, c.hidden) % 16 == 0,
+            "argument 'hidden': expected a row of ",
             "a multiple of 16 bytes (H a multiple of ", 128 / dtype_bits(c.row_dtype), " for ",
             dtype_name(c.row_dtype), "), got H = ", c.hidden);
   MOE_CHECK(c.scale_bytes_per_row >= 0, "argument 'scale_bytes_per_row': expected >= 0, got ",
             c.scale_bytes_per_row);
   m.slots = ::moe::slots_per_token(c.form, c.topk, c.num_experts);
-  // Row and slot indices are int32 on the device; offsets may run past R by up to E*(A-1).
-  const int64_t max_slots = c.max_tokens * m.slots;
-  MOE_CHECK(max_slots + kernels::plan_chunk_slots(c.form, c.num_experts) + int64_t{c.num_experts} * 256 <= kInt32Max,
-            "argument 'max_tokens': T_max * slots = ", max_slots, " does not fit the int32 row indices");
+  // Row and slot indices are int32 on the device; offsets may run past R by up to E*(A-1). Checked by
+  // division: T_max * slots must not wrap into a small plan.
+  const int64_t slack = kernels::plan_chunk_slots(c.form, c.num_experts) + int64_t{c.num_experts} * 256;
+  const int64_t max_tokens_bound = (kInt32Max - slack) / m.slots;
+  MOE_CHECK(c.max_tokens <= max_tokens_bound, "argument 'max_tokens': expected at most ", max_tokens_bound,
+            " (T_max x ", m.slots, " slots must fit the int32 row indices), got ", c.max_tokens);
   m.R = resolve_row_bound(c.options, c.form, c.max_tokens, c.topk, c.num_experts);
-  MOE_CHECK(m.R <= kInt32Max, "argument 'row_bound': expected R < 2^31, got ", m.R);
+  MOE_CHECK(m.R >= 0 && m.R <= kInt32Max, "argument 'row_bound': expected R < 2^31, got ", m.R);
   m.carve(nullptr, &m.plan_bytes);
 }
 

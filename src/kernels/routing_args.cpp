@@ -31,6 +31,8 @@ void merge_weights(MergeProbs merge, const TensorView* probs, const float* plann
                    const char* call, const float** by_row, const float** by_slot) {
   *by_row = nullptr;
   *by_slot = nullptr;
+  MOE_CHECK(merge == MergeProbs::kNone || merge == MergeProbs::kPlanned || merge == MergeProbs::kGiven,
+            "argument 'merge' of ", call, ": unknown value ", int(merge));
   if (merge == MergeProbs::kPlanned) *by_row = planned_by_row;
   if (merge == MergeProbs::kGiven) {
     MOE_CHECK(probs != nullptr, "argument 'probs' of ", call,

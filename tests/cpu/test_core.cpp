@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 
 #include "moe/activation.h"
@@ -171,6 +172,82 @@ TEST(GroupedMlpConfig, TokenChunksNeedWhatTheyAreBuiltOn) {
   ExpertsConfig e = c.experts_config();
   e.bias = true;
   expect_error_naming([&] { e.validate(); }, "row_windows");
+}
+
+// Bounds whose products would wrap around int64 into small buffers, dimensions past what a kernel
+// indexes, counts past a kernel's tables, and enumeration values outside their type: each refused
+// at validation, naming the field (a layer sized from them would write past its buffers).
+TEST(GroupedMlpConfig, RefusesSizesThatWouldWrapOrExceedTheKernels) {
+  GroupedMlpConfig c;
+  c.hidden = 128;
+  c.ffn = 64;
+  c.experts = 8;
+  c.topk = 4;
+  c.max_tokens = 1000;
+  c.validate();
+  auto refuses = [&](const std::function<void(GroupedMlpConfig&)>& edit, const char* name) {
+    GroupedMlpConfig bad = c;
+    edit(bad);
+    expect_error_naming([&] { bad.validate(); }, name);
+  };
+  refuses([](GroupedMlpConfig& b) { b.max_tokens = int64_t{1} << 62; }, "'max_tokens'");
+  refuses([](GroupedMlpConfig& b) { b.max_tokens = std::numeric_limits<int64_t>::max(); }, "'max_tokens'");
+  refuses([](GroupedMlpConfig& b) { b.max_tokens = (int64_t{1} << 31) / 4 + 1; }, "'max_tokens'");
+  refuses([](GroupedMlpConfig& b) {
+    b.routing_form = RoutingForm::kMap;
+    b.dispatch.row_bound = 1000;
+    b.max_tokens = int64_t{1} << 62;
+  }, "'max_tokens'");
+  refuses([](GroupedMlpConfig& b) { b.hidden = int64_t{1} << 40; }, "'hidden'");
+  refuses([](GroupedMlpConfig& b) { b.ffn = int64_t{1} << 40; }, "'ffn'");
+  refuses([](GroupedMlpConfig& b) { b.experts = 2000; }, "'experts'");
+  refuses([](GroupedMlpConfig& b) { b.activation.kind = static_cast<Activation>(7); }, "'activation'");
+  refuses([](GroupedMlpConfig& b) { b.probs = static_cast<ProbsPlacement>(5); }, "'probs'");
+  refuses([](GroupedMlpConfig& b) { b.layout = static_cast<WeightLayout>(5); }, "'layout'");
+  refuses([](GroupedMlpConfig& b) { b.wgrad = static_cast<WgradMode>(5); }, "'wgrad'");
+  refuses([](GroupedMlpConfig& b) { b.routing_form = static_cast<RoutingForm>(5); }, "'routing_form'");
+  // The quantized experts' quantize kernels take at most 65535 x 128 rows.
+  refuses([](GroupedMlpConfig& b) {
+    b.fp8 = Fp8Recipe::kBlock;
+    b.dispatch.align = 128;
+    b.max_tokens = 3000000;  // x 4 slots: past 65535 x 128 rows
+  }, "'max_tokens'");
+  GroupedMlpConfig big = c;
+  big.max_tokens = (int64_t{1} << 31) / 4 - 1024;  // the largest bound still fits the int32 rows
+  big.validate();
+
+  ExpertsConfig e = c.experts_config();
+  e.validate();
+  ExpertsConfig bad = e;
+  bad.experts = 70000;
+  expect_error_naming([&] { bad.validate(); }, "'experts'");
+  bad = e;
+  bad.emulated = EmulatedQuant::kMXFP8;
+  bad.max_rows = int64_t{65535} * 128 + 32;
+  expect_error_naming([&] { bad.validate(); }, "'max_rows'");
+  bad = e;
+  bad.probs = static_cast<ProbsPlacement>(9);
+  expect_error_naming([&] { bad.validate(); }, "'probs'");
+}
+
+// Row bounds: T x k refused past the int32 row indices, by division (no product that wraps).
+TEST(Routing, RowBoundsRefuseTokenCountsPastTheRowIndices) {
+  EXPECT_EQ(default_row_bound((int64_t{1} << 31) / 8 - 1, 8, 4, 0, false), ((int64_t{1} << 31) / 8 - 1) * 8);
+  expect_error_naming([] { default_row_bound(int64_t{1} << 61, 8, 4, 0, false); }, "'max_tokens'");
+  expect_error_naming([] { default_row_bound(-1, 8, 4, 0, false); }, "'max_tokens'");
+  expect_error_naming([] { default_row_bound(10, 0, 4, 0, false); }, "'topk'");
+}
+
+// A view set up by hand with a negative extent, or an ndim past the four dimensions, is refused by
+// the shape checks and described without reading past the shape.
+TEST(TensorView, ShapeChecksRefuseNegativeExtentsAndBadRanks) {
+  TensorView t(nullptr, DType::kBF16, {5, 128});
+  check_shape(t, "x", {-1, 128});  // -1 expected: any extent
+  t.shape[0] = -2;
+  expect_error_naming([&] { check_shape(t, "x", {-1, 128}); }, "'x'");
+  t.ndim = 9;
+  EXPECT_EQ(t.shape_string(), "[invalid ndim 9]");
+  expect_error_naming([&] { check_shape(t, "x", {5, 128}); }, "'x'");
 }
 
 TEST(GroupedMlpConfig, ValidatesFields) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "moe/device_errors.h"
+#include "moe/dispatch.h"
 #include "moe/error.h"
 #include "reference/dispatch_ref.h"
 #include "reference/routing_gen.h"
@@ -574,3 +575,36 @@ TEST(ChunkWindows, PackedRowsAreTheChunksRows) {
 
 }  // namespace
 }  // namespace moe::ref
+
+namespace moe {
+namespace {
+
+// The dispatcher is sized at construction (no device memory is touched there): bounds whose
+// products would wrap around int64 into a small plan are refused by name, not taken for a small
+// plan that the first forward would write past.
+TEST(DispatcherConfig, RefusesBoundsThatWouldWrapIntoASmallPlan) {
+  DispatcherConfig c;
+  c.max_tokens = 1000;
+  c.num_experts = 8;
+  c.topk = 2;
+  c.hidden = 128;
+  Dispatcher ok(c);
+  EXPECT_EQ(ok.rows(), 2000);
+  auto refuses = [&](const std::function<void(DispatcherConfig&)>& edit, const char* name) {
+    DispatcherConfig bad = c;
+    edit(bad);
+    testing::expect_error_naming([&] { Dispatcher d(bad); }, name);
+  };
+  refuses([](DispatcherConfig& b) { b.max_tokens = std::numeric_limits<int64_t>::max(); }, "'max_tokens'");
+  refuses([](DispatcherConfig& b) { b.max_tokens = int64_t{1} << 62; }, "'max_tokens'");
+  refuses([](DispatcherConfig& b) { b.max_tokens = int64_t{1} << 30; }, "'max_tokens'");
+  refuses([](DispatcherConfig& b) {
+    b.form = RoutingForm::kMap;
+    b.options.row_bound = 1000;
+    b.max_tokens = int64_t{1} << 61;  // x 8 slots = 2^64
+  }, "'max_tokens'");
+  refuses([](DispatcherConfig& b) { b.hidden = (int64_t{1} << 62) + 8; }, "'hidden'");
+}
+
+}  // namespace
+}  // namespace moe

@@ -67,8 +67,15 @@ TEST(ExpertParallelHost, ConfigurationErrorsNameTheField) {
   bad([&](EpDispatcherConfig& c) { dropless(c), c.capacity = 100, c.chunks = 4; }, "'chunks'");
   bad([&](EpDispatcherConfig& c) { dropless(c), c.dropless_max_rows = -2; }, "'dropless_max_rows'");
   bad([&](EpDispatcherConfig& c) { dropless(c), c.dropless_max_rows = int64_t{1} << 31; }, "'dropless_max_rows'");
-  // The default bound P * T_max * min(k, E_local) past int32: named too.
-  bad([&](EpDispatcherConfig& c) { dropless(c), c.max_tokens = int64_t{1} << 29; }, "'dropless_max_rows'");
+  // The default bound P * T_max * min(k, E_local) past int32 (T_max * k within it): named too.
+  bad([&](EpDispatcherConfig& c) { dropless(c), c.max_tokens = int64_t{1} << 28; }, "'dropless_max_rows'");
+  // T_max * slots past int32, and products that would wrap around to a small size (2^62 tokens,
+  // 2^62 rows per pair): refused before any buffer is sized from them.
+  bad([&](EpDispatcherConfig& c) { dropless(c), c.max_tokens = int64_t{1} << 29; }, "'max_tokens'");
+  bad([&](EpDispatcherConfig& c) { dropless(c), c.max_tokens = int64_t{1} << 62; }, "'max_tokens'");
+  bad([](EpDispatcherConfig& c) { c.max_tokens = int64_t{1} << 62; }, "'max_tokens'");
+  bad([](EpDispatcherConfig& c) { c.capacity = int64_t{1} << 62; }, "'capacity'");
+  bad([](EpDispatcherConfig& c) { c.hidden = (int64_t{1} << 62) + 8; }, "'hidden'");
   expect_error_naming([] { InProcessGroup g(0); }, "'ranks'");
   expect_error_naming([&] { group.endpoint(2); }, "'rank'");
   expect_error_naming([&] { group.endpoint(0).all_to_all_counts(nullptr, nullptr, nullptr); }, "'send'");
@@ -272,6 +279,10 @@ TEST(ExpertParallelHost, DroplessCountChecks) {
   std::vector<int64_t> neg = M;
   neg[4] = -1;
   expect_error_naming([&] { ep::check_counts(neg.data(), 3, 7, 9); }, "corrupt");
+  // Counts whose sums wrap around int64 (four of 2^62: each row sums to 2^63, i.e. negative) are each
+  // refused, not summed into a small total that passes.
+  const std::vector<int64_t> huge(4, int64_t{1} << 62);
+  expect_error_naming([&] { ep::check_counts(huge.data(), 2, 1000, 1000); }, "corrupt");
   const int64_t none[1] = {0};
   EXPECT_NO_THROW(ep::check_counts(none, 1, 0, 0));
 }

@@ -301,6 +301,26 @@ TEST(RouterRef, RejectsBadConfig) {
   bad([](RouterConfig& c) { c.rounding = TokenRounding::kDown; c.rounding_tile = 0; }, "rounding_tile");
   bad([](RouterConfig& c) { c.scaling_factor = 0; }, "scaling_factor");
   bad([](RouterConfig& c) { c.max_tokens = int64_t{1} << 30; }, "max_tokens");
+  // Products that wrap around int64 into small lists (2^59 x 32 = 2^64) are refused too.
+  bad([](RouterConfig& c) { c.max_tokens = int64_t{1} << 59; }, "max_tokens");
+  bad([](RouterConfig& c) { c.max_tokens = std::numeric_limits<int64_t>::max(); }, "max_tokens");
+  bad([](RouterConfig& c) { c.score = static_cast<ScoreFunction>(7); }, "score");
+}
+
+// A capacity above T keeps every token (no expert receives more than T), so any finite factor is
+// accepted and reports at most T -- also factors whose ceil(T k / E x factor) is past int64.
+TEST(RouterRef, CapacityIsAtMostTheTokens) {
+  RouterConfig c = base(8, 2);
+  c.capacity_factor = 1e300;
+  validate_router_config(c);
+  EXPECT_EQ(router_capacity(c, 4096), 4096);
+  c.capacity_factor = 1e18;
+  EXPECT_EQ(router_capacity(c, 4096), 4096);
+  c.capacity_factor = 100;
+  EXPECT_EQ(router_capacity(c, 40), 40);   // 40 x 2 / 8 x 100 = 1000
+  c.capacity_factor = 1.25;
+  EXPECT_EQ(router_capacity(c, 40), 13);   // ceil(12.5)
+  EXPECT_EQ(router_capacity(c, 0), 0);
 }
 
 // ---- finite differences: every loss and d logits, decisions fixed ----

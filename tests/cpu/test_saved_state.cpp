@@ -40,6 +40,12 @@ TEST(SavedState, BorrowedStateStartsEmptyAndSlicesShareHeaders) {
   EXPECT_EQ(s.status(), StateStatus::kEmpty);  // header 0 is the outer op's
   expect_error_naming([&] { s.slice(4000, 512, 0, 1); }, "slice");
   expect_error_naming([&] { s.slice(0, 512, 2, 2); }, "slice");
+  // Bounds whose sums wrap around (a huge offset plus a small size, a huge header count) and
+  // empty or negative header counts are refused, not taken for a slice inside the state.
+  expect_error_naming([&] { s.slice(SIZE_MAX - 100, 200, 0, 1); }, "slice");
+  expect_error_naming([&] { s.slice(0, 16, 2, INT32_MAX); }, "slice");
+  expect_error_naming([&] { s.slice(0, 16, 1, -1); }, "slice");
+  expect_error_naming([&] { s.slice(0, 16, 3, 0); }, "slice");
   s.reset();
   EXPECT_EQ(headers[1].owner, 0u);
 }
