@@ -139,6 +139,10 @@ QuantizedParamInfo inspect_quantized_param(const StateDict& sd, const std::strin
   const int64_t outer = a.size(-2), inner = packed ? 2 * a.size(-1) : a.size(-1);
   info.rows = config.rowwise ? outer : inner;
   info.cols = config.rowwise ? inner : outer;
+  // An expert weight holds data (as unquantized layers must): an empty one would leave E unbounded by
+  // the file's bytes, and every per-expert loop after this would run and allocate E times.
+  MOE_CHECK(info.rows > 0 && info.cols > 0, what, ": '", anchor, "' ", a.shape_string(),
+            " holds no weights (rows and cols must be positive)");
   if (grouped) {
     MOE_CHECK(a.size(0) >= 1 && a.size(0) <= INT32_MAX, what, ": '", anchor, "' ", a.shape_string(),
               " holds no experts");

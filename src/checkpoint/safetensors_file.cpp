@@ -17,7 +17,9 @@
 namespace moe::safetensors {
 
 std::shared_ptr<const File> File::open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // Non-blocking: opening a FIFO (or a device) for reading would otherwise wait for a writer; anything
+  // but a regular file is refused right after.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   MOE_CHECK(fd >= 0, path, ": cannot open (", std::strerror(errno), ")");
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cstring>
 #include <set>
+#include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -28,6 +30,51 @@ constexpr DTypeName kNames[] = {
 
 // The deepest container a valid header has: root object (0) > entry object (1) > shape array (2).
 constexpr int kMaxContainerDepth = 2;
+
+// The header's tokens in order (nlohmann's SAX interface), before the DOM is built: rejects nesting
+// a header never has (bounding memory and recursion) and repeated keys (which a DOM silently
+// collapses to one), and records __metadata__'s key order (the DOM's map forgets it).
+struct HeaderTokens : nlohmann::json_sax<Json> {
+  explicit HeaderTokens(const std::string& source) : where(source) {}
+  const std::string& where;
+  std::vector<bool> open_is_object;             // the open containers, innermost last
+  std::vector<std::set<std::string>> open_keys;  // the keys of each open object
+  std::string root_key;                          // the root key whose value is being read
+  std::vector<std::string> metadata_order;
+
+  bool open(bool object) {
+    if (static_cast<int>(open_is_object.size()) > kMaxContainerDepth)
+      detail::throw_error(where, ": header JSON nested deeper than a safetensors header");
+    open_is_object.push_back(object);
+    if (object) open_keys.emplace_back();
+    return true;
+  }
+  bool close() {
+    if (open_is_object.back()) open_keys.pop_back();
+    open_is_object.pop_back();
+    return true;
+  }
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override { return open(true); }
+  bool end_object() override { return close(); }
+  bool start_array(std::size_t) override { return open(false); }
+  bool end_array() override { return close(); }
+  bool key(string_t& key) override {
+    MOE_CHECK(open_keys.back().insert(key).second, where, ": header repeats the key '", key, "'");
+    if (open_is_object.size() == 1) root_key = key;
+    else if (open_is_object.size() == 2 && root_key == "__metadata__") metadata_order.push_back(key);
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    detail::throw_error(where, ": header is not valid JSON (", e.what(), ")");
+  }
+};
 
 uint64_t read_le64(const uint8_t* p) {
   uint64_t v = 0;
@@ -155,40 +202,22 @@ Header parse_header(const uint8_t* data, size_t size, const std::string& source)
 
   const char* first = reinterpret_cast<const char*>(data + 8);
   const char* last = first + n;
-  // Keys seen in each open object (at most kMaxContainerDepth + 1 deep).
-  std::vector<std::set<std::string>> open_objects;
-  // The JSON object (std::map) forgets key order; __metadata__'s order is recorded here.
-  std::string root_key;
-  std::vector<std::string> metadata_order;
-  // The callback sees every token as it is parsed: reject nesting a header never has (bounding
-  // memory and recursion) and repeated keys (which a DOM would silently collapse to one).
-  auto guard = [&](int depth, Json::parse_event_t event, Json& parsed) {
-    switch (event) {
-      case Json::parse_event_t::object_start:
-      case Json::parse_event_t::array_start:
-        if (depth > kMaxContainerDepth)
-          detail::throw_error(where, ": header JSON nested deeper than a safetensors header");
-        if (event == Json::parse_event_t::object_start) open_objects.emplace_back();
-        break;
-      case Json::parse_event_t::object_end:
-        if (!open_objects.empty()) open_objects.pop_back();
-        break;
-      case Json::parse_event_t::key:
-        if (!open_objects.empty()) {
-          const std::string& key = parsed.get_ref<const std::string&>();
-          MOE_CHECK(open_objects.back().insert(key).second, where, ": header repeats the key '", key, "'");
-          if (depth == 1) root_key = key;
-          if (depth == 2 && open_objects.size() == 2 && root_key == "__metadata__") metadata_order.push_back(key);
-        }
-        break;
-      default:
-        break;
-    }
-    return true;
-  };
+  // A NUL byte is never valid JSON (strings escape it), and the JSON reader would take it for the
+  // end of the input, accepting whatever follows.
+  MOE_CHECK(std::memchr(first, 0, n) == nullptr, where, ": header contains a NUL byte");
+  // First pass over the tokens, then the DOM (a DOM parse with a per-token callback would do both
+  // but rescans the parent object at every closing brace: quadratic in the number of tensors).
+  HeaderTokens tokens(where);
+  try {
+    Json::sax_parse(first, last, &tokens, nlohmann::detail::input_format_t::json, /*strict=*/true,
+                    /*ignore_comments=*/false);
+  } catch (const Json::exception& e) {
+    detail::throw_error(where, ": header is not valid JSON (", e.what(), ")");
+  }
+  const std::vector<std::string>& metadata_order = tokens.metadata_order;
   Json root;
   try {
-    root = Json::parse(first, last, guard, /*allow_exceptions=*/true, /*ignore_comments=*/false);
+    root = Json::parse(first, last, nullptr, /*allow_exceptions=*/true, /*ignore_comments=*/false);
   } catch (const Json::exception& e) {
     detail::throw_error(where, ": header is not valid JSON (", e.what(), ")");
   }

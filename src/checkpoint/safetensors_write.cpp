@@ -5,6 +5,10 @@
 #include <cstdio>
 #include <cstring>
 #include <set>
+#include <string>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -120,9 +124,23 @@ void write_file(const std::string& path, std::vector<TensorSource> tensors,
     total += n;
   }
 
-  const std::string tmp = path + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  MOE_CHECK(f != nullptr, tmp, ": cannot create (", std::strerror(errno), ")");
+  // A new file beside the target, renamed over it once complete. Created exclusively (O_EXCL), never
+  // opened over an existing one: the input being converted may carry that name, or a link may stand
+  // there, and truncating it would pull the data from under its mapping.
+  std::string tmp;
+  int fd = -1;
+  for (int attempt = 0; fd < 0; ++attempt) {
+    tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(attempt);
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    MOE_CHECK(fd >= 0 || (errno == EEXIST && attempt < 1000), tmp, ": cannot create (", std::strerror(errno), ")");
+  }
+  std::FILE* f = ::fdopen(fd, "wb");
+  if (f == nullptr) {
+    const int err = errno;
+    ::close(fd);
+    std::remove(tmp.c_str());
+    detail::throw_error(tmp, ": cannot open for writing (", std::strerror(err), ")");
+  }
   auto fail = [&](const char* what) {
     const int err = errno;
     std::fclose(f);

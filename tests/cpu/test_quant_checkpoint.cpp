@@ -390,6 +390,22 @@ TEST(QuantCheckpoint, MissingCompanionsAreNamed) {
   expect_same(sd, before);
 }
 
+// A quantized expert weight without data (zero rows or columns) is refused: its expert count would not
+// be bounded by the file's bytes (a 280-byte file could declare 2^31 experts of zero bytes each, and
+// every per-expert step after the inspection would run, and allocate, that many times).
+TEST(QuantCheckpoint, EmptyQuantizedWeightsAreRefused) {
+  QuantConfig fp8;
+  fp8.format = QuantFormat::kFP8Block;
+  fp8.rowwise = true;
+  fp8.columnwise = false;
+  for (const std::vector<int64_t>& shape : {std::vector<int64_t>{1 << 30, 0, 128}, std::vector<int64_t>{4, 16, 0}}) {
+    StateDict sd;
+    sd["p.fc1.weight"] = HostTensor(DType::kFP8E4M3, shape);
+    sd["p.fc1.weight_scale_inv"] = HostTensor(DType::kFP32, {shape[0], 0, 1});
+    expect_error_naming([&] { inspect_quantized_param(sd, "p.fc1.weight", fp8); }, "holds no weights");
+  }
+}
+
 TEST(QuantCheckpoint, InconsistentTensorsAreNamed) {
   const Layer l;
   {

@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -46,6 +48,18 @@ std::string raw(const std::string& json, const std::string& data = "") {
 
 st::Header parse(const std::string& bytes) {
   return st::parse_header(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), "test.safetensors");
+}
+
+// Entries of the temporary folder whose path starts with `prefix`.
+int files_starting_with(const std::string& prefix) {
+  const size_t slash = prefix.rfind('/');
+  const std::string dir = prefix.substr(0, slash), stem = prefix.substr(slash + 1);
+  int n = 0;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const dirent* e = ::readdir(d)) n += std::string(e->d_name).rfind(stem, 0) == 0;
+    ::closedir(d);
+  }
+  return n;
 }
 
 void expect_parse_error(const std::string& bytes, const std::string& needle) {
@@ -113,7 +127,10 @@ TEST(Safetensors, RejectsMalformedFraming) {
   expect_parse_error(raw(""), "not a JSON object");
   expect_parse_error(raw("{\"a\":"), "not valid JSON");
   expect_parse_error(raw("{}garbage"), "not valid JSON");
-  expect_parse_error(raw(std::string("{\"a\0\":1}", 8)), "not valid JSON");
+  expect_parse_error(raw(std::string("{\"a\0\":1}", 8)), "NUL byte");
+  // A NUL after a complete object would end the JSON reader's input: the bytes after it must not
+  // ride along unread (a file that is also something else).
+  expect_parse_error(raw(std::string("{\"__metadata__\":{\"a\":\"b\"}}\0<script>{\"evil\":1}", 45)), "NUL byte");
   expect_parse_error(raw("{\"\xff\":1}"), "not valid JSON");  // not UTF-8
 }
 
@@ -260,7 +277,7 @@ TEST(Safetensors, WriteIsAtomicAndReportsProgress) {
   EXPECT_EQ(total, 4000u);
   EXPECT_EQ(last, 4000u);
   EXPECT_GE(calls, 2);
-  EXPECT_FALSE(std::ifstream(path + ".tmp").good());  // renamed into place
+  EXPECT_EQ(files_starting_with(path + ".tmp"), 0);  // renamed into place
   auto f = st::File::open(path);
   float v;
   std::memcpy(&v, f->data(f->at("a")) + 4 * 999, 4);
@@ -269,6 +286,54 @@ TEST(Safetensors, WriteIsAtomicAndReportsProgress) {
   // A failed write leaves no file behind.
   expect_error_naming([&] { st::write_file("/nonexistent/dir/x.safetensors", {}); }, "cannot create");
   std::remove(path.c_str());
+}
+
+// The temporary file a write goes through is created afresh, never opened over an existing one: a
+// converted input named like a temporary (`<out>.tmp`, the name writes used to take), read through
+// its mapping while the output is written, stays intact, and so does a file standing at the first
+// name a write tries now.
+TEST(Safetensors, WritingNeverTruncatesAnExistingFile) {
+  const std::string path = tmp_path("inplace.safetensors");
+  const std::string input = path + ".tmp";
+  const std::string squatter = path + ".tmp." + std::to_string(::getpid()) + ".0";
+  std::vector<float> a(4096);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>(i);
+  st::write_file(input, {{"a", DType::kFP32, {4096}, a.data()}});
+  { std::ofstream(squatter, std::ios::binary) << "not mine"; }
+  const std::string before = read_file(input);
+  {
+    auto f = st::File::open(input);
+    st::write_file(path, {{"a", DType::kFP32, {4096}, f->data(f->at("a"))}});
+  }
+  EXPECT_EQ(read_file(input), before);
+  EXPECT_EQ(read_file(squatter), "not mine");
+  std::remove(squatter.c_str());
+  auto out = st::File::open(path);
+  EXPECT_EQ(std::memcmp(out->data(out->at("a")), a.data(), a.size() * 4), 0);
+  std::remove(input.c_str());
+  std::remove(path.c_str());
+}
+
+// Opening a FIFO (a name an untrusted path may carry) returns an error at once: it is not a
+// regular file, and opening it must not wait for a writer.
+TEST(Safetensors, OpeningAFifoFailsWithoutBlocking) {
+  const std::string fifo = tmp_path("fifo.safetensors");
+  std::remove(fifo.c_str());
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_error_naming([&] { st::File::open(fifo); }, "not a regular file");
+  std::remove(fifo.c_str());
+}
+
+// A header of many tensors parses (the DOM is built without a per-token callback, whose cost grew
+// with the square of the entries: minutes at tens of thousands).
+TEST(Safetensors, ParsesAHeaderOfManyTensors) {
+  constexpr int kTensors = 100000;
+  std::string json = "{";
+  for (int i = 0; i < kTensors; ++i)
+    json += (i ? ",\"t" : "\"t") + std::to_string(i) + "\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]}";
+  json += "}";
+  const st::Header h = parse(raw(json));
+  ASSERT_EQ(h.tensors.size(), static_cast<size_t>(kTensors));
 }
 
 TEST(Safetensors, LoadedTensorsBorrowTheMappingAndCopyOnWrite) {
