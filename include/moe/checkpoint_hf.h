@@ -64,7 +64,8 @@ std::vector<HfExpertLayer> find_hf_expert_layers(const StateDict& sd, HfFamily f
 // One layer's experts in our layout, with GLU interleave `glu_interleave`.
 ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLayer& layer, WeightLayout layout,
                               int glu_interleave = 0);
-// The tensors the family's save_pretrained writes for these experts, keyed under `prefix`.
+// The tensors the family's save_pretrained writes for these experts, keyed under `prefix` (which
+// must end in "experts.", the name of Hugging Face's expert modules).
 StateDict hf_expert_tensors(const ExpertWeights& w, HfFamily f, const std::string& prefix);
 // The HF keys of one layer (those load_hf_experts reads), to remove them from a dict.
 std::vector<std::string> hf_expert_keys(const HfExpertLayer& layer, HfFamily f);

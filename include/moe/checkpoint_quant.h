@@ -93,8 +93,8 @@ struct QuantizedParamInfo {
 QuantizedParamInfo inspect_quantized_param(const StateDict& sd, const std::string& key, const QuantConfig& config,
                                            int experts = 0);
 
-// Any part other than the data (P_scale_inv, ...) of `key` present in sd, grouped or for
-// expert 0: the key found, or "" (a quantized tensor whose metadata is missing).
+// Any part other than the data (P_scale_inv, ...) of `key` present in sd, grouped or for any
+// expert: the key found, or "" (a quantized tensor whose metadata is missing).
 std::string find_quant_companion(const StateDict& sd, const std::string& key);
 
 }  // namespace moe

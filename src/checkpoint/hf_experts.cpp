@@ -250,6 +250,14 @@ ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLay
 // ours -> HF
 
 StateDict hf_expert_tensors(const ExpertWeights& w, HfFamily f, const std::string& prefix) {
+  // Hugging Face keys an expert module's tensors under "...experts.": under any other prefix the
+  // names written would be no family's, and no reader would find the layer again.
+  static const std::string kExperts = "experts.";
+  MOE_CHECK(prefix == kExperts || (prefix.size() > kExperts.size() &&
+                                   prefix.compare(prefix.size() - kExperts.size() - 1, std::string::npos,
+                                                  "." + kExperts) == 0),
+            "Hugging Face ", hf_family_name(f), ": the experts' prefix must end in 'experts.' (the module's ",
+            "name), got '", prefix, "'");
   const ExpertWeightsSpec& spec = w.spec();
   const ActivationParams act = hf_activation(f);
   MOE_CHECK(spec.activation.kind == act.kind, "Hugging Face ", hf_family_name(f), ": its experts use ",

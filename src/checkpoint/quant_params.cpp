@@ -83,10 +83,16 @@ QuantPartLayout quant_part_layout(const QuantConfig& c, QuantPart part, int64_t 
 }
 
 std::string find_quant_companion(const StateDict& sd, const std::string& key) {
+  // Every key that is `key`, then an expert index (none for grouped), then a part's suffix: a stray
+  // companion of any expert, not only of expert 0, is found.
+  // The parts in their order, the first key found of each.
   for (QuantPart p : kQuantParts) {
     if (p == QuantPart::kData) continue;
-    for (const std::string& k : {quant_part_key(key, p), quant_part_key(key + "0", p)})
-      if (sd.count(k)) return k;
+    for (auto it = sd.lower_bound(key); it != sd.end() && it->first.compare(0, key.size(), key) == 0; ++it) {
+      size_t at = key.size();
+      while (at < it->first.size() && it->first[at] >= '0' && it->first[at] <= '9') ++at;
+      if (it->first.compare(at, std::string::npos, quant_part_suffix(p)) == 0) return it->first;
+    }
   }
   return "";
 }

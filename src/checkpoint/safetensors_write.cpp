@@ -4,8 +4,10 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <set>
 #include <string>
+#include <vector>
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -40,9 +42,15 @@ int library_rank(DType t) {
 }
 
 uint64_t source_bytes(const TensorSource& t) {
+  // What the reader accepts: at most kMaxRank dimensions, and a byte count that no product wraps.
+  MOE_CHECK(t.shape.size() <= static_cast<size_t>(kMaxRank), "tensor '", t.name, "': ", t.shape.size(),
+            " dimensions, at most ", kMaxRank, " supported");
+  const int64_t max_numel = std::numeric_limits<int64_t>::max() / dtype_bits(t.dtype);
   int64_t numel = 1;
+  for (int64_t s : t.shape) MOE_CHECK(s >= 0, "tensor '", t.name, "': negative dimension ", s);
   for (int64_t s : t.shape) {
-    MOE_CHECK(s >= 0, "tensor '", t.name, "': negative dimension ", s);
+    if (s == 0) return 0;
+    MOE_CHECK(numel <= max_numel / s, "tensor '", t.name, "': too many elements to address");
     numel *= s;
   }
   const int64_t bits = numel * dtype_bits(t.dtype);
@@ -72,14 +80,22 @@ std::string make_header(std::vector<TensorSource>& tensors, const Metadata& meta
 
   // ordered_json keeps insertion order: __metadata__ first, then the tensors in data order, and
   // inside an entry dtype, shape, data_offsets -- the library's layout. dump() is compact.
-  nlohmann::ordered_json h = nlohmann::ordered_json::object();
+  // The keys are known to be unique (checked with sets), so entries are appended to the ordered map's
+  // storage directly: its operator[] searches linearly, quadratic over many tensors.
+  using OJson = nlohmann::ordered_json;
+  const auto append = [](OJson& object, const std::string& key, OJson value) {
+    auto& items = static_cast<std::vector<OJson::object_t::value_type>&>(object.get_ref<OJson::object_t&>());
+    items.emplace_back(key, std::move(value));
+  };
+  OJson h = OJson::object();
   if (!metadata.empty()) {
-    nlohmann::ordered_json m = nlohmann::ordered_json::object();
+    OJson m = OJson::object();
+    std::set<std::string> keys;
     for (const auto& [k, v] : metadata) {
-      MOE_CHECK(!m.contains(k), "safetensors write: metadata key '", k, "' given twice");
-      m[k] = v;
+      MOE_CHECK(keys.insert(k).second, "safetensors write: metadata key '", k, "' given twice");
+      append(m, k, v);
     }
-    h["__metadata__"] = std::move(m);
+    append(h, "__metadata__", std::move(m));
   }
   uint64_t offset = 0;
   for (const TensorSource& t : tensors) {
@@ -88,7 +104,7 @@ std::string make_header(std::vector<TensorSource>& tensors, const Metadata& meta
     e["dtype"] = dtype_to_string(t.dtype);
     e["shape"] = t.shape;
     e["data_offsets"] = {offset, offset + n};
-    h[t.name] = std::move(e);
+    append(h, t.name, std::move(e));
     offset += n;
   }
   std::string json;

@@ -251,6 +251,10 @@ TEST(HfNaming, BrokenLayersAreErrorsNamingTheKeys) {
   s.activation = hf_activation(HfFamily::kMixtral);
   const ExpertWeights biased = ExpertWeights::from_state_dict(wg.to_state_dict(), s);
   expect_error_naming([&] { hf_expert_tensors(biased, HfFamily::kMixtral, p); }, "biases");
+  // Under a prefix that is no expert module's, the names written would be no family's.
+  expect_error_naming([&] { hf_expert_tensors(w, HfFamily::kMixtral, "model.layers.0.mlp."); }, "'experts.'");
+  expect_error_naming([&] { hf_expert_tensors(w, HfFamily::kMixtral, "model.layers.0.mlp.myexperts."); },
+                      "'experts.'");
 }
 
 TEST(HfNaming, TwoByteDtypesMoveBitExactly) {

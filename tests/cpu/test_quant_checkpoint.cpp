@@ -579,6 +579,12 @@ TEST(QuantCheckpoint, ConvertRefusesWhatWouldNeedRequantization) {
   expect_error_naming([&] { convert_state_dict(sd, options("grouped", "per-expert")); },
                       "'layers.0.mlp.experts.fc1.weight_scale_inv' is present, but __metadata__ has no "
                       "'moe.quant.layers.0.mlp.experts.fc1.weight'");
+  // So is a stray companion of any expert of an unquantized layer, not only of expert 0.
+  StateDict stray = m.per_expert;
+  stray.emplace("layers.1.mlp.experts.fc1.weight1_scale_inv", HostTensor(DType::kFP32, {1}));
+  expect_error_naming([&] { convert_state_dict(stray, options("per-expert", "grouped"), m.meta); },
+                      "'layers.1.mlp.experts.fc1.weight1_scale_inv' is present, but __metadata__ has no "
+                      "'moe.quant.layers.1.mlp.experts.fc1.weight'");
   // A missing companion is named, and the dict is left as it was.
   sd.erase("layers.0.mlp.experts.fc2.weight_amax");
   const StateDict before = sd;

@@ -336,6 +336,19 @@ TEST(Safetensors, ParsesAHeaderOfManyTensors) {
   ASSERT_EQ(h.tensors.size(), static_cast<size_t>(kTensors));
 }
 
+// The writer refuses what the reader would refuse (more than eight dimensions, a byte count that
+// overflows), and writes a header of many tensors in time linear in their number.
+TEST(Safetensors, WriterKeepsToWhatTheReaderAccepts) {
+  const std::vector<int64_t> nine(9, 1);
+  expect_error_naming([&] { st::serialize({{"a", DType::kFP32, nine, nullptr}}); }, "9 dimensions, at most 8");
+  const int64_t big = int64_t{1} << 40;
+  expect_error_naming([&] { st::serialize({{"a", DType::kFP32, {big, big}, nullptr}}); }, "too many elements");
+  std::vector<st::TensorSource> many;
+  for (int i = 0; i < 100000; ++i) many.push_back({"t" + std::to_string(i), DType::kFP32, {0}, nullptr});
+  const std::string bytes = st::serialize(many);
+  EXPECT_EQ(parse(bytes).tensors.size(), 100000u);
+}
+
 TEST(Safetensors, LoadedTensorsBorrowTheMappingAndCopyOnWrite) {
   const std::string path = tmp_path("borrow.safetensors");
   std::vector<float> a = {1, 2, 3, 4};
