@@ -88,6 +88,39 @@ std::map<std::string, std::vector<QuantizedParamDecl>> quantized_expert_layers(c
   return layers;
 }
 
+// One expert's shape of a parameter stored unquantized beside a quantized layer's weights, checked
+// like the unquantized layers' tensors: a float dtype, every expert's tensor present with the same
+// shape, nothing quantized about it. rank: 2 for a weight, 1 for a bias.
+std::vector<int64_t> plain_expert_shape(const StateDict& sd, const std::string& key, int E, WeightLayout layout,
+                                        size_t rank, DType* dtype) {
+  const std::string companion = find_quant_companion(sd, key);
+  MOE_CHECK(companion.empty(), "state dict: '", companion, "' is present, but __metadata__ has no '",
+            quant_metadata_key(key), "' recording the format of the quantized '", key, "'");
+  std::vector<int64_t> shape;
+  for (int e = layout == WeightLayout::kSingleGrouped ? -1 : 0; e < (layout == WeightLayout::kSingleGrouped ? 0 : E);
+       ++e) {
+    const std::string k = e < 0 ? key : key + std::to_string(e);
+    auto it = sd.find(k);
+    MOE_CHECK(it != sd.end(), "state dict: missing '", k, "' of the quantized experts' layer");
+    const HostTensor& t = it->second;
+    MOE_CHECK(t.dtype() == DType::kBF16 || t.dtype() == DType::kFP16 || t.dtype() == DType::kFP32, "state dict: '",
+              k, "' has dtype ", dtype_name(t.dtype()), ", expected bf16, fp16 or fp32 (or a quantized format ",
+              "declared in __metadata__)");
+    std::vector<int64_t> s = t.shape();
+    if (e < 0) {
+      MOE_CHECK(s.size() == rank + 1 && s[0] == E, "state dict: '", k, "' has shape ", t.shape_string(),
+                ", expected ", E, " experts of ", rank, " dimensions");
+      s.erase(s.begin());
+    }
+    MOE_CHECK(s.size() == rank && (shape.empty() || s == shape) && (e <= 0 || t.dtype() == *dtype),
+              "state dict: '", k, "' has shape ", t.shape_string(), " / dtype ", dtype_name(t.dtype()),
+              ", unlike the other experts' of '", key, "'");
+    shape = s;
+    *dtype = t.dtype();
+  }
+  return shape;
+}
+
 // A quantized layer changes layout by moving its tensors (data and companions) as they are.
 StateDict move_quantized_layer(const StateDict& sd, const std::string& prefix,
                                const std::vector<QuantizedParamDecl>& params, const ConvertOptions& o,
@@ -102,15 +135,39 @@ StateDict move_quantized_layer(const StateDict& sd, const std::string& prefix,
             o.from_glu_interleave, " -> ", o.to_glu_interleave, "); requantize from the unquantized weights instead");
   int E = o.experts;
   std::optional<WeightLayout> stored;
+  std::map<std::string, std::pair<int64_t, int64_t>> dims;  // rows and cols of each weight, by key
   for (const QuantizedParamDecl& d : params) {
     const QuantizedParamInfo info = inspect_quantized_param(sd, d.key, d.config, E);
     E = info.experts;
     MOE_CHECK(!stored || *stored == info.layout, "state dict: the quantized weights under '", prefix,
               "' are stored in different layouts");
     stored = info.layout;
+    dims[d.key] = {info.rows, info.cols};
   }
   MOE_CHECK(*stored == layout_of(o.from), "input declared ", o.from.name(), ", but the experts under '", prefix,
             "' are stored ", *stored == WeightLayout::kPerExpert ? "per expert" : "single grouped");
+  // The layer's other parameters move with it: a weight the metadata does not declare is checked as an
+  // unquantized one, and both weights and the biases must make one expert MLP (fc1 [F or 2F, H],
+  // fc2 [H, F], fc1.bias [fc1 rows], fc2.bias [H]).
+  const std::string w1 = expert_param_key(prefix, Param::kFc1Weight), w2 = expert_param_key(prefix, Param::kFc2Weight);
+  DType plain = DType::kFP32;
+  for (const std::string& w : {w1, w2})
+    if (!dims.count(w)) {
+      const std::vector<int64_t> s = plain_expert_shape(sd, w, E, *stored, 2, &plain);
+      dims[w] = {s[0], s[1]};
+    }
+  const auto [fc1_rows, H] = dims[w1];
+  const auto [fc2_rows, F] = dims[w2];
+  MOE_CHECK(fc2_rows == H && (fc1_rows == F || fc1_rows == 2 * F), "state dict: the experts under '", prefix,
+            "' do not make one MLP: fc1 [", fc1_rows, ", ", H, "], fc2 [", fc2_rows, ", ", F,
+            "] (expected fc1 [F or 2F, H] and fc2 [H, F])");
+  for (const auto& [param, want] : {std::pair{Param::kFc1Bias, fc1_rows}, std::pair{Param::kFc2Bias, H}}) {
+    const std::string b = expert_param_key(prefix, param);
+    const bool present = sd.count(b) || sd.count(b + "0");
+    if (!present) continue;
+    const std::vector<int64_t> s = plain_expert_shape(sd, b, E, *stored, 1, &plain);
+    MOE_CHECK(s[0] == want, "state dict: '", b, "' holds ", s[0], " values an expert, expected ", want);
+  }
   *old_keys = our_keys(sd, prefix, /*companions=*/true);
   StateDict mine;
   for (const std::string& k : *old_keys) {

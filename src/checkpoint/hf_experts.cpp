@@ -115,6 +115,23 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
     }
     MOE_CHECK(missing.empty(), "state dict: the experts under '", prefix, "' are incomplete (", E,
               " experts): missing ", missing.str());
+    // Any other key under the layer that starts with an expert index is none of the experts' tensors
+    // (another projection, a bias, a quantization scale, an index past the layer or written with a
+    // leading zero): refused by name, not left behind under its Hugging Face name.
+    for (auto it = sd.lower_bound(prefix); it != sd.end() && it->first.compare(0, prefix.size(), prefix) == 0;
+         ++it) {
+      const std::string rest = it->first.substr(prefix.size());
+      if (rest.empty() || rest[0] < '0' || rest[0] > '9') continue;
+      const size_t dot = rest.find('.');
+      bool expert_tensor = false;
+      if (dot != std::string::npos && dot <= 6 && rest.find_first_not_of("0123456789") == dot &&
+          !(dot > 1 && rest[0] == '0') && std::stoi(rest.substr(0, dot)) < E)
+        for (const char* n : {names.gate, names.up, names.down})
+          expert_tensor = expert_tensor || rest.substr(dot + 1) == std::string(n) + ".weight";
+      MOE_CHECK(expert_tensor, "state dict: '", it->first, "' lies under the ", hf_family_name(f), " experts '",
+                prefix, "' but is none of their tensors (<e>.", names.gate, ".weight, <e>.", names.up,
+                ".weight, <e>.", names.down, ".weight for e in 0..", E - 1, ")");
+    }
     const HostTensor& gate0 = sd.at(per_expert_key(prefix, 0, names.gate));
     MOE_CHECK(gate0.ndim() == 2, "state dict: '", per_expert_key(prefix, 0, names.gate), "' has shape ",
               gate0.shape_string(), ", expected [F, H]");

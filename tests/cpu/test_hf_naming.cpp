@@ -251,6 +251,14 @@ TEST(HfNaming, BrokenLayersAreErrorsNamingTheKeys) {
   s.activation = hf_activation(HfFamily::kMixtral);
   const ExpertWeights biased = ExpertWeights::from_state_dict(wg.to_state_dict(), s);
   expect_error_naming([&] { hf_expert_tensors(biased, HfFamily::kMixtral, p); }, "biases");
+  // Keys under a layer that are none of its experts' tensors are refused by name, not left behind.
+  for (const char* stray : {"1234567.w1.weight", "01.w2.weight", "0.w1.weight_scale_inv", "0.w1.bias",
+                            "1.w4.weight"}) {
+    StateDict extra = per_expert_dict(HfFamily::kMixtral, p);
+    extra.emplace(p + stray, HostTensor(DType::kFP32, {1}));
+    expect_error_naming([&] { find_hf_expert_layers(extra, HfFamily::kMixtral); },
+                        "'" + p + stray + "' lies under the mixtral experts");
+  }
   // Under a prefix that is no expert module's, the names written would be no family's.
   expect_error_naming([&] { hf_expert_tensors(w, HfFamily::kMixtral, "model.layers.0.mlp."); }, "'experts.'");
   expect_error_naming([&] { hf_expert_tensors(w, HfFamily::kMixtral, "model.layers.0.mlp.myexperts."); },

@@ -565,6 +565,48 @@ TEST(QuantCheckpoint, ConvertMovesQuantizedLayersBitForBit) {
   expect_error_naming([&] { convert_state_dict(sd, e3, m.meta); }, "holds 3 experts, expected 4");
 }
 
+// A quantized layer's other tensors move with it only when they make one expert MLP with its
+// quantized weights: an undeclared weight is checked as an unquantized one (no companions, a float
+// dtype, E experts, the MLP's shapes), the biases by their shape and dtype.
+TEST(QuantCheckpoint, ConvertChecksTheRestOfAQuantizedLayer) {
+  const QuantModel m = quant_model();
+  const std::string q = "layers.0.mlp.experts.";
+  Metadata fc1_only;
+  for (const auto& kv : m.meta)
+    if (kv.first != quant_metadata_key(q + "fc2.weight")) fc1_only.push_back(kv);
+  StateDict sd = m.grouped;
+  expect_error_naming([&] { convert_state_dict(sd, options("grouped", "per-expert"), fc1_only); },
+                      "'" + q + "fc2.weight_scale_inv' is present, but __metadata__ has no");
+  // fc2 stored unquantized: E experts of [H, F] move along; other shapes are refused.
+  StateDict plain = m.grouped;
+  for (auto it = plain.begin(); it != plain.end();)
+    it = it->first.rfind(q + "fc2.weight", 0) == 0 ? plain.erase(it) : std::next(it);
+  plain.emplace(q + "fc2.weight", HostTensor(DType::kBF16, {kE, 64, 32}));
+  sd = plain;
+  convert_state_dict(sd, options("grouped", "per-expert"), fc1_only);
+  EXPECT_TRUE(sd.count(q + "fc2.weight2"));
+  for (const std::vector<int64_t>& bad : {std::vector<int64_t>{2 * kE, 64, 32}, std::vector<int64_t>{kE, 48, 32},
+                                          std::vector<int64_t>{kE, 64, 40}}) {
+    sd = plain;
+    sd[q + "fc2.weight"] = HostTensor(DType::kBF16, bad);
+    expect_error_naming([&] { convert_state_dict(sd, options("grouped", "per-expert"), fc1_only); }, q);
+  }
+  sd = plain;
+  sd[q + "fc2.weight"] = HostTensor(DType::kInt64, {kE, 64, 32});
+  expect_error_naming([&] { convert_state_dict(sd, options("grouped", "per-expert"), fc1_only); }, "has dtype");
+  // Biases: the right number of values, a float dtype.
+  sd = m.grouped;
+  sd[q + "fc2.bias"] = HostTensor(DType::kFP64, {kE, 64});
+  expect_error_naming([&] { convert_state_dict(sd, options("grouped", "per-expert"), m.meta); }, "has dtype");
+  sd = m.grouped;
+  sd[q + "fc2.bias"] = HostTensor(DType::kFP32, {kE, 9});
+  expect_error_naming([&] { convert_state_dict(sd, options("grouped", "per-expert"), m.meta); },
+                      "holds 9 values an expert, expected 64");
+  sd = m.grouped;
+  sd[q + "fc1.bias"] = HostTensor(DType::kInt32, {kE, 64});
+  expect_error_naming([&] { convert_state_dict(sd, options("grouped", "per-expert"), m.meta); }, "has dtype");
+}
+
 TEST(QuantCheckpoint, ConvertRefusesWhatWouldNeedRequantization) {
   const QuantModel m = quant_model();
   StateDict sd = m.grouped;
