@@ -111,8 +111,10 @@ using ProgressFn = std::function<void(uint64_t done, uint64_t total)>;
 // empty names and repeated metadata keys.
 std::string make_header(std::vector<TensorSource>& tensors, const Metadata& metadata);
 
-// Writes a safetensors file: to `path`.tmp first, renamed over `path` when complete (a failed or
-// interrupted write never leaves a truncated file under the final name).
+// Writes a safetensors file: to a new file beside `path` first (`path`.tmp.<pid>.<n>, created
+// exclusively: an existing file, e.g. the input being converted, is never truncated), renamed over
+// `path` when complete (a failed or interrupted write never leaves a truncated file under the final
+// name).
 void write_file(const std::string& path, std::vector<TensorSource> tensors,
                 const Metadata& metadata = {}, const ProgressFn& progress = {});
 
