@@ -1,4 +1,5 @@
 // Finding expert layers stored with our key names (include/moe/checkpoint.h).
+#include <cstdint>
 #include <algorithm>
 
 #include "moe/checkpoint.h"
@@ -50,6 +51,8 @@ std::vector<ExpertLayerKeys> find_expert_layers(const StateDict& sd, int experts
       const HostTensor* fc2 = lookup(sd, expert_param_key(l.prefix, Param::kFc2Weight));
       if (!fc2) continue;
       if (t.ndim() == 3 && fc2->ndim() == 3) {
+        MOE_CHECK(t.size(0) <= INT32_MAX, "state dict: '", key, "' ", t.shape_string(), " holds more experts than ",
+                  "a layer can (2^31 - 1)");
         l.experts = static_cast<int>(t.size(0));
         MOE_CHECK(experts == 0 || l.experts == experts, "state dict: '", key, "' ", t.shape_string(), " holds ",
                   l.experts, " experts, expected ", experts);

@@ -1,5 +1,6 @@
 // Hugging Face expert tensors <-> ExpertWeights (layouts in include/moe/checkpoint_hf.h).
 // Pure data movement: every element is copied as bytes, so values and dtype never change.
+#include <cstdint>
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -66,6 +67,8 @@ void find_gpt_oss(const StateDict& sd, std::vector<HfExpertLayer>& layers) {
     if (!split_experts_key(key, &prefix, &rest) || rest != "gate_up_proj") continue;
     MOE_CHECK(t.ndim() == 3 && t.size(2) % 2 == 0, "state dict: '", key, "' has shape ", t.shape_string(),
               ", expected [E, H, 2F]");
+    MOE_CHECK(t.size(0) <= INT32_MAX, "state dict: '", key, "' ", t.shape_string(), " holds more experts than a ",
+              "layer can (2^31 - 1)");
     HfExpertLayer l;
     l.prefix = prefix;
     l.experts = static_cast<int>(t.size(0));
@@ -152,6 +155,8 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
     const HostTensor& gu = sd.at(prefix + "gate_up_proj");
     MOE_CHECK(gu.ndim() == 3 && gu.size(1) % 2 == 0, "state dict: '", prefix, "gate_up_proj' has shape ",
               gu.shape_string(), ", expected [E, 2F, H]");
+    MOE_CHECK(gu.size(0) <= INT32_MAX, "state dict: '", prefix, "gate_up_proj' ", gu.shape_string(), " holds ",
+              "more experts than a layer can (2^31 - 1)");
     HfExpertLayer l;
     l.prefix = prefix;
     l.experts = static_cast<int>(gu.size(0));

@@ -1,5 +1,6 @@
 // The tensors of a quantized parameter in a state dict: their dtypes and shapes, and the check of
 // a stored parameter against its format (include/moe/checkpoint_quant.h).
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -142,13 +143,14 @@ QuantizedParamInfo inspect_quantized_param(const StateDict& sd, const std::strin
   MOE_CHECK(a.ndim() == (grouped ? 3 : 2), what, ": '", anchor, "' has shape ", a.shape_string(), ", expected ",
             grouped ? "[E, " : "[", config.rowwise ? "rows, cols]" : "cols, rows]");
   const bool packed = config.format == QuantFormat::kNVFP4 && a.dtype() == DType::kUInt8;
+  // An expert weight holds data (as unquantized layers must): an empty one would leave E unbounded by
+  // the file's bytes, and every per-expert loop after this would run and allocate E times. Its
+  // dimensions stay far from where the scale shapes' arithmetic could overflow.
+  MOE_CHECK(a.size(-2) > 0 && a.size(-1) > 0 && a.size(-2) <= INT32_MAX && a.size(-1) <= INT32_MAX, what, ": '",
+            anchor, "' ", a.shape_string(), " holds no weights or a matrix past 2^31 - 1 rows or columns");
   const int64_t outer = a.size(-2), inner = packed ? 2 * a.size(-1) : a.size(-1);
   info.rows = config.rowwise ? outer : inner;
   info.cols = config.rowwise ? inner : outer;
-  // An expert weight holds data (as unquantized layers must): an empty one would leave E unbounded by
-  // the file's bytes, and every per-expert loop after this would run and allocate E times.
-  MOE_CHECK(info.rows > 0 && info.cols > 0, what, ": '", anchor, "' ", a.shape_string(),
-            " holds no weights (rows and cols must be positive)");
   if (grouped) {
     MOE_CHECK(a.size(0) >= 1 && a.size(0) <= INT32_MAX, what, ": '", anchor, "' ", a.shape_string(),
               " holds no experts");

@@ -372,6 +372,16 @@ TEST(ReferenceWeights, PointerTablesInBothLayouts) {
   }
 }
 
+// A grouped layer of more experts than an int holds (zero-size tensors cost no bytes) is refused,
+// not truncated to a smaller expert count.
+TEST(FindExpertLayers, RefusesMoreExpertsThanALayerHolds) {
+  StateDict sd;
+  const int64_t E = (int64_t{1} << 32) + 2;
+  sd.emplace("l.fc1.weight", HostTensor(DType::kBF16, {E, 0, 8}));
+  sd.emplace("l.fc2.weight", HostTensor(DType::kBF16, {E, 8, 0}));
+  expect_error_naming([&] { find_expert_layers(sd, 0); }, "more experts than a layer can");
+}
+
 TEST(FindExpertLayers, FindsBothLayoutsAndSkipsOrdinaryMlps) {
   StateDict sd = filled(small_spec(WeightLayout::kSingleGrouped, true)).to_state_dict("a.experts.");
   for (auto& kv : filled(small_spec(WeightLayout::kPerExpert, false)).to_state_dict("b.experts.")) sd.insert(kv);
