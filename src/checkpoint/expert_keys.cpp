@@ -1,7 +1,11 @@
 // Layout normalisation of expert keys: single grouped <-> per expert (docs/semantics.md, Weight
 // layouts and checkpoints), the quantized weights' companion tensors (moe/checkpoint_quant.h)
 // moving with their data.
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "checkpoint/key_list.h"
 #include "moe/checkpoint_quant.h"
@@ -22,6 +26,25 @@ struct Family {
   std::string expert(int e) const { return base + std::to_string(e) + suffix; }
 };
 
+// The experts e < E whose key f.expert(e) is present, ascending: found by walking the keys that start
+// with the family's base (a state dict's keys are sorted), never by trying every e -- E may come from
+// an untrusted file or command line and be in the billions.
+std::vector<int> present_experts(const StateDict& sd, const Family& f, int E) {
+  std::vector<int> found;
+  for (auto it = sd.lower_bound(f.base); it != sd.end() && it->first.compare(0, f.base.size(), f.base) == 0; ++it) {
+    const std::string& k = it->first;
+    size_t at = f.base.size();
+    int64_t e = 0;
+    while (at < k.size() && k[at] >= '0' && k[at] <= '9' && at - f.base.size() < 10) e = 10 * e + (k[at++] - '0');
+    const size_t digits = at - f.base.size();
+    // Exactly f.expert(e): decimal without leading zeros, then the suffix and nothing else.
+    if (digits == 0 || (digits > 1 && k[f.base.size()] == '0') || e >= E) continue;
+    if (k.compare(at, std::string::npos, f.suffix) == 0) found.push_back(static_cast<int>(e));
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
 // Whole bytes per expert: packed FP4 with an odd count per expert cannot be stacked or split by bytes.
 bool whole_bytes(DType t, int64_t numel) { return (numel * dtype_bits(t)) % 8 == 0; }
 
@@ -30,18 +53,18 @@ bool whole_bytes(DType t, int64_t numel) { return (numel * dtype_bits(t)) % 8 ==
 void stack_experts(StateDict& sd, const Family& f, int E, bool apply) {
   const std::string key = f.grouped();
   if (sd.count(key)) return;  // the target is present: never overwritten
+  const std::vector<int> indices = present_experts(sd, f, E);
+  if (indices.empty()) return;
   std::vector<std::string> present;
+  for (int e : indices) present.push_back(f.expert(e));
   detail::KeyList missing;
-  for (int e = 0; e < E; ++e) {
-    std::string k = f.expert(e);
-    if (sd.count(k))
-      present.push_back(std::move(k));
-    else if (missing.full())
-      missing.skip();
+  for (int e = 0, i = 0; e < E && !missing.full(); ++e) {
+    if (i < static_cast<int>(indices.size()) && indices[i] == e)
+      ++i;
     else
-      missing.add(k);
+      missing.add(f.expert(e));
   }
-  if (present.empty()) return;
+  missing.skip(static_cast<size_t>(E) - indices.size() - missing.size());
   MOE_CHECK(missing.empty(), "state dict: cannot stack '", key, "' for ", E, " experts: ", present.size(),
             " per-expert keys are present, missing ", missing.str());
   const HostTensor& first = sd.at(present[0]);
@@ -72,8 +95,7 @@ void split_experts(StateDict& sd, const Family& f, int E, bool exact, bool apply
   const std::string key = f.grouped();
   auto it = sd.find(key);
   if (it == sd.end()) return;
-  for (int e = 0; e < E; ++e)
-    if (sd.count(f.expert(e))) return;  // already (partly) per expert: left alone
+  if (!present_experts(sd, f, E).empty()) return;  // already (partly) per expert: left alone
   const HostTensor& t = it->second;
   if (exact) {
     MOE_CHECK(t.ndim() >= 1 && t.size(0) == E, "state dict: cannot split '", key, "' ", t.shape_string(), " into ",
@@ -104,9 +126,7 @@ bool has_companions(const StateDict& sd, const std::string& base, int E) {
   for (QuantPart part : kQuantParts) {
     if (part == QuantPart::kData) continue;
     const Family f{base, quant_part_suffix(part)};
-    if (sd.count(f.grouped())) return true;
-    for (int e = 0; e < E; ++e)
-      if (sd.count(f.expert(e))) return true;
+    if (sd.count(f.grouped()) || !present_experts(sd, f, E).empty()) return true;
   }
   return false;
 }

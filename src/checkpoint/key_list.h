@@ -15,8 +15,8 @@ class KeyList {
     if (shown_.size() < kShown) shown_.push_back(key);
     ++count_;
   }
-  // Counts a key without building its name (once the list is full).
-  void skip() { ++count_; }
+  // Counts keys without building their names (once the list is full).
+  void skip(size_t n = 1) { count_ += n; }
   bool full() const { return shown_.size() >= kShown; }
   bool empty() const { return count_ == 0; }
   size_t size() const { return count_; }

@@ -112,6 +112,18 @@ TEST(NormalizeExpertKeys, IncompleteSetIsAnErrorNamingTheMissingKeys) {
     EXPECT_EQ(msg.find("'m.fc1.weight0'"), std::string::npos) << msg;
   }
   EXPECT_EQ(sd.size(), 2u);  // nothing half-done
+  // An expert count in the billions (from a command line or a file) is checked by walking the keys
+  // present, not by trying every index: the first 16 missing named, the rest counted.
+  expect_error_naming([&] { normalize_expert_keys(sd, "m.", 1 << 30, WeightLayout::kSingleGrouped); },
+                      "'m.fc1.weight1', 'm.fc1.weight3', 'm.fc1.weight4'");
+  expect_error_naming([&] { normalize_expert_keys(sd, "m.", 1 << 30, WeightLayout::kSingleGrouped); },
+                      "and " + std::to_string((1 << 30) - 2 - 16) + " more");
+  // Keys that only look like an expert's (a leading zero, an index past E) are not taken for one.
+  StateDict odd;
+  odd.emplace("m.fc1.weight00", iota({2, 2}, 0));
+  odd.emplace("m.fc1.weight7", iota({2, 2}, 0));
+  normalize_expert_keys(odd, "m.", 4, WeightLayout::kSingleGrouped);
+  EXPECT_EQ(odd.size(), 2u);
   // Per-expert tensors must agree to be stacked.
   StateDict mixed;
   mixed.emplace("fc1.weight0", iota({2, 2}, 0));
