@@ -121,16 +121,6 @@ void split_experts(StateDict& sd, const Family& f, int E, bool exact, bool apply
 
 bool is_weight(Param p) { return p == Param::kFc1Weight || p == Param::kFc2Weight; }
 
-// A weight with any companion tensor (grouped or for one of the E experts) is quantized.
-bool has_companions(const StateDict& sd, const std::string& base, int E) {
-  for (QuantPart part : kQuantParts) {
-    if (part == QuantPart::kData) continue;
-    const Family f{base, quant_part_suffix(part)};
-    if (sd.count(f.grouped()) || !present_experts(sd, f, E).empty()) return true;
-  }
-  return false;
-}
-
 }  // namespace
 
 std::string expert_param_key(const std::string& prefix, Param p) { return prefix + param_name(p); }
@@ -144,7 +134,8 @@ void normalize_expert_keys(StateDict& sd, const std::string& prefix, int num_exp
   // Which weights are quantized, decided before anything moves.
   bool quantized[4] = {false, false, false, false};
   for (Param p : kParams)
-    quantized[static_cast<int>(p)] = is_weight(p) && has_companions(sd, expert_param_key(prefix, p), num_experts);
+    // A weight with any companion tensor (grouped or of any expert) is quantized.
+    quantized[static_cast<int>(p)] = is_weight(p) && !find_quant_companion(sd, expert_param_key(prefix, p)).empty();
   // Every check first, then the moves: a failing call leaves the dict as it was.
   for (bool apply : {false, true}) {
     for (Param p : kParams) {

@@ -82,6 +82,17 @@ void find_gpt_oss(const StateDict& sd, std::vector<HfExpertLayer>& layers) {
   }
 }
 
+// "<e>.<proj>" after a layer's "experts.": the expert index (at most six digits, written as the library
+// writes it: no leading zero) and the projection's key; false for anything else.
+bool split_expert_rest(const std::string& rest, int* e, std::string* proj) {
+  const size_t dot = rest.find('.');
+  if (dot == std::string::npos || dot == 0 || dot > 6 || rest.find_first_not_of("0123456789") != dot) return false;
+  if (dot > 1 && rest[0] == '0') return false;  // "01": not an index the library writes
+  *e = std::stoi(rest.substr(0, dot));
+  *proj = rest.substr(dot + 1);
+  return true;
+}
+
 void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>& layers) {
   const ProjNames names = proj_names(f);
   std::map<std::string, std::map<int, std::set<std::string>>> found;  // prefix -> expert -> projections
@@ -93,12 +104,11 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
       fused.insert(prefix);
       continue;
     }
-    const size_t dot = rest.find('.');
-    if (dot == std::string::npos || dot == 0 || dot > 6 || rest.find_first_not_of("0123456789") != dot) continue;
-    if (dot > 1 && rest[0] == '0') continue;  // "01": not an index the library writes
-    const std::string proj = rest.substr(dot + 1);
+    int e;
+    std::string proj;
+    if (!split_expert_rest(rest, &e, &proj)) continue;
     for (const char* n : {names.gate, names.up, names.down}) {
-      if (proj == std::string(n) + ".weight") found[prefix][std::stoi(rest.substr(0, dot))].insert(n);
+      if (proj == std::string(n) + ".weight") found[prefix][e].insert(n);
     }
   }
   for (const auto& [prefix, experts] : found) {
@@ -125,12 +135,12 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
          ++it) {
       const std::string rest = it->first.substr(prefix.size());
       if (rest.empty() || rest[0] < '0' || rest[0] > '9') continue;
-      const size_t dot = rest.find('.');
+      int e;
+      std::string proj;
       bool expert_tensor = false;
-      if (dot != std::string::npos && dot <= 6 && rest.find_first_not_of("0123456789") == dot &&
-          !(dot > 1 && rest[0] == '0') && std::stoi(rest.substr(0, dot)) < E)
+      if (split_expert_rest(rest, &e, &proj) && e < E)
         for (const char* n : {names.gate, names.up, names.down})
-          expert_tensor = expert_tensor || rest.substr(dot + 1) == std::string(n) + ".weight";
+          expert_tensor = expert_tensor || proj == std::string(n) + ".weight";
       MOE_CHECK(expert_tensor, "state dict: '", it->first, "' lies under the ", hf_family_name(f), " experts '",
                 prefix, "' but is none of their tensors (<e>.", names.gate, ".weight, <e>.", names.up,
                 ".weight, <e>.", names.down, ".weight for e in 0..", E - 1, ")");
