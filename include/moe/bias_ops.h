@@ -42,7 +42,8 @@ struct ExpertRows {
 void bias_add(const TensorView& y, const ExpertRows& bias, const TensorView& probs, const TensorView& group_offsets,
               cudaStream_t stream);
 
-// Bytes of the workspace bias_grad needs for R rows, E experts and N columns (a static bound).
+// Bytes of the workspace bias_grad needs for any call of up to R rows with E experts and N columns
+// (a static bound: a workspace sized for an op's row bound serves its calls with fewer rows).
 size_t bias_grad_workspace_bytes(int64_t R, int experts, int64_t N);
 
 // grad[e, :] = sum over rows r of expert e of (probs[r] *) dy[r, :]   (accumulate: grad[e, :] += ...)

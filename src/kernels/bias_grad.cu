@@ -4,9 +4,9 @@
 //   1. layout:   chunk_start[e] = sum_{e' < e} ceil(rows(e') / C)  (one block, a block scan)
 //   2. partial:  each C-row chunk of an expert sums its rows (fixed order) into partial[chunk, :]
 //   3. finish:   db_e = partial chunks of e summed in order, written or added to main_grad
-// Chunks never straddle two experts, and sum_e ceil(rows(e) / C) <= R / C + E bounds the workspace.
-// C (16..128) and the block shape are functions of the static (R, N) only: enough blocks to fill the
-// GPU, and one fixed summation order for a given layer. No float atomics: every sum has one fixed
+// Chunks never straddle two experts, and sum_e ceil(rows(e) / C) <= R / C + E partial rows are used.
+// C (16..128) and the block shape are functions of the static (R, N) only (bias_grad_plan.h): enough
+// blocks to fill the GPU, and one fixed summation order for a given layer. No float atomics: every sum has one fixed
 // order, so results are bitwise reproducible.
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
@@ -16,6 +16,7 @@
 #include "kernels/activation_args.h"
 #include "kernels/activation_math.cuh"
 #include "kernels/bias_args.h"
+#include "kernels/bias_grad_plan.h"
 #include "device/device_groups.cuh"
 #include "device/cuda_check.h"
 #include "moe/bias_ops.h"
@@ -24,43 +25,9 @@ namespace moe {
 namespace kernels {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = kBiasGradThreads;
 
-int next_pow2(int64_t v) {
-  int p = 1;
-  while (p < v) p *= 2;
-  return p;
-}
-
-// Static launch plan of one bias_grad call.
-struct GradPlan {
-  int vx = 1;          // threads across the columns (8 columns each); kThreads / vx row lanes
-  int64_t slices = 0;  // column slices of vx * 8 columns (grid.y)
-  int chunk = 128;     // rows per chunk
-  int64_t chunks = 0;  // workspace rows of partial sums: ceil(R / chunk) + E
-};
-
-GradPlan plan_grad(int64_t R, int E, int64_t N) {
-  GradPlan g;
-  const int64_t vecs = (N + kVec - 1) / kVec;
-  if (vecs < 32) {
-    g.vx = next_pow2(vecs);
-  } else {  // the widest of 256..32 threads that leaves the fewest idle
-    int64_t best = -1;
-    for (int vx : {256, 128, 64, 32}) {
-      const int64_t waste = (vecs + vx - 1) / vx * vx - vecs;
-      if (best < 0 || waste < best) best = waste, g.vx = vx;
-    }
-  }
-  g.slices = (vecs + g.vx - 1) / g.vx;
-  // Shorter chunks while there are fewer than ~8 blocks per SM of an H100 to share the rows.
-  while (g.chunk > 16 && (R + g.chunk - 1) / g.chunk * g.slices < 1024) g.chunk /= 2;
-  g.chunks = (R + g.chunk - 1) / g.chunk + E;
-  return g;
-}
-
-// Workspace: chunk_start int32 [E + 1] (padded to 16 bytes), then partial fp32 [max_chunks, N].
-size_t chunk_table_bytes(int E) { return (static_cast<size_t>(E + 1) * sizeof(int32_t) + 15) / 16 * 16; }
+// Workspace: chunk_start int32 [E + 1] (padded to 16 bytes), then partial fp32 [chunks, N].
 
 __global__ void __launch_bounds__(kThreads)
     bias_grad_layout_kernel(const DeviceGroups groups, int chunk, int32_t* chunk_start) {
@@ -176,8 +143,9 @@ size_t bias_grad_workspace_bytes(int64_t R, int experts, int64_t N) {
   MOE_CHECK(R >= 0, "argument 'R': expected >= 0, got ", R);
   MOE_CHECK(experts >= 0, "argument 'experts': expected >= 0, got ", experts);
   MOE_CHECK(N >= 0, "argument 'N': expected >= 0, got ", N);
-  return kernels::chunk_table_bytes(experts) +
-         static_cast<size_t>(kernels::plan_grad(R, experts, N).chunks) * static_cast<size_t>(N) * sizeof(float);
+  // Sized for every call of up to R rows: a standalone op may run fewer rows than it was sized for.
+  return kernels::bias_grad_chunk_table_bytes(experts) +
+         static_cast<size_t>(kernels::bias_grad_chunk_bound(R, experts, N)) * static_cast<size_t>(N) * sizeof(float);
 }
 
 void bias_grad(const TensorView& dy, const TensorView& probs, const TensorView& group_offsets, const ExpertRows& grad,
@@ -196,8 +164,8 @@ void bias_grad(const TensorView& dy, const TensorView& probs, const TensorView& 
   if (d.E == 0) return;
   const DeviceGroups groups{group_offsets.ptr<const int32_t>(), d.E, d.R};
   auto* chunk_start = static_cast<int32_t*>(workspace.data);
-  auto* partial = reinterpret_cast<float*>(static_cast<char*>(workspace.data) + chunk_table_bytes(d.E));
-  const GradPlan plan = plan_grad(d.R, d.E, d.N);
+  auto* partial = reinterpret_cast<float*>(static_cast<char*>(workspace.data) + bias_grad_chunk_table_bytes(d.E));
+  const BiasGradPlan plan = plan_bias_grad(d.R, d.E, d.N);
   const int64_t chunks = plan.chunks;
   const int N = static_cast<int>(d.N);
   const int64_t vecs = d.N / kVec;
