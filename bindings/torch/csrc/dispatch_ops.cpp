@@ -31,11 +31,11 @@ int64_t dispatcher_create(int64_t max_tokens, int64_t experts, int64_t topk, int
   return translate_errors([&] {
     DispatcherConfig c;
     c.max_tokens = max_tokens;
-    c.num_experts = static_cast<int>(experts);
-    c.topk = static_cast<int>(topk);
+    c.num_experts = to_int(experts, "experts");
+    c.topk = to_int(topk, "topk");
     c.hidden = hidden;
     c.form = map_routing ? RoutingForm::kMap : RoutingForm::kTopK;
-    c.options.align = static_cast<int>(align);
+    c.options.align = to_int(align, "align");
     c.options.pre_padded = pre_padded;
     c.options.row_bound = row_bound;
     c.row_dtype = dtype_from_name(dtype, "dtype");

@@ -34,7 +34,7 @@ int64_t experts_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t max
     ExpertsConfig c;
     c.hidden = hidden;
     c.ffn = ffn;
-    c.experts = static_cast<int>(experts);
+    c.experts = to_int(experts, "experts");
     c.max_rows = max_rows;
     set_expert_options(c, activation, glu_interleave, alpha, limit, offset, bias, probs_at_combine, per_expert,
                        accumulate, fp32_wgrad, delay_wgrad);

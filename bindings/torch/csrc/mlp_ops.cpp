@@ -34,11 +34,11 @@ int64_t mlp_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t topk, i
     GroupedMlpConfig c;
     c.hidden = hidden;
     c.ffn = ffn;
-    c.experts = static_cast<int>(experts);
-    c.topk = static_cast<int>(topk);
+    c.experts = to_int(experts, "experts");
+    c.topk = to_int(topk, "topk");
     c.max_tokens = max_tokens;
     c.routing_form = map_routing ? RoutingForm::kMap : RoutingForm::kTopK;
-    c.dispatch.align = static_cast<int>(align);
+    c.dispatch.align = to_int(align, "align");
     c.dispatch.pre_padded = pre_padded;
     c.dispatch.row_bound = row_bound;
     set_expert_options(c, activation, glu_interleave, alpha, limit, offset, bias, probs_at_combine, per_expert,
@@ -49,7 +49,7 @@ int64_t mlp_create(int64_t hidden, int64_t ffn, int64_t experts, int64_t topk, i
     c.fuse_fc2_dgrad = fuse_fc2_dgrad;
     c.transposed_weights = transposed_weights;
     set_fp8_options(c, fp8, fp8_weight_refresh);
-    c.token_chunks = static_cast<int>(token_chunks);
+    c.token_chunks = to_int(token_chunks, "token_chunks");
     return registry().add(std::make_unique<MlpState>(c));
   });
 }

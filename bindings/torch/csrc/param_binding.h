@@ -73,10 +73,10 @@ void set_expert_options(Config& c, const std::string& activation, int64_t glu_in
                         double limit, double offset, bool bias, bool probs_at_combine, bool per_expert,
                         bool accumulate, bool fp32_wgrad, bool delay_wgrad) {
   c.activation.kind = activation_from_name(activation);
-  c.activation.glu_interleave = static_cast<int>(glu_interleave);
-  c.activation.alpha = static_cast<float>(alpha);
-  c.activation.limit = static_cast<float>(limit);
-  c.activation.offset = static_cast<float>(offset);
+  c.activation.glu_interleave = to_int(glu_interleave, "glu_interleave");
+  c.activation.alpha = to_float(alpha, "alpha");
+  c.activation.limit = to_float(limit, "limit");
+  c.activation.offset = to_float(offset, "offset");
   c.bias = bias;
   c.probs = probs_at_combine ? ProbsPlacement::kAtCombine : ProbsPlacement::kInActivation;
   c.layout = per_expert ? WeightLayout::kPerExpert : WeightLayout::kSingleGrouped;

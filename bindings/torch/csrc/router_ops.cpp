@@ -33,21 +33,21 @@ int64_t router_create(int64_t experts, int64_t topk, int64_t max_tokens, const s
                       bool map_output) {
   return translate_errors([&] {
     RouterConfig c;
-    c.num_experts = static_cast<int>(experts);
-    c.topk = static_cast<int>(topk);
+    c.num_experts = to_int(experts, "experts");
+    c.topk = to_int(topk, "topk");
     c.max_tokens = max_tokens;
     MOE_CHECK(score == "softmax" || score == "sigmoid", "argument 'score': expected softmax or sigmoid, got ", score);
     c.score = score == "softmax" ? ScoreFunction::kSoftmax : ScoreFunction::kSigmoid;
     c.softmax_after_topk = softmax_after_topk;
     c.normalize_topk = normalize_topk;
-    c.scaling_factor = static_cast<float>(scaling_factor);
+    c.scaling_factor = to_float(scaling_factor, "scaling_factor");
     c.expert_bias = expert_bias;
-    c.num_groups = static_cast<int>(num_groups);
-    c.topk_groups = static_cast<int>(topk_groups);
-    c.aux_loss_coeff = static_cast<float>(aux_loss_coeff);
-    c.seq_aux_loss_coeff = static_cast<float>(seq_aux_loss_coeff);
+    c.num_groups = to_int(num_groups, "num_groups");
+    c.topk_groups = to_int(topk_groups, "topk_groups");
+    c.aux_loss_coeff = to_float(aux_loss_coeff, "aux_loss_coeff");
+    c.seq_aux_loss_coeff = to_float(seq_aux_loss_coeff, "seq_aux_loss_coeff");
     c.seq_length = seq_length;
-    c.z_loss_coeff = static_cast<float>(z_loss_coeff);
+    c.z_loss_coeff = to_float(z_loss_coeff, "z_loss_coeff");
     c.capacity_factor = capacity_factor;
     MOE_CHECK(drop_policy == "prob" || drop_policy == "position",
               "argument 'drop_policy': expected prob or position, got ", drop_policy);
@@ -62,8 +62,8 @@ int64_t router_create(int64_t experts, int64_t topk, int64_t max_tokens, const s
       c.rounding = TokenRounding::kNearest;
     else
       MOE_CHECK(false, "argument 'rounding': expected none, down, up or nearest, got ", rounding);
-    c.rounding_tile = static_cast<int>(rounding_tile);
-    c.rounding_candidates = static_cast<int>(rounding_candidates);
+    c.rounding_tile = to_int(rounding_tile, "rounding_tile");
+    c.rounding_candidates = to_int(rounding_candidates, "rounding_candidates");
     c.output_form = map_output ? RoutingForm::kMap : RoutingForm::kTopK;
     return registry().add(std::make_unique<RouterState>(c));
   });
@@ -151,7 +151,7 @@ at::Tensor router_backward(int64_t handle, const at::Tensor& logits, const at::T
 
 void router_update_bias(const at::Tensor& counts, const at::Tensor& bias, double rate) {
   translate_errors([&] {
-    update_expert_bias(view(counts, "counts"), view(bias, "bias"), static_cast<float>(rate), current_stream());
+    update_expert_bias(view(counts, "counts"), view(bias, "bias"), to_float(rate, "rate"), current_stream());
     return 0;
   });
 }

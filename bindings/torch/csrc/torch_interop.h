@@ -7,6 +7,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -53,6 +55,22 @@ inline TensorView view(const at::Tensor& t, const char* name) {
     v.strides[d] = t.stride(d);
   }
   return v;
+}
+
+// A Python int argument as the library's int: one outside its range is refused by name, not wrapped
+// (a topk of 2^32 + 2 would have become 2).
+inline int to_int(int64_t v, const char* name) {
+  MOE_CHECK(v >= std::numeric_limits<int>::min() && v <= std::numeric_limits<int>::max(), "argument '", name,
+            "': expected a value that fits a 32-bit int, got ", v);
+  return static_cast<int>(v);
+}
+
+// A Python float argument as the library's float: a finite value past float's range is refused by
+// name (its conversion is undefined); NaN and infinities pass on to the library's own checks.
+inline float to_float(double v, const char* name) {
+  MOE_CHECK(!std::isfinite(v) || std::fabs(v) <= static_cast<double>(std::numeric_limits<float>::max()),
+            "argument '", name, "': expected a value within float's range, got ", v);
+  return static_cast<float>(v);
 }
 
 // `t` has exactly `dims` dimensions (checked before any t.size(i) is read).

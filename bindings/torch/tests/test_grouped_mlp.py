@@ -8,7 +8,7 @@ gives O(1))."""
 import pytest
 import torch
 
-from moe_engine import GroupedMLP
+from moe_engine import Dispatcher, GroupedMLP, Router
 from reference import moe_reference, rel_err
 
 DEV = "cuda"
@@ -259,6 +259,23 @@ def test_bad_input_raises_with_the_argument_name():
     with pytest.raises(ValueError, match="out of range"):
         mod.check_errors()
     mod.check_errors()  # cleared
+
+
+def test_integers_past_32_bits_are_refused_by_name():
+    # Python ints reach the library's 32-bit fields checked, not wrapped (2^32 + 2 would be 2).
+    big = 2**32 + 2
+    with pytest.raises(ValueError, match="'topk'"):
+        GroupedMLP(128, 64, 8, big, max_tokens=8)
+    with pytest.raises(ValueError, match="'experts'"):
+        GroupedMLP(128, 64, big, 2, max_tokens=8)
+    with pytest.raises(ValueError, match="'token_chunks'"):
+        GroupedMLP(128, 64, 8, 2, max_tokens=8, token_chunks=big)
+    with pytest.raises(ValueError, match="'topk'"):
+        Router(8, big, max_tokens=8)
+    with pytest.raises(ValueError, match="'scaling_factor'"):
+        Router(8, 2, max_tokens=8, scaling_factor=1e300)
+    with pytest.raises(ValueError, match="'align'"):
+        Dispatcher(8, 8, 128, topk=2, align=big)
 
 
 def test_write_mode_hooks_fire_once_gradients_are_accumulated():
