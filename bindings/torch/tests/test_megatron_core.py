@@ -18,7 +18,10 @@ parameter's gradient agree; with gradient_accumulation_fusion the gradients land
 (attached by hand, with the per-parameter hooks Megatron's DDP puts on the gradient accumulators);
 with delay_wgrad_compute, MoELayer.backward_dw() fires each parameter's DDP hook (registered the way
 Megatron's DDP registers them) exactly once, fc2's before fc1's, with main_grad final at that point;
-checkpoints go SequentialMLP -> per-expert -> grouped -> per-expert -> SequentialMLP bitwise.
+checkpoints go SequentialMLP -> per-expert -> grouped -> per-expert -> SequentialMLP bitwise; in
+Megatron's distributed checkpoint format, the experts' sharded state dict equals SequentialMLP's
+entry by entry (also placed as an expert-parallel rank of a larger group) and torch_dist files go
+SequentialMLP -> ours -> SequentialMLP bitwise.
 
 Tolerance (relative L2 error, TOL = 4e-2): both sides compute in bf16 with fp32 accumulation but
 round at different places -- Megatron after fc1, the bias add, the activation, the gating product,
@@ -38,6 +41,7 @@ import functools
 import importlib.util
 import re
 import socket
+import types
 
 import pytest
 import torch
@@ -51,6 +55,7 @@ if not torch.cuda.is_available():
 
 import megatron.core  # noqa: E402  (an ImportError here names the missing dependency)
 from megatron.core import parallel_state  # noqa: E402
+from megatron.core.activations import squared_relu  # noqa: E402
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron.core.transformer.moe.experts import SequentialMLP  # noqa: E402
@@ -365,3 +370,90 @@ def test_checkpoints_sequential_per_expert_grouped_round_trip():
         y_ref, _, _ = run(fresh, x, dy, backward=False)
         y, _, _ = run(grouped, x, dy, backward=False)
     check_close("grouped layer output after the round trip", y, y_ref)
+
+
+# -- Megatron's distributed checkpoint (dist_checkpointing, torch_dist format) -----------------
+
+
+class _FakeGroup:
+    """An expert-parallel group as sharded_state_dict reads it (rank(), size()): places this rank's
+    experts where EP rank `rank` of `size` would hold them, without more processes."""
+
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+def _sharded_experts(layer, prefix="decoder.layers.0.mlp."):
+    """The experts' entries of the layer's sharded state dict, keyed like ours
+    (`{prefix}experts.linear_fc1.weight{i}`): SequentialMLP's `local_experts.{i}.linear_fc1.weight`
+    renamed."""
+    out = {}
+    for k, v in layer.sharded_state_dict(prefix=prefix).items():
+        m = re.fullmatch(re.escape(prefix) + r"experts\.local_experts\.(\d+)\.(linear_fc[12])\.(\w+)", k)
+        if m is not None:
+            k = f"{prefix}experts.{m.group(2)}.{m.group(3)}{m.group(1)}"
+        if k.startswith(f"{prefix}experts."):
+            out[k] = v
+    return out
+
+
+def _describe(entry):
+    """What the checkpoint records of an entry: key, global placement, replica id, and the pieces a
+    factory (the GLU halves) builds, with the data they hold."""
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    if isinstance(entry, ShardedTensorFactory):
+        return ("factory", entry.key, entry.replica_id,
+                [_describe(p) for p in entry.build_fn(entry.key, entry.data, entry.replica_id, None)])
+    if isinstance(entry, ShardedTensor):
+        return ("tensor", entry.key, tuple(entry.global_shape), tuple(entry.global_offset),
+                tuple(entry.axis_fragmentations), entry.replica_id, entry.prepend_axis_num,
+                entry.data.cpu().float().flatten().tolist())
+    assert isinstance(entry, ShardedObject), type(entry)
+    return ("object", entry.key, entry.data, tuple(entry.global_shape), tuple(entry.global_offset), entry.replica_id)
+
+
+@pytest.mark.parametrize("per_expert_weights", [True, False])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("ep_rank", [None, 3])
+def test_distributed_checkpoint_entries_match_sequential_mlp(per_expert_weights, gated, ep_rank):
+    config = make_config(bias=True, gated_linear_unit=gated, activation_func=F.silu if gated else squared_relu)
+    ref = randomized_reference(config, seed=21)
+    layer = our_layer(config, ref, per_expert_weights)
+    if ep_rank is not None:  # EP rank 3 of 4: global experts 3E .. 4E-1 of 4E
+        pg = get_default_pg_collection()
+        ref.experts.ep_group = _FakeGroup(ep_rank, 4)
+        layer.experts.pg_collection = types.SimpleNamespace(ep=_FakeGroup(ep_rank, 4), expt_tp=pg.expt_tp,
+                                                            expt_dp=pg.expt_dp)
+    want, got = _sharded_experts(ref), _sharded_experts(layer)
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    for k in want:
+        assert _describe(got[k]) == _describe(want[k]), f"{k}: ours differs from SequentialMLP's entry"
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_distributed_checkpoint_round_trip_with_sequential_mlp(gated, tmp_path):
+    from megatron.core import dist_checkpointing
+    config = make_config(bias=True, gated_linear_unit=gated, activation_func=F.silu if gated else squared_relu)
+    ref = randomized_reference(config, seed=23)
+    want = expert_tensors(ref, "data")
+    (tmp_path / "sequential").mkdir()
+    dist_checkpointing.save(ref.sharded_state_dict(), str(tmp_path / "sequential"))
+    for per_expert_weights in (True, False):
+        layer = build_layer(config, ours(per_expert_weights))
+        layer.load_state_dict(dist_checkpointing.load(layer.sharded_state_dict(), str(tmp_path / "sequential")))
+        for key, t in expert_tensors(layer, "data").items():
+            assert torch.equal(t, want[key]), f"SequentialMLP checkpoint -> ours (per_expert={per_expert_weights}): {key}"
+        out_dir = tmp_path / f"ours_{per_expert_weights}"
+        out_dir.mkdir()
+        dist_checkpointing.save(layer.sharded_state_dict(), str(out_dir))
+        fresh = randomized_reference(config, seed=24)
+        fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), str(out_dir)))
+        for key, t in expert_tensors(fresh, "data").items():
+            assert torch.equal(t, want[key]), f"our checkpoint (per_expert={per_expert_weights}) -> SequentialMLP: {key}"

@@ -47,8 +47,12 @@ Checkpoints (plain state dicts; `load_state_dict` and the helpers below): groupe
 `local_experts.{i}.linear_fc1.weight` in either direction of the load. The linears' `_extra_state`
 entries (None from Megatron's local linears, FP8 scaling metadata from TE's) are dropped on load:
 the experts run in bf16 and keep no such state. Optimizer states keyed by parameter name convert
-the same way (`normalize_optimizer_state`). Megatron's distributed
-checkpoint format (`sharded_state_dict` with ShardedTensors) is not provided yet."""
+the same way (`normalize_optimizer_state`).
+
+Megatron's distributed checkpoint (`sharded_state_dict`, which MoELayer calls): the ShardedTensors
+SequentialMLP and TEGroupedMLP write -- each expert at its global index, the GLU halves split as
+Megatron splits them -- so dist_checkpointing files move between the three experts modules, in
+either parameter layout, and between expert-parallel sizes."""
 import re
 
 import torch
@@ -156,6 +160,7 @@ class MegatronGroupedMLP(GroupedExperts):
                          clamp_alpha=alpha, clamp_limit=limit, clamp_offset=offset, device=device, init_std=init_std)
         self.config = config
         self.num_local_experts = num_local_experts
+        self.pg_collection = pg_collection  # the expert groups of Megatron's distributed checkpoint
         self.max_rows = max_rows
         self.apply_probs_on_input = apply_probs_on_input
         # TE's expert parameters: allreduce=False routes their gradients to the expert-data-parallel
@@ -231,6 +236,21 @@ class MegatronGroupedMLP(GroupedExperts):
         self.linear_fc1._trigger_wgrad_accumulation_and_reduce_hooks()
 
     # -- checkpoints ---------------------------------------------------------------------------
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Megatron's distributed checkpoint (`dist_checkpointing`): the ShardedTensors SequentialMLP
+        and TEGroupedMLP write, so a checkpoint moves between the three experts modules and between
+        expert-parallel sizes. MoELayer.sharded_state_dict() calls it."""
+        def tensor(owner, what, i):
+            if what == "bias" and not self.has_bias:
+                return None
+            owner_module = getattr(self, owner)
+            if self.per_expert_weights:
+                return getattr(owner_module, f"{what}{i}")
+            return getattr(owner_module, what)[i]
+
+        return megatron_sharded_state_dict(tensor, self.num_local_experts, bool(self.config.gated_linear_unit),
+                                           prefix, sharded_offsets, metadata, self.pg_collection)
+
     def _normalize_keys(self, state_dict, prefix, *args, **kwargs):
         for key in [k for k in state_dict if k.startswith(prefix)]:
             if _EXTRA_STATE.fullmatch(key[len(prefix):]):
@@ -266,8 +286,64 @@ def group_offsets(tokens_per_expert, device):
     return out
 
 
-_EXTRA_STATE = re.compile(r"(local_experts\.\d+\.)?linear_fc[12]\._extra_state")
+_EXTRA_STATE = re.compile(r"(local_experts\.\d+\.)?linear_fc[12]\._extra_state\d*")
 _SEQUENTIAL = re.compile(r"local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+
+
+def megatron_sharded_state_dict(tensor, num_local_experts, gated, prefix="", sharded_offsets=(), metadata=None,
+                                pg_collection=None):
+    """The sharded state dict of local experts as megatron-core's SequentialMLP builds it (whose
+    layout TEGroupedMLP shares): for local expert i, at global index g = EP rank x num_local_experts
+    + i, the ShardedTensors `{prefix}experts.linear_fc1.weight` [2F, H] (and `.bias`, and the same for
+    linear_fc2) placed at g on an axis prepended for the experts, the GLU weight and bias split into
+    their two halves (Megatron's SwiGLU factory), fc1 sharded over tensor parallelism on its rows and
+    fc2 on its columns, the linears' `_extra_state` as None objects (Megatron's local linears' value),
+    and the expert-data-parallel rank as replica id. `singleton_local_shards` in metadata gives each
+    expert its own keys (`{prefix}experts.{g}.linear_fc1.weight`) instead.
+
+    tensor(owner, what, i) gives local expert i's `linear_fc1` / `linear_fc2` `weight` / `bias` (None
+    when absent); the entries are keyed `{prefix}linear_fcN.{what}{i}` (and
+    `{prefix}linear_fcN._extra_state{i}`), names load_state_dict reads in either parameter layout.
+    pg_collection: the ProcessGroupCollection Megatron built the experts with (its ep, expt_tp and
+    expt_dp groups), or None for Megatron's default groups. Needs megatron-core."""
+    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+    if pg_collection is None:
+        from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+        pg_collection = get_default_pg_collection()
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    singleton_local_shards = metadata.get("singleton_local_shards", False)
+    num_global_experts = pg_collection.ep.size() * num_local_experts
+    first_global_expert = pg_collection.ep.rank() * num_local_experts
+    tp_axes = {"linear_fc1": {"weight": 0, "bias": 0}, "linear_fc2": {"weight": 1}}
+    sharded = {}
+    for i in range(num_local_experts):
+        g = first_global_expert + i
+        if singleton_local_shards:
+            expert_prefix, offsets = f"{prefix}experts.{g}.", tuple(sharded_offsets)
+        else:
+            expert_prefix = f"{prefix}experts."
+            offsets = (*sharded_offsets, (len(sharded_offsets), g, num_global_experts))
+        for owner in _OWNERS:
+            local = {what: t for what in ("weight", "bias") if (t := tensor(owner, what, i)) is not None}
+            local["_extra_state"] = None
+            sub = make_sharded_tensors_for_checkpoint(local, f"{owner}.", tp_axes[owner], offsets,
+                                                      tp_group=pg_collection.expt_tp,
+                                                      dp_cp_group=metadata["dp_cp_group"])
+            if owner == "linear_fc1" and gated:
+                for what in ("weight", "bias"):
+                    if f"{owner}.{what}" in sub:
+                        sub[f"{owner}.{what}"] = apply_swiglu_sharded_factory(
+                            sub[f"{owner}.{what}"], offsets, singleton_local_shards, tp_group=pg_collection.expt_tp,
+                            dp_group=metadata["dp_cp_group"])
+            replace_prefix_for_sharding(sub, f"{owner}.", f"{expert_prefix}{owner}.")
+            for name, entry in sub.items():  # name: "linear_fcN.weight" etc.
+                # Replicas of an expert are the ranks of its expert-data-parallel group.
+                entry.replica_id = (*entry.replica_id[:2], pg_collection.expt_dp.rank())
+                sharded[f"{prefix}{name}{i}"] = entry
+    return sharded
 
 
 def sequential_to_grouped_keys(state_dict, prefix, num_experts):
