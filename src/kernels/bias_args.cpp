@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "kernels/activation_args.h"
+#include "kernels/bias_grad_plan.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -40,7 +41,8 @@ BiasDims check_grouped_matrix(const TensorView& m, const char* name, const Tenso
   d.N = m.shape[1];
   MOE_CHECK(d.N > 0 && d.N % 8 == 0, "argument '", name, "': expected N (columns) a positive multiple of 8, got ",
             d.N);
-  MOE_CHECK(d.R < (int64_t(1) << 33), "argument '", name, "': expected R < 2^33 rows, got ", d.R);
+  MOE_CHECK(d.R < kBiasGradMaxRows, "argument '", name, "': expected R < 2^33 rows, got ", d.R);
+  MOE_CHECK(d.N <= INT32_MAX, "argument '", name, "': expected N < 2^31 columns, got ", d.N);
   check_pointer(m, name, 16);
   MOE_CHECK(!is_absent(group_offsets), "argument 'group_offsets': required (int32 [E + 1])");
   check_device(group_offsets, "group_offsets", Device::kCUDA);
@@ -48,6 +50,8 @@ BiasDims check_grouped_matrix(const TensorView& m, const char* name, const Tenso
   MOE_CHECK(group_offsets.ndim == 1 && group_offsets.shape[0] >= 1,
             "argument 'group_offsets': expected shape [E + 1] with E >= 0, got ", group_offsets.shape_string());
   check_pointer(group_offsets, "group_offsets", 4);
+  MOE_CHECK(group_offsets.shape[0] - 1 < INT32_MAX, "argument 'group_offsets': expected fewer than 2^31 - 1 ",
+            "experts, got ", group_offsets.shape[0] - 1);
   d.E = static_cast<int>(group_offsets.shape[0] - 1);
   return d;
 }

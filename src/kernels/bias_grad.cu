@@ -140,12 +140,18 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace kernels
 
 size_t bias_grad_workspace_bytes(int64_t R, int experts, int64_t N) {
-  MOE_CHECK(R >= 0, "argument 'R': expected >= 0, got ", R);
-  MOE_CHECK(experts >= 0, "argument 'experts': expected >= 0, got ", experts);
-  MOE_CHECK(N >= 0, "argument 'N': expected >= 0, got ", N);
+  // The bounds bias_grad accepts (check_grouped_matrix), so the sizes below cannot wrap.
+  MOE_CHECK(R >= 0 && R < kernels::kBiasGradMaxRows, "argument 'R': expected 0 <= R < 2^33, got ", R);
+  MOE_CHECK(experts >= 0 && experts < INT32_MAX, "argument 'experts': expected 0 <= experts < 2^31 - 1, got ",
+            experts);
+  MOE_CHECK(N >= 0 && N <= INT32_MAX, "argument 'N': expected 0 <= N < 2^31, got ", N);
   // Sized for every call of up to R rows: a standalone op may run fewer rows than it was sized for.
-  return kernels::bias_grad_chunk_table_bytes(experts) +
-         static_cast<size_t>(kernels::bias_grad_chunk_bound(R, experts, N)) * static_cast<size_t>(N) * sizeof(float);
+  const auto chunks = static_cast<size_t>(kernels::bias_grad_chunk_bound(R, experts, N));
+  const size_t row_bytes = static_cast<size_t>(N) * sizeof(float);
+  const size_t table = kernels::bias_grad_chunk_table_bytes(experts);
+  MOE_CHECK(row_bytes == 0 || chunks <= (SIZE_MAX - table) / row_bytes, "bias_grad_workspace_bytes: ", chunks,
+            " partial sums of ", N, " columns overflow the size type");
+  return table + chunks * row_bytes;
 }
 
 void bias_grad(const TensorView& dy, const TensorView& probs, const TensorView& group_offsets, const ExpertRows& grad,

@@ -50,6 +50,6 @@ int64_t bias_grad_chunk_bound(int64_t R, int E, int64_t N) {
   return std::max(ceil_div(R, kLongestChunk), halved) + E;
 }
 
-size_t bias_grad_chunk_table_bytes(int E) { return (static_cast<size_t>(E + 1) * sizeof(int32_t) + 15) / 16 * 16; }
+size_t bias_grad_chunk_table_bytes(int E) { return ((static_cast<size_t>(E) + 1) * sizeof(int32_t) + 15) / 16 * 16; }
 
 }  // namespace moe::kernels

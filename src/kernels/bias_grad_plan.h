@@ -8,6 +8,7 @@
 namespace moe::kernels {
 
 constexpr int kBiasGradThreads = 256;  // threads of a bias_grad block
+constexpr int64_t kBiasGradMaxRows = int64_t(1) << 33;  // rows bias_grad accepts (R < 2^33)
 
 struct BiasGradPlan {
   int vx = 1;          // threads across the columns (8 columns each); kBiasGradThreads / vx row lanes

@@ -3,10 +3,12 @@
 // need more of them.
 #include <gtest/gtest.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "kernels/bias_grad_plan.h"
 #include "moe/bias_ops.h"
+#include "moe/error.h"
 
 namespace moe::kernels {
 namespace {
@@ -49,6 +51,17 @@ TEST(BiasGradPlan, WorkspaceBytesGrowWithRows) {
       last = bytes;
     }
   }
+}
+
+TEST(BiasGradPlan, WorkspaceBoundsAreCheckedNotWrapped) {
+  // At the largest accepted sizes the byte count either fits or is refused; it never wraps.
+  EXPECT_GT(bias_grad_workspace_bytes(kBiasGradMaxRows - 1, 0, 8), size_t(1) << 31);
+  EXPECT_THROW(bias_grad_workspace_bytes(kBiasGradMaxRows - 1, INT32_MAX - 1, INT32_MAX), Error);
+  EXPECT_THROW(bias_grad_workspace_bytes(kBiasGradMaxRows, 0, 8), Error);
+  EXPECT_THROW(bias_grad_workspace_bytes(8, 0, int64_t(INT32_MAX) + 1), Error);
+  EXPECT_THROW(bias_grad_workspace_bytes(8, INT32_MAX, 8), Error);
+  EXPECT_THROW(bias_grad_workspace_bytes(-1, 0, 8), Error);
+  EXPECT_EQ(bias_grad_chunk_table_bytes(INT32_MAX - 1), size_t(1) << 33);  // 4 (2^31 - 1) bytes, padded to 16
 }
 
 }  // namespace

@@ -109,7 +109,7 @@ std::tuple<at::Tensor, at::Tensor> dispatch_permute_backward(int64_t handle, con
                                                              int64_t tokens, int64_t slots) {
   const Dispatcher& d = registry().get(handle).d;
   return translate_errors([&] {
-    const SavedState plan = state_of(plan_t, header, kHeaders);
+    const SavedState plan = state_of(plan_t, header, kHeaders, "plan", "plan_header");
     require_dims(d_x_perm, "d_x_perm", 2);
     const int64_t T = d.tokens(plan);
     MOE_CHECK(tokens == T && slots == d.slots_per_token(), "argument 'tokens'/'slots': expected ", T, "/",
@@ -134,7 +134,7 @@ at::Tensor dispatch_unpermute(int64_t handle, const at::Tensor& plan_t, const at
                               const c10::optional<at::Tensor>& probs, int64_t tokens) {
   const Dispatcher& d = registry().get(handle).d;
   return translate_errors([&] {
-    const SavedState plan = state_of(plan_t, header, kHeaders);
+    const SavedState plan = state_of(plan_t, header, kHeaders, "plan", "plan_header");
     require_dims(Y, "Y", 2);
     const int64_t T = d.tokens(plan);
     MOE_CHECK(tokens == T, "argument 'tokens': expected ", T, " (the plan's), got ", tokens);
@@ -153,7 +153,7 @@ std::tuple<at::Tensor, at::Tensor> dispatch_unpermute_backward(int64_t handle, c
                                                                const c10::optional<at::Tensor>& probs, int64_t slots) {
   const Dispatcher& d = registry().get(handle).d;
   return translate_errors([&] {
-    const SavedState plan = state_of(plan_t, header, kHeaders);
+    const SavedState plan = state_of(plan_t, header, kHeaders, "plan", "plan_header");
     require_dims(dy, "dy", 2);
     MOE_CHECK(slots == d.slots_per_token(), "argument 'slots': expected ", d.slots_per_token(), ", got ", slots);
     at::Tensor dY = at::empty({d.rows(), dy.size(1)}, dy.options());

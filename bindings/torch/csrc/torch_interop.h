@@ -65,12 +65,16 @@ inline int to_int(int64_t v, const char* name) {
   return static_cast<int>(v);
 }
 
-// A Python float argument as the library's float: a finite value past float's range is refused by
-// name (its conversion is undefined); NaN and infinities pass on to the library's own checks.
+// A Python float argument as the library's float: a finite value past float's range (its conversion
+// is undefined) or a non-zero one that rounds to zero is refused by name; NaN and infinities pass on
+// to the library's own checks.
 inline float to_float(double v, const char* name) {
   MOE_CHECK(!std::isfinite(v) || std::fabs(v) <= static_cast<double>(std::numeric_limits<float>::max()),
             "argument '", name, "': expected a value within float's range, got ", v);
-  return static_cast<float>(v);
+  const float f = static_cast<float>(v);
+  // A non-zero value that float rounds to zero would switch off what it weighs (a loss coefficient).
+  MOE_CHECK(v == 0 || f != 0, "argument '", name, "': ", v, " is non-zero but below float's smallest value");
+  return f;
 }
 
 // `t` has exactly `dims` dimensions (checked before any t.size(i) is read).
@@ -114,12 +118,14 @@ inline std::tuple<at::Tensor, at::Tensor> new_state_tensors(size_t device_bytes,
   return {dev, host};
 }
 
-inline SavedState state_of(const at::Tensor& dev, const at::Tensor& host, int headers) {
+// name / header_name: the operator's argument names (the dispatch ops call theirs plan / plan_header).
+inline SavedState state_of(const at::Tensor& dev, const at::Tensor& host, int headers, const char* name = "state",
+                           const char* header_name = "state_header") {
   MOE_CHECK(dev.defined() && dev.is_cuda() && dev.scalar_type() == at::kByte && dev.dim() == 1 && dev.is_contiguous(),
-            "argument 'state': expected the CUDA uint8 state tensor returned by the forward");
+            "argument '", name, "': expected the CUDA uint8 state tensor returned by the forward");
   MOE_CHECK(host.defined() && !host.is_cuda() && host.scalar_type() == at::kByte && host.dim() == 1 &&
                 host.is_contiguous() && host.numel() == int64_t(headers) * int64_t(sizeof(StateHeader)),
-            "argument 'state_header': expected the CPU uint8 header tensor returned by the forward");
+            "argument '", header_name, "': expected the CPU uint8 header tensor returned by the forward");
   return SavedState::borrow(dev.data_ptr(), static_cast<size_t>(dev.numel()),
                             reinterpret_cast<StateHeader*>(host.data_ptr()), headers);
 }
