@@ -19,9 +19,10 @@ parameter's gradient agree; with gradient_accumulation_fusion the gradients land
 with delay_wgrad_compute, MoELayer.backward_dw() fires each parameter's DDP hook (registered the way
 Megatron's DDP registers them) exactly once, fc2's before fc1's, with main_grad final at that point;
 checkpoints go SequentialMLP -> per-expert -> grouped -> per-expert -> SequentialMLP bitwise; in
-Megatron's distributed checkpoint format, the experts' sharded state dict equals SequentialMLP's
-entry by entry (also placed as an expert-parallel rank of a larger group) and torch_dist files go
-SequentialMLP -> ours -> SequentialMLP bitwise.
+Megatron's distributed checkpoint format, what the experts' sharded state dict puts in a checkpoint
+equals SequentialMLP's (also placed as an expert-parallel or expert-data-parallel rank of a larger
+group, under a pipeline offset, with singleton local shards), torch_dist files go SequentialMLP ->
+ours -> SequentialMLP bitwise, and optimizer states move between our two parameter layouts.
 
 Tolerance (relative L2 error, TOL = 4e-2): both sides compute in bf16 with fp32 accumulation but
 round at different places -- Megatron after fc1, the bias add, the activation, the gating product,
@@ -389,52 +390,59 @@ class _FakeGroup:
         return self._size
 
 
-def _sharded_experts(layer, prefix="decoder.layers.0.mlp."):
-    """The experts' entries of the layer's sharded state dict, keyed like ours
-    (`{prefix}experts.linear_fc1.weight{i}`): SequentialMLP's `local_experts.{i}.linear_fc1.weight`
-    renamed."""
-    out = {}
-    for k, v in layer.sharded_state_dict(prefix=prefix).items():
-        m = re.fullmatch(re.escape(prefix) + r"experts\.local_experts\.(\d+)\.(linear_fc[12])\.(\w+)", k)
-        if m is not None:
-            k = f"{prefix}experts.{m.group(2)}.{m.group(3)}{m.group(1)}"
-        if k.startswith(f"{prefix}experts."):
-            out[k] = v
-    return out
-
-
-def _describe(entry):
-    """What the checkpoint records of an entry: key, global placement, replica id, and the pieces a
-    factory (the GLU halves) builds, with the data they hold."""
+def _checkpoint_leaves(layer, prefix="decoder.layers.0.mlp.", **kwargs):
+    """What the experts' entries of the layer's sharded state dict put in a checkpoint, whatever the
+    entries' layout: every ShardedTensor (factories built: the GLU halves, a grouped parameter's
+    experts) and ShardedObject under `{prefix}experts.`, by key and global offset, with its global
+    shape, fragmentation, replica id and data."""
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-    if isinstance(entry, ShardedTensorFactory):
-        return ("factory", entry.key, entry.replica_id,
-                [_describe(p) for p in entry.build_fn(entry.key, entry.data, entry.replica_id, None)])
-    if isinstance(entry, ShardedTensor):
-        return ("tensor", entry.key, tuple(entry.global_shape), tuple(entry.global_offset),
-                tuple(entry.axis_fragmentations), entry.replica_id, entry.prepend_axis_num,
-                entry.data.cpu().float().flatten().tolist())
-    assert isinstance(entry, ShardedObject), type(entry)
-    return ("object", entry.key, entry.data, tuple(entry.global_shape), tuple(entry.global_offset), entry.replica_id)
+    leaves = {}
+
+    def visit(x):
+        if isinstance(x, ShardedTensorFactory):
+            visit(x.build())
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                visit(y)
+        elif isinstance(x, ShardedTensor):
+            leaves[(x.key, tuple(x.global_offset))] = (
+                "tensor", tuple(x.global_shape), tuple(x.axis_fragmentations), x.replica_id, x.prepend_axis_num,
+                x.data.cpu().float().flatten().tolist())
+        else:
+            assert isinstance(x, ShardedObject), type(x)
+            leaves[(x.key, tuple(x.global_offset))] = ("object", x.data, tuple(x.global_shape), x.replica_id)
+
+    for k, v in layer.sharded_state_dict(prefix=prefix, **kwargs).items():
+        if k.startswith(f"{prefix}experts."):
+            visit(v)
+    return leaves
 
 
 @pytest.mark.parametrize("per_expert_weights", [True, False])
 @pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("ep_rank", [None, 3])
-def test_distributed_checkpoint_entries_match_sequential_mlp(per_expert_weights, gated, ep_rank):
+@pytest.mark.parametrize("placement", ["world size 1", "EP rank 3 of 4", "expert-DP rank 2 of 4",
+                                       "pipeline stage 1 of 3", "singleton local shards"])
+def test_distributed_checkpoint_entries_match_sequential_mlp(per_expert_weights, gated, placement):
     config = make_config(bias=True, gated_linear_unit=gated, activation_func=F.silu if gated else squared_relu)
     ref = randomized_reference(config, seed=21)
     layer = our_layer(config, ref, per_expert_weights)
-    if ep_rank is not None:  # EP rank 3 of 4: global experts 3E .. 4E-1 of 4E
-        pg = get_default_pg_collection()
-        ref.experts.ep_group = _FakeGroup(ep_rank, 4)
-        layer.experts.pg_collection = types.SimpleNamespace(ep=_FakeGroup(ep_rank, 4), expt_tp=pg.expt_tp,
-                                                            expt_dp=pg.expt_dp)
-    want, got = _sharded_experts(ref), _sharded_experts(layer)
+    pg = get_default_pg_collection()
+    groups = {"ep": pg.ep, "expt_tp": pg.expt_tp, "expt_dp": pg.expt_dp}
+    kwargs = {}
+    if placement == "EP rank 3 of 4":  # global experts 3E .. 4E-1 of 4E
+        groups["ep"] = ref.experts.ep_group = _FakeGroup(3, 4)
+    elif placement == "expert-DP rank 2 of 4":  # a replica: replica id 2
+        groups["expt_dp"] = ref.experts.dp_group = _FakeGroup(2, 4)
+    elif placement == "pipeline stage 1 of 3":  # an offset the model prepends
+        kwargs["sharded_offsets"] = ((0, 1, 3),)
+    elif placement == "singleton local shards":  # a key per expert
+        kwargs["metadata"] = {"singleton_local_shards": True}
+    layer.experts.pg_collection = types.SimpleNamespace(**groups)
+    want, got = _checkpoint_leaves(ref, **kwargs), _checkpoint_leaves(layer, **kwargs)
     assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
     for k in want:
-        assert _describe(got[k]) == _describe(want[k]), f"{k}: ours differs from SequentialMLP's entry"
+        assert got[k] == want[k], f"{k}: ours differs from SequentialMLP's entry"
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -457,3 +465,64 @@ def test_distributed_checkpoint_round_trip_with_sequential_mlp(gated, tmp_path):
         fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), str(out_dir)))
         for key, t in expert_tensors(fresh, "data").items():
             assert torch.equal(t, want[key]), f"our checkpoint (per_expert={per_expert_weights}) -> SequentialMLP: {key}"
+
+
+def _adam_after_one_step(layer, seed):
+    """torch.optim.Adam over the experts' parameters after one step on seeded gradients (zero
+    gradients when seed is None: the states exist, all zero)."""
+    params = list(layer.experts.parameters())
+    g = torch.Generator(device="cuda").manual_seed(seed or 0)
+    for q in params:
+        q.grad = torch.zeros_like(q) if seed is None else torch.randn(q.shape, device="cuda", generator=g).to(q.dtype)
+    opt = torch.optim.Adam(params, lr=1e-3)
+    opt.step()
+    return opt
+
+
+def _sharded_optimizer_state(layer, opt):
+    """The optimizer's state dict with each parameter's states placed as that parameter's checkpoint
+    entries, as Megatron's (non-distributed) optimizers save it: the parameter found by identity."""
+    from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                            optim_state_to_sharding_state)
+    params = list(layer.experts.parameters())
+    id_map = get_param_id_to_sharded_param_map(layer.sharded_state_dict(), params)
+    assert sorted(id_map) == list(range(len(params))), \
+        f"{len(params) - len(id_map)} of {len(params)} parameters have no checkpoint entry holding them"
+    sd = opt.state_dict()
+    step = next(iter(sd["state"].values()))["step"]
+    optim_state_to_sharding_state(sd, id_map, exclude_keys=("step",))
+    sd["state"]["common_step"] = step  # Megatron's optimizers save one step for all parameters
+    return sd
+
+
+def _load_optimizer_state(opt, loaded):
+    """As MegatronOptimizer.load_state_dict: the common step given back to every parameter."""
+    step = loaded["state"].pop("common_step")
+    for param_state in loaded["state"].values():
+        param_state["step"] = step.clone()
+    opt.load_state_dict(loaded)
+
+
+def test_distributed_checkpoint_optimizer_state_across_layouts(tmp_path):
+    # A grouped parameter's entry holds the parameter itself, so the optimizer maps its states too;
+    # states saved from one layout load into the other, expert by expert.
+    from megatron.core import dist_checkpointing
+    config = make_config(bias=True)
+    ref = randomized_reference(config, seed=25)
+    for src_per_expert in (False, True):
+        src = our_layer(config, ref, per_expert_weights=src_per_expert)
+        src_opt = _adam_after_one_step(src, seed=26)
+        want = {k: torch.stack([src_opt.state[q][k] for q in qs]) if len(qs) > 1 else src_opt.state[qs[0]][k]
+                for k in ("exp_avg", "exp_avg_sq")
+                for qs in [src.experts.expert_params("fc1", "weight")]}
+        out_dir = tmp_path / f"optimizer_{src_per_expert}"
+        out_dir.mkdir()
+        dist_checkpointing.save({"optimizer": _sharded_optimizer_state(src, src_opt)}, str(out_dir))
+        dst = our_layer(config, ref, per_expert_weights=not src_per_expert)
+        dst_opt = _adam_after_one_step(dst, seed=None)
+        loaded = dist_checkpointing.load({"optimizer": _sharded_optimizer_state(dst, dst_opt)}, str(out_dir))
+        _load_optimizer_state(dst_opt, loaded["optimizer"])
+        qs = dst.experts.expert_params("fc1", "weight")
+        for k, t in want.items():
+            got = torch.stack([dst_opt.state[q][k] for q in qs]) if len(qs) > 1 else dst_opt.state[qs[0]][k]
+            assert torch.equal(got, t), f"fc1.weight {k}: per_expert={src_per_expert} -> {not src_per_expert}"

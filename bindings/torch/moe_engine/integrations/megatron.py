@@ -51,8 +51,9 @@ the same way (`normalize_optimizer_state`).
 
 Megatron's distributed checkpoint (`sharded_state_dict`, which MoELayer calls): the ShardedTensors
 SequentialMLP and TEGroupedMLP write -- each expert at its global index, the GLU halves split as
-Megatron splits them -- so dist_checkpointing files move between the three experts modules, in
-either parameter layout, and between expert-parallel sizes."""
+Megatron splits them -- so dist_checkpointing files move between the three experts modules and
+between expert-parallel sizes; a grouped parameter is one factory entry holding the parameter, so
+optimizer states map to it too (megatron_sharded_state_dict)."""
 import re
 
 import torch
@@ -131,10 +132,11 @@ class MegatronGroupedMLP(GroupedExperts):
 
     MegatronGroupedMLP(num_local_experts, config, submodules=None, pg_collection=None, name=None,
     max_rows=None, per_expert_weights=True, device=None, init_std=None): the first five arguments are
-    TEGroupedMLP's (submodules, pg_collection and name are accepted and not used). `max_rows` bounds
-    the permuted rows of one call (workspaces are sized for it once): at most
-    tokens per micro-batch x moe_router_topk x expert-parallel size in a dropless setting; when it is
-    None, `config.moe_engine_max_rows` is read."""
+    TEGroupedMLP's (submodules and name are accepted and not used; pg_collection gives
+    sharded_state_dict its expert groups). `max_rows` bounds the permuted rows of one call
+    (workspaces are sized for it once): at most tokens per micro-batch x moe_router_topk x
+    expert-parallel size in a dropless setting; when it is None, `config.moe_engine_max_rows` is
+    read."""
 
     _OWNER_NAMES = {"fc1": _OWNERS[0], "fc2": _OWNERS[1]}
     _OWNER_CLASS = _LinearOwner
@@ -240,15 +242,9 @@ class MegatronGroupedMLP(GroupedExperts):
         """Megatron's distributed checkpoint (`dist_checkpointing`): the ShardedTensors SequentialMLP
         and TEGroupedMLP write, so a checkpoint moves between the three experts modules and between
         expert-parallel sizes. MoELayer.sharded_state_dict() calls it."""
-        def tensor(owner, what, i):
-            if what == "bias" and not self.has_bias:
-                return None
-            owner_module = getattr(self, owner)
-            if self.per_expert_weights:
-                return getattr(owner_module, f"{what}{i}")
-            return getattr(owner_module, what)[i]
-
-        return megatron_sharded_state_dict(tensor, self.num_local_experts, bool(self.config.gated_linear_unit),
+        params = {(owner, what): self.expert_params(p, what) for p, owner in self._OWNER_NAMES.items()
+                  for what in ("weight", "bias") if what == "weight" or self.has_bias}
+        return megatron_sharded_state_dict(params, self.num_local_experts, bool(self.config.gated_linear_unit),
                                            prefix, sharded_offsets, metadata, self.pg_collection)
 
     def _normalize_keys(self, state_dict, prefix, *args, **kwargs):
@@ -290,7 +286,7 @@ _EXTRA_STATE = re.compile(r"(local_experts\.\d+\.)?linear_fc[12]\._extra_state\d
 _SEQUENTIAL = re.compile(r"local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
 
 
-def megatron_sharded_state_dict(tensor, num_local_experts, gated, prefix="", sharded_offsets=(), metadata=None,
+def megatron_sharded_state_dict(params, num_local_experts, gated, prefix="", sharded_offsets=(), metadata=None,
                                 pg_collection=None):
     """The sharded state dict of local experts as megatron-core's SequentialMLP builds it (whose
     layout TEGroupedMLP shares): for local expert i, at global index g = EP rank x num_local_experts
@@ -301,11 +297,17 @@ def megatron_sharded_state_dict(tensor, num_local_experts, gated, prefix="", sha
     and the expert-data-parallel rank as replica id. `singleton_local_shards` in metadata gives each
     expert its own keys (`{prefix}experts.{g}.linear_fc1.weight`) instead.
 
-    tensor(owner, what, i) gives local expert i's `linear_fc1` / `linear_fc2` `weight` / `bias` (None
-    when absent); the entries are keyed `{prefix}linear_fcN.{what}{i}` (and
-    `{prefix}linear_fcN._extra_state{i}`), names load_state_dict reads in either parameter layout.
-    pg_collection: the ProcessGroupCollection Megatron built the experts with (its ep, expt_tp and
-    expt_dp groups), or None for Megatron's default groups. Needs megatron-core."""
+    params: {(owner, what): tensors} for owner linear_fc1 / linear_fc2 and what weight / bias (a
+    parameter left out does not exist): tensors is the list of the local experts' tensors, keyed
+    `{prefix}linear_fcN.{what}{i}`, or a one-element list holding the grouped [E, ...] tensor, keyed
+    `{prefix}linear_fcN.{what}` and entered as one ShardedTensorFactory whose data is that tensor
+    and which builds the same per-expert ShardedTensors (Megatron's optimizers find a parameter's
+    entry by the identity of its data, so the entry of a grouped parameter must hold the parameter
+    itself). `_extra_state` entries are keyed `{prefix}linear_fcN._extra_state{i}`. Both spellings
+    are what load_state_dict reads in either parameter layout. pg_collection: the
+    ProcessGroupCollection Megatron built the experts with (its ep, expt_tp and expt_dp groups), or
+    None for Megatron's default groups. Needs megatron-core."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
     from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
@@ -318,30 +320,72 @@ def megatron_sharded_state_dict(tensor, num_local_experts, gated, prefix="", sha
     num_global_experts = pg_collection.ep.size() * num_local_experts
     first_global_expert = pg_collection.ep.rank() * num_local_experts
     tp_axes = {"linear_fc1": {"weight": 0, "bias": 0}, "linear_fc2": {"weight": 1}}
-    sharded = {}
-    for i in range(num_local_experts):
+
+    def expert_entries(owner, tensors, i):
+        """{"linear_fcN.weight": entry, ...} of local expert i: what SequentialMLP's expert MLP and
+        its linears return, with SequentialMLP's expert prefix and replica ids."""
         g = first_global_expert + i
         if singleton_local_shards:
             expert_prefix, offsets = f"{prefix}experts.{g}.", tuple(sharded_offsets)
         else:
             expert_prefix = f"{prefix}experts."
             offsets = (*sharded_offsets, (len(sharded_offsets), g, num_global_experts))
-        for owner in _OWNERS:
-            local = {what: t for what in ("weight", "bias") if (t := tensor(owner, what, i)) is not None}
+        sub = make_sharded_tensors_for_checkpoint(tensors, f"{owner}.", tp_axes[owner], offsets,
+                                                  tp_group=pg_collection.expt_tp, dp_cp_group=metadata["dp_cp_group"])
+        if owner == "linear_fc1" and gated:
+            for what in ("weight", "bias"):
+                if f"{owner}.{what}" in sub:
+                    sub[f"{owner}.{what}"] = apply_swiglu_sharded_factory(
+                        sub[f"{owner}.{what}"], offsets, singleton_local_shards, tp_group=pg_collection.expt_tp,
+                        dp_group=metadata["dp_cp_group"])
+        replace_prefix_for_sharding(sub, f"{owner}.", f"{expert_prefix}{owner}.")
+        for entry in sub.values():
+            # Replicas of an expert are the ranks of its expert-data-parallel group.
+            entry.replica_id = (*entry.replica_id[:2], pg_collection.expt_dp.rank())
+        return sub
+
+    def grouped_factory(owner, what, grouped):
+        name = f"{owner}.{what}"
+        base = f"{prefix}experts.{name}"  # the key of the entries (singleton: with the expert's index)
+
+        def build(key, data, replica_id, flattened_range):
+            # key: base, or base under an optimizer prefix (its states are built from the same factory).
+            if flattened_range is not None:
+                raise NotImplementedError("moe_engine: flattened ranges of a grouped expert parameter")
+            if not key.endswith(base):
+                raise ValueError(f"moe_engine: factory key '{key}' does not end with '{base}'")
+            outer = key[:len(key) - len(base)]
+            pieces = []
+            for i in range(num_local_experts):
+                entry = expert_entries(owner, {what: data[i]}, i)[name]
+                parts = entry.build() if isinstance(entry, ShardedTensorFactory) else [entry]
+                for part in parts:
+                    part.key = outer + part.key
+                    part.replica_id = replica_id
+                pieces.append(parts)
+            return pieces
+
+        def merge(pieces):
+            return torch.stack([torch.cat(parts) if len(parts) > 1 else parts[0] for parts in pieces])
+
+        replica_id = expert_entries(owner, {what: grouped[0]}, 0)[name].replica_id
+        return ShardedTensorFactory(base, grouped, build, merge, replica_id)
+
+    sharded = {}
+    for owner in _OWNERS:
+        per_expert = {}
+        for what in ("weight", "bias"):
+            tensors = params.get((owner, what))
+            if tensors is None:
+                continue
+            if len(tensors) == 1 and tensors[0].dim() == (3 if what == "weight" else 2):  # grouped [E, ...]
+                sharded[f"{prefix}{owner}.{what}"] = grouped_factory(owner, what, tensors[0])
+            else:
+                per_expert[what] = tensors
+        for i in range(num_local_experts):
+            local = {what: tensors[i] for what, tensors in per_expert.items()}
             local["_extra_state"] = None
-            sub = make_sharded_tensors_for_checkpoint(local, f"{owner}.", tp_axes[owner], offsets,
-                                                      tp_group=pg_collection.expt_tp,
-                                                      dp_cp_group=metadata["dp_cp_group"])
-            if owner == "linear_fc1" and gated:
-                for what in ("weight", "bias"):
-                    if f"{owner}.{what}" in sub:
-                        sub[f"{owner}.{what}"] = apply_swiglu_sharded_factory(
-                            sub[f"{owner}.{what}"], offsets, singleton_local_shards, tp_group=pg_collection.expt_tp,
-                            dp_group=metadata["dp_cp_group"])
-            replace_prefix_for_sharding(sub, f"{owner}.", f"{expert_prefix}{owner}.")
-            for name, entry in sub.items():  # name: "linear_fcN.weight" etc.
-                # Replicas of an expert are the ranks of its expert-data-parallel group.
-                entry.replica_id = (*entry.replica_id[:2], pg_collection.expt_dp.rank())
+            for name, entry in expert_entries(owner, local, i).items():  # name: "linear_fcN.weight" etc.
                 sharded[f"{prefix}{name}{i}"] = entry
     return sharded
 
