@@ -346,10 +346,11 @@ def megatron_sharded_state_dict(params, num_local_experts, gated, prefix="", sha
 
     def grouped_factory(owner, what, grouped):
         name = f"{owner}.{what}"
-        base = f"{prefix}experts.{name}"  # the key of the entries (singleton: with the expert's index)
+        base = f"{prefix}experts.{name}"  # the factory's key; the entries it builds carry their own
 
         def build(key, data, replica_id, flattened_range):
-            # key: base, or base under an optimizer prefix (its states are built from the same factory).
+            # key: base, or base under an optimizer prefix (optimizer states are built from a copy of
+            # this factory holding the state tensor): the entries' keys take the same prefix.
             if flattened_range is not None:
                 raise NotImplementedError("moe_engine: flattened ranges of a grouped expert parameter")
             if not key.endswith(base):
