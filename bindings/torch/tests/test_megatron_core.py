@@ -377,8 +377,8 @@ def test_checkpoints_sequential_per_expert_grouped_round_trip():
 
 
 class _FakeGroup:
-    """An expert-parallel group as sharded_state_dict reads it (rank(), size()): places this rank's
-    experts where EP rank `rank` of `size` would hold them, without more processes."""
+    """A process group as sharded_state_dict reads it (rank(), size()): places this rank's experts
+    where rank `rank` of a group of `size` would hold them, without more processes."""
 
     def __init__(self, rank, size):
         self._rank, self._size = rank, size
