@@ -114,7 +114,9 @@ std::string make_header(std::vector<TensorSource>& tensors, const Metadata& meta
 // Writes a safetensors file: to a new file beside `path` first (`path`.tmp.<pid>.<n>, created
 // exclusively: an existing file, e.g. the input being converted, is never truncated), renamed over
 // `path` when complete (a failed or interrupted write never leaves a truncated file under the final
-// name).
+// name). A symbolic link at `path` stays: the file it names is the one replaced. A replaced file
+// keeps its permission bits. An existing `path` that is not a regular file (a directory, a device
+// such as /dev/null, a FIFO) is refused, as is an empty path.
 void write_file(const std::string& path, std::vector<TensorSource> tensors,
                 const Metadata& metadata = {}, const ProgressFn& progress = {});
 

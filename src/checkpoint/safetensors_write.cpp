@@ -10,6 +10,9 @@
 #include <vector>
 
 #include <fcntl.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -61,6 +64,38 @@ uint64_t source_bytes(const TensorSource& t) {
 
 void put_le64(std::string& out, uint64_t v) {
   for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+// Where the file goes: `path`, or the file a symbolic link there points to (so that the link stays
+// and the file it names gets the data), with the permission bits to give it: the existing file's,
+// or 0666 less the umask for a new one. Refuses an existing target that is not a regular file (a
+// rename over a device, FIFO or directory entry would replace it) and a link that resolves nowhere.
+struct WriteTarget {
+  std::string path;
+  bool exists = false;
+  mode_t mode = 0;
+};
+
+WriteTarget write_target(const std::string& path) {
+  MOE_CHECK(!path.empty(), "argument 'path': the output file name is empty");
+  WriteTarget t{path};
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    MOE_CHECK(errno == ENOENT, path, ": cannot inspect the output path (", std::strerror(errno), ")");
+    return t;  // a new file
+  }
+  if (S_ISLNK(st.st_mode)) {
+    char resolved[PATH_MAX];
+    MOE_CHECK(::realpath(path.c_str(), resolved) != nullptr, path, ": a symbolic link whose target cannot be ",
+              "resolved (", std::strerror(errno), "); give the target's path");
+    t.path = resolved;
+    MOE_CHECK(::stat(t.path.c_str(), &st) == 0, path, ": cannot inspect ", t.path, " (", std::strerror(errno), ")");
+  }
+  MOE_CHECK(S_ISREG(st.st_mode), path, ": exists and is not a regular file (a directory, device or FIFO); ",
+            "refusing to replace it");
+  t.exists = true;
+  t.mode = st.st_mode & 07777;
+  return t;
 }
 
 }  // namespace
@@ -143,12 +178,21 @@ void write_file(const std::string& path, std::vector<TensorSource> tensors,
   // A new file beside the target, renamed over it once complete. Created exclusively (O_EXCL), never
   // opened over an existing one: the input being converted may carry that name, or a link may stand
   // there, and truncating it would pull the data from under its mapping.
+  const WriteTarget target = write_target(path);
   std::string tmp;
   int fd = -1;
   for (int attempt = 0; fd < 0; ++attempt) {
-    tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(attempt);
+    tmp = target.path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(attempt);
     fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    MOE_CHECK(fd >= 0 || (errno == EEXIST && attempt < 1000), tmp, ": cannot create (", std::strerror(errno), ")");
+    MOE_CHECK(fd >= 0 || (errno == EEXIST && attempt < 1000), path, ": cannot create the file beside it that is ",
+              "renamed over it when complete, ", tmp, " (", std::strerror(errno), ")");
+  }
+  // A replaced file keeps its permissions (the new one would get 0666 less the umask).
+  if (target.exists && ::fchmod(fd, target.mode) != 0) {
+    const int err = errno;
+    ::close(fd);
+    std::remove(tmp.c_str());
+    detail::throw_error(path, ": cannot give the new file the permissions of the old (", std::strerror(err), ")");
   }
   std::FILE* f = ::fdopen(fd, "wb");
   if (f == nullptr) {
@@ -184,7 +228,7 @@ void write_file(const std::string& path, std::vector<TensorSource> tensors,
     std::remove(tmp.c_str());
     detail::throw_error(tmp, ": close failed (", std::strerror(err), ")");
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+  if (std::rename(tmp.c_str(), target.path.c_str()) != 0) {
     const int err = errno;
     std::remove(tmp.c_str());
     detail::throw_error(path, ": cannot rename ", tmp, " into place (", std::strerror(err), ")");

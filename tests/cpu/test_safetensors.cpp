@@ -314,6 +314,50 @@ TEST(Safetensors, WritingNeverTruncatesAnExistingFile) {
   std::remove(path.c_str());
 }
 
+// The output path: a FIFO or a directory there is refused, not renamed over (a device such as
+// /dev/null would have become a regular file); a replaced file keeps its permission bits; a link
+// stays a link and the file it names gets the data; an empty name or a dangling link is refused.
+TEST(Safetensors, WriteTargetsOnlyRegularFiles) {
+  std::vector<float> a(16, 1.5f);
+  const std::vector<st::TensorSource> tensors = {{"a", DType::kFP32, {16}, a.data()}};
+  const std::string fifo = tmp_path("out_fifo.safetensors");
+  std::remove(fifo.c_str());
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_error_naming([&] { st::write_file(fifo, tensors); }, "not a regular file");
+  struct stat sb {};
+  ASSERT_EQ(::stat(fifo.c_str(), &sb), 0);
+  EXPECT_TRUE(S_ISFIFO(sb.st_mode));
+  std::remove(fifo.c_str());
+  const std::string dir = tmp_path("out_dir.safetensors");
+  ::rmdir(dir.c_str());
+  ASSERT_EQ(::mkdir(dir.c_str(), 0700), 0);
+  expect_error_naming([&] { st::write_file(dir, tensors); }, "not a regular file");
+  ::rmdir(dir.c_str());
+  expect_error_naming([&] { st::write_file("", tensors); }, "'path'");
+
+  const std::string file = tmp_path("private.safetensors");
+  { std::ofstream(file, std::ios::binary) << "old"; }
+  ASSERT_EQ(::chmod(file.c_str(), 0600), 0);
+  st::write_file(file, tensors);
+  ASSERT_EQ(::stat(file.c_str(), &sb), 0);
+  EXPECT_EQ(sb.st_mode & 07777, 0600u);
+
+  const std::string link = tmp_path("link.safetensors");
+  std::remove(link.c_str());
+  ASSERT_EQ(::symlink(file.c_str(), link.c_str()), 0);
+  a[0] = 2.5f;
+  st::write_file(link, tensors);
+  ASSERT_EQ(::lstat(link.c_str(), &sb), 0);
+  EXPECT_TRUE(S_ISLNK(sb.st_mode));
+  auto out = st::File::open(file);
+  EXPECT_EQ(reinterpret_cast<const float*>(out->data(out->at("a")))[0], 2.5f);
+  std::remove(link.c_str());
+  std::remove(file.c_str());
+  ASSERT_EQ(::symlink(tmp_path("nowhere/x.safetensors").c_str(), link.c_str()), 0);
+  expect_error_naming([&] { st::write_file(link, tensors); }, "symbolic link");
+  std::remove(link.c_str());
+}
+
 // Opening a FIFO (a name an untrusted path may carry) returns an error at once: it is not a
 // regular file, and opening it must not wait for a writer.
 TEST(Safetensors, OpeningAFifoFailsWithoutBlocking) {
