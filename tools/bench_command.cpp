@@ -3,6 +3,7 @@
 // against the CPU reference, and reports TFLOP/s (the convention of docs/semantics.md) and the
 // extra device memory; optionally draws the graph-captured TFLOP/s as a PNG bar chart.
 #include <cstdio>
+#include <sys/stat.h>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -11,6 +12,7 @@
 #include <cuda_runtime_api.h>
 #include <nlohmann/json.hpp>
 
+#include "cli_checks.h"
 #include "command.h"
 #include "moe/activation.h"
 #include "moe/error.h"
@@ -31,6 +33,7 @@ struct BenchArgs {
   std::string x_perm = "auto";
   bool fp8 = false;
   std::string fp8_weights = "every-forward";
+  bool fp8_weights_given = false;
   std::string wgrad = "write";
   std::string emulate = "none";
   std::string fc1 = "auto";
@@ -81,6 +84,16 @@ void write_chart(const std::string& path, const std::string& title, const std::v
   bench::write_png(path, bench::render_bar_chart(chart));
 }
 
+// The options of one shape: the fused kernels where the command line and the shape ask for them.
+bench::LayerBenchOptions shape_options(const BenchArgs& a, bench::LayerBenchOptions o, bool unfused,
+                                       const bench::Shape& s) {
+  o.fuse_fc1 = !unfused && uses_fused_fc1(a.fc1, s);
+  o.save_x_perm = saves_x_perm(a.x_perm, o.fuse_fc1, s);
+  o.fuse_fc2_dgrad = !unfused && uses_fused_fc2_dgrad(a.dgrad, s, o.save_x_perm);
+  o.token_chunks = a.token_chunks;
+  return o;
+}
+
 void run_bench(const BenchArgs& a) {
   if (a.list) {
     std::cout << bench::shape_table();
@@ -94,15 +107,6 @@ void run_bench(const BenchArgs& a) {
     shapes.push_back(bench::shape_by_name("qwen3-30b-a3b-ep8"));
   } else {
     for (const auto& n : a.shapes) shapes.push_back(bench::parse_shape(n));
-  }
-  if (!a.png.empty()) {  // fail now rather than after a long run (the file is rewritten at the end)
-    std::ofstream probe(a.png, std::ios::app);
-    MOE_CHECK(probe.good(), "argument 'png': cannot open '", a.png, "' for writing");
-  }
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::cerr << "moe-engine bench: no CUDA GPU available (this command needs one)\n";
-    std::exit(2);
   }
   bench::LayerBenchOptions o;
   o.skew = a.skew;
@@ -119,6 +123,7 @@ void run_bench(const BenchArgs& a) {
     if (o.align == 0) o.align = 128;
   }
   const bool emulated = a.emulate != "none";
+  MOE_CHECK(!a.fp8_weights_given || a.fp8 || emulated, "argument 'fp8-weights': applies to --fp8 or --emulate");
   if (emulated) {
     MOE_CHECK(!a.fp8, "argument 'emulate': --fp8 and --emulate exclude each other");
     o.emulated = a.emulate == "mxfp8" ? EmulatedQuant::kMXFP8 : EmulatedQuant::kNVFP4;
@@ -130,6 +135,24 @@ void run_bench(const BenchArgs& a) {
   const std::string precision =
       a.fp8 ? std::string("FP8 block-scaled experts") : emulated ? "emulated " + a.emulate + " experts" : "bf16";
 
+  // Every shape's layer configuration is checked before looking for a GPU, so a shape or option the
+  // layer refuses is reported as such everywhere (and before the CPU builds its routing).
+  for (const auto& s : shapes) bench::layer_bench_config(s, shape_options(a, o, unfused, s)).validate();
+  if (!a.png.empty()) {  // fail now rather than after a long run (the file is written at the end)
+    struct stat st {};
+    const bool existed = ::stat(a.png.c_str(), &st) == 0;
+    MOE_CHECK(!existed || S_ISREG(st.st_mode), "argument 'png': '", a.png, "' exists and is not a regular file");
+    {
+      std::ofstream probe(a.png, std::ios::app);
+      MOE_CHECK(probe.good(), "argument 'png': cannot open '", a.png, "' for writing");
+    }
+    if (!existed) std::remove(a.png.c_str());  // no empty file left behind if the run fails
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::cerr << "moe-engine bench: no CUDA GPU available (this command needs one)\n";
+    std::exit(2);
+  }
   const std::string device = bench::device_description();
   if (!a.json) {
     std::printf("moe-engine bench on %s: %s, %s, probs in the activation, A=%d, routing skew %.2f, fc1 %s%s\n",
@@ -149,10 +172,7 @@ void run_bench(const BenchArgs& a) {
   bool all_ok = true;
   std::vector<std::vector<double>> chart_values;  // per shape: graph fwd, bwd, total TFLOP/s
   for (const auto& s : shapes) {
-    o.fuse_fc1 = !unfused && uses_fused_fc1(a.fc1, s);
-    o.save_x_perm = saves_x_perm(a.x_perm, o.fuse_fc1, s);
-    o.fuse_fc2_dgrad = !unfused && uses_fused_fc2_dgrad(a.dgrad, s, o.save_x_perm);
-    o.token_chunks = a.token_chunks;
+    o = shape_options(a, o, unfused, s);
     std::string fc1_name = a.fp8 ? "fp8" : emulated ? a.emulate : !o.fuse_fc1 ? "unfused" : o.save_x_perm ? "fused" : "fused-g";
     if (o.fuse_fc2_dgrad) fc1_name += "+d";
     if (o.token_chunks > 1) fc1_name += "/" + std::to_string(o.token_chunks);
@@ -216,10 +236,13 @@ void setup_bench(CLI::App& app) {
   sub->add_flag("--all", args->all, "Every named shape")->excludes(shape);
   sub->add_flag("--json", args->json, "One JSON line per shape instead of a table");
   sub->add_option("--skew", args->skew, "Routing skew: 0 balanced, >0 Zipf-like expert popularity")
+      ->check(finite_number())
       ->check(CLI::NonNegativeNumber);
   sub->add_option("--align", args->align, "Per-expert row alignment A (0, 16, 32, 64, 128, 256)")
+      ->transform(decimal_integer())
       ->check(CLI::IsMember({0, 16, 32, 64, 128, 256}));
   sub->add_option("--repeats", args->repeats, "Timed repeats per measurement (median reported)")
+      ->transform(decimal_integer())
       ->check(CLI::Range(3, 1000));
   sub->add_option("--activation", args->activation, "swiglu, geglu, clamped-swiglu or squared-relu");
   sub->add_option("--png", args->png, "Also draw the graph-captured forward / backward / total TFLOP/s of each "
@@ -239,6 +262,7 @@ void setup_bench(CLI::App& app) {
   sub->add_option("--token-chunks", args->token_chunks, "fc2 + combine and fc1 dgrad + dx sum in this many pieces "
                   "of consecutive tokens: the layer's R x H workspace holds one piece (needs the fused fc2 dgrad "
                   "without x_perm, no bias, bf16; shown as '/N' in the fc1 column)")
+      ->transform(decimal_integer())
       ->check(CLI::Range(1, 64));
   sub->add_flag("--fp8", args->fp8, "FP8 block-scaled experts (E4M3 GEMM operands, 1x128 / 128x128 scales; the "
                 "unfused path, A = 128 unless --align says otherwise; shown as 'fp8' in the fc1 column)");
@@ -246,7 +270,7 @@ void setup_bench(CLI::App& app) {
                   "(quantized exactly, dequantized to bf16 for the bf16 GEMMs; the unfused path, A = 32 / 16 unless "
                   "--align says otherwise) or none")
       ->check(CLI::IsMember({"none", "mxfp8", "nvfp4"}));
-  sub->add_option("--fp8-weights", args->fp8_weights, "With --fp8 or --emulate: when the weights are quantized -- every-forward "
+  CLI::Option* fp8_weights = sub->add_option("--fp8-weights", args->fp8_weights, "With --fp8 or --emulate: when the weights are quantized -- every-forward "
                   "(inside each timed forward) or on-request (once after binding, as in a step of several "
                   "micro-batches)")
       ->check(CLI::IsMember({"every-forward", "on-request"}));
@@ -254,7 +278,10 @@ void setup_bench(CLI::App& app) {
                   "buffers (accumulate: Megatron-LM's gradient-accumulation fusion; their memory counts as extra)")
       ->check(CLI::IsMember({"write", "accumulate"}));
   sub->add_flag("--no-check", args->no_check, "Skip the sampled comparison with the CPU reference");
-  sub->callback([args] { run_bench(*args); });
+  sub->callback([args, fp8_weights] {
+    args->fp8_weights_given = fp8_weights->count() > 0;
+    run_bench(*args);
+  });
 }
 
 }  // namespace

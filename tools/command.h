@@ -17,7 +17,7 @@ namespace moe::tools {
 
 using CommandSetup = void (*)(CLI::App& app);
 
-// Every command registered so far (in static-initialisation order; main sorts them by name).
+// Every command registered so far, in static-initialisation order (the order --help lists them in).
 std::vector<CommandSetup>& registered_commands();
 
 struct CommandRegistration {

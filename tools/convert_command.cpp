@@ -8,8 +8,10 @@
 #include <iostream>
 #include <memory>
 
+#include "cli_checks.h"
 #include "command.h"
 #include "moe/checkpoint_convert.h"
+#include "moe/error.h"
 #include "progress_bar.h"
 
 namespace moe::tools {
@@ -32,9 +34,13 @@ void run_convert(const ConvertArgs& a) {
   o.from = CheckpointFormat::parse(a.from, "from");
   o.to = CheckpointFormat::parse(a.to, "to");
   o.experts = a.experts;
+  // --glu-interleave sets the sides in our naming; --from- / --to-glu-interleave one side each (the
+  // library refuses one given for a Hugging Face side, whose fc1 layout is the family's).
+  MOE_CHECK(a.glu_interleave < 0 || o.from.ours() || o.to.ours(), "argument 'glu-interleave': applies to a ",
+            "per-expert or grouped side, and both sides are Hugging Face files");
   const int both = a.glu_interleave < 0 ? 0 : a.glu_interleave;
-  o.from_glu_interleave = o.from.ours() ? (a.from_glu >= 0 ? a.from_glu : both) : 0;
-  o.to_glu_interleave = o.to.ours() ? (a.to_glu >= 0 ? a.to_glu : both) : 0;
+  o.from_glu_interleave = a.from_glu >= 0 ? a.from_glu : o.from.ours() ? both : 0;
+  o.to_glu_interleave = a.to_glu >= 0 ? a.to_glu : o.to.ours() ? both : 0;
   o.prefixes = a.layers;
 
   std::unique_ptr<ProgressBar> shown;
@@ -66,13 +72,19 @@ void setup_convert(CLI::App& app) {
   sub->add_option("output", args->out, "Output .safetensors file (written atomically)")->required();
   sub->add_option("--experts", args->experts,
                   "Experts per layer (default: read from the keys; needed for 2-D stacked tensors)")
+      ->transform(decimal_integer())
       ->check(CLI::NonNegativeNumber);
-  sub->add_option("--glu-interleave", args->glu_interleave,
+  CLI::Option* both_glu = sub->add_option("--glu-interleave", args->glu_interleave,
                   "GLU interleave size of fc1's rows on our side(s) (0 = [gate | linear])")
+      ->transform(decimal_integer())
       ->check(CLI::NonNegativeNumber);
   sub->add_option("--from-glu-interleave", args->from_glu, "GLU interleave of an input in our naming")
+      ->excludes(both_glu)
+      ->transform(decimal_integer())
       ->check(CLI::NonNegativeNumber);
   sub->add_option("--to-glu-interleave", args->to_glu, "GLU interleave of an output in our naming")
+      ->excludes(both_glu)
+      ->transform(decimal_integer())
       ->check(CLI::NonNegativeNumber);
   sub->add_option("--layer", args->layers, "Convert only the layer with this key prefix (repeatable)");
   sub->add_flag("--progress", args->progress, "Show a progress bar on stderr even when it is not a terminal");

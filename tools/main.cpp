@@ -1,4 +1,5 @@
 // moe-engine: the command-line tool. Subcommands live one per file (see command.h).
+#include <cstdio>
 #include <exception>
 #include <iostream>
 
@@ -21,6 +22,12 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const std::exception& e) {
     std::cerr << "moe-engine: error: " << e.what() << "\n";
+    return 1;
+  }
+  // Output that could not be written (a full disk, a closed pipe) is a failure, not a success.
+  std::cout.flush();
+  if (!std::cout || std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    std::cerr << "moe-engine: error: cannot write to standard output\n";
     return 1;
   }
   return 0;

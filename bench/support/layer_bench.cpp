@@ -105,13 +105,7 @@ TokenReference reference_token(const Shape& s, const ActivationParams& act, cons
 
 }  // namespace
 
-LayerBenchResult run_layer_bench(const Shape& s, const LayerBenchOptions& o) {
-  LayerBenchResult res;
-  res.shape = s;
-  res.skew = o.skew;
-  cudaStream_t stream;
-  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-
+GroupedMlpConfig layer_bench_config(const Shape& s, const LayerBenchOptions& o) {
   GroupedMlpConfig c;
   c.hidden = s.H;
   c.ffn = s.F;
@@ -128,6 +122,17 @@ LayerBenchResult run_layer_bench(const Shape& s, const LayerBenchOptions& o) {
   c.fp8_weight_refresh = o.fp8_weight_refresh;
   c.emulated = o.emulated;
   c.wgrad = o.wgrad;
+  return c;
+}
+
+LayerBenchResult run_layer_bench(const Shape& s, const LayerBenchOptions& o) {
+  LayerBenchResult res;
+  res.shape = s;
+  res.skew = o.skew;
+  cudaStream_t stream;
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  const GroupedMlpConfig c = layer_bench_config(s, o);
   const int64_t F1 = c.fc1_out();
 
   // Inputs and weights (not counted as extra memory, as in the PyTorch baseline).

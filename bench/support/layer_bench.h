@@ -52,6 +52,10 @@ struct LayerBenchResult {
   double flops_fwd() const { return 6.0 * shape.T * shape.k * shape.H * shape.F; }
 };
 
+// The layer configuration the benchmark builds for a shape (validate() it to check the shape and the
+// options without a GPU).
+GroupedMlpConfig layer_bench_config(const Shape& shape, const LayerBenchOptions& options);
+
 LayerBenchResult run_layer_bench(const Shape& shape, const LayerBenchOptions& options);
 
 }  // namespace moe::bench

@@ -26,10 +26,11 @@ struct CheckpointFormat {
 struct ConvertOptions {
   CheckpointFormat from;
   CheckpointFormat to;
-  int experts = 0;            // 0: read from the keys (see find_expert_layers)
+  int experts = 0;            // 0: read from the keys (see find_expert_layers); a Hugging Face input's must match
   int from_glu_interleave = 0;  // fc1 row layout of the input, when it is ours
   int to_glu_interleave = 0;    // fc1 row layout of the output, when it is ours
-  // Only these layers (prefixes as find_expert_layers / find_hf_expert_layers name them); all when empty.
+  // Only these layers (prefixes as find_expert_layers / find_hf_expert_layers name them, each of which
+  // must name one); all when empty.
   std::vector<std::string> prefixes;
 };
 

@@ -274,6 +274,8 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
               "fc1 layout, got ", o.from_glu_interleave);
     for (const HfExpertLayer& l : find_hf_expert_layers(sd, o.from.family)) {
       if (!selected(o, l.prefix)) continue;
+      MOE_CHECK(o.experts == 0 || o.experts == l.experts, "argument 'experts': expected ", o.experts,
+                " experts, but the Hugging Face layer '", l.prefix, "' has ", l.experts);
       const int s = o.to.ours() ? o.to_glu_interleave : 0;
       layers.push_back({l.prefix, load_hf_experts(sd, o.from.family, l, layout_of(o.to), s), {},
                         hf_expert_keys(l, o.from.family)});
@@ -281,6 +283,11 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
   }
   MOE_CHECK(!layers.empty(), "no expert layers in ", o.from.name(), " naming were found",
             o.prefixes.empty() ? "" : " under the given prefixes");
+  // Every prefix asked for names a layer (a typo among several would otherwise go unnoticed).
+  for (const std::string& prefix : o.prefixes) {
+    const bool found = std::any_of(layers.begin(), layers.end(), [&](const auto& l) { return l.prefix == prefix; });
+    MOE_CHECK(found, "argument 'prefixes': no expert layer in ", o.from.name(), " naming under '", prefix, "'");
+  }
   if (!o.to.ours())
     MOE_CHECK(o.to_glu_interleave == 0, "argument 'to_glu_interleave': a Hugging Face output has its own fc1 "
               "layout, got ", o.to_glu_interleave);

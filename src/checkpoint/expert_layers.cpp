@@ -93,6 +93,10 @@ ExpertWeightsSpec layer_spec(const ExpertLayerKeys& l, const ActivationParams& a
   s.activation = activation;
   s.bias = l.bias;
   s.layout = layout;
+  // Named here, by the layer: the spec's own check would name its fields, which no file has.
+  MOE_CHECK(l.experts > 0 && l.hidden > 0 && l.ffn > 0, "state dict: the experts under '", l.prefix,
+            "' are empty (", l.experts, " experts, hidden size ", l.hidden, ", FFN size ", l.ffn,
+            ", from the shapes of their weights)");
   MOE_CHECK(s.fc1_out() == l.fc1_out, "state dict: the experts under '", l.prefix, "' have fc1 with ", l.fc1_out,
             " rows and F = ", l.ffn, ", but ", activation_name(activation.kind), " needs ", s.fc1_out());
   return s;

@@ -266,6 +266,57 @@ TEST_F(ConvertCli, BadInvocationsFailCleanly) {
   EXPECT_FALSE(exists(out));
 }
 
+// Options that would have been misread or ignored are refused by name: integers in octal or hex
+// (CLI11 reads "010" as 8), options that do not apply to a Hugging Face side, a --layer that names
+// no layer, a directory as the output.
+TEST_F(ConvertCli, MisreadOptionsAreRefused) {
+  const std::string hf = fixtures() + "mixtral/model.safetensors";
+  const std::string out = tmp("o.safetensors");
+  const std::string convert = "convert -q --from hf:mixtral --to grouped ";
+  Result r = run(convert + "--experts 0x4 '" + hf + "' '" + out + "'");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("decimal integer"), std::string::npos) << r.output;
+  r = run(convert + "--experts 3 '" + hf + "' '" + out + "'");  // the file has 4
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("argument 'experts'"), std::string::npos) << r.output;
+  r = run(convert + "--experts 04 '" + hf + "' '" + out + "'");  // decimal, leading zero
+  EXPECT_EQ(r.status, 0) << r.output;
+  r = run(convert + "--from-glu-interleave 16 '" + hf + "' '" + out + "'");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("from_glu_interleave"), std::string::npos) << r.output;
+  r = run("convert -q --from hf:mixtral --to hf:mixtral --glu-interleave 8 '" + hf + "' '" + out + "'");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("glu-interleave"), std::string::npos) << r.output;
+  r = run(convert + "--layer typo --layer model.layers.0.block_sparse_moe.experts. '" + hf + "' '" + out + "'");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("'typo'"), std::string::npos) << r.output;
+  r = run(convert + "'" + hf + "' '" + dir_ + "'");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("not a regular file"), std::string::npos) << r.output;
+}
+
+// bench checks its options and shapes before it looks for a GPU (so these fail the same way on any
+// machine, and none of them starts a run), and a failed run leaves no empty --png file behind.
+TEST_F(ConvertCli, BenchRefusesBadOptionsBeforeLookingForAGpu) {
+  const std::string png = tmp("chart.png");
+  const struct {
+    const char* args;
+    const char* says;
+  } cases[] = {{"--align 0x20", "decimal integer"},
+               {"--repeats 010x", "decimal integer"},
+               {"--skew nan", "finite number"},
+               {"--activation bogus", "argument 'activation'"},
+               {"--fp8-weights on-request", "argument 'fp8-weights'"},
+               {"--shape 2147483648,4096,1024,8,2", "max_tokens"},
+               {"--shape 4096,64,60,8,2", "ffn"}};
+  for (const auto& c : cases) {
+    Result r = run(std::string("bench --png '") + png + "' " + c.args);
+    EXPECT_NE(r.status, 0) << c.args;
+    EXPECT_NE(r.output.find(c.says), std::string::npos) << c.args << ": " << r.output;
+    EXPECT_FALSE(exists(png)) << c.args;
+  }
+}
+
 TEST_F(ConvertCli, ProgressBarOnlyWhenAsked) {
   const std::string hf = fixtures() + "olmoe/model.safetensors";
   // Not a terminal and a small file: no bar.
