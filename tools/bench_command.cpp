@@ -3,6 +3,7 @@
 // against the CPU reference, and reports TFLOP/s (the convention of docs/semantics.md) and the
 // extra device memory; optionally draws the graph-captured TFLOP/s as a PNG bar chart.
 #include <cstdio>
+#include <cstdlib>
 #include <sys/stat.h>
 #include <fstream>
 #include <iostream>
@@ -140,13 +141,18 @@ void run_bench(const BenchArgs& a) {
   for (const auto& s : shapes) bench::layer_bench_config(s, shape_options(a, o, unfused, s)).validate();
   if (!a.png.empty()) {  // fail now rather than after a long run (the file is written at the end)
     struct stat st {};
-    const bool existed = ::stat(a.png.c_str(), &st) == 0;
+    const bool existed = ::stat(a.png.c_str(), &st) == 0;  // through a link: the file it names
     MOE_CHECK(!existed || S_ISREG(st.st_mode), "argument 'png': '", a.png, "' exists and is not a regular file");
     {
       std::ofstream probe(a.png, std::ios::app);
       MOE_CHECK(probe.good(), "argument 'png': cannot open '", a.png, "' for writing");
     }
-    if (!existed) std::remove(a.png.c_str());  // no empty file left behind if the run fails
+    if (!existed) {  // no empty file left behind if the run fails (a link there stays)
+      if (char* created = ::realpath(a.png.c_str(), nullptr)) {
+        std::remove(created);
+        std::free(created);
+      }
+    }
   }
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {

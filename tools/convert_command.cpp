@@ -36,7 +36,7 @@ void run_convert(const ConvertArgs& a) {
   o.experts = a.experts;
   // --glu-interleave sets the sides in our naming; --from- / --to-glu-interleave one side each (the
   // library refuses one given for a Hugging Face side, whose fc1 layout is the family's).
-  MOE_CHECK(a.glu_interleave < 0 || o.from.ours() || o.to.ours(), "argument 'glu-interleave': applies to a ",
+  MOE_CHECK(a.glu_interleave <= 0 || o.from.ours() || o.to.ours(), "argument 'glu-interleave': applies to a ",
             "per-expert or grouped side, and both sides are Hugging Face files");
   const int both = a.glu_interleave < 0 ? 0 : a.glu_interleave;
   o.from_glu_interleave = a.from_glu >= 0 ? a.from_glu : o.from.ours() ? both : 0;
