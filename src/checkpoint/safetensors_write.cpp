@@ -187,13 +187,9 @@ void write_file(const std::string& path, std::vector<TensorSource> tensors,
     MOE_CHECK(fd >= 0 || (errno == EEXIST && attempt < 1000), path, ": cannot create the file beside it that is ",
               "renamed over it when complete, ", tmp, " (", std::strerror(errno), ")");
   }
-  // A replaced file keeps its permissions (the new one would get 0666 less the umask).
-  if (target.exists && ::fchmod(fd, target.mode) != 0) {
-    const int err = errno;
-    ::close(fd);
-    std::remove(tmp.c_str());
-    detail::throw_error(path, ": cannot give the new file the permissions of the old (", std::strerror(err), ")");
-  }
+  // A replaced file keeps its permissions (the new one would get 0666 less the umask). Best effort: a
+  // file system without permission bits (vfat, some FUSE mounts) refuses fchmod, and the write goes on.
+  if (target.exists) (void)::fchmod(fd, target.mode);
   std::FILE* f = ::fdopen(fd, "wb");
   if (f == nullptr) {
     const int err = errno;
