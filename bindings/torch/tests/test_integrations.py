@@ -569,6 +569,12 @@ def test_megatron_state_dicts_grouped_per_expert_sequential_and_optimizer_state(
     again = MegatronGroupedMLP(ME, megatron_config(), max_rows=32, per_expert_weights=False)
     again.load_state_dict(flat)
     assert torch.equal(again.linear_fc1.weight, grouped.linear_fc1.weight)
+    # Only exactly [E * out, in] is read that way: fc2 in Hugging Face's orientation [E, F, H] has the
+    # element count of [E, H, F] and is refused, not reshaped.
+    transposed = dict(grouped.state_dict())
+    transposed["linear_fc2.weight"] = transposed["linear_fc2.weight"].transpose(1, 2).contiguous()
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        again.load_state_dict(transposed)
     # SequentialMLP's spelling, both ways.
     seq = grouped_to_sequential_keys(dict(grouped.state_dict()), "", ME)
     assert "local_experts.2.linear_fc1.weight" in seq and "linear_fc1.weight" not in seq

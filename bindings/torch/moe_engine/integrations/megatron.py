@@ -54,13 +54,14 @@ SequentialMLP and TEGroupedMLP write -- each expert at its global index, the GLU
 Megatron splits them -- so dist_checkpointing files move between the three experts modules and
 between expert-parallel sizes; a grouped parameter is one factory entry holding the parameter, so
 optimizer states map to it too (megatron_sharded_state_dict)."""
+import copy
 import re
 
 import torch
 from torch import nn
 
 from ..module import GroupedExperts
-from ..state_dict import normalize_expert_keys
+from ..state_dict import EXPERT_DIMS, normalize_expert_keys, split_experts
 
 _OWNERS = ("linear_fc1", "linear_fc2")
 
@@ -259,16 +260,10 @@ class MegatronGroupedMLP(GroupedExperts):
                 for s in ("weight", "bias"):
                     key = f"{prefix}{self._OWNER_NAMES[p]}.{s}"
                     t = state_dict.get(key)
-                    shape = (self.num_experts, *self._shapes[(p, s)])
-                    if isinstance(t, torch.Tensor) and tuple(t.shape) != shape and t.numel() == _numel(shape):
-                        state_dict[key] = t.reshape(shape)
-
-
-def _numel(shape):
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+                    expert_shape = self._shapes[(p, s)]
+                    flat = (self.num_experts * expert_shape[0], *expert_shape[1:])
+                    if isinstance(t, torch.Tensor) and tuple(t.shape) == flat:
+                        state_dict[key] = t.reshape(self.num_experts, *expert_shape)
 
 
 def group_offsets(tokens_per_expert, device):
@@ -283,7 +278,7 @@ def group_offsets(tokens_per_expert, device):
 
 
 _EXTRA_STATE = re.compile(r"(local_experts\.\d+\.)?linear_fc[12]\._extra_state\d*")
-_SEQUENTIAL = re.compile(r"local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+_SEQUENTIAL = re.compile(r"local_experts\.(0|[1-9]\d*)\.(linear_fc[12])\.(weight|bias)$")
 
 
 def megatron_sharded_state_dict(params, num_local_experts, gated, prefix="", sharded_offsets=(), metadata=None,
@@ -395,14 +390,16 @@ def sequential_to_grouped_keys(state_dict, prefix, num_experts):
     """Rewrites SequentialMLP keys `{prefix}local_experts.{i}.linear_fcN.{weight|bias}` into
     TEGroupedMLP's per-expert keys `{prefix}linear_fcN.{weight|bias}{i}` in place (a key already
     present is never overwritten; ids >= num_experts raise KeyError)."""
+    moves = []
     for key in [k for k in state_dict if k.startswith(prefix)]:
         m = _SEQUENTIAL.fullmatch(key[len(prefix):])
         if m is None:
             continue
         i, owner, what = int(m.group(1)), m.group(2), m.group(3)
-        if i >= num_experts:
+        if i >= num_experts:  # checked for every key before any moves: an error leaves the dict as it was
             raise KeyError(f"'{key}': expert {i} out of range for {num_experts} local experts")
-        target = f"{prefix}{owner}.{what}{i}"
+        moves.append((key, f"{prefix}{owner}.{what}{i}"))
+    for key, target in moves:
         if target not in state_dict:
             state_dict[target] = state_dict.pop(key)
     return state_dict
@@ -410,14 +407,15 @@ def sequential_to_grouped_keys(state_dict, prefix, num_experts):
 
 def grouped_to_sequential_keys(state_dict, prefix, num_experts):
     """The inverse spelling: `{prefix}linear_fcN.{weight|bias}` (grouped, split first) or
-    `{prefix}linear_fcN.{weight|bias}{i}` -> `{prefix}local_experts.{i}.linear_fcN.{weight|bias}`."""
+    `{prefix}linear_fcN.{weight|bias}{i}` -> `{prefix}local_experts.{i}.linear_fcN.{weight|bias}`
+    (a key already present is never overwritten)."""
     normalize_expert_keys(state_dict, prefix, num_experts, per_expert=True, params=_OWNERS)
     for owner in _OWNERS:
         for what in ("weight", "bias"):
             for i in range(num_experts):
-                key = f"{prefix}{owner}.{what}{i}"
-                if key in state_dict:
-                    state_dict[f"{prefix}local_experts.{i}.{owner}.{what}"] = state_dict.pop(key)
+                key, target = f"{prefix}{owner}.{what}{i}", f"{prefix}local_experts.{i}.{owner}.{what}"
+                if key in state_dict and target not in state_dict:
+                    state_dict[target] = state_dict.pop(key)
     return state_dict
 
 
@@ -425,8 +423,9 @@ def normalize_optimizer_state(state, prefix, num_experts, per_expert):
     """Optimizer state keyed by parameter name (e.g. {name: {"exp_avg": t, "exp_avg_sq": t, "step": s}},
     as Megatron's per-expert `linear_fc1.weight{i}` entries, or SequentialMLP's names) converted to
     the module's layout in place, like load_state_dict does for the parameters: each tensor field of
-    the same shape as the parameter is stacked / split per expert; other fields (step, scalars) must
-    agree between the experts and are kept once (or copied to each expert)."""
+    the parameter's grouped shape ([E, ...], or TE's flat [E * out, in]) is stacked / split per
+    expert; other fields (step, scalars) must agree between the experts and are kept once, or given
+    to each expert as a copy of its own. Every expert's entry must have the same fields."""
     sequential_to_grouped_keys(state, prefix, num_experts)
     for owner in _OWNERS:
         for what in ("weight", "bias"):
@@ -437,17 +436,32 @@ def normalize_optimizer_state(state, prefix, num_experts, per_expert):
                 missing = [k for k in parts if k not in state]
                 if missing:
                     raise KeyError(f"cannot fold per-expert optimizer state into '{grouped}': missing {missing}")
-                entries = [state.pop(k) for k in parts]
-                state[grouped] = {f: _fold_field(grouped, f, [e[f] for e in entries]) for f in entries[0]}
+                entries = [state[k] for k in parts]
+                for k, e in zip(parts, entries):
+                    if not isinstance(e, dict):
+                        raise ValueError(f"cannot fold optimizer state '{k}': expected a dict of fields, got "
+                                         f"{type(e).__name__}")
+                fields = list(dict.fromkeys(f for e in entries for f in e))  # every expert's, in order
+                for k, e in zip(parts, entries):
+                    lacking = [f for f in fields if f not in e]
+                    if lacking:
+                        raise KeyError(f"cannot fold optimizer state into '{grouped}': '{k}' has no {lacking}, "
+                                       "which other experts have")
+                state[grouped] = {f: _fold_field(grouped, f, [e[f] for e in entries]) for f in fields}
+                for k in parts:
+                    del state[k]
             elif per_expert and not present and grouped in state:
                 entry = state.pop(grouped)
+                split = {f: split_experts(v, num_experts, EXPERT_DIMS[what]) for f, v in entry.items()}
                 for i, k in enumerate(parts):
-                    state[k] = {f: (v[i].clone() if _is_expert_tensor(v, num_experts) else v) for f, v in entry.items()}
+                    state[k] = {f: (split[f][i].clone() if split[f] is not None else _own_copy(v))
+                                for f, v in entry.items()}
     return state
 
 
-def _is_expert_tensor(v, num_experts):
-    return isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == num_experts
+def _own_copy(v):
+    # Each expert's entry owns its fields: an optimizer updates some in place (Adam's step tensor).
+    return v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
 
 
 def _fold_field(name, field, values):
@@ -455,7 +469,10 @@ def _fold_field(name, field, values):
         return torch.stack(values)
     first = values[0]
     for v in values[1:]:
-        same = torch.equal(v, first) if isinstance(v, torch.Tensor) else v == first
+        if isinstance(v, torch.Tensor) and isinstance(first, torch.Tensor):
+            same = v.shape == first.shape and bool(torch.eq(v, first).logical_or(v.isnan() & first.isnan()).all())
+        else:
+            same = v == first or (isinstance(v, float) and isinstance(first, float) and v != v and first != first)
         if not same:
             raise ValueError(f"cannot fold optimizer state '{name}': field '{field}' differs between experts")
     return first
