@@ -4,11 +4,12 @@
 // extra device memory; optionally draws the graph-captured TFLOP/s as a PNG bar chart.
 #include <cstdio>
 #include <cstdlib>
-#include <sys/stat.h>
 #include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
+
+#include <sys/stat.h>
 
 #include <cuda_runtime_api.h>
 #include <nlohmann/json.hpp>
@@ -85,6 +86,24 @@ void write_chart(const std::string& path, const std::string& title, const std::v
   bench::write_png(path, bench::render_bar_chart(chart));
 }
 
+// --png is written at the end of the run: refuse a path that cannot be written before it starts,
+// without leaving an empty file there if the run then fails (a link there stays as it is).
+void check_png_writable(const std::string& path) {
+  struct stat st {};
+  const bool existed = ::stat(path.c_str(), &st) == 0;  // through a link: the file it names
+  MOE_CHECK(!existed || S_ISREG(st.st_mode), "argument 'png': '", path, "' exists and is not a regular file");
+  {
+    std::ofstream probe(path, std::ios::app);
+    MOE_CHECK(probe.good(), "argument 'png': cannot open '", path, "' for writing");
+  }
+  if (!existed) {
+    if (char* created = ::realpath(path.c_str(), nullptr)) {
+      std::remove(created);
+      std::free(created);
+    }
+  }
+}
+
 // The options of one shape: the fused kernels where the command line and the shape ask for them.
 bench::LayerBenchOptions shape_options(const BenchArgs& a, bench::LayerBenchOptions o, bool unfused,
                                        const bench::Shape& s) {
@@ -139,21 +158,7 @@ void run_bench(const BenchArgs& a) {
   // Every shape's layer configuration is checked before looking for a GPU, so a shape or option the
   // layer refuses is reported as such everywhere (and before the CPU builds its routing).
   for (const auto& s : shapes) bench::layer_bench_config(s, shape_options(a, o, unfused, s)).validate();
-  if (!a.png.empty()) {  // fail now rather than after a long run (the file is written at the end)
-    struct stat st {};
-    const bool existed = ::stat(a.png.c_str(), &st) == 0;  // through a link: the file it names
-    MOE_CHECK(!existed || S_ISREG(st.st_mode), "argument 'png': '", a.png, "' exists and is not a regular file");
-    {
-      std::ofstream probe(a.png, std::ios::app);
-      MOE_CHECK(probe.good(), "argument 'png': cannot open '", a.png, "' for writing");
-    }
-    if (!existed) {  // no empty file left behind if the run fails (a link there stays)
-      if (char* created = ::realpath(a.png.c_str(), nullptr)) {
-        std::remove(created);
-        std::free(created);
-      }
-    }
-  }
+  if (!a.png.empty()) check_png_writable(a.png);  // now rather than after a long run
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::cerr << "moe-engine bench: no CUDA GPU available (this command needs one)\n";
