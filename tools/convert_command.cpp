@@ -6,6 +6,7 @@
 // Only the experts' tensors change (see include/moe/checkpoint_convert.h); the rest of the file
 // and its metadata are carried over byte for byte, so hf -> grouped -> hf reproduces the file.
 #include <iostream>
+#include <limits>
 #include <memory>
 
 #include "cli_checks.h"
@@ -73,19 +74,19 @@ void setup_convert(CLI::App& app) {
   sub->add_option("--experts", args->experts,
                   "Experts per layer (default: read from the keys; needed for 2-D stacked tensors)")
       ->transform(decimal_integer())
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, std::numeric_limits<int>::max()));
   CLI::Option* both_glu = sub->add_option("--glu-interleave", args->glu_interleave,
                   "GLU interleave size of fc1's rows on our side(s) (0 = [gate | linear])")
       ->transform(decimal_integer())
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, std::numeric_limits<int>::max()));
   sub->add_option("--from-glu-interleave", args->from_glu, "GLU interleave of an input in our naming")
       ->excludes(both_glu)
       ->transform(decimal_integer())
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, std::numeric_limits<int>::max()));
   sub->add_option("--to-glu-interleave", args->to_glu, "GLU interleave of an output in our naming")
       ->excludes(both_glu)
       ->transform(decimal_integer())
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, std::numeric_limits<int>::max()));
   sub->add_option("--layer", args->layers, "Convert only the layer with this key prefix (repeatable)");
   sub->add_flag("--progress", args->progress, "Show a progress bar on stderr even when it is not a terminal");
   sub->add_flag("--no-progress", args->no_progress, "Never show a progress bar");
