@@ -27,6 +27,7 @@
 #include "moe/activation_ops.h"
 #include "moe/bias_ops.h"
 #include "support/bench_util.h"
+#include "support/cli_checks.h"
 
 namespace {
 
@@ -60,7 +61,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> shapes;
   int repeats = 30;
   app.add_option("--shape", shapes, "named shapes (default: all)");
-  app.add_option("--repeats", repeats, "timed repeats per measurement (median reported)");
+  app.add_option("--repeats", repeats, "timed repeats per measurement (median reported)")
+      ->transform(moe::cli::decimal_integer());
   CLI11_PARSE(app, argc, argv);
   if (shapes.empty())
     for (const auto& s : moe::bench::named_shapes()) shapes.push_back(s.name);

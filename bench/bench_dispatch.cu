@@ -28,6 +28,7 @@
 #include "reference/routing_gen.h"
 #include "reference/routing_ref.h"
 #include "support/bench_util.h"
+#include "support/cli_checks.h"
 
 namespace {
 
@@ -45,7 +46,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> names;
   int repeats = 20;
   app.add_option("SHAPE", names, "named shapes (default: every named shape)");
-  app.add_option("--repeats", repeats, "timed repeats per measurement (median reported)");
+  app.add_option("--repeats", repeats, "timed repeats per measurement (median reported)")
+      ->transform(moe::cli::decimal_integer());
   CLI11_PARSE(app, argc, argv);
   std::vector<bench::Shape> shapes;
   if (names.empty())

@@ -56,6 +56,7 @@
 #include "moe/grouped_experts.h"
 #include "reference/routing_gen.h"
 #include "support/bench_util.h"
+#include "support/cli_checks.h"
 #include "support/device_random.h"
 
 #if MOE_HAVE_NCCL
@@ -159,13 +160,17 @@ int main(int argc, char** argv) try {
   double factor = 1.25;
   bool in_process = false, graph = false, dropless = false;
   app.add_option("SHAPE", names, "named shapes, read per rank (default: qwen3-30b-a3b-ep8 deepseek-v3-ep32)");
-  app.add_option("--ranks", P, "ranks P (default: every visible GPU with NCCL, else 2 simulated on one GPU)");
+  app.add_option("--ranks", P, "ranks P (default: every visible GPU with NCCL, else 2 simulated on one GPU)")
+      ->transform(moe::cli::decimal_integer());
   app.add_option("--capacity-factor", factor,
                  "capacity factor F: C = ceil(F * T * k / P) rows per (source, destination) pair");
-  app.add_option("--repeats", repeats, "timed calls per measurement after warm-up (median reported)");
+  app.add_option("--repeats", repeats, "timed calls per measurement after warm-up (median reported)")
+      ->transform(moe::cli::decimal_integer());
   app.add_option("--chunks", chunks, "chunks n of the overlapped pipeline (1..64 and at most C)")
+      ->transform(moe::cli::decimal_integer())
       ->check(CLI::Range(1, 64));
   app.add_option("--comm-sms", comm_sms, "SMs the chunked pipeline's experts leave to the all-to-all (0: none)")
+      ->transform(moe::cli::decimal_integer())
       ->check(CLI::Range(0, std::numeric_limits<int>::max()));
   app.add_flag("--graph", graph, "time CUDA-graph replays of the pipeline table's forwards (NCCL only)");
   app.add_flag("--in-process", in_process, "simulate the ranks on one GPU even with NCCL and >= 2 GPUs");

@@ -45,6 +45,7 @@
 #include "moe/quantize.h"
 #include "reference/routing_gen.h"
 #include "support/bench_util.h"
+#include "support/cli_checks.h"
 
 namespace {
 
@@ -259,10 +260,12 @@ int main(int argc, char** argv) {
                "with --fp8: also time the scale producers' other paths (row-major token scales; wgrad scales "
                "off the bulk-copy alignment), graph-captured: the base column");
   app.add_flag("--all-configs", all_configs, "also time every compiled tile configuration and raster order");
-  app.add_option("--rounds", rounds, "interleaved timing rounds per measurement (median reported)");
+  app.add_option("--rounds", rounds, "interleaved timing rounds per measurement (median reported)")
+      ->transform(moe::cli::decimal_integer());
   app.add_option("--skew", skew, "Zipf-like skew of the skewed routing");
   app.add_option("--product", products, "only these products, e.g. fc2:fprop (default: all; for profiling one kernel)");
   app.add_option("--tile-run", tile_run, "with --all-configs: consecutive cluster tiles per CTA visit for every alternative")
+      ->transform(moe::cli::decimal_integer())
       ->check(CLI::Range(1, 1024));
   app.add_option("--routing", routings, "only these routings: balanced, skewed (default: both)")
       ->check(CLI::IsMember({"balanced", "skewed"}));

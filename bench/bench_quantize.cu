@@ -25,6 +25,7 @@
 #include "moe/quantize.h"
 #include "quant/fake_quantize.h"
 #include "support/bench_util.h"
+#include "support/cli_checks.h"
 
 namespace {
 
@@ -86,7 +87,8 @@ int main(int argc, char** argv) {
       },
       "MxK");
   app.add_option("MxK", shape_args, "matrix shapes, e.g. 16384x7168 (default: 16384x7168 65536x2048)")->check(mxk);
-  app.add_option("--repeats", repeats, "timed graph replays per measurement (median reported)");
+  app.add_option("--repeats", repeats, "timed graph replays per measurement (median reported)")
+      ->transform(moe::cli::decimal_integer());
   CLI11_PARSE(app, argc, argv);
   std::vector<std::pair<int64_t, int64_t>> shapes;
   for (const std::string& a : shape_args) {

@@ -46,6 +46,7 @@
 #include "moe/error_word.h"
 #include "moe/router.h"
 #include "support/bench_util.h"
+#include "support/cli_checks.h"
 #include "support/device_random.h"
 
 namespace {
@@ -305,14 +306,19 @@ int main(int argc, char** argv) {
   int only_E = 0, only_k = 0;
   // --repeats and --calls: out-of-range values are clamped into the range (CLI::Bound), as before.
   app.add_option("--repeats", repeats, "timed graph replays per measurement (median reported; at least 1)")
-      ->transform(CLI::Bound(1, std::numeric_limits<int>::max()));
+      ->transform(CLI::Bound(1, std::numeric_limits<int>::max()))
+      ->transform(moe::cli::decimal_integer());  // added last: a transform runs before those added earlier
   app.add_flag("--warm-l2", warm_l2, "keep the logits in L2 between timed replays (no 256 MiB flush write)");
   app.add_option("--calls", calls, "time N routers back to back in one graph, each with buffers of its own (1..64)")
-      ->transform(CLI::Bound(1, 64));
+      ->transform(CLI::Bound(1, 64))
+      ->transform(moe::cli::decimal_integer());  // added last: a transform runs before those added earlier
   app.add_option("--dtype", dtypes, "logits types: bf16, fp32 or both")->check(CLI::IsMember({"bf16", "fp32", "both"}));
-  app.add_option("--T", only_T, "only this T (default: 16384, 32768, 65536; other values allowed)");
-  app.add_option("--E", only_E, "only this E (default: 8, 64, 128, 256; E >= k; deepseek: E >= 64, a multiple of 8)");
-  app.add_option("--k", only_k, "only this k (default: 2, 8; other values allowed)");
+  app.add_option("--T", only_T, "only this T (default: 16384, 32768, 65536; other values allowed)")
+      ->transform(moe::cli::decimal_integer());
+  app.add_option("--E", only_E, "only this E (default: 8, 64, 128, 256; E >= k; deepseek: E >= 64, a multiple of 8)")
+      ->transform(moe::cli::decimal_integer());
+  app.add_option("--k", only_k, "only this k (default: 2, 8; other values allowed)")
+      ->transform(moe::cli::decimal_integer());
   app.add_option("--variant", only_variant, "only this routing variant: mixtral, deepseek or losses");
   app.add_flag("--checksum", checksum,
                "time nothing: hash every output bit of a list of routers (to compare two builds bit for bit)");

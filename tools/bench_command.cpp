@@ -14,12 +14,12 @@
 #include <cuda_runtime_api.h>
 #include <nlohmann/json.hpp>
 
-#include "cli_checks.h"
 #include "command.h"
 #include "moe/activation.h"
 #include "moe/error.h"
 #include "support/bar_chart.h"
 #include "support/bench_util.h"
+#include "support/cli_checks.h"
 #include "support/layer_bench.h"
 
 namespace moe::tools {
@@ -247,13 +247,13 @@ void setup_bench(CLI::App& app) {
   sub->add_flag("--all", args->all, "Every named shape")->excludes(shape);
   sub->add_flag("--json", args->json, "One JSON line per shape instead of a table");
   sub->add_option("--skew", args->skew, "Routing skew: 0 balanced, >0 Zipf-like expert popularity")
-      ->check(finite_number())
+      ->check(cli::finite_number())
       ->check(CLI::NonNegativeNumber);
   sub->add_option("--align", args->align, "Per-expert row alignment A (0, 16, 32, 64, 128, 256)")
-      ->transform(decimal_integer())
+      ->transform(cli::decimal_integer())
       ->check(CLI::IsMember({0, 16, 32, 64, 128, 256}));
   sub->add_option("--repeats", args->repeats, "Timed repeats per measurement (median reported)")
-      ->transform(decimal_integer())
+      ->transform(cli::decimal_integer())
       ->check(CLI::Range(3, 1000));
   sub->add_option("--activation", args->activation, "swiglu, geglu, clamped-swiglu or squared-relu");
   sub->add_option("--png", args->png, "Also draw the graph-captured forward / backward / total TFLOP/s of each "
@@ -273,7 +273,7 @@ void setup_bench(CLI::App& app) {
   sub->add_option("--token-chunks", args->token_chunks, "fc2 + combine and fc1 dgrad + dx sum in this many pieces "
                   "of consecutive tokens: the layer's R x H workspace holds one piece (needs the fused fc2 dgrad "
                   "without x_perm, no bias, bf16; shown as '/N' in the fc1 column)")
-      ->transform(decimal_integer())
+      ->transform(cli::decimal_integer())
       ->check(CLI::Range(1, 64));
   sub->add_flag("--fp8", args->fp8, "FP8 block-scaled experts (E4M3 GEMM operands, 1x128 / 128x128 scales; the "
                 "unfused path, A = 128 unless --align says otherwise; shown as 'fp8' in the fc1 column)");

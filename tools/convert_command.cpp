@@ -9,11 +9,11 @@
 #include <limits>
 #include <memory>
 
-#include "cli_checks.h"
 #include "command.h"
 #include "moe/checkpoint_convert.h"
 #include "moe/error.h"
 #include "progress_bar.h"
+#include "support/cli_checks.h"
 
 namespace moe::tools {
 
@@ -73,19 +73,19 @@ void setup_convert(CLI::App& app) {
   sub->add_option("output", args->out, "Output .safetensors file (written atomically)")->required();
   sub->add_option("--experts", args->experts,
                   "Experts per layer (default: read from the keys; needed for 2-D stacked tensors)")
-      ->transform(decimal_integer())
+      ->transform(cli::decimal_integer())
       ->check(CLI::Range(0, std::numeric_limits<int>::max()));
   CLI::Option* both_glu = sub->add_option("--glu-interleave", args->glu_interleave,
                   "GLU interleave size of fc1's rows on our side(s) (0 = [gate | linear])")
-      ->transform(decimal_integer())
+      ->transform(cli::decimal_integer())
       ->check(CLI::Range(0, std::numeric_limits<int>::max()));
   sub->add_option("--from-glu-interleave", args->from_glu, "GLU interleave of an input in our naming")
       ->excludes(both_glu)
-      ->transform(decimal_integer())
+      ->transform(cli::decimal_integer())
       ->check(CLI::Range(0, std::numeric_limits<int>::max()));
   sub->add_option("--to-glu-interleave", args->to_glu, "GLU interleave of an output in our naming")
       ->excludes(both_glu)
-      ->transform(decimal_integer())
+      ->transform(cli::decimal_integer())
       ->check(CLI::Range(0, std::numeric_limits<int>::max()));
   sub->add_option("--layer", args->layers, "Convert only the layer with this key prefix (repeatable)");
   sub->add_flag("--progress", args->progress, "Show a progress bar on stderr even when it is not a terminal");

@@ -1,4 +1,5 @@
-// Option checks the tool's commands share, beyond CLI11's own.
+// Option checks the command-line programs share (the moe-engine tool, the benchmark programs),
+// beyond CLI11's own.
 #pragma once
 
 #include <cctype>
@@ -7,7 +8,7 @@
 
 #include <CLI/CLI.hpp>
 
-namespace moe::tools {
+namespace moe::cli {
 
 // Integer options in decimal only. CLI11 converts integers with strtoll(..., base 0), so "010" would
 // be read as 8 and "0x20" as 32: this transform (add it before any range check) refuses anything
@@ -38,4 +39,4 @@ inline CLI::Validator finite_number() {
       "FINITE", "finite number");
 }
 
-}  // namespace moe::tools
+}  // namespace moe::cli
