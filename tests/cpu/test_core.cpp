@@ -18,6 +18,17 @@
 namespace moe {
 namespace {
 
+// A layer configuration of H = 128, F = 64 the config tests start from.
+GroupedMlpConfig small_config(int experts, int topk, int64_t max_tokens) {
+  GroupedMlpConfig c;
+  c.hidden = 128;
+  c.ffn = 64;
+  c.experts = experts;
+  c.topk = topk;
+  c.max_tokens = max_tokens;
+  return c;
+}
+
 using ::moe::testing::expect_error_naming;
 
 TEST(DType, SizesAndNames) {
@@ -134,12 +145,7 @@ TEST(Activation, LayoutAndValidation) {
 // Token chunks are offered where the layer's workspace holds nothing else of R x H: the probs in the
 // activation, bf16 experts without bias, the fused fc2 dgrad gathering dy (no dY_perm).
 TEST(GroupedMlpConfig, TokenChunksNeedWhatTheyAreBuiltOn) {
-  GroupedMlpConfig c;
-  c.hidden = 128;
-  c.ffn = 64;
-  c.experts = 4;
-  c.topk = 2;
-  c.max_tokens = 33;
+  GroupedMlpConfig c = small_config(4, 2, 33);
   c.fuse_fc1 = true;
   c.save_x_perm = false;
   c.fuse_fc2_dgrad = true;
@@ -178,12 +184,7 @@ TEST(GroupedMlpConfig, TokenChunksNeedWhatTheyAreBuiltOn) {
 // indexes, counts past a kernel's tables, and enumeration values outside their type: each refused
 // at validation, naming the field (a layer sized from them would write past its buffers).
 TEST(GroupedMlpConfig, RefusesSizesThatWouldWrapOrExceedTheKernels) {
-  GroupedMlpConfig c;
-  c.hidden = 128;
-  c.ffn = 64;
-  c.experts = 8;
-  c.topk = 4;
-  c.max_tokens = 1000;
+  GroupedMlpConfig c = small_config(8, 4, 1000);
   c.validate();
   auto refuses = [&](const std::function<void(GroupedMlpConfig&)>& edit, const char* name) {
     GroupedMlpConfig bad = c;
@@ -251,12 +252,7 @@ TEST(TensorView, ShapeChecksRefuseNegativeExtentsAndBadRanks) {
 }
 
 TEST(GroupedMlpConfig, ValidatesFields) {
-  GroupedMlpConfig c;
-  c.hidden = 128;
-  c.ffn = 64;
-  c.experts = 4;
-  c.topk = 2;
-  c.max_tokens = 32;
+  GroupedMlpConfig c = small_config(4, 2, 32);
   c.validate();
   EXPECT_EQ(c.fc1_out(), 128);
   EXPECT_EQ(c.row_bound(), 64);
