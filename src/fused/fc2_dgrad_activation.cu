@@ -74,7 +74,6 @@ constexpr int kBoxBytes = kBoxCols * kBK * 2;              // 8 KiB
 constexpr int kStageBytesB = kBN * kBK * 2;                // 32 KiB: all four boxes land in every CTA
 constexpr int kBoxesPerCta = kBN / kBoxCols / kCluster;    // 2
 constexpr int kMaxExperts = kMaxRowTileExperts;
-constexpr int kProducerRegs = 56, kConsumerRegs = 224;     // 128 * 56 + 256 * 224 = 384 * 168, the launch pool
 // Chunks of h (8 features of a row) a consumer thread has loaded ahead of the one it works on in the
 // epilogue: 2 and 4 measured alike, 8 spills.
 constexpr int kHAhead = 4;
@@ -90,6 +89,12 @@ struct Schedule {
   static constexpr int kStages = kCoop ? 4 : 5;
   static constexpr int kRows = rows_per_thread(kBM);     // rows of a tile one producer thread copies
   static constexpr int kStageBytesA = kBM * kBK * 2;     // 8 or 16 KiB
+  // Registers a producer / consumer thread keeps of the launch pool (128 * P + 256 * C <= 384 * 168):
+  // ping-pong 56 / 224; the cooperative producer copies twice the rows a stage and at 56 spilled
+  // (ptxas: 20 bytes of stores), at 72 it does not.
+  static constexpr int kProducerRegs = kCoop ? 72 : 56, kConsumerRegs = kCoop ? 216 : 224;
+  static_assert(kProducerThreads * kProducerRegs + kConsumerGroups * kGroupThreads * kConsumerRegs <= 65536,
+                "the register split fits the launch pool");
   using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{},
                                              make_shape(Int<kBM>{}, Int<kBK>{}, Int<kStages>{})));
   using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<bf16>{},
@@ -365,10 +370,10 @@ __global__ void __launch_bounds__(kThreads, 1) fc2_dgrad_activation_kernel(const
   cute::cluster_sync();
   const int total = s.tile_start[p.E];
   if (threadIdx.x < kProducerThreads) {
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    cutlass::arch::warpgroup_reg_dealloc<S::kProducerRegs>();
     produce<kTma, kCoop>(s, p, total, rank);
   } else {
-    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+    cutlass::arch::warpgroup_reg_alloc<S::kConsumerRegs>();
     consume<A, kCoop>(s, p, total, rank);
   }
   // No CTA may leave while its peer can still multicast into it or arrive on its barriers.

@@ -3,7 +3,7 @@
 // chain of WGMMAs over the same k blocks, and its epilogue the same code -- so the cooperative one
 // is held bitwise to the ping-pong one, which the layer tests hold to the unfused reference path
 // (tests/gpu/test_grouped_mlp.cpp). Covered: dh written over h, dprobs (one feature block, and two
-// with the partial sums), the recomputed act x prob, the gathered rows written to dY_perm,
+// or three with the partial sums), the recomputed act x prob, the gathered rows written to dY_perm,
 // gathering through a row map with padding rows and reading dY_perm directly, uneven and empty
 // groups (single-block groups, whose one block is split between the cluster's CTAs by feature
 // block, groups shorter than a tile and of several tiles), the TMA and the per-expert (cp.async)
@@ -41,10 +41,12 @@ struct Outputs {
 };
 
 Outputs run(const Case& c, fused::Fc2DgradSchedule schedule, cudaStream_t stream) {
-  constexpr int E = 6, slots = 4;
+  constexpr int E = 7, slots = 4;
   // Rows per expert (padded to multiples of 8): empty, one short of a 64-row block, two 128-row
-  // blocks with a partial one, six with a partial one, exactly two, a few rows.
-  const std::vector<int> counts = {0, 63, 3 * 64 + 5, 5 * 128 + 17, 256, 9};
+  // blocks with a partial one, six with a partial one, exactly two, a few rows, and three 128-row
+  // blocks with a partial one (odd for both tile heights: five 64-row blocks, three 128-row ones,
+  // so the block split between the cluster's CTAs is not the group's first).
+  const std::vector<int> counts = {0, 63, 3 * 64 + 5, 5 * 128 + 17, 256, 9, 2 * 128 + 5};
   constexpr int align = 8;  // padding rows (row map -1) to a multiple of 8 per group
   std::mt19937_64 rng(1234 + c.H + 7 * c.F + (c.gather ? 1 : 0) + (c.table ? 2 : 0));
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -140,6 +142,7 @@ INSTANTIATE_TEST_SUITE_P(
     Shapes, Fc2DgradSchedules,
     ::testing::Values(Case{Activation::kSwiGLU, 320, 256, true, false, 0},   // one feature block
                       Case{Activation::kSwiGLU, 648, 384, true, false, 4},   // two, partial sums; 4 SMs
+                      Case{Activation::kSwiGLU, 320, 640, true, false, 0},   // three, with dY_perm copied out
                       Case{Activation::kGeGLU, 392, 200, false, false, 0},   // dY_perm read directly
                       Case{Activation::kSquaredReLU, 264, 136, true, true, 6},  // per-expert weights
                       Case{Activation::kClampedSwiGLU, 512, 264, true, true, 0}));

@@ -514,6 +514,38 @@ TEST(GroupedMlp, FusedFc1LargerShapes) {
   }
 }
 
+// H = 4096: the fused fc2 dgrad's automatic choice takes its cooperative schedule there
+// (fused/fc2_dgrad_activation.h), which the other layer tests (H < 4096) never run. Fused (no x_perm,
+// the gathered dY rows) against the reference and the unfused path, with one 256-feature block
+// (F = 256) and three (F = 640, dprobs summed from partials), skewed routing (uneven groups, odd
+// numbers of 128-row blocks).
+TEST(GroupedMlp, FusedDgradCooperativeScheduleAtLargeHidden) {
+  MOE_REQUIRE_GPU();
+  for (int ffn : {256, 640}) {
+    SCOPED_TRACE(::testing::Message() << "F " << ffn);
+    Case c;
+    c.cfg.hidden = 4096;
+    c.cfg.ffn = ffn;
+    c.cfg.experts = 3;
+    c.cfg.topk = 2;
+    c.cfg.max_tokens = 260;
+    c.cfg.fuse_fc1 = true;
+    c.cfg.save_x_perm = false;
+    c.cfg.fuse_fc2_dgrad = true;
+    c.T = 260;
+    c.skew = 1.0;
+    c.seed = 17;
+    Runner r(c);
+    const Outputs fused = r.run_gpu(WeightLayout::kSingleGrouped);
+    compare(fused, r.run_reference(), false);
+    Case u = c;
+    u.cfg.fuse_fc1 = false;
+    u.cfg.save_x_perm = true;
+    u.cfg.fuse_fc2_dgrad = false;
+    compare(fused, Runner(u).run_gpu(WeightLayout::kSingleGrouped), false);
+  }
+}
+
 // 500 experts (a tile prefix of 501 entries in the fused kernels' shared memory), A = 128 (every
 // tile whole), skewed routing that leaves many experts empty: the fused fc1 and fc2 dgrad against the
 // reference and the unfused path, both weight layouts bitwise equal.
