@@ -93,8 +93,9 @@ struct Schedule {
   // ping-pong 56 / 224; the cooperative producer copies twice the rows a stage and at 56 spilled
   // (ptxas: 20 bytes of stores), at 72 it does not.
   static constexpr int kProducerRegs = kCoop ? 72 : 56, kConsumerRegs = kCoop ? 216 : 224;
-  static_assert(kProducerThreads * kProducerRegs + kConsumerGroups * kGroupThreads * kConsumerRegs <= 65536,
-                "the register split fits the launch pool");
+  static_assert(kProducerThreads * kProducerRegs + kConsumerGroups * kGroupThreads * kConsumerRegs <=
+                    kThreads * (65536 / kThreads / 8 * 8),
+                "the register split fits the launch pool (168 registers a thread at launch)");
   using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{},
                                              make_shape(Int<kBM>{}, Int<kBK>{}, Int<kStages>{})));
   using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<bf16>{},
