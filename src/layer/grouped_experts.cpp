@@ -682,6 +682,10 @@ void GroupedExperts::forward(const TensorView& x_perm, const TensorView& g, cons
   Impl& m = *impl_;
   const int64_t rows = m.check_inputs(x_perm, g, pp, "GroupedExperts::forward");
   m.check_Y(Y, rows);
+  // The state keeps x_perm by address for the backward's fc1 weight gradient (the FP8 experts keep
+  // quantized copies instead): a Y written over it would change what that gradient reads.
+  MOE_CHECK(m.fp8 || rows == 0 || !bytes_overlap(Y, x_perm), "argument 'Y': overlaps x_perm, which the state ",
+            "keeps for the backward's weight gradient");
   check_state_fillable(state, "state", m.state_bytes, kStateHeaders, "GroupedExperts::forward");
   const StateBuffers b = m.state_layout(static_cast<char*>(state.device()));
   m.fp8_weights(s, "GroupedExperts::forward");

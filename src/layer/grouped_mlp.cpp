@@ -309,8 +309,11 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
   check_device_tensor(dprobs, "dprobs", DType::kFP32, {T, slots}, 4);
   const TensorView x = m.x_of(state, x_in);
   if (x_in) check_device_tensor(*x_in, "x", c.dtype, {T, H});
-  MOE_CHECK(!(c.delay_wgrad && m.gathered()) || dx.data != x.data || T == 0, "argument 'dx': with delay_wgrad and ",
-            "save_x_perm = false, backward_dw gathers the rows of x again, so dx must not overwrite it");
+  // Without x_perm the fc1 weight gradient gathers the rows of x after dx is written when it is delayed
+  // (backward_dw) or when the backward runs in token chunks (the weight gradient follows the last one).
+  MOE_CHECK(!(m.gathered() && (c.delay_wgrad || c.token_chunks > 1)) || dx.data != x.data || T == 0,
+            "argument 'dx': with save_x_perm = false and delay_wgrad or token_chunks > 1, the fc1 weight gradient ",
+            "gathers the rows of x after dx is written, so dx must not overwrite it");
   const SavedState plan = m.plan_of(state);
   SavedState es = m.experts_of(state);
   if (!c.recompute) {

@@ -994,6 +994,76 @@ TEST(GroupedMlp, EmulatedFormatsMatchTheReferenceWithQuantizedOperands) {
   }
 }
 
+// Outputs over inputs the backward reads again are refused before anything runs: the experts'
+// forward writing Y over the x_perm its state keeps for the fc1 weight gradient (Y overlapping it by
+// one row too), and the layer's backward in token chunks writing dx over the x whose rows the fc1
+// weight gradient gathers after the last chunk (as with delay_wgrad).
+TEST(GroupedMlp, OutputsOverInputsTheBackwardReadsAreRefused) {
+  MOE_REQUIRE_GPU();
+  {
+    ExpertsConfig cfg;
+    cfg.hidden = 128;
+    cfg.ffn = 64;
+    cfg.experts = 2;
+    cfg.max_rows = 64;
+    const int E = cfg.experts;
+    const int64_t H = cfg.hidden, R = cfg.max_rows;
+    std::mt19937_64 rng(3);
+    GroupedExperts ex(cfg);
+    DeviceParam W1 = make_param(random_bf16_values(size_t(E) * cfg.fc1_out() * H, 0.1, rng), E, {cfg.fc1_out(), H},
+                                DType::kBF16, cfg.layout);
+    DeviceParam W2 = make_param(random_bf16_values(size_t(E) * H * cfg.ffn, 0.1, rng), E, {H, cfg.ffn}, DType::kBF16,
+                                cfg.layout);
+    ex.set_weights({W1.views, {}, W2.views, {}});
+    DeviceBuffer<uint16_t> buf(2 * R * H);
+    DeviceBuffer<int32_t> offs(std::vector<int32_t>{0, 30, 60});
+    DeviceBuffer<float> pp(std::vector<float>(R, 0.5f));
+    const TensorView x_perm(buf.get(), DType::kBF16, {R, H});
+    const TensorView g(offs.get(), DType::kInt32, {E + 1}), p(pp.get(), DType::kFP32, {R});
+    const SavedState st = ex.new_state();
+    testing::expect_error_naming([&] { ex.forward(x_perm, g, p, x_perm, st, nullptr); }, "'Y'");
+    const TensorView shifted(buf.get() + (R - 1) * H, DType::kBF16, {R, H});  // overlaps its last row
+    testing::expect_error_naming([&] { ex.forward(x_perm, g, p, shifted, st, nullptr); }, "'Y'");
+    EXPECT_EQ(st.status(), StateStatus::kEmpty);
+    const TensorView apart(buf.get() + R * H, DType::kBF16, {R, H});
+    ex.forward(x_perm, g, p, apart, st, nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  {
+    GroupedMlpConfig k = small_config();
+    k.fuse_fc1 = true;
+    k.save_x_perm = false;
+    k.fuse_fc2_dgrad = true;
+    k.token_chunks = 2;
+    k.validate();
+    GroupedMlp layer(k);
+    const int64_t H = k.hidden, T = 8;
+    std::mt19937_64 rng(4);
+    auto W1 = make_param(random_bf16_values(k.experts * k.fc1_out() * H, 0.1, rng), k.experts, {k.fc1_out(), H},
+                         DType::kBF16, k.layout);
+    auto W2 = make_param(random_bf16_values(k.experts * H * k.ffn, 0.1, rng), k.experts, {H, k.ffn}, DType::kBF16,
+                         k.layout);
+    DeviceBuffer<uint16_t> gw1(k.experts * k.fc1_out() * H), gw2(k.experts * H * k.ffn);
+    layer.set_weights({W1.views, {}, W2.views, {}});
+    layer.set_grads({{TensorView(gw1.get(), DType::kBF16, {k.experts, k.fc1_out(), H})}, {},
+                     {TensorView(gw2.get(), DType::kBF16, {k.experts, H, k.ffn})}, {}});
+    DeviceBuffer<uint16_t> x(to_bf16(random_bf16_values(T * H, 1.0, rng))), y(T * H), dx(T * H);
+    DeviceBuffer<int32_t> idx(std::vector<int32_t>{0, 1, 2, 3, 4, 5, 0, 2, 1, 3, 5, 4, 2, 0, 3, 1});
+    DeviceBuffer<float> probs(std::vector<float>(T * k.topk, 0.5f)), dprobs(T * k.topk);
+    RoutingView rv;
+    rv.indices = TensorView(idx.get(), DType::kInt32, {T, k.topk});
+    rv.probs = TensorView(probs.get(), DType::kFP32, {T, k.topk});
+    const TensorView xv(x.get(), DType::kBF16, {T, H}), yv(y.get(), DType::kBF16, {T, H});
+    const TensorView dxv(dx.get(), DType::kBF16, {T, H}), dpv(dprobs.get(), DType::kFP32, {T, k.topk});
+    const SavedState st = layer.new_state();
+    layer.forward(xv, rv, yv, st, nullptr);
+    testing::expect_error_naming([&] { layer.backward(yv, xv, dpv, st, nullptr); }, "'dx'");
+    EXPECT_EQ(st.status(), StateStatus::kFilled);
+    layer.backward(yv, dxv, dpv, st, nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+}
+
 TEST(GroupedMlp, BadInputIsReported) {
   MOE_REQUIRE_GPU();
   GroupedMlpConfig k = small_config();
