@@ -34,6 +34,7 @@
 #include "fused/fc1_activation.h"
 #include "fused/fc2_dgrad_activation.h"
 #include "fused/wgrad_gathered.h"
+#include "layer/bound_ranges.h"
 #include "layer/emulated_experts.h"
 #include "layer/fp8_experts.h"
 #include "moe/activation_ops.h"
@@ -105,6 +106,7 @@ struct GroupedExperts::Impl {
   uint64_t fp8_refreshed = 0;  // the binding the FP8 weight copies were last made (or loaded) for
   ExpertMatrices w1, w2, dw1, dw2;
   ExpertRows b1, b2, db1, db2;
+  std::vector<BoundRange> weight_ranges, grad_ranges;  // their bytes: no gradient over a weight
   // Device tables of per-expert bias row pointers (b1, b2, db1, db2): a new table per binding, the
   // old one freed (cudaFree waits for kernels in flight), never rewritten in place.
   std::shared_ptr<void> bias_tables[4];
@@ -639,6 +641,13 @@ void GroupedExperts::set_weights(const ExpertTensors& w) {
   check_param_views(w.fc2_weight, "fc2.weight", c.experts, L, m.stored(c.hidden, c.ffn), wt);
   m.check_bias_views(w.fc1_bias, "fc1.bias", L, c.fc1_out(), c.dtype);
   m.check_bias_views(w.fc2_bias, "fc2.bias", L, c.hidden, c.dtype);
+  std::vector<BoundRange> ranges;
+  add_bound_ranges(ranges, w.fc1_weight, "fc1.weight");
+  add_bound_ranges(ranges, w.fc1_bias, "fc1.bias");
+  add_bound_ranges(ranges, w.fc2_weight, "fc2.weight");
+  add_bound_ranges(ranges, w.fc2_bias, "fc2.bias");
+  check_gradients_apart(m.grad_ranges, ranges, "GroupedExperts::set_weights");
+  m.weight_ranges = std::move(ranges);
   // FP8 primary weights: fc1 / fc2 weights are the fp32 master weights, read only by the refresh.
   m.w1 = m.matrices(w.fc1_weight, L, "fc1.weight");
   m.w2 = m.matrices(w.fc2_weight, L, "fc2.weight");
@@ -663,6 +672,13 @@ void GroupedExperts::set_grads(const ExpertTensors& g) {
   check_param_views(g.fc2_weight, "fc2.weight grad", E, L2, m.stored(c.hidden, c.ffn), t);
   m.check_bias_views(g.fc1_bias, "fc1.bias grad", Lb1, c.fc1_out(), t);
   m.check_bias_views(g.fc2_bias, "fc2.bias grad", Lb2, c.hidden, t);
+  std::vector<BoundRange> ranges;
+  add_bound_ranges(ranges, g.fc1_weight, "fc1.weight grad");
+  add_bound_ranges(ranges, g.fc1_bias, "fc1.bias grad");
+  add_bound_ranges(ranges, g.fc2_weight, "fc2.weight grad");
+  add_bound_ranges(ranges, g.fc2_bias, "fc2.bias grad");
+  check_gradients_apart(ranges, m.weight_ranges, "GroupedExperts::set_grads");
+  m.grad_ranges = std::move(ranges);
   m.dw1 = m.matrices(g.fc1_weight, L1, "fc1.weight grad");
   m.dw2 = m.matrices(g.fc2_weight, L2, "fc2.weight grad");
   if (c.bias) {

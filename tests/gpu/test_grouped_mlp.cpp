@@ -1064,6 +1064,31 @@ TEST(GroupedMlp, OutputsOverInputsTheBackwardReadsAreRefused) {
   }
 }
 
+TEST(GroupedMlp, GradientsOverWeightsAreRefused) {
+  // The unfused backward writes dW2 before its fc2 dgrad reads W2: a gradient bound over a weight
+  // would have given a silently wrong dx. Refused at binding, in either order, by name.
+  MOE_REQUIRE_GPU();
+  GroupedMlpConfig k = small_config();
+  GroupedMlp layer(k);
+  const int64_t H = k.hidden;
+  std::mt19937_64 rng(6);
+  auto W1 = make_param(random_bf16_values(k.experts * k.fc1_out() * H, 0.1, rng), k.experts, {k.fc1_out(), H},
+                       DType::kBF16, k.layout);
+  auto W2 = make_param(random_bf16_values(k.experts * H * k.ffn, 0.1, rng), k.experts, {H, k.ffn}, DType::kBF16,
+                       k.layout);
+  DeviceBuffer<uint16_t> gw1(k.experts * k.fc1_out() * H), gw2(k.experts * H * k.ffn);
+  const TensorView dw1(gw1.get(), DType::kBF16, {k.experts, k.fc1_out(), H});
+  const TensorView dw2(gw2.get(), DType::kBF16, {k.experts, H, k.ffn});
+  layer.set_weights({W1.views, {}, W2.views, {}});
+  testing::expect_error_naming([&] { layer.set_grads({{dw1}, {}, W2.views, {}}); }, "'fc2.weight grad'");
+  const TensorView dw2_over_dw1(gw1.get(), DType::kBF16, {k.experts, H, k.ffn});
+  testing::expect_error_naming([&] { layer.set_grads({{dw1}, {}, {dw2_over_dw1}, {}}); }, "'fc1.weight grad'");
+  layer.set_grads({{dw1}, {}, {dw2}, {}});
+  // Weights bound later over a bound gradient: refused as well.
+  testing::expect_error_naming([&] { layer.set_weights({{dw1}, {}, W2.views, {}}); }, "'fc1.weight grad'");
+  layer.set_weights({W1.views, {}, W2.views, {}});
+}
+
 TEST(GroupedMlp, BadInputIsReported) {
   MOE_REQUIRE_GPU();
   GroupedMlpConfig k = small_config();
