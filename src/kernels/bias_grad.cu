@@ -29,28 +29,31 @@ constexpr int kThreads = kBiasGradThreads;
 
 // Workspace: chunk_start int32 [E + 1] (padded to 16 bytes), then partial fp32 [chunks, N].
 
+// Summed in int64 and stored saturated at INT32_MAX: valid offsets sum to at most R / C + E chunks,
+// but invalid (non-monotonic) ones could overlap their rows and pass int32, and a wrapped, negative
+// start would send the finish kernel before the workspace. Saturation keeps the starts monotonic.
 __global__ void __launch_bounds__(kThreads)
     bias_grad_layout_kernel(const DeviceGroups groups, int chunk, int32_t* chunk_start) {
-  using Scan = cub::BlockScan<int32_t, kThreads>;
+  using Scan = cub::BlockScan<int64_t, kThreads>;
   __shared__ typename Scan::TempStorage tmp;
-  __shared__ int32_t carry;
+  __shared__ int64_t carry;
   if (threadIdx.x == 0) carry = 0;
   __syncthreads();
   for (int base = 0; base < groups.E; base += kThreads) {
     const int e = base + threadIdx.x;
-    int32_t n = 0;
+    int64_t n = 0;
     if (e < groups.E) {
       int64_t rows = groups.begin(e + 1) - groups.begin(e);
-      n = rows > 0 ? static_cast<int32_t>((rows + chunk - 1) / chunk) : 0;
+      n = rows > 0 ? (rows + chunk - 1) / chunk : 0;
     }
-    int32_t excl, total;
+    int64_t excl, total;
     Scan(tmp).ExclusiveSum(n, excl, total);
-    if (e < groups.E) chunk_start[e] = carry + excl;
+    if (e < groups.E) chunk_start[e] = static_cast<int32_t>(min(carry + excl, static_cast<int64_t>(INT32_MAX)));
     __syncthreads();  // everyone has read carry (and tmp is free again)
     if (threadIdx.x == 0) carry += total;
     __syncthreads();
   }
-  if (threadIdx.x == 0) chunk_start[groups.E] = carry;
+  if (threadIdx.x == 0) chunk_start[groups.E] = static_cast<int32_t>(min(carry, static_cast<int64_t>(INT32_MAX)));
 }
 
 // Block (vx, ry): vx threads across the columns (8 per thread), ry row lanes through the chunk.
