@@ -72,6 +72,7 @@ weights quantized straight into the format)."""
 import torch
 from torch import nn
 
+from ._arg_names import create
 from .state_dict import normalize_expert_keys
 
 _ops = torch.ops.moe_engine
@@ -305,13 +306,12 @@ class GroupedMLP(_ExpertModule):
         # Whether backward (and backward_dw) read the forward's x again.
         self.reads_x = recompute or not self.save_x_perm
         self.slots = num_experts if map_routing else topk
-        self._handle = _ops.mlp_create(hidden_size, ffn_hidden_size, num_experts, topk, max_tokens, activation,
-                                       glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias,
-                                       probs_at_combine, align, pre_padded, row_bound, map_routing,
-                                       per_expert_weights, accumulate_into_main_grad,
-                                       wgrad_dtype == torch.float32, delay_wgrad, recompute, self.fuse_fc1,
-                                       self.save_x_perm, self.fuse_fc2_dgrad, False, fp8 or "none",
-                                       fp8_weight_refresh, token_chunks)
+        self._handle = create(_ops.mlp_create, hidden_size, ffn_hidden_size, num_experts, topk, max_tokens,
+                              activation, glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias,
+                              probs_at_combine, align, pre_padded, row_bound, map_routing, per_expert_weights,
+                              accumulate_into_main_grad, wgrad_dtype == torch.float32, delay_wgrad, recompute,
+                              self.fuse_fc1, self.save_x_perm, self.fuse_fc2_dgrad, False, fp8 or "none",
+                              fp8_weight_refresh, token_chunks)
         self._state_bytes = _ops.mlp_state_bytes(self._handle)
         self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
                            accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std,
@@ -375,11 +375,10 @@ class GroupedExperts(_ExpertModule):
         _check_fp8_options(fp8, fp8_weight_refresh, accumulate_into_main_grad)
         self.fp8 = fp8
         self.probs_at_combine = probs_at_combine
-        self._handle = _ops.experts_create(hidden_size, ffn_hidden_size, num_experts, max_rows, activation,
-                                           glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias,
-                                           probs_at_combine, per_expert_weights, accumulate_into_main_grad,
-                                           wgrad_dtype == torch.float32, delay_wgrad,
-                                           bool(fuse_fc1), bool(fuse_fc2_dgrad), fp8 or "none", fp8_weight_refresh)
+        self._handle = create(_ops.experts_create, hidden_size, ffn_hidden_size, num_experts, max_rows, activation,
+                              glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias, probs_at_combine,
+                              per_expert_weights, accumulate_into_main_grad, wgrad_dtype == torch.float32,
+                              delay_wgrad, bool(fuse_fc1), bool(fuse_fc2_dgrad), fp8 or "none", fp8_weight_refresh)
         self._state_bytes = _ops.experts_state_bytes(self._handle)
         self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
                            accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std,

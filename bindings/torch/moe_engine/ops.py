@@ -3,6 +3,8 @@ grouped GEMM. All run on the current CUDA stream, allocate only through PyTorch'
 make no host synchronisation, so they can sit inside torch.cuda.graph."""
 import torch
 
+from ._arg_names import create
+
 _ops = torch.ops.moe_engine
 
 
@@ -59,8 +61,8 @@ class Dispatcher:
             raise ValueError(f"argument 'dtype': expected bfloat16, float16 or float32, got {dtype}")
         self.num_experts = num_experts
         self.slots = num_experts if map_routing else topk
-        self.handle = _ops.dispatcher_create(max_tokens, num_experts, topk, hidden_size, map_routing, align,
-                                             pre_padded, row_bound, names[dtype])
+        self.handle = create(_ops.dispatcher_create, max_tokens, num_experts, topk, hidden_size, map_routing,
+                             align, pre_padded, row_bound, names[dtype])
         self.rows = _ops.dispatcher_rows(self.handle)
         self.plan_bytes = _ops.dispatcher_plan_bytes(self.handle)
 

@@ -266,7 +266,7 @@ def test_integers_past_32_bits_are_refused_by_name():
     big = 2**32 + 2
     with pytest.raises(ValueError, match="'topk'"):
         GroupedMLP(128, 64, 8, big, max_tokens=8)
-    with pytest.raises(ValueError, match="'experts'"):
+    with pytest.raises(ValueError, match="'num_experts'"):
         GroupedMLP(128, 64, big, 2, max_tokens=8)
     with pytest.raises(ValueError, match="'token_chunks'"):
         GroupedMLP(128, 64, 8, 2, max_tokens=8, token_chunks=big)
