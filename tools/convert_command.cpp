@@ -8,6 +8,9 @@
 #include <iostream>
 #include <limits>
 #include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "command.h"
 #include "moe/checkpoint_convert.h"
@@ -29,6 +32,19 @@ struct ConvertArgs {
 
 // Files at least this big get a progress bar on a terminal without asking.
 constexpr uint64_t kLargeFile = 64ull << 20;
+
+// The library's errors name ConvertOptions' fields; the user passed this command's options. Each
+// "argument 'field'" of a field set by an option named otherwise becomes that option's name.
+std::string in_option_names(std::string message) {
+  static const std::pair<const char*, const char*> kOptionOf[] = {
+      {"from_glu_interleave", "from-glu-interleave"}, {"to_glu_interleave", "to-glu-interleave"}, {"prefixes", "layer"}};
+  for (const auto& [field, option] : kOptionOf) {
+    const std::string from = std::string("argument '") + field + "'", to = std::string("argument '") + option + "'";
+    for (size_t at = message.find(from); at != std::string::npos; at = message.find(from, at + to.size()))
+      message.replace(at, from.size(), to);
+  }
+  return message;
+}
 
 void run_convert(const ConvertArgs& a) {
   ConvertOptions o;
@@ -52,7 +68,12 @@ void run_convert(const ConvertArgs& a) {
     }
     shown->update(done, total);
   };
-  const std::vector<std::string> layers = convert_checkpoint(a.in, a.out, o, progress);
+  std::vector<std::string> layers;
+  try {
+    layers = convert_checkpoint(a.in, a.out, o, progress);
+  } catch (const Error& e) {
+    throw Error(in_option_names(e.what()));
+  }
   shown.reset();  // end the bar's line before the summary
   if (!a.quiet) {
     std::cout << "converted " << layers.size() << " expert layer" << (layers.size() == 1 ? "" : "s") << " ("

@@ -283,13 +283,14 @@ TEST_F(ConvertCli, MisreadOptionsAreRefused) {
   EXPECT_EQ(r.status, 0) << r.output;
   r = run(convert + "--from-glu-interleave 16 '" + hf + "' '" + out + "'");
   EXPECT_EQ(r.status, 1);
-  EXPECT_NE(r.output.find("from_glu_interleave"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("argument 'from-glu-interleave'"), std::string::npos) << r.output;  // the option's name
   r = run("convert -q --from hf:mixtral --to hf:mixtral --glu-interleave 8 '" + hf + "' '" + out + "'");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.output.find("glu-interleave"), std::string::npos) << r.output;
   r = run(convert + "--layer typo --layer model.layers.0.block_sparse_moe.experts. '" + hf + "' '" + out + "'");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.output.find("'typo'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("argument 'layer'"), std::string::npos) << r.output;
   r = run(convert + "'" + hf + "' '" + dir_ + "'");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.output.find("not a regular file"), std::string::npos) << r.output;
