@@ -209,6 +209,16 @@ void expect_bitwise(const Outputs& a, const Outputs& b) {
   EXPECT_EQ(a.db2, b.db2);
 }
 
+// The same case on the unfused path (x_perm kept, no fused kernel): the GPU reference the fused
+// kernels are held to, same data.
+Outputs run_unfused(const Case& c) {
+  Case u = c;
+  u.cfg.fuse_fc1 = false;
+  u.cfg.save_x_perm = true;
+  u.cfg.fuse_fc2_dgrad = false;
+  return Runner(u).run_gpu(WeightLayout::kSingleGrouped);
+}
+
 GroupedMlpConfig small_config() {
   GroupedMlpConfig c;
   c.hidden = 128;
@@ -267,11 +277,7 @@ TEST_P(LayerVariants, MatchesReferenceInBothLayoutsBitwiseEqual) {
   compare(grouped, want, v.bias);
   if (v.fused || v.dgrad) {
     // The fused kernels against the unfused path they replace (the GPU reference), same data.
-    Case u = c;
-    u.cfg.fuse_fc1 = false;
-    u.cfg.save_x_perm = true;
-    u.cfg.fuse_fc2_dgrad = false;
-    compare(grouped, Runner(u).run_gpu(WeightLayout::kSingleGrouped), v.bias);
+    compare(grouped, run_unfused(c), v.bias);
   }
   Outputs per_expert = r.run_gpu(WeightLayout::kPerExpert);
   expect_bitwise(grouped, per_expert);
@@ -504,11 +510,7 @@ TEST(GroupedMlp, FusedFc1LargerShapes) {
       Runner r(c);
       Outputs fused = r.run_gpu(WeightLayout::kSingleGrouped);
       compare(fused, r.run_reference(), c.cfg.bias);
-      Case u = c;
-      u.cfg.fuse_fc1 = false;
-      u.cfg.save_x_perm = true;
-      u.cfg.fuse_fc2_dgrad = false;
-      compare(fused, Runner(u).run_gpu(WeightLayout::kSingleGrouped), c.cfg.bias);
+      compare(fused, run_unfused(c), c.cfg.bias);
     }
     }
   }
@@ -538,11 +540,7 @@ TEST(GroupedMlp, FusedDgradCooperativeScheduleAtLargeHidden) {
     Runner r(c);
     const Outputs fused = r.run_gpu(WeightLayout::kSingleGrouped);
     compare(fused, r.run_reference(), false);
-    Case u = c;
-    u.cfg.fuse_fc1 = false;
-    u.cfg.save_x_perm = true;
-    u.cfg.fuse_fc2_dgrad = false;
-    compare(fused, Runner(u).run_gpu(WeightLayout::kSingleGrouped), false);
+    compare(fused, run_unfused(c), false);
   }
 }
 
@@ -565,11 +563,7 @@ TEST(GroupedMlp, FusedDgradWithManyExperts) {
   Runner r(c);
   const Outputs fused = r.run_gpu(WeightLayout::kSingleGrouped);
   compare(fused, r.run_reference(), false);
-  Case u = c;
-  u.cfg.fuse_fc1 = false;
-  u.cfg.save_x_perm = true;
-  u.cfg.fuse_fc2_dgrad = false;
-  compare(fused, Runner(u).run_gpu(WeightLayout::kSingleGrouped), false);
+  compare(fused, run_unfused(c), false);
   expect_bitwise(fused, r.run_gpu(WeightLayout::kPerExpert));
 }
 
