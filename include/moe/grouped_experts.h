@@ -57,7 +57,9 @@ class GroupedExperts {
   // Binds parameter and gradient memory (pointers only: the data may change between calls, the
   // addresses must not once a graph has been captured). Binding per-expert tensors uploads a
   // pointer table synchronously: never inside a captured region. A forward records the weight
-  // binding it used; its backward refuses to run against a different one.
+  // binding it used; its backward refuses to run against a different one. set_grads refuses gradient
+  // memory that overlaps a bound weight or another gradient (the backward would write over what it
+  // still reads); weights may be bound over memory of earlier gradients (freed since, or rebound).
   void set_weights(const ExpertTensors& weights);
   void set_grads(const ExpertTensors& grads);
   // Called once per backward (or backward_dw) when that parameter's gradient is final, on the

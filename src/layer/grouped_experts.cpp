@@ -106,7 +106,7 @@ struct GroupedExperts::Impl {
   uint64_t fp8_refreshed = 0;  // the binding the FP8 weight copies were last made (or loaded) for
   ExpertMatrices w1, w2, dw1, dw2;
   ExpertRows b1, b2, db1, db2;
-  std::vector<BoundRange> weight_ranges, grad_ranges;  // their bytes: no gradient over a weight
+  std::vector<BoundRange> weight_ranges;  // their bytes: no gradient bound over a weight
   // Device tables of per-expert bias row pointers (b1, b2, db1, db2): a new table per binding, the
   // old one freed (cudaFree waits for kernels in flight), never rewritten in place.
   std::shared_ptr<void> bias_tables[4];
@@ -641,13 +641,14 @@ void GroupedExperts::set_weights(const ExpertTensors& w) {
   check_param_views(w.fc2_weight, "fc2.weight", c.experts, L, m.stored(c.hidden, c.ffn), wt);
   m.check_bias_views(w.fc1_bias, "fc1.bias", L, c.fc1_out(), c.dtype);
   m.check_bias_views(w.fc2_bias, "fc2.bias", L, c.hidden, c.dtype);
-  std::vector<BoundRange> ranges;
-  add_bound_ranges(ranges, w.fc1_weight, "fc1.weight");
-  add_bound_ranges(ranges, w.fc1_bias, "fc1.bias");
-  add_bound_ranges(ranges, w.fc2_weight, "fc2.weight");
-  add_bound_ranges(ranges, w.fc2_bias, "fc2.bias");
-  check_gradients_apart(m.grad_ranges, ranges, "GroupedExperts::set_weights");
-  m.weight_ranges = std::move(ranges);
+  // Checked against the gradients when they are bound (set_grads), not here: gradient memory bound
+  // for an earlier backward may since have been freed and taken by these weights (PyTorch binds fresh
+  // gradient buffers for each backward; parameters gathered anew each step, as ZeRO-3 / FSDP do).
+  m.weight_ranges.clear();
+  add_bound_ranges(m.weight_ranges, w.fc1_weight, "fc1.weight");
+  add_bound_ranges(m.weight_ranges, w.fc1_bias, "fc1.bias");
+  add_bound_ranges(m.weight_ranges, w.fc2_weight, "fc2.weight");
+  add_bound_ranges(m.weight_ranges, w.fc2_bias, "fc2.bias");
   // FP8 primary weights: fc1 / fc2 weights are the fp32 master weights, read only by the refresh.
   m.w1 = m.matrices(w.fc1_weight, L, "fc1.weight");
   m.w2 = m.matrices(w.fc2_weight, L, "fc2.weight");
@@ -678,7 +679,6 @@ void GroupedExperts::set_grads(const ExpertTensors& g) {
   add_bound_ranges(ranges, g.fc2_weight, "fc2.weight grad");
   add_bound_ranges(ranges, g.fc2_bias, "fc2.bias grad");
   check_gradients_apart(ranges, m.weight_ranges, "GroupedExperts::set_grads");
-  m.grad_ranges = std::move(ranges);
   m.dw1 = m.matrices(g.fc1_weight, L1, "fc1.weight grad");
   m.dw2 = m.matrices(g.fc2_weight, L2, "fc2.weight grad");
   if (c.bias) {
