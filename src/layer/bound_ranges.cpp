@@ -25,6 +25,17 @@ void add_bound_ranges(std::vector<BoundRange>& out, const std::vector<TensorView
   }
 }
 
+std::vector<BoundRange> expert_tensor_ranges(const ExpertTensors& t, bool grads) {
+  static const char* const kWeights[] = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
+  static const char* const kGrads[] = {"fc1.weight grad", "fc1.bias grad", "fc2.weight grad", "fc2.bias grad"};
+  const char* const* names = grads ? kGrads : kWeights;
+  std::vector<BoundRange> out;
+  int i = 0;
+  for (const std::vector<TensorView>* views : {&t.fc1_weight, &t.fc1_bias, &t.fc2_weight, &t.fc2_bias})
+    add_bound_ranges(out, *views, names[i++]);
+  return out;
+}
+
 void check_gradients_apart(const std::vector<BoundRange>& grads, const std::vector<BoundRange>& weights,
                            const char* call) {
   struct Entry {

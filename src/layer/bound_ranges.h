@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "moe/grouped_experts.h"
 #include "moe/tensor.h"
 
 namespace moe {
@@ -19,6 +20,10 @@ struct BoundRange {
 
 // Appends the non-empty byte ranges of the views bound as `name` (one view: single grouped).
 void add_bound_ranges(std::vector<BoundRange>& out, const std::vector<TensorView>& views, const char* name);
+
+// The non-empty byte ranges of a binding's four tensor lists, named as their arguments ("fc1.weight",
+// ... or, for gradients, "fc1.weight grad", ...).
+std::vector<BoundRange> expert_tensor_ranges(const ExpertTensors& t, bool grads);
 
 // Refuses (moe::Error naming both arguments, from `call`) a gradient range overlapping another
 // gradient range or a weight range.

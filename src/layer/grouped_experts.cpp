@@ -644,11 +644,7 @@ void GroupedExperts::set_weights(const ExpertTensors& w) {
   // Checked against the gradients when they are bound (set_grads), not here: gradient memory bound
   // for an earlier backward may since have been freed and taken by these weights (PyTorch binds fresh
   // gradient buffers for each backward; parameters gathered anew each step, as ZeRO-3 / FSDP do).
-  m.weight_ranges.clear();
-  add_bound_ranges(m.weight_ranges, w.fc1_weight, "fc1.weight");
-  add_bound_ranges(m.weight_ranges, w.fc1_bias, "fc1.bias");
-  add_bound_ranges(m.weight_ranges, w.fc2_weight, "fc2.weight");
-  add_bound_ranges(m.weight_ranges, w.fc2_bias, "fc2.bias");
+  m.weight_ranges = expert_tensor_ranges(w, /*grads=*/false);
   // FP8 primary weights: fc1 / fc2 weights are the fp32 master weights, read only by the refresh.
   m.w1 = m.matrices(w.fc1_weight, L, "fc1.weight");
   m.w2 = m.matrices(w.fc2_weight, L, "fc2.weight");
@@ -673,12 +669,7 @@ void GroupedExperts::set_grads(const ExpertTensors& g) {
   check_param_views(g.fc2_weight, "fc2.weight grad", E, L2, m.stored(c.hidden, c.ffn), t);
   m.check_bias_views(g.fc1_bias, "fc1.bias grad", Lb1, c.fc1_out(), t);
   m.check_bias_views(g.fc2_bias, "fc2.bias grad", Lb2, c.hidden, t);
-  std::vector<BoundRange> ranges;
-  add_bound_ranges(ranges, g.fc1_weight, "fc1.weight grad");
-  add_bound_ranges(ranges, g.fc1_bias, "fc1.bias grad");
-  add_bound_ranges(ranges, g.fc2_weight, "fc2.weight grad");
-  add_bound_ranges(ranges, g.fc2_bias, "fc2.bias grad");
-  check_gradients_apart(ranges, m.weight_ranges, "GroupedExperts::set_grads");
+  check_gradients_apart(expert_tensor_ranges(g, /*grads=*/true), m.weight_ranges, "GroupedExperts::set_grads");
   m.dw1 = m.matrices(g.fc1_weight, L1, "fc1.weight grad");
   m.dw2 = m.matrices(g.fc2_weight, L2, "fc2.weight grad");
   if (c.bias) {

@@ -37,6 +37,19 @@ TEST(BoundRanges, RangesOfEachLayout) {
   EXPECT_EQ(r[2].expert, 2);  // the empty expert 1 holds no byte
 }
 
+TEST(BoundRanges, ABindingsTensorsByArgumentName) {
+  const ExpertTensors t{{at(0x1000, 64)}, {}, {at(0x2000, 8), at(0x3000, 8)}, {at(0x4000, 4)}};
+  const std::vector<BoundRange> w = expert_tensor_ranges(t, false), g = expert_tensor_ranges(t, true);
+  ASSERT_EQ(w.size(), 4u);
+  ASSERT_EQ(g.size(), 4u);
+  EXPECT_STREQ(w[0].name, "fc1.weight");
+  EXPECT_STREQ(w[1].name, "fc2.weight");
+  EXPECT_EQ(w[2].expert, 1);
+  EXPECT_STREQ(w[3].name, "fc2.bias");
+  EXPECT_STREQ(g[0].name, "fc1.weight grad");
+  EXPECT_STREQ(g[3].name, "fc2.bias grad");
+}
+
 TEST(BoundRanges, GradientOverAWeightIsRefusedByName) {
   std::vector<BoundRange> w, g;
   add_bound_ranges(w, {at(0x1000, 64), at(0x2000, 64)}, "fc2.weight");
