@@ -1,7 +1,7 @@
-// The byte ranges of an op's bound parameters and gradients, and the check that no gradient shares
-// a byte with a weight or with another gradient: a weight gradient written over a weight (or over
-// another gradient) would change what a later GEMM of the same step reads, silently. Weights may
-// share memory with each other (they are only read).
+// Byte ranges of tensors: whether two overlap, and the ranges of an op's bound parameters and
+// gradients with the check that no gradient shares a byte with a weight or with another gradient: a
+// weight gradient written over a weight (or over another gradient) would change what a later GEMM of
+// the same step reads, silently. Weights may share memory with each other (they are only read).
 #pragma once
 
 #include <cstdint>
@@ -20,6 +20,9 @@ struct BoundRange {
 
 // Appends the non-empty byte ranges of the views bound as `name` (one view: single grouped).
 void add_bound_ranges(std::vector<BoundRange>& out, const std::vector<TensorView>& views, const char* name);
+
+// Whether two tensors share a byte (a null tensor shares none).
+bool bytes_overlap(const TensorView& a, const TensorView& b);
 
 // The non-empty byte ranges of a binding's four tensor lists, named as their arguments ("fc1.weight",
 // ... or, for gradients, "fc1.weight grad", ...).

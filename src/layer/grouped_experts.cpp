@@ -529,14 +529,6 @@ void GroupedExperts::Impl::wgrad_gathered(const void* y, int64_t M, const Gather
   fused::launch_wgrad_gathered(a, s);
 }
 
-namespace {
-bool bytes_overlap(const TensorView& a, const TensorView& b) {
-  if (a.data == nullptr || b.data == nullptr) return false;
-  const char *pa = static_cast<const char*>(a.data), *pb = static_cast<const char*>(b.data);
-  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
-}
-}  // namespace
-
 float* GroupedExperts::Impl::dprobs_partials(const TensorView& dx_perm, const TensorView& reads,
                                              const TensorView& writes, const char* call) const {
   if (!cfg.dprobs_partials_in_dx_perm) return dpp_partial_ws;

@@ -35,6 +35,7 @@
 
 #include "device/device_arena.h"
 #include "device/state_check.h"
+#include "layer/bound_ranges.h"
 #include "moe/error.h"
 #include "moe/error_word.h"
 
@@ -311,7 +312,7 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
   if (x_in) check_device_tensor(*x_in, "x", c.dtype, {T, H});
   // Without x_perm the fc1 weight gradient gathers the rows of x after dx is written when it is delayed
   // (backward_dw) or when the backward runs in token chunks (the weight gradient follows the last one).
-  MOE_CHECK(!(m.gathered() && (c.delay_wgrad || c.token_chunks > 1)) || dx.data != x.data || T == 0,
+  MOE_CHECK(!(m.gathered() && (c.delay_wgrad || c.token_chunks > 1)) || !bytes_overlap(dx, x) || T == 0,
             "argument 'dx': with save_x_perm = false and delay_wgrad or token_chunks > 1, the fc1 weight gradient ",
             "gathers the rows of x after dx is written, so dx must not overwrite it");
   const SavedState plan = m.plan_of(state);

@@ -37,6 +37,12 @@ TEST(BoundRanges, RangesOfEachLayout) {
   EXPECT_EQ(r[2].expert, 2);  // the empty expert 1 holds no byte
 }
 
+TEST(BoundRanges, BytesOverlap) {
+  EXPECT_TRUE(bytes_overlap(at(0x1000, 64), at(0x1000 + 126, 4)));  // last element shared
+  EXPECT_FALSE(bytes_overlap(at(0x1000, 64), at(0x1000 + 128, 4)));  // adjacent
+  EXPECT_FALSE(bytes_overlap(at(0x1000, 64), TensorView()));          // null
+}
+
 TEST(BoundRanges, ABindingsTensorsByArgumentName) {
   const ExpertTensors t{{at(0x1000, 64)}, {}, {at(0x2000, 8), at(0x3000, 8)}, {at(0x4000, 4)}};
   const std::vector<BoundRange> w = expert_tensor_ranges(t, false), g = expert_tensor_ranges(t, true);
