@@ -9,8 +9,9 @@ reads are the module's own tensors (addresses, and an in-place change seen by th
 expert-parallel sentinels; T changing between calls, growing the layer while an older forward is
 in flight; the blocks and a whole model switched with experts_implementation="moe_engine". GPT-OSS's experts
 are transposed in transformers 5.17 (gate_up_proj [E, H, 2F], alternating gate / up columns,
-biases, clamped SwiGLU) and are read in that orientation, in place. Non-bf16 weights raise
-ValueError.
+biases, clamped SwiGLU) and are read in that orientation, in place. fp32 weights run under a
+bf16 autocast (bitwise the bf16 model's results) and raise ValueError without it; dense [T, E]
+routing weights are gathered at each slot.
 
 Megatron (no megatron-core needed: a duck-typed config): MegatronGroupedMLP against a plain PyTorch
 per-expert reference and against GroupedExperts on the same permuted rows, main_grad accumulation
@@ -314,8 +315,61 @@ def test_hf_non_bf16_weights_raise_naming_the_attribute():
     experts = experts_of("qwen3_moe").float()
     x = torch.randn(8, H, device=DEV)
     idx, w = random_routing(8, E, K, seed=10)
-    with pytest.raises(ValueError, match="gate_up_proj.*bf16"):
+    with pytest.raises(ValueError, match="gate_up_proj.*bf16.*autocast"):  # fp32 without autocast
         hf.moe_engine_experts_forward(experts, x, idx, w)
+    with torch.autocast("cuda", dtype=torch.float16), pytest.raises(ValueError, match="gate_up_proj.*bf16"):
+        hf.moe_engine_experts_forward(experts, x, idx, w)  # an fp16 autocast asks for fp16 compute
+    with pytest.raises(ValueError, match="down_proj.*float64"):
+        experts.down_proj = torch.nn.Parameter(experts.down_proj.detach().double())
+        hf.moe_engine_experts_forward(experts, x, idx, w)
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
+def test_hf_full_precision_weights_under_bf16_autocast(case):
+    """A model kept in fp32 and run under a bf16 autocast: the weights are cast for the call, so the
+    output and every gradient are the bf16 model's, bitwise (the fp32 values are bf16 values), in fp32."""
+    hf = _transformers()[1]
+    experts16 = experts_of(case, seed=11)
+    experts32 = copy.deepcopy(experts16).float()
+    T = 72
+    x = (torch.randn(T, H, device=DEV) * 0.5).bfloat16()
+    idx, w = random_routing(T, E, K, seed=12)
+    dy = torch.randn(T, H, device=DEV, generator=torch.Generator(device=DEV).manual_seed(13))
+    want = run_experts(hf.moe_engine_experts_forward, experts16, x, idx, w, dy)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = run_experts(hf.moe_engine_experts_forward, experts32, x.float(), idx, w, dy)
+    for name, ref in want.items():
+        assert got[name].dtype == torch.float32, name
+        assert torch.equal(got[name], ref.float()), name
+    assert experts32.down_proj.grad is got["d_down_proj"]  # reached the fp32 parameter itself
+
+
+def test_hf_dense_routing_weights_are_gathered_at_each_slot():
+    """top_k_weights as a router's dense [T, E] (one weight per expert): the same output as the [T, k]
+    weights of the chosen experts, bitwise; the gradient lands on the chosen entries only."""
+    hf = _transformers()[1]
+    experts = experts_of("mixtral", seed=14)
+    T = 50
+    x = (torch.randn(T, H, device=DEV) * 0.5).bfloat16()
+    idx, w = random_routing(T, E, K, seed=15)
+    sentinel = torch.zeros_like(idx, dtype=torch.bool)
+    sentinel[::4, 1] = True
+    idx = torch.where(sentinel, torch.full_like(idx, E), idx)
+    rows, cols = torch.nonzero(~sentinel, as_tuple=True)  # the live slots; a row's experts are distinct
+    dense = torch.zeros(T, E, device=DEV)
+    dense[rows, idx[rows, cols]] = w[rows, cols]
+    dy = torch.randn(T, H, device=DEV, generator=torch.Generator(device=DEV).manual_seed(16))
+    want = run_experts(hf.moe_engine_experts_forward, experts, x, idx, torch.where(sentinel, 0.0, w), dy)
+    got = run_experts(hf.moe_engine_experts_forward, experts, x, idx, dense, dy)
+    for name in want:
+        if name != "d_weights":
+            assert torch.equal(got[name], want[name]), name
+    chosen = torch.zeros(T, E, dtype=torch.bool, device=DEV)
+    chosen[rows, idx[rows, cols]] = True
+    assert torch.equal(got["d_weights"][rows, idx[rows, cols]], want["d_weights"][rows, cols])
+    assert torch.count_nonzero(got["d_weights"][~chosen]) == 0
+    with pytest.raises(ValueError, match=r"top_k_weights should be \[T, k\].*or.*\[T, E\]"):
+        hf.moe_engine_experts_forward(experts, x, idx, dense[:, :E - 1])
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"])
@@ -336,6 +390,34 @@ def test_hf_block_with_experts_implementation_moe_engine(family):
     assert results["moe_engine"].keys() == results["grouped_mm"].keys()
     for name, want in results["grouped_mm"].items():
         assert rel_err(results["moe_engine"][name], want) < PEER_TOL, (name, rel_err(results["moe_engine"][name], want))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_hf_fp32_block_under_bf16_autocast(family):
+    """A whole block kept in fp32 and trained under a bf16 autocast (the router and shared experts in
+    autocast's bf16 matmuls, the experts on moe_engine with their weights cast per call) against the
+    block's eager experts under the same autocast (the same routing; their linears cast by autocast):
+    within the bf16 budget; every parameter gets an fp32 gradient."""
+    block, config = hf_block(family, seed=17)
+    block.float()
+    x = torch.randn(2, 40, H, device=DEV) * 0.5
+    dy = torch.randn_like(x)
+    results = {}
+    for impl in ("eager", "moe_engine"):
+        config._experts_implementation = impl
+        xr = x.clone().requires_grad_()
+        block.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = block(xr)
+            out = out[0] if isinstance(out, tuple) else out
+        out.float().backward(dy)
+        results[impl] = {"y": out.detach().float(), "dx": xr.grad}
+        results[impl].update({n: p.grad for n, p in block.named_parameters() if p.grad is not None})
+    assert results["moe_engine"].keys() == results["eager"].keys()
+    for name, want in results["eager"].items():
+        got = results["moe_engine"][name]
+        assert got.dtype == torch.float32, name
+        assert rel_err(got, want) < PEER_TOL, (name, rel_err(got, want))
 
 
 def test_hf_model_accepts_the_registered_name():

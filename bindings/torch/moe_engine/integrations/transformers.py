@@ -31,10 +31,12 @@ What the function reads from the experts module (the attributes the 5.17 experts
     Any other gate or activation is refused with the attribute named.
 
 Call contract: hidden_states [T, H] (cast to bf16 when it is not), top_k_index [T, k] int64,
-top_k_weights [T, k] any float dtype -> [T, H] in hidden_states' dtype. Expert ids outside [0, E)
-are expert-parallel sentinels: they become -1 (an empty slot) and contribute nothing, and their
-weight gets a zero gradient. Differentiable in hidden_states, top_k_weights and the four expert
-parameters; weight gradients are returned to autograd in the parameters' dtype (bf16).
+top_k_weights [T, k] (or a router's dense [T, E], gathered at each slot's expert) any float dtype ->
+[T, H] in hidden_states' dtype. Expert ids outside [0, E) are expert-parallel sentinels: they become
+-1 (an empty slot) and contribute nothing, and their weight gets a zero gradient. Differentiable in
+hidden_states, top_k_weights and the four expert parameters; weight gradients are returned to
+autograd in the parameters' dtype. bf16 parameters are read in place; fp32 / fp16 ones only under
+torch.autocast with bf16, cast to bf16 for each call (as autocast casts an nn.Linear's weight).
 
 Layers: one moe_engine layer object (configuration and workspaces, no parameters) per experts
 module, made on its first call, sized for `max_tokens` tokens. A call with more tokens makes a
@@ -145,13 +147,18 @@ def _activation(mod, spec, has_gate):
             "with SiLU (swiglu) or the tanh-approximated GELU (geglu: gelu_pytorch_tanh, gelu_new, gelu_fast)")
 
 
+# Weight dtypes a call can take: bf16 is read in place; fp32 and fp16 only under a bf16 autocast
+# (`_weights_for_call`).
+_WEIGHT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+
+
 def _check_weight(mod, name, t, shape):
     cls = _class_name(mod)
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"moe_engine: {cls}.{name} is missing")
-    if t.dtype != torch.bfloat16:
+    if t.dtype not in _WEIGHT_DTYPES:
         raise ValueError(f"moe_engine: {cls}.{name} is {t.dtype}; moe_engine reads bf16 expert weights in place "
-                         "(load the model with dtype=torch.bfloat16); it does not copy or convert them")
+                         "(or fp32 / fp16 ones under torch.autocast with bf16)")
     if not t.is_cuda:
         raise ValueError(f"moe_engine: {cls}.{name} is on {t.device}; moe_engine runs on CUDA devices")
     if tuple(t.shape) != tuple(shape):
@@ -270,6 +277,40 @@ def layer_tokens(experts_module):
 # The differentiable call
 
 
+def _bf16_autocast():
+    return torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+
+
+def _weights_for_call(mod, spec):
+    """(w1, w2, b1, b2) as the op reads them. bf16 parameters are the module's own tensors, in place.
+    fp32 / fp16 ones (a model kept in full precision and trained under autocast) are cast to bf16 for
+    this call, as autocast casts an nn.Linear's weight: the copies are differentiable, so their
+    gradients reach the parameters in the parameters' dtype. Outside a bf16 autocast they are refused:
+    the layer computes in bf16 only, and a full-precision model run without autocast asks for more."""
+    named = ((spec.w1_name, spec.w1), ("down_proj", spec.w2), (spec.b1_name, spec.b1), ("down_proj_bias", spec.b2))
+    wide = [(n, t) for n, t in named if t is not None and t.dtype != torch.bfloat16]
+    if wide and not _bf16_autocast():
+        n, t = wide[0]
+        raise ValueError(f"moe_engine: {_class_name(mod)}.{n} is {t.dtype}; moe_engine computes in bf16: load the "
+                         "model with dtype=torch.bfloat16 (its weights are then read in place), or run it under "
+                         "torch.autocast('cuda', dtype=torch.bfloat16) (the weights are cast for each call)")
+    return tuple(None if t is None else t.to(torch.bfloat16) for _, t in named)
+
+
+def _routing_weights(top_k_weights, top_k_index, E, cls):
+    """[T, k] fp32 routing weights, one per slot. A router's dense [T, E] weights (one per expert; taken
+    as such only where E != k) are gathered at each slot's expert, differentiably (the gradient goes to
+    the chosen entries). A sentinel slot reads entry 0 and gets no gradient from the op."""
+    T, k = top_k_index.shape
+    if top_k_weights.dim() == 2 and tuple(top_k_weights.shape) == (T, k):
+        return top_k_weights.float().contiguous()
+    if top_k_weights.dim() == 2 and tuple(top_k_weights.shape) == (T, E):
+        safe = torch.where((top_k_index >= 0) & (top_k_index < E), top_k_index, 0)
+        return top_k_weights.gather(1, safe).float().contiguous()
+    raise ValueError(f"moe_engine: {cls}: top_k_weights should be [T, k] = [{T}, {k}] like top_k_index, or "
+                     f"[T, E] = [{T}, {E}], got {tuple(top_k_weights.shape)}")
+
+
 class _ExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, x, routing, probs, w1, w2, b1, b2):
@@ -311,18 +352,16 @@ def moe_engine_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if top_k_index.dim() != 2 or top_k_index.shape[0] != T:
         raise ValueError(f"moe_engine: {cls}: top_k_index should be [T={T}, k], got {tuple(top_k_index.shape)}")
     k = top_k_index.shape[1]
-    if tuple(top_k_weights.shape) != (T, k):
-        raise ValueError(f"moe_engine: {cls}: top_k_weights should be [T, k] = [{T}, {k}] like top_k_index, "
-                         f"got {tuple(top_k_weights.shape)}")
     if not top_k_weights.is_floating_point():
         raise ValueError(f"moe_engine: {cls}: top_k_weights should be floating point, got {top_k_weights.dtype}")
     E = spec.experts
+    probs = _routing_weights(top_k_weights, top_k_index, E, cls)
     # Expert-parallel sentinels (ids >= E, or anything outside [0, E)) become empty slots.
     routing = torch.where((top_k_index >= 0) & (top_k_index < E), top_k_index, -1).to(torch.int32).contiguous()
-    probs = top_k_weights.float().contiguous()
+    w1, w2, b1, b2 = _weights_for_call(self, spec)
     x = hidden_states.to(torch.bfloat16).contiguous()
     layer = _layer_for(self, spec, T, k, spec.w1.device)
-    y = _ExpertsFunction.apply(layer, x, routing, probs, spec.w1, spec.w2, spec.b1, spec.b2)
+    y = _ExpertsFunction.apply(layer, x, routing, probs, w1, w2, b1, b2)
     return y.to(hidden_states.dtype)
 
 
