@@ -341,7 +341,18 @@ def test_hf_full_precision_weights_under_bf16_autocast(case):
     for name, ref in want.items():
         assert got[name].dtype == torch.float32, name
         assert torch.equal(got[name], ref.float()), name
-    assert experts32.down_proj.grad is got["d_down_proj"]  # reached the fp32 parameter itself
+    # The copies belong to the layer object: a second forward in flight, then both backwards in the
+    # other order, gives the same gradients (each backward reads the weights its forward bound).
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        xa = x.float().requires_grad_()
+        ya = hf.moe_engine_experts_forward(experts32, xa, idx, w)
+        xb = x.float().requires_grad_()
+        yb = hf.moe_engine_experts_forward(experts32, xb, idx, w)
+    experts32.zero_grad(set_to_none=True)
+    yb.backward(dy)
+    ya.backward(dy)
+    assert torch.equal(xa.grad, want["d_hidden"].float()) and torch.equal(xb.grad, xa.grad)
+    assert torch.equal(experts32.down_proj.grad, 2 * want["d_down_proj"].float())
 
 
 def test_hf_dense_routing_weights_are_gathered_at_each_slot():

@@ -36,7 +36,8 @@ top_k_weights [T, k] (or a router's dense [T, E], gathered at each slot's expert
 -1 (an empty slot) and contribute nothing, and their weight gets a zero gradient. Differentiable in
 hidden_states, top_k_weights and the four expert parameters; weight gradients are returned to
 autograd in the parameters' dtype. bf16 parameters are read in place; fp32 / fp16 ones only under
-torch.autocast with bf16, cast to bf16 for each call (as autocast casts an nn.Linear's weight).
+torch.autocast with bf16, cast for each forward into bf16 copies the layer object keeps (as autocast
+casts an nn.Linear's weight).
 
 Layers: one moe_engine layer object (configuration and workspaces, no parameters) per experts
 module, made on its first call, sized for `max_tokens` tokens. A call with more tokens makes a
@@ -65,9 +66,13 @@ class _Spec:
     __slots__ = ("w1_name", "b1_name", "w1", "b1", "w2", "b2", "hidden", "ffn", "experts", "activation",
                  "interleave", "alpha", "limit", "offset", "transposed")
 
+    def tensors(self):
+        return (self.w1, self.w2, self.b1, self.b2)
+
     def key(self, topk):
+        dtypes = tuple(None if t is None else t.dtype for t in self.tensors())
         return (self.hidden, self.ffn, self.experts, topk, self.activation, self.interleave, self.alpha,
-                self.limit, self.offset, self.b1 is not None, self.transposed)
+                self.limit, self.offset, self.b1 is not None, self.transposed, dtypes)
 
 
 def _module_flag(mod, name, default):
@@ -148,7 +153,7 @@ def _activation(mod, spec, has_gate):
 
 
 # Weight dtypes a call can take: bf16 is read in place; fp32 and fp16 only under a bf16 autocast
-# (`_weights_for_call`).
+# (`_check_autocast`).
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
 
@@ -218,8 +223,8 @@ class _Layer:
     Destroyed when the last reference goes: the experts module's cache entry and the autograd
     contexts of forwards still waiting for their backward."""
 
-    def __init__(self, key, max_tokens, device):
-        H, F, E, k, activation, interleave, alpha, limit, offset, bias, transposed = key
+    def __init__(self, key, max_tokens, device, spec):
+        H, F, E, k, activation, interleave, alpha, limit, offset, bias, transposed, _ = key
         self.key, self.max_tokens, self.topk = key, max_tokens, k
         # The fused fc1 where GroupedMLP's default takes it (F <= 2048), keeping x_perm and the
         # unfused fc2 dgrad; it reads the [E, out, in] orientation only, so transposed experts run the
@@ -230,6 +235,17 @@ class _Layer:
                                           False, 0, False, -1, False, False, False, False, False, False, fuse_fc1,
                                           True, False, transposed)
         self.state_bytes = _ops.mlp_state_bytes(self.handle)
+        # bf16 copies of full-precision weights (a model kept in fp32 under autocast), one per tensor that
+        # is not bf16, written by each forward. They belong to this layer object, so the weights a
+        # backward reads stay where its forward bound them (the op binds weights by address at forward,
+        # as it does the module's own bf16 tensors), and a forward allocates nothing (graph capture).
+        self.copies = tuple(None if t is None or t.dtype == torch.bfloat16 else
+                            torch.empty(t.shape, dtype=torch.bfloat16, device=device) for t in spec.tensors())
+
+    def bf16_weights(self, tensors):
+        """The tensors the op reads for (w1, w2, b1, b2): bf16 ones as they are, the others cast into
+        this layer's copies."""
+        return tuple(t if c is None else c.copy_(t) for t, c in zip(tensors, self.copies))
 
     def __del__(self):
         handle = getattr(self, "handle", None)
@@ -255,7 +271,7 @@ def _layer_for(mod, spec, tokens, topk, device):
             "would allocate workspaces; call moe_engine.integrations.transformers.reserve(experts_module, "
             "max_tokens, topk) before capturing")
     bound = _round_up_tokens(max(tokens, layer.max_tokens if layer is not None and layer.key == key else 0))
-    layer = _Layer(key, bound, device)
+    layer = _Layer(key, bound, device, spec)
     _layers[mod] = layer
     return layer
 
@@ -281,12 +297,12 @@ def _bf16_autocast():
     return torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
 
 
-def _weights_for_call(mod, spec):
-    """(w1, w2, b1, b2) as the op reads them. bf16 parameters are the module's own tensors, in place.
-    fp32 / fp16 ones (a model kept in full precision and trained under autocast) are cast to bf16 for
-    this call, as autocast casts an nn.Linear's weight: the copies are differentiable, so their
-    gradients reach the parameters in the parameters' dtype. Outside a bf16 autocast they are refused:
-    the layer computes in bf16 only, and a full-precision model run without autocast asks for more."""
+def _check_autocast(mod, spec):
+    """Full-precision weights (fp32 / fp16: a model kept in full precision and trained under autocast)
+    run only under a bf16 autocast: the layer computes in bf16, and casts them into its bf16 copies
+    for each forward, as autocast casts an nn.Linear's weight; their gradients are returned in the
+    parameters' dtype. Without a bf16 autocast they are refused: a full-precision model run outside
+    autocast asks for more than bf16 arithmetic."""
     named = ((spec.w1_name, spec.w1), ("down_proj", spec.w2), (spec.b1_name, spec.b1), ("down_proj_bias", spec.b2))
     wide = [(n, t) for n, t in named if t is not None and t.dtype != torch.bfloat16]
     if wide and not _bf16_autocast():
@@ -294,7 +310,6 @@ def _weights_for_call(mod, spec):
         raise ValueError(f"moe_engine: {_class_name(mod)}.{n} is {t.dtype}; moe_engine computes in bf16: load the "
                          "model with dtype=torch.bfloat16 (its weights are then read in place), or run it under "
                          "torch.autocast('cuda', dtype=torch.bfloat16) (the weights are cast for each call)")
-    return tuple(None if t is None else t.to(torch.bfloat16) for _, t in named)
 
 
 def _routing_weights(top_k_weights, top_k_index, E, cls):
@@ -314,6 +329,8 @@ def _routing_weights(top_k_weights, top_k_index, E, cls):
 class _ExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, x, routing, probs, w1, w2, b1, b2):
+        ctx.dtypes = tuple(None if t is None else t.dtype for t in (w1, w2, b1, b2))
+        w1, w2, b1, b2 = layer.bf16_weights((w1, w2, b1, b2))
         biases = ([b1], [b2]) if b1 is not None else ([], [])
         y, state, header = _ops.mlp_forward(layer.handle, x, routing, probs, [w1], biases[0], [w2], biases[1],
                                             layer.state_bytes)
@@ -335,8 +352,8 @@ class _ExpertsFunction(torch.autograd.Function):
                                        gw2, gb2)
         need = ctx.needs_input_grad
 
-        def grad(lst, i):
-            return lst[0] if lst and need[i] else None
+        def grad(lst, i):  # in the parameter's dtype (the bf16 gradient of a full-precision weight cast)
+            return lst[0].to(ctx.dtypes[i - 4]) if lst and need[i] else None
 
         return (None, dx if need[1] else None, None, dprobs if need[3] else None, grad(gw1, 4), grad(gw2, 5),
                 grad(gb1, 6), grad(gb2, 7))
@@ -358,10 +375,10 @@ def moe_engine_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     probs = _routing_weights(top_k_weights, top_k_index, E, cls)
     # Expert-parallel sentinels (ids >= E, or anything outside [0, E)) become empty slots.
     routing = torch.where((top_k_index >= 0) & (top_k_index < E), top_k_index, -1).to(torch.int32).contiguous()
-    w1, w2, b1, b2 = _weights_for_call(self, spec)
+    _check_autocast(self, spec)
     x = hidden_states.to(torch.bfloat16).contiguous()
     layer = _layer_for(self, spec, T, k, spec.w1.device)
-    y = _ExpertsFunction.apply(layer, x, routing, probs, w1, w2, b1, b2)
+    y = _ExpertsFunction.apply(layer, x, routing, probs, *spec.tensors())
     return y.to(hidden_states.dtype)
 
 
