@@ -381,6 +381,8 @@ def test_hf_dense_routing_weights_are_gathered_at_each_slot():
     assert torch.count_nonzero(got["d_weights"][~chosen]) == 0
     with pytest.raises(ValueError, match=r"top_k_weights should be \[T, k\].*or.*\[T, E\]"):
         hf.moe_engine_experts_forward(experts, x, idx, dense[:, :E - 1])
+    with pytest.raises(ValueError, match="top_k_index should hold integer expert ids"):
+        hf.moe_engine_experts_forward(experts, x, idx.float(), w)  # would have been truncated silently
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"])

@@ -368,6 +368,8 @@ def moe_engine_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     T = hidden_states.shape[0]
     if top_k_index.dim() != 2 or top_k_index.shape[0] != T:
         raise ValueError(f"moe_engine: {cls}: top_k_index should be [T={T}, k], got {tuple(top_k_index.shape)}")
+    if top_k_index.is_floating_point() or top_k_index.is_complex() or top_k_index.dtype == torch.bool:
+        raise ValueError(f"moe_engine: {cls}: top_k_index should hold integer expert ids, got {top_k_index.dtype}")
     k = top_k_index.shape[1]
     if not top_k_weights.is_floating_point():
         raise ValueError(f"moe_engine: {cls}: top_k_weights should be floating point, got {top_k_weights.dtype}")
