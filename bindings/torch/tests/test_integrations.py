@@ -317,7 +317,7 @@ def test_hf_non_bf16_weights_raise_naming_the_attribute():
     idx, w = random_routing(8, E, K, seed=10)
     with pytest.raises(ValueError, match="gate_up_proj.*bf16.*autocast"):  # fp32 without autocast
         hf.moe_engine_experts_forward(experts, x, idx, w)
-    with torch.autocast("cuda", dtype=torch.float16), pytest.raises(ValueError, match="gate_up_proj.*bf16"):
+    with torch.autocast("cuda", dtype=torch.float16), pytest.raises(ValueError, match="gate_up_proj.*float16.*bf16"):
         hf.moe_engine_experts_forward(experts, x, idx, w)  # an fp16 autocast asks for fp16 compute
     with pytest.raises(ValueError, match="down_proj.*float64"):
         experts.down_proj = torch.nn.Parameter(experts.down_proj.detach().double())
@@ -342,7 +342,8 @@ def test_hf_full_precision_weights_under_bf16_autocast(case):
         assert got[name].dtype == torch.float32, name
         assert torch.equal(got[name], ref.float()), name
     # The copies belong to the layer object: a second forward in flight, then both backwards in the
-    # other order, gives the same gradients (each backward reads the weights its forward bound).
+    # other order, gives the same gradients (a per-call copy was freed before its backward, and the
+    # backward's gradient buffer could take its memory).
     with torch.autocast("cuda", dtype=torch.bfloat16):
         xa = x.float().requires_grad_()
         ya = hf.moe_engine_experts_forward(experts32, xa, idx, w)
@@ -383,6 +384,8 @@ def test_hf_dense_routing_weights_are_gathered_at_each_slot():
         hf.moe_engine_experts_forward(experts, x, idx, dense[:, :E - 1])
     with pytest.raises(ValueError, match="top_k_index should hold integer expert ids"):
         hf.moe_engine_experts_forward(experts, x, idx.float(), w)  # would have been truncated silently
+    # int32 ids (gather wants int64): the same result.
+    assert torch.equal(hf.moe_engine_experts_forward(experts, x, idx.int(), dense), got["y"])
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"])
@@ -407,8 +410,8 @@ def test_hf_block_with_experts_implementation_moe_engine(family):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_hf_fp32_block_under_bf16_autocast(family):
-    """A whole block kept in fp32 and trained under a bf16 autocast (the router and shared experts in
-    autocast's bf16 matmuls, the experts on moe_engine with their weights cast per call) against the
+    """A whole block kept in fp32 and trained under a bf16 autocast (the router in autocast's bf16
+    matmuls, the experts on moe_engine with their weights cast per call) against the
     block's eager experts under the same autocast (the same routing; their linears cast by autocast):
     within the bf16 budget; every parameter gets an fp32 gradient."""
     block, config = hf_block(family, seed=17)

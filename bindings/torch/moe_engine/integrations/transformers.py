@@ -30,7 +30,7 @@ What the function reads from the experts module (the attributes the 5.17 experts
     the module's `alpha` and `limit` and offset 1. Not gated: `act_fn` ReLUSquared -> squared-relu.
     Any other gate or activation is refused with the attribute named.
 
-Call contract: hidden_states [T, H] (cast to bf16 when it is not), top_k_index [T, k] int64,
+Call contract: hidden_states [T, H] (cast to bf16 when it is not), top_k_index [T, k] integer,
 top_k_weights [T, k] (or a router's dense [T, E], gathered at each slot's expert) any float dtype ->
 [T, H] in hidden_states' dtype. Expert ids outside [0, E) are expert-parallel sentinels: they become
 -1 (an empty slot) and contribute nothing, and their weight gets a zero gradient. Differentiable in
@@ -236,9 +236,12 @@ class _Layer:
                                           True, False, transposed)
         self.state_bytes = _ops.mlp_state_bytes(self.handle)
         # bf16 copies of full-precision weights (a model kept in fp32 under autocast), one per tensor that
-        # is not bf16, written by each forward. They belong to this layer object, so the weights a
-        # backward reads stay where its forward bound them (the op binds weights by address at forward,
-        # as it does the module's own bf16 tensors), and a forward allocates nothing (graph capture).
+        # is not bf16, written by each forward. The op binds weights by address at forward and its
+        # backward reads them there, so they belong to this layer object: a per-call copy could be freed
+        # (and its memory reused) before the backward. A backward therefore reads the copy as the latest
+        # forward on this layer left it -- the rule of the bf16 path, which reads the parameters as they
+        # are (not a per-forward snapshot, as autocast keeps for nn.Linear). A forward allocates nothing
+        # (graph capture). The copies live as long as the layer object: half the fp32 weights' size.
         self.copies = tuple(None if t is None or t.dtype == torch.bfloat16 else
                             torch.empty(t.shape, dtype=torch.bfloat16, device=device) for t in spec.tensors())
 
@@ -307,9 +310,11 @@ def _check_autocast(mod, spec):
     wide = [(n, t) for n, t in named if t is not None and t.dtype != torch.bfloat16]
     if wide and not _bf16_autocast():
         n, t = wide[0]
-        raise ValueError(f"moe_engine: {_class_name(mod)}.{n} is {t.dtype}; moe_engine computes in bf16: load the "
-                         "model with dtype=torch.bfloat16 (its weights are then read in place), or run it under "
-                         "torch.autocast('cuda', dtype=torch.bfloat16) (the weights are cast for each call)")
+        active = (f"the active autocast is {torch.get_autocast_dtype('cuda')}" if torch.is_autocast_enabled("cuda")
+                  else "no autocast is active")
+        raise ValueError(f"moe_engine: {_class_name(mod)}.{n} is {t.dtype} and {active}; moe_engine computes in bf16: "
+                         "load the model with dtype=torch.bfloat16 (its weights are then read in place), or run it "
+                         "under torch.autocast('cuda', dtype=torch.bfloat16) (the weights are cast for each call)")
 
 
 def _routing_weights(top_k_weights, top_k_index, E, cls):
@@ -320,7 +325,7 @@ def _routing_weights(top_k_weights, top_k_index, E, cls):
     if top_k_weights.dim() == 2 and tuple(top_k_weights.shape) == (T, k):
         return top_k_weights.float().contiguous()
     if top_k_weights.dim() == 2 and tuple(top_k_weights.shape) == (T, E):
-        safe = torch.where((top_k_index >= 0) & (top_k_index < E), top_k_index, 0)
+        safe = torch.where((top_k_index >= 0) & (top_k_index < E), top_k_index, 0).long()
         return top_k_weights.gather(1, safe).float().contiguous()
     raise ValueError(f"moe_engine: {cls}: top_k_weights should be [T, k] = [{T}, {k}] like top_k_index, or "
                      f"[T, E] = [{T}, {E}], got {tuple(top_k_weights.shape)}")
