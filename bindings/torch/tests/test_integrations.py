@@ -706,6 +706,19 @@ def test_megatron_unsupported_configs_are_refused():
         MegatronGroupedMLP(ME, megatron_config(moe_latent_size=32), max_rows=8)
     with pytest.raises(ValueError, match="max_rows"):
         MegatronGroupedMLP(ME, megatron_config())
+    # Expert tensor parallelism: biases (fc2's is replicated over ranks that return partial sums), an
+    # FFN width the ranks cannot share, expert GTP weight rematerialization, a group of another size.
+    with pytest.raises(NotImplementedError, match="add_bias_linear"):
+        MegatronGroupedMLP(ME, megatron_config(expert_tensor_parallel_size=2, add_bias_linear=True), max_rows=8)
+    with pytest.raises(ValueError, match="not divisible"):
+        MegatronGroupedMLP(ME, megatron_config(expert_tensor_parallel_size=3), max_rows=8)
+    with pytest.raises(NotImplementedError, match="GTP"):
+        MegatronGroupedMLP(ME, megatron_config(expert_gtp_weight_remat_size=2), max_rows=8)
+    with pytest.raises(ValueError, match="expt_tp has 1 ranks"):
+        MegatronGroupedMLP(ME, megatron_config(expert_tensor_parallel_size=2), max_rows=8,
+                           pg_collection=types.SimpleNamespace(expt_tp=types.SimpleNamespace(size=lambda: 1)))
+    etp = MegatronGroupedMLP(ME, megatron_config(expert_tensor_parallel_size=2, add_bias_linear=False), max_rows=8)
+    assert etp.ffn_hidden_size == megatron_config().moe_ffn_hidden_size // 2
     mod = MegatronGroupedMLP(ME, megatron_config(), max_rows=8)
     with pytest.raises(ValueError, match="tokens_per_expert"):
         mod(torch.zeros(4, MH, device=DEV, dtype=torch.bfloat16), torch.tensor([4, 0], device=DEV),

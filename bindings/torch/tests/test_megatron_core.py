@@ -37,6 +37,7 @@ Function, which PyTorch refuses: "Output 0 of _ReduceFromModelParallelRegionBack
 is being modified inplace"), so the reference comparisons run without biases; the checkpoint round
 trip keeps them (and compares the forwards under no_grad). Our biased path is checked against a
 plain-PyTorch reference in test_integrations.py."""
+import copy
 import dataclasses
 import functools
 import importlib.util
@@ -443,6 +444,62 @@ def test_distributed_checkpoint_entries_match_sequential_mlp(per_expert_weights,
     assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
     for k in want:
         assert got[k] == want[k], f"{k}: ours differs from SequentialMLP's entry"
+
+
+@pytest.mark.parametrize("per_expert_weights", [True, False])
+@pytest.mark.parametrize("gated", [True, False])
+def test_expert_tensor_parallel_shard_matches_sequential_mlp(per_expert_weights, gated):
+    """Expert tensor parallelism, as rank 1 of 2 at world size 1. Ours: a config with ETP 2 and a
+    pg_collection whose expt_tp is a stand-in of 2 ranks, so each expert holds F / 2 features. The
+    reference: SequentialMLP built with moe_ffn_hidden_size F / 2 -- exactly one shard's local linears
+    -- loaded into ours. The same parameter shapes and TE's tensor-parallel attributes, the same
+    partial output and gradients on the same rows, and, with the reference's linears then placed as
+    ETP rank 1 of 2, the same checkpoint entries (each split axis 2 shards long, at rank 1's offset)."""
+    act = F.silu if gated else squared_relu
+    shard_config = make_config(gated_linear_unit=gated, activation_func=act, moe_ffn_hidden_size=FFN // 2)
+    ref = randomized_reference(shard_config, seed=31).experts
+    etp_config = copy.copy(shard_config)  # TransformerConfig's checks ran on the shard's config
+    etp_config.moe_ffn_hidden_size, etp_config.expert_tensor_parallel_size = FFN, 2
+    pg = get_default_pg_collection()
+    tp = _FakeGroup(1, 2)
+    mine = MegatronGroupedMLP(E, etp_config, pg_collection=types.SimpleNamespace(ep=pg.ep, expt_tp=tp, expt_dp=pg.expt_dp),
+                              max_rows=MAX_ROWS, per_expert_weights=per_expert_weights)
+    fc1_out = (2 if gated else 1) * (FFN // 2)
+    lead = () if per_expert_weights else (E,)
+    for owner, shape, dim in (("linear_fc1", (fc1_out, H), 0), ("linear_fc2", (H, FFN // 2), 1)):
+        for name, q in getattr(mine, owner).named_parameters():
+            assert tuple(q.shape) == (*lead, *shape), (owner, name, tuple(q.shape))
+            assert q.tensor_model_parallel and q.partition_dim == dim + len(lead) and q.partition_stride == 1, \
+                (owner, name)
+    mine.load_state_dict(ref.state_dict(), strict=True)
+    g = torch.Generator(device="cuda").manual_seed(32)
+    counts = torch.tensor([9, 0, 17, 3, 30, 1, 12, 24])
+    rows = int(counts.sum())
+    x = (torch.randn(rows, H, device="cuda", generator=g) * 0.5).bfloat16()
+    probs = torch.rand(rows, device="cuda", generator=g)
+    dy = torch.randn(rows, H, device="cuda", generator=g).bfloat16()
+    results = []
+    for experts in (ref, mine):
+        xr = x.clone().requires_grad_()
+        y, _ = experts(xr, counts, probs)
+        y.backward(dy)
+        results.append((y.detach(), xr.grad))
+    check_close("ETP partial output", results[1][0], results[0][0])
+    check_close("ETP input gradient", results[1][1], results[0][1])
+    for owner, what in (("linear_fc1", "weight"), ("linear_fc2", "weight")):
+        want = torch.stack([getattr(getattr(m, owner), what).grad for m in ref.local_experts])
+        got = mine.expert_params("fc1" if owner == "linear_fc1" else "fc2", what)
+        got = torch.stack([q.grad for q in got]) if len(got) > 1 else got[0].grad
+        check_close(f"ETP {owner}.{what} gradient", got, want)
+    for m in ref.local_experts:  # the reference's expert linears as ETP rank 1 of 2, for their entries
+        m.tp_group = m.linear_fc1.tp_group = m.linear_fc2.tp_group = tp
+    prefix = "decoder.layers.0.mlp.experts."
+    want, got = _checkpoint_leaves(ref, prefix), _checkpoint_leaves(mine, prefix)
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    for k in want:
+        assert got[k] == want[k], f"{k}: ours differs from SequentialMLP's entry"
+    fc2 = [v for (key, _), v in want.items() if key.endswith("linear_fc2.weight")]
+    assert fc2 and all(v[1][-1] == FFN for v in fc2), "fc2's columns: two shards of F / 2"
 
 
 @pytest.mark.parametrize("gated", [True, False])

@@ -17,13 +17,19 @@ From the TransformerConfig (any object with these attributes; megatron-core is n
   gradient_accumulation_fusion (-> accumulate into param.main_grad), delay_wgrad_compute
   (-> backward_dw()), moe_apply_probs_on_input (topk 1: probs scale the input rows),
   expert_model_parallel_size / expert_tensor_parallel_size / tensor_model_parallel_size (the params'
-  `allreduce` attribute), moe_latent_size (must be None). Refused with NotImplementedError: latent
-  MoE, expert tensor parallelism, FP8/FP4 (`fp8`, `fp4`), erf GELU (F.gelu) as a GLU activation.
+  `allreduce` attribute), expert_tensor_parallel_size (or pg_collection.expt_tp: this rank holds
+  moe_ffn_hidden_size / ETP features of each expert, fc1's rows [gate shard; linear shard] and fc2's
+  columns, and returns partial sums that Megatron's dispatcher reduces, as TE's grouped linears do),
+  moe_latent_size (must be None). Refused with NotImplementedError: latent MoE, expert tensor
+  parallelism with biases, expert GTP weight rematerialization, FP8/FP4 (`fp8`, `fp4`), erf GELU
+  (F.gelu) as a GLU activation.
 
 Parameters are named like TEGroupedLinear's: `linear_fc1.weight0 .. weight{E-1}` ([2F, H]) per
 expert (the default, per_expert_weights=True) or one grouped `linear_fc1.weight` [E, 2F, H]; the same
-for linear_fc1.bias, linear_fc2.weight ([H, F]) and linear_fc2.bias. GLU rows: gate then linear, or
-blocks of moe_mlp_glu_interleave_size rows.
+for linear_fc1.bias, linear_fc2.weight ([H, F]) and linear_fc2.bias (F: this rank's share under
+expert tensor parallelism). GLU rows: gate then linear, or blocks of moe_mlp_glu_interleave_size
+rows. Like TE's, the weights and fc1's bias carry tensor_model_parallel (partition_dim: fc1 0, fc2 1
+per expert; 1 and 2 grouped), fc2's bias does not.
 
 Megatron's data-parallel wrapper (DistributedDataParallel) meets this module as it meets TE's:
   - gradient_accumulation_fusion: weight gradients are added into `param.main_grad`; the backward
@@ -96,15 +102,43 @@ def _activation_from_config(config):
         "F.gelu is the erf GELU, which moe_engine does not implement")
 
 
+def _expert_tp_size(config, pg_collection):
+    """The expert-tensor-parallel size: the size of pg_collection.expt_tp when given, else the config's
+    expert_tensor_parallel_size (which Megatron's TransformerConfig sets to tensor_model_parallel_size
+    when it is left None)."""
+    size = getattr(config, "expert_tensor_parallel_size", None) or getattr(config, "tensor_model_parallel_size", 1) or 1
+    group = getattr(pg_collection, "expt_tp", None)
+    if group is not None and group.size() != size:
+        raise ValueError(f"moe_engine: pg_collection.expt_tp has {group.size()} ranks but the config's expert tensor "
+                         f"parallel size is {size}")
+    return size
+
+
+def _local_ffn(config, etp):
+    """The expert FFN width this rank holds: moe_ffn_hidden_size / etp (fc1's output features and
+    fc2's input features are split over the expert-tensor-parallel ranks, as TE's grouped linears
+    split them)."""
+    ffn = config.moe_ffn_hidden_size
+    if etp > 1:
+        if ffn % etp:
+            raise ValueError(f"moe_engine: moe_ffn_hidden_size {ffn} is not divisible by the expert tensor parallel "
+                             f"size {etp}")
+        if config.add_bias_linear:
+            raise NotImplementedError("moe_engine: expert tensor parallelism with add_bias_linear is not supported "
+                                      "(fc2's bias is replicated over the expert-tensor-parallel ranks, whose "
+                                      "outputs are partial sums)")
+    return ffn // etp
+
+
 def _check_config(config):
     for flag in ("fp8", "fp4"):
         if getattr(config, flag, None):
             raise NotImplementedError(f"moe_engine: config.{flag} is set; the experts run in bf16 only")
     if getattr(config, "moe_latent_size", None) is not None:
         raise NotImplementedError("moe_engine: config.moe_latent_size (latent MoE) is not supported")
-    if (getattr(config, "expert_tensor_parallel_size", 1) or 1) > 1:
-        raise NotImplementedError("moe_engine: expert_tensor_parallel_size > 1 is not supported (each rank holds "
-                                  "whole experts)")
+    if (getattr(config, "expert_gtp_weight_remat_size", 1) or 1) > 1:
+        raise NotImplementedError("moe_engine: expert GTP weight rematerialization (expert_tensor_parallel_num_weight_"
+                                  "shards above expert_tensor_parallel_size) is not supported")
     interleave = getattr(config, "moe_mlp_glu_interleave_size", None)
     if interleave is not None and not config.gated_linear_unit:
         raise ValueError("moe_engine: moe_mlp_glu_interleave_size needs gated_linear_unit")
@@ -157,7 +191,8 @@ class MegatronGroupedMLP(GroupedExperts):
             raise ValueError("moe_engine: moe_apply_probs_on_input only works with moe_router_topk=1 (as in Megatron)")
         accumulate = bool(getattr(config, "gradient_accumulation_fusion", False))
         delay = bool(getattr(config, "delay_wgrad_compute", False))
-        super().__init__(config.hidden_size, config.moe_ffn_hidden_size, num_local_experts, max_rows,
+        etp = _expert_tp_size(config, pg_collection)
+        super().__init__(config.hidden_size, _local_ffn(config, etp), num_local_experts, max_rows,
                          activation=activation, glu_interleave=interleave, bias=bool(config.add_bias_linear),
                          per_expert_weights=per_expert_weights, accumulate_into_main_grad=accumulate, delay_wgrad=delay,
                          clamp_alpha=alpha, clamp_limit=limit, clamp_offset=offset, device=device, init_std=init_std)
@@ -166,15 +201,25 @@ class MegatronGroupedMLP(GroupedExperts):
         self.pg_collection = pg_collection  # the expert groups of Megatron's distributed checkpoint
         self.max_rows = max_rows
         self.apply_probs_on_input = apply_probs_on_input
-        # TE's expert parameters: allreduce=False routes their gradients to the expert-data-parallel
-        # buckets of Megatron's DDP (extensions/transformer_engine.py, _set_expert_parameter_attributes).
+        self.expert_tensor_parallel_size = etp
+        # TE's expert parameters (extensions/transformer_engine.py, _set_expert_parameter_attributes):
+        # allreduce=False routes their gradients to the expert-data-parallel buckets of Megatron's DDP;
+        # the weights, and fc1's bias, are marked as split over tensor parallelism (fc1 column-parallel
+        # on its output rows, fc2 row-parallel on its input columns; fc2's bias is replicated), so that
+        # every shard counts in the gradient norm and resharding finds the split dimension.
         use_expert_pgs = ((getattr(config, "expert_model_parallel_size", 1) or 1) > 1 or
-                          (getattr(config, "expert_tensor_parallel_size", 1) or 1) !=
-                          (getattr(config, "tensor_model_parallel_size", 1) or 1))
-        for q in self.parameters():
-            q.allreduce = not use_expert_pgs
-            if delay:
-                q.skip_backward_post_hook = True
+                          etp != (getattr(config, "tensor_model_parallel_size", 1) or 1))
+        for owner, column in ((self.linear_fc1, True), (self.linear_fc2, False)):
+            for name, q in owner.named_parameters():
+                q.allreduce = not use_expert_pgs
+                if delay:
+                    q.skip_backward_post_hook = True
+                is_weight = name.startswith("weight")
+                q.tensor_model_parallel = is_weight or column
+                if q.tensor_model_parallel:
+                    # The split dimension of one expert's [out, in] tensor, one further on a grouped [E, ...] one.
+                    q.partition_dim = (0 if column else 1) + (0 if per_expert_weights else 1)
+                    q.partition_stride = 1
 
     # -- Megatron's forward -------------------------------------------------------------------
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, output_buffer=None,
