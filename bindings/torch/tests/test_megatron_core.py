@@ -391,11 +391,13 @@ class _FakeGroup:
         return self._size
 
 
-def _checkpoint_leaves(layer, prefix="decoder.layers.0.mlp.", **kwargs):
+def _checkpoint_leaves(layer, prefix="decoder.layers.0.mlp.", keep=None, **kwargs):
     """What the experts' entries of the layer's sharded state dict put in a checkpoint, whatever the
     entries' layout: every ShardedTensor (factories built: the GLU halves, a grouped parameter's
-    experts) and ShardedObject under `{prefix}experts.`, by key and global offset, with its global
-    shape, fragmentation, replica id and data."""
+    experts) and ShardedObject whose state-dict key starts with `keep` (default `{prefix}experts.`:
+    a MoE layer's experts; an experts module's own entries all start with its prefix), by key and
+    global offset, with its global shape, fragmentation, replica id and data."""
+    keep = f"{prefix}experts." if keep is None else keep
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
     leaves = {}
@@ -415,7 +417,7 @@ def _checkpoint_leaves(layer, prefix="decoder.layers.0.mlp.", **kwargs):
             leaves[(x.key, tuple(x.global_offset))] = ("object", x.data, tuple(x.global_shape), x.replica_id)
 
     for k, v in layer.sharded_state_dict(prefix=prefix, **kwargs).items():
-        if k.startswith(f"{prefix}experts."):
+        if k.startswith(keep):
             visit(v)
     return leaves
 
@@ -494,8 +496,8 @@ def test_expert_tensor_parallel_shard_matches_sequential_mlp(per_expert_weights,
     for m in ref.local_experts:  # the reference's expert linears as ETP rank 1 of 2, for their entries
         m.tp_group = m.linear_fc1.tp_group = m.linear_fc2.tp_group = tp
     prefix = "decoder.layers.0.mlp.experts."
-    want, got = _checkpoint_leaves(ref, prefix), _checkpoint_leaves(mine, prefix)
-    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    want, got = _checkpoint_leaves(ref, prefix, keep=prefix), _checkpoint_leaves(mine, prefix, keep=prefix)
+    assert want and got.keys() == want.keys(), sorted(set(got) ^ set(want))
     for k in want:
         assert got[k] == want[k], f"{k}: ours differs from SequentialMLP's entry"
     fc2 = [v for (key, _), v in want.items() if key.endswith("linear_fc2.weight")]
