@@ -712,6 +712,9 @@ def test_megatron_unsupported_configs_are_refused():
         MegatronGroupedMLP(ME, megatron_config(expert_tensor_parallel_size=2, add_bias_linear=True), max_rows=8)
     with pytest.raises(ValueError, match="not divisible"):
         MegatronGroupedMLP(ME, megatron_config(expert_tensor_parallel_size=3), max_rows=8)
+    with pytest.raises(ValueError, match="interleave_size 24 does not divide this rank's 32 features"):
+        MegatronGroupedMLP(ME, megatron_config(expert_tensor_parallel_size=2, moe_mlp_glu_interleave_size=24),
+                           max_rows=8)
     with pytest.raises(NotImplementedError, match="GTP"):
         MegatronGroupedMLP(ME, megatron_config(expert_gtp_weight_remat_size=2), max_rows=8)
     with pytest.raises(ValueError, match="expt_tp has 1 ranks"):

@@ -464,8 +464,8 @@ def test_expert_tensor_parallel_shard_matches_sequential_mlp(per_expert_weights,
     etp_config.moe_ffn_hidden_size, etp_config.expert_tensor_parallel_size = FFN, 2
     pg = get_default_pg_collection()
     tp = _FakeGroup(1, 2)
-    mine = MegatronGroupedMLP(E, etp_config, pg_collection=types.SimpleNamespace(ep=pg.ep, expt_tp=tp, expt_dp=pg.expt_dp),
-                              max_rows=MAX_ROWS, per_expert_weights=per_expert_weights)
+    groups = types.SimpleNamespace(ep=pg.ep, expt_tp=tp, expt_dp=pg.expt_dp)
+    mine = MegatronGroupedMLP(E, etp_config, pg_collection=groups, max_rows=MAX_ROWS, per_expert_weights=per_expert_weights)
     fc1_out = (2 if gated else 1) * (FFN // 2)
     lead = () if per_expert_weights else (E,)
     for owner, shape, dim in (("linear_fc1", (fc1_out, H), 0), ("linear_fc2", (H, FFN // 2), 1)):
@@ -502,6 +502,71 @@ def test_expert_tensor_parallel_shard_matches_sequential_mlp(per_expert_weights,
         assert got[k] == want[k], f"{k}: ours differs from SequentialMLP's entry"
     fc2 = [v for (key, _), v in want.items() if key.endswith("linear_fc2.weight")]
     assert fc2 and all(v[1][-1] == FFN for v in fc2), "fc2's columns: two shards of F / 2"
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_expert_tensor_parallel_shards_add_up_to_the_whole_expert(gated):
+    """ETP 2 as two modules, ranks 0 and 1 (stand-in groups), each given its shard of a full-width
+    SequentialMLP cut the way Megatron cuts its expert linears (fc1: rank r's rows of the gate and of
+    the linear half; fc2: rank r's columns): their partial outputs add up to the whole experts'
+    output, and each shard's weight gradients are the matching slices of the whole ones."""
+    act = F.silu if gated else squared_relu
+    config = make_config(gated_linear_unit=gated, activation_func=act)
+    ref = randomized_reference(config, seed=33).experts
+    etp_config = copy.copy(config)
+    etp_config.expert_tensor_parallel_size = 2
+    pg = get_default_pg_collection()
+    half = FFN // 2
+
+    def fc1_rows(r):  # rank r's rows of a [2F, H] (gated: gate half then linear half) or [F, H] weight
+        parts = (0, FFN) if gated else (0,)
+        return torch.cat([torch.arange(p + r * half, p + (r + 1) * half) for p in parts]).cuda()
+
+    g = torch.Generator(device="cuda").manual_seed(34)
+    counts = torch.tensor([9, 0, 17, 3, 30, 1, 12, 24])
+    rows = int(counts.sum())
+    x = (torch.randn(rows, H, device="cuda", generator=g) * 0.5).bfloat16()
+    probs = torch.rand(rows, device="cuda", generator=g)
+    dy = torch.randn(rows, H, device="cuda", generator=g).bfloat16()
+    xr = x.clone().requires_grad_()
+    y_ref, _ = ref(xr, counts, probs)
+    y_ref.backward(dy)
+    y_sum, dx_sum = 0, 0
+    for r in (0, 1):
+        groups = types.SimpleNamespace(ep=pg.ep, expt_tp=_FakeGroup(r, 2), expt_dp=pg.expt_dp)
+        mine = MegatronGroupedMLP(E, etp_config, max_rows=MAX_ROWS, pg_collection=groups)
+        shard = {}
+        for i, m in enumerate(ref.local_experts):
+            shard[f"linear_fc1.weight{i}"] = m.linear_fc1.weight.detach()[fc1_rows(r)]
+            shard[f"linear_fc2.weight{i}"] = m.linear_fc2.weight.detach()[:, r * half:(r + 1) * half]
+        mine.load_state_dict(shard, strict=True)
+        xm = x.clone().requires_grad_()
+        y, _ = mine(xm, counts, probs)
+        y.backward(dy)
+        y_sum, dx_sum = y_sum + y.float(), dx_sum + xm.grad.float()
+        for i, m in enumerate(ref.local_experts):
+            check_close(f"rank {r} expert {i} fc1 weight gradient", getattr(mine.linear_fc1, f"weight{i}").grad,
+                        m.linear_fc1.weight.grad[fc1_rows(r)])
+            check_close(f"rank {r} expert {i} fc2 weight gradient", getattr(mine.linear_fc2, f"weight{i}").grad,
+                        m.linear_fc2.weight.grad[:, r * half:(r + 1) * half])
+    check_close("sum of the ranks' outputs", y_sum, y_ref.float())
+    check_close("sum of the ranks' input gradients", dx_sum, xr.grad.float())
+
+
+def test_initialisation_follows_megatron():
+    """With a TransformerConfig the experts' weights are drawn by its init_method (fc1) and
+    output_layer_init_method (fc2), from Megatron's expert-parallel random stream (the default CUDA
+    stream, which replicated parameters rely on, is left as it was)."""
+    config = make_config(init_method_std=0.5)  # fc2: 0.5 / sqrt(2 x num_layers)
+    before = torch.cuda.get_rng_state()
+    experts = MegatronGroupedMLP(E, config, max_rows=MAX_ROWS, pg_collection=get_default_pg_collection())
+    assert torch.equal(torch.cuda.get_rng_state(), before), "the experts drew from the default CUDA stream"
+    w1 = torch.stack(experts.expert_params("fc1", "weight")).float()
+    w2 = torch.stack(experts.expert_params("fc2", "weight")).float()
+    assert abs(w1.std().item() / 0.5 - 1) < 0.05, w1.std().item()
+    assert abs(w2.std().item() / (0.5 / 2 ** 0.5) - 1) < 0.05, w2.std().item()
+    again = MegatronGroupedMLP(E, config, max_rows=MAX_ROWS, pg_collection=get_default_pg_collection())
+    assert not torch.equal(torch.stack(again.expert_params("fc1", "weight")).float(), w1)  # the stream moves on
 
 
 @pytest.mark.parametrize("gated", [True, False])

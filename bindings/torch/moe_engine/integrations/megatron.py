@@ -28,8 +28,11 @@ Parameters are named like TEGroupedLinear's: `linear_fc1.weight0 .. weight{E-1}`
 expert (the default, per_expert_weights=True) or one grouped `linear_fc1.weight` [E, 2F, H]; the same
 for linear_fc1.bias, linear_fc2.weight ([H, F]) and linear_fc2.bias (F: this rank's share under
 expert tensor parallelism). GLU rows: gate then linear, or blocks of moe_mlp_glu_interleave_size
-rows. Like TE's, the weights and fc1's bias carry tensor_model_parallel (partition_dim: fc1 0, fc2 1
-per expert; 1 and 2 grouped), fc2's bias does not.
+rows. Like TE's, the weights and fc1's bias carry tensor_model_parallel, fc2's bias does not; their
+partition_dim is the split dimension of the tensor as it is -- fc1 0, fc2 1 per expert, 1 and 2 on
+a grouped [E, out, in] tensor (TE gives its single grouped weight 0 / 1, counting the expert axis).
+With a Megatron TransformerConfig the weights are drawn by its init_method (fc1) and
+output_layer_init_method (fc2) from the expert-parallel random stream (_initialize_like_megatron).
 
 Megatron's data-parallel wrapper (DistributedDataParallel) meets this module as it meets TE's:
   - gradient_accumulation_fusion: weight gradients are added into `param.main_grad`; the backward
@@ -60,6 +63,7 @@ SequentialMLP and TEGroupedMLP write -- each expert at its global index, the GLU
 Megatron splits them -- so dist_checkpointing files move between the three experts modules and
 between expert-parallel sizes; a grouped parameter is one factory entry holding the parameter, so
 optimizer states map to it too (megatron_sharded_state_dict)."""
+import contextlib
 import copy
 import re
 
@@ -103,9 +107,9 @@ def _activation_from_config(config):
 
 
 def _expert_tp_size(config, pg_collection):
-    """The expert-tensor-parallel size: the size of pg_collection.expt_tp when given, else the config's
-    expert_tensor_parallel_size (which Megatron's TransformerConfig sets to tensor_model_parallel_size
-    when it is left None)."""
+    """The expert-tensor-parallel size: the config's expert_tensor_parallel_size (which Megatron's
+    TransformerConfig sets to tensor_model_parallel_size when it is left None), checked against the
+    size of pg_collection.expt_tp when that is given."""
     size = getattr(config, "expert_tensor_parallel_size", None) or getattr(config, "tensor_model_parallel_size", 1) or 1
     group = getattr(pg_collection, "expt_tp", None)
     if group is not None and group.size() != size:
@@ -123,6 +127,10 @@ def _local_ffn(config, etp):
         if ffn % etp:
             raise ValueError(f"moe_engine: moe_ffn_hidden_size {ffn} is not divisible by the expert tensor parallel "
                              f"size {etp}")
+        interleave = getattr(config, "moe_mlp_glu_interleave_size", None)
+        if interleave and (ffn // etp) % interleave:
+            raise ValueError(f"moe_engine: moe_mlp_glu_interleave_size {interleave} does not divide this rank's "
+                             f"{ffn // etp} features (moe_ffn_hidden_size {ffn} / expert tensor parallel size {etp})")
         if config.add_bias_linear:
             raise NotImplementedError("moe_engine: expert tensor parallelism with add_bias_linear is not supported "
                                       "(fc2's bias is replicated over the expert-tensor-parallel ranks, whose "
@@ -170,8 +178,9 @@ class MegatronGroupedMLP(GroupedExperts):
     TEGroupedMLP's (submodules and name are accepted and not used; pg_collection gives
     sharded_state_dict its expert groups). `max_rows` bounds the permuted rows of one call
     (workspaces are sized for it once): at most tokens per micro-batch x moe_router_topk x
-    expert-parallel size in a dropless setting; when it is None, `config.moe_engine_max_rows` is
-    read."""
+    expert-parallel size in a dropless setting, x ETP / TP under expert tensor parallelism (the
+    dispatcher gathers over the expert-tensor-and-expert-parallel group); when it is None,
+    `config.moe_engine_max_rows` is read."""
 
     _OWNER_NAMES = {"fc1": _OWNERS[0], "fc2": _OWNERS[1]}
     _OWNER_CLASS = _LinearOwner
@@ -183,7 +192,8 @@ class MegatronGroupedMLP(GroupedExperts):
             max_rows = getattr(config, "moe_engine_max_rows", None)
         if max_rows is None:
             raise ValueError("argument 'max_rows': the bound on permuted rows per call is needed (pass max_rows= "
-                             "or set config.moe_engine_max_rows): tokens per micro-batch x topk x EP size")
+                             "or set config.moe_engine_max_rows): tokens per micro-batch x topk x EP size "
+                             "(x ETP / TP with expert tensor parallelism)")
         activation, alpha, limit, offset = _activation_from_config(config)
         interleave = getattr(config, "moe_mlp_glu_interleave_size", None) or 0
         apply_probs_on_input = bool(getattr(config, "moe_apply_probs_on_input", False))
@@ -192,10 +202,15 @@ class MegatronGroupedMLP(GroupedExperts):
         accumulate = bool(getattr(config, "gradient_accumulation_fusion", False))
         delay = bool(getattr(config, "delay_wgrad_compute", False))
         etp = _expert_tp_size(config, pg_collection)
+        # Megatron's initialisation replaces the module's own (which would draw from the default CUDA
+        # stream) unless init_std is given.
+        megatron_init = (init_std is None and getattr(config, "init_method", None) is not None and
+                         getattr(config, "perform_initialization", True))
         super().__init__(config.hidden_size, _local_ffn(config, etp), num_local_experts, max_rows,
                          activation=activation, glu_interleave=interleave, bias=bool(config.add_bias_linear),
                          per_expert_weights=per_expert_weights, accumulate_into_main_grad=accumulate, delay_wgrad=delay,
-                         clamp_alpha=alpha, clamp_limit=limit, clamp_offset=offset, device=device, init_std=init_std)
+                         clamp_alpha=alpha, clamp_limit=limit, clamp_offset=offset, device=device,
+                         init_std=0.0 if megatron_init else init_std)
         self.config = config
         self.num_local_experts = num_local_experts
         self.pg_collection = pg_collection  # the expert groups of Megatron's distributed checkpoint
@@ -209,6 +224,8 @@ class MegatronGroupedMLP(GroupedExperts):
         # every shard counts in the gradient norm and resharding finds the split dimension.
         use_expert_pgs = ((getattr(config, "expert_model_parallel_size", 1) or 1) > 1 or
                           etp != (getattr(config, "tensor_model_parallel_size", 1) or 1))
+        if megatron_init:
+            self._initialize_like_megatron(config)
         for owner, column in ((self.linear_fc1, True), (self.linear_fc2, False)):
             for name, q in owner.named_parameters():
                 q.allreduce = not use_expert_pgs
@@ -220,6 +237,33 @@ class MegatronGroupedMLP(GroupedExperts):
                     # The split dimension of one expert's [out, in] tensor, one further on a grouped [E, ...] one.
                     q.partition_dim = (0 if column else 1) + (0 if per_expert_weights else 1)
                     q.partition_stride = 1
+
+    def _initialize_like_megatron(self, config):
+        """With a Megatron TransformerConfig (init_method set, perform_initialization on) the weights are
+        drawn as Megatron's expert linears draw theirs: fc1 by config.init_method, fc2 by
+        config.output_layer_init_method, biases zero, from Megatron's expert-parallel random stream
+        when its tracker is seeded (model_parallel_cuda_manual_seed seeds it per expert-parallel and
+        expert-tensor-parallel rank, so the ranks' experts and shards differ, and the default stream,
+        which the replicated parameters rely on, is left as it was). Otherwise (a duck-typed config)
+        the module's own initialisation stays (as it does when init_std is given)."""
+        init = config.init_method
+        fork = contextlib.nullcontext()
+        try:
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+        except ImportError:
+            pass
+        else:
+            tracker = get_cuda_rng_tracker()
+            if tracker.is_initialized():
+                fork = tracker.fork(get_expert_parallel_rng_tracker_name())
+        out_init = getattr(config, "output_layer_init_method", None) or init
+        with torch.no_grad(), fork:
+            for owner, fn in ((self.linear_fc1, init), (self.linear_fc2, out_init)):
+                for name, q in owner.named_parameters():
+                    if name.startswith("weight"):
+                        fn(q)
+                    else:
+                        q.zero_()
 
     # -- Megatron's forward -------------------------------------------------------------------
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, output_buffer=None,
