@@ -196,6 +196,22 @@ class _ExpertModule(nn.Module):
     def _flat_params(self):
         return [q for lst in self._param_lists() for q in lst]
 
+    def _weight_addresses(self):
+        return tuple(q.data_ptr() for q in self._flat_params())
+
+    def _check_weights_unmoved(self, at_forward):
+        """The op's backward reads the weights where its forward bound them, by address. Parameters
+        gathered anew between a forward and its backward -- FSDP resharding after the forward, ZeRO-3 --
+        would leave it reading memory since freed: refused, naming the parameters."""
+        if self._weight_addresses() == at_forward:
+            return
+        names = {id(q): n for n, q in self.named_parameters()}
+        moved = [names.get(id(q), "?") for q, a in zip(self._flat_params(), at_forward) if q.data_ptr() != a]
+        raise RuntimeError(
+            f"moe_engine: expert parameters moved in memory between a forward and its backward ({', '.join(moved[:4])}"
+            f"{', ...' if len(moved) > 4 else ''}); the backward reads the weights where the forward bound them. Keep "
+            "the parameters in place until the backward (e.g. FSDP with reshard_after_forward=False)")
+
     def _normalize_keys(self, state_dict, prefix, *args, **kwargs):
         normalize_expert_keys(state_dict, prefix, self.num_experts, self.per_expert_weights,
                               params=(self._OWNER_NAMES["fc1"], self._OWNER_NAMES["fc2"]))
@@ -421,6 +437,7 @@ class _MlpFunction(torch.autograd.Function):
         y, state, header = _ops.mlp_forward(mod._handle, x, routing.contiguous(), probs.contiguous(),
                                             *mod._param_lists(), mod._state_bytes)
         ctx.mod = mod
+        ctx.weight_addresses = mod._weight_addresses()
         # x is read again in recompute mode and with save_x_perm=False (the fc1 weight gradient
         # gathers the rows of x): saved (and version-checked by autograd) only then.
         ctx.save_for_backward(x if mod.reads_x else None, state, header)
@@ -429,6 +446,7 @@ class _MlpFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         mod = ctx.mod
+        mod._check_weights_unmoved(ctx.weight_addresses)
         x, state, header = ctx.saved_tensors
         dy = dy.contiguous()
         (dx, dprobs), param_grads = mod._after_backward(
@@ -445,6 +463,7 @@ class _ExpertsFunction(torch.autograd.Function):
         Y, state, header = _ops.experts_forward(mod._handle, x_perm, group_offsets, probs_perm,
                                                 *mod._param_lists(), mod._state_bytes)
         ctx.mod = mod
+        ctx.weight_addresses = mod._weight_addresses()
         ctx.has_probs = probs_perm is not None
         # The op reads x_perm, group_offsets and probs_perm again by address in backward.
         ctx.save_for_backward(x_perm, group_offsets, probs_perm if ctx.has_probs else None, state, header)
@@ -453,6 +472,7 @@ class _ExpertsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dY):
         mod = ctx.mod
+        mod._check_weights_unmoved(ctx.weight_addresses)
         x_perm, group_offsets, probs_perm, state, header = ctx.saved_tensors
         dY = dY.contiguous()
         # Delayed mode reads dY (and the saved inputs) again in backward_dw: keep them with the state.

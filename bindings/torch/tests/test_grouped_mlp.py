@@ -5,10 +5,12 @@ state_dict across layouts, CUDA graph capture + replay, torch.compile, empty exp
 Tolerance: the layer keeps bf16 intermediates (h, act, Y) where the reference keeps fp32, so
 results differ by a few bf16 roundings: relative L2 error <= 2e-2 (a wrong index, prob or bias
 gives O(1))."""
+import re
+
 import pytest
 import torch
 
-from moe_engine import Dispatcher, GroupedMLP, Router
+from moe_engine import Dispatcher, GroupedExperts, GroupedMLP, Router
 from reference import moe_reference, rel_err
 
 DEV = "cuda"
@@ -386,3 +388,32 @@ def test_fp8_block_close_to_bf16_and_weights_refreshed_on_request():
         GroupedMLP(H, F, E, k, max_tokens=T, fp8="e5m2")
     with pytest.raises(ValueError, match="align"):
         GroupedMLP(H, F, E, k, max_tokens=T, fp8="block", align=64)
+
+
+@pytest.mark.parametrize("per_expert_weights", [False, True])
+def test_parameters_moved_between_forward_and_backward_are_refused(per_expert_weights):
+    # The backward reads the weights where the forward bound them: parameters gathered anew in between
+    # (FSDP resharding after the forward, ZeRO-3) would be read from freed memory. Refused by name;
+    # the next forward binds the new addresses and its backward runs.
+    mod, x, idx, probs = make(seed=21, per_expert_weights=per_expert_weights)
+    xr = x.clone().requires_grad_()
+    y = mod(xr, idx, probs)
+    name, moved = next((n, q) for n, q in mod.named_parameters() if "fc2" in n)
+    with torch.no_grad():
+        moved.data = moved.data.clone()  # the same values at another address
+    with pytest.raises(RuntimeError, match=f"moved in memory.*{re.escape(name)}"):
+        y.backward(output_grad(x))
+    xr.grad = None
+    y = mod(xr, idx, probs)
+    y.backward(output_grad(x))
+    assert xr.grad is not None and torch.isfinite(xr.grad.float()).all()
+    # The experts-only module checks the same.
+    ex = GroupedExperts(128, 64, 6, 96, per_expert_weights=per_expert_weights)
+    offsets = torch.tensor([0, 10, 10, 30, 50, 60, 96], dtype=torch.int32, device=DEV)
+    rows = (torch.randn(96, 128, device=DEV) * 0.5).bfloat16().requires_grad_()
+    Y = ex(rows, offsets, torch.rand(96, device=DEV))
+    q = next(ex.parameters())
+    with torch.no_grad():
+        q.data = q.data.clone()
+    with pytest.raises(RuntimeError, match="moved in memory"):
+        Y.float().sum().backward()

@@ -335,6 +335,9 @@ class _ExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, x, routing, probs, w1, w2, b1, b2):
         ctx.dtypes = tuple(None if t is None else t.dtype for t in (w1, w2, b1, b2))
+        # The parameters read in place must stay there until the backward (its copies hold the others).
+        ctx.in_place = [(t, t.data_ptr()) for t, c in zip((w1, w2, b1, b2), layer.copies)
+                        if t is not None and c is None]
         w1, w2, b1, b2 = layer.bf16_weights((w1, w2, b1, b2))
         biases = ([b1], [b2]) if b1 is not None else ([], [])
         y, state, header = _ops.mlp_forward(layer.handle, x, routing, probs, [w1], biases[0], [w2], biases[1],
@@ -348,6 +351,10 @@ class _ExpertsFunction(torch.autograd.Function):
     def backward(ctx, dy):
         state, header = ctx.saved_tensors
         layer = ctx.layer
+        if any(t.data_ptr() != address for t, address in ctx.in_place):
+            raise RuntimeError("moe_engine: the expert weights moved in memory between a forward and its backward; the "
+                               "backward reads them where the forward bound them. Keep the parameters in place until "
+                               "the backward (e.g. FSDP with reshard_after_forward=False)")
 
         def buffer(shape):
             return [] if shape is None else [torch.empty(shape, dtype=torch.bfloat16, device=dy.device)]
