@@ -86,6 +86,27 @@ def _fused_default(choice, ffn_hidden_size, num_experts, max_ffn):
     return (ffn_hidden_size <= max_ffn and num_experts <= 4096) if choice is None else bool(choice)
 
 
+def _bf16_autocast():
+    return torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+
+
+def _activation_input(x):
+    """x as the op takes it, bf16: under a bf16 torch.autocast a floating x of another dtype (an fp32
+    norm output, say) is cast, differentiably, as autocast casts a linear's input; otherwise x goes to
+    the op as it is, which refuses a dtype other than bf16 by name."""
+    if x.dtype != torch.bfloat16 and x.is_floating_point() and _bf16_autocast():
+        return x.to(torch.bfloat16)
+    return x
+
+
+def _probs_input(probs):
+    """Routing probabilities in fp32: bf16 or fp16 ones (a router's output) are widened, exactly and
+    differentiably (their gradient comes back in their dtype)."""
+    if probs is not None and probs.dtype in (torch.bfloat16, torch.float16):
+        return probs.float()
+    return probs
+
+
 def _fuse_fc1(choice, ffn_hidden_size, num_experts):
     return _fused_default(choice, ffn_hidden_size, num_experts, 2048)
 
@@ -339,9 +360,10 @@ class GroupedMLP(_ExpertModule):
             _ops.mlp_destroy(handle)
 
     def forward(self, x, routing, probs):
-        """x bf16 [T, H]; routing int32 [T, k] top-k indices (-1 = empty) or bool/uint8 [T, E] map;
-        probs fp32 like routing. Returns y bf16 [T, H]."""
-        return _MlpFunction.apply(self, x, routing, probs, *self._flat_params())
+        """x bf16 [T, H] (another float dtype under a bf16 autocast: cast); routing int32 [T, k] top-k
+        indices (-1 = empty) or bool/uint8 [T, E] map; probs fp32 (bf16 / fp16 widened) like routing.
+        Returns y bf16 [T, H]."""
+        return _MlpFunction.apply(self, _activation_input(x), routing, _probs_input(probs), *self._flat_params())
 
     def _run_backward_dw(self, pending, lists):
         state, header, x = pending
@@ -410,7 +432,8 @@ class GroupedExperts(_ExpertModule):
             raise ValueError("argument 'probs_perm': the experts were built with probs_at_combine=True; pass None")
         if not self.probs_at_combine and probs_perm is None:
             raise ValueError("argument 'probs_perm': expected fp32 [rows] probs (probs_at_combine=False)")
-        return _ExpertsFunction.apply(self, x_perm, group_offsets, probs_perm, *self._flat_params())
+        return _ExpertsFunction.apply(self, _activation_input(x_perm), group_offsets, _probs_input(probs_perm),
+                                      *self._flat_params())
 
     def _run_backward_dw(self, pending, lists):
         state, header, x_perm, group_offsets, probs_perm, dY = pending

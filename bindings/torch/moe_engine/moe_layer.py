@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .module import GroupedMLP
+from .module import GroupedMLP, _activation_input
 from .router import Router
 
 _PRESETS = {"softmax": Router, "mixtral": Router.mixtral, "qwen3": Router.qwen3, "olmoe": Router.olmoe,
@@ -85,16 +85,20 @@ class MoELayer(nn.Module):
                                   map_routing=map_form, device=device, **experts_options)
 
     def logits(self, x2d):
-        """The gate's logits [T, E] for x [T, H]: in x's dtype, or in logits_dtype."""
-        if self.logits_dtype is None or self.logits_dtype == x2d.dtype:
+        """The gate's logits [T, E] for x [T, H] bf16: in bf16 (the gate's dtype), or in logits_dtype --
+        fp32 also under an autocast, which would otherwise run the gate in bf16."""
+        if self.logits_dtype is None or self.logits_dtype == self.gate.weight.dtype:
             return self.gate(x2d)
         bias = self.gate.bias.to(self.logits_dtype) if self.gate.bias is not None else None
-        return F.linear(x2d.to(self.logits_dtype), self.gate.weight.to(self.logits_dtype), bias)
+        with torch.autocast("cuda", enabled=False):
+            return F.linear(x2d.to(self.logits_dtype), self.gate.weight.to(self.logits_dtype), bias)
 
     def forward(self, x):
+        """x bf16 [..., H] (another float dtype under a bf16 autocast: cast) -> (y bf16 [..., H], routing)."""
+        x = _activation_input(x)
         if x.dim() < 1 or x.shape[-1] != self.hidden_size or x.dtype != torch.bfloat16:
-            raise ValueError(f"argument 'x': expected bf16 [..., {self.hidden_size}], got {x.dtype} "
-                             f"{list(x.shape)}")
+            raise ValueError(f"argument 'x': expected bf16 [..., {self.hidden_size}] (or a bf16 autocast), got "
+                             f"{x.dtype} {list(x.shape)}")
         x2d = x.reshape(-1, self.hidden_size)
         routed = self.router(self.logits(x2d))
         routing = routed.map if routed.indices is None else routed.indices

@@ -417,3 +417,27 @@ def test_parameters_moved_between_forward_and_backward_are_refused(per_expert_we
         q.data = q.data.clone()
     with pytest.raises(RuntimeError, match="moved in memory"):
         Y.float().sum().backward()
+
+
+def test_fp32_x_under_bf16_autocast_and_bf16_probs():
+    # Under a bf16 autocast an fp32 x is cast, as autocast casts a linear's input; bf16 probs (a router's
+    # output) are widened exactly. Bitwise the bf16 x / fp32 probs call, the gradients in the inputs'
+    # dtypes. Outside an autocast an fp32 x is refused by name.
+    mod, x, idx, probs = make(seed=23)
+    probs = probs.bfloat16()
+    dy = output_grad(x)
+    results = []
+    for autocast, xin, pin in ((False, x, probs.float()), (True, x.float(), probs)):
+        xr, pr = xin.clone().requires_grad_(), pin.clone().requires_grad_()
+        mod.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            y = mod(xr, idx, pr)
+        y.backward(dy)
+        results.append((y.detach(), xr.grad, pr.grad, [q.grad.clone() for q in mod.parameters()]))
+    (y0, dx0, dp0, g0), (y1, dx1, dp1, g1) = results
+    assert y1.dtype == torch.bfloat16 and torch.equal(y1, y0)
+    assert dx1.dtype == torch.float32 and torch.equal(dx1, dx0.float())
+    assert dp1.dtype == torch.bfloat16 and torch.equal(dp1, dp0.bfloat16())
+    assert all(torch.equal(a, b) for a, b in zip(g1, g0))
+    with pytest.raises(ValueError, match="'x'"):
+        mod(x.float(), idx, probs)

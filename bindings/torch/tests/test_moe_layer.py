@@ -221,3 +221,24 @@ def test_bad_arguments():
         layer(torch.zeros(4, H + 8, device=DEV, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="argument 'x'"):
         layer(torch.zeros(4, H, device=DEV))
+
+
+@pytest.mark.parametrize("router", ["qwen3", "deepseek_v3"])
+def test_fp32_input_under_bf16_autocast(router):
+    # Under a bf16 autocast an fp32 x (a norm's output) is cast at the layer's entry, as autocast casts
+    # a linear's input: the same outputs and gradients as the bf16 x, bitwise, the input gradient in
+    # fp32; DeepSeek-V3's fp32 gate stays fp32 under the autocast (its logits would otherwise be bf16).
+    ropts = dict(n_group=4, topk_group=2) if router == "deepseek_v3" else {}
+    layer = MoELayer(H, FFN, 16, 4, 64, router=router, router_options=ropts)
+    x, dy = inputs((2, 24), seed=41)
+    want = step(x, dy, layer, layer_params(layer))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = step(x.float(), dy, layer, layer_params(layer))
+        logits = layer.logits(x.reshape(-1, H))
+    assert got["dx"].dtype == torch.float32
+    for key, value in want.items():
+        if key == "dx":
+            value = value.float()
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[key], value), key
+    assert logits.dtype == (torch.float32 if router == "deepseek_v3" else torch.bfloat16)

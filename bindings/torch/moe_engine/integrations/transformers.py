@@ -48,7 +48,7 @@ import weakref
 
 import torch
 
-from ..module import _fuse_fc1
+from ..module import _bf16_autocast, _fuse_fc1
 
 _ops = torch.ops.moe_engine
 
@@ -294,10 +294,6 @@ def layer_tokens(experts_module):
 
 # ---------------------------------------------------------------------------------------------
 # The differentiable call
-
-
-def _bf16_autocast():
-    return torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
 
 
 def _check_autocast(mod, spec):
