@@ -218,13 +218,16 @@ class _ExpertModule(nn.Module):
         return [q for lst in self._param_lists() for q in lst]
 
     def _weight_addresses(self):
+        # None while torch.compile traces (fake tensors have no addresses): the check is eager's.
+        if torch.compiler.is_compiling():
+            return None
         return tuple(q.data_ptr() for q in self._flat_params())
 
     def _check_weights_unmoved(self, at_forward):
         """The op's backward reads the weights where its forward bound them, by address. Parameters
         gathered anew between a forward and its backward -- FSDP resharding after the forward, ZeRO-3 --
         would leave it reading memory since freed: refused, naming the parameters."""
-        if self._weight_addresses() == at_forward:
+        if at_forward is None or self._weight_addresses() in (None, at_forward):
             return
         names = {id(q): n for n, q in self.named_parameters()}
         moved = [names.get(id(q), "?") for q, a in zip(self._flat_params(), at_forward) if q.data_ptr() != a]

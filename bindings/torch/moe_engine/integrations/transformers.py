@@ -332,8 +332,8 @@ class _ExpertsFunction(torch.autograd.Function):
     def forward(ctx, layer, x, routing, probs, w1, w2, b1, b2):
         ctx.dtypes = tuple(None if t is None else t.dtype for t in (w1, w2, b1, b2))
         # The parameters read in place must stay there until the backward (its copies hold the others).
-        ctx.in_place = [(t, t.data_ptr()) for t, c in zip((w1, w2, b1, b2), layer.copies)
-                        if t is not None and c is None]
+        ctx.in_place = [] if torch.compiler.is_compiling() else [
+            (t, t.data_ptr()) for t, c in zip((w1, w2, b1, b2), layer.copies) if t is not None and c is None]
         w1, w2, b1, b2 = layer.bf16_weights((w1, w2, b1, b2))
         biases = ([b1], [b2]) if b1 is not None else ([], [])
         y, state, header = _ops.mlp_forward(layer.handle, x, routing, probs, [w1], biases[0], [w2], biases[1],
