@@ -91,10 +91,10 @@ def _bf16_autocast():
 
 
 def _activation_input(x):
-    """x as the op takes it, bf16: under a bf16 torch.autocast a floating x of another dtype (an fp32
-    norm output, say) is cast, differentiably, as autocast casts a linear's input; otherwise x goes to
-    the op as it is, which refuses a dtype other than bf16 by name."""
-    if x.dtype != torch.bfloat16 and x.is_floating_point() and _bf16_autocast():
+    """x as the op takes it, bf16: under a bf16 torch.autocast an fp32 or fp16 x (a norm's output, say)
+    is cast, differentiably, as autocast casts a linear's input; otherwise x goes to the op as it is,
+    which refuses a dtype other than bf16 by name."""
+    if x.dtype in (torch.float32, torch.float16) and _bf16_autocast():
         return x.to(torch.bfloat16)
     return x
 
@@ -105,6 +105,34 @@ def _probs_input(probs):
     if probs is not None and probs.dtype in (torch.bfloat16, torch.float16):
         return probs.float()
     return probs
+
+
+def _weight_addresses(ctx, params):
+    """At a forward: the addresses of the parameters its backward reads again (the op binds weights by
+    address), as a CPU tensor for save_for_backward -- so that a recompute under non-reentrant
+    activation checkpointing saves the addresses it bound -- or None where there is nothing to check
+    (no gradient needed, or torch.compile tracing: fake tensors have no addresses)."""
+    if torch.compiler.is_compiling() or not any(ctx.needs_input_grad):
+        return None
+    ctx.weight_params = params
+    return torch.tensor([q.data_ptr() for q in params], dtype=torch.int64)
+
+
+def check_weights_unmoved(ctx, addresses, names=None):
+    # names: a callable giving the parameters' names (called only to word the error).
+    """At a backward (after unpacking the saved tensors): refuses parameters that moved since the
+    forward bound them -- FSDP resharding after the forward, ZeRO-3 gathering them anew -- which the
+    backward would read from memory since freed. Eager mode only (see _weight_addresses)."""
+    if addresses is None:
+        return
+    moved = [i for i, (q, a) in enumerate(zip(ctx.weight_params, addresses.tolist())) if q.data_ptr() != a]
+    if moved:
+        listed = names() if names else [f"parameter {i}" for i in range(len(ctx.weight_params))]
+        which = ", ".join(listed[i] for i in moved[:4]) + (", ..." if len(moved) > 4 else "")
+        raise RuntimeError(
+            f"moe_engine: expert parameters moved in memory between a forward and its backward ({which}); the "
+            "backward reads the weights where the forward bound them. Keep the parameters in place until the "
+            "backward (e.g. FSDP with reshard_after_forward=False)")
 
 
 def _fuse_fc1(choice, ffn_hidden_size, num_experts):
@@ -217,24 +245,15 @@ class _ExpertModule(nn.Module):
     def _flat_params(self):
         return [q for lst in self._param_lists() for q in lst]
 
-    def _weight_addresses(self):
-        # None while torch.compile traces (fake tensors have no addresses): the check is eager's.
-        if torch.compiler.is_compiling():
-            return None
-        return tuple(q.data_ptr() for q in self._flat_params())
-
-    def _check_weights_unmoved(self, at_forward):
-        """The op's backward reads the weights where its forward bound them, by address. Parameters
-        gathered anew between a forward and its backward -- FSDP resharding after the forward, ZeRO-3 --
-        would leave it reading memory since freed: refused, naming the parameters."""
-        if at_forward is None or self._weight_addresses() in (None, at_forward):
-            return
+    def _param_names(self):
+        """The names of _flat_params(), in its order."""
         names = {id(q): n for n, q in self.named_parameters()}
-        moved = [names.get(id(q), "?") for q, a in zip(self._flat_params(), at_forward) if q.data_ptr() != a]
-        raise RuntimeError(
-            f"moe_engine: expert parameters moved in memory between a forward and its backward ({', '.join(moved[:4])}"
-            f"{', ...' if len(moved) > 4 else ''}); the backward reads the weights where the forward bound them. Keep "
-            "the parameters in place until the backward (e.g. FSDP with reshard_after_forward=False)")
+        return [names.get(id(q), "?") for q in self._flat_params()]
+
+    def _reads_weights_in_backward(self):
+        # The quantized experts' backward reads their quantized copies, not these parameters (unless it
+        # recomputes the forward).
+        return self.fp8 is None or getattr(self, "recompute", False)
 
     def _normalize_keys(self, state_dict, prefix, *args, **kwargs):
         normalize_expert_keys(state_dict, prefix, self.num_experts, self.per_expert_weights,
@@ -434,7 +453,7 @@ class GroupedExperts(_ExpertModule):
         if self.probs_at_combine and probs_perm is not None:
             raise ValueError("argument 'probs_perm': the experts were built with probs_at_combine=True; pass None")
         if not self.probs_at_combine and probs_perm is None:
-            raise ValueError("argument 'probs_perm': expected fp32 [rows] probs (probs_at_combine=False)")
+            raise ValueError("argument 'probs_perm': expected float [rows] probs (probs_at_combine=False)")
         return _ExpertsFunction.apply(self, _activation_input(x_perm), group_offsets, _probs_input(probs_perm),
                                       *self._flat_params())
 
@@ -463,17 +482,17 @@ class _MlpFunction(torch.autograd.Function):
         y, state, header = _ops.mlp_forward(mod._handle, x, routing.contiguous(), probs.contiguous(),
                                             *mod._param_lists(), mod._state_bytes)
         ctx.mod = mod
-        ctx.weight_addresses = mod._weight_addresses()
+        addresses = _weight_addresses(ctx, params) if mod._reads_weights_in_backward() else None
         # x is read again in recompute mode and with save_x_perm=False (the fc1 weight gradient
         # gathers the rows of x): saved (and version-checked by autograd) only then.
-        ctx.save_for_backward(x if mod.reads_x else None, state, header)
+        ctx.save_for_backward(x if mod.reads_x else None, state, header, addresses)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         mod = ctx.mod
-        mod._check_weights_unmoved(ctx.weight_addresses)
-        x, state, header = ctx.saved_tensors
+        x, state, header, addresses = ctx.saved_tensors
+        check_weights_unmoved(ctx, addresses, mod._param_names)
         dy = dy.contiguous()
         (dx, dprobs), param_grads = mod._after_backward(
             lambda lists: _ops.mlp_backward(mod._handle, state, header, x, dy, mod.slots, *lists), (state, header, x))
@@ -489,17 +508,17 @@ class _ExpertsFunction(torch.autograd.Function):
         Y, state, header = _ops.experts_forward(mod._handle, x_perm, group_offsets, probs_perm,
                                                 *mod._param_lists(), mod._state_bytes)
         ctx.mod = mod
-        ctx.weight_addresses = mod._weight_addresses()
         ctx.has_probs = probs_perm is not None
+        addresses = _weight_addresses(ctx, params) if mod._reads_weights_in_backward() else None
         # The op reads x_perm, group_offsets and probs_perm again by address in backward.
-        ctx.save_for_backward(x_perm, group_offsets, probs_perm if ctx.has_probs else None, state, header)
+        ctx.save_for_backward(x_perm, group_offsets, probs_perm if ctx.has_probs else None, state, header, addresses)
         return Y
 
     @staticmethod
     def backward(ctx, dY):
         mod = ctx.mod
-        mod._check_weights_unmoved(ctx.weight_addresses)
-        x_perm, group_offsets, probs_perm, state, header = ctx.saved_tensors
+        x_perm, group_offsets, probs_perm, state, header, addresses = ctx.saved_tensors
+        check_weights_unmoved(ctx, addresses, mod._param_names)
         dY = dY.contiguous()
         # Delayed mode reads dY (and the saved inputs) again in backward_dw: keep them with the state.
         (dx_perm, dpp), param_grads = mod._after_backward(

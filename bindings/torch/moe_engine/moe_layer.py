@@ -3,7 +3,7 @@ GroupedMLP, the whole MoE block of a transformer layer.
 
     layer = MoELayer(hidden_size=2048, ffn_hidden_size=768, num_experts=128, topk=8,
                      max_tokens=16384, router="qwen3")
-    y, routed = layer(x)                  # x [..., H] bf16 -> y like x
+    y, routed = layer(x)                  # x [..., H] bf16 (fp32 under a bf16 autocast) -> y bf16
     loss = lm_loss + routed.aux_loss      # the router's losses, when their coefficients are set
 
 `router` names the routing of a model family (the Router presets: "mixtral", "qwen3", "olmoe",
@@ -14,7 +14,8 @@ kernels, ...). The routing goes from the router to the experts as it is, so a fo
 backward need no host synchronisation and can be captured in a CUDA graph like their parts.
 
 The gate computes the logits as the Hugging Face blocks do: in the input's dtype, or in fp32 for
-DeepSeek-V3 (`logits_dtype`), with a bias for GPT-OSS (`gate_bias`). Its parameters are
+DeepSeek-V3 (`logits_dtype`; under a bf16 autocast too, where Hugging Face's fp32 gate would run in
+bf16), with a bias for GPT-OSS (`gate_bias`). Its parameters are
 `gate.weight` [E, H] (and `gate.bias` [E]), the keys those blocks use; the experts' parameters are
 under `experts.` (GroupedMLP's keys) and the router's buffers (expert_bias, tokens_per_expert)
 under `router.`."""
@@ -85,13 +86,15 @@ class MoELayer(nn.Module):
                                   map_routing=map_form, device=device, **experts_options)
 
     def logits(self, x2d):
-        """The gate's logits [T, E] for x [T, H] bf16: in bf16 (the gate's dtype), or in logits_dtype --
-        fp32 also under an autocast, which would otherwise run the gate in bf16."""
-        if self.logits_dtype is None or self.logits_dtype == self.gate.weight.dtype:
+        """The gate's logits [T, E] for x [T, H]: in x's dtype (under an autocast, its dtype), or in
+        logits_dtype -- whose forward product runs with autocast off, which would otherwise compute an
+        fp32 gate in bf16 (a backward run inside the autocast region still takes its matmuls to bf16)."""
+        dtype = self.logits_dtype
+        if dtype is None or (dtype == x2d.dtype == self.gate.weight.dtype and not torch.is_autocast_enabled("cuda")):
             return self.gate(x2d)
-        bias = self.gate.bias.to(self.logits_dtype) if self.gate.bias is not None else None
+        bias = self.gate.bias.to(dtype) if self.gate.bias is not None else None
         with torch.autocast("cuda", enabled=False):
-            return F.linear(x2d.to(self.logits_dtype), self.gate.weight.to(self.logits_dtype), bias)
+            return F.linear(x2d.to(dtype), self.gate.weight.to(dtype), bias)
 
     def forward(self, x):
         """x bf16 [..., H] (another float dtype under a bf16 autocast: cast) -> (y bf16 [..., H], routing)."""

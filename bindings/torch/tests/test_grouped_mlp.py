@@ -441,3 +441,16 @@ def test_fp32_x_under_bf16_autocast_and_bf16_probs():
     assert all(torch.equal(a, b) for a, b in zip(g1, g0))
     with pytest.raises(ValueError, match="'x'"):
         mod(x.float(), idx, probs)
+
+
+def test_grouped_experts_fp32_rows_under_bf16_autocast_and_fp16_probs():
+    # The experts-only module takes the same inputs: fp32 rows under a bf16 autocast (cast), fp16 probs
+    # (widened exactly): bitwise the bf16 / fp32 call.
+    ex = GroupedExperts(128, 64, 6, 96)
+    offsets = torch.tensor([0, 10, 10, 30, 50, 60, 96], dtype=torch.int32, device=DEV)
+    rows = (torch.randn(96, 128, device=DEV) * 0.5).bfloat16()
+    probs = torch.rand(96, device=DEV).half()
+    want = ex(rows, offsets, probs.float())
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = ex(rows.float(), offsets, probs)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)

@@ -232,8 +232,12 @@ def test_fp32_input_under_bf16_autocast(router):
     layer = MoELayer(H, FFN, 16, 4, 64, router=router, router_options=ropts)
     x, dy = inputs((2, 24), seed=41)
     want = step(x, dy, layer, layer_params(layer))
+
+    def under_autocast(xr):  # the forward under the autocast, the backward after it (as recommended)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return layer(xr)
+    got = step(x.float(), dy, under_autocast, layer_params(layer))
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        got = step(x.float(), dy, layer, layer_params(layer))
         logits = layer.logits(x.reshape(-1, H))
     assert got["dx"].dtype == torch.float32
     for key, value in want.items():

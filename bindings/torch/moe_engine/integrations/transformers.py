@@ -48,7 +48,7 @@ import weakref
 
 import torch
 
-from ..module import _bf16_autocast, _fuse_fc1
+from ..module import _bf16_autocast, _fuse_fc1, _weight_addresses, check_weights_unmoved
 
 _ops = torch.ops.moe_engine
 
@@ -332,25 +332,22 @@ class _ExpertsFunction(torch.autograd.Function):
     def forward(ctx, layer, x, routing, probs, w1, w2, b1, b2):
         ctx.dtypes = tuple(None if t is None else t.dtype for t in (w1, w2, b1, b2))
         # The parameters read in place must stay there until the backward (its copies hold the others).
-        ctx.in_place = [] if torch.compiler.is_compiling() else [
-            (t, t.data_ptr()) for t, c in zip((w1, w2, b1, b2), layer.copies) if t is not None and c is None]
+        in_place = [t for t, c in zip((w1, w2, b1, b2), layer.copies) if t is not None and c is None]
+        addresses = _weight_addresses(ctx, in_place)
         w1, w2, b1, b2 = layer.bf16_weights((w1, w2, b1, b2))
         biases = ([b1], [b2]) if b1 is not None else ([], [])
         y, state, header = _ops.mlp_forward(layer.handle, x, routing, probs, [w1], biases[0], [w2], biases[1],
                                             layer.state_bytes)
         ctx.layer = layer  # keeps the op object alive until this backward, even if the module grew a new one
         ctx.shapes = (w1.shape, w2.shape, None if b1 is None else b1.shape, None if b2 is None else b2.shape)
-        ctx.save_for_backward(state, header)  # x is read again only in recompute mode, which is off here
+        ctx.save_for_backward(state, header, addresses)  # x is read again only in recompute mode (off here)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        state, header = ctx.saved_tensors
+        state, header, addresses = ctx.saved_tensors
         layer = ctx.layer
-        if any(t.data_ptr() != address for t, address in ctx.in_place):
-            raise RuntimeError("moe_engine: the expert weights moved in memory between a forward and its backward; the "
-                               "backward reads them where the forward bound them. Keep the parameters in place until "
-                               "the backward (e.g. FSDP with reshard_after_forward=False)")
+        check_weights_unmoved(ctx, addresses)
 
         def buffer(shape):
             return [] if shape is None else [torch.empty(shape, dtype=torch.bfloat16, device=dy.device)]
