@@ -448,6 +448,18 @@ def test_distributed_checkpoint_entries_match_sequential_mlp(per_expert_weights,
         assert got[k] == want[k], f"{k}: ours differs from SequentialMLP's entry"
 
 
+def permuted_rows(seed):
+    """Rows as Megatron's dispatcher hands them to an experts module: tokens_per_expert (CPU, one
+    expert empty), the permuted rows, their probs and an output gradient."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    counts = torch.tensor([9, 0, 17, 3, 30, 1, 12, 24])
+    rows = int(counts.sum())
+    x = (torch.randn(rows, H, device="cuda", generator=g) * 0.5).bfloat16()
+    probs = torch.rand(rows, device="cuda", generator=g)
+    dy = torch.randn(rows, H, device="cuda", generator=g).bfloat16()
+    return counts, x, probs, dy
+
+
 @pytest.mark.parametrize("per_expert_weights", [True, False])
 @pytest.mark.parametrize("gated", [True, False])
 def test_expert_tensor_parallel_shard_matches_sequential_mlp(per_expert_weights, gated):
@@ -474,12 +486,7 @@ def test_expert_tensor_parallel_shard_matches_sequential_mlp(per_expert_weights,
             assert q.tensor_model_parallel and q.partition_dim == dim + len(lead) and q.partition_stride == 1, \
                 (owner, name)
     mine.load_state_dict(ref.state_dict(), strict=True)
-    g = torch.Generator(device="cuda").manual_seed(32)
-    counts = torch.tensor([9, 0, 17, 3, 30, 1, 12, 24])
-    rows = int(counts.sum())
-    x = (torch.randn(rows, H, device="cuda", generator=g) * 0.5).bfloat16()
-    probs = torch.rand(rows, device="cuda", generator=g)
-    dy = torch.randn(rows, H, device="cuda", generator=g).bfloat16()
+    counts, x, probs, dy = permuted_rows(seed=32)
     results = []
     for experts in (ref, mine):
         xr = x.clone().requires_grad_()
@@ -522,12 +529,7 @@ def test_expert_tensor_parallel_shards_add_up_to_the_whole_expert(gated):
         parts = (0, FFN) if gated else (0,)
         return torch.cat([torch.arange(p + r * half, p + (r + 1) * half) for p in parts]).cuda()
 
-    g = torch.Generator(device="cuda").manual_seed(34)
-    counts = torch.tensor([9, 0, 17, 3, 30, 1, 12, 24])
-    rows = int(counts.sum())
-    x = (torch.randn(rows, H, device="cuda", generator=g) * 0.5).bfloat16()
-    probs = torch.rand(rows, device="cuda", generator=g)
-    dy = torch.randn(rows, H, device="cuda", generator=g).bfloat16()
+    counts, x, probs, dy = permuted_rows(seed=34)
     xr = x.clone().requires_grad_()
     y_ref, _ = ref(xr, counts, probs)
     y_ref.backward(dy)
