@@ -61,6 +61,11 @@ class GroupedExperts {
   // memory that overlaps a bound weight or another gradient (the backward would write over what it
   // still reads); weights may be bound over memory of earlier gradients (freed since, or rebound).
   void set_weights(const ExpertTensors& weights);
+  // The same weights at new addresses -- gathered again between forwards and their backwards, as
+  // FSDP does when it reshards after the forward: bound like set_weights but within the current
+  // binding, so the backwards of earlier forwards run against them. The caller vouches that the
+  // values are the ones those forwards used.
+  void rebind_weights(const ExpertTensors& weights);
   void set_grads(const ExpertTensors& grads);
   // Called once per backward (or backward_dw) when that parameter's gradient is final, on the
   // host while the work is being enqueued (so a reducer can enqueue its reduce-scatter after it).

@@ -39,8 +39,9 @@ class GroupedMlp {
   GroupedMlp(const GroupedMlp&) = delete;
   GroupedMlp& operator=(const GroupedMlp&) = delete;
 
-  // Binds parameter and gradient memory (see GroupedExperts::set_weights / set_grads).
+  // Binds parameter and gradient memory (see GroupedExperts::set_weights / rebind_weights / set_grads).
   void set_weights(const ExpertTensors& weights);
+  void rebind_weights(const ExpertTensors& weights);
   void set_grads(const ExpertTensors& grads);
   // Called once per backward (or backward_dw) when that parameter's gradient is final, on the
   // host while the work is being enqueued (so a reducer can enqueue its reduce-scatter after it).

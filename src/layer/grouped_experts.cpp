@@ -650,6 +650,16 @@ void GroupedExperts::set_weights(const ExpertTensors& w) {
   ++m.binding;
 }
 
+void GroupedExperts::rebind_weights(const ExpertTensors& w) {
+  Impl& m = *impl_;
+  MOE_CHECK(m.have_weights, "GroupedExperts::rebind_weights: no weights bound yet (call set_weights first)");
+  const uint64_t binding = m.binding;
+  set_weights(w);
+  // The same binding: states filled by earlier forwards stay valid, and the FP8 copies made for it
+  // stay current (the values are the same).
+  m.binding = binding;
+}
+
 void GroupedExperts::set_grads(const ExpertTensors& g) {
   Impl& m = *impl_;
   const auto& c = m.cfg;

@@ -238,6 +238,7 @@ GroupedExperts& GroupedMlp::experts() { return impl_->experts; }
 const GroupedExperts& GroupedMlp::experts() const { return impl_->experts; }
 
 void GroupedMlp::set_weights(const ExpertTensors& w) { impl_->experts.set_weights(w); }
+void GroupedMlp::rebind_weights(const ExpertTensors& w) { impl_->experts.rebind_weights(w); }
 void GroupedMlp::set_grads(const ExpertTensors& g) { impl_->experts.set_grads(g); }
 void GroupedMlp::register_hook(Param param, Hook hook) { impl_->experts.register_hook(param, std::move(hook)); }
 

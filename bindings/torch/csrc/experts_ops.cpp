@@ -130,6 +130,16 @@ void experts_refresh_fp8_weights(int64_t handle, const std::vector<at::Tensor>& 
   });
 }
 
+// The same weights at new addresses between forwards and their backwards (Bound::rebind_weights).
+void experts_rebind_weights(int64_t handle, const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
+                            const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2) {
+  ExpertsState& s = registry().get(handle);
+  translate_errors([&] {
+    s.rebind_weights(w1, b1, w2, b2);
+    return 0;
+  });
+}
+
 void experts_check_errors(int64_t handle) {
   ExpertsState& s = registry().get(handle);
   translate_errors([&] {
@@ -149,6 +159,9 @@ TORCH_LIBRARY_FRAGMENT(moe_engine, m) {
   m.def("experts_refresh_fp8_weights(int handle, Tensor[] fc1_weight, Tensor[] fc1_bias, Tensor[] fc2_weight, "
         "Tensor[] fc2_bias) -> ()",
         &experts_refresh_fp8_weights);
+  m.def("experts_rebind_weights(int handle, Tensor[] fc1_weight, Tensor[] fc1_bias, Tensor[] fc2_weight, "
+        "Tensor[] fc2_bias) -> ()",
+        &experts_rebind_weights);
   m.def("experts_check_errors(int handle) -> ()", &experts_check_errors);
   m.def("experts_destroy(int handle) -> ()", &experts_destroy);
   m.def("experts_state_bytes(int handle) -> int", &experts_state_bytes);

@@ -138,6 +138,16 @@ void mlp_refresh_fp8_weights(int64_t handle, const std::vector<at::Tensor>& w1, 
   });
 }
 
+// The same weights at new addresses between forwards and their backwards (Bound::rebind_weights).
+void mlp_rebind_weights(int64_t handle, const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
+                        const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2) {
+  MlpState& s = registry().get(handle);
+  translate_errors([&] {
+    s.rebind_weights(w1, b1, w2, b2);
+    return 0;
+  });
+}
+
 void mlp_check_errors(int64_t handle) {
   MlpState& s = registry().get(handle);
   translate_errors([&] {
@@ -166,6 +176,9 @@ TORCH_LIBRARY_FRAGMENT(moe_engine, m) {
   m.def("mlp_refresh_fp8_weights(int handle, Tensor[] fc1_weight, Tensor[] fc1_bias, Tensor[] fc2_weight, "
         "Tensor[] fc2_bias) -> ()",
         &mlp_refresh_fp8_weights);
+  m.def("mlp_rebind_weights(int handle, Tensor[] fc1_weight, Tensor[] fc1_bias, Tensor[] fc2_weight, "
+        "Tensor[] fc2_bias) -> ()",
+        &mlp_rebind_weights);
   m.def("mlp_destroy(int handle) -> ()", &mlp_destroy);
   m.def("state_headers() -> int[]", &state_headers);
   m.def("mlp_check_errors(int handle) -> ()", &mlp_check_errors);

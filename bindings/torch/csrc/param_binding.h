@@ -56,6 +56,15 @@ struct Bound {
     op.set_weights(expert_tensors(w1, b1, w2, b2));
     weight_ptrs = std::move(ptrs);
   }
+  // The same weights at new addresses (op.rebind_weights): the binding the saved states hold stays.
+  void rebind_weights(const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
+                      const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2) {
+    auto ptrs = addresses({&w1, &b1, &w2, &b2});
+    if (ptrs == weight_ptrs) return;
+    check_rebind_allowed("weight");
+    op.rebind_weights(expert_tensors(w1, b1, w2, b2));
+    weight_ptrs = std::move(ptrs);
+  }
   void bind_grads(const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
                   const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2) {
     auto ptrs = addresses({&w1, &b1, &w2, &b2});

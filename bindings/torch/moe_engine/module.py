@@ -110,7 +110,7 @@ def _probs_input(probs):
 def _weight_addresses(ctx, params):
     """At a forward: the addresses of the parameters its backward reads again (the op binds weights by
     address), as a CPU tensor for save_for_backward -- so that a recompute under non-reentrant
-    activation checkpointing saves the addresses it bound -- or None where there is nothing to check
+    activation checkpointing saves the addresses it bound -- or None where there is nothing to watch
     (no gradient needed, or torch.compile tracing: fake tensors have no addresses)."""
     if torch.compiler.is_compiling() or not any(ctx.needs_input_grad):
         return None
@@ -118,21 +118,14 @@ def _weight_addresses(ctx, params):
     return torch.tensor([q.data_ptr() for q in params], dtype=torch.int64)
 
 
-def check_weights_unmoved(ctx, addresses, names=None):
-    # names: a callable giving the parameters' names (called only to word the error).
-    """At a backward (after unpacking the saved tensors): refuses parameters that moved since the
-    forward bound them -- FSDP resharding after the forward, ZeRO-3 gathering them anew -- which the
-    backward would read from memory since freed. Eager mode only (see _weight_addresses)."""
-    if addresses is None:
-        return
-    moved = [i for i, (q, a) in enumerate(zip(ctx.weight_params, addresses.tolist())) if q.data_ptr() != a]
-    if moved:
-        listed = names() if names else [f"parameter {i}" for i in range(len(ctx.weight_params))]
-        which = ", ".join(listed[i] for i in moved[:4]) + (", ..." if len(moved) > 4 else "")
-        raise RuntimeError(
-            f"moe_engine: expert parameters moved in memory between a forward and its backward ({which}); the "
-            "backward reads the weights where the forward bound them. Keep the parameters in place until the "
-            "backward (e.g. FSDP with reshard_after_forward=False)")
+def rebind_moved_weights(ctx, addresses, rebind):
+    """At a backward (after unpacking the saved tensors): where parameters moved since the forward bound
+    them -- FSDP resharding after the forward and gathering them again for the backward, ZeRO-3 --
+    calls rebind() to bind them at their new addresses within the same binding (the op's
+    rebind_weights: the values are the forward's), instead of letting the backward read memory since
+    freed. Eager mode only (see _weight_addresses)."""
+    if addresses is not None and any(q.data_ptr() != a for q, a in zip(ctx.weight_params, addresses.tolist())):
+        rebind()
 
 
 def _fuse_fc1(choice, ffn_hidden_size, num_experts):
@@ -244,11 +237,6 @@ class _ExpertModule(nn.Module):
 
     def _flat_params(self):
         return [q for lst in self._param_lists() for q in lst]
-
-    def _param_names(self):
-        """The names of _flat_params(), in its order."""
-        names = {id(q): n for n, q in self.named_parameters()}
-        return [names.get(id(q), "?") for q in self._flat_params()]
 
     def _reads_weights_in_backward(self):
         # The quantized experts' backward reads their quantized copies, not these parameters (unless it
@@ -492,7 +480,7 @@ class _MlpFunction(torch.autograd.Function):
     def backward(ctx, dy):
         mod = ctx.mod
         x, state, header, addresses = ctx.saved_tensors
-        check_weights_unmoved(ctx, addresses, mod._param_names)
+        rebind_moved_weights(ctx, addresses, lambda: _ops.mlp_rebind_weights(mod._handle, *mod._param_lists()))
         dy = dy.contiguous()
         (dx, dprobs), param_grads = mod._after_backward(
             lambda lists: _ops.mlp_backward(mod._handle, state, header, x, dy, mod.slots, *lists), (state, header, x))
@@ -518,7 +506,7 @@ class _ExpertsFunction(torch.autograd.Function):
     def backward(ctx, dY):
         mod = ctx.mod
         x_perm, group_offsets, probs_perm, state, header, addresses = ctx.saved_tensors
-        check_weights_unmoved(ctx, addresses, mod._param_names)
+        rebind_moved_weights(ctx, addresses, lambda: _ops.experts_rebind_weights(mod._handle, *mod._param_lists()))
         dY = dY.contiguous()
         # Delayed mode reads dY (and the saved inputs) again in backward_dw: keep them with the state.
         (dx_perm, dpp), param_grads = mod._after_backward(

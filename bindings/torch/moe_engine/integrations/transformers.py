@@ -48,7 +48,7 @@ import weakref
 
 import torch
 
-from ..module import _bf16_autocast, _fuse_fc1, _weight_addresses, check_weights_unmoved
+from ..module import _bf16_autocast, _fuse_fc1, _weight_addresses, rebind_moved_weights
 
 _ops = torch.ops.moe_engine
 
@@ -335,6 +335,7 @@ class _ExpertsFunction(torch.autograd.Function):
         in_place = [t for t, c in zip((w1, w2, b1, b2), layer.copies) if t is not None and c is None]
         addresses = _weight_addresses(ctx, in_place)
         w1, w2, b1, b2 = layer.bf16_weights((w1, w2, b1, b2))
+        ctx.bound = (w1, w2, b1, b2)  # what the op reads (parameters in place, or the layer's copies)
         biases = ([b1], [b2]) if b1 is not None else ([], [])
         y, state, header = _ops.mlp_forward(layer.handle, x, routing, probs, [w1], biases[0], [w2], biases[1],
                                             layer.state_bytes)
@@ -347,7 +348,9 @@ class _ExpertsFunction(torch.autograd.Function):
     def backward(ctx, dy):
         state, header, addresses = ctx.saved_tensors
         layer = ctx.layer
-        check_weights_unmoved(ctx, addresses)
+        w1, w2, b1, b2 = ctx.bound
+        rebind_moved_weights(ctx, addresses, lambda: _ops.mlp_rebind_weights(
+            layer.handle, [w1], [] if b1 is None else [b1], [w2], [] if b2 is None else [b2]))
 
         def buffer(shape):
             return [] if shape is None else [torch.empty(shape, dtype=torch.bfloat16, device=dy.device)]
