@@ -50,6 +50,9 @@ struct Case {
   int64_t T = 0;
   uint64_t seed = 1;
   double skew = 0.0;
+  // Between the forward and the backward, the same weights in new buffers bound with rebind_weights
+  // and the old ones overwritten with NaN (parameters gathered again, as FSDP does).
+  bool rebind_before_backward = false;
 };
 
 struct Outputs {
@@ -162,6 +165,18 @@ struct Runner {
     const SavedState st = layer.new_state();
     layer.forward(TensorView(x_.get(), DType::kBF16, {c.T, H}), rv, TensorView(y_.get(), DType::kBF16, {c.T, H}), st,
                   s);
+    DeviceParam W1b, W2b, B1b, B2b;
+    if (c.rebind_before_backward) {
+      W1b = weight(w1, F1, H, DType::kBF16);
+      W2b = weight(w2, H, F, DType::kBF16);
+      if (k.bias) {
+        B1b = make_param(b1, E, {F1}, DType::kBF16, layout);
+        B2b = make_param(b2, E, {H}, DType::kBF16, layout);
+      }
+      layer.rebind_weights({W1b.views, B1b.views, W2b.views, B2b.views});
+      for (DeviceParam* old : {&W1, &W2, &B1, &B2})
+        for (auto& b : old->bufs) b.fill_bytes(0xFF);
+    }
     layer.backward(TensorView(dy_.get(), DType::kBF16, {c.T, H}), TensorView(dx_.get(), DType::kBF16, {c.T, H}),
                    TensorView(dprobs_.get(), DType::kFP32, {c.T, slots}), st, s);
     if (k.delay_wgrad) {
@@ -542,6 +557,32 @@ TEST(GroupedMlp, FusedDgradCooperativeScheduleAtLargeHidden) {
     compare(fused, r.run_reference(), false);
     compare(fused, run_unfused(c), false);
   }
+}
+
+// rebind_weights between a forward and its backward: the backward (unfused and fused dgrad, both
+// layouts, with biases) reads the weights at their new addresses -- the old ones hold NaN -- and
+// gives the results of a run without it, bitwise. Rebinding before any set_weights is refused.
+TEST(GroupedMlp, RebindWeightsBetweenForwardAndBackward) {
+  MOE_REQUIRE_GPU();
+  for (bool fused : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << (fused ? "fused" : "unfused"));
+    Case c;
+    c.cfg = small_config();
+    c.cfg.bias = !fused;
+    c.cfg.fuse_fc1 = fused;
+    c.cfg.save_x_perm = !fused;
+    c.cfg.fuse_fc2_dgrad = fused;
+    c.T = 61;
+    c.seed = 13;
+    for (WeightLayout layout : {WeightLayout::kSingleGrouped, WeightLayout::kPerExpert}) {
+      const Outputs plain = Runner(c).run_gpu(layout);
+      Case moved = c;
+      moved.rebind_before_backward = true;
+      expect_bitwise(Runner(moved).run_gpu(layout), plain);
+    }
+  }
+  GroupedMlp layer(small_config());
+  testing::expect_error_naming([&] { layer.rebind_weights({}); }, "no weights bound");
 }
 
 // 500 experts (a tile prefix of 501 entries in the fused kernels' shared memory), A = 128 (every
