@@ -465,3 +465,40 @@ def test_grouped_experts_fp32_rows_under_bf16_autocast_and_fp16_probs():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         got = ex(rows.float(), offsets, probs)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("per_expert_weights", [False, True])
+def test_fsdp2_resharding_after_forward(per_expert_weights):
+    # PyTorch FSDP2 (fully_shard, one rank) frees the gathered parameters after the forward and
+    # gathers them again for the backward: the backward binds them where they are now
+    # (rebind_weights). The same output and gradients as the module without FSDP, bitwise.
+    from torch.distributed.fsdp import fully_shard
+    import socket
+    created = not torch.distributed.is_initialized()
+    if created:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        plain, x, idx, probs = make(seed=27, per_expert_weights=per_expert_weights)
+        sharded, _, _, _ = make(seed=27, per_expert_weights=per_expert_weights)
+        sharded.load_state_dict(plain.state_dict())
+        fully_shard(sharded, reshard_after_forward=True)
+        dy = output_grad(x)
+        results = []
+        for mod in (plain, sharded):
+            xr = x.clone().requires_grad_()
+            y = mod(xr, idx, probs)
+            y.backward(dy)
+            grads = {n: (q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad)
+                     for n, q in mod.named_parameters()}
+            results.append((y.detach(), xr.grad, grads))
+        (y0, dx0, g0), (y1, dx1, g1) = results
+        assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
+        assert g1.keys() == g0.keys()
+        for n in g0:
+            assert torch.equal(g1[n], g0[n]), n
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()
