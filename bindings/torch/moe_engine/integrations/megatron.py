@@ -436,7 +436,11 @@ def megatron_sharded_state_dict(params, num_local_experts, gated, prefix="", sha
             # key: base, or base under an optimizer prefix (optimizer states are built from a copy of
             # this factory holding the state tensor): the entries' keys take the same prefix.
             if flattened_range is not None:
-                raise NotImplementedError("moe_engine: flattened ranges of a grouped expert parameter")
+                raise NotImplementedError(
+                    f"moe_engine: '{base}' asks for a flattened range (the distributed optimizer's "
+                    "'fully_sharded_model_space' format, whose flattened ranges megatron-core 0.19 refuses for "
+                    "every parameter): save with metadata['distrib_optim_sharding_type'] = 'dp_reshardable' or "
+                    "'fully_reshardable'")
             if not key.endswith(base):
                 raise ValueError(f"moe_engine: factory key '{key}' does not end with '{base}'")
             outer = key[:len(key) - len(base)]
