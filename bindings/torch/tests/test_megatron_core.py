@@ -652,3 +652,16 @@ def test_distributed_checkpoint_optimizer_state_across_layouts(tmp_path):
         for k, t in want.items():
             got = torch.stack([dst_opt.state[q][k] for q in qs]) if len(qs) > 1 else dst_opt.state[qs[0]][k]
             assert torch.equal(got, t), f"fc1.weight {k}: per_expert={src_per_expert} -> {not src_per_expert}"
+
+
+def test_flattened_range_request_names_the_formats_that_work():
+    # The distributed optimizer's fully_sharded_model_space format replaces an entry's data by a
+    # flat slice of the optimizer state; megatron-core 0.19's ShardedTensor refuses that for every
+    # parameter (SequentialMLP's too), and the grouped entry says which formats save instead.
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    layer = our_layer(make_config(), randomized_reference(make_config(), seed=27), per_expert_weights=False)
+    factories = [v for v in layer.sharded_state_dict().values() if isinstance(v, ShardedTensorFactory)]
+    assert factories, "a grouped parameter's checkpoint entry is a ShardedTensorFactory"
+    flat = dataclasses.replace(factories[0], data=factories[0].data.flatten()[5:77], flattened_range=slice(5, 77))
+    with pytest.raises(NotImplementedError, match="dp_reshardable.*fully_reshardable"):
+        flat.build()
