@@ -69,10 +69,13 @@ transform) and its dequantized values feed the bf16 GEMMs, so the numerics are t
 the speed is not. The unfused path; align defaults to 32 (mxfp8) or 16 (nvfp4), which
 gives every expert whole blocks. fp8_weight_refresh as for "block" ("from_master": the fp32 master
 weights quantized straight into the format)."""
+import weakref
+
 import torch
 from torch import nn
 
 from ._arg_names import create
+from ._handles import release
 from .state_dict import normalize_expert_keys
 
 _ops = torch.ops.moe_engine
@@ -126,6 +129,19 @@ def rebind_moved_weights(ctx, addresses, rebind):
     freed. Eager mode only (see _weight_addresses)."""
     if addresses is not None and any(q.data_ptr() != a for q, a in zip(ctx.weight_params, addresses.tolist())):
         rebind()
+
+
+def _weak_method(obj, name):
+    """obj.name(...) through a weak reference to obj (nothing once obj is gone), for the hooks obj
+    registers on itself and its parameters: a bound method there would make a reference cycle (obj ->
+    hook -> obj) and leave obj -- and the library object behind its handle -- to the garbage collector
+    instead of freeing it when its last user drops it."""
+    ref = weakref.ref(obj)
+
+    def call(*args, **kwargs):
+        target = ref()
+        return None if target is None else getattr(target, name)(*args, **kwargs)
+    return call
 
 
 def _fuse_fc1(choice, ffn_hidden_size, num_experts):
@@ -210,11 +226,12 @@ class _ExpertModule(nn.Module):
                 owner.register_parameter(s, nn.Parameter(self._init((num_experts, *shape), std, device, dtype)))
         self._hooks = []
         self._pending_dw = []  # delayed mode: (state tensors, gradient buffers) of each backward, oldest first
-        self._register_load_state_dict_pre_hook(self._normalize_keys)
+        self._register_load_state_dict_pre_hook(_weak_method(self, "_normalize_keys"))
         if not accumulate_into_main_grad and not delay_wgrad:
             # Write mode: a gradient is final once autograd has accumulated it into param.grad.
+            fire = _weak_method(self, "_fire_hook")
             for name, q in self.named_parameters():
-                q.register_post_accumulate_grad_hook(lambda q, name=name: self._fire_hook(name, q))
+                q.register_post_accumulate_grad_hook(lambda q, name=name: fire(name, q))
 
     @staticmethod
     def _init(shape, std, device, dtype=torch.bfloat16):
@@ -367,7 +384,7 @@ class GroupedMLP(_ExpertModule):
     def __del__(self):
         handle = getattr(self, "_handle", None)
         if handle is not None:
-            _ops.mlp_destroy(handle)
+            release(_ops.mlp_destroy, handle)
 
     def forward(self, x, routing, probs):
         """x bf16 [T, H] (another float dtype under a bf16 autocast: cast); routing int32 [T, k] top-k
@@ -435,7 +452,7 @@ class GroupedExperts(_ExpertModule):
     def __del__(self):
         handle = getattr(self, "_handle", None)
         if handle is not None:
-            _ops.experts_destroy(handle)
+            release(_ops.experts_destroy, handle)
 
     def forward(self, x_perm, group_offsets, probs_perm=None):
         if self.probs_at_combine and probs_perm is not None:

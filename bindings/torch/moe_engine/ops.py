@@ -4,6 +4,7 @@ make no host synchronisation, so they can sit inside torch.cuda.graph."""
 import torch
 
 from ._arg_names import create
+from ._handles import release
 
 _ops = torch.ops.moe_engine
 
@@ -69,7 +70,7 @@ class Dispatcher:
     def __del__(self):
         handle = getattr(self, "handle", None)
         if handle is not None:
-            _ops.dispatcher_destroy(handle)
+            release(_ops.dispatcher_destroy, handle)
 
     def permute(self, x, routing, probs):
         x_perm, probs_perm, groups, counts, plan, header = _Permute.apply(self, x, routing, probs)

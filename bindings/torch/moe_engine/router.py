@@ -13,6 +13,8 @@ from collections import namedtuple
 import torch
 from torch import nn
 
+from ._handles import release
+
 _ops = torch.ops.moe_engine
 _lib = "moe_engine::"
 
@@ -123,7 +125,7 @@ class Router(nn.Module):
     def __del__(self):
         handle = getattr(self, "handle", None)
         if handle is not None:
-            _ops.router_destroy(handle)
+            release(_ops.router_destroy, handle)
 
     def sequences(self, T):
         return T // self.seq_length if self.seq_aux else 0

@@ -48,6 +48,7 @@ import weakref
 
 import torch
 
+from .._handles import release
 from ..module import _bf16_autocast, _fuse_fc1, _weight_addresses, rebind_moved_weights
 
 _ops = torch.ops.moe_engine
@@ -253,7 +254,7 @@ class _Layer:
     def __del__(self):
         handle = getattr(self, "handle", None)
         if handle is not None:
-            _ops.mlp_destroy(handle)
+            release(_ops.mlp_destroy, handle)
 
 
 _layers = weakref.WeakKeyDictionary()  # experts module -> _Layer
