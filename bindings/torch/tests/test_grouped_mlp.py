@@ -243,7 +243,7 @@ def test_modules_dropped_during_a_capture_leave_it_intact():
     assert not _handles._deferred
 
 
-def test_a_dropped_module_is_freed_without_the_garbage_collector():
+def test_a_module_dropped_after_its_backward_is_freed_without_the_garbage_collector():
     # The hooks a module registers on itself and its parameters hold it weakly, so the module -- and
     # the device memory of its library object -- goes when its last reference does.
     import gc
