@@ -25,7 +25,11 @@ not zero and GPT-OSS's clamps are actually reached. Everything runs on the CPU i
 One family (qwen3_moe) is saved in bf16 to exercise bf16 loading; its outputs are computed by the
 same model in fp32 with those bf16 values, so the comparison stays tight.
 
+A sharded checkpoint (two Qwen3-MoE layers whose experts spread over several shards, with the index
+save_pretrained writes) goes to tests/fixtures/hf_sharded/qwen3_moe/ (tests/cpu/test_convert_sharded.cpp).
+
 Usage: python3 scripts/make_hf_fixtures.py [--out tests/fixtures/hf] [--families mixtral,...]
+       [--sharded-out tests/fixtures/hf_sharded]
 Needs torch and transformers (>= 5, made with 5.17 and torch 2.11).
 """
 
@@ -179,11 +183,45 @@ def make_family(name, spec, out_dir, seed):
     print(f"{name}: block {block_name}, E={experts.num_experts} k={k}, {info}")
 
 
+def make_sharded(out_dir, seed):
+    """A two-layer Qwen3-MoE model (E = 4, bf16) saved by save_pretrained in shards of at most 40 KB, so
+    that each layer's experts spread over several shards: model-0000i-of-0000N.safetensors and
+    model.safetensors.index.json, as transformers writes them for models larger than one file."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(vocab_size=16, hidden_size=H, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, intermediate_size=F, moe_intermediate_size=F, num_experts=4,
+                            num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], head_dim=32,
+                            pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p, dtype=torch.float32).mul_(0.15).to(p.dtype))
+    target = os.path.join(out_dir, "qwen3_moe")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp = tempfile.mkdtemp()
+    try:
+        model.save_pretrained(tmp, max_shard_size="40KB")
+        os.makedirs(target)
+        for f in sorted(os.listdir(tmp)):
+            if f.endswith(".safetensors") or f.endswith(".index.json") or f == "config.json":
+                shutil.copyfile(os.path.join(tmp, f), os.path.join(target, f))
+    finally:
+        shutil.rmtree(tmp)
+    with open(os.path.join(target, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    shards = sorted(set(index["weight_map"].values()))
+    print(f"sharded qwen3_moe: {len(shards)} shards, {len(index['weight_map'])} tensors, metadata {index['metadata']}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf"))
     ap.add_argument("--families", default=",".join(family_specs().keys()))
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--sharded-out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures",
+                                                          "hf_sharded"),
+                    help="where the sharded checkpoint fixture goes ('' to skip it)")
     args = ap.parse_args()
     specs = family_specs()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
@@ -191,6 +229,8 @@ def main():
     for name in args.families.split(","):
         # A seed per family, independent of which families are made in this run.
         make_family(name, specs[name], args.out, args.seed + list(specs).index(name))
+    if args.sharded_out:
+        make_sharded(args.sharded_out, args.seed + 100)
     return 0
 
 

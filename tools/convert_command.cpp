@@ -2,6 +2,7 @@
 //
 //   moe-engine convert --from hf:mixtral --to grouped model.safetensors grouped.safetensors
 //   moe-engine convert --from grouped --to hf:mixtral grouped.safetensors model.safetensors
+//   moe-engine convert --from hf:qwen3_moe --to grouped Qwen3-30B-A3B/ grouped/   (a sharded checkpoint)
 //
 // Only the experts' tensors change (see include/moe/checkpoint_convert.h); the rest of the file
 // and its metadata are carried over byte for byte, so hf -> grouped -> hf reproduces the file.
@@ -90,8 +91,15 @@ void setup_convert(CLI::App& app) {
   for (const auto& f : hf_family_names()) formats += f + (f == hf_family_names().back() ? "}" : "|");
   sub->add_option("--from", args->from, "Input format: " + formats)->required();
   sub->add_option("--to", args->to, "Output format: " + formats)->required();
-  sub->add_option("input", args->in, "Input .safetensors file")->required()->check(CLI::ExistingFile);
-  sub->add_option("output", args->out, "Output .safetensors file (written atomically)")->required();
+  sub->add_option("input", args->in,
+                  "Input .safetensors file, or a sharded checkpoint: its *.safetensors.index.json or the folder "
+                  "holding it")
+      ->required()
+      ->check(CLI::ExistingPath);
+  sub->add_option("output", args->out,
+                  "Output .safetensors file (written atomically), or for a sharded input the folder to write the "
+                  "shards and the index into (created if absent)")
+      ->required();
   sub->add_option("--experts", args->experts,
                   "Experts per layer (default: read from the keys; needed for 2-D stacked tensors)")
       ->transform(cli::decimal_integer())

@@ -3,6 +3,7 @@
 // __metadata__ are carried over byte for byte.
 #pragma once
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -47,11 +48,37 @@ struct ConvertOptions {
 std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions& options,
                                             const Metadata& metadata = {});
 
+// The expert layers convert_state_dict would convert (those `options.prefixes` selects), each with
+// the input keys it reads and replaces, by prefix. Finds them from the keys and shapes alone (no
+// tensor's data is read); the same errors as convert_state_dict for no layer found or a prefix that
+// names none.
+std::map<std::string, std::vector<std::string>> expert_layer_keys(const StateDict& sd, const ConvertOptions& options,
+                                                                  const Metadata& metadata = {});
+
 // File to file: reads `in` (memory-mapped), converts (quantized layers as its __metadata__
 // declares), writes `out` (atomically), keeping the input's __metadata__. `progress` sees the
-// bytes written.
+// bytes written. A sharded input (see is_sharded_checkpoint) goes to convert_sharded_checkpoint.
 std::vector<std::string> convert_checkpoint(const std::string& in, const std::string& out,
                                             const ConvertOptions& options,
                                             const safetensors::ProgressFn& progress = {});
+
+// Whether `in` names a sharded checkpoint: an index file ("*.safetensors.index.json", see
+// moe/safetensors_index.h) or a folder holding one.
+bool is_sharded_checkpoint(const std::string& in);
+
+// A sharded checkpoint (its index, or the folder holding exactly one index) into the folder `out`
+// (created if absent; never the input's folder), with an index of the same name. The shards keep
+// their file names and __metadata__; every tensor that is not an expert layer's stays in its shard,
+// byte for byte, and each converted layer is written whole into the shard that held the first of
+// its input keys (in key order), however its tensors were spread over the input's shards. A shard
+// left with no tensor is not written. Shards are converted and written one at a time (memory: the
+// converted layers of one shard), the index last: a conversion that fails leaves no index in
+// `out`. The shards' __metadata__ together declare the quantized layers (an entry may sit in any
+// shard). The index's "metadata" is carried over ("total_size" recomputed). The index is checked
+// against the shards first: every tensor it maps is in its shard, and every shard's tensor is
+// mapped to that shard. `progress` sees the bytes written over all shards.
+std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const std::string& out,
+                                                    const ConvertOptions& options,
+                                                    const safetensors::ProgressFn& progress = {});
 
 }  // namespace moe

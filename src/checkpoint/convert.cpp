@@ -321,8 +321,34 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
   return prefixes;
 }
 
+std::map<std::string, std::vector<std::string>> expert_layer_keys(const StateDict& sd, const ConvertOptions& o,
+                                                                  const Metadata& metadata) {
+  std::map<std::string, std::vector<std::string>> layers;
+  if (o.from.ours()) {
+    const auto quantized = quantized_expert_layers(sd, metadata);
+    StateDict without = sd;  // borrowed tensors: a copy of the dict copies no data
+    for (const auto& q : quantized) {
+      std::vector<std::string> keys = our_keys(sd, q.first, /*companions=*/true);
+      for (const std::string& k : keys) without.erase(k);
+      if (selected(o, q.first)) layers[q.first] = std::move(keys);
+    }
+    for (const ExpertLayerKeys& l : find_expert_layers(without, o.experts))
+      if (selected(o, l.prefix)) layers[l.prefix] = our_keys(sd, l.prefix);
+  } else {
+    for (const HfExpertLayer& l : find_hf_expert_layers(sd, o.from.family))
+      if (selected(o, l.prefix)) layers[l.prefix] = hf_expert_keys(l, o.from.family);
+  }
+  MOE_CHECK(!layers.empty(), "no expert layers in ", o.from.name(), " naming were found",
+            o.prefixes.empty() ? "" : " under the given prefixes");
+  for (const std::string& prefix : o.prefixes)
+    MOE_CHECK(layers.count(prefix), "argument 'prefixes': no expert layer in ", o.from.name(), " naming under '",
+              prefix, "'");
+  return layers;
+}
+
 std::vector<std::string> convert_checkpoint(const std::string& in, const std::string& out, const ConvertOptions& o,
                                             const safetensors::ProgressFn& progress) {
+  if (is_sharded_checkpoint(in)) return convert_sharded_checkpoint(in, out, o, progress);
   Metadata metadata;
   StateDict sd = load_safetensors(in, &metadata);
   std::vector<std::string> layers = convert_state_dict(sd, o, metadata);

@@ -229,6 +229,29 @@ TEST_F(ConvertCli, QuantizedExpertsRoundTripBitForBit) {
   EXPECT_FALSE(exists(never));
 }
 
+TEST_F(ConvertCli, ShardedCheckpointsConvertFolderToFolder) {
+  // The fixture's folder (two layers spread over five shards) to a folder of grouped shards and back; the
+  // tensors are checked one by one in test_convert_sharded.cpp.
+  const std::string in = std::string(MOE_TESTS_DIR) + "/fixtures/hf_sharded/qwen3_moe";
+  Result r = run("convert --from hf:qwen3_moe --to grouped '" + in + "' '" + tmp("grouped") + "'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("converted 2 expert layers (hf:qwen3_moe -> grouped) into " + tmp("grouped")),
+            std::string::npos) << r.output;
+  EXPECT_TRUE(exists(tmp("grouped") + "/model.safetensors.index.json"));
+  const StateDict shard = load_safetensors(tmp("grouped") + "/model-00001-of-00005.safetensors");
+  EXPECT_TRUE(shard.count("model.layers.0.mlp.experts.fc1.weight"));
+  r = run("convert -q --from grouped --to hf:qwen3_moe '" + tmp("grouped") + "/model.safetensors.index.json' '" +
+          tmp("back") + "'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output, "");
+  EXPECT_EQ(read_file(tmp("back") + "/model-00005-of-00005.safetensors"),
+            read_file(in + "/model-00005-of-00005.safetensors"));  // a shard without experts, as it was
+  // Into the input's own folder: refused, nothing written.
+  r = run("convert --from grouped --to hf:qwen3_moe '" + tmp("grouped") + "' '" + tmp("grouped") + "'");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("is the input's folder"), std::string::npos) << r.output;
+}
+
 TEST_F(ConvertCli, BadInvocationsFailCleanly) {
   const std::string hf = fixtures() + "mixtral/model.safetensors";
   const std::string out = tmp("never.safetensors");

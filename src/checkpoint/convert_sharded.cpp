@@ -1,0 +1,162 @@
+// Conversion of sharded checkpoints (convert_sharded_checkpoint in include/moe/checkpoint_convert.h):
+// every shard memory-mapped, the expert layers found over all of them, then each output shard
+// converted and written in turn, the index last.
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <set>
+
+#include <sys/stat.h>
+
+#include "moe/checkpoint_convert.h"
+#include "moe/error.h"
+#include "moe/safetensors_index.h"
+
+namespace moe {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// The index a folder holds: exactly one "*.safetensors.index.json".
+std::string index_in_folder(const std::string& dir) {
+  std::vector<std::string> found;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec))
+    if (safetensors::is_index_path(entry.path().filename().string())) found.push_back(entry.path().string());
+  MOE_CHECK(!ec, dir, ": cannot list the folder (", ec.message(), ")");
+  MOE_CHECK(found.size() == 1, dir, ": ", found.empty() ? "holds no" : "holds more than one",
+            " *.safetensors.index.json (give the index file, or a single .safetensors file)");
+  return found[0];
+}
+
+bool is_folder(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+struct Shard {
+  std::string file;  // name in the folder
+  StateDict tensors;
+  Metadata metadata;
+};
+
+// The __metadata__ of all shards as one list (the quantized layers' entries may sit in any shard);
+// an entry that two shards give different values is an error.
+Metadata merged_metadata(const std::vector<Shard>& shards) {
+  Metadata all;
+  std::map<std::string, std::pair<std::string, std::string>> seen;  // key -> (value, shard)
+  for (const Shard& s : shards)
+    for (const auto& [key, value] : s.metadata) {
+      auto it = seen.find(key);
+      if (it == seen.end()) {
+        seen.emplace(key, std::pair{value, s.file});
+        all.emplace_back(key, value);
+      } else {
+        MOE_CHECK(it->second.first == value, "__metadata__ '", key, "' differs between the shards ",
+                  it->second.second, " and ", s.file);
+      }
+    }
+  return all;
+}
+
+}  // namespace
+
+bool is_sharded_checkpoint(const std::string& in) {
+  return safetensors::is_index_path(in) || is_folder(in);
+}
+
+std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const std::string& out,
+                                                    const ConvertOptions& o, const safetensors::ProgressFn& progress) {
+  const std::string index_path = is_folder(in) ? index_in_folder(in) : in;
+  const safetensors::ShardIndex index = safetensors::read_index(index_path);
+  const fs::path folder = fs::path(index_path).parent_path().empty() ? fs::path(".") : fs::path(index_path).parent_path();
+  MOE_CHECK(!index.weight_map.empty(), index_path, ": the weight_map maps no tensor");
+
+  // Every shard read (memory-mapped) and checked against the index, before anything is written.
+  std::vector<Shard> shards;
+  std::map<std::string, size_t> shard_of_file;
+  StateDict all;  // borrowed views of every shard's tensors
+  uint64_t total_bytes = 0;
+  for (const std::string& file : index.shard_files()) {
+    Shard s{file, {}, {}};
+    s.tensors = load_safetensors((folder / file).string(), &s.metadata);
+    for (const auto& [key, t] : s.tensors) {
+      auto it = index.weight_map.find(key);
+      MOE_CHECK(it != index.weight_map.end() && it->second == file, (folder / file).string(), ": tensor '", key,
+                "' is ", it == index.weight_map.end() ? "not in the index" : "mapped to " + it->second + " by the index");
+      all.emplace(key, t);
+      total_bytes += static_cast<uint64_t>(t.nbytes());
+    }
+    shard_of_file[file] = shards.size();
+    shards.push_back(std::move(s));
+  }
+  for (const auto& [key, file] : index.weight_map)
+    MOE_CHECK(all.count(key), index_path, ": maps tensor '", key, "' to ", file, ", which does not hold it");
+
+  // The output folder: created if absent, never the input's (its shards are read while the new ones are written).
+  std::error_code ec;
+  if (!fs::exists(out, ec)) {
+    MOE_CHECK(fs::create_directory(out, ec), out, ": cannot create the output folder (", ec.message(), ")");
+  }
+  MOE_CHECK(is_folder(out), out, ": a sharded checkpoint is written into a folder, and this is not one");
+  MOE_CHECK(!fs::equivalent(out, folder, ec), out, ": is the input's folder; write the converted shards elsewhere");
+
+  // Every expert layer, selected or not, is gathered whole into one shard -- the one holding the first
+  // of its input keys -- so that each shard's conversion sees complete layers only.
+  const Metadata metadata = merged_metadata(shards);
+  ConvertOptions every = o;
+  every.prefixes.clear();
+  const auto layers = expert_layer_keys(all, every, metadata);
+  for (const std::string& prefix : o.prefixes)
+    MOE_CHECK(layers.count(prefix), "argument 'prefixes': no expert layer in ", o.from.name(), " naming under '",
+              prefix, "'");
+  auto selected = [&](const std::string& prefix) {
+    return o.prefixes.empty() || std::find(o.prefixes.begin(), o.prefixes.end(), prefix) != o.prefixes.end();
+  };
+  std::map<std::string, std::string> layer_of_key;
+  std::map<size_t, std::vector<std::string>> layers_of_shard;
+  for (const auto& [prefix, keys] : layers) {
+    for (const std::string& k : keys) layer_of_key[k] = prefix;
+    const std::string first = *std::min_element(keys.begin(), keys.end());
+    layers_of_shard[shard_of_file.at(index.weight_map.at(first))].push_back(prefix);
+  }
+
+  safetensors::ShardIndex written;
+  written.other_json = index.other_json;
+  uint64_t done = 0;
+  int64_t size = 0;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    Shard& s = shards[i];
+    StateDict sd;
+    for (const auto& [key, t] : s.tensors)
+      if (!layer_of_key.count(key)) sd.emplace(key, t);
+    ConvertOptions shard_options = o;
+    shard_options.prefixes.clear();
+    for (const std::string& prefix : layers_of_shard[i]) {
+      for (const std::string& k : layers.at(prefix)) sd.emplace(k, all.at(k));
+      if (selected(prefix)) shard_options.prefixes.push_back(prefix);
+    }
+    if (!shard_options.prefixes.empty()) convert_state_dict(sd, shard_options, metadata);
+    s.tensors.clear();  // the input's views of this shard are no longer needed
+    if (sd.empty()) continue;
+    uint64_t shard_bytes = 0;
+    for (const auto& [key, t] : sd) {
+      written.weight_map[key] = s.file;
+      shard_bytes += static_cast<uint64_t>(t.nbytes());
+    }
+    size += static_cast<int64_t>(shard_bytes);
+    const uint64_t before = done;
+    save_safetensors((fs::path(out) / s.file).string(), sd, s.metadata, [&](uint64_t d, uint64_t) {
+      if (progress) progress(before + d, total_bytes);
+    });
+    done += shard_bytes;
+  }
+  safetensors::write_index((fs::path(out) / fs::path(index_path).filename()).string(), written, size);
+  std::vector<std::string> converted;
+  for (const auto& kv : layers)
+    if (selected(kv.first)) converted.push_back(kv.first);
+  return converted;
+}
+
+}  // namespace moe

@@ -1,0 +1,280 @@
+// Sharded checkpoints (a Hugging Face index and its shards): the index read, validated and written
+// in save_pretrained's form, and convert_sharded_checkpoint against converting the same tensors as one
+// file -- on the fixture transformers wrote (two Qwen3-MoE layers whose experts spread over four of
+// its five shards), to our layouts and back, one layer at a time, with bad indexes and shards refused.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+
+#include "moe/checkpoint_convert.h"
+#include "moe/safetensors_index.h"
+#include "moe/state_dict.h"
+#include "support/expect_error.h"
+
+namespace moe {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::expect_error_naming;
+
+const std::string kFixture = std::string(MOE_TESTS_DIR) + "/fixtures/hf_sharded/qwen3_moe";
+const std::string kIndexName = "model.safetensors.index.json";
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+}
+
+// Every tensor of a sharded checkpoint as one dict, and which shard holds each.
+struct Loaded {
+  StateDict tensors;
+  std::map<std::string, std::string> shard_of;
+};
+
+Loaded load_sharded(const std::string& dir) {
+  Loaded l;
+  const safetensors::ShardIndex index = safetensors::read_index(dir + "/" + kIndexName);
+  for (const std::string& file : index.shard_files())
+    for (auto& [k, t] : load_safetensors(dir + "/" + file)) {
+      EXPECT_EQ(index.weight_map.at(k), file) << k;
+      l.tensors.emplace(k, t);
+      l.shard_of[k] = file;
+    }
+  EXPECT_EQ(l.tensors.size(), index.weight_map.size());
+  return l;
+}
+
+void expect_same_tensors(const StateDict& a, const StateDict& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [k, t] : a) {
+    ASSERT_TRUE(b.count(k)) << k;
+    EXPECT_TRUE(t.equals(b.at(k))) << k;
+  }
+}
+
+class ShardedCheckpoint : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (fs::temp_directory_path() / ("moe_sharded_" + std::to_string(getpid()))).string();
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string tmp(const std::string& name) const { return dir_ + "/" + name; }
+  // A copy of the fixture that a test may spoil.
+  std::string fixture_copy(const std::string& name) const {
+    const std::string d = tmp(name);
+    fs::copy(kFixture, d);
+    return d;
+  }
+  std::string dir_;
+};
+
+ConvertOptions options(const std::string& from, const std::string& to) {
+  ConvertOptions o;
+  o.from = CheckpointFormat::parse(from);
+  o.to = CheckpointFormat::parse(to);
+  return o;
+}
+
+TEST_F(ShardedCheckpoint, IndexIsReadAndWrittenInSavePretrainedsForm) {
+  const safetensors::ShardIndex index = safetensors::read_index(kFixture + "/" + kIndexName);
+  EXPECT_EQ(index.shard_files().size(), 5u);
+  EXPECT_EQ(index.weight_map.size(), 45u);
+  EXPECT_EQ(index.weight_map.at("model.layers.0.mlp.experts.0.up_proj.weight"), "model-00002-of-00005.safetensors");
+  EXPECT_TRUE(safetensors::is_index_path(kFixture + "/" + kIndexName));
+  EXPECT_FALSE(safetensors::is_index_path(kFixture + "/model-00001-of-00005.safetensors"));
+  // Written back unchanged, the file is the one transformers wrote, byte for byte.
+  safetensors::write_index(tmp("back.safetensors.index.json"), index);
+  EXPECT_EQ(read_file(tmp("back.safetensors.index.json")), read_file(kFixture + "/" + kIndexName));
+  // total_size is replaced where the metadata has one.
+  safetensors::write_index(tmp("sized.safetensors.index.json"), index, 7);
+  EXPECT_EQ(safetensors::read_index(tmp("sized.safetensors.index.json")).other_json,
+            R"({"metadata":{"total_parameters":76736,"total_size":7}})");
+}
+
+TEST_F(ShardedCheckpoint, BadIndexesAreRefusedByName) {
+  const std::string p = tmp("x.safetensors.index.json");
+  auto refused = [&](const std::string& text, const std::string& message) {
+    write_text(p, text);
+    expect_error_naming([&] { safetensors::read_index(p); }, message);
+  };
+  refused("{\"weight_map\": {\"a\": \"s.safetensors\", \"a\": \"t.safetensors\"}}", "repeats the key 'a'");
+  refused("{\"weight_map\": {\"a\": \"../s.safetensors\"}}", "expected a file name ending in");
+  refused("{\"weight_map\": {\"a\": \"/tmp/s.safetensors\"}}", "expected a file name ending in");
+  refused("{\"weight_map\": {\"a\": \"s.bin\"}}", "expected a file name ending in");
+  refused("{\"weight_map\": {\"a\": 3}}", "expected a shard file name");
+  refused("{\"weight_map\": [\"a\"]}", "\"weight_map\" must be an object");
+  refused("{\"metadata\": {}}", "no \"weight_map\"");
+  refused("{\"metadata\": 1, \"weight_map\": {}}", "\"metadata\" must be an object");
+  refused("[1, 2]", "expected a JSON object");
+  refused("{\"weight_map\": {\"a\": \"s.safetensors\"", "not valid JSON");
+  refused(std::string(20, '[') + std::string(20, ']'), "nested deeper");
+  expect_error_naming([&] { safetensors::read_index(tmp("absent.safetensors.index.json")); }, "cannot read the index");
+}
+
+TEST_F(ShardedCheckpoint, HuggingFaceToOursAndBackMatchesOneFileConversion) {
+  const Loaded input = load_sharded(kFixture);
+  for (const char* ours : {"grouped", "per-expert"}) {
+    SCOPED_TRACE(ours);
+    const std::string mid = tmp(std::string(ours)), back = tmp(std::string(ours) + "_back");
+    // The folder, or the index file itself, names the checkpoint.
+    const auto layers = convert_sharded_checkpoint(kFixture, mid, options("hf:qwen3_moe", ours));
+    EXPECT_EQ(layers, (std::vector<std::string>{"model.layers.0.mlp.experts.", "model.layers.1.mlp.experts."}));
+    const Loaded converted = load_sharded(mid);
+
+    // The same tensors as converting everything as one dict.
+    StateDict expected = input.tensors;
+    convert_state_dict(expected, options("hf:qwen3_moe", ours));
+    expect_same_tensors(converted.tensors, expected);
+    // Tensors that are no expert's stay in their shard; each layer is whole in the shard that held its
+    // first key (experts.0.down_proj: shards 1 and 3); no shard is left empty.
+    for (const auto& [k, shard] : converted.shard_of) {
+      if (k.find(".experts.") == std::string::npos) EXPECT_EQ(shard, input.shard_of.at(k)) << k;
+      else if (k.rfind("model.layers.0.", 0) == 0) EXPECT_EQ(shard, "model-00001-of-00005.safetensors") << k;
+      else EXPECT_EQ(shard, "model-00003-of-00005.safetensors") << k;
+    }
+    std::set<std::string> shards;
+    for (const auto& kv : converted.shard_of) shards.insert(kv.second);
+    EXPECT_EQ(shards.size(), 5u);  // each shard keeps tensors that are no expert's
+    const safetensors::ShardIndex idx = safetensors::read_index(mid + "/" + kIndexName);
+    EXPECT_NE(idx.other_json.find("\"total_size\":153472"), std::string::npos) << idx.other_json;
+
+    // And back: every tensor as transformers wrote it.
+    EXPECT_EQ(convert_sharded_checkpoint(mid + "/" + kIndexName, back, options(ours, "hf:qwen3_moe")), layers);
+    expect_same_tensors(load_sharded(back).tensors, input.tensors);
+  }
+}
+
+TEST_F(ShardedCheckpoint, OneLayerConvertedTheOtherGatheredUnchanged) {
+  ConvertOptions o = options("hf:qwen3_moe", "grouped");
+  o.prefixes = {"model.layers.1.mlp.experts."};
+  EXPECT_EQ(convert_sharded_checkpoint(kFixture, tmp("one"), o), o.prefixes);
+  const Loaded input = load_sharded(kFixture), out = load_sharded(tmp("one"));
+  EXPECT_TRUE(out.tensors.count("model.layers.1.mlp.experts.fc1.weight"));
+  for (const auto& [k, t] : input.tensors) {
+    if (k.rfind("model.layers.1.mlp.experts.", 0) == 0) {
+      EXPECT_FALSE(out.tensors.count(k)) << k;
+    } else {
+      ASSERT_TRUE(out.tensors.count(k)) << k;
+      EXPECT_TRUE(out.tensors.at(k).equals(t)) << k;
+    }
+  }
+  o.prefixes = {"model.layers.7.mlp.experts."};
+  expect_error_naming([&] { convert_sharded_checkpoint(kFixture, tmp("none"), o); },
+                      "argument 'prefixes': no expert layer in hf:qwen3_moe naming under 'model.layers.7.mlp.experts.'");
+  EXPECT_FALSE(fs::exists(tmp("none") + "/" + kIndexName));
+}
+
+TEST_F(ShardedCheckpoint, IndexAndShardsThatDisagreeAreRefused) {
+  const ConvertOptions o = options("hf:qwen3_moe", "grouped");
+  // A tensor the index maps to a shard that does not hold it.
+  {
+    const std::string d = fixture_copy("moved");
+    std::string text = read_file(d + "/" + kIndexName);
+    const std::string from = "\"lm_head.weight\": \"model-00001-of-00005.safetensors\"";
+    ASSERT_NE(text.find(from), std::string::npos);
+    text.replace(text.find(from), from.size(), "\"lm_head.weight\": \"model-00005-of-00005.safetensors\"");
+    write_text(d + "/" + kIndexName, text);
+    expect_error_naming([&] { convert_sharded_checkpoint(d, tmp("out1"), o); },
+                        "tensor 'lm_head.weight' is mapped to model-00005-of-00005.safetensors by the index");
+  }
+  // A tensor of a shard that the index leaves out.
+  {
+    const std::string d = fixture_copy("unlisted");
+    std::string text = read_file(d + "/" + kIndexName);
+    const std::string entry = "    \"lm_head.weight\": \"model-00001-of-00005.safetensors\",\n";
+    ASSERT_NE(text.find(entry), std::string::npos);
+    text.erase(text.find(entry), entry.size());
+    write_text(d + "/" + kIndexName, text);
+    expect_error_naming([&] { convert_sharded_checkpoint(d, tmp("out2"), o); }, "tensor 'lm_head.weight' is not in the index");
+  }
+  // A shard that is missing.
+  {
+    const std::string d = fixture_copy("missing");
+    fs::remove(d + "/model-00004-of-00005.safetensors");
+    expect_error_naming([&] { convert_sharded_checkpoint(d, tmp("out3"), o); }, "model-00004-of-00005.safetensors");
+  }
+  // An incomplete layer (a shard's expert tensors gone from both the shard set and the index).
+  {
+    const std::string d = fixture_copy("incomplete");
+    const safetensors::ShardIndex index = safetensors::read_index(d + "/" + kIndexName);
+    safetensors::ShardIndex fewer = index;
+    for (auto it = fewer.weight_map.begin(); it != fewer.weight_map.end();)
+      it = it->second == "model-00004-of-00005.safetensors" ? fewer.weight_map.erase(it) : std::next(it);
+    fs::remove(d + "/model-00004-of-00005.safetensors");
+    safetensors::write_index(d + "/" + kIndexName, fewer);
+    expect_error_naming([&] { convert_sharded_checkpoint(d, tmp("out4"), o); }, "incomplete");
+    EXPECT_FALSE(fs::exists(tmp("out4") + "/" + kIndexName));
+  }
+  // The output may not be the input's folder; a folder without an index is not a sharded checkpoint.
+  {
+    const std::string d = fixture_copy("same");
+    expect_error_naming([&] { convert_sharded_checkpoint(d, d, o); }, "is the input's folder");
+    fs::create_directories(tmp("empty"));
+    expect_error_naming([&] { convert_sharded_checkpoint(tmp("empty"), tmp("out5"), o); },
+                        "holds no *.safetensors.index.json");
+    write_text(tmp("file.safetensors.index.json.out"), "x");
+    expect_error_naming([&] { convert_sharded_checkpoint(d, tmp("file.safetensors.index.json.out"), o); },
+                        "is written into a folder");
+  }
+}
+
+TEST_F(ShardedCheckpoint, AShardLeftWithoutTensorsIsNotWritten) {
+  // The fixture's tensors resharded: "a" holds every tensor but layer 1's experts 2 and 3, which "b"
+  // holds alone; converted, layer 1 goes whole into "a" (its first key, experts.0.down_proj, is there).
+  const Loaded input = load_sharded(kFixture);
+  StateDict a, b;
+  safetensors::ShardIndex index;
+  index.other_json = R"({"metadata":{"total_size":153472}})";
+  for (const auto& [k, t] : input.tensors) {
+    const bool late = k.rfind("model.layers.1.mlp.experts.2.", 0) == 0 || k.rfind("model.layers.1.mlp.experts.3.", 0) == 0;
+    (late ? b : a).emplace(k, t);
+    index.weight_map[k] = late ? "b.safetensors" : "a.safetensors";
+  }
+  const std::string d = tmp("ab");
+  fs::create_directories(d);
+  save_safetensors(d + "/a.safetensors", a);
+  save_safetensors(d + "/b.safetensors", b);
+  safetensors::write_index(d + "/weights.safetensors.index.json", index);
+  convert_sharded_checkpoint(d, tmp("ab_out"), options("hf:qwen3_moe", "per-expert"));
+  EXPECT_TRUE(fs::exists(tmp("ab_out") + "/a.safetensors"));
+  EXPECT_FALSE(fs::exists(tmp("ab_out") + "/b.safetensors"));
+  // The index keeps its file name and maps nothing to the shard not written.
+  const safetensors::ShardIndex out = safetensors::read_index(tmp("ab_out") + "/weights.safetensors.index.json");
+  EXPECT_EQ(out.shard_files(), std::vector<std::string>{"a.safetensors"});
+  EXPECT_EQ(out.weight_map.at("model.layers.1.mlp.experts.fc1.weight3"), "a.safetensors");
+}
+
+TEST_F(ShardedCheckpoint, ConvertCheckpointTakesAFolderOrAnIndex) {
+  EXPECT_TRUE(is_sharded_checkpoint(kFixture));
+  EXPECT_TRUE(is_sharded_checkpoint(kFixture + "/" + kIndexName));
+  EXPECT_FALSE(is_sharded_checkpoint(kFixture + "/model-00001-of-00005.safetensors"));
+  uint64_t last = 0, total = 0;
+  const auto layers = convert_checkpoint(kFixture + "/" + kIndexName, tmp("g"), options("hf:qwen3_moe", "grouped"),
+                                         [&](uint64_t done, uint64_t all) {
+                                           EXPECT_GE(done, last);
+                                           last = done;
+                                           total = all;
+                                         });
+  EXPECT_EQ(layers.size(), 2u);
+  EXPECT_EQ(last, 153472u);  // every tensor byte of every shard
+  EXPECT_EQ(total, 153472u);
+}
+
+}  // namespace
+}  // namespace moe
