@@ -32,8 +32,13 @@ struct ShardIndex {
 // Whether `path` names an index ("*.safetensors.index.json").
 bool is_index_path(const std::string& path);
 
+// Validates and reads an index held in `text`; `source` names it in errors.
+ShardIndex parse_index(const std::string& text, const std::string& source = "index");
 // Reads and validates the index at `path`.
 ShardIndex read_index(const std::string& path);
+
+// The text write_index writes.
+std::string format_index(const ShardIndex& index, int64_t total_size = -1);
 
 // Writes `index` to `path` (atomically, as safetensors files are written), in the form
 // save_pretrained writes: members and weight_map keys sorted, two-space indent, a final newline.

@@ -97,6 +97,12 @@ ShardIndex read_index(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   MOE_CHECK(in.good(), path, ": cannot open the index");
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return parse_index(text, path);
+}
+
+ShardIndex parse_index(const std::string& text, const std::string& path) {
+  MOE_CHECK(text.size() <= kMaxIndexBytes, path, ": the index holds ", text.size(), " bytes, more than an index can (",
+            kMaxIndexBytes, ")");
   MOE_CHECK(text.find('\0') == std::string::npos, path, ": the index holds a NUL byte");
   IndexTokens tokens(path);
   Json::sax_parse(text, &tokens);
@@ -123,13 +129,13 @@ ShardIndex read_index(const std::string& path) {
   return index;
 }
 
-void write_index(const std::string& path, const ShardIndex& index, int64_t total_size) {
-  Json root = Json::parse(index.other_json);
-  MOE_CHECK(root.is_object(), "index for ", path, ": other_json must be a JSON object");
-  MOE_CHECK(!root.contains("weight_map"), "index for ", path, ": other_json must not hold the weight_map");
+std::string format_index(const ShardIndex& index, int64_t total_size) {
+  Json root = Json::parse(index.other_json, nullptr, /*allow_exceptions=*/false);
+  MOE_CHECK(root.is_object() && !root.contains("weight_map"), "index: other_json must be a JSON object without ",
+            "a weight_map, got ", index.other_json);
   Json map = Json::object();
   for (const auto& [tensor, shard] : index.weight_map) {
-    check_shard_name(shard, tensor, "index for " + path);
+    check_shard_name(shard, tensor, "index");
     map[tensor] = shard;
   }
   root["weight_map"] = std::move(map);
@@ -137,7 +143,11 @@ void write_index(const std::string& path, const ShardIndex& index, int64_t total
       root["metadata"].contains("total_size"))
     root["metadata"]["total_size"] = total_size;
   // json.dumps(index, indent=2, sort_keys=True) + "\n", as save_pretrained writes it (ASCII, \u escapes).
-  const std::string text = root.dump(2, ' ', /*ensure_ascii=*/true) + "\n";
+  return root.dump(2, ' ', /*ensure_ascii=*/true) + "\n";
+}
+
+void write_index(const std::string& path, const ShardIndex& index, int64_t total_size) {
+  const std::string text = format_index(index, total_size);
   detail::write_atomically(path, [&](std::FILE* f) { return std::fwrite(text.data(), 1, text.size(), f) == text.size(); });
 }
 

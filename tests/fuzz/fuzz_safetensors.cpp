@@ -1,5 +1,5 @@
-// libFuzzer target: arbitrary bytes as a safetensors file (run by tests/fuzz/run_fuzz.sh under
-// AddressSanitizer + UBSan).
+// libFuzzer target: arbitrary bytes as a safetensors file, and as a sharded checkpoint's index (run by
+// tests/fuzz/run_fuzz.sh under AddressSanitizer + UBSan).
 //
 // The only acceptable outcomes are a parsed header or a moe::Error. For a parsed header the target
 // also checks what parsing promises: every tensor's bytes lie inside the buffer (each byte is read,
@@ -17,6 +17,7 @@
 #include "moe/checkpoint_convert.h"
 #include "moe/error.h"
 #include "moe/safetensors.h"
+#include "moe/safetensors_index.h"
 
 namespace {
 
@@ -47,10 +48,25 @@ void convert_all_ways(const moe::safetensors::Header& h, const uint8_t* data) {
   }
 }
 
+// The same bytes as a sharded checkpoint's index: a parsed index is written back and read again
+// to the same weight_map and other members.
+void parse_as_index(const uint8_t* data, size_t size) {
+  namespace st = moe::safetensors;
+  st::ShardIndex index;
+  try {
+    index = st::parse_index(std::string(reinterpret_cast<const char*>(data), size), "fuzz input");
+  } catch (const moe::Error&) {
+    return;
+  }
+  const st::ShardIndex again = st::parse_index(st::format_index(index), "rewritten index");
+  check(again.weight_map == index.weight_map && again.other_json == index.other_json, "index rewrite keeps it");
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   namespace st = moe::safetensors;
+  parse_as_index(data, size);
   st::Header h;
   try {
     h = st::parse_header(data, size, "fuzz input");

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the seed corpus of the safetensors fuzz target (tests/fuzz/corpus/): small valid files
 (every dtype, metadata, scalars, empty tensors, and expert layers in each naming the converter
-reads) and one file for each way a header can be wrong. Standard library only; deterministic."""
+reads), one file for each way a header can be wrong, and sharded checkpoints' index files. Standard library only; deterministic."""
 
 import json
 import os
@@ -98,6 +98,13 @@ def seeds():
     yield "bad_hole", raw('{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},'
                           '"b":{"dtype":"U8","shape":[2],"data_offsets":[4,6]}}', b"abcdef")
     yield "bad_trailing", raw('{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}', b"abcdef")
+    # Sharded checkpoints' indexes (the same target parses every input as one too).
+    yield "index_valid", json.dumps({"metadata": {"total_parameters": 10, "total_size": 40},
+                                     "weight_map": {"a.weight": "model-00001-of-00002.safetensors",
+                                                    "b.weight": "model-00002-of-00002.safetensors"}},
+                                    indent=2, sort_keys=True).encode() + b"\n"
+    yield "index_bad_shard_path", b'{"weight_map": {"a": "../model.safetensors"}}'
+    yield "index_bad_duplicate", b'{"weight_map": {"a": "s.safetensors", "a": "t.safetensors"}}'
     # Valid file, invalid expert layer: a missing expert.
     yield "layer_incomplete_mixtral", st([(f"experts.{e}.{w}.weight", "F32", [H, F] if w == "w2" else [F, H])
                                           for e in (0, 2) for w in ("w1", "w2", "w3")])
