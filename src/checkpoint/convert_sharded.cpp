@@ -96,6 +96,8 @@ std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const
 
   // The output folder: created if absent, never the input's (its shards are read while the new ones are written).
   std::error_code ec;
+  MOE_CHECK(fs::path(out).extension() != ".safetensors" || is_folder(out), out, ": a sharded checkpoint is ",
+            "written into a folder of shards, and this names a .safetensors file; give a folder");
   if (!fs::exists(out, ec)) {
     MOE_CHECK(fs::create_directory(out, ec), out, ": cannot create the output folder (", ec.message(), ")");
   }

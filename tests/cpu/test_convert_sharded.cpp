@@ -228,6 +228,8 @@ TEST_F(ShardedCheckpoint, IndexAndShardsThatDisagreeAreRefused) {
     fs::create_directories(tmp("empty"));
     expect_error_naming([&] { convert_sharded_checkpoint(tmp("empty"), tmp("out5"), o); },
                         "holds no *.safetensors.index.json");
+    expect_error_naming([&] { convert_sharded_checkpoint(d, tmp("merged.safetensors"), o); }, "give a folder");
+    EXPECT_FALSE(fs::exists(tmp("merged.safetensors")));
     write_text(tmp("file.safetensors.index.json.out"), "x");
     expect_error_naming([&] { convert_sharded_checkpoint(d, tmp("file.safetensors.index.json.out"), o); },
                         "is written into a folder");
