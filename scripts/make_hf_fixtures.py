@@ -25,6 +25,9 @@ not zero and GPT-OSS's clamps are actually reached. Everything runs on the CPU i
 One family (qwen3_moe) is saved in bf16 to exercise bf16 loading; its outputs are computed by the
 same model in fp32 with those bf16 values, so the comparison stays tight.
 
+An FP8 checkpoint in DeepSeek-V3's released form (F8_E4M3 weights with 128x128 `weight_scale_inv`)
+goes to tests/fixtures/hf/deepseek_v3_fp8/ (tests/cpu/test_hf_fp8.cpp).
+
 A sharded checkpoint (two Qwen3-MoE layers whose experts spread over several shards, with the index
 save_pretrained writes) goes to tests/fixtures/hf_sharded/qwen3_moe/ (tests/cpu/test_convert_sharded.cpp).
 
@@ -183,6 +186,95 @@ def make_family(name, spec, out_dir, seed):
     print(f"{name}: block {block_name}, E={experts.num_experts} k={k}, {info}")
 
 
+def make_fp8(out_dir, seed):
+    """DeepSeek-V3 as its FP8 checkpoints are released: every expert projection (routed and shared)
+    stored as F8_E4M3 with fp32 `weight_scale_inv` per 128x128 block, quantized by transformers' own
+    FP8 quantizer (`Fp8Quantize`, what saving a FineGrainedFP8 model runs; the FP8 load path itself
+    needs a GPU), and `config.json` carrying the `quantization_config` such checkpoints carry. The
+    experts' output `y` is the block's, run with the weights transformers' `Fp8Dequantize` gives back.
+    H = 128 and F = 256 (two 128-row blocks per projection, so a GLU interleave of 128 moves blocks)."""
+    from types import SimpleNamespace
+
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize, Fp8Quantize
+
+    h, f = 128, 256
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(vocab_size=16, hidden_size=h, num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=1, intermediate_size=f, moe_intermediate_size=f,
+                              n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=2,
+                              first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                              qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.5, norm_topk_prob=True,
+                              pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = DeepseekV3ForCausalLM(config).eval()
+    model.set_experts_implementation("eager")
+    block_name, block = find_moe_block(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.15)
+    quantizer = SimpleNamespace(quantization_config=SimpleNamespace(weight_block_size=[128, 128], scale_fmt=None))
+    quantize, dequantize = Fp8Quantize(quantizer), Fp8Dequantize(quantizer)
+
+    tmp = tempfile.mkdtemp()
+    try:
+        model.save_pretrained(tmp)
+        state = load_file(os.path.join(tmp, "model.safetensors"))
+        with open(os.path.join(tmp, "config.json")) as fh:
+            cfg = json.load(fh)
+    finally:
+        shutil.rmtree(tmp)
+    fp8 = {}
+    for key, value in state.items():
+        if ".experts." in key or ".shared_experts." in key:
+            fp8.update(quantize._quantize_one(key, value))
+        else:
+            fp8[key] = value
+    # The block runs with what the FP8 weights decode to: every (weight, weight_scale_inv) pair dequantized.
+    decoded = {k: dequantize._dequantize_one(v, fp8[k + "_scale_inv"], output_dtype=torch.float32)
+               for k, v in fp8.items() if k + "_scale_inv" in fp8}
+    with torch.no_grad():
+        experts = block.experts
+        E = experts.num_experts
+        pre = block_name + ".experts."
+        experts.gate_up_proj.copy_(torch.stack([torch.cat([decoded[f"{pre}{e}.gate_proj.weight"],
+                                                           decoded[f"{pre}{e}.up_proj.weight"]]) for e in range(E)]))
+        experts.down_proj.copy_(torch.stack([decoded[f"{pre}{e}.down_proj.weight"] for e in range(E)]))
+        for name, p in block.shared_experts.named_parameters():
+            p.copy_(decoded[f"{block_name}.shared_experts.{name}"])
+
+    captured = {}
+
+    def hook(module, args, kwargs_, output):
+        a = list(args) + [kwargs_[k] for k in ("top_k_index", "top_k_weights") if k in kwargs_]
+        captured["x"], captured["indices"], captured["probs"] = a[0], a[1], a[2]
+        captured["y"] = output
+
+    handle = block.experts.register_forward_hook(hook, with_kwargs=True)
+    with torch.no_grad():
+        block(torch.randn(1, T, h))
+    handle.remove()
+
+    target = os.path.join(out_dir, "deepseek_v3_fp8")
+    os.makedirs(target, exist_ok=True)
+    save_file(fp8, os.path.join(target, "model.safetensors"), metadata={"format": "pt"})
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": [128, 128]}
+    with open(os.path.join(target, "config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+    k = captured["indices"].shape[1]
+    meta = {"family": "deepseek_v3", "activation": "swiglu", "hidden": str(h), "ffn": str(f),
+            "experts": str(block.experts.num_experts), "topk": str(k), "tokens": str(T), "weights_dtype": "float8_e4m3",
+            "moe_block": block_name, "torch": torch.__version__, "transformers": transformers.__version__,
+            "seed": str(seed)}
+    save_file({"x": captured["x"].contiguous().float(), "indices": captured["indices"].to(torch.int32).contiguous(),
+               "probs": captured["probs"].contiguous().float(), "y": captured["y"].contiguous().float()},
+              os.path.join(target, "io.safetensors"), metadata=meta)
+    n_fp8 = sum(1 for v in fp8.values() if v.dtype == torch.float8_e4m3fn)
+    print(f"deepseek_v3_fp8: {n_fp8} FP8 weights with block scales, E={E} k={k}, max |y| "
+          f"{captured['y'].abs().max().item():.3g}")
+
+
 def make_sharded(out_dir, seed):
     """A two-layer Qwen3-MoE model (E = 4, bf16) saved by save_pretrained in shards of at most 40 KB, so
     that each layer's experts spread over several shards: model-0000i-of-0000N.safetensors and
@@ -222,6 +314,8 @@ def main():
     ap.add_argument("--sharded-out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures",
                                                           "hf_sharded"),
                     help="where the sharded checkpoint fixture goes ('' to skip it)")
+    ap.add_argument("--fp8", default=True, action=argparse.BooleanOptionalAction,
+                    help="also make deepseek_v3_fp8 (the experts in FP8 with 128x128 block scales)")
     args = ap.parse_args()
     specs = family_specs()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
@@ -229,6 +323,8 @@ def main():
     for name in args.families.split(","):
         # A seed per family, independent of which families are made in this run.
         make_family(name, specs[name], args.out, args.seed + list(specs).index(name))
+    if args.fp8:
+        make_fp8(args.out, args.seed + 200)
     if args.sharded_out:
         make_sharded(args.sharded_out, args.seed + 100)
     return 0

@@ -43,10 +43,17 @@ struct ConvertOptions {
 // entries, the file's __metadata__): between per-expert and grouped, their data and companion
 // tensors move bit for bit (checked against the declared format before and after) and the
 // metadata stays valid as it is (it names the grouped key in both layouts). Re-interleaving fc1's
-// rows or Hugging Face naming would need requantization: an error for a quantized layer, as is a
-// weight with companion tensors that the metadata does not declare.
-std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions& options,
-                                            const Metadata& metadata = {});
+// rows would need requantization: an error for a quantized layer, as is a weight with companion
+// tensors that the metadata does not declare.
+//
+// FP8 with 128x128 block scales also goes to and from Hugging Face naming (moe/checkpoint_hf_fp8.h):
+// a Hugging Face layer of FP8 weights with "weight_scale_inv" becomes our quantized layer, its two
+// "moe.quant." entries added to `metadata`; ours in that format becomes the family's FP8 tensors, its
+// entries removed. Other quantized formats are refused for Hugging Face naming. `metadata` changes
+// only when the conversion succeeds.
+std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions& options, Metadata& metadata);
+// The same for a dict without __metadata__ (no quantized layer of ours).
+std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions& options);
 
 // The expert layers convert_state_dict would convert (those `options.prefixes` selects), each with
 // the input keys it reads and replaces, by prefix. Finds them from the keys and shapes alone (no

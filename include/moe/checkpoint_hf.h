@@ -54,14 +54,21 @@ struct HfExpertLayer {
   int64_t ffn = 0;
   DType dtype = DType::kBF16;
   bool fused = false;  // mixtral/qwen/olmoe/deepseek: the fused in-memory form rather than per-expert keys
+  // Per-expert FP8 E4M3 weights, each with its 128x128 block scales "<proj>.weight_scale_inv" (the form
+  // DeepSeek-V3, Kimi-K2 and the Qwen3 / MiniMax FP8 checkpoints are released in).
+  bool fp8 = false;
 };
+
+// The suffix of an FP8 weight's block scales in Hugging Face checkpoints: "<proj>.weight_scale_inv".
+inline constexpr const char kFp8ScaleSuffix[] = "_scale_inv";
 
 // Every expert layer of `sd` in the family's naming, sorted by prefix. Incomplete or
 // inconsistent layers (a missing expert or projection, shapes that disagree) are moe::Errors
 // naming the keys.
 std::vector<HfExpertLayer> find_hf_expert_layers(const StateDict& sd, HfFamily f);
 
-// One layer's experts in our layout, with GLU interleave `glu_interleave`.
+// One layer's experts in our layout, with GLU interleave `glu_interleave` (not for FP8 layers: see
+// load_hf_fp8_experts in moe/checkpoint_hf_fp8.h).
 ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLayer& layer, WeightLayout layout,
                               int glu_interleave = 0);
 // The tensors the family's save_pretrained writes for these experts, keyed under `prefix` (which

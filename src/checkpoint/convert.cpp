@@ -5,6 +5,7 @@
 #include <set>
 
 #include "moe/checkpoint_convert.h"
+#include "moe/checkpoint_hf_fp8.h"
 #include "moe/checkpoint_quant.h"
 #include "moe/error.h"
 
@@ -128,11 +129,6 @@ StateDict move_quantized_layer(const StateDict& sd, const std::string& prefix,
   std::string formats;
   for (const QuantizedParamDecl& d : params)
     formats += (formats.empty() ? "" : ", ") + d.key.substr(prefix.size()) + " " + quant_format_name(d.config.format);
-  MOE_CHECK(o.to.ours(), "convert: the experts under '", prefix, "' are quantized (", formats,
-            "); Hugging Face naming is written for unquantized weights only");
-  MOE_CHECK(o.from_glu_interleave == o.to_glu_interleave, "argument 'to_glu_interleave': the experts under '",
-            prefix, "' are quantized (", formats, "): moving fc1's rows would cut its quantization blocks (",
-            o.from_glu_interleave, " -> ", o.to_glu_interleave, "); requantize from the unquantized weights instead");
   int E = o.experts;
   std::optional<WeightLayout> stored;
   std::map<std::string, std::pair<int64_t, int64_t>> dims;  // rows and cols of each weight, by key
@@ -146,6 +142,26 @@ StateDict move_quantized_layer(const StateDict& sd, const std::string& prefix,
   }
   MOE_CHECK(*stored == layout_of(o.from), "input declared ", o.from.name(), ", but the experts under '", prefix,
             "' are stored ", *stored == WeightLayout::kPerExpert ? "per expert" : "single grouped");
+  if (!o.to.ours()) {
+    // Hugging Face naming holds FP8 block 128x128 weights (DeepSeek-V3's form), both weights quantized.
+    const QuantizedParamDecl* fc1 = nullptr;
+    const QuantizedParamDecl* fc2 = nullptr;
+    for (const QuantizedParamDecl& d : params)
+      (d.key == expert_param_key(prefix, Param::kFc1Weight) ? fc1 : fc2) = &d;
+    for (const QuantizedParamDecl& d : params)
+      MOE_CHECK(hf_fp8_storable(d.config), "convert: the experts under '", prefix, "' are quantized (", formats,
+                "); Hugging Face naming holds FP8 block 128x128 weights with row-major scales only (",
+                d.key.substr(prefix.size()), " is ", format_quant_metadata(d.config), ")");
+    MOE_CHECK(fc1 && fc2, "convert: the experts under '", prefix, "' have one weight quantized (", formats,
+              "); Hugging Face naming stores both FP8 or neither");
+    *old_keys = our_keys(sd, prefix, /*companions=*/true);
+    StateDict mine;
+    for (const std::string& k : *old_keys) mine.emplace(k, sd.at(k));
+    return hf_fp8_expert_tensors(mine, prefix, fc1->config, fc2->config, o.to.family, o.from_glu_interleave);
+  }
+  MOE_CHECK(o.from_glu_interleave == o.to_glu_interleave, "argument 'to_glu_interleave': the experts under '",
+            prefix, "' are quantized (", formats, "): moving fc1's rows would cut its quantization blocks (",
+            o.from_glu_interleave, " -> ", o.to_glu_interleave, "); requantize from the unquantized weights instead");
   // The layer's other parameters move with it: a weight the metadata does not declare is checked as an
   // unquantized one, and both weights and the biases must make one expert MLP (fc1 [F or 2F, H],
   // fc2 [H, F], fc1.bias [fc1 rows], fc2.bias [H]).
@@ -237,8 +253,15 @@ std::string CheckpointFormat::name() const {
   return "?";
 }
 
-std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions& o, const Metadata& metadata) {
+std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions& o) {
+  Metadata none;
+  return convert_state_dict(sd, o, none);
+}
+
+std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions& o, Metadata& metadata_io) {
   MOE_CHECK(o.experts >= 0, "argument 'experts': expected >= 0, got ", o.experts);
+  const Metadata& metadata = metadata_io;
+  Metadata metadata_out = metadata_io;  // assigned back once every output is made
   std::vector<Layer> layers;
   if (o.from.ours()) {
     const auto quantized = quantized_expert_layers(sd, metadata);
@@ -266,6 +289,11 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
       if (!selected(o, prefix)) continue;
       Layer l{prefix, std::nullopt, {}, {}};
       l.moved = move_quantized_layer(sd, prefix, params, o, &l.old_keys);
+      if (!o.to.ours())  // Hugging Face naming declares its FP8 weights by their dtype and companions
+        for (const QuantizedParamDecl& d : params)
+          metadata_out.erase(std::remove_if(metadata_out.begin(), metadata_out.end(),
+                                            [&](const auto& kv) { return kv.first == quant_metadata_key(d.key); }),
+                             metadata_out.end());
       layers.push_back(std::move(l));
     }
     std::sort(layers.begin(), layers.end(), [](const Layer& a, const Layer& b) { return a.prefix < b.prefix; });
@@ -277,6 +305,21 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
       MOE_CHECK(o.experts == 0 || o.experts == l.experts, "argument 'experts': expected ", o.experts,
                 " experts, but the Hugging Face layer '", l.prefix, "' has ", l.experts);
       const int s = o.to.ours() ? o.to_glu_interleave : 0;
+      if (l.fp8) {
+        // FP8 with 128x128 block scales: into our quantized layout (or another family's naming through it).
+        Layer q{l.prefix, std::nullopt, {}, hf_expert_keys(l, o.from.family)};
+        MOE_CHECK(s % 128 == 0, "argument 'to_glu_interleave': the experts under '", l.prefix, "' are FP8 with ",
+                  "128x128 block scales, which an interleave of ", s, " would cut (0 or a multiple of 128 keeps them)");
+        if (o.to.ours()) {
+          q.moved = load_hf_fp8_experts(sd, o.from.family, l, layout_of(o.to), s, metadata_out);
+        } else {
+          Metadata scratch;
+          const StateDict ours = load_hf_fp8_experts(sd, o.from.family, l, WeightLayout::kSingleGrouped, 0, scratch);
+          q.moved = hf_fp8_expert_tensors(ours, l.prefix, hf_fp8_format(), hf_fp8_format(), o.to.family, 0);
+        }
+        layers.push_back(std::move(q));
+        continue;
+      }
       layers.push_back({l.prefix, load_hf_experts(sd, o.from.family, l, layout_of(o.to), s), {},
                         hf_expert_keys(l, o.from.family)});
     }
@@ -318,6 +361,7 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
     for (auto& kv : outputs[i]) sd[kv.first] = std::move(kv.second);
     prefixes.push_back(layers[i].prefix);
   }
+  metadata_io = std::move(metadata_out);
   return prefixes;
 }
 

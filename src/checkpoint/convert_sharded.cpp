@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 
 #include "moe/checkpoint_convert.h"
+#include "moe/checkpoint_quant.h"
 #include "moe/error.h"
 #include "moe/safetensors_index.h"
 
@@ -58,6 +59,38 @@ Metadata merged_metadata(const std::vector<Shard>& shards) {
       }
     }
   return all;
+}
+
+// Whether the data of parameter `key` (grouped "<key>", or per expert "<key>0") is among `tensors`.
+bool holds_param(const StateDict& tensors, const std::string& key) {
+  return tensors.count(key) || tensors.count(key + "0");
+}
+
+// An output shard's __metadata__: the input shard's entries in their order, except that the quantized
+// parameters' entries ("moe.quant.<key>", after the conversion) go with their parameter's data --
+// kept or added where the shard holds it, dropped where it does not (a layer converted into another
+// shard, or into Hugging Face naming).
+Metadata metadata_for(const Metadata& own, const Metadata& declared, const StateDict& tensors) {
+  const std::string quant = kQuantMetadataPrefix;
+  auto is_quant = [&](const std::string& k) { return k.compare(0, quant.size(), quant) == 0; };
+  auto find = [&](const std::string& k) -> const std::string* {
+    for (const auto& kv : declared)
+      if (kv.first == k) return &kv.second;
+    return nullptr;
+  };
+  Metadata out;
+  std::set<std::string> placed;
+  for (const auto& [k, v] : own) {
+    if (!is_quant(k)) {
+      out.emplace_back(k, v);
+    } else if (const std::string* now = find(k); now && holds_param(tensors, k.substr(quant.size()))) {
+      out.emplace_back(k, *now);
+      placed.insert(k);
+    }
+  }
+  for (const auto& [k, v] : declared)
+    if (is_quant(k) && !placed.count(k) && holds_param(tensors, k.substr(quant.size()))) out.emplace_back(k, v);
+  return out;
 }
 
 }  // namespace
@@ -139,9 +172,11 @@ std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const
       for (const std::string& k : layers.at(prefix)) sd.emplace(k, all.at(k));
       if (selected(prefix)) shard_options.prefixes.push_back(prefix);
     }
-    if (!shard_options.prefixes.empty()) convert_state_dict(sd, shard_options, metadata);
+    Metadata converted = metadata;
+    if (!shard_options.prefixes.empty()) convert_state_dict(sd, shard_options, converted);
     s.tensors.clear();  // the input's views of this shard are no longer needed
     if (sd.empty()) continue;
+    const Metadata shard_metadata = metadata_for(s.metadata, converted, sd);
     uint64_t shard_bytes = 0;
     for (const auto& [key, t] : sd) {
       written.weight_map[key] = s.file;
@@ -149,7 +184,7 @@ std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const
     }
     size += static_cast<int64_t>(shard_bytes);
     const uint64_t before = done;
-    save_safetensors((fs::path(out) / s.file).string(), sd, s.metadata, [&](uint64_t d, uint64_t) {
+    save_safetensors((fs::path(out) / s.file).string(), sd, shard_metadata, [&](uint64_t d, uint64_t) {
       if (progress) progress(before + d, total_bytes);
     });
     done += shard_bytes;

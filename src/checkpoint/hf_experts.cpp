@@ -6,6 +6,7 @@
 #include <map>
 #include <set>
 
+#include "checkpoint/hf_names.h"
 #include "checkpoint/key_list.h"
 #include "moe/checkpoint_hf.h"
 #include "moe/error.h"
@@ -13,21 +14,6 @@
 namespace moe {
 
 namespace {
-
-// Projection names of the per-expert families: gate, up (our linear half), down.
-struct ProjNames {
-  const char* gate;
-  const char* up;
-  const char* down;
-};
-ProjNames proj_names(HfFamily f) {
-  if (f == HfFamily::kMixtral) return {"w1", "w3", "w2"};
-  return {"gate_proj", "up_proj", "down_proj"};
-}
-
-std::string per_expert_key(const std::string& prefix, int e, const char* proj) {
-  return prefix + std::to_string(e) + "." + proj + ".weight";
-}
 
 // "<prefix>experts.<rest>" with "experts." at the start of the key or after a '.': the prefix
 // (ending in "experts.") and the rest. The last such "experts." wins.
@@ -55,6 +41,21 @@ const HostTensor& need(const StateDict& sd, const std::string& key, const std::v
             shape_string(shape));
   MOE_CHECK(t.dtype() == dtype, "state dict: '", key, "' has dtype ", dtype_name(t.dtype()), ", the layer's other ",
             "expert tensors ", dtype_name(dtype));
+  return t;
+}
+
+// The 128x128 block scales of an FP8 weight [rows, cols]: "<weight key>_scale_inv", fp32 (bf16, which
+// converts to fp32 exactly, is read too) [ceil(rows / 128), ceil(cols / 128)].
+const HostTensor& need_fp8_scale(const StateDict& sd, const std::string& weight_key, int64_t rows, int64_t cols) {
+  const std::string key = weight_key + kFp8ScaleSuffix;
+  auto it = sd.find(key);
+  MOE_CHECK(it != sd.end(), "state dict: missing '", key, "' (the 128x128 block scales of the FP8 '", weight_key, "')");
+  const HostTensor& t = it->second;
+  const std::vector<int64_t> shape{(rows + 127) / 128, (cols + 127) / 128};
+  MOE_CHECK(t.shape() == shape, "state dict: '", key, "' has shape ", t.shape_string(), ", expected ",
+            shape_string(shape), " (one scale per 128x128 block of ", shape_string({rows, cols}), ")");
+  MOE_CHECK(t.dtype() == DType::kFP32 || t.dtype() == DType::kBF16, "state dict: '", key, "' has dtype ",
+            dtype_name(t.dtype()), ", expected fp32 (or bf16)");
   return t;
 }
 
@@ -128,9 +129,12 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
     }
     MOE_CHECK(missing.empty(), "state dict: the experts under '", prefix, "' are incomplete (", E,
               " experts): missing ", missing.str());
+    // FP8 weights (DeepSeek-V3's released form) come with their 128x128 block scales.
+    const bool fp8 = sd.at(per_expert_key(prefix, 0, names.gate)).dtype() == DType::kFP8E4M3;
     // Any other key under the layer that starts with an expert index is none of the experts' tensors
-    // (another projection, a bias, a quantization scale, an index past the layer or written with a
-    // leading zero): refused by name, not left behind under its Hugging Face name.
+    // (another projection, a bias, a quantization scale other than an FP8 layer's, an index past the
+    // layer or written with a leading zero): refused by name, not left behind under its Hugging Face
+    // name.
     for (auto it = sd.lower_bound(prefix); it != sd.end() && it->first.compare(0, prefix.size(), prefix) == 0;
          ++it) {
       const std::string rest = it->first.substr(prefix.size());
@@ -140,10 +144,12 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
       bool expert_tensor = false;
       if (split_expert_rest(rest, &e, &proj) && e < E)
         for (const char* n : {names.gate, names.up, names.down})
-          expert_tensor = expert_tensor || proj == std::string(n) + ".weight";
+          expert_tensor = expert_tensor || proj == std::string(n) + ".weight" ||
+                          (fp8 && proj == std::string(n) + ".weight" + kFp8ScaleSuffix);
       MOE_CHECK(expert_tensor, "state dict: '", it->first, "' lies under the ", hf_family_name(f), " experts '",
                 prefix, "' but is none of their tensors (<e>.", names.gate, ".weight, <e>.", names.up,
-                ".weight, <e>.", names.down, ".weight for e in 0..", E - 1, ")");
+                ".weight, <e>.", names.down, ".weight", fp8 ? " and their weight_scale_inv" : "",
+                " for e in 0..", E - 1, ")");
     }
     const HostTensor& gate0 = sd.at(per_expert_key(prefix, 0, names.gate));
     MOE_CHECK(gate0.ndim() == 2, "state dict: '", per_expert_key(prefix, 0, names.gate), "' has shape ",
@@ -154,10 +160,16 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
     l.ffn = gate0.size(0);
     l.hidden = gate0.size(1);
     l.dtype = gate0.dtype();
+    l.fp8 = fp8;
     for (int e = 0; e < E; ++e) {
       need(sd, per_expert_key(prefix, e, names.gate), {l.ffn, l.hidden}, l.dtype);
       need(sd, per_expert_key(prefix, e, names.up), {l.ffn, l.hidden}, l.dtype);
       need(sd, per_expert_key(prefix, e, names.down), {l.hidden, l.ffn}, l.dtype);
+      if (fp8) {
+        need_fp8_scale(sd, per_expert_key(prefix, e, names.gate), l.ffn, l.hidden);
+        need_fp8_scale(sd, per_expert_key(prefix, e, names.up), l.ffn, l.hidden);
+        need_fp8_scale(sd, per_expert_key(prefix, e, names.down), l.hidden, l.ffn);
+      }
     }
     layers.push_back(l);
   }
@@ -202,7 +214,10 @@ std::vector<std::string> hf_expert_keys(const HfExpertLayer& l, HfFamily f) {
   const ProjNames n = proj_names(f);
   std::vector<std::string> keys;
   for (int e = 0; e < l.experts; ++e)
-    for (const char* proj : {n.gate, n.up, n.down}) keys.push_back(per_expert_key(p, e, proj));
+    for (const char* proj : {n.gate, n.up, n.down}) {
+      keys.push_back(per_expert_key(p, e, proj));
+      if (l.fp8) keys.push_back(per_expert_key(p, e, proj) + kFp8ScaleSuffix);
+    }
   return keys;
 }
 
@@ -211,6 +226,8 @@ std::vector<std::string> hf_expert_keys(const HfExpertLayer& l, HfFamily f) {
 
 ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLayer& l, WeightLayout layout,
                               int glu_interleave) {
+  MOE_CHECK(!l.fp8, "state dict: the experts under '", l.prefix, "' are FP8 with block scales: load_hf_fp8_experts ",
+            "reads them");
   ExpertWeightsSpec spec;
   spec.hidden = l.hidden;
   spec.ffn = l.ffn;

@@ -229,6 +229,33 @@ TEST_F(ConvertCli, QuantizedExpertsRoundTripBitForBit) {
   EXPECT_FALSE(exists(never));
 }
 
+TEST_F(ConvertCli, Fp8CheckpointRoundTripsBitForBit) {
+  // DeepSeek-V3's FP8 form (F8_E4M3 experts with 128x128 weight_scale_inv) to our FP8 layer and back:
+  // the file transformers' quantizer wrote, header and metadata included.
+  const std::string hf = fixtures() + "deepseek_v3_fp8/model.safetensors";
+  for (const char* ours : {"grouped", "per-expert"}) {
+    for (const char* interleave : {"0", "128"}) {
+      SCOPED_TRACE(std::string(ours) + " interleave " + interleave);
+      const std::string mid = tmp(std::string("fp8_") + ours + ".safetensors"), back = tmp("fp8_back.safetensors");
+      Result r = run("convert --from hf:deepseek --to " + std::string(ours) + " --glu-interleave " + interleave +
+                     " '" + hf + "' '" + mid + "'");
+      ASSERT_EQ(r.status, 0) << r.output;
+      Metadata meta;
+      const StateDict out = load_safetensors(mid, &meta);
+      const std::string key = "model.layers.0.mlp.experts.fc1.weight";
+      ASSERT_NE(safetensors::find_metadata(meta, quant_metadata_key(key)), nullptr);
+      EXPECT_EQ(out.count(std::string(ours) == "grouped" ? key + "_columnwise" : key + "3_columnwise"), 1u);
+      r = run("convert -q --from " + std::string(ours) + " --to hf:deepseek --glu-interleave " + interleave + " '" +
+              mid + "' '" + back + "'");
+      ASSERT_EQ(r.status, 0) << r.output;
+      EXPECT_TRUE(read_file(back) == read_file(hf));
+    }
+  }
+  Result r = run("convert --from hf:deepseek --to grouped --glu-interleave 16 '" + hf + "' '" + tmp("x.safetensors") + "'");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("argument 'to-glu-interleave'"), std::string::npos) << r.output;
+}
+
 TEST_F(ConvertCli, ShardedCheckpointsConvertFolderToFolder) {
   // The fixture's folder (two layers spread over five shards) to a folder of grouped shards and back; the
   // tensors are checked one by one in test_convert_sharded.cpp.

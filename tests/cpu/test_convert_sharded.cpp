@@ -14,6 +14,7 @@
 #include <string>
 
 #include "moe/checkpoint_convert.h"
+#include "moe/checkpoint_hf_fp8.h"
 #include "moe/safetensors_index.h"
 #include "moe/state_dict.h"
 #include "support/expect_error.h"
@@ -44,6 +45,14 @@ struct Loaded {
   StateDict tensors;
   std::map<std::string, std::string> shard_of;
 };
+
+// Every tensor of the sharded checkpoint whose index is dir/index_name.
+StateDict load_sharded_as(const std::string& dir, const std::string& index_name) {
+  StateDict all;
+  for (const std::string& file : safetensors::read_index(dir + "/" + index_name).shard_files())
+    for (auto& [k, t] : load_safetensors(dir + "/" + file)) all.emplace(k, t);
+  return all;
+}
 
 Loaded load_sharded(const std::string& dir) {
   Loaded l;
@@ -260,6 +269,45 @@ TEST_F(ShardedCheckpoint, AShardLeftWithoutTensorsIsNotWritten) {
   const safetensors::ShardIndex out = safetensors::read_index(tmp("ab_out") + "/weights.safetensors.index.json");
   EXPECT_EQ(out.shard_files(), std::vector<std::string>{"a.safetensors"});
   EXPECT_EQ(out.weight_map.at("model.layers.1.mlp.experts.fc1.weight3"), "a.safetensors");
+}
+
+TEST_F(ShardedCheckpoint, QuantizedLayersDeclarationsGoWithTheirTensors) {
+  // The FP8 fixture (one DeepSeek-V3 layer, F8_E4M3 experts with 128x128 scales) in two shards, the
+  // layer's experts 0-1 in "a" and 2-3 in "b" (b also holds the norms). Into our FP8 layout: the layer
+  // whole in "a", its two "moe.quant." entries in a's __metadata__ only; back: no entry anywhere.
+  Metadata meta;
+  const StateDict all = load_safetensors(std::string(MOE_TESTS_DIR) + "/fixtures/hf/deepseek_v3_fp8/model.safetensors", &meta);
+  const std::string p = "model.layers.0.mlp.experts.";
+  StateDict a, b;
+  safetensors::ShardIndex index;
+  for (const auto& [k, t] : all) {
+    const bool first = k.rfind(p + "0.", 0) == 0 || k.rfind(p + "1.", 0) == 0 || k.find("attn") != std::string::npos;
+    (first ? a : b).emplace(k, t);
+    index.weight_map[k] = first ? "a.safetensors" : "b.safetensors";
+  }
+  const std::string d = tmp("fp8");
+  fs::create_directories(d);
+  save_safetensors(d + "/a.safetensors", a, meta);
+  save_safetensors(d + "/b.safetensors", b, meta);
+  safetensors::write_index(d + "/model.safetensors.index.json", index);
+  convert_sharded_checkpoint(d, tmp("fp8_ours"), options("hf:deepseek", "grouped"));
+  Metadata ma, mb;
+  const StateDict oa = load_safetensors(tmp("fp8_ours") + "/a.safetensors", &ma);
+  load_safetensors(tmp("fp8_ours") + "/b.safetensors", &mb);
+  EXPECT_TRUE(oa.count(p + "fc2.weight_columnwise_scale_inv"));
+  EXPECT_EQ(*safetensors::find_metadata(ma, "moe.quant." + p + "fc1.weight"), format_quant_metadata(hf_fp8_format()));
+  EXPECT_NE(safetensors::find_metadata(ma, "moe.quant." + p + "fc2.weight"), nullptr);
+  EXPECT_EQ(mb, meta);  // b keeps its own entries ({"format": "pt"}) and gets none of the layer's
+  // Back, in per-expert layout on the way: the tensors of the input, and the metadata of the input.
+  convert_sharded_checkpoint(tmp("fp8_ours"), tmp("fp8_pe"), options("grouped", "per-expert"));
+  Metadata mpe;
+  load_safetensors(tmp("fp8_pe") + "/a.safetensors", &mpe);
+  EXPECT_NE(safetensors::find_metadata(mpe, "moe.quant." + p + "fc1.weight"), nullptr);
+  convert_sharded_checkpoint(tmp("fp8_pe"), tmp("fp8_back"), options("per-expert", "hf:deepseek"));
+  Metadata back_a;
+  load_safetensors(tmp("fp8_back") + "/a.safetensors", &back_a);
+  EXPECT_EQ(back_a, meta);
+  expect_same_tensors(load_sharded_as(tmp("fp8_back"), "model.safetensors.index.json"), all);
 }
 
 TEST_F(ShardedCheckpoint, ConvertCheckpointTakesAFolderOrAnIndex) {

@@ -1,6 +1,7 @@
 // Checkpoints made by the real Hugging Face transformers (scripts/make_hf_fixtures.py, committed in
 // tests/fixtures/hf/) load through our mapping, and the CPU reference of the expert layer
-// reproduces the experts' output that transformers computed for the saved tokens and routing.
+// reproduces the experts' output that transformers computed for the saved tokens and routing --
+// DeepSeek-V3's FP8 form too, as our FP8 layer.
 //
 // Each fixture: model.safetensors as the family's save_pretrained wrote it (one MoE layer), and
 // io.safetensors with x [T, H], the top-k indices [T, k], the probs [T, k] exactly as the HF block
@@ -16,9 +17,12 @@
 #include <vector>
 
 #include "checkpoint/reference_weights.h"
+#include "moe/checkpoint_convert.h"
 #include "moe/checkpoint_hf.h"
+#include "moe/checkpoint_hf_fp8.h"
 #include "moe/error.h"
 #include "reference/grouped_mlp_ref.h"
+#include "reference/quantize_ref.h"
 
 namespace moe {
 namespace {
@@ -80,16 +84,9 @@ Io load_io(const std::string& dir) {
   return r;
 }
 
-// y of the reference for weights in `layout` with GLU interleave s.
-std::vector<double> reference_output(const Io& io, const StateDict& model, HfFamily family, WeightLayout layout,
-                                     int s) {
-  const auto layers = find_hf_expert_layers(model, family);
-  EXPECT_EQ(layers.size(), 1u);
-  const HfExpertLayer& l = layers.at(0);
-  EXPECT_EQ(l.experts, io.E);
-  EXPECT_EQ(l.hidden, io.H);
-  EXPECT_EQ(l.ffn, io.F);
-  const ExpertWeights w = load_hf_experts(model, family, l, layout, s);
+// y of the reference for the experts `w`.
+std::vector<double> reference_output_of(const Io& io, const ExpertWeights& w) {
+  const WeightLayout layout = w.spec().layout;
   const ReferenceWeights rw = to_reference_weights(w);
 
   GroupedMlpConfig c;
@@ -108,6 +105,34 @@ std::vector<double> reference_output(const Io& io, const StateDict& model, HfFam
   std::vector<double> y(io.T * io.H);
   mlp.forward(io.routing, io.x.data(), y.data());
   return y;
+}
+
+// y of the reference for weights in `layout` with GLU interleave s.
+std::vector<double> reference_output(const Io& io, const StateDict& model, HfFamily family, WeightLayout layout,
+                                     int s) {
+  const auto layers = find_hf_expert_layers(model, family);
+  EXPECT_EQ(layers.size(), 1u);
+  const HfExpertLayer& l = layers.at(0);
+  EXPECT_EQ(l.experts, io.E);
+  EXPECT_EQ(l.hidden, io.H);
+  EXPECT_EQ(l.ffn, io.F);
+  return reference_output_of(io, load_hf_experts(model, family, l, layout, s));
+}
+
+// The largest |a - b| after checking every element within `tol`.
+double expect_close(const std::vector<double>& a, const std::vector<double>& b, double tol, int64_t row) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_NEAR(a[i], b[i], tol) << "element " << i << " (token " << i / row << ")";
+    worst = std::max(worst, std::fabs(a[i] - b[i]));
+  }
+  return worst;
+}
+
+double max_abs(const std::vector<double>& v) {
+  double m = 0;
+  for (double x : v) m = std::max(m, std::fabs(x));
+  return m;
 }
 
 struct Fixture {
@@ -135,19 +160,13 @@ TEST(HfFixtures, ReferenceReproducesTransformersExpertOutputs) {
     EXPECT_EQ(dtype_name(layers[0].dtype), std::string(io.weights_dtype == "bfloat16" ? "bf16" : "fp32"));
 
     const std::vector<double> y = reference_output(io, model, fx.family, WeightLayout::kSingleGrouped, 0);
-    double ymax = 0;
-    for (double v : io.y) ymax = std::max(ymax, std::fabs(v));
+    const double ymax = max_abs(io.y);
     ASSERT_GT(ymax, 0.1);  // the fixture exercises the experts (not all zeros)
     // Tolerance: transformers computed in fp32 (products over H = 64, then F = 32 terms, then k
     // slots); fp32 rounding gives a few 1e-7 of the output's scale, seen up to 4.2e-7 here. 1e-5
     // of the largest output leaves margin while any misplaced row, transposition, missing bias or
     // wrong activation constant is off by orders of magnitude more.
-    const double tol = 1e-5 * ymax;
-    double worst = 0;
-    for (size_t i = 0; i < y.size(); ++i) {
-      ASSERT_NEAR(y[i], io.y[i], tol) << "element " << i << " (token " << i / io.H << ")";
-      worst = std::max(worst, std::fabs(y[i] - io.y[i]));
-    }
+    const double worst = expect_close(y, io.y, 1e-5 * ymax, io.H);
     std::printf("  %-12s E=%d k=%d: max |ref - transformers| = %.2e (max |y| = %.3g)\n", fx.dir, io.E, io.k, worst,
                 ymax);
 
@@ -157,6 +176,121 @@ TEST(HfFixtures, ReferenceReproducesTransformersExpertOutputs) {
         EXPECT_TRUE(reference_output(io, model, fx.family, layout, s) == y)
             << (layout == WeightLayout::kPerExpert ? "per-expert" : "grouped") << ", interleave " << s;
   }
+}
+
+// Our FP8 layer (fc1 / fc2 in hf_fp8_format, either layout) decoded by the reference dequantizer into
+// fp32 experts (grouped, GLU interleave s). The columnwise copy decodes to the transpose, bitwise.
+ExpertWeights decoded_fp8(const StateDict& ours, const Metadata& metadata, const std::string& prefix, const Io& io,
+                          int s) {
+  ExpertWeightsSpec spec;
+  spec.hidden = io.H;
+  spec.ffn = io.F;
+  spec.experts = io.E;
+  spec.activation.kind = Activation::kSwiGLU;
+  spec.activation.glu_interleave = s;
+  ExpertWeights w(spec, DType::kFP32);
+  StateDict g;
+  for (const auto& [k, t] : ours)
+    if (k.compare(0, prefix.size(), prefix) == 0) g.emplace(k, t);
+  normalize_expert_keys(g, prefix, io.E, WeightLayout::kSingleGrouped);
+  for (Param p : {Param::kFc1Weight, Param::kFc2Weight}) {
+    const std::string key = expert_param_key(prefix, p);
+    const std::string* declared = safetensors::find_metadata(metadata, quant_metadata_key(key));
+    EXPECT_NE(declared, nullptr) << key;
+    if (!declared) return w;
+    const QuantConfig c = parse_quant_metadata(*declared, key);
+    EXPECT_EQ(format_quant_metadata(c), format_quant_metadata(hf_fp8_format()));
+    const int64_t rows = p == Param::kFc1Weight ? 2 * io.F : io.H, cols = p == Param::kFc1Weight ? io.H : io.F;
+    auto bytes = [&](QuantPart part) {
+      const HostTensor& t = g.at(quant_part_key(key, part));
+      return std::vector<uint8_t>(t.data(), t.data() + t.nbytes());
+    };
+    ref::Quantized q;
+    q.rowwise_data = bytes(QuantPart::kData);
+    q.rowwise_scale = bytes(QuantPart::kScale);
+    q.columnwise_data = bytes(QuantPart::kColumnwiseData);
+    q.columnwise_scale = bytes(QuantPart::kColumnwiseScale);
+    const std::vector<float> row = ref::dequantize(c, q, false, io.E, rows, cols);
+    const std::vector<float> col = ref::dequantize(c, q, true, io.E, rows, cols);
+    for (int e = 0; e < io.E; ++e) {
+      const float* r = row.data() + e * rows * cols;
+      bool transposed = true;
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j) transposed = transposed && r[i * cols + j] == col[(e * cols + j) * rows + i];
+      EXPECT_TRUE(transposed) << key << " expert " << e;
+      std::memcpy(w.mutable_expert_data(p, e), r, rows * cols * sizeof(float));
+    }
+  }
+  return w;
+}
+
+// DeepSeek-V3's FP8 form (experts F8_E4M3 with 128x128 weight_scale_inv, quantized by transformers'
+// own FP8 quantizer) becomes our FP8 layer by moving bytes: decoded, it reproduces the experts' output
+// transformers computed from the weights its dequantizer gives back, in both layouts and with fc1's
+// blocks interleaved; written back, it is the file's tensors and metadata again.
+TEST(HfFixtures, Fp8CheckpointBecomesOurFp8LayerExactly) {
+  const std::string dir = fixtures() + "deepseek_v3_fp8";
+  const Io io = load_io(dir);
+  Metadata meta_in;
+  const StateDict model = load_safetensors(dir + "/model.safetensors", &meta_in);
+  const auto layers = find_hf_expert_layers(model, HfFamily::kDeepseek);
+  ASSERT_EQ(layers.size(), 1u);
+  ASSERT_TRUE(layers[0].fp8);
+  EXPECT_EQ(layers[0].dtype, DType::kFP8E4M3);
+  const std::string prefix = layers[0].prefix;
+  const double ymax = max_abs(io.y);
+  ASSERT_GT(ymax, 0.1);
+  std::vector<double> first;
+  for (const char* ours : {"grouped", "per-expert"}) {
+    for (int s : {0, 128}) {
+      SCOPED_TRACE(std::string(ours) + " interleave " + std::to_string(s));
+      StateDict sd = model;
+      Metadata meta = meta_in;
+      ConvertOptions o;
+      o.from = CheckpointFormat::parse("hf:deepseek");
+      o.to = CheckpointFormat::parse(ours);
+      o.to_glu_interleave = s;
+      ASSERT_EQ(convert_state_dict(sd, o, meta), std::vector<std::string>{prefix});
+      for (const auto& [k, t] : model) {
+        if (k.compare(0, prefix.size(), prefix) == 0) EXPECT_FALSE(sd.count(k)) << k;
+        else EXPECT_TRUE(sd.at(k).equals(t)) << k;  // the shared experts' FP8 weights and scales too
+      }
+      const std::vector<double> y = reference_output_of(io, decoded_fp8(sd, meta, prefix, io, s));
+      if (first.empty()) {
+        // Both sides decode the same fp32 weights (code x scale_inv, one fp32 multiply); the rest is the
+        // fp32 arithmetic of the unquantized fixtures (H = 128, F = 256 terms): 1e-5 of max |y|.
+        const double worst = expect_close(y, io.y, 1e-5 * ymax, io.H);
+        std::printf("  deepseek_v3_fp8 E=%d k=%d: max |ref - transformers| = %.2e (max |y| = %.3g)\n", io.E, io.k,
+                    worst, ymax);
+        first = y;
+      } else {
+        EXPECT_TRUE(y == first);
+      }
+      ConvertOptions back;
+      back.from = o.to;
+      back.to = o.from;
+      back.from_glu_interleave = s;
+      convert_state_dict(sd, back, meta);
+      EXPECT_EQ(meta, meta_in);
+      ASSERT_EQ(sd.size(), model.size());
+      for (const auto& [k, t] : model) EXPECT_TRUE(sd.count(k) && sd.at(k).equals(t)) << k;
+    }
+  }
+  // The check can fail: one block's scale read wrong moves the output far outside the tolerance.
+  StateDict wrong = model;
+  HostTensor sc(DType::kFP32, {2, 1});
+  std::memcpy(sc.mutable_data(), wrong.at(prefix + "0.gate_proj.weight_scale_inv").data(), 8);
+  reinterpret_cast<float*>(sc.mutable_data())[1] *= 2.0f;
+  wrong.at(prefix + "0.gate_proj.weight_scale_inv") = sc;
+  Metadata meta;
+  ConvertOptions o;
+  o.from = CheckpointFormat::parse("hf:deepseek");
+  o.to = CheckpointFormat::parse("grouped");
+  convert_state_dict(wrong, o, meta);
+  const std::vector<double> y = reference_output_of(io, decoded_fp8(wrong, meta, prefix, io, 0));
+  double diff = 0;
+  for (size_t i = 0; i < y.size(); ++i) diff = std::max(diff, std::fabs(y[i] - io.y[i]));
+  EXPECT_GT(diff, 1e-3 * ymax);
 }
 
 // The check can fail: a checkpoint read with the wrong convention does not reproduce the outputs.

@@ -540,7 +540,7 @@ ConvertOptions options(const char* from, const char* to) {
 }
 
 TEST(QuantCheckpoint, ConvertMovesQuantizedLayersBitForBit) {
-  const QuantModel m = quant_model();
+  QuantModel m = quant_model();  // convert_state_dict may update m.meta
   StateDict sd = m.grouped;
   const auto layers = convert_state_dict(sd, options("grouped", "per-expert"), m.meta);
   EXPECT_EQ(layers, (std::vector<std::string>{"layers.0.mlp.experts.", "layers.1.mlp.experts."}));
@@ -569,7 +569,7 @@ TEST(QuantCheckpoint, ConvertMovesQuantizedLayersBitForBit) {
 // quantized weights: an undeclared weight is checked as an unquantized one (no companions, a float
 // dtype, E experts, the MLP's shapes), the biases by their shape and dtype.
 TEST(QuantCheckpoint, ConvertChecksTheRestOfAQuantizedLayer) {
-  const QuantModel m = quant_model();
+  QuantModel m = quant_model();  // convert_state_dict may update m.meta
   const std::string q = "layers.0.mlp.experts.";
   Metadata fc1_only;
   for (const auto& kv : m.meta)
@@ -608,7 +608,7 @@ TEST(QuantCheckpoint, ConvertChecksTheRestOfAQuantizedLayer) {
 }
 
 TEST(QuantCheckpoint, ConvertRefusesWhatWouldNeedRequantization) {
-  const QuantModel m = quant_model();
+  QuantModel m = quant_model();  // convert_state_dict may update m.meta
   StateDict sd = m.grouped;
   expect_error_naming([&] { convert_state_dict(sd, options("grouped", "hf:mixtral"), m.meta); },
                       "the experts under 'layers.0.mlp.experts.' are quantized (fc1.weight mxfp8, fc2.weight nvfp4)");

@@ -41,7 +41,8 @@ void convert_all_ways(const moe::safetensors::Header& h, const uint8_t* data) {
       o.to = CheckpointFormat::parse(to);
       moe::StateDict copy = sd;
       try {
-        moe::convert_state_dict(copy, o, h.metadata);  // quantized layers as the metadata declares
+        moe::Metadata metadata = h.metadata;
+        moe::convert_state_dict(copy, o, metadata);  // quantized layers as the metadata declares
       } catch (const moe::Error&) {
       }
     }
