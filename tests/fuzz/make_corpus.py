@@ -98,6 +98,11 @@ def seeds():
     yield "bad_hole", raw('{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},'
                           '"b":{"dtype":"U8","shape":[2],"data_offsets":[4,6]}}', b"abcdef")
     yield "bad_trailing", raw('{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}', b"abcdef")
+    # DeepSeek-V3's FP8 form: F8_E4M3 experts with 128x128 block scales (F = 128 rows: one block).
+    yield "valid_hf_fp8_deepseek", st(
+        [(f"model.layers.0.mlp.experts.0.{w}{part}", dtype, shape)
+         for w, shape in (("gate_proj.weight", [128, 8]), ("up_proj.weight", [128, 8]), ("down_proj.weight", [8, 128]))
+         for part, dtype, shape in (("", "F8_E4M3", shape), ("_scale_inv", "F32", [1, 1]))])
     # Sharded checkpoints' indexes (the same target parses every input as one too).
     yield "index_valid", json.dumps({"metadata": {"total_parameters": 10, "total_size": 40},
                                      "weight_map": {"a.weight": "model-00001-of-00002.safetensors",
