@@ -83,7 +83,8 @@ bool is_sharded_checkpoint(const std::string& in);
 // `out`. The shards' __metadata__ together declare the quantized layers (an entry may sit in any
 // shard). The index's "metadata" is carried over ("total_size" recomputed). The index is checked
 // against the shards first: every tensor it maps is in its shard, and every shard's tensor is
-// mapped to that shard. `progress` sees the bytes written over all shards.
+// mapped to that shard. `progress` sees (done, total) in bytes of the input's tensors: each shard's
+// write advances it by the bytes that shard held.
 std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const std::string& out,
                                                     const ConvertOptions& options,
                                                     const safetensors::ProgressFn& progress = {});

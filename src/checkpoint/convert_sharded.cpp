@@ -163,6 +163,11 @@ std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const
   int64_t size = 0;
   for (size_t i = 0; i < shards.size(); ++i) {
     Shard& s = shards[i];
+    // Progress counts input bytes (the total known up front): this shard's own, spread over its write.
+    uint64_t input_bytes = 0;
+    for (const auto& kv : s.tensors) input_bytes += static_cast<uint64_t>(kv.second.nbytes());
+    const uint64_t before = done;
+    done += input_bytes;
     StateDict sd;
     for (const auto& [key, t] : s.tensors)
       if (!layer_of_key.count(key)) sd.emplace(key, t);
@@ -175,7 +180,10 @@ std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const
     Metadata converted = metadata;
     if (!shard_options.prefixes.empty()) convert_state_dict(sd, shard_options, converted);
     s.tensors.clear();  // the input's views of this shard are no longer needed
-    if (sd.empty()) continue;
+    if (sd.empty()) {
+      if (progress) progress(done, total_bytes);
+      continue;
+    }
     const Metadata shard_metadata = metadata_for(s.metadata, converted, sd);
     uint64_t shard_bytes = 0;
     for (const auto& [key, t] : sd) {
@@ -183,11 +191,13 @@ std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const
       shard_bytes += static_cast<uint64_t>(t.nbytes());
     }
     size += static_cast<int64_t>(shard_bytes);
-    const uint64_t before = done;
-    save_safetensors((fs::path(out) / s.file).string(), sd, shard_metadata, [&](uint64_t d, uint64_t) {
-      if (progress) progress(before + d, total_bytes);
+    save_safetensors((fs::path(out) / s.file).string(), sd, shard_metadata, [&](uint64_t d, uint64_t all_out) {
+      // Written bytes differ from read ones where a layer moved in or out, or gained a columnwise copy.
+      if (progress)
+        progress(before + (all_out == 0 ? input_bytes
+                                          : static_cast<uint64_t>(static_cast<long double>(d) * input_bytes / all_out)),
+                 total_bytes);
     });
-    done += shard_bytes;
   }
   safetensors::write_index((fs::path(out) / fs::path(index_path).filename()).string(), written, size);
   std::vector<std::string> converted;

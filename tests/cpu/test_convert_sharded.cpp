@@ -290,7 +290,18 @@ TEST_F(ShardedCheckpoint, QuantizedLayersDeclarationsGoWithTheirTensors) {
   save_safetensors(d + "/a.safetensors", a, meta);
   save_safetensors(d + "/b.safetensors", b, meta);
   safetensors::write_index(d + "/model.safetensors.index.json", index);
-  convert_sharded_checkpoint(d, tmp("fp8_ours"), options("hf:deepseek", "grouped"));
+  // Progress counts the input's bytes, although the output holds more (the columnwise copies).
+  uint64_t last = 0, total = 0;
+  convert_sharded_checkpoint(d, tmp("fp8_ours"), options("hf:deepseek", "grouped"), [&](uint64_t done, uint64_t all) {
+    EXPECT_GE(done, last);
+    EXPECT_LE(done, all);
+    last = done;
+    total = all;
+  });
+  uint64_t input = 0;
+  for (const auto& kv : all) input += static_cast<uint64_t>(kv.second.nbytes());
+  EXPECT_EQ(total, input);
+  EXPECT_EQ(last, input);
   Metadata ma, mb;
   const StateDict oa = load_safetensors(tmp("fp8_ours") + "/a.safetensors", &ma);
   load_safetensors(tmp("fp8_ours") + "/b.safetensors", &mb);
