@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/json_tokens.h"
 #include "moe/error.h"
 #include "moe/safetensors.h"
 
@@ -34,7 +35,7 @@ constexpr int kMaxContainerDepth = 2;
 // The header's tokens in order (nlohmann's SAX interface), before the DOM is built: rejects nesting
 // a header never has (bounding memory and recursion) and repeated keys (which a DOM silently
 // collapses to one), and records __metadata__'s key order (the DOM's map forgets it).
-struct HeaderTokens : nlohmann::json_sax<Json> {
+struct HeaderTokens : detail::JsonShapeTokens {
   explicit HeaderTokens(const std::string& source) : where(source) {}
   const std::string& where;
   std::vector<bool> open_is_object;             // the open containers, innermost last
@@ -54,13 +55,6 @@ struct HeaderTokens : nlohmann::json_sax<Json> {
     open_is_object.pop_back();
     return true;
   }
-  bool null() override { return true; }
-  bool boolean(bool) override { return true; }
-  bool number_integer(number_integer_t) override { return true; }
-  bool number_unsigned(number_unsigned_t) override { return true; }
-  bool number_float(number_float_t, const string_t&) override { return true; }
-  bool string(string_t&) override { return true; }
-  bool binary(binary_t&) override { return true; }
   bool start_object(std::size_t) override { return open(true); }
   bool end_object() override { return close(); }
   bool start_array(std::size_t) override { return open(false); }

@@ -5,13 +5,13 @@
 #include <fstream>
 #include <iterator>
 #include <set>
-#include <sstream>
 
 #include <sys/stat.h>
 
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/atomic_write.h"
+#include "checkpoint/json_tokens.h"
 #include "moe/error.h"
 
 namespace moe::safetensors {
@@ -29,7 +29,7 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 
 // The index's tokens before the DOM is built: repeated keys (a weight_map naming one tensor twice,
 // which a DOM silently collapses to one) and runaway nesting are refused.
-struct IndexTokens : nlohmann::json_sax<Json> {
+struct IndexTokens : detail::JsonShapeTokens {
   explicit IndexTokens(const std::string& source) : where(source) {}
   const std::string& where;
   std::vector<std::set<std::string>> open_keys;  // the keys of each open object
@@ -39,13 +39,6 @@ struct IndexTokens : nlohmann::json_sax<Json> {
     MOE_CHECK(++depth <= kMaxIndexDepth, where, ": index JSON nested deeper than ", kMaxIndexDepth, " levels");
     return true;
   }
-  bool null() override { return true; }
-  bool boolean(bool) override { return true; }
-  bool number_integer(number_integer_t) override { return true; }
-  bool number_unsigned(number_unsigned_t) override { return true; }
-  bool number_float(number_float_t, const string_t&) override { return true; }
-  bool string(string_t&) override { return true; }
-  bool binary(binary_t&) override { return true; }
   bool start_object(std::size_t) override {
     open_keys.emplace_back();
     return open();
