@@ -54,9 +54,10 @@ F = 32  # expert FFN size
 
 def family_specs():
     """name -> (config class, model class, config kwargs, activation, experts attribute path)."""
-    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, GptOssConfig, GptOssForCausalLM,
-                              MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig,
-                              Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM,
+                              GptOssConfig, GptOssForCausalLM, JambaConfig, JambaForCausalLM, MixtralConfig,
+                              MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     common = dict(vocab_size=16, hidden_size=H, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
@@ -86,6 +87,16 @@ def family_specs():
                              first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
                              qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.5, norm_topk_prob=True),
                         "swiglu", 0.15, torch.float32),
+        # Model types read as a family's naming (docs/checkpoints.md): GLM-4.5 as qwen2_moe (a shared expert,
+        # sigmoid routing with a correction bias), Jamba (experts under feed_forward, beside Mamba mixers).
+        "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM,
+                     dict(common, intermediate_size=48, moe_intermediate_size=F, n_routed_experts=4, n_shared_experts=1,
+                          num_experts_per_tok=2, first_k_dense_replace=0, head_dim=32, n_group=1, topk_group=1),
+                     "swiglu", 0.15, torch.float32),
+        "jamba": (JambaConfig, JambaForCausalLM,
+                  dict(common, intermediate_size=F, num_experts=4, num_experts_per_tok=2, expert_layer_period=1,
+                       expert_layer_offset=0, attn_layer_period=1, attn_layer_offset=0, use_mamba_kernels=False),
+                  "swiglu", 0.15, torch.float32),
         # Clamped SwiGLU (alpha 1.702, limit 7, +1 on the linear half) with biases; a large scale so that
         # the clamps are reached.
         "gpt_oss": (GptOssConfig, GptOssForCausalLM,

@@ -89,6 +89,7 @@ void setup_convert(CLI::App& app) {
       "convert", "Convert expert weights between per-expert, single-grouped and Hugging Face safetensors files");
   std::string formats = "per-expert, grouped or hf:{";
   for (const auto& f : hf_family_names()) formats += f + (f == hf_family_names().back() ? "}" : "|");
+  formats += " (or hf:<model_type> of a model in one of their namings, e.g. hf:glm4_moe)";
   sub->add_option("--from", args->from, "Input format: " + formats)->required();
   sub->add_option("--to", args->to, "Output format: " + formats)->required();
   sub->add_option("input", args->in,

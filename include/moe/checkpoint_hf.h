@@ -37,10 +37,14 @@ enum class HfFamily : uint8_t { kMixtral, kQwen2Moe, kQwen3Moe, kOlmoe, kDeepsee
 
 // "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek", "gpt_oss".
 const char* hf_family_name(HfFamily f);
-// Accepts the names above and the model_type aliases "deepseek_v2", "deepseek_v3";
-// throws moe::Error naming `what` otherwise.
+// Accepts the names above and the Hugging Face model types whose checkpoints use a family's naming
+// (hf_model_types: "glm4_moe", "qwen3_next", "deepseek_v3", "minimax", "jamba", ...); throws
+// moe::Error naming `what` otherwise.
 HfFamily hf_family_from_name(const std::string& name, const char* what = "family");
 std::vector<std::string> hf_family_names();
+// The other model types read and written as family f (checked against transformers 5.17: their
+// save_pretrained writes f's per-expert naming, SiLU-gated experts without biases).
+std::vector<std::string> hf_model_types(HfFamily f);
 // The family's expert activation: swiglu, or GPT-OSS's clamped swiglu (alpha 1.702, limit 7, +1).
 ActivationParams hf_activation(HfFamily f);
 // GPT-OSS's experts have biases; the others have none.

@@ -13,7 +13,42 @@ constexpr FamilyName kFamilies[] = {
     {HfFamily::kMixtral, "mixtral"}, {HfFamily::kQwen2Moe, "qwen2_moe"}, {HfFamily::kQwen3Moe, "qwen3_moe"},
     {HfFamily::kOlmoe, "olmoe"},     {HfFamily::kDeepseek, "deepseek"},  {HfFamily::kGptOss, "gpt_oss"},
 };
+// Hugging Face model types (config.json's "model_type") whose save_pretrained writes a family's naming
+// with its activation (SiLU-gated, no biases), checked against transformers 5.17 by saving a tiny model
+// of each: the per-expert gate_proj / up_proj / down_proj of Qwen2-MoE (transformers itself maps most
+// of them to "qwen2_moe" when loading), or Mixtral's w1 / w3 / w2. Model types whose experts clamp
+// with a limit from their config (deepseek_v4, glm5_next, hy_v4, minimax_m3_vl), are not gated
+// (nemotron_h) or are stored fused or under other names (gemma4, granitemoe, mistral4, ...) are not
+// listed: their experts are not those of any family here.
+constexpr FamilyName kModelTypes[] = {
+    {HfFamily::kDeepseek, "deepseek_v2"},      {HfFamily::kDeepseek, "deepseek_v3"},
+    {HfFamily::kDeepseek, "deepseek_v32"},     {HfFamily::kQwen2Moe, "qwen3_next"},
+    {HfFamily::kQwen2Moe, "qwen3_5_moe"},      {HfFamily::kQwen2Moe, "qwen3_5_moe_text"},
+    {HfFamily::kQwen2Moe, "qwen4_exp"},        {HfFamily::kQwen2Moe, "qwen4_exp_text"},
+    {HfFamily::kQwen2Moe, "qwen3_omni_moe"},   {HfFamily::kQwen2Moe, "glm4_moe"},
+    {HfFamily::kQwen2Moe, "glm4_moe_lite"},    {HfFamily::kQwen2Moe, "glm_moe_dsa"},
+    {HfFamily::kQwen2Moe, "glm4v_moe"},        {HfFamily::kQwen2Moe, "dots1"},
+    {HfFamily::kQwen2Moe, "solar_open"},       {HfFamily::kQwen2Moe, "exaone_moe"},
+    {HfFamily::kQwen2Moe, "afmoe"},            {HfFamily::kQwen2Moe, "axk1"},
+    {HfFamily::kQwen2Moe, "axk2"},             {HfFamily::kQwen2Moe, "mimo_v2_flash"},
+    {HfFamily::kQwen2Moe, "hy_v3"},            {HfFamily::kQwen2Moe, "laguna"},
+    {HfFamily::kQwen2Moe, "mellum"},           {HfFamily::kQwen2Moe, "cohere2_moe"},
+    {HfFamily::kQwen2Moe, "ernie4_5_moe"},     {HfFamily::kQwen2Moe, "ernie4_5_vl_moe"},
+    {HfFamily::kQwen2Moe, "hunyuan_v1_moe"},   {HfFamily::kQwen2Moe, "flex_olmo"},
+    {HfFamily::kQwen2Moe, "deepseek_ocr2"},    {HfFamily::kQwen2Moe, "jamba"},
+    {HfFamily::kMixtral, "minimax"},           {HfFamily::kMixtral, "minimax_m2"},
+    {HfFamily::kMixtral, "phimoe"},            {HfFamily::kMixtral, "kimi_linear"},
+    {HfFamily::kMixtral, "lfm2_moe"},
+};
+
 }  // namespace
+
+std::vector<std::string> hf_model_types(HfFamily f) {
+  std::vector<std::string> names;
+  for (const auto& n : kModelTypes)
+    if (n.family == f) names.emplace_back(n.name);
+  return names;
+}
 
 const char* hf_family_name(HfFamily f) {
   for (const auto& n : kFamilies)
@@ -30,10 +65,13 @@ std::vector<std::string> hf_family_names() {
 HfFamily hf_family_from_name(const std::string& name, const char* what) {
   for (const auto& n : kFamilies)
     if (name == n.name) return n.family;
-  if (name == "deepseek_v2" || name == "deepseek_v3") return HfFamily::kDeepseek;
+  for (const auto& n : kModelTypes)
+    if (name == n.name) return n.family;
   std::string known;
   for (const auto& n : kFamilies) known += std::string(known.empty() ? "" : ", ") + n.name;
-  detail::throw_error("argument '", what, "': unknown Hugging Face family '", name, "' (known: ", known, ")");
+  detail::throw_error("argument '", what, "': unknown Hugging Face family '", name, "' (known: ", known,
+                      ", and the model types that use their naming, e.g. glm4_moe, qwen3_next, minimax; see ",
+                      "docs/checkpoints.md)");
 }
 
 ActivationParams hf_activation(HfFamily f) {

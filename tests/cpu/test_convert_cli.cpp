@@ -88,7 +88,8 @@ struct Fixture {
   const char* family;
 };
 constexpr Fixture kFixtures[] = {{"mixtral", "mixtral"}, {"qwen2_moe", "qwen2_moe"}, {"qwen3_moe", "qwen3_moe"},
-                                 {"olmoe", "olmoe"},     {"deepseek_v3", "deepseek"}, {"gpt_oss", "gpt_oss"}};
+                                 {"olmoe", "olmoe"},     {"deepseek_v3", "deepseek"}, {"gpt_oss", "gpt_oss"},
+                                 {"glm4_moe", "glm4_moe"}, {"jamba", "jamba"}};
 
 TEST_F(ConvertCli, HuggingFaceFilesRoundTripBitForBit) {
   for (const Fixture& fx : kFixtures) {

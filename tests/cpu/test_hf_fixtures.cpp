@@ -144,6 +144,8 @@ constexpr Fixture kFixtures[] = {
     {"mixtral", HfFamily::kMixtral, "swiglu"},          {"qwen2_moe", HfFamily::kQwen2Moe, "swiglu"},
     {"qwen3_moe", HfFamily::kQwen3Moe, "swiglu"},       {"olmoe", HfFamily::kOlmoe, "swiglu"},
     {"deepseek_v3", HfFamily::kDeepseek, "swiglu"},     {"gpt_oss", HfFamily::kGptOss, "clamped_swiglu"},
+    // Model types read in a family's naming.
+    {"glm4_moe", HfFamily::kQwen2Moe, "swiglu"},        {"jamba", HfFamily::kQwen2Moe, "swiglu"},
 };
 
 TEST(HfFixtures, ReferenceReproducesTransformersExpertOutputs) {

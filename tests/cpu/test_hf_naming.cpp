@@ -80,6 +80,18 @@ TEST(HfFamily, NamesActivationsBiases) {
   EXPECT_EQ(hf_family_from_name("deepseek_v2"), HfFamily::kDeepseek);
   for (const std::string& n : hf_family_names()) EXPECT_EQ(hf_family_name(hf_family_from_name(n)), n);
   expect_error_naming([] { hf_family_from_name("llama", "to"); }, "argument 'to': unknown Hugging Face family 'llama'");
+  // Model types read in a family's naming; those whose experts are no family's are refused.
+  EXPECT_EQ(hf_family_from_name("glm4_moe"), HfFamily::kQwen2Moe);
+  EXPECT_EQ(hf_family_from_name("qwen3_next"), HfFamily::kQwen2Moe);
+  EXPECT_EQ(hf_family_from_name("deepseek_v32"), HfFamily::kDeepseek);
+  EXPECT_EQ(hf_family_from_name("minimax_m2"), HfFamily::kMixtral);
+  for (HfFamily f : {HfFamily::kMixtral, HfFamily::kQwen2Moe, HfFamily::kQwen3Moe, HfFamily::kOlmoe,
+                     HfFamily::kDeepseek, HfFamily::kGptOss})
+    for (const std::string& t : hf_model_types(f)) EXPECT_EQ(hf_family_from_name(t), f) << t;
+  EXPECT_EQ(hf_model_types(HfFamily::kMixtral).size(), 5u);
+  EXPECT_TRUE(hf_model_types(HfFamily::kGptOss).empty());
+  for (const char* no : {"deepseek_v4", "glm5_next", "hy_v4", "minimax_m3_vl", "nemotron_h", "gemma4", "granitemoe"})
+    expect_error_naming([&] { hf_family_from_name(no); }, std::string("unknown Hugging Face family '") + no + "'");
   EXPECT_EQ(hf_activation(HfFamily::kQwen3Moe).kind, Activation::kSwiGLU);
   const ActivationParams g = hf_activation(HfFamily::kGptOss);
   EXPECT_EQ(g.kind, Activation::kClampedSwiGLU);
