@@ -56,8 +56,9 @@ def family_specs():
     """name -> (config class, model class, config kwargs, activation, experts attribute path)."""
     from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM,
                               GptOssConfig, GptOssForCausalLM, JambaConfig, JambaForCausalLM, MixtralConfig,
-                              MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                              MixtralForCausalLM, NemotronHConfig, NemotronHForCausalLM, OlmoeConfig,
+                              OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     common = dict(vocab_size=16, hidden_size=H, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
@@ -97,6 +98,14 @@ def family_specs():
                   dict(common, intermediate_size=F, num_experts=4, num_experts_per_tok=2, expert_layer_period=1,
                        expert_layer_offset=0, attn_layer_period=1, attn_layer_offset=0, use_mamba_kernels=False),
                   "swiglu", 0.15, torch.float32),
+        # Not gated: down(relu(up x)^2) (Nemotron-H's MoE layers, mixed with Mamba mixers); a shared expert
+        # the fixture leaves out.
+        "nemotron_h": (NemotronHConfig, NemotronHForCausalLM,
+                       dict(common, layer_types=["moe"], intermediate_size=48, moe_intermediate_size=F,
+                            moe_shared_expert_intermediate_size=48, n_routed_experts=4, n_shared_experts=1,
+                            num_experts_per_tok=2, head_dim=32, mamba_num_heads=4, mamba_head_dim=16,
+                            ssm_state_size=16, n_groups=1),
+                       "squared_relu", 0.15, torch.float32),
         # Clamped SwiGLU (alpha 1.702, limit 7, +1 on the linear half) with biases; a large scale so that
         # the clamps are reached.
         "gpt_oss": (GptOssConfig, GptOssForCausalLM,

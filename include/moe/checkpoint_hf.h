@@ -9,6 +9,8 @@
 //                        <P>experts.{e}.gate_proj.weight [F, H], up_proj [F, H], down_proj [H, F]
 //                        with P = "model.layers.{l}.mlp." (shared experts are not routed experts
 //                        and are left alone)
+//   nemotron_h           <P>experts.{e}.up_proj.weight [F, H], down_proj [H, F]: not gated (squared
+//                        ReLU), P = "backbone.layers.{l}.mixer."
 //   gpt_oss              <P>experts.gate_up_proj [E, H, 2F]: x @ W, gate = columns 0::2, up = 1::2;
 //                        gate_up_proj_bias [E, 2F] (same interleave); down_proj [E, F, H] (act @ W);
 //                        down_proj_bias [E, H]
@@ -33,9 +35,9 @@
 
 namespace moe {
 
-enum class HfFamily : uint8_t { kMixtral, kQwen2Moe, kQwen3Moe, kOlmoe, kDeepseek, kGptOss };
+enum class HfFamily : uint8_t { kMixtral, kQwen2Moe, kQwen3Moe, kOlmoe, kDeepseek, kGptOss, kNemotronH };
 
-// "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek", "gpt_oss".
+// "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek", "gpt_oss", "nemotron_h".
 const char* hf_family_name(HfFamily f);
 // Accepts the names above and the Hugging Face model types whose checkpoints use a family's naming
 // (hf_model_types: "glm4_moe", "qwen3_next", "deepseek_v3", "minimax", "jamba", ...); throws
@@ -45,7 +47,8 @@ std::vector<std::string> hf_family_names();
 // The other model types read and written as family f (checked against transformers 5.17: their
 // save_pretrained writes f's per-expert naming, SiLU-gated experts without biases).
 std::vector<std::string> hf_model_types(HfFamily f);
-// The family's expert activation: swiglu, or GPT-OSS's clamped swiglu (alpha 1.702, limit 7, +1).
+// The family's expert activation: swiglu, GPT-OSS's clamped swiglu (alpha 1.702, limit 7, +1), or
+// Nemotron-H's squared ReLU (not gated).
 ActivationParams hf_activation(HfFamily f);
 // GPT-OSS's experts have biases; the others have none.
 bool hf_has_bias(HfFamily f);

@@ -101,14 +101,14 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
   for (const auto& [key, t] : sd) {
     std::string prefix, rest;
     if (!split_experts_key(key, &prefix, &rest)) continue;
-    if (rest == "gate_up_proj") {
+    if (rest == "gate_up_proj" && names.gate) {
       fused.insert(prefix);
       continue;
     }
     int e;
     std::string proj;
     if (!split_expert_rest(rest, &e, &proj)) continue;
-    for (const char* n : {names.gate, names.up, names.down}) {
+    for (const char* n : names.all()) {
       if (proj == std::string(n) + ".weight") found[prefix][e].insert(n);
     }
   }
@@ -119,7 +119,7 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
     detail::KeyList missing;
     for (int e = 0; e < E; ++e) {
       auto it = experts.find(e);
-      for (const char* n : {names.gate, names.up, names.down})
+      for (const char* n : names.all())
         if (it == experts.end() || !it->second.count(n)) {
           if (missing.full())
             missing.skip();
@@ -130,7 +130,8 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
     MOE_CHECK(missing.empty(), "state dict: the experts under '", prefix, "' are incomplete (", E,
               " experts): missing ", missing.str());
     // FP8 weights (DeepSeek-V3's released form) come with their 128x128 block scales.
-    const bool fp8 = sd.at(per_expert_key(prefix, 0, names.gate)).dtype() == DType::kFP8E4M3;
+    const char* first = names.all()[0];  // fc1's first projection: gate, or up when not gated
+    const bool fp8 = sd.at(per_expert_key(prefix, 0, first)).dtype() == DType::kFP8E4M3;
     // Any other key under the layer that starts with an expert index is none of the experts' tensors
     // (another projection, a bias, a quantization scale other than an FP8 layer's, an index past the
     // layer or written with a leading zero): refused by name, not left behind under its Hugging Face
@@ -143,16 +144,17 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
       std::string proj;
       bool expert_tensor = false;
       if (split_expert_rest(rest, &e, &proj) && e < E)
-        for (const char* n : {names.gate, names.up, names.down})
+        for (const char* n : names.all())
           expert_tensor = expert_tensor || proj == std::string(n) + ".weight" ||
                           (fp8 && proj == std::string(n) + ".weight" + kFp8ScaleSuffix);
+      std::string expected;
+      for (const char* n : names.all()) expected += std::string(expected.empty() ? "" : ", ") + "<e>." + n + ".weight";
       MOE_CHECK(expert_tensor, "state dict: '", it->first, "' lies under the ", hf_family_name(f), " experts '",
-                prefix, "' but is none of their tensors (<e>.", names.gate, ".weight, <e>.", names.up,
-                ".weight, <e>.", names.down, ".weight", fp8 ? " and their weight_scale_inv" : "",
+                prefix, "' but is none of their tensors (", expected, fp8 ? " and their weight_scale_inv" : "",
                 " for e in 0..", E - 1, ")");
     }
-    const HostTensor& gate0 = sd.at(per_expert_key(prefix, 0, names.gate));
-    MOE_CHECK(gate0.ndim() == 2, "state dict: '", per_expert_key(prefix, 0, names.gate), "' has shape ",
+    const HostTensor& gate0 = sd.at(per_expert_key(prefix, 0, first));
+    MOE_CHECK(gate0.ndim() == 2, "state dict: '", per_expert_key(prefix, 0, first), "' has shape ",
               gate0.shape_string(), ", expected [F, H]");
     HfExpertLayer l;
     l.prefix = prefix;
@@ -161,16 +163,13 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
     l.hidden = gate0.size(1);
     l.dtype = gate0.dtype();
     l.fp8 = fp8;
-    for (int e = 0; e < E; ++e) {
-      need(sd, per_expert_key(prefix, e, names.gate), {l.ffn, l.hidden}, l.dtype);
-      need(sd, per_expert_key(prefix, e, names.up), {l.ffn, l.hidden}, l.dtype);
-      need(sd, per_expert_key(prefix, e, names.down), {l.hidden, l.ffn}, l.dtype);
-      if (fp8) {
-        need_fp8_scale(sd, per_expert_key(prefix, e, names.gate), l.ffn, l.hidden);
-        need_fp8_scale(sd, per_expert_key(prefix, e, names.up), l.ffn, l.hidden);
-        need_fp8_scale(sd, per_expert_key(prefix, e, names.down), l.hidden, l.ffn);
+    for (int e = 0; e < E; ++e)
+      for (const char* n : names.all()) {
+        const bool down = n == names.down;
+        const int64_t rows = down ? l.hidden : l.ffn, cols = down ? l.ffn : l.hidden;
+        need(sd, per_expert_key(prefix, e, n), {rows, cols}, l.dtype);
+        if (fp8) need_fp8_scale(sd, per_expert_key(prefix, e, n), rows, cols);
       }
-    }
     layers.push_back(l);
   }
   for (const std::string& prefix : fused) {
@@ -214,7 +213,7 @@ std::vector<std::string> hf_expert_keys(const HfExpertLayer& l, HfFamily f) {
   const ProjNames n = proj_names(f);
   std::vector<std::string> keys;
   for (int e = 0; e < l.experts; ++e)
-    for (const char* proj : {n.gate, n.up, n.down}) {
+    for (const char* proj : n.all()) {
       keys.push_back(per_expert_key(p, e, proj));
       if (l.fp8) keys.push_back(per_expert_key(p, e, proj) + kFp8ScaleSuffix);
     }
@@ -228,6 +227,9 @@ ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLay
                               int glu_interleave) {
   MOE_CHECK(!l.fp8, "state dict: the experts under '", l.prefix, "' are FP8 with block scales: load_hf_fp8_experts ",
             "reads them");
+  MOE_CHECK(glu_interleave == 0 || is_gated(hf_activation(f).kind), "argument 'glu_interleave': the ",
+            hf_family_name(f), " experts are not gated (fc1 has no gate and linear halves to interleave), got ",
+            glu_interleave);
   ExpertWeightsSpec spec;
   spec.hidden = l.hidden;
   spec.ffn = l.ffn;
@@ -281,16 +283,20 @@ ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLay
       up = gate + F * row;
       down = fused_dn + e * H * F * el;
     } else {
-      gate = need(sd, per_expert_key(l.prefix, e, n.gate), {F, H}, l.dtype).data();
+      gate = n.gate ? need(sd, per_expert_key(l.prefix, e, n.gate), {F, H}, l.dtype).data() : nullptr;
       up = need(sd, per_expert_key(l.prefix, e, n.up), {F, H}, l.dtype).data();
       down = need(sd, per_expert_key(l.prefix, e, n.down), {H, F}, l.dtype).data();
     }
     uint8_t* fc1 = w.mutable_expert_data(Param::kFc1Weight, e);
+    std::memcpy(w.mutable_expert_data(Param::kFc2Weight, e), down, H * F * el);
+    if (!gate) {  // not gated: fc1 is the up projection
+      std::memcpy(fc1, up, F * row);
+      continue;
+    }
     for (int64_t j = 0; j < F; ++j) {
       std::memcpy(fc1 + gate_column(j, F, s) * row, gate + j * row, row);
       std::memcpy(fc1 + linear_column(j, F, s) * row, up + j * row, row);
     }
-    std::memcpy(w.mutable_expert_data(Param::kFc2Weight, e), down, H * F * el);
   }
   return w;
 }
@@ -351,17 +357,23 @@ StateDict hf_expert_tensors(const ExpertWeights& w, HfFamily f, const std::strin
 
   const ProjNames n = proj_names(f);
   for (int e = 0; e < E; ++e) {
-    HostTensor gate(dt, {F, H}), up(dt, {F, H}), down(dt, {H, F});
+    HostTensor up(dt, {F, H}), down(dt, {H, F});
     const uint8_t* fc1 = w.expert_data(Param::kFc1Weight, e);
+    std::memcpy(down.mutable_data(), w.expert_data(Param::kFc2Weight, e), H * F * el);
+    sd.emplace(per_expert_key(prefix, e, n.down), std::move(down));
+    if (!n.gate) {  // not gated: fc1 is the up projection
+      std::memcpy(up.mutable_data(), fc1, F * row);
+      sd.emplace(per_expert_key(prefix, e, n.up), std::move(up));
+      continue;
+    }
+    HostTensor gate(dt, {F, H});
     uint8_t *pg = gate.mutable_data(), *pu = up.mutable_data();
     for (int64_t j = 0; j < F; ++j) {
       std::memcpy(pg + j * row, fc1 + gate_column(j, F, s) * row, row);
       std::memcpy(pu + j * row, fc1 + linear_column(j, F, s) * row, row);
     }
-    std::memcpy(down.mutable_data(), w.expert_data(Param::kFc2Weight, e), H * F * el);
     sd.emplace(per_expert_key(prefix, e, n.gate), std::move(gate));
     sd.emplace(per_expert_key(prefix, e, n.up), std::move(up));
-    sd.emplace(per_expert_key(prefix, e, n.down), std::move(down));
   }
   return sd;
 }

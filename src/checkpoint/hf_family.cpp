@@ -12,6 +12,7 @@ struct FamilyName {
 constexpr FamilyName kFamilies[] = {
     {HfFamily::kMixtral, "mixtral"}, {HfFamily::kQwen2Moe, "qwen2_moe"}, {HfFamily::kQwen3Moe, "qwen3_moe"},
     {HfFamily::kOlmoe, "olmoe"},     {HfFamily::kDeepseek, "deepseek"},  {HfFamily::kGptOss, "gpt_oss"},
+    {HfFamily::kNemotronH, "nemotron_h"},
 };
 // Hugging Face model types (config.json's "model_type") whose save_pretrained writes a family's naming
 // with its activation (SiLU-gated, no biases), checked against transformers 5.17 by saving a tiny model
@@ -19,7 +20,7 @@ constexpr FamilyName kFamilies[] = {
 // of them to "qwen2_moe" when loading), or Mixtral's w1 / w3 / w2. Model types whose experts clamp
 // with a limit from their config (deepseek_v4, glm5_next, hy_v4, minimax_m3_vl), are not gated
 // (nemotron_h) or are stored fused or under other names (gemma4, granitemoe, mistral4, ...) are not
-// listed: their experts are not those of any family here.
+// listed: their experts are not those of any family here (nemotron_h has a family of its own).
 constexpr FamilyName kModelTypes[] = {
     {HfFamily::kDeepseek, "deepseek_v2"},      {HfFamily::kDeepseek, "deepseek_v3"},
     {HfFamily::kDeepseek, "deepseek_v32"},     {HfFamily::kQwen2Moe, "qwen3_next"},
@@ -82,6 +83,8 @@ ActivationParams hf_activation(HfFamily f) {
     a.alpha = 1.702f;
     a.limit = 7.0f;
     a.offset = 1.0f;
+  } else if (f == HfFamily::kNemotronH) {
+    a.kind = Activation::kSquaredReLU;  // down(relu(up x)^2), mlp_hidden_act = "relu2"
   } else {
     a.kind = Activation::kSwiGLU;  // act_fn(gate) * up with hidden_act = "silu"
   }

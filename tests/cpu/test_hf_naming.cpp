@@ -90,7 +90,8 @@ TEST(HfFamily, NamesActivationsBiases) {
     for (const std::string& t : hf_model_types(f)) EXPECT_EQ(hf_family_from_name(t), f) << t;
   EXPECT_EQ(hf_model_types(HfFamily::kMixtral).size(), 5u);
   EXPECT_TRUE(hf_model_types(HfFamily::kGptOss).empty());
-  for (const char* no : {"deepseek_v4", "glm5_next", "hy_v4", "minimax_m3_vl", "nemotron_h", "gemma4", "granitemoe"})
+  EXPECT_EQ(hf_activation(HfFamily::kNemotronH).kind, Activation::kSquaredReLU);
+  for (const char* no : {"deepseek_v4", "glm5_next", "hy_v4", "minimax_m3_vl", "gemma4", "granitemoe"})
     expect_error_naming([&] { hf_family_from_name(no); }, std::string("unknown Hugging Face family '") + no + "'");
   EXPECT_EQ(hf_activation(HfFamily::kQwen3Moe).kind, Activation::kSwiGLU);
   const ActivationParams g = hf_activation(HfFamily::kGptOss);
@@ -136,6 +137,33 @@ TEST(HfNaming, PerExpertFamiliesPlaceGateAndUpRows) {
       }
     }
   }
+}
+
+TEST(HfNaming, UngatedExpertsKeepTheirUpProjectionAsFc1) {
+  // Nemotron-H: <e>.up_proj [F, H] and <e>.down_proj [H, F], squared ReLU.
+  const std::string prefix = "backbone.layers.2.mixer.experts.";
+  StateDict sd;
+  for (int e = 0; e < E; ++e) {
+    sd.emplace(prefix + std::to_string(e) + ".up_proj.weight", tagged({F, H}, 100 * e + 2));
+    sd.emplace(prefix + std::to_string(e) + ".down_proj.weight", tagged({H, F}, 100 * e + 3));
+  }
+  const auto layers = find_hf_expert_layers(sd, HfFamily::kNemotronH);
+  ASSERT_EQ(layers.size(), 1u);
+  EXPECT_EQ(hf_expert_keys(layers[0], HfFamily::kNemotronH).size(), static_cast<size_t>(2 * E));
+  const ExpertWeights w = load_hf_experts(sd, HfFamily::kNemotronH, layers[0], WeightLayout::kSingleGrouped);
+  EXPECT_EQ(w.spec().fc1_out(), F);
+  EXPECT_EQ(f32(w.expert_data(Param::kFc1Weight, 2), 5), code(202, 5));
+  EXPECT_EQ(f32(w.expert_data(Param::kFc2Weight, 1), 7), code(103, 7));
+  const StateDict back = hf_expert_tensors(w, HfFamily::kNemotronH, prefix);
+  ASSERT_EQ(back.size(), sd.size());
+  for (const auto& [k, t] : sd) EXPECT_TRUE(back.at(k).equals(t)) << k;
+  expect_error_naming([&] { load_hf_experts(sd, HfFamily::kNemotronH, layers[0], WeightLayout::kSingleGrouped, 16); },
+                      "argument 'glu_interleave': the nemotron_h experts are not gated");
+  // A gate projection under ungated experts is none of their tensors.
+  StateDict gated = sd;
+  gated.emplace(prefix + "0.gate_proj.weight", tagged({F, H}, 1));
+  expect_error_naming([&] { find_hf_expert_layers(gated, HfFamily::kNemotronH); },
+                      "is none of their tensors (<e>.up_proj.weight, <e>.down_proj.weight for e in 0..2)");
 }
 
 TEST(HfNaming, GptOssInterleavedColumnsTransposesAndBiases) {
