@@ -54,11 +54,12 @@ F = 32  # expert FFN size
 
 def family_specs():
     """name -> (config class, model class, config kwargs, activation, experts attribute path)."""
-    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM,
-                              GptOssConfig, GptOssForCausalLM, JambaConfig, JambaForCausalLM, MixtralConfig,
-                              MixtralForCausalLM, NemotronHConfig, NemotronHForCausalLM, OlmoeConfig,
-                              OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig,
+                              Glm4MoeConfig, Glm4MoeForCausalLM, GptOssConfig, GptOssForCausalLM,
+                              GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, JambaConfig, JambaForCausalLM,
+                              Mistral4Config, Mistral4ForCausalLM, MixtralConfig, MixtralForCausalLM, NemotronHConfig,
+                              NemotronHForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig,
+                              Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     common = dict(vocab_size=16, hidden_size=H, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
@@ -106,6 +107,23 @@ def family_specs():
                             num_experts_per_tok=2, head_dim=32, mamba_num_heads=4, mamba_head_dim=16,
                             ssm_state_size=16, n_groups=1),
                        "squared_relu", 0.15, torch.float32),
+        # Stored fused as held in memory: gate_up_proj [E, 2F, H] and down_proj [E, H, F] (Mistral 4; Gemma 4
+        # with GeGLU and its experts beside a dense MLP), or granite's input_linear / output_linear.
+        "mistral4": (Mistral4Config, Mistral4ForCausalLM,
+                     dict(common, intermediate_size=48, moe_intermediate_size=F, n_routed_experts=4,
+                          n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=0, kv_lora_rank=16,
+                          q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+                     "swiglu", 0.15, torch.float32),
+        "gemma4": (Gemma4TextConfig, Gemma4ForCausalLM,
+                   dict(common, intermediate_size=48, head_dim=16, global_head_dim=16, layer_types=["full_attention"],
+                        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=F,
+                        hidden_size_per_layer_input=0, vocab_size_per_layer_input=16),
+                   "geglu", 1.0, torch.float32),
+        "granitemoe": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM,
+                       dict(common, intermediate_size=F, num_local_experts=4, num_experts_per_tok=2,
+                            shared_intermediate_size=48, layer_types=["attention"], mamba_n_heads=4, mamba_d_state=16,
+                            mamba_chunk_size=16),
+                       "swiglu", 0.15, torch.float32),
         # Clamped SwiGLU (alpha 1.702, limit 7, +1 on the linear half) with biases; a large scale so that
         # the clamps are reached.
         "gpt_oss": (GptOssConfig, GptOssForCausalLM,
@@ -113,6 +131,12 @@ def family_specs():
                          layer_types=["full_attention"], sliding_window=8),
                     "clamped_swiglu", 0.5, torch.float32),
     }
+
+
+# Families whose experts sit in the decoder layer itself (beside its dense MLP), which needs the
+# model's position embeddings: the whole model runs on random token ids, and the hook records what the
+# layer hands its experts.
+WHOLE_MODEL = {"gemma4"}
 
 
 def find_moe_block(model):
@@ -137,6 +161,8 @@ def make_family(name, spec, out_dir, seed):
         for pname, p in model.named_parameters():
             s = scale if pname.startswith(block_name + ".experts.") else 0.15
             p.copy_(torch.randn_like(p) * s)
+            if pname.endswith("per_expert_scale"):  # Gemma 4's router scales each expert's weight: keep it 1
+                p.fill_(1.0)
         if save_dtype != torch.float32:
             # The saved values, exactly: the fp32 run below uses the bf16-rounded weights.
             for p in model.parameters():
@@ -153,7 +179,10 @@ def make_family(name, spec, out_dir, seed):
     handle = experts.register_forward_hook(hook, with_kwargs=True)
     x = torch.randn(1, T, H)
     with torch.no_grad():
-        block(x)
+        if name in WHOLE_MODEL:
+            model(torch.randint(0, kwargs["vocab_size"], (1, T)))
+        else:
+            block(x)
     handle.remove()
 
     xs, idx, probs, y = (captured[k] for k in ("x", "indices", "probs", "y"))

@@ -11,6 +11,10 @@
 //                        and are left alone)
 //   nemotron_h           <P>experts.{e}.up_proj.weight [F, H], down_proj [H, F]: not gated (squared
 //                        ReLU), P = "backbone.layers.{l}.mixer."
+//   mistral4, gemma4     <P>experts.gate_up_proj [E, 2F, H] = [gate ; up] rows, <P>experts.down_proj
+//                        [E, H, F], stored as held in memory (gemma4: GeGLU, P = "model.layers.{l}.")
+//   granitemoe           <P>input_linear.weight [E, 2F, H] = [gate ; up], <P>output_linear.weight [E, H, F]
+//                        with P = "model.layers.{l}.block_sparse_moe."
 //   gpt_oss              <P>experts.gate_up_proj [E, H, 2F]: x @ W, gate = columns 0::2, up = 1::2;
 //                        gate_up_proj_bias [E, 2F] (same interleave); down_proj [E, F, H] (act @ W);
 //                        down_proj_bias [E, H]
@@ -35,9 +39,13 @@
 
 namespace moe {
 
-enum class HfFamily : uint8_t { kMixtral, kQwen2Moe, kQwen3Moe, kOlmoe, kDeepseek, kGptOss, kNemotronH };
+enum class HfFamily : uint8_t {
+  kMixtral, kQwen2Moe, kQwen3Moe, kOlmoe, kDeepseek, kGptOss, kNemotronH,
+  kMistral4, kGemma4, kGraniteMoe,  // stored fused
+};
 
-// "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek", "gpt_oss", "nemotron_h".
+// "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek", "gpt_oss", "nemotron_h", "mistral4",
+// "gemma4", "granitemoe".
 const char* hf_family_name(HfFamily f);
 // Accepts the names above and the Hugging Face model types whose checkpoints use a family's naming
 // (hf_model_types: "glm4_moe", "qwen3_next", "deepseek_v3", "minimax", "jamba", ...); throws
@@ -47,8 +55,8 @@ std::vector<std::string> hf_family_names();
 // The other model types read and written as family f (checked against transformers 5.17: their
 // save_pretrained writes f's per-expert naming, SiLU-gated experts without biases).
 std::vector<std::string> hf_model_types(HfFamily f);
-// The family's expert activation: swiglu, GPT-OSS's clamped swiglu (alpha 1.702, limit 7, +1), or
-// Nemotron-H's squared ReLU (not gated).
+// The family's expert activation: swiglu, geglu (gemma4), GPT-OSS's clamped swiglu (alpha 1.702,
+// limit 7, +1), or Nemotron-H's squared ReLU (not gated).
 ActivationParams hf_activation(HfFamily f);
 // GPT-OSS's experts have biases; the others have none.
 bool hf_has_bias(HfFamily f);
@@ -60,7 +68,7 @@ struct HfExpertLayer {
   int64_t hidden = 0;
   int64_t ffn = 0;
   DType dtype = DType::kBF16;
-  bool fused = false;  // mixtral/qwen/olmoe/deepseek: the fused in-memory form rather than per-expert keys
+  bool fused = false;  // gate_up / down tensors of all experts (the fused families; the others' in-memory form)
   // Per-expert FP8 E4M3 weights, each with its 128x128 block scales "<proj>.weight_scale_inv" (the form
   // DeepSeek-V3, Kimi-K2 and the Qwen3 / MiniMax FP8 checkpoints are released in).
   bool fp8 = false;

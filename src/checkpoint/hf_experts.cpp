@@ -94,6 +94,39 @@ bool split_expert_rest(const std::string& rest, int* e, std::string* proj) {
   return true;
 }
 
+// One layer stored fused under `prefix`: names.gate_up [E, 2F, H] and names.down [E, H, F].
+void add_fused_layer(const StateDict& sd, const std::string& prefix, const FusedNames& names,
+                     std::vector<HfExpertLayer>& layers) {
+  const std::string gu_key = prefix + names.gate_up;
+  const HostTensor& gu = sd.at(gu_key);
+  MOE_CHECK(gu.ndim() == 3 && gu.size(1) % 2 == 0, "state dict: '", gu_key, "' has shape ", gu.shape_string(),
+            ", expected [E, 2F, H]");
+  MOE_CHECK(gu.size(0) <= INT32_MAX, "state dict: '", gu_key, "' ", gu.shape_string(), " holds ",
+            "more experts than a layer can (2^31 - 1)");
+  HfExpertLayer l;
+  l.prefix = prefix;
+  l.experts = static_cast<int>(gu.size(0));
+  l.ffn = gu.size(1) / 2;
+  l.hidden = gu.size(2);
+  l.dtype = gu.dtype();
+  l.fused = true;
+  need(sd, prefix + names.down, {l.experts, l.hidden, l.ffn}, l.dtype);
+  layers.push_back(l);
+}
+
+// The families stored fused: every "<prefix><gate_up name>" with a prefix that names the experts module
+// ("...experts.", granitemoe's "...block_sparse_moe.").
+void find_fused(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>& layers) {
+  const FusedNames names = fused_names(f);
+  const std::string gate_up = names.gate_up;
+  for (const auto& [key, t] : sd) {
+    if (key.size() <= gate_up.size() || key.compare(key.size() - gate_up.size(), gate_up.size(), gate_up) != 0)
+      continue;
+    const std::string prefix = key.substr(0, key.size() - gate_up.size());
+    if (names_expert_module(prefix, f)) add_fused_layer(sd, prefix, names, layers);
+  }
+}
+
 void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>& layers) {
   const ProjNames names = proj_names(f);
   std::map<std::string, std::map<int, std::set<std::string>>> found;  // prefix -> expert -> projections
@@ -172,22 +205,7 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
       }
     layers.push_back(l);
   }
-  for (const std::string& prefix : fused) {
-    const HostTensor& gu = sd.at(prefix + "gate_up_proj");
-    MOE_CHECK(gu.ndim() == 3 && gu.size(1) % 2 == 0, "state dict: '", prefix, "gate_up_proj' has shape ",
-              gu.shape_string(), ", expected [E, 2F, H]");
-    MOE_CHECK(gu.size(0) <= INT32_MAX, "state dict: '", prefix, "gate_up_proj' ", gu.shape_string(), " holds ",
-              "more experts than a layer can (2^31 - 1)");
-    HfExpertLayer l;
-    l.prefix = prefix;
-    l.experts = static_cast<int>(gu.size(0));
-    l.ffn = gu.size(1) / 2;
-    l.hidden = gu.size(2);
-    l.dtype = gu.dtype();
-    l.fused = true;
-    need(sd, prefix + "down_proj", {l.experts, l.hidden, l.ffn}, l.dtype);
-    layers.push_back(l);
-  }
+  for (const std::string& prefix : fused) add_fused_layer(sd, prefix, fused_names(f), layers);
 }
 
 }  // namespace
@@ -196,6 +214,8 @@ std::vector<HfExpertLayer> find_hf_expert_layers(const StateDict& sd, HfFamily f
   std::vector<HfExpertLayer> layers;
   if (f == HfFamily::kGptOss)
     find_gpt_oss(sd, layers);
+  else if (stored_fused(f))
+    find_fused(sd, f, layers);
   else
     find_per_expert(sd, f, layers);
   for (const HfExpertLayer& l : layers)
@@ -209,7 +229,7 @@ std::vector<std::string> hf_expert_keys(const HfExpertLayer& l, HfFamily f) {
   const std::string& p = l.prefix;
   if (f == HfFamily::kGptOss)
     return {p + "gate_up_proj", p + "gate_up_proj_bias", p + "down_proj", p + "down_proj_bias"};
-  if (l.fused) return {p + "gate_up_proj", p + "down_proj"};
+  if (l.fused) return {p + fused_names(f).gate_up, p + fused_names(f).down};
   const ProjNames n = proj_names(f);
   std::vector<std::string> keys;
   for (int e = 0; e < l.experts; ++e)
@@ -274,8 +294,9 @@ ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLay
   }
 
   const ProjNames n = proj_names(f);
-  const uint8_t* fused_gu = l.fused ? need(sd, l.prefix + "gate_up_proj", {E, 2 * F, H}, l.dtype).data() : nullptr;
-  const uint8_t* fused_dn = l.fused ? need(sd, l.prefix + "down_proj", {E, H, F}, l.dtype).data() : nullptr;
+  const FusedNames fn = fused_names(f);
+  const uint8_t* fused_gu = l.fused ? need(sd, l.prefix + fn.gate_up, {E, 2 * F, H}, l.dtype).data() : nullptr;
+  const uint8_t* fused_dn = l.fused ? need(sd, l.prefix + fn.down, {E, H, F}, l.dtype).data() : nullptr;
   for (int e = 0; e < E; ++e) {
     const uint8_t *gate, *up, *down;
     if (l.fused) {  // [gate ; up] rows, as chunk(2, dim=-1) of the product splits them
@@ -305,14 +326,10 @@ ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLay
 // ours -> HF
 
 StateDict hf_expert_tensors(const ExpertWeights& w, HfFamily f, const std::string& prefix) {
-  // Hugging Face keys an expert module's tensors under "...experts.": under any other prefix the
-  // names written would be no family's, and no reader would find the layer again.
-  static const std::string kExperts = "experts.";
-  MOE_CHECK(prefix == kExperts || (prefix.size() > kExperts.size() &&
-                                   prefix.compare(prefix.size() - kExperts.size() - 1, std::string::npos,
-                                                  "." + kExperts) == 0),
-            "Hugging Face ", hf_family_name(f), ": the experts' prefix must end in 'experts.' (the module's ",
-            "name), got '", prefix, "'");
+  // Hugging Face keys an expert module's tensors under "...experts." (granitemoe: "...block_sparse_moe."):
+  // under any other prefix the names written would be no family's, and no reader would find the layer.
+  MOE_CHECK(names_expert_module(prefix, f), "Hugging Face ", hf_family_name(f), ": the experts' prefix must end in '",
+            expert_module(f), "' (the module's name), got '", prefix, "'");
   const ExpertWeightsSpec& spec = w.spec();
   const ActivationParams act = hf_activation(f);
   MOE_CHECK(spec.activation.kind == act.kind, "Hugging Face ", hf_family_name(f), ": its experts use ",
@@ -352,6 +369,23 @@ StateDict hf_expert_tensors(const ExpertWeights& w, HfFamily f, const std::strin
     sd.emplace(prefix + "gate_up_proj_bias", std::move(gub));
     sd.emplace(prefix + "down_proj", std::move(dn));
     sd.emplace(prefix + "down_proj_bias", std::move(dnb));
+    return sd;
+  }
+
+  if (stored_fused(f)) {  // [gate ; up] rows of every expert, and every expert's fc2
+    const FusedNames fn = fused_names(f);
+    HostTensor gu(dt, {E, 2 * F, H}), dn(dt, {E, H, F});
+    for (int e = 0; e < E; ++e) {
+      const uint8_t* fc1 = w.expert_data(Param::kFc1Weight, e);
+      uint8_t* gu_e = gu.mutable_data() + e * 2 * F * row;
+      for (int64_t j = 0; j < F; ++j) {
+        std::memcpy(gu_e + j * row, fc1 + gate_column(j, F, s) * row, row);
+        std::memcpy(gu_e + (F + j) * row, fc1 + linear_column(j, F, s) * row, row);
+      }
+      std::memcpy(dn.mutable_data() + e * H * F * el, w.expert_data(Param::kFc2Weight, e), H * F * el);
+    }
+    sd.emplace(prefix + fn.gate_up, std::move(gu));
+    sd.emplace(prefix + fn.down, std::move(dn));
     return sd;
   }
 

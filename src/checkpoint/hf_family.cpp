@@ -12,15 +12,16 @@ struct FamilyName {
 constexpr FamilyName kFamilies[] = {
     {HfFamily::kMixtral, "mixtral"}, {HfFamily::kQwen2Moe, "qwen2_moe"}, {HfFamily::kQwen3Moe, "qwen3_moe"},
     {HfFamily::kOlmoe, "olmoe"},     {HfFamily::kDeepseek, "deepseek"},  {HfFamily::kGptOss, "gpt_oss"},
-    {HfFamily::kNemotronH, "nemotron_h"},
+    {HfFamily::kNemotronH, "nemotron_h"}, {HfFamily::kMistral4, "mistral4"}, {HfFamily::kGemma4, "gemma4"},
+    {HfFamily::kGraniteMoe, "granitemoe"},
 };
 // Hugging Face model types (config.json's "model_type") whose save_pretrained writes a family's naming
 // with its activation (SiLU-gated, no biases), checked against transformers 5.17 by saving a tiny model
 // of each: the per-expert gate_proj / up_proj / down_proj of Qwen2-MoE (transformers itself maps most
 // of them to "qwen2_moe" when loading), or Mixtral's w1 / w3 / w2. Model types whose experts clamp
-// with a limit from their config (deepseek_v4, glm5_next, hy_v4, minimax_m3_vl), are not gated
-// (nemotron_h) or are stored fused or under other names (gemma4, granitemoe, mistral4, ...) are not
-// listed: their experts are not those of any family here (nemotron_h has a family of its own).
+// with a limit from their config (deepseek_v4, glm5_next, hy_v4, minimax_m3_vl and their text
+// classes) or store their experts in another form (qwen3_vl_moe's released files: transposed; inkling:
+// interleaved w13) are not listed: their experts are not those of any family here.
 constexpr FamilyName kModelTypes[] = {
     {HfFamily::kDeepseek, "deepseek_v2"},      {HfFamily::kDeepseek, "deepseek_v3"},
     {HfFamily::kDeepseek, "deepseek_v32"},     {HfFamily::kQwen2Moe, "qwen3_next"},
@@ -40,6 +41,13 @@ constexpr FamilyName kModelTypes[] = {
     {HfFamily::kMixtral, "minimax"},           {HfFamily::kMixtral, "minimax_m2"},
     {HfFamily::kMixtral, "phimoe"},            {HfFamily::kMixtral, "kimi_linear"},
     {HfFamily::kMixtral, "lfm2_moe"},
+    // Stored fused, as held in memory (no conversion registered for them).
+    {HfFamily::kMistral4, "zaya"},             {HfFamily::kMistral4, "granitemoe_swa"},
+    {HfFamily::kMistral4, "qwen3_vl_moe_text"}, {HfFamily::kMistral4, "inkling_text"},
+    {HfFamily::kMistral4, "deepseek_ocr2_text"}, {HfFamily::kMistral4, "glm4v_moe_text"},
+    {HfFamily::kMistral4, "ernie4_5_vl_moe_text"}, {HfFamily::kGemma4, "gemma4_text"},
+    {HfFamily::kGemma4, "diffusion_gemma"},    {HfFamily::kGraniteMoe, "granitemoeshared"},
+    {HfFamily::kGraniteMoe, "granitemoehybrid"},
 };
 
 }  // namespace
@@ -83,6 +91,8 @@ ActivationParams hf_activation(HfFamily f) {
     a.alpha = 1.702f;
     a.limit = 7.0f;
     a.offset = 1.0f;
+  } else if (f == HfFamily::kGemma4) {
+    a.kind = Activation::kGeGLU;  // act_fn(gate) * up with hidden_activation = "gelu_pytorch_tanh"
   } else if (f == HfFamily::kNemotronH) {
     a.kind = Activation::kSquaredReLU;  // down(relu(up x)^2), mlp_hidden_act = "relu2"
   } else {

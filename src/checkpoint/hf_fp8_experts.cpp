@@ -148,8 +148,8 @@ StateDict hf_fp8_expert_tensors(const StateDict& sd, const std::string& prefix, 
                                 const QuantConfig& fc2_format, HfFamily f, int s) {
   MOE_CHECK(f != HfFamily::kGptOss, "Hugging Face gpt_oss: its experts are not stored as FP8 with 128x128 block ",
             "scales (GPT-OSS ships MXFP4); the FP8 experts under '", prefix, "' cannot be written in its naming");
-  MOE_CHECK(proj_names(f).gate != nullptr, "Hugging Face ", hf_family_name(f), ": FP8 experts are written for ",
-            "gated families only; the experts under '", prefix, "' stay ours");
+  MOE_CHECK(proj_names(f).gate != nullptr && !stored_fused(f), "Hugging Face ", hf_family_name(f), ": FP8 experts ",
+            "are written for the gated per-expert families only; the experts under '", prefix, "' stay ours");
   const std::string k1 = expert_param_key(prefix, Param::kFc1Weight), k2 = expert_param_key(prefix, Param::kFc2Weight);
   for (const auto& [key, c] : {std::pair{k1, fc1_format}, std::pair{k2, fc2_format}})
     MOE_CHECK(hf_fp8_storable(c),

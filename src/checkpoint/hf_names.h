@@ -26,6 +26,30 @@ inline ProjNames proj_names(HfFamily f) {
   return {"gate_proj", "up_proj", "down_proj"};
 }
 
+// The families that store each layer's experts fused, and their tensors' names after the layer's
+// prefix: gate_up [E, 2F, H] = [gate ; up] rows, down [E, H, F]. The per-expert families' fused
+// in-memory form (read too) uses the first pair.
+struct FusedNames {
+  const char* gate_up;
+  const char* down;
+};
+inline bool stored_fused(HfFamily f) {
+  return f == HfFamily::kMistral4 || f == HfFamily::kGemma4 || f == HfFamily::kGraniteMoe;
+}
+inline FusedNames fused_names(HfFamily f) {
+  if (f == HfFamily::kGraniteMoe) return {"input_linear.weight", "output_linear.weight"};
+  return {"gate_up_proj", "down_proj"};
+}
+
+// The name of the module a family keys its experts' tensors under: "experts." (granitemoe:
+// "block_sparse_moe."). A layer's prefix is that name or ends in "." + that name.
+inline std::string expert_module(HfFamily f) { return f == HfFamily::kGraniteMoe ? "block_sparse_moe." : "experts."; }
+inline bool names_expert_module(const std::string& prefix, HfFamily f) {
+  const std::string m = expert_module(f);
+  return prefix == m ||
+         (prefix.size() > m.size() && prefix.compare(prefix.size() - m.size() - 1, std::string::npos, "." + m) == 0);
+}
+
 // "<prefix><e>.<proj>.weight".
 inline std::string per_expert_key(const std::string& prefix, int e, const char* proj) {
   return prefix + std::to_string(e) + "." + proj + ".weight";

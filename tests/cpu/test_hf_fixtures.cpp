@@ -147,6 +147,9 @@ constexpr Fixture kFixtures[] = {
     // Model types read in a family's naming.
     {"glm4_moe", HfFamily::kQwen2Moe, "swiglu"},        {"jamba", HfFamily::kQwen2Moe, "swiglu"},
     {"nemotron_h", HfFamily::kNemotronH, "squared_relu"},
+    // Stored fused.
+    {"mistral4", HfFamily::kMistral4, "swiglu"},        {"gemma4", HfFamily::kGemma4, "geglu"},
+    {"granitemoe", HfFamily::kGraniteMoe, "swiglu"},
 };
 
 TEST(HfFixtures, ReferenceReproducesTransformersExpertOutputs) {

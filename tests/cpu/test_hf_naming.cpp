@@ -91,7 +91,7 @@ TEST(HfFamily, NamesActivationsBiases) {
   EXPECT_EQ(hf_model_types(HfFamily::kMixtral).size(), 5u);
   EXPECT_TRUE(hf_model_types(HfFamily::kGptOss).empty());
   EXPECT_EQ(hf_activation(HfFamily::kNemotronH).kind, Activation::kSquaredReLU);
-  for (const char* no : {"deepseek_v4", "glm5_next", "hy_v4", "minimax_m3_vl", "gemma4", "granitemoe"})
+  for (const char* no : {"deepseek_v4", "glm5_next", "hy_v4", "minimax_m3_vl", "qwen3_vl_moe", "inkling"})
     expect_error_naming([&] { hf_family_from_name(no); }, std::string("unknown Hugging Face family '") + no + "'");
   EXPECT_EQ(hf_activation(HfFamily::kQwen3Moe).kind, Activation::kSwiGLU);
   const ActivationParams g = hf_activation(HfFamily::kGptOss);

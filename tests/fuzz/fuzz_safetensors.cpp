@@ -33,7 +33,8 @@ void convert_all_ways(const moe::safetensors::Header& h, const uint8_t* data) {
   moe::StateDict sd;
   for (const auto& t : h.tensors)
     sd.emplace(t.name, moe::HostTensor::borrow(t.dtype, t.shape, data + h.data_start + t.begin, nullptr));
-  const char* formats[] = {"per-expert", "grouped", "hf:mixtral", "hf:qwen3_moe", "hf:gpt_oss", "hf:nemotron_h"};
+  const char* formats[] = {"per-expert", "grouped", "hf:mixtral", "hf:qwen3_moe", "hf:gpt_oss", "hf:nemotron_h",
+                           "hf:mistral4", "hf:granitemoe"};
   for (const char* from : formats) {
     for (const char* to : {"grouped", "hf:mixtral", "hf:gpt_oss"}) {
       moe::ConvertOptions o;
