@@ -59,7 +59,8 @@ def family_specs():
                               GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, JambaConfig, JambaForCausalLM,
                               Mistral4Config, Mistral4ForCausalLM, MixtralConfig, MixtralForCausalLM, NemotronHConfig,
                               NemotronHForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig,
-                              Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                              Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3VLMoeTextConfig,
+                              Qwen3VLMoeTextModel)
 
     common = dict(vocab_size=16, hidden_size=H, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
@@ -124,6 +125,11 @@ def family_specs():
                             shared_intermediate_size=48, layer_types=["attention"], mamba_n_heads=4, mamba_d_state=16,
                             mamba_chunk_size=16),
                        "swiglu", 0.15, torch.float32),
+        # Qwen3-VL-MoE's language model, saved as its released files are: fused and transposed.
+        "qwen3_vl_moe": (Qwen3VLMoeTextConfig, Qwen3VLMoeTextModel,
+                         dict(common, intermediate_size=48, moe_intermediate_size=F, num_experts=4,
+                              num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], head_dim=32),
+                         "swiglu", 0.15, torch.float32),
         # Clamped SwiGLU (alpha 1.702, limit 7, +1 on the linear half) with biases; a large scale so that
         # the clamps are reached.
         "gpt_oss": (GptOssConfig, GptOssForCausalLM,
@@ -137,6 +143,9 @@ def family_specs():
 # model's position embeddings: the whole model runs on random token ids, and the hook records what the
 # layer hands its experts.
 WHOLE_MODEL = {"gemma4"}
+# Families whose released checkpoints hold the fused experts transposed (x @ W): gate_up_proj [E, H, 2F],
+# down_proj [E, F, H].
+RELEASED_TRANSPOSED = {"qwen3_vl_moe"}
 
 
 def find_moe_block(model):
@@ -199,6 +208,15 @@ def make_family(name, spec, out_dir, seed):
         model.to(save_dtype).save_pretrained(tmp)
         for f in ("model.safetensors", "config.json"):
             shutil.copyfile(os.path.join(tmp, f), os.path.join(fam_dir, f))
+        if name in RELEASED_TRANSPOSED:
+            # The released files' form, which transformers' qwen3_vl_moe conversion (Transpose(1, 2)) turns
+            # into the in-memory one on loading, but which its save_pretrained (5.17) does not write back.
+            path = os.path.join(fam_dir, "model.safetensors")
+            state = load_file(path)
+            for key in list(state):
+                if key.endswith(".experts.gate_up_proj") or key.endswith(".experts.down_proj"):
+                    state[key] = state[key].transpose(1, 2).contiguous()
+            save_file(state, path, metadata={"format": "pt"})
     finally:
         shutil.rmtree(tmp)
 

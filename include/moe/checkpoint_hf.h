@@ -15,6 +15,9 @@
 //                        [E, H, F], stored as held in memory (gemma4: GeGLU, P = "model.layers.{l}.")
 //   granitemoe           <P>input_linear.weight [E, 2F, H] = [gate ; up], <P>output_linear.weight [E, H, F]
 //                        with P = "model.layers.{l}.block_sparse_moe."
+//   qwen3_vl_moe         <P>experts.gate_up_proj [E, H, 2F] (x @ W: gate = columns [0, F), up = [F, 2F)),
+//                        <P>experts.down_proj [E, F, H], P = "model.language_model.layers.{l}.mlp." -- the
+//                        released files' form (transformers 5.17 saves [E, 2F, H] / [E, H, F]: read too)
 //   gpt_oss              <P>experts.gate_up_proj [E, H, 2F]: x @ W, gate = columns 0::2, up = 1::2;
 //                        gate_up_proj_bias [E, 2F] (same interleave); down_proj [E, F, H] (act @ W);
 //                        down_proj_bias [E, H]
@@ -41,11 +44,11 @@ namespace moe {
 
 enum class HfFamily : uint8_t {
   kMixtral, kQwen2Moe, kQwen3Moe, kOlmoe, kDeepseek, kGptOss, kNemotronH,
-  kMistral4, kGemma4, kGraniteMoe,  // stored fused
+  kMistral4, kGemma4, kGraniteMoe, kQwen3VlMoe,  // stored fused
 };
 
 // "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek", "gpt_oss", "nemotron_h", "mistral4",
-// "gemma4", "granitemoe".
+// "gemma4", "granitemoe", "qwen3_vl_moe".
 const char* hf_family_name(HfFamily f);
 // Accepts the names above and the Hugging Face model types whose checkpoints use a family's naming
 // (hf_model_types: "glm4_moe", "qwen3_next", "deepseek_v3", "minimax", "jamba", ...); throws
@@ -69,6 +72,7 @@ struct HfExpertLayer {
   int64_t ffn = 0;
   DType dtype = DType::kBF16;
   bool fused = false;  // gate_up / down tensors of all experts (the fused families; the others' in-memory form)
+  bool transposed = false;  // fused in the x @ W form: gate_up [E, H, 2F], down [E, F, H] (qwen3_vl_moe)
   // Per-expert FP8 E4M3 weights, each with its 128x128 block scales "<proj>.weight_scale_inv" (the form
   // DeepSeek-V3, Kimi-K2 and the Qwen3 / MiniMax FP8 checkpoints are released in).
   bool fp8 = false;

@@ -95,22 +95,28 @@ bool split_expert_rest(const std::string& rest, int* e, std::string* proj) {
 }
 
 // One layer stored fused under `prefix`: names.gate_up [E, 2F, H] and names.down [E, H, F].
-void add_fused_layer(const StateDict& sd, const std::string& prefix, const FusedNames& names,
+// With `may_transpose`, the x @ W form is read too (gate_up [E, H, 2F], down [E, F, H]; qwen3_vl_moe's
+// released files): down's shape tells the two apart, since F != H whenever gate_up is square (H = 2F).
+void add_fused_layer(const StateDict& sd, const std::string& prefix, const FusedNames& names, bool may_transpose,
                      std::vector<HfExpertLayer>& layers) {
-  const std::string gu_key = prefix + names.gate_up;
+  const std::string gu_key = prefix + names.gate_up, dn_key = prefix + names.down;
   const HostTensor& gu = sd.at(gu_key);
-  MOE_CHECK(gu.ndim() == 3 && gu.size(1) % 2 == 0, "state dict: '", gu_key, "' has shape ", gu.shape_string(),
-            ", expected [E, 2F, H]");
   MOE_CHECK(gu.size(0) <= INT32_MAX, "state dict: '", gu_key, "' ", gu.shape_string(), " holds ",
             "more experts than a layer can (2^31 - 1)");
+  auto dn = sd.find(dn_key);
+  const bool transposed = may_transpose && gu.ndim() == 3 && gu.size(2) % 2 == 0 && dn != sd.end() &&
+                          dn->second.shape() == std::vector<int64_t>{gu.size(0), gu.size(2) / 2, gu.size(1)};
+  MOE_CHECK(gu.ndim() == 3 && gu.size(transposed ? 2 : 1) % 2 == 0, "state dict: '", gu_key, "' has shape ",
+            gu.shape_string(), ", expected [E, 2F, H]", may_transpose ? " or [E, H, 2F]" : "");
   HfExpertLayer l;
   l.prefix = prefix;
   l.experts = static_cast<int>(gu.size(0));
-  l.ffn = gu.size(1) / 2;
-  l.hidden = gu.size(2);
+  l.ffn = gu.size(transposed ? 2 : 1) / 2;
+  l.hidden = gu.size(transposed ? 1 : 2);
   l.dtype = gu.dtype();
   l.fused = true;
-  need(sd, prefix + names.down, {l.experts, l.hidden, l.ffn}, l.dtype);
+  l.transposed = transposed;
+  if (!transposed) need(sd, dn_key, {l.experts, l.hidden, l.ffn}, l.dtype);
   layers.push_back(l);
 }
 
@@ -123,7 +129,7 @@ void find_fused(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>& lay
     if (key.size() <= gate_up.size() || key.compare(key.size() - gate_up.size(), gate_up.size(), gate_up) != 0)
       continue;
     const std::string prefix = key.substr(0, key.size() - gate_up.size());
-    if (names_expert_module(prefix, f)) add_fused_layer(sd, prefix, names, layers);
+    if (names_expert_module(prefix, f)) add_fused_layer(sd, prefix, names, f == HfFamily::kQwen3VlMoe, layers);
   }
 }
 
@@ -205,7 +211,7 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
       }
     layers.push_back(l);
   }
-  for (const std::string& prefix : fused) add_fused_layer(sd, prefix, fused_names(f), layers);
+  for (const std::string& prefix : fused) add_fused_layer(sd, prefix, fused_names(f), false, layers);
 }
 
 }  // namespace
@@ -295,6 +301,26 @@ ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLay
 
   const ProjNames n = proj_names(f);
   const FusedNames fn = fused_names(f);
+  if (l.transposed) {  // x @ W: gate = columns [0, F), up = [F, 2F) of gate_up [E, H, 2F]; down [E, F, H]
+    const uint8_t* gu = need(sd, l.prefix + fn.gate_up, {E, H, 2 * F}, l.dtype).data();
+    const uint8_t* dn = need(sd, l.prefix + fn.down, {E, F, H}, l.dtype).data();
+    for (int e = 0; e < E; ++e) {
+      uint8_t* fc1 = w.mutable_expert_data(Param::kFc1Weight, e);
+      uint8_t* fc2 = w.mutable_expert_data(Param::kFc2Weight, e);
+      const uint8_t* gu_e = gu + e * H * 2 * F * el;
+      const uint8_t* dn_e = dn + e * F * H * el;
+      for (int64_t j = 0; j < F; ++j) {
+        const int64_t g = gate_column(j, F, s), u = linear_column(j, F, s);
+        for (int64_t h = 0; h < H; ++h) {
+          std::memcpy(fc1 + (g * H + h) * el, gu_e + (h * 2 * F + j) * el, el);
+          std::memcpy(fc1 + (u * H + h) * el, gu_e + (h * 2 * F + F + j) * el, el);
+        }
+      }
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t j = 0; j < F; ++j) std::memcpy(fc2 + (h * F + j) * el, dn_e + (j * H + h) * el, el);
+    }
+    return w;
+  }
   const uint8_t* fused_gu = l.fused ? need(sd, l.prefix + fn.gate_up, {E, 2 * F, H}, l.dtype).data() : nullptr;
   const uint8_t* fused_dn = l.fused ? need(sd, l.prefix + fn.down, {E, H, F}, l.dtype).data() : nullptr;
   for (int e = 0; e < E; ++e) {
@@ -372,6 +398,27 @@ StateDict hf_expert_tensors(const ExpertWeights& w, HfFamily f, const std::strin
     return sd;
   }
 
+  if (f == HfFamily::kQwen3VlMoe) {  // the released form: x @ W, gate_up [E, H, 2F] (halves), down [E, F, H]
+    HostTensor gu(dt, {E, H, 2 * F}), dn(dt, {E, F, H});
+    for (int e = 0; e < E; ++e) {
+      const uint8_t* fc1 = w.expert_data(Param::kFc1Weight, e);
+      const uint8_t* fc2 = w.expert_data(Param::kFc2Weight, e);
+      uint8_t* gu_e = gu.mutable_data() + e * H * 2 * F * el;
+      uint8_t* dn_e = dn.mutable_data() + e * F * H * el;
+      for (int64_t j = 0; j < F; ++j) {
+        const int64_t g = gate_column(j, F, s), u = linear_column(j, F, s);
+        for (int64_t h = 0; h < H; ++h) {
+          std::memcpy(gu_e + (h * 2 * F + j) * el, fc1 + (g * H + h) * el, el);
+          std::memcpy(gu_e + (h * 2 * F + F + j) * el, fc1 + (u * H + h) * el, el);
+        }
+      }
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t j = 0; j < F; ++j) std::memcpy(dn_e + (j * H + h) * el, fc2 + (h * F + j) * el, el);
+    }
+    sd.emplace(prefix + "gate_up_proj", std::move(gu));
+    sd.emplace(prefix + "down_proj", std::move(dn));
+    return sd;
+  }
   if (stored_fused(f)) {  // [gate ; up] rows of every expert, and every expert's fc2
     const FusedNames fn = fused_names(f);
     HostTensor gu(dt, {E, 2 * F, H}), dn(dt, {E, H, F});

@@ -13,15 +13,15 @@ constexpr FamilyName kFamilies[] = {
     {HfFamily::kMixtral, "mixtral"}, {HfFamily::kQwen2Moe, "qwen2_moe"}, {HfFamily::kQwen3Moe, "qwen3_moe"},
     {HfFamily::kOlmoe, "olmoe"},     {HfFamily::kDeepseek, "deepseek"},  {HfFamily::kGptOss, "gpt_oss"},
     {HfFamily::kNemotronH, "nemotron_h"}, {HfFamily::kMistral4, "mistral4"}, {HfFamily::kGemma4, "gemma4"},
-    {HfFamily::kGraniteMoe, "granitemoe"},
+    {HfFamily::kGraniteMoe, "granitemoe"}, {HfFamily::kQwen3VlMoe, "qwen3_vl_moe"},
 };
 // Hugging Face model types (config.json's "model_type") whose save_pretrained writes a family's naming
 // with its activation (SiLU-gated, no biases), checked against transformers 5.17 by saving a tiny model
 // of each: the per-expert gate_proj / up_proj / down_proj of Qwen2-MoE (transformers itself maps most
 // of them to "qwen2_moe" when loading), or Mixtral's w1 / w3 / w2. Model types whose experts clamp
 // with a limit from their config (deepseek_v4, glm5_next, hy_v4, minimax_m3_vl and their text
-// classes) or store their experts in another form (qwen3_vl_moe's released files: transposed; inkling:
-// interleaved w13) are not listed: their experts are not those of any family here.
+// classes) or store their experts in another form (inkling: interleaved w13) are not listed: their
+// experts are not those of any family here.
 constexpr FamilyName kModelTypes[] = {
     {HfFamily::kDeepseek, "deepseek_v2"},      {HfFamily::kDeepseek, "deepseek_v3"},
     {HfFamily::kDeepseek, "deepseek_v32"},     {HfFamily::kQwen2Moe, "qwen3_next"},

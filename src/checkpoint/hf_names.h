@@ -34,7 +34,8 @@ struct FusedNames {
   const char* down;
 };
 inline bool stored_fused(HfFamily f) {
-  return f == HfFamily::kMistral4 || f == HfFamily::kGemma4 || f == HfFamily::kGraniteMoe;
+  return f == HfFamily::kMistral4 || f == HfFamily::kGemma4 || f == HfFamily::kGraniteMoe ||
+         f == HfFamily::kQwen3VlMoe;
 }
 inline FusedNames fused_names(HfFamily f) {
   if (f == HfFamily::kGraniteMoe) return {"input_linear.weight", "output_linear.weight"};

@@ -149,7 +149,7 @@ constexpr Fixture kFixtures[] = {
     {"nemotron_h", HfFamily::kNemotronH, "squared_relu"},
     // Stored fused.
     {"mistral4", HfFamily::kMistral4, "swiglu"},        {"gemma4", HfFamily::kGemma4, "geglu"},
-    {"granitemoe", HfFamily::kGraniteMoe, "swiglu"},
+    {"granitemoe", HfFamily::kGraniteMoe, "swiglu"},      {"qwen3_vl_moe", HfFamily::kQwen3VlMoe, "swiglu"},
 };
 
 TEST(HfFixtures, ReferenceReproducesTransformersExpertOutputs) {

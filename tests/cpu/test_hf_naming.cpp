@@ -91,7 +91,7 @@ TEST(HfFamily, NamesActivationsBiases) {
   EXPECT_EQ(hf_model_types(HfFamily::kMixtral).size(), 5u);
   EXPECT_TRUE(hf_model_types(HfFamily::kGptOss).empty());
   EXPECT_EQ(hf_activation(HfFamily::kNemotronH).kind, Activation::kSquaredReLU);
-  for (const char* no : {"deepseek_v4", "glm5_next", "hy_v4", "minimax_m3_vl", "qwen3_vl_moe", "inkling"})
+  for (const char* no : {"deepseek_v4", "glm5_next", "hy_v4", "minimax_m3_vl", "inkling"})
     expect_error_naming([&] { hf_family_from_name(no); }, std::string("unknown Hugging Face family '") + no + "'");
   EXPECT_EQ(hf_activation(HfFamily::kQwen3Moe).kind, Activation::kSwiGLU);
   const ActivationParams g = hf_activation(HfFamily::kGptOss);
@@ -164,6 +164,51 @@ TEST(HfNaming, UngatedExpertsKeepTheirUpProjectionAsFc1) {
   gated.emplace(prefix + "0.gate_proj.weight", tagged({F, H}, 1));
   expect_error_naming([&] { find_hf_expert_layers(gated, HfFamily::kNemotronH); },
                       "is none of their tensors (<e>.up_proj.weight, <e>.down_proj.weight for e in 0..2)");
+}
+
+TEST(HfNaming, Qwen3VlMoeReadsBothFusedOrientationsAndWritesTheReleasedOne) {
+  // Released: gate_up [E, H, 2F] (x @ W, halves), down [E, F, H]; transformers 5.17's save: [E, 2F, H],
+  // [E, H, F]. gate_up is square (H = 2F) in the second case too: down's shape tells them apart.
+  for (int64_t h : {H, 2 * F}) {
+    SCOPED_TRACE("H = " + std::to_string(h));
+    const std::string p = "model.language_model.layers.0.mlp.experts.";
+    StateDict released, saved;
+    released.emplace(p + "gate_up_proj", tagged({E, h, 2 * F}, 1));
+    released.emplace(p + "down_proj", tagged({E, F, h}, 2));
+    HostTensor gu(DType::kFP32, {E, 2 * F, h}), dn(DType::kFP32, {E, h, F});
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t i = 0; i < h; ++i)
+        for (int64_t j = 0; j < 2 * F; ++j) {
+          std::memcpy(gu.mutable_data() + 4 * ((e * 2 * F + j) * h + i),
+                      released.at(p + "gate_up_proj").data() + 4 * ((e * h + i) * 2 * F + j), 4);
+          if (j < F)
+            std::memcpy(dn.mutable_data() + 4 * ((e * h + i) * F + j),
+                        released.at(p + "down_proj").data() + 4 * ((e * F + j) * h + i), 4);
+        }
+    saved.emplace(p + "gate_up_proj", gu);
+    saved.emplace(p + "down_proj", dn);
+    const auto lr = find_hf_expert_layers(released, HfFamily::kQwen3VlMoe);
+    const auto ls = find_hf_expert_layers(saved, HfFamily::kQwen3VlMoe);
+    ASSERT_EQ(lr.size(), 1u);
+    ASSERT_EQ(ls.size(), 1u);
+    EXPECT_TRUE(lr[0].transposed);
+    EXPECT_FALSE(ls[0].transposed);
+    EXPECT_EQ(lr[0].hidden, h);
+    EXPECT_EQ(ls[0].ffn, F);
+    const ExpertWeights a = load_hf_experts(released, HfFamily::kQwen3VlMoe, lr[0], WeightLayout::kSingleGrouped, 8);
+    const ExpertWeights b = load_hf_experts(saved, HfFamily::kQwen3VlMoe, ls[0], WeightLayout::kSingleGrouped, 8);
+    for (Param q : {Param::kFc1Weight, Param::kFc2Weight})
+      for (int e = 0; e < E; ++e)
+        EXPECT_EQ(std::memcmp(a.expert_data(q, e), b.expert_data(q, e), a.spec().expert_shape(q)[0] *
+                                                                            a.spec().expert_shape(q)[1] * 4), 0);
+    // Gate j of expert 1 is column j of its gate_up, up j column F + j.
+    EXPECT_EQ(f32(a.expert_data(Param::kFc1Weight, 1), gate_column(3, F, 8) * h + 2), code(1, (1 * h + 2) * 2 * F + 3));
+    EXPECT_EQ(f32(a.expert_data(Param::kFc1Weight, 1), linear_column(3, F, 8) * h + 2),
+              code(1, (1 * h + 2) * 2 * F + F + 3));
+    const StateDict back = hf_expert_tensors(b, HfFamily::kQwen3VlMoe, p);
+    ASSERT_EQ(back.size(), 2u);
+    for (const auto& [k, t] : released) EXPECT_TRUE(back.at(k).equals(t)) << k;
+  }
 }
 
 TEST(HfNaming, GptOssInterleavedColumnsTransposesAndBiases) {
