@@ -342,6 +342,84 @@ def make_fp8(out_dir, seed):
           f"{captured['y'].abs().max().item():.3g}")
 
 
+def make_mxfp4(out_dir, seed):
+    """GPT-OSS as its checkpoints are released: the experts' weights in MXFP4 (`gate_up_proj_blocks`
+    U8 [E, 2F, H / 32, 16], two E2M1 codes a byte, with E8M0 `gate_up_proj_scales` U8 [E, 2F, H / 32];
+    `down_proj` the same along F), everything else in bf16. Random codes and scales 119..128; the block's
+    output `y` is computed (in fp32) with the weights transformers' own `convert_moe_packed_tensors`
+    decodes, which io.safetensors also holds (`gate_up_decoded` [E, H, 2F], `down_decoded` [E, F, H],
+    bf16) for a bit-for-bit check of our decoder."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    torch.manual_seed(seed)
+    E, k = 4, 2
+    config = GptOssConfig(vocab_size=16, hidden_size=H, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=1, intermediate_size=F, num_local_experts=E, num_experts_per_tok=k,
+                          head_dim=32, layer_types=["full_attention"], sliding_window=8, pad_token_id=0,
+                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = GptOssForCausalLM(config).eval()
+    model.set_experts_implementation("eager")
+    block_name, block = find_moe_block(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_((torch.randn_like(p) * 0.15).to(torch.bfloat16).float())
+    packed = {
+        "gate_up_proj": (torch.randint(0, 256, (E, 2 * F, H // 32, 16), dtype=torch.uint8),
+                         torch.randint(119, 129, (E, 2 * F, H // 32), dtype=torch.uint8)),
+        "down_proj": (torch.randint(0, 256, (E, H, F // 32, 16), dtype=torch.uint8),
+                      torch.randint(119, 129, (E, H, F // 32), dtype=torch.uint8)),
+    }
+    decoded = {name: convert_moe_packed_tensors(b, s_, dtype=torch.bfloat16) for name, (b, s_) in packed.items()}
+    with torch.no_grad():
+        block.experts.gate_up_proj.copy_(decoded["gate_up_proj"].float())
+        block.experts.down_proj.copy_(decoded["down_proj"].float())
+
+    captured = {}
+
+    def hook(module, args, kwargs_, output):
+        a = list(args) + [kwargs_[k_] for k_ in ("top_k_index", "top_k_weights", "router_indices", "routing_weights")
+                          if k_ in kwargs_]
+        captured["x"], captured["indices"], captured["probs"] = a[0], a[1], a[2]
+        captured["y"] = output
+
+    handle = block.experts.register_forward_hook(hook, with_kwargs=True)
+    with torch.no_grad():
+        block(torch.randn(1, T, H))
+    handle.remove()
+
+    tmp = tempfile.mkdtemp()
+    try:
+        model.to(torch.bfloat16).save_pretrained(tmp)
+        state = load_file(os.path.join(tmp, "model.safetensors"))
+        with open(os.path.join(tmp, "config.json")) as fh:
+            cfg = json.load(fh)
+    finally:
+        shutil.rmtree(tmp)
+    pre = block_name + ".experts."
+    for name, (b, s_) in packed.items():
+        del state[pre + name]
+        state[pre + name + "_blocks"] = b
+        state[pre + name + "_scales"] = s_
+    target = os.path.join(out_dir, "gpt_oss_mxfp4")
+    os.makedirs(target, exist_ok=True)
+    save_file(state, os.path.join(target, "model.safetensors"), metadata={"format": "pt"})
+    cfg["quantization_config"] = {"quant_method": "mxfp4",
+                                  "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                             "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(target, "config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+    meta = {"family": "gpt_oss", "activation": "clamped_swiglu", "hidden": str(H), "ffn": str(F), "experts": str(E),
+            "topk": str(k), "tokens": str(T), "weights_dtype": "mxfp4", "moe_block": block_name,
+            "torch": torch.__version__, "transformers": transformers.__version__, "seed": str(seed)}
+    save_file({"x": captured["x"].contiguous().float(), "indices": captured["indices"].to(torch.int32).contiguous(),
+               "probs": captured["probs"].contiguous().float(), "y": captured["y"].contiguous().float(),
+               "gate_up_decoded": decoded["gate_up_proj"].contiguous(), "down_decoded": decoded["down_proj"].contiguous()},
+              os.path.join(target, "io.safetensors"), metadata=meta)
+    print(f"gpt_oss_mxfp4: E={E} k={k}, max |y| {captured['y'].abs().max().item():.3g}")
+
+
 def make_sharded(out_dir, seed):
     """A two-layer Qwen3-MoE model (E = 4, bf16) saved by save_pretrained in shards of at most 40 KB, so
     that each layer's experts spread over several shards: model-0000i-of-0000N.safetensors and
@@ -382,7 +460,8 @@ def main():
                                                           "hf_sharded"),
                     help="where the sharded checkpoint fixture goes ('' to skip it)")
     ap.add_argument("--fp8", default=True, action=argparse.BooleanOptionalAction,
-                    help="also make deepseek_v3_fp8 (the experts in FP8 with 128x128 block scales)")
+                    help="also make deepseek_v3_fp8 (the experts in FP8 with 128x128 block scales) and "
+                         "gpt_oss_mxfp4 (GPT-OSS's released MXFP4 experts)")
     args = ap.parse_args()
     specs = family_specs()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
@@ -392,6 +471,7 @@ def main():
         make_family(name, specs[name], args.out, args.seed + list(specs).index(name))
     if args.fp8:
         make_fp8(args.out, args.seed + 200)
+        make_mxfp4(args.out, args.seed + 300)
     if args.sharded_out:
         make_sharded(args.sharded_out, args.seed + 100)
     return 0

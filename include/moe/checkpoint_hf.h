@@ -19,6 +19,9 @@
 //                        <P>experts.down_proj [E, F, H], P = "model.language_model.layers.{l}.mlp." -- the
 //                        released files' form (transformers 5.17 saves [E, 2F, H] / [E, H, F]: read too)
 //   gpt_oss              <P>experts.gate_up_proj [E, H, 2F]: x @ W, gate = columns 0::2, up = 1::2;
+//                        or the released MXFP4 form, <P>experts.gate_up_proj_blocks [E, 2F, H / 32, 16]
+//                        with _scales [E, 2F, H / 32] (down_proj the same, [E, H, F / 32, 16]), read as
+//                        the bf16 values it decodes to (exact);
 //                        gate_up_proj_bias [E, 2F] (same interleave); down_proj [E, F, H] (act @ W);
 //                        down_proj_bias [E, H]
 //
@@ -73,6 +76,9 @@ struct HfExpertLayer {
   DType dtype = DType::kBF16;
   bool fused = false;  // gate_up / down tensors of all experts (the fused families; the others' in-memory form)
   bool transposed = false;  // fused in the x @ W form: gate_up [E, H, 2F], down [E, F, H] (qwen3_vl_moe)
+  // GPT-OSS's released MXFP4 form (gate_up_proj_blocks / _scales, down_proj_blocks / _scales, bf16
+  // biases): read as the bf16 values it decodes to, exactly; written back as bf16 (dtype bf16 here).
+  bool mxfp4 = false;
   // Per-expert FP8 E4M3 weights, each with its 128x128 block scales "<proj>.weight_scale_inv" (the form
   // DeepSeek-V3, Kimi-K2 and the Qwen3 / MiniMax FP8 checkpoints are released in).
   bool fp8 = false;

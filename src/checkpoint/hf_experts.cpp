@@ -1,6 +1,8 @@
 // Hugging Face expert tensors <-> ExpertWeights (layouts in include/moe/checkpoint_hf.h).
 // Pure data movement: every element is copied as bytes, so values and dtype never change.
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -10,6 +12,7 @@
 #include "checkpoint/key_list.h"
 #include "moe/checkpoint_hf.h"
 #include "moe/error.h"
+#include "moe/float_convert.h"
 
 namespace moe {
 
@@ -62,10 +65,78 @@ const HostTensor& need_fp8_scale(const StateDict& sd, const std::string& weight_
 // ---------------------------------------------------------------------------------------------
 // Finding layers
 
+// E2M1 codes: sign bit 3, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// MXFP4 blocks [E, rows, G, 16] with E8M0 scales [E, rows, G] decoded as transformers' gpt_oss loading
+// does (code x 2^(scale - 127), then transposed): bf16 [E, G * 32, rows]. Every value is exact in
+// bf16 (two significant bits, exponents within its range); scale 255 -- NaN in the MX format -- decodes
+// to NaN.
+HostTensor mxfp4_to_bf16(const HostTensor& blocks, const HostTensor& scales) {
+  const int64_t E = blocks.size(0), rows = blocks.size(1), G = blocks.size(2), cols = G * 32;
+  HostTensor out(DType::kBF16, {E, cols, rows});
+  auto* o = reinterpret_cast<uint16_t*>(out.mutable_data());
+  const uint8_t* b = blocks.data();
+  const uint8_t* sc = scales.data();
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t s = sc[(e * rows + r) * G + g];
+        const float factor = s == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, s - 127);
+        const uint8_t* byte = b + ((e * rows + r) * G + g) * 16;
+        for (int i = 0; i < 32; ++i) {
+          const int code = i % 2 == 0 ? byte[i / 2] & 0x0F : byte[i / 2] >> 4;
+          o[(e * cols + g * 32 + i) * rows + r] = float_to_bf16_bits(kE2M1[code] * factor);
+        }
+      }
+  return out;
+}
+
+// GPT-OSS's released form: MXFP4 blocks [E, rows, cols / 32, 16] (two E2M1 codes a byte, low nibble
+// first, along cols) and E8M0 scales [E, rows, cols / 32], rows the output features.
+void need_mxfp4(const StateDict& sd, const std::string& key, int64_t E, int64_t rows, int64_t cols) {
+  need(sd, key + "_blocks", {E, rows, cols / 32, 16}, DType::kUInt8);
+  need(sd, key + "_scales", {E, rows, cols / 32}, DType::kUInt8);
+}
+
+void find_gpt_oss_mxfp4(const StateDict& sd, const std::string& key, const HostTensor& t, const std::string& prefix,
+                        std::vector<HfExpertLayer>& layers) {
+  MOE_CHECK(t.ndim() == 4 && t.size(1) % 2 == 0 && t.size(3) == 16, "state dict: '", key, "' has shape ",
+            t.shape_string(), ", expected [E, 2F, H / 32, 16] (MXFP4 blocks)");
+  MOE_CHECK(t.size(0) <= INT32_MAX, "state dict: '", key, "' ", t.shape_string(), " holds more experts than a ",
+            "layer can (2^31 - 1)");
+  HfExpertLayer l;
+  l.prefix = prefix;
+  l.experts = static_cast<int>(t.size(0));
+  l.ffn = t.size(1) / 2;
+  l.hidden = t.size(2) * 32;
+  l.dtype = DType::kBF16;  // what the codes decode to, exactly, and the biases' dtype
+  l.mxfp4 = true;
+  need_mxfp4(sd, prefix + "gate_up_proj", l.experts, 2 * l.ffn, l.hidden);
+  MOE_CHECK(sd.count(prefix + "down_proj_blocks"), "state dict: missing '", prefix, "down_proj_blocks'");
+  MOE_CHECK(sd.at(prefix + "down_proj_blocks").ndim() == 4 && sd.at(prefix + "down_proj_blocks").size(2) * 32 == l.ffn,
+            "state dict: '", prefix, "down_proj_blocks' has shape ", sd.at(prefix + "down_proj_blocks").shape_string(),
+            ", expected [E, H, F / 32, 16] with F = ", l.ffn, " (a multiple of 32)");
+  need_mxfp4(sd, prefix + "down_proj", l.experts, l.hidden, l.ffn);
+  need(sd, prefix + "gate_up_proj_bias", {l.experts, 2 * l.ffn}, l.dtype);
+  need(sd, prefix + "down_proj_bias", {l.experts, l.hidden}, l.dtype);
+  layers.push_back(l);
+}
+
 void find_gpt_oss(const StateDict& sd, std::vector<HfExpertLayer>& layers) {
   for (const auto& [key, t] : sd) {
     std::string prefix, rest;
-    if (!split_experts_key(key, &prefix, &rest) || rest != "gate_up_proj") continue;
+    if (!split_experts_key(key, &prefix, &rest)) continue;
+    if (rest == "gate_up_proj_blocks") {
+      MOE_CHECK(!sd.count(prefix + "gate_up_proj"), "state dict: experts under '", prefix,
+                "' are stored both in MXFP4 (gate_up_proj_blocks) and unquantized (gate_up_proj)");
+      find_gpt_oss_mxfp4(sd, key, t, prefix, layers);
+      continue;
+    }
+    if (rest != "gate_up_proj") continue;
+    MOE_CHECK(!sd.count(prefix + "gate_up_proj_blocks"), "state dict: experts under '", prefix,
+              "' are stored both in MXFP4 (gate_up_proj_blocks) and unquantized (gate_up_proj)");
     MOE_CHECK(t.ndim() == 3 && t.size(2) % 2 == 0, "state dict: '", key, "' has shape ", t.shape_string(),
               ", expected [E, H, 2F]");
     MOE_CHECK(t.size(0) <= INT32_MAX, "state dict: '", key, "' ", t.shape_string(), " holds more experts than a ",
@@ -233,6 +304,9 @@ std::vector<HfExpertLayer> find_hf_expert_layers(const StateDict& sd, HfFamily f
 
 std::vector<std::string> hf_expert_keys(const HfExpertLayer& l, HfFamily f) {
   const std::string& p = l.prefix;
+  if (f == HfFamily::kGptOss && l.mxfp4)
+    return {p + "gate_up_proj_blocks", p + "gate_up_proj_scales", p + "gate_up_proj_bias",
+            p + "down_proj_blocks",    p + "down_proj_scales",    p + "down_proj_bias"};
   if (f == HfFamily::kGptOss)
     return {p + "gate_up_proj", p + "gate_up_proj_bias", p + "down_proj", p + "down_proj_bias"};
   if (l.fused) return {p + fused_names(f).gate_up, p + fused_names(f).down};
@@ -271,9 +345,15 @@ ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLay
   const size_t row = H * el;  // one fc1 row
 
   if (f == HfFamily::kGptOss) {
-    const uint8_t* gu = need(sd, l.prefix + "gate_up_proj", {E, H, 2 * F}, l.dtype).data();
+    // MXFP4 decodes (exactly) into the bf16 tensors transformers makes of it: gate_up [E, H, 2F], down [E, F, H].
+    HostTensor gu_decoded, dn_decoded;
+    if (l.mxfp4) {
+      gu_decoded = mxfp4_to_bf16(sd.at(l.prefix + "gate_up_proj_blocks"), sd.at(l.prefix + "gate_up_proj_scales"));
+      dn_decoded = mxfp4_to_bf16(sd.at(l.prefix + "down_proj_blocks"), sd.at(l.prefix + "down_proj_scales"));
+    }
+    const uint8_t* gu = l.mxfp4 ? gu_decoded.data() : need(sd, l.prefix + "gate_up_proj", {E, H, 2 * F}, l.dtype).data();
     const uint8_t* gub = need(sd, l.prefix + "gate_up_proj_bias", {E, 2 * F}, l.dtype).data();
-    const uint8_t* dn = need(sd, l.prefix + "down_proj", {E, F, H}, l.dtype).data();
+    const uint8_t* dn = l.mxfp4 ? dn_decoded.data() : need(sd, l.prefix + "down_proj", {E, F, H}, l.dtype).data();
     const uint8_t* dnb = need(sd, l.prefix + "down_proj_bias", {E, H}, l.dtype).data();
     for (int e = 0; e < E; ++e) {
       uint8_t* fc1 = w.mutable_expert_data(Param::kFc1Weight, e);

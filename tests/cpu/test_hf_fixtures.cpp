@@ -300,6 +300,40 @@ TEST(HfFixtures, Fp8CheckpointBecomesOurFp8LayerExactly) {
   EXPECT_GT(diff, 1e-3 * ymax);
 }
 
+// GPT-OSS's released MXFP4 form decodes to exactly the bf16 weights transformers' own decoder gives
+// (io.safetensors holds them), and through the reference they reproduce the experts' output.
+TEST(HfFixtures, Mxfp4CheckpointDecodesAsTransformersDoes) {
+  const std::string dir = fixtures() + "gpt_oss_mxfp4";
+  const Io io = load_io(dir);
+  const StateDict model = load_safetensors(dir + "/model.safetensors");
+  const StateDict ioraw = load_safetensors(dir + "/io.safetensors");
+  const auto layers = find_hf_expert_layers(model, HfFamily::kGptOss);
+  ASSERT_EQ(layers.size(), 1u);
+  EXPECT_TRUE(layers[0].mxfp4);
+  EXPECT_EQ(layers[0].dtype, DType::kBF16);
+  const std::string p = layers[0].prefix;
+  EXPECT_EQ(hf_expert_keys(layers[0], HfFamily::kGptOss).size(), 6u);
+  // To ours and back to Hugging Face naming: the bf16 form, which is transformers' decoding bit for bit.
+  StateDict sd = model;
+  Metadata meta;
+  ConvertOptions o;
+  o.from = CheckpointFormat::parse("hf:gpt_oss");
+  o.to = CheckpointFormat::parse("grouped");
+  convert_state_dict(sd, o, meta);
+  EXPECT_EQ(sd.at(p + "fc1.weight").dtype(), DType::kBF16);
+  std::swap(o.from, o.to);
+  convert_state_dict(sd, o, meta);
+  EXPECT_TRUE(sd.at(p + "gate_up_proj").equals(ioraw.at("gate_up_decoded")));
+  EXPECT_TRUE(sd.at(p + "down_proj").equals(ioraw.at("down_decoded")));
+  EXPECT_TRUE(sd.at(p + "gate_up_proj_bias").equals(model.at(p + "gate_up_proj_bias")));
+  EXPECT_FALSE(sd.count(p + "gate_up_proj_blocks"));
+  const std::vector<double> y = reference_output(io, model, HfFamily::kGptOss, WeightLayout::kSingleGrouped, 0);
+  const double ymax = max_abs(io.y);
+  ASSERT_GT(ymax, 0.1);
+  const double worst = expect_close(y, io.y, 1e-5 * ymax, io.H);
+  std::printf("  gpt_oss_mxfp4 E=%d k=%d: max |ref - transformers| = %.2e (max |y| = %.3g)\n", io.E, io.k, worst, ymax);
+}
+
 // The check can fail: a checkpoint read with the wrong convention does not reproduce the outputs.
 TEST(HfFixtures, WrongConventionsAreDetected) {
   const std::string dir = fixtures() + "mixtral";

@@ -3,6 +3,7 @@
 // transposes, biases), conversion back is the identity, and broken layers are clear errors.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -10,6 +11,7 @@
 #include "moe/checkpoint_convert.h"
 #include "moe/checkpoint_hf.h"
 #include "moe/error.h"
+#include "moe/float_convert.h"
 #include "support/expect_error.h"
 
 namespace moe {
@@ -209,6 +211,57 @@ TEST(HfNaming, Qwen3VlMoeReadsBothFusedOrientationsAndWritesTheReleasedOne) {
     ASSERT_EQ(back.size(), 2u);
     for (const auto& [k, t] : released) EXPECT_TRUE(back.at(k).equals(t)) << k;
   }
+}
+
+TEST(HfNaming, GptOssMxfp4DecodesEveryCodeAndScale) {
+  // One expert, F = 32 (64 gate / up rows, gate = even rows), H = 32 (one block of 32 per row).
+  const std::string p = "model.layers.0.mlp.experts.";
+  const int64_t f = 32, h = 32;
+  StateDict sd;
+  HostTensor gub(DType::kUInt8, {1, 2 * f, 1, 16}), gus(DType::kUInt8, {1, 2 * f, 1});
+  HostTensor dnb(DType::kUInt8, {1, h, 1, 16}), dns(DType::kUInt8, {1, h, 1});
+  for (int64_t i = 0; i < 2 * f; ++i) gus.mutable_data()[i] = 127;
+  for (int64_t i = 0; i < h; ++i) dns.mutable_data()[i] = 127;
+  auto row = [&](int64_t r) { return gub.mutable_data() + r * 16; };
+  row(0)[0] = 0x7F;                       // gate 0: element 0 low nibble 0xF (-6), element 1 high 0x7 (6)
+  row(2)[0] = 0x01;                       // gate 1: 0.5 x 2^(0 - 127) = 2^-128, a bf16 subnormal
+  gus.mutable_data()[2] = 0;
+  row(4)[0] = 0x10;                       // gate 2: scale 255, NaN in the MX format
+  gus.mutable_data()[4] = 255;
+  row(6)[0] = 0x17;                       // gate 3: 6 x 2^127 (code 7) overflows to inf, 0.5 x 2^127 = 2^126
+  gus.mutable_data()[6] = 254;
+  row(8)[0] = 0x08;                       // gate 4: -0.0
+  row(1)[15] = 0xC0;                      // up 0: element 31 (high nibble of byte 15) code 0xC = -2
+  sd.emplace(p + "gate_up_proj_blocks", gub);
+  sd.emplace(p + "gate_up_proj_scales", gus);
+  sd.emplace(p + "down_proj_blocks", dnb);
+  sd.emplace(p + "down_proj_scales", dns);
+  sd.emplace(p + "gate_up_proj_bias", HostTensor(DType::kBF16, {1, 2 * f}));
+  sd.emplace(p + "down_proj_bias", HostTensor(DType::kBF16, {1, h}));
+  const auto layers = find_hf_expert_layers(sd, HfFamily::kGptOss);
+  ASSERT_EQ(layers.size(), 1u);
+  EXPECT_EQ(layers[0].hidden, h);
+  EXPECT_EQ(layers[0].ffn, f);
+  const ExpertWeights w = load_hf_experts(sd, HfFamily::kGptOss, layers[0], WeightLayout::kSingleGrouped);
+  const auto* fc1 = reinterpret_cast<const uint16_t*>(w.expert_data(Param::kFc1Weight, 0));
+  auto at = [&](int64_t r, int64_t c) { return fc1[r * h + c]; };  // fc1 [2F, H]: gate j at row j, up j at F + j
+  EXPECT_EQ(bf16_bits_to_float(at(0, 0)), -6.0f);
+  EXPECT_EQ(bf16_bits_to_float(at(0, 1)), 6.0f);
+  EXPECT_EQ(at(1, 0), 0x0020);  // 2^-128
+  EXPECT_TRUE(std::isnan(bf16_bits_to_float(at(2, 0))));
+  EXPECT_TRUE(std::isnan(bf16_bits_to_float(at(2, 1))));  // the whole block, zero codes too
+  EXPECT_TRUE(std::isinf(bf16_bits_to_float(at(3, 0))));
+  EXPECT_EQ(bf16_bits_to_float(at(3, 1)), std::ldexp(1.0f, 126));
+  EXPECT_EQ(at(4, 0), 0x8000);  // -0.0
+  EXPECT_EQ(bf16_bits_to_float(at(f + 0, 31)), -2.0f);
+  EXPECT_EQ(at(5, 0), 0x0000);
+  // A stray form beside it, or blocks of the wrong shape, are refused by name.
+  StateDict both = sd;
+  both.emplace(p + "gate_up_proj", HostTensor(DType::kBF16, {1, h, 2 * f}));
+  expect_error_naming([&] { find_hf_expert_layers(both, HfFamily::kGptOss); }, "both in MXFP4");
+  StateDict bad = sd;
+  bad.at(p + "gate_up_proj_scales") = HostTensor(DType::kUInt8, {1, 2 * f, 2});
+  expect_error_naming([&] { find_hf_expert_layers(bad, HfFamily::kGptOss); }, "gate_up_proj_scales' has shape");
 }
 
 TEST(HfNaming, GptOssInterleavedColumnsTransposesAndBiases) {

@@ -103,6 +103,12 @@ def seeds():
         [(f"model.layers.0.mlp.experts.0.{w}{part}", dtype, shape)
          for w, shape in (("gate_proj.weight", [128, 8]), ("up_proj.weight", [128, 8]), ("down_proj.weight", [8, 128]))
          for part, dtype, shape in (("", "F8_E4M3", shape), ("_scale_inv", "F32", [1, 1]))])
+    # GPT-OSS's released MXFP4 form (F = H = 32: one block of 32 a row).
+    yield "valid_hf_gpt_oss_mxfp4", st(
+        [(f"model.layers.0.mlp.experts.{name}", dtype, shape) for name, dtype, shape in (
+            ("gate_up_proj_blocks", "U8", [1, 64, 1, 16]), ("gate_up_proj_scales", "U8", [1, 64, 1]),
+            ("gate_up_proj_bias", "BF16", [1, 64]), ("down_proj_blocks", "U8", [1, 32, 1, 16]),
+            ("down_proj_scales", "U8", [1, 32, 1]), ("down_proj_bias", "BF16", [1, 32]))])
     # Sharded checkpoints' indexes (the same target parses every input as one too).
     yield "index_valid", json.dumps({"metadata": {"total_parameters": 10, "total_size": 40},
                                      "weight_map": {"a.weight": "model-00001-of-00002.safetensors",
