@@ -76,12 +76,15 @@ bool is_sharded_checkpoint(const std::string& in);
 // A sharded checkpoint (its index, or the folder holding exactly one index) into the folder `out`
 // (created if absent; never the input's folder), with an index of the same name. The shards keep
 // their file names and __metadata__; every tensor that is not an expert layer's stays in its shard,
-// byte for byte, and each converted layer is written whole into the shard that held the first of
-// its input keys (in key order), however its tensors were spread over the input's shards. A shard
-// left with no tensor is not written. Shards are converted and written one at a time (memory: the
-// converted layers of one shard), the index last: a conversion that fails leaves no index in
-// `out`. The shards' __metadata__ together declare the quantized layers (an entry may sit in any
-// shard). The index's "metadata" is carried over ("total_size" recomputed). The index is checked
+// byte for byte, and each expert layer (converted, or as it is when `options.prefixes` leaves it
+// out) is written whole into the shard that held the first of its input keys (in key order),
+// however its tensors were spread over the input's shards. A shard left with no tensor is not
+// written; an output tensor whose name another shard's tensor holds is an error. Shards are
+// converted and written one at a time (memory: the converted layers of one shard); an index an
+// earlier conversion left in `out` is removed first, the new one written last: a conversion that
+// fails leaves no index in `out`. The shards' "moe.quant." __metadata__ entries together declare
+// the quantized layers (an entry may sit in any shard) and each is written with its parameter's
+// tensors. The index's "metadata" is carried over ("total_size" recomputed). The index is checked
 // against the shards first: every tensor it maps is in its shard, and every shard's tensor is
 // mapped to that shard. `progress` sees (done, total) in bytes of the input's tensors: each shard's
 // write advances it by the bytes that shard held.

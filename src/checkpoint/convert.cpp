@@ -308,8 +308,9 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
       if (l.fp8) {
         // FP8 with 128x128 block scales: into our quantized layout (or another family's naming through it).
         Layer q{l.prefix, std::nullopt, {}, hf_expert_keys(l, o.from.family)};
-        MOE_CHECK(s % 128 == 0, "argument 'to_glu_interleave': the experts under '", l.prefix, "' are FP8 with ",
-                  "128x128 block scales, which an interleave of ", s, " would cut (0 or a multiple of 128 keeps them)");
+        MOE_CHECK(s % 128 == 0 && (s == 0 || l.ffn % s == 0), "argument 'to_glu_interleave': the experts under '",
+                  l.prefix, "' are FP8 with 128x128 block scales, which an interleave of ", s, " would cut (0 or a ",
+                  "multiple of 128 dividing F = ", l.ffn, " keeps them)");
         if (o.to.ours()) {
           q.moved = load_hf_fp8_experts(sd, o.from.family, l, layout_of(o.to), s, metadata_out);
         } else {
@@ -320,6 +321,9 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
         layers.push_back(std::move(q));
         continue;
       }
+      MOE_CHECK(s == 0 || is_gated(hf_activation(o.from.family).kind), "argument 'to_glu_interleave': the ",
+                hf_family_name(o.from.family), " experts under '", l.prefix, "' are not gated (fc1 has no gate and ",
+                "linear halves to interleave), got ", s);
       layers.push_back({l.prefix, load_hf_experts(sd, o.from.family, l, layout_of(o.to), s), {},
                         hf_expert_keys(l, o.from.family)});
     }

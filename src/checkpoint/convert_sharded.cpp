@@ -42,13 +42,20 @@ struct Shard {
   Metadata metadata;
 };
 
-// The __metadata__ of all shards as one list (the quantized layers' entries may sit in any shard);
-// an entry that two shards give different values is an error.
+bool is_quant_entry(const std::string& key) {
+  const std::string quant = kQuantMetadataPrefix;
+  return key.compare(0, quant.size(), quant) == 0;
+}
+
+// The quantized parameters' __metadata__ entries of all shards as one list (a layer's entries may sit
+// in any shard); one that two shards give different values is an error. Other entries are each
+// shard's own.
 Metadata merged_metadata(const std::vector<Shard>& shards) {
   Metadata all;
   std::map<std::string, std::pair<std::string, std::string>> seen;  // key -> (value, shard)
   for (const Shard& s : shards)
     for (const auto& [key, value] : s.metadata) {
+      if (!is_quant_entry(key)) continue;
       auto it = seen.find(key);
       if (it == seen.end()) {
         seen.emplace(key, std::pair{value, s.file});
@@ -61,9 +68,12 @@ Metadata merged_metadata(const std::vector<Shard>& shards) {
   return all;
 }
 
-// Whether the data of parameter `key` (grouped "<key>", or per expert "<key>0") is among `tensors`.
+// Whether any part of parameter `key` (grouped "<key>", or per expert "<key>0"; its data or a companion:
+// a columnwise-only weight has no "<key>") is among `tensors`.
 bool holds_param(const StateDict& tensors, const std::string& key) {
-  return tensors.count(key) || tensors.count(key + "0");
+  for (QuantPart part : kQuantParts)
+    if (tensors.count(quant_part_key(key, part)) || tensors.count(quant_part_key(key + "0", part))) return true;
+  return false;
 }
 
 // An output shard's __metadata__: the input shard's entries in their order, except that the quantized
@@ -72,7 +82,7 @@ bool holds_param(const StateDict& tensors, const std::string& key) {
 // shard, or into Hugging Face naming).
 Metadata metadata_for(const Metadata& own, const Metadata& declared, const StateDict& tensors) {
   const std::string quant = kQuantMetadataPrefix;
-  auto is_quant = [&](const std::string& k) { return k.compare(0, quant.size(), quant) == 0; };
+  auto is_quant = is_quant_entry;
   auto find = [&](const std::string& k) -> const std::string* {
     for (const auto& kv : declared)
       if (kv.first == k) return &kv.second;
@@ -157,6 +167,12 @@ std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const
     layers_of_shard[shard_of_file.at(index.weight_map.at(first))].push_back(prefix);
   }
 
+  // An index left in the folder by an earlier conversion goes first: until this one writes its own,
+  // the folder holds no index (the shards it may still hold belong to no checkpoint).
+  const std::string index_out = (fs::path(out) / fs::path(index_path).filename()).string();
+  MOE_CHECK(!fs::exists(index_out, ec) || fs::remove(index_out, ec), index_out, ": cannot remove the index an ",
+            "earlier conversion left (", ec.message(), ")");
+
   safetensors::ShardIndex written;
   written.other_json = index.other_json;
   uint64_t done = 0;
@@ -187,7 +203,13 @@ std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const
     const Metadata shard_metadata = metadata_for(s.metadata, converted, sd);
     uint64_t shard_bytes = 0;
     for (const auto& [key, t] : sd) {
-      written.weight_map[key] = s.file;
+      // A converted layer's new key may be the name of a tensor another shard holds (the single-file
+      // conversion refuses the same collision within its dict).
+      auto in = index.weight_map.find(key);
+      MOE_CHECK(written.weight_map.emplace(key, s.file).second &&
+                    (in == index.weight_map.end() || in->second == s.file || layer_of_key.count(key)),
+                "convert: output tensor '", key, "' of ", s.file, " collides with a tensor of ",
+                in != index.weight_map.end() && in->second != s.file ? in->second : written.weight_map.at(key));
       shard_bytes += static_cast<uint64_t>(t.nbytes());
     }
     size += static_cast<int64_t>(shard_bytes);
@@ -199,7 +221,7 @@ std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const
                  total_bytes);
     });
   }
-  safetensors::write_index((fs::path(out) / fs::path(index_path).filename()).string(), written, size);
+  safetensors::write_index(index_out, written, size);
   std::vector<std::string> converted;
   for (const auto& kv : layers)
     if (selected(kv.first)) converted.push_back(kv.first);

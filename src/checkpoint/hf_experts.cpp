@@ -2,13 +2,13 @@
 // Pure data movement: every element is copied as bytes, so values and dtype never change.
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <algorithm>
 #include <cstring>
 #include <map>
 #include <set>
 
 #include "checkpoint/hf_names.h"
+#include "checkpoint/hf_tensors.h"
 #include "checkpoint/key_list.h"
 #include "moe/checkpoint_hf.h"
 #include "moe/error.h"
@@ -36,32 +36,6 @@ bool split_experts_key(const std::string& key, std::string* prefix, std::string*
   return true;
 }
 
-const HostTensor& need(const StateDict& sd, const std::string& key, const std::vector<int64_t>& shape, DType dtype) {
-  auto it = sd.find(key);
-  MOE_CHECK(it != sd.end(), "state dict: missing '", key, "'");
-  const HostTensor& t = it->second;
-  MOE_CHECK(t.shape() == shape, "state dict: '", key, "' has shape ", t.shape_string(), ", expected ",
-            shape_string(shape));
-  MOE_CHECK(t.dtype() == dtype, "state dict: '", key, "' has dtype ", dtype_name(t.dtype()), ", the layer's other ",
-            "expert tensors ", dtype_name(dtype));
-  return t;
-}
-
-// The 128x128 block scales of an FP8 weight [rows, cols]: "<weight key>_scale_inv", fp32 (bf16, which
-// converts to fp32 exactly, is read too) [ceil(rows / 128), ceil(cols / 128)].
-const HostTensor& need_fp8_scale(const StateDict& sd, const std::string& weight_key, int64_t rows, int64_t cols) {
-  const std::string key = weight_key + kFp8ScaleSuffix;
-  auto it = sd.find(key);
-  MOE_CHECK(it != sd.end(), "state dict: missing '", key, "' (the 128x128 block scales of the FP8 '", weight_key, "')");
-  const HostTensor& t = it->second;
-  const std::vector<int64_t> shape{(rows + 127) / 128, (cols + 127) / 128};
-  MOE_CHECK(t.shape() == shape, "state dict: '", key, "' has shape ", t.shape_string(), ", expected ",
-            shape_string(shape), " (one scale per 128x128 block of ", shape_string({rows, cols}), ")");
-  MOE_CHECK(t.dtype() == DType::kFP32 || t.dtype() == DType::kBF16, "state dict: '", key, "' has dtype ",
-            dtype_name(t.dtype()), ", expected fp32 (or bf16)");
-  return t;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Finding layers
 
@@ -70,9 +44,9 @@ constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.
                              -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 // MXFP4 blocks [E, rows, G, 16] with E8M0 scales [E, rows, G] decoded as transformers' gpt_oss loading
-// does (code x 2^(scale - 127), then transposed): bf16 [E, G * 32, rows]. Every value is exact in
-// bf16 (two significant bits, exponents within its range); scale 255 -- NaN in the MX format -- decodes
-// to NaN.
+// does (torch.ldexp(code, scale - 127) in bf16, then transposed): bf16 [E, G * 32, rows]. Every value
+// is exact in bf16 (two significant bits, exponents within its range) or beyond its largest and inf;
+// scale 255 (NaN in the MX format) is read as torch reads it, 2^128.
 HostTensor mxfp4_to_bf16(const HostTensor& blocks, const HostTensor& scales) {
   const int64_t E = blocks.size(0), rows = blocks.size(1), G = blocks.size(2), cols = G * 32;
   HostTensor out(DType::kBF16, {E, cols, rows});
@@ -82,12 +56,13 @@ HostTensor mxfp4_to_bf16(const HostTensor& blocks, const HostTensor& scales) {
   for (int64_t e = 0; e < E; ++e)
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t g = 0; g < G; ++g) {
-        const uint8_t s = sc[(e * rows + r) * G + g];
-        const float factor = s == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, s - 127);
+        const int exponent = sc[(e * rows + r) * G + g] - 127;
         const uint8_t* byte = b + ((e * rows + r) * G + g) * 16;
         for (int i = 0; i < 32; ++i) {
           const int code = i % 2 == 0 ? byte[i / 2] & 0x0F : byte[i / 2] >> 4;
-          o[(e * cols + g * 32 + i) * rows + r] = float_to_bf16_bits(kE2M1[code] * factor);
+          // Exact in double; to float, exact or (from 2^128 on) inf; to bf16, exact.
+          const auto v = static_cast<float>(std::ldexp(static_cast<double>(kE2M1[code]), exponent));
+          o[(e * cols + g * 32 + i) * rows + r] = float_to_bf16_bits(v);
         }
       }
   return out;
@@ -102,8 +77,8 @@ void need_mxfp4(const StateDict& sd, const std::string& key, int64_t E, int64_t 
 
 void find_gpt_oss_mxfp4(const StateDict& sd, const std::string& key, const HostTensor& t, const std::string& prefix,
                         std::vector<HfExpertLayer>& layers) {
-  MOE_CHECK(t.ndim() == 4 && t.size(1) % 2 == 0 && t.size(3) == 16, "state dict: '", key, "' has shape ",
-            t.shape_string(), ", expected [E, 2F, H / 32, 16] (MXFP4 blocks)");
+  MOE_CHECK(t.ndim() == 4 && t.size(1) % 2 == 0 && t.size(3) == 16 && t.size(2) <= INT32_MAX, "state dict: '", key,
+            "' has shape ", t.shape_string(), ", expected [E, 2F, H / 32, 16] (MXFP4 blocks)");
   MOE_CHECK(t.size(0) <= INT32_MAX, "state dict: '", key, "' ", t.shape_string(), " holds more experts than a ",
             "layer can (2^31 - 1)");
   HfExpertLayer l;
@@ -115,7 +90,8 @@ void find_gpt_oss_mxfp4(const StateDict& sd, const std::string& key, const HostT
   l.mxfp4 = true;
   need_mxfp4(sd, prefix + "gate_up_proj", l.experts, 2 * l.ffn, l.hidden);
   MOE_CHECK(sd.count(prefix + "down_proj_blocks"), "state dict: missing '", prefix, "down_proj_blocks'");
-  MOE_CHECK(sd.at(prefix + "down_proj_blocks").ndim() == 4 && sd.at(prefix + "down_proj_blocks").size(2) * 32 == l.ffn,
+  MOE_CHECK(sd.at(prefix + "down_proj_blocks").ndim() == 4 && sd.at(prefix + "down_proj_blocks").size(2) <= INT32_MAX &&
+                sd.at(prefix + "down_proj_blocks").size(2) * 32 == l.ffn,
             "state dict: '", prefix, "down_proj_blocks' has shape ", sd.at(prefix + "down_proj_blocks").shape_string(),
             ", expected [E, H, F / 32, 16] with F = ", l.ffn, " (a multiple of 32)");
   need_mxfp4(sd, prefix + "down_proj", l.experts, l.hidden, l.ffn);
@@ -172,6 +148,8 @@ void add_fused_layer(const StateDict& sd, const std::string& prefix, const Fused
                      std::vector<HfExpertLayer>& layers) {
   const std::string gu_key = prefix + names.gate_up, dn_key = prefix + names.down;
   const HostTensor& gu = sd.at(gu_key);
+  MOE_CHECK(gu.ndim() == 3, "state dict: '", gu_key, "' has shape ", gu.shape_string(), ", expected [E, 2F, H]",
+            may_transpose ? " or [E, H, 2F]" : "");
   MOE_CHECK(gu.size(0) <= INT32_MAX, "state dict: '", gu_key, "' ", gu.shape_string(), " holds ",
             "more experts than a layer can (2^31 - 1)");
   auto dn = sd.find(dn_key);

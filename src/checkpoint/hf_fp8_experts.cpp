@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "checkpoint/hf_names.h"
+#include "checkpoint/hf_tensors.h"
 #include "moe/activation.h"
 #include "moe/error.h"
 
@@ -15,7 +16,7 @@ namespace {
 
 constexpr int64_t kBlock = 128;
 
-int64_t blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
+int64_t blocks(int64_t n) { return blocks_of_128(n); }
 
 // A weight's block scales as fp32: stored fp32, or bf16 (whose conversion to fp32 is exact).
 std::vector<float> scales_of(const HostTensor& t) {
@@ -111,6 +112,14 @@ StateDict load_hf_fp8_experts(const StateDict& sd, HfFamily f, const HfExpertLay
   const int64_t E = l.experts, F = l.ffn, H = l.hidden;
   check_block_aligned(l.prefix, F, s, "glu_interleave");
   const ProjNames n = proj_names(f);
+  MOE_CHECK(E > 0 && F > 0 && H > 0, "state dict: the experts under '", l.prefix, "' have an empty dimension");
+  for (int e = 0; e < E; ++e)  // every tensor as the layer describes it, before any byte moves
+    for (const char* proj : n.all()) {
+      const bool down = proj == n.down;
+      const std::string key = per_expert_key(l.prefix, e, proj);
+      need(sd, key, {down ? H : F, down ? F : H}, DType::kFP8E4M3);
+      need_fp8_scale(sd, key, down ? H : F, down ? F : H);
+    }
   OurWeight fc1(E, 2 * F, H), fc2(E, H, F);
   const int64_t bH = blocks(H), bF = F / kBlock;
   for (int e = 0; e < E; ++e) {
@@ -150,6 +159,8 @@ StateDict hf_fp8_expert_tensors(const StateDict& sd, const std::string& prefix, 
             "scales (GPT-OSS ships MXFP4); the FP8 experts under '", prefix, "' cannot be written in its naming");
   MOE_CHECK(proj_names(f).gate != nullptr && !stored_fused(f), "Hugging Face ", hf_family_name(f), ": FP8 experts ",
             "are written for the gated per-expert families only; the experts under '", prefix, "' stay ours");
+  MOE_CHECK(names_expert_module(prefix, f), "Hugging Face ", hf_family_name(f), ": the experts' prefix must end in '",
+            expert_module(f), "' (the module's name), got '", prefix, "'");
   const std::string k1 = expert_param_key(prefix, Param::kFc1Weight), k2 = expert_param_key(prefix, Param::kFc2Weight);
   for (const auto& [key, c] : {std::pair{k1, fc1_format}, std::pair{k2, fc2_format}})
     MOE_CHECK(hf_fp8_storable(c),

@@ -18,6 +18,7 @@
 #include "moe/safetensors_index.h"
 #include "moe/state_dict.h"
 #include "support/expect_error.h"
+#include "support/quant_weights.h"
 
 namespace moe {
 namespace {
@@ -319,6 +320,81 @@ TEST_F(ShardedCheckpoint, QuantizedLayersDeclarationsGoWithTheirTensors) {
   load_safetensors(tmp("fp8_back") + "/a.safetensors", &back_a);
   EXPECT_EQ(back_a, meta);
   expect_same_tensors(load_sharded_as(tmp("fp8_back"), "model.safetensors.index.json"), all);
+}
+
+// Writes the tensors of `shards` (file -> tensors, each with `meta`) and their index into folder d.
+void write_sharded(const std::string& d, const std::map<std::string, StateDict>& shards, const Metadata& meta = {}) {
+  fs::create_directories(d);
+  safetensors::ShardIndex index;
+  for (const auto& [file, tensors] : shards) {
+    save_safetensors(d + "/" + file, tensors, meta);
+    for (const auto& kv : tensors) index.weight_map[kv.first] = file;
+  }
+  safetensors::write_index(d + "/" + kIndexName, index);
+}
+
+TEST_F(ShardedCheckpoint, ColumnwiseOnlyWeightsKeepTheirDeclarations) {
+  // A quantized weight stored with its columnwise copy only has no "<key>" tensor: its "moe.quant." entry
+  // still goes with its companions.
+  const int E = 2;
+  const int64_t H = 128, F = 128;
+  QuantConfig col;
+  col.format = QuantFormat::kFP8Block;
+  col.rowwise = false;
+  col.columnwise = true;
+  const std::string p = "layers.0.mlp.experts.";
+  StateDict a;
+  testing::add_grouped(a, p + "fc1.weight", col, testing::expert_matrices(E, 2 * F, H, 1), E, 2 * F, H);
+  testing::add_grouped(a, p + "fc2.weight", col, testing::expert_matrices(E, H, F, 2), E, H, F);
+  Metadata meta;
+  set_quant_metadata(meta, p + "fc1.weight", col);
+  set_quant_metadata(meta, p + "fc2.weight", col);
+  StateDict b;
+  b.emplace("norm.weight", HostTensor(DType::kBF16, {H}));
+  write_sharded(tmp("col"), {{"a.safetensors", a}, {"b.safetensors", b}}, meta);
+  convert_sharded_checkpoint(tmp("col"), tmp("col_pe"), options("grouped", "per-expert"));
+  Metadata ma;
+  const StateDict pe = load_safetensors(tmp("col_pe") + "/a.safetensors", &ma);
+  EXPECT_TRUE(pe.count(p + "fc1.weight1_columnwise"));
+  EXPECT_NE(safetensors::find_metadata(ma, "moe.quant." + p + "fc1.weight"), nullptr);
+  EXPECT_NE(safetensors::find_metadata(ma, "moe.quant." + p + "fc2.weight"), nullptr);
+  // And back, which needs those declarations.
+  convert_sharded_checkpoint(tmp("col_pe"), tmp("col_back"), options("per-expert", "grouped"));
+  EXPECT_TRUE(load_safetensors(tmp("col_back") + "/a.safetensors").at(p + "fc1.weight_columnwise").equals(
+      a.at(p + "fc1.weight_columnwise")));
+}
+
+TEST_F(ShardedCheckpoint, OutputKeysThatNameAnotherShardsTensorAreRefused) {
+  // Shard a holds a layer in Hugging Face naming, shard b a stray tensor under the name the converted
+  // layer would take: refused, as the single-file conversion refuses it, and no index written.
+  const Loaded input = load_sharded(kFixture);
+  StateDict a, b;
+  for (const auto& [k, t] : input.tensors) a.emplace(k, t);
+  b.emplace("model.layers.0.mlp.experts.fc1.weight", HostTensor(DType::kBF16, {2, 2}));
+  write_sharded(tmp("clash"), {{"a.safetensors", a}, {"b.safetensors", b}});
+  expect_error_naming([&] { convert_sharded_checkpoint(tmp("clash"), tmp("clash_out"), options("hf:qwen3_moe", "grouped")); },
+                      "output tensor 'model.layers.0.mlp.experts.fc1.weight' of a.safetensors collides with a tensor "
+                      "of b.safetensors");
+  EXPECT_FALSE(fs::exists(tmp("clash_out") + "/" + kIndexName));
+}
+
+TEST_F(ShardedCheckpoint, AFailedRunLeavesNoIndexOfAnEarlierOne) {
+  // A first conversion into the folder succeeds; a second one into the same folder fails: the folder
+  // then holds no index (not the first run's, which would name shards the second may have overwritten).
+  convert_sharded_checkpoint(kFixture, tmp("again"), options("hf:qwen3_moe", "grouped"));
+  ASSERT_TRUE(fs::exists(tmp("again") + "/" + kIndexName));
+  const std::string d = fixture_copy("late_failure");
+  // The last shard gets a stray tensor under the name the first layer takes when converted.
+  Metadata m;
+  StateDict last = load_safetensors(d + "/model-00005-of-00005.safetensors", &m);
+  last.emplace("model.layers.0.mlp.experts.fc1.weight", HostTensor(DType::kBF16, {2, 2}));
+  save_safetensors(d + "/model-00005-of-00005.safetensors", last, m);
+  safetensors::ShardIndex index = safetensors::read_index(d + "/" + kIndexName);
+  index.weight_map["model.layers.0.mlp.experts.fc1.weight"] = "model-00005-of-00005.safetensors";
+  safetensors::write_index(d + "/" + kIndexName, index);
+  expect_error_naming([&] { convert_sharded_checkpoint(d, tmp("again"), options("hf:qwen3_moe", "grouped")); },
+                      "collides");
+  EXPECT_FALSE(fs::exists(tmp("again") + "/" + kIndexName));
 }
 
 TEST_F(ShardedCheckpoint, ConvertCheckpointTakesAFolderOrAnIndex) {

@@ -4,6 +4,7 @@
 // own quantizer and reproduced through the reference layer, is in test_hf_fixtures.cpp.)
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -145,6 +146,18 @@ TEST(HfFp8Naming, LayersWhoseBlocksCannotMoveAreRefused) {
   plain.emplace(kPrefix + "0.down_proj.weight_scale_inv", scales({1, 1}, 1));
   expect_error_naming([&] { convert_state_dict(plain, opts("hf:qwen3_moe", "grouped"), meta); },
                       "is none of their tensors");
+  // An interleave that is a multiple of 128 but does not divide F names the command's option.
+  StateDict f384 = fp8_layer(1, 128, 384);
+  expect_error_naming([&] { convert_state_dict(f384, opts("hf:qwen3_moe", "grouped", 256), meta); },
+                      "argument 'to_glu_interleave'");
+  // Dimensions from an untrusted file are checked before any arithmetic on them.
+  StateDict huge;
+  huge.emplace(kPrefix + "0.gate_proj.weight", HostTensor(DType::kFP8E4M3, {INT64_MAX, 0}));
+  huge.emplace(kPrefix + "0.up_proj.weight", HostTensor(DType::kFP8E4M3, {INT64_MAX, 0}));
+  huge.emplace(kPrefix + "0.down_proj.weight", HostTensor(DType::kFP8E4M3, {0, INT64_MAX}));
+  for (const char* proj : {"gate_proj", "up_proj", "down_proj"})
+    huge.emplace(kPrefix + "0." + proj + ".weight_scale_inv", HostTensor(DType::kFP32, {1, 1}));
+  expect_error_naming([&] { convert_state_dict(huge, opts("hf:qwen3_moe", "grouped"), meta); }, "has shape");
   EXPECT_TRUE(meta.empty());  // nothing declared by the failed conversions
 }
 
@@ -165,6 +178,18 @@ TEST(HfFp8Naming, OurQuantizedLayersOtherThanFp8BlocksStayOurs) {
   set_quant_metadata(meta, kPrefix + "fc2.weight", one_d);
   expect_error_naming([&] { convert_state_dict(sd, opts("grouped", "hf:deepseek"), meta); },
                       "Hugging Face naming holds FP8 block 128x128 weights with row-major scales only");
+  // Hugging Face names are written under the experts module's name only (as for unquantized layers).
+  {
+    StateDict other;
+    const QuantConfig c = hf_fp8_format();
+    testing::add_grouped(other, "layers.0.moe.fc1.weight", c, x1, E, 2 * F, H);
+    testing::add_grouped(other, "layers.0.moe.fc2.weight", c, x2, E, H, F);
+    Metadata m;
+    set_quant_metadata(m, "layers.0.moe.fc1.weight", c);
+    set_quant_metadata(m, "layers.0.moe.fc2.weight", c);
+    expect_error_naming([&] { convert_state_dict(other, opts("grouped", "hf:qwen3_moe"), m); },
+                        "the experts' prefix must end in 'experts.'");
+  }
 
   StateDict blocks;
   const QuantConfig c = hf_fp8_format();

@@ -226,7 +226,7 @@ TEST(HfNaming, GptOssMxfp4DecodesEveryCodeAndScale) {
   row(0)[0] = 0x7F;                       // gate 0: element 0 low nibble 0xF (-6), element 1 high 0x7 (6)
   row(2)[0] = 0x01;                       // gate 1: 0.5 x 2^(0 - 127) = 2^-128, a bf16 subnormal
   gus.mutable_data()[2] = 0;
-  row(4)[0] = 0x10;                       // gate 2: scale 255, NaN in the MX format
+  row(4)[0] = 0x17;                       // gate 2: scale 255 (NaN in the MX format), read as torch.ldexp does: 2^128
   gus.mutable_data()[4] = 255;
   row(6)[0] = 0x17;                       // gate 3: 6 x 2^127 (code 7) overflows to inf, 0.5 x 2^127 = 2^126
   gus.mutable_data()[6] = 254;
@@ -248,8 +248,11 @@ TEST(HfNaming, GptOssMxfp4DecodesEveryCodeAndScale) {
   EXPECT_EQ(bf16_bits_to_float(at(0, 0)), -6.0f);
   EXPECT_EQ(bf16_bits_to_float(at(0, 1)), 6.0f);
   EXPECT_EQ(at(1, 0), 0x0020);  // 2^-128
-  EXPECT_TRUE(std::isnan(bf16_bits_to_float(at(2, 0))));
-  EXPECT_TRUE(std::isnan(bf16_bits_to_float(at(2, 1))));  // the whole block, zero codes too
+  // transformers' convert_moe_packed_tensors (torch 2.11) gives 0x7f80 (inf) for 6 x 2^128, 0x7f00 for
+  // 0.5 x 2^128, 0 for code 0 at scale 255.
+  EXPECT_EQ(at(2, 0), 0x7f80);
+  EXPECT_EQ(at(2, 1), 0x7f00);
+  EXPECT_EQ(at(2, 2), 0x0000);
   EXPECT_TRUE(std::isinf(bf16_bits_to_float(at(3, 0))));
   EXPECT_EQ(bf16_bits_to_float(at(3, 1)), std::ldexp(1.0f, 126));
   EXPECT_EQ(at(4, 0), 0x8000);  // -0.0
@@ -262,6 +265,14 @@ TEST(HfNaming, GptOssMxfp4DecodesEveryCodeAndScale) {
   StateDict bad = sd;
   bad.at(p + "gate_up_proj_scales") = HostTensor(DType::kUInt8, {1, 2 * f, 2});
   expect_error_naming([&] { find_hf_expert_layers(bad, HfFamily::kGptOss); }, "gate_up_proj_scales' has shape");
+  StateDict huge = sd;  // a valid header's empty tensor with a dimension no arithmetic may take
+  huge.at(p + "gate_up_proj_blocks") = HostTensor(DType::kUInt8, {0, 2, int64_t{1} << 62, 16});
+  expect_error_naming([&] { find_hf_expert_layers(huge, HfFamily::kGptOss); }, "gate_up_proj_blocks' has shape");
+  // A fused family's tensor of the wrong rank is named.
+  StateDict scalar;
+  scalar.emplace("model.layers.0.mlp.experts.gate_up_proj", HostTensor(DType::kBF16, {}));
+  expect_error_naming([&] { find_hf_expert_layers(scalar, HfFamily::kMistral4); },
+                      "'model.layers.0.mlp.experts.gate_up_proj' has shape");
 }
 
 TEST(HfNaming, GptOssInterleavedColumnsTransposesAndBiases) {

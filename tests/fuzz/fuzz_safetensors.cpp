@@ -33,10 +33,11 @@ void convert_all_ways(const moe::safetensors::Header& h, const uint8_t* data) {
   moe::StateDict sd;
   for (const auto& t : h.tensors)
     sd.emplace(t.name, moe::HostTensor::borrow(t.dtype, t.shape, data + h.data_start + t.begin, nullptr));
-  const char* formats[] = {"per-expert", "grouped", "hf:mixtral", "hf:qwen3_moe", "hf:gpt_oss", "hf:nemotron_h",
-                           "hf:mistral4", "hf:granitemoe"};
+  const char* formats[] = {"per-expert", "grouped",     "hf:mixtral",    "hf:qwen3_moe", "hf:deepseek",
+                           "hf:gpt_oss", "hf:nemotron_h", "hf:mistral4", "hf:gemma4",   "hf:granitemoe",
+                           "hf:qwen3_vl_moe"};
   for (const char* from : formats) {
-    for (const char* to : {"grouped", "hf:mixtral", "hf:gpt_oss"}) {
+    for (const char* to : {"grouped", "per-expert", "hf:mixtral", "hf:gpt_oss"}) {
       moe::ConvertOptions o;
       o.from = CheckpointFormat::parse(from);
       o.to = CheckpointFormat::parse(to);
