@@ -139,6 +139,11 @@ def family_specs():
     }
 
 
+# Each family's seed is --seed plus its offset here: the committed fixtures were made with these.
+SEED_OFFSETS = {"mixtral": 0, "qwen2_moe": 1, "qwen3_moe": 2, "olmoe": 3, "deepseek_v3": 4, "gpt_oss": 5,
+                "glm4_moe": 5, "jamba": 6, "nemotron_h": 7, "mistral4": 8, "gemma4": 9, "granitemoe": 10,
+                "qwen3_vl_moe": 11}
+
 # Families whose experts sit in the decoder layer itself (beside its dense MLP), which needs the
 # model's position embeddings: the whole model runs on random token ids, and the hook records what the
 # layer hands its experts.
@@ -154,6 +159,25 @@ def find_moe_block(model):
         if hasattr(module, "experts") and isinstance(module.experts, torch.nn.Module):
             return name, module
     raise RuntimeError(f"{type(model).__name__}: no module with an `experts` child")
+
+
+def record_experts_io(experts, run):
+    """Runs run() with a hook on the experts module that records exactly what the block hands its
+    experts -- the tokens, the top-k expert indices, the routing weights after the family's own softmax /
+    top-k renormalisation / scaling -- and what the experts return: {x, indices, probs, y}."""
+    captured = {}
+
+    def hook(module, args, kwargs_, output):
+        a = list(args) + [kwargs_[k] for k in ("top_k_index", "top_k_weights", "router_indices", "routing_weights")
+                          if k in kwargs_]
+        captured["x"], captured["indices"], captured["probs"] = a[0], a[1], a[2]
+        captured["y"] = output
+
+    handle = experts.register_forward_hook(hook, with_kwargs=True)
+    with torch.no_grad():
+        run()
+    handle.remove()
+    return captured
 
 
 def make_family(name, spec, out_dir, seed):
@@ -177,22 +201,11 @@ def make_family(name, spec, out_dir, seed):
             for p in model.parameters():
                 p.copy_(p.to(save_dtype).to(torch.float32))
 
-    captured = {}
-
-    def hook(module, args, kwargs_, output):
-        a = list(args) + [kwargs_[k] for k in ("top_k_index", "top_k_weights", "router_indices", "routing_weights")
-                          if k in kwargs_]
-        captured["x"], captured["indices"], captured["probs"] = a[0], a[1], a[2]
-        captured["y"] = output
-
-    handle = experts.register_forward_hook(hook, with_kwargs=True)
     x = torch.randn(1, T, H)
-    with torch.no_grad():
-        if name in WHOLE_MODEL:
-            model(torch.randint(0, kwargs["vocab_size"], (1, T)))
-        else:
-            block(x)
-    handle.remove()
+    if name in WHOLE_MODEL:
+        captured = record_experts_io(experts, lambda: model(torch.randint(0, kwargs["vocab_size"], (1, T))))
+    else:
+        captured = record_experts_io(experts, lambda: block(x))
 
     xs, idx, probs, y = (captured[k] for k in ("x", "indices", "probs", "y"))
     assert xs.shape == (T, H), xs.shape
@@ -309,17 +322,7 @@ def make_fp8(out_dir, seed):
         for name, p in block.shared_experts.named_parameters():
             p.copy_(decoded[f"{block_name}.shared_experts.{name}"])
 
-    captured = {}
-
-    def hook(module, args, kwargs_, output):
-        a = list(args) + [kwargs_[k] for k in ("top_k_index", "top_k_weights") if k in kwargs_]
-        captured["x"], captured["indices"], captured["probs"] = a[0], a[1], a[2]
-        captured["y"] = output
-
-    handle = block.experts.register_forward_hook(hook, with_kwargs=True)
-    with torch.no_grad():
-        block(torch.randn(1, T, h))
-    handle.remove()
+    captured = record_experts_io(block.experts, lambda: block(torch.randn(1, T, h)))
 
     target = os.path.join(out_dir, "deepseek_v3_fp8")
     os.makedirs(target, exist_ok=True)
@@ -375,18 +378,7 @@ def make_mxfp4(out_dir, seed):
         block.experts.gate_up_proj.copy_(decoded["gate_up_proj"].float())
         block.experts.down_proj.copy_(decoded["down_proj"].float())
 
-    captured = {}
-
-    def hook(module, args, kwargs_, output):
-        a = list(args) + [kwargs_[k_] for k_ in ("top_k_index", "top_k_weights", "router_indices", "routing_weights")
-                          if k_ in kwargs_]
-        captured["x"], captured["indices"], captured["probs"] = a[0], a[1], a[2]
-        captured["y"] = output
-
-    handle = block.experts.register_forward_hook(hook, with_kwargs=True)
-    with torch.no_grad():
-        block(torch.randn(1, T, H))
-    handle.remove()
+    captured = record_experts_io(block.experts, lambda: block(torch.randn(1, T, H)))
 
     tmp = tempfile.mkdtemp()
     try:
@@ -467,8 +459,8 @@ def main():
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
     torch.set_num_threads(1)  # deterministic CPU reductions
     for name in args.families.split(","):
-        # A seed per family, independent of which families are made in this run.
-        make_family(name, specs[name], args.out, args.seed + list(specs).index(name))
+        # A seed per family, independent of which families are made in this run and of their order.
+        make_family(name, specs[name], args.out, args.seed + SEED_OFFSETS[name])
     if args.fp8:
         make_fp8(args.out, args.seed + 200)
         make_mxfp4(args.out, args.seed + 300)

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <utility>
 
 #include "checkpoint/hf_names.h"
 #include "checkpoint/hf_tensors.h"
@@ -299,6 +300,67 @@ std::vector<std::string> hf_expert_keys(const HfExpertLayer& l, HfFamily f) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The x @ W form (GPT-OSS, qwen3_vl_moe's released files): gate_up [E, H, 2F], down [E, F, H]. Gate j
+// and up j are columns 2j and 2j + 1 (GPT-OSS, interleaved) or j and F + j (halves).
+
+namespace {
+
+struct XwColumns {
+  int64_t F;
+  bool interleaved;
+  int64_t gate(int64_t j) const { return interleaved ? 2 * j : j; }
+  int64_t up(int64_t j) const { return interleaved ? 2 * j + 1 : F + j; }
+};
+
+// Our fc1 / fc2 of every expert from gate_up / down in the x @ W form.
+void from_x_at_w(ExpertWeights& w, const uint8_t* gu, const uint8_t* dn, const XwColumns& c, int s, size_t el) {
+  const ExpertWeightsSpec& spec = w.spec();
+  const int64_t H = spec.hidden, F = spec.ffn;
+  for (int e = 0; e < spec.experts; ++e) {
+    uint8_t* fc1 = w.mutable_expert_data(Param::kFc1Weight, e);
+    uint8_t* fc2 = w.mutable_expert_data(Param::kFc2Weight, e);
+    const uint8_t* gu_e = gu + e * H * 2 * F * el;
+    const uint8_t* dn_e = dn + e * F * H * el;
+    for (int64_t j = 0; j < F; ++j) {
+      const int64_t g = gate_column(j, F, s), u = linear_column(j, F, s);
+      for (int64_t h = 0; h < H; ++h) {  // our fc1 row = one column of x @ W
+        std::memcpy(fc1 + (g * H + h) * el, gu_e + (h * 2 * F + c.gate(j)) * el, el);
+        std::memcpy(fc1 + (u * H + h) * el, gu_e + (h * 2 * F + c.up(j)) * el, el);
+      }
+    }
+    // fc2 [H, F] is the transpose of down [F, H].
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t j = 0; j < F; ++j) std::memcpy(fc2 + (h * F + j) * el, dn_e + (j * H + h) * el, el);
+  }
+}
+
+// The reverse: gate_up [E, H, 2F] and down [E, F, H] of dtype dt from our fc1 / fc2.
+std::pair<HostTensor, HostTensor> to_x_at_w(const ExpertWeights& w, const XwColumns& c, DType dt, size_t el) {
+  const ExpertWeightsSpec& spec = w.spec();
+  const int64_t E = spec.experts, H = spec.hidden, F = spec.ffn;
+  const int s = spec.activation.glu_interleave;
+  HostTensor gu(dt, {E, H, 2 * F}), dn(dt, {E, F, H});
+  for (int e = 0; e < E; ++e) {
+    const uint8_t* fc1 = w.expert_data(Param::kFc1Weight, e);
+    const uint8_t* fc2 = w.expert_data(Param::kFc2Weight, e);
+    uint8_t* gu_e = gu.mutable_data() + e * H * 2 * F * el;
+    uint8_t* dn_e = dn.mutable_data() + e * F * H * el;
+    for (int64_t j = 0; j < F; ++j) {
+      const int64_t g = gate_column(j, F, s), u = linear_column(j, F, s);
+      for (int64_t h = 0; h < H; ++h) {
+        std::memcpy(gu_e + (h * 2 * F + c.gate(j)) * el, fc1 + (g * H + h) * el, el);
+        std::memcpy(gu_e + (h * 2 * F + c.up(j)) * el, fc1 + (u * H + h) * el, el);
+      }
+    }
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t j = 0; j < F; ++j) std::memcpy(dn_e + (j * H + h) * el, fc2 + (h * F + j) * el, el);
+  }
+  return {std::move(gu), std::move(dn)};
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
 // HF -> ours
 
 ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLayer& l, WeightLayout layout,
@@ -333,25 +395,13 @@ ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLay
     const uint8_t* gub = need(sd, l.prefix + "gate_up_proj_bias", {E, 2 * F}, l.dtype).data();
     const uint8_t* dn = l.mxfp4 ? dn_decoded.data() : need(sd, l.prefix + "down_proj", {E, F, H}, l.dtype).data();
     const uint8_t* dnb = need(sd, l.prefix + "down_proj_bias", {E, H}, l.dtype).data();
-    for (int e = 0; e < E; ++e) {
-      uint8_t* fc1 = w.mutable_expert_data(Param::kFc1Weight, e);
+    from_x_at_w(w, gu, dn, XwColumns{F, true}, s, el);
+    for (int e = 0; e < E; ++e) {  // the biases follow the columns
       uint8_t* b1 = w.mutable_expert_data(Param::kFc1Bias, e);
-      uint8_t* fc2 = w.mutable_expert_data(Param::kFc2Weight, e);
-      const uint8_t* gu_e = gu + e * H * 2 * F * el;
-      const uint8_t* dn_e = dn + e * F * H * el;
       for (int64_t j = 0; j < F; ++j) {
-        const int64_t g = gate_column(j, F, s), u = linear_column(j, F, s);
-        // Our fc1 row = one column of x @ W: gate is column 2j, up column 2j + 1.
-        for (int64_t h = 0; h < H; ++h) {
-          std::memcpy(fc1 + (g * H + h) * el, gu_e + (h * 2 * F + 2 * j) * el, el);
-          std::memcpy(fc1 + (u * H + h) * el, gu_e + (h * 2 * F + 2 * j + 1) * el, el);
-        }
-        std::memcpy(b1 + g * el, gub + (e * 2 * F + 2 * j) * el, el);
-        std::memcpy(b1 + u * el, gub + (e * 2 * F + 2 * j + 1) * el, el);
+        std::memcpy(b1 + gate_column(j, F, s) * el, gub + (e * 2 * F + 2 * j) * el, el);
+        std::memcpy(b1 + linear_column(j, F, s) * el, gub + (e * 2 * F + 2 * j + 1) * el, el);
       }
-      // fc2 [H, F] is the transpose of down_proj [F, H].
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t j = 0; j < F; ++j) std::memcpy(fc2 + (h * F + j) * el, dn_e + (j * H + h) * el, el);
       std::memcpy(w.mutable_expert_data(Param::kFc2Bias, e), dnb + e * H * el, H * el);
     }
     return w;
@@ -360,23 +410,8 @@ ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLay
   const ProjNames n = proj_names(f);
   const FusedNames fn = fused_names(f);
   if (l.transposed) {  // x @ W: gate = columns [0, F), up = [F, 2F) of gate_up [E, H, 2F]; down [E, F, H]
-    const uint8_t* gu = need(sd, l.prefix + fn.gate_up, {E, H, 2 * F}, l.dtype).data();
-    const uint8_t* dn = need(sd, l.prefix + fn.down, {E, F, H}, l.dtype).data();
-    for (int e = 0; e < E; ++e) {
-      uint8_t* fc1 = w.mutable_expert_data(Param::kFc1Weight, e);
-      uint8_t* fc2 = w.mutable_expert_data(Param::kFc2Weight, e);
-      const uint8_t* gu_e = gu + e * H * 2 * F * el;
-      const uint8_t* dn_e = dn + e * F * H * el;
-      for (int64_t j = 0; j < F; ++j) {
-        const int64_t g = gate_column(j, F, s), u = linear_column(j, F, s);
-        for (int64_t h = 0; h < H; ++h) {
-          std::memcpy(fc1 + (g * H + h) * el, gu_e + (h * 2 * F + j) * el, el);
-          std::memcpy(fc1 + (u * H + h) * el, gu_e + (h * 2 * F + F + j) * el, el);
-        }
-      }
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t j = 0; j < F; ++j) std::memcpy(fc2 + (h * F + j) * el, dn_e + (j * H + h) * el, el);
-    }
+    from_x_at_w(w, need(sd, l.prefix + fn.gate_up, {E, H, 2 * F}, l.dtype).data(),
+                need(sd, l.prefix + fn.down, {E, F, H}, l.dtype).data(), XwColumns{F, false}, s, el);
     return w;
   }
   const uint8_t* fused_gu = l.fused ? need(sd, l.prefix + fn.gate_up, {E, 2 * F, H}, l.dtype).data() : nullptr;
@@ -428,26 +463,15 @@ StateDict hf_expert_tensors(const ExpertWeights& w, HfFamily f, const std::strin
   StateDict sd;
 
   if (f == HfFamily::kGptOss) {
-    HostTensor gu(dt, {E, H, 2 * F}), gub(dt, {E, 2 * F}), dn(dt, {E, F, H}), dnb(dt, {E, H});
-    uint8_t *pgu = gu.mutable_data(), *pgub = gub.mutable_data(), *pdn = dn.mutable_data(), *pdnb = dnb.mutable_data();
-    for (int e = 0; e < E; ++e) {
-      const uint8_t* fc1 = w.expert_data(Param::kFc1Weight, e);
+    auto [gu, dn] = to_x_at_w(w, XwColumns{F, true}, dt, el);
+    HostTensor gub(dt, {E, 2 * F}), dnb(dt, {E, H});
+    for (int e = 0; e < E; ++e) {  // the biases follow the columns
       const uint8_t* b1 = w.expert_data(Param::kFc1Bias, e);
-      const uint8_t* fc2 = w.expert_data(Param::kFc2Weight, e);
-      uint8_t* gu_e = pgu + e * H * 2 * F * el;
-      uint8_t* dn_e = pdn + e * F * H * el;
       for (int64_t j = 0; j < F; ++j) {
-        const int64_t g = gate_column(j, F, s), u = linear_column(j, F, s);
-        for (int64_t h = 0; h < H; ++h) {
-          std::memcpy(gu_e + (h * 2 * F + 2 * j) * el, fc1 + (g * H + h) * el, el);
-          std::memcpy(gu_e + (h * 2 * F + 2 * j + 1) * el, fc1 + (u * H + h) * el, el);
-        }
-        std::memcpy(pgub + (e * 2 * F + 2 * j) * el, b1 + g * el, el);
-        std::memcpy(pgub + (e * 2 * F + 2 * j + 1) * el, b1 + u * el, el);
+        std::memcpy(gub.mutable_data() + (e * 2 * F + 2 * j) * el, b1 + gate_column(j, F, s) * el, el);
+        std::memcpy(gub.mutable_data() + (e * 2 * F + 2 * j + 1) * el, b1 + linear_column(j, F, s) * el, el);
       }
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t j = 0; j < F; ++j) std::memcpy(dn_e + (j * H + h) * el, fc2 + (h * F + j) * el, el);
-      std::memcpy(pdnb + e * H * el, w.expert_data(Param::kFc2Bias, e), H * el);
+      std::memcpy(dnb.mutable_data() + e * H * el, w.expert_data(Param::kFc2Bias, e), H * el);
     }
     sd.emplace(prefix + "gate_up_proj", std::move(gu));
     sd.emplace(prefix + "gate_up_proj_bias", std::move(gub));
@@ -457,22 +481,7 @@ StateDict hf_expert_tensors(const ExpertWeights& w, HfFamily f, const std::strin
   }
 
   if (f == HfFamily::kQwen3VlMoe) {  // the released form: x @ W, gate_up [E, H, 2F] (halves), down [E, F, H]
-    HostTensor gu(dt, {E, H, 2 * F}), dn(dt, {E, F, H});
-    for (int e = 0; e < E; ++e) {
-      const uint8_t* fc1 = w.expert_data(Param::kFc1Weight, e);
-      const uint8_t* fc2 = w.expert_data(Param::kFc2Weight, e);
-      uint8_t* gu_e = gu.mutable_data() + e * H * 2 * F * el;
-      uint8_t* dn_e = dn.mutable_data() + e * F * H * el;
-      for (int64_t j = 0; j < F; ++j) {
-        const int64_t g = gate_column(j, F, s), u = linear_column(j, F, s);
-        for (int64_t h = 0; h < H; ++h) {
-          std::memcpy(gu_e + (h * 2 * F + j) * el, fc1 + (g * H + h) * el, el);
-          std::memcpy(gu_e + (h * 2 * F + F + j) * el, fc1 + (u * H + h) * el, el);
-        }
-      }
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t j = 0; j < F; ++j) std::memcpy(dn_e + (j * H + h) * el, fc2 + (h * F + j) * el, el);
-    }
+    auto [gu, dn] = to_x_at_w(w, XwColumns{F, false}, dt, el);
     sd.emplace(prefix + "gate_up_proj", std::move(gu));
     sd.emplace(prefix + "down_proj", std::move(dn));
     return sd;
