@@ -3,6 +3,7 @@
 //   moe-engine convert --from hf:mixtral --to grouped model.safetensors grouped.safetensors
 //   moe-engine convert --from grouped --to hf:mixtral grouped.safetensors model.safetensors
 //   moe-engine convert --from hf:qwen3_moe --to grouped Qwen3-30B-A3B/ grouped/   (a sharded checkpoint)
+//   moe-engine convert --from hf --to grouped Qwen3-30B-A3B/ grouped/              (family from its config.json)
 //
 // Only the experts' tensors change (see include/moe/checkpoint_convert.h); the rest of the file
 // and its metadata are carried over byte for byte, so hf -> grouped -> hf reproduces the file.
@@ -71,6 +72,7 @@ void run_convert(const ConvertArgs& a) {
   };
   std::vector<std::string> layers;
   try {
+    o = families_from_config(o, a.in);  // "hf": the model_type of the config.json beside the input
     layers = convert_checkpoint(a.in, a.out, o, progress);
   } catch (const Error& e) {
     throw Error(in_option_names(e.what()));
@@ -89,7 +91,8 @@ void setup_convert(CLI::App& app) {
       "convert", "Convert expert weights between per-expert, single-grouped and Hugging Face safetensors files");
   std::string formats = "per-expert, grouped or hf:{";
   for (const auto& f : hf_family_names()) formats += f + (f == hf_family_names().back() ? "}" : "|");
-  formats += " (or hf:<model_type> of a model in one of their namings, e.g. hf:glm4_moe)";
+  formats += " (or hf:<model_type> of a model in one of their namings, e.g. hf:glm4_moe; or hf alone: the "
+             "model_type of the config.json beside the input)";
   sub->add_option("--from", args->from, "Input format: " + formats)->required();
   sub->add_option("--to", args->to, "Output format: " + formats)->required();
   sub->add_option("input", args->in,

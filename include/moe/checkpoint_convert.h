@@ -17,8 +17,12 @@ struct CheckpointFormat {
   enum class Kind : uint8_t { kPerExpert, kGrouped, kHuggingFace };
   Kind kind = Kind::kGrouped;
   HfFamily family = HfFamily::kMixtral;  // kHuggingFace only
+  // "hf" alone: the family is the model_type of the config.json beside the checkpoint, which
+  // convert_checkpoint reads (families_from_config); convert_state_dict refuses it unresolved.
+  bool family_from_config = false;
 
-  // "per-expert", "grouped" or "hf:<family>"; throws moe::Error naming `what` otherwise.
+  // "per-expert", "grouped", "hf:<family or model_type>" or "hf"; throws moe::Error naming `what`
+  // otherwise.
   static CheckpointFormat parse(const std::string& text, const char* what = "format");
   std::string name() const;
   bool ours() const { return kind != Kind::kHuggingFace; }
@@ -61,6 +65,12 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
 // names none.
 std::map<std::string, std::vector<std::string>> expert_layer_keys(const StateDict& sd, const ConvertOptions& options,
                                                                   const Metadata& metadata = {});
+
+// `options` with each "hf" side's family read from the model_type of the config.json that Hugging Face
+// keeps beside a checkpoint: in the folder `in` names, or in the folder of the file it names
+// (transformers' config: {"model_type": "qwen3_moe", ...}). A missing config.json, one without a
+// model_type, or a model_type no family reads is a moe::Error naming the file.
+ConvertOptions families_from_config(const ConvertOptions& options, const std::string& in);
 
 // File to file: reads `in` (memory-mapped), converts (quantized layers as its __metadata__
 // declares), writes `out` (atomically), keeping the input's __metadata__. `progress` sees the

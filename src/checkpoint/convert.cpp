@@ -235,11 +235,14 @@ CheckpointFormat CheckpointFormat::parse(const std::string& text, const char* wh
   } else if (text.compare(0, 3, "hf:") == 0) {
     f.kind = Kind::kHuggingFace;
     f.family = hf_family_from_name(text.substr(3), what);
+  } else if (text == "hf") {
+    f.kind = Kind::kHuggingFace;
+    f.family_from_config = true;
   } else {
     std::string families;
     for (const auto& n : hf_family_names()) families += (families.empty() ? "" : "|") + n;
-    detail::throw_error("argument '", what, "': expected per-expert, grouped or hf:{", families, "}, got '", text,
-                        "'");
+    detail::throw_error("argument '", what, "': expected per-expert, grouped, hf (the model_type of the config.json ",
+                        "beside the checkpoint) or hf:{", families, "}, got '", text, "'");
   }
   return f;
 }
@@ -248,7 +251,7 @@ std::string CheckpointFormat::name() const {
   switch (kind) {
     case Kind::kPerExpert: return "per-expert";
     case Kind::kGrouped: return "grouped";
-    case Kind::kHuggingFace: return std::string("hf:") + hf_family_name(family);
+    case Kind::kHuggingFace: return family_from_config ? "hf" : std::string("hf:") + hf_family_name(family);
   }
   return "?";
 }
@@ -260,6 +263,9 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
 
 std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions& o, Metadata& metadata_io) {
   MOE_CHECK(o.experts >= 0, "argument 'experts': expected >= 0, got ", o.experts);
+  for (const auto& [side, name] : {std::pair{&o.from, "from"}, std::pair{&o.to, "to"}})
+    MOE_CHECK(!side->family_from_config, "argument '", name, "': 'hf' takes the family from a config.json, which ",
+              "a state dict has none of; give hf:<family> (or resolve it with families_from_config)");
   const Metadata& metadata = metadata_io;
   Metadata metadata_out = metadata_io;  // assigned back once every output is made
   std::vector<Layer> layers;
@@ -399,7 +405,7 @@ std::vector<std::string> convert_checkpoint(const std::string& in, const std::st
   if (is_sharded_checkpoint(in)) return convert_sharded_checkpoint(in, out, o, progress);
   Metadata metadata;
   StateDict sd = load_safetensors(in, &metadata);
-  std::vector<std::string> layers = convert_state_dict(sd, o, metadata);
+  std::vector<std::string> layers = convert_state_dict(sd, families_from_config(o, in), metadata);
   save_safetensors(out, sd, metadata, progress);
   return layers;
 }

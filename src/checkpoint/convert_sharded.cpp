@@ -110,7 +110,9 @@ bool is_sharded_checkpoint(const std::string& in) {
 }
 
 std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const std::string& out,
-                                                    const ConvertOptions& o, const safetensors::ProgressFn& progress) {
+                                                    const ConvertOptions& options,
+                                                    const safetensors::ProgressFn& progress) {
+  const ConvertOptions o = families_from_config(options, in);
   const std::string index_path = is_folder(in) ? index_in_folder(in) : in;
   const safetensors::ShardIndex index = safetensors::read_index(index_path);
   const fs::path folder = fs::path(index_path).parent_path().empty() ? fs::path(".") : fs::path(index_path).parent_path();

@@ -284,6 +284,31 @@ TEST_F(ConvertCli, ShardedCheckpointsConvertFolderToFolder) {
   EXPECT_NE(r.output.find("is the input's folder"), std::string::npos) << r.output;
 }
 
+TEST_F(ConvertCli, HfAloneTakesTheFamilyFromTheConfigBesideTheInput) {
+  // The fixtures' config.json say "model_type": "glm4_moe" (read as qwen2_moe's naming), and for the
+  // sharded folder "qwen3_moe".
+  Result r = run("convert --from hf --to grouped '" + fixtures() + "glm4_moe/model.safetensors' '" + tmp("g.safetensors") + "'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("(hf:qwen2_moe -> grouped)"), std::string::npos) << r.output;
+  r = run("convert --from hf --to per-expert '" + std::string(MOE_TESTS_DIR) + "/fixtures/hf_sharded/qwen3_moe' '" +
+          tmp("sharded") + "'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("(hf:qwen3_moe -> per-expert)"), std::string::npos) << r.output;
+  // Our file has no config.json beside it; one whose model_type no family reads is named.
+  r = run("convert --from grouped --to hf '" + tmp("g.safetensors") + "' '" + tmp("back.safetensors") + "'");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("config.json: cannot read it"), std::string::npos) << r.output;
+  std::ofstream(tmp("config.json")) << "{\"model_type\": \"llama\"}";
+  r = run("convert --from grouped --to hf '" + tmp("g.safetensors") + "' '" + tmp("back.safetensors") + "'");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("config.json model_type': unknown Hugging Face family 'llama'"), std::string::npos)
+      << r.output;
+  std::ofstream(tmp("config.json")) << "{\"model_type\": \"glm4_moe\"}";
+  r = run("convert -q --from grouped --to hf '" + tmp("g.safetensors") + "' '" + tmp("back.safetensors") + "'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(read_file(tmp("back.safetensors")) == read_file(fixtures() + "glm4_moe/model.safetensors"));
+}
+
 TEST_F(ConvertCli, BadInvocationsFailCleanly) {
   const std::string hf = fixtures() + "mixtral/model.safetensors";
   const std::string out = tmp("never.safetensors");

@@ -435,6 +435,17 @@ ConvertOptions opts(const std::string& from, const std::string& to) {
   return o;
 }
 
+TEST(ConvertStateDict, HfAloneNeedsAConfig) {
+  const CheckpointFormat f = CheckpointFormat::parse("hf");
+  EXPECT_TRUE(f.family_from_config);
+  EXPECT_EQ(f.name(), "hf");
+  ConvertOptions o;
+  o.from = f;
+  o.to = CheckpointFormat::parse("grouped");
+  StateDict sd;
+  expect_error_naming([&] { convert_state_dict(sd, o); }, "argument 'from': 'hf' takes the family from a config.json");
+}
+
 TEST(ConvertStateDict, FormatsParse) {
   EXPECT_EQ(CheckpointFormat::parse("hf:gpt_oss").family, HfFamily::kGptOss);
   EXPECT_EQ(CheckpointFormat::parse("hf:deepseek_v3").name(), "hf:deepseek");
