@@ -60,7 +60,8 @@ def family_specs():
                               Mistral4Config, Mistral4ForCausalLM, MixtralConfig, MixtralForCausalLM, NemotronHConfig,
                               NemotronHForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig,
                               Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3VLMoeTextConfig,
-                              Qwen3VLMoeTextModel)
+                              Qwen3VLMoeTextModel, DeepseekV4Config, DeepseekV4ForCausalLM, HYV4Config,
+                              HYV4ForCausalLM)
 
     common = dict(vocab_size=16, hidden_size=H, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
@@ -130,6 +131,20 @@ def family_specs():
                          dict(common, intermediate_size=48, moe_intermediate_size=F, num_experts=4,
                               num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], head_dim=32),
                          "swiglu", 0.15, torch.float32),
+        # SiLU-gated experts clamped at swiglu_limit (default 10): DeepSeek-V4 (Mixtral's w1 / w3 / w2 under
+        # ffn.experts) and Hunyuan v4 (stored fused); a scale of 1 so that the clamps are reached.
+        "deepseek_v4": (DeepseekV4Config, DeepseekV4ForCausalLM,
+                        dict(common, num_key_value_heads=1, moe_intermediate_size=F, n_routed_experts=4,
+                             n_shared_experts=1, num_experts_per_tok=2, mlp_layer_types=["moe"], head_dim=32,
+                             q_lora_rank=32, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16,
+                             index_topk=8, num_nextn_predict_layers=0),
+                        "clamped_silu", 1.0, torch.float32),
+        "hy_v4": (HYV4Config, HYV4ForCausalLM,
+                  dict(common, intermediate_size=48, moe_intermediate_size=F, n_routed_experts=4, n_shared_experts=1,
+                       num_experts_per_tok=2, mlp_layer_types=["sparse"], head_dim=32, kv_lora_rank=16,
+                       q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_topk=8,
+                       index_head_dim=16, index_n_heads=2),
+                  "clamped_silu", 1.0, torch.float32),
         # Clamped SwiGLU (alpha 1.702, limit 7, +1 on the linear half) with biases; a large scale so that
         # the clamps are reached.
         "gpt_oss": (GptOssConfig, GptOssForCausalLM,
@@ -142,7 +157,7 @@ def family_specs():
 # Each family's seed is --seed plus its offset here: the committed fixtures were made with these.
 SEED_OFFSETS = {"mixtral": 0, "qwen2_moe": 1, "qwen3_moe": 2, "olmoe": 3, "deepseek_v3": 4, "gpt_oss": 5,
                 "glm4_moe": 5, "jamba": 6, "nemotron_h": 7, "mistral4": 8, "gemma4": 9, "granitemoe": 10,
-                "qwen3_vl_moe": 11}
+                "qwen3_vl_moe": 11, "deepseek_v4": 12, "hy_v4": 13}
 
 # Families whose experts sit in the decoder layer itself (beside its dense MLP), which needs the
 # model's position embeddings: the whole model runs on random token ids, and the hook records what the

@@ -14,14 +14,15 @@ constexpr FamilyName kFamilies[] = {
     {HfFamily::kOlmoe, "olmoe"},     {HfFamily::kDeepseek, "deepseek"},  {HfFamily::kGptOss, "gpt_oss"},
     {HfFamily::kNemotronH, "nemotron_h"}, {HfFamily::kMistral4, "mistral4"}, {HfFamily::kGemma4, "gemma4"},
     {HfFamily::kGraniteMoe, "granitemoe"}, {HfFamily::kQwen3VlMoe, "qwen3_vl_moe"},
+    {HfFamily::kDeepseekV4, "deepseek_v4"}, {HfFamily::kGlm5Next, "glm5_next"}, {HfFamily::kHyV4, "hy_v4"},
 };
 // Hugging Face model types (config.json's "model_type") whose save_pretrained writes a family's naming
-// with its activation (SiLU-gated, no biases), checked against transformers 5.17 by saving a tiny model
+// with its activation (no biases), checked against transformers 5.17 by saving a tiny model
 // of each: the per-expert gate_proj / up_proj / down_proj of Qwen2-MoE (transformers itself maps most
-// of them to "qwen2_moe" when loading), or Mixtral's w1 / w3 / w2. Model types whose experts clamp
-// with a limit from their config (deepseek_v4, glm5_next, hy_v4, minimax_m3_vl and their text
-// classes) or store their experts in another form (inkling: interleaved w13) are not listed: their
-// experts are not those of any family here.
+// of them to "qwen2_moe" when loading), or Mixtral's w1 / w3 / w2, SiLU-gated; the fused families';
+// and glm5_next_text (stored fused, clamped as glm5_next: read as hy_v4). minimax_m3_vl (GPT-OSS's
+// clamp on Mixtral's naming) and inkling (interleaved w13) are not listed: their experts are not those
+// of any family here.
 constexpr FamilyName kModelTypes[] = {
     {HfFamily::kDeepseek, "deepseek_v2"},      {HfFamily::kDeepseek, "deepseek_v3"},
     {HfFamily::kDeepseek, "deepseek_v32"},     {HfFamily::kQwen2Moe, "qwen3_next"},
@@ -47,7 +48,7 @@ constexpr FamilyName kModelTypes[] = {
     {HfFamily::kMistral4, "deepseek_ocr2_text"}, {HfFamily::kMistral4, "glm4v_moe_text"},
     {HfFamily::kMistral4, "ernie4_5_vl_moe_text"}, {HfFamily::kGemma4, "gemma4_text"},
     {HfFamily::kGemma4, "diffusion_gemma"},    {HfFamily::kGraniteMoe, "granitemoeshared"},
-    {HfFamily::kGraniteMoe, "granitemoehybrid"},
+    {HfFamily::kGraniteMoe, "granitemoehybrid"}, {HfFamily::kHyV4, "glm5_next_text"},
 };
 
 }  // namespace
@@ -91,6 +92,12 @@ ActivationParams hf_activation(HfFamily f) {
     a.alpha = 1.702f;
     a.limit = 7.0f;
     a.offset = 1.0f;
+  } else if (f == HfFamily::kDeepseekV4 || f == HfFamily::kGlm5Next || f == HfFamily::kHyV4) {
+    // silu(min(gate, L)) * clamp(up, -L, L): clamped swiglu with alpha 1 and no offset; L = swiglu_limit.
+    a.kind = Activation::kClampedSwiGLU;
+    a.alpha = 1.0f;
+    a.limit = 10.0f;
+    a.offset = 0.0f;
   } else if (f == HfFamily::kGemma4) {
     a.kind = Activation::kGeGLU;  // act_fn(gate) * up with hidden_activation = "gelu_pytorch_tanh"
   } else if (f == HfFamily::kNemotronH) {

@@ -21,7 +21,7 @@ struct ProjNames {
   }
 };
 inline ProjNames proj_names(HfFamily f) {
-  if (f == HfFamily::kMixtral) return {"w1", "w3", "w2"};
+  if (f == HfFamily::kMixtral || f == HfFamily::kDeepseekV4) return {"w1", "w3", "w2"};
   if (f == HfFamily::kNemotronH) return {nullptr, "up_proj", "down_proj"};
   return {"gate_proj", "up_proj", "down_proj"};
 }
@@ -35,7 +35,7 @@ struct FusedNames {
 };
 inline bool stored_fused(HfFamily f) {
   return f == HfFamily::kMistral4 || f == HfFamily::kGemma4 || f == HfFamily::kGraniteMoe ||
-         f == HfFamily::kQwen3VlMoe;
+         f == HfFamily::kQwen3VlMoe || f == HfFamily::kHyV4;
 }
 inline FusedNames fused_names(HfFamily f) {
   if (f == HfFamily::kGraniteMoe) return {"input_linear.weight", "output_linear.weight"};

@@ -150,6 +150,8 @@ constexpr Fixture kFixtures[] = {
     // Stored fused.
     {"mistral4", HfFamily::kMistral4, "swiglu"},        {"gemma4", HfFamily::kGemma4, "geglu"},
     {"granitemoe", HfFamily::kGraniteMoe, "swiglu"},      {"qwen3_vl_moe", HfFamily::kQwen3VlMoe, "swiglu"},
+    // SiLU-gated, clamped at swiglu_limit (10; 10-20% of the fixtures' gate and up values are beyond it).
+    {"deepseek_v4", HfFamily::kDeepseekV4, "clamped_silu"}, {"hy_v4", HfFamily::kHyV4, "clamped_silu"},
 };
 
 TEST(HfFixtures, ReferenceReproducesTransformersExpertOutputs) {

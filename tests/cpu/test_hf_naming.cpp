@@ -93,7 +93,11 @@ TEST(HfFamily, NamesActivationsBiases) {
   EXPECT_EQ(hf_model_types(HfFamily::kMixtral).size(), 5u);
   EXPECT_TRUE(hf_model_types(HfFamily::kGptOss).empty());
   EXPECT_EQ(hf_activation(HfFamily::kNemotronH).kind, Activation::kSquaredReLU);
-  for (const char* no : {"deepseek_v4", "glm5_next", "hy_v4", "minimax_m3_vl", "inkling"})
+  EXPECT_EQ(hf_activation(HfFamily::kGlm5Next).kind, Activation::kClampedSwiGLU);
+  EXPECT_EQ(hf_activation(HfFamily::kDeepseekV4).alpha, 1.0f);
+  EXPECT_EQ(hf_activation(HfFamily::kHyV4).offset, 0.0f);
+  EXPECT_EQ(hf_family_from_name("glm5_next_text"), HfFamily::kHyV4);
+  for (const char* no : {"minimax_m3_vl", "inkling", "llama4"})
     expect_error_naming([&] { hf_family_from_name(no); }, std::string("unknown Hugging Face family '") + no + "'");
   EXPECT_EQ(hf_activation(HfFamily::kQwen3Moe).kind, Activation::kSwiGLU);
   const ActivationParams g = hf_activation(HfFamily::kGptOss);
