@@ -18,8 +18,8 @@ install(TARGETS ${MOE_LIBRARIES} moe_engine EXPORT moe_engineTargets
         INCLUDES DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}")
 
 # Public headers; those of the checkpoint library only when it is built.
-set(_moe_checkpoint_headers checkpoint.h checkpoint_convert.h checkpoint_fp8.h checkpoint_hf.h checkpoint_quant.h
-                            safetensors.h state_dict.h)
+set(_moe_checkpoint_headers checkpoint.h checkpoint_convert.h checkpoint_fp8.h checkpoint_hf.h checkpoint_hf_fp8.h
+                            checkpoint_quant.h safetensors.h safetensors_index.h state_dict.h)
 set(_moe_header_excludes "")
 if(NOT TARGET moe_checkpoint)
   foreach(h ${_moe_checkpoint_headers})
