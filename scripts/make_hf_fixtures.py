@@ -61,7 +61,7 @@ def family_specs():
                               NemotronHForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig,
                               Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3VLMoeTextConfig,
                               Qwen3VLMoeTextModel, DeepseekV4Config, DeepseekV4ForCausalLM, HYV4Config,
-                              HYV4ForCausalLM)
+                              HYV4ForCausalLM, Glm5NextConfig, Glm5NextForConditionalGeneration)
 
     common = dict(vocab_size=16, hidden_size=H, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
@@ -139,6 +139,18 @@ def family_specs():
                              q_lora_rank=32, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16,
                              index_topk=8, num_nextn_predict_layers=0),
                         "clamped_silu", 1.0, torch.float32),
+        # GLM-5-Next: a vision-language model; its language model's experts in qwen's per-expert naming.
+        "glm5_next": (Glm5NextConfig, Glm5NextForConditionalGeneration,
+                      dict(text_config=dict(common, num_attention_heads=4, num_key_value_heads=4, intermediate_size=48,
+                                            moe_intermediate_size=F, n_routed_experts=4, n_shared_experts=1,
+                                            num_experts_per_tok=2, mlp_layer_types=["sparse"],
+                                            layer_types=["linear_attention"], kv_lora_rank=16, q_lora_rank=32,
+                                            qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=16, index_topk=16,
+                                            index_head_dim=16, index_n_heads=2, index_kpool=4, linear_head_dim=16,
+                                            linear_num_heads=4),
+                           vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=4,
+                                              image_size=16, out_hidden_size=H, projection_intermediate_size=64)),
+                      "clamped_silu", 1.0, torch.float32),
         "hy_v4": (HYV4Config, HYV4ForCausalLM,
                   dict(common, intermediate_size=48, moe_intermediate_size=F, n_routed_experts=4, n_shared_experts=1,
                        num_experts_per_tok=2, mlp_layer_types=["sparse"], head_dim=32, kv_lora_rank=16,
@@ -157,7 +169,7 @@ def family_specs():
 # Each family's seed is --seed plus its offset here: the committed fixtures were made with these.
 SEED_OFFSETS = {"mixtral": 0, "qwen2_moe": 1, "qwen3_moe": 2, "olmoe": 3, "deepseek_v3": 4, "gpt_oss": 5,
                 "glm4_moe": 5, "jamba": 6, "nemotron_h": 7, "mistral4": 8, "gemma4": 9, "granitemoe": 10,
-                "qwen3_vl_moe": 11, "deepseek_v4": 12, "hy_v4": 13}
+                "qwen3_vl_moe": 11, "deepseek_v4": 12, "hy_v4": 13, "glm5_next": 14}
 
 # Families whose experts sit in the decoder layer itself (beside its dense MLP), which needs the
 # model's position embeddings: the whole model runs on random token ids, and the hook records what the
