@@ -61,7 +61,8 @@ def family_specs():
                               NemotronHForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig,
                               Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3VLMoeTextConfig,
                               Qwen3VLMoeTextModel, DeepseekV4Config, DeepseekV4ForCausalLM, HYV4Config,
-                              HYV4ForCausalLM, Glm5NextConfig, Glm5NextForConditionalGeneration)
+                              HYV4ForCausalLM, Glm5NextConfig, Glm5NextForConditionalGeneration,
+                              MiniMaxM3VLConfig, MiniMaxM3SparseForConditionalGeneration)
 
     common = dict(vocab_size=16, hidden_size=H, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
@@ -151,6 +152,18 @@ def family_specs():
                            vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=4,
                                               image_size=16, out_hidden_size=H, projection_intermediate_size=64)),
                       "clamped_silu", 1.0, torch.float32),
+        # MiniMax-M3: GPT-OSS's clamped SwiGLU (alpha 1.702, limit 7, +1) on Mixtral's w1 / w3 / w2, no biases;
+        # a vision-language model.
+        "minimax_m3_vl": (MiniMaxM3VLConfig, MiniMaxM3SparseForConditionalGeneration,
+                          dict(text_config=dict(common, num_attention_heads=4, num_key_value_heads=2,
+                                                intermediate_size=F, num_local_experts=4, num_experts_per_tok=2,
+                                                head_dim=16, rotary_dim=8, dense_intermediate_size=48,
+                                                shared_intermediate_size=48, mlp_layer_types=["sparse"],
+                                                layer_types=["full_attention"]),
+                               vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                  num_attention_heads=2, image_size=16, patch_size=4),
+                               projector_hidden_size=H),
+                          "clamped_swiglu", 0.5, torch.float32),
         "hy_v4": (HYV4Config, HYV4ForCausalLM,
                   dict(common, intermediate_size=48, moe_intermediate_size=F, n_routed_experts=4, n_shared_experts=1,
                        num_experts_per_tok=2, mlp_layer_types=["sparse"], head_dim=32, kv_lora_rank=16,
@@ -169,7 +182,7 @@ def family_specs():
 # Each family's seed is --seed plus its offset here: the committed fixtures were made with these.
 SEED_OFFSETS = {"mixtral": 0, "qwen2_moe": 1, "qwen3_moe": 2, "olmoe": 3, "deepseek_v3": 4, "gpt_oss": 5,
                 "glm4_moe": 5, "jamba": 6, "nemotron_h": 7, "mistral4": 8, "gemma4": 9, "granitemoe": 10,
-                "qwen3_vl_moe": 11, "deepseek_v4": 12, "hy_v4": 13, "glm5_next": 14}
+                "qwen3_vl_moe": 11, "deepseek_v4": 12, "hy_v4": 13, "glm5_next": 14, "minimax_m3_vl": 15}
 
 # Families whose experts sit in the decoder layer itself (beside its dense MLP), which needs the
 # model's position embeddings: the whole model runs on random token ids, and the hook records what the
@@ -284,12 +297,18 @@ def make_family(name, spec, out_dir, seed):
 
     info = {"expert_keys_first": expert_keys[:6], "num_expert_keys": len(expert_keys),
             "probs_row_sums": [round(v, 4) for v in probs.sum(-1)[:4].tolist()]}
-    if activation == "clamped_swiglu":
+    if activation in ("clamped_swiglu", "clamped_silu"):
         # How often the clamps bite (a fixture that never clamps would not test them).
+        limit = 7.0 if activation == "clamped_swiglu" else 10.0
         with torch.no_grad():
-            gu = torch.einsum("th,ehc->etc", xs, experts.gate_up_proj.float()) + experts.gate_up_proj_bias.float()[:, None]
-            info["gate_clamped"] = round((gu[..., ::2] > 7).float().mean().item(), 3)
-            info["up_clamped"] = round((gu[..., 1::2].abs() > 7).float().mean().item(), 3)
+            if hasattr(experts, "gate_up_proj_bias"):  # GPT-OSS: x @ W, gate / up interleaved, biases
+                gu = torch.einsum("th,ehc->etc", xs, experts.gate_up_proj.float()) + experts.gate_up_proj_bias.float()[:, None]
+                gate, up = gu[..., ::2], gu[..., 1::2]
+            else:  # [gate ; up] rows
+                gu = torch.einsum("th,ech->etc", xs, experts.gate_up_proj.float())
+                gate, up = gu.chunk(2, dim=-1)
+            info["gate_clamped"] = round((gate > limit).float().mean().item(), 3)
+            info["up_clamped"] = round((up.abs() > limit).float().mean().item(), 3)
     print(f"{name}: block {block_name}, E={experts.num_experts} k={k}, {info}")
 
 

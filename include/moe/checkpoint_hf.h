@@ -18,6 +18,8 @@
 //   deepseek_v4          mixtral's w1 / w3 / w2 naming with P = "model.layers.{l}.ffn."; glm5_next:
 //                        qwen's with P = "model.language_model.layers.{l}.mlp."; hy_v4: mistral4's fused
 //                        form (all three: SiLU-gated experts clamped at swiglu_limit)
+//   minimax_m3_vl        mixtral's w1 / w3 / w2 naming, P = "language_model.model.layers.{l}.block_sparse_moe."
+//                        (GPT-OSS's clamped SwiGLU on the gate and up halves, no biases)
 //   qwen3_vl_moe         <P>experts.gate_up_proj [E, H, 2F] (x @ W: gate = columns [0, F), up = [F, 2F)),
 //                        <P>experts.down_proj [E, F, H], P = "model.language_model.layers.{l}.mlp." -- the
 //                        released files' form (transformers 5.17 saves [E, 2F, H] / [E, H, F]: read too)
@@ -52,10 +54,11 @@ enum class HfFamily : uint8_t {
   kMixtral, kQwen2Moe, kQwen3Moe, kOlmoe, kDeepseek, kGptOss, kNemotronH,
   kMistral4, kGemma4, kGraniteMoe, kQwen3VlMoe,  // stored fused
   kDeepseekV4, kGlm5Next, kHyV4,                  // SwiGLU clamped at a limit (hy_v4 stored fused)
+  kMinimaxM3,                                      // GPT-OSS's clamped SwiGLU in Mixtral's naming
 };
 
 // "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek", "gpt_oss", "nemotron_h", "mistral4",
-// "gemma4", "granitemoe", "qwen3_vl_moe", "deepseek_v4", "glm5_next", "hy_v4".
+// "gemma4", "granitemoe", "qwen3_vl_moe", "deepseek_v4", "glm5_next", "hy_v4", "minimax_m3_vl".
 const char* hf_family_name(HfFamily f);
 // Accepts the names above and the Hugging Face model types whose checkpoints use a family's naming
 // (hf_model_types: "glm4_moe", "qwen3_next", "deepseek_v3", "minimax", "jamba", ...); throws
@@ -66,7 +69,7 @@ std::vector<std::string> hf_family_names();
 // save_pretrained writes f's per-expert naming, SiLU-gated experts without biases).
 std::vector<std::string> hf_model_types(HfFamily f);
 // The family's expert activation: swiglu, geglu (gemma4), GPT-OSS's clamped swiglu (alpha 1.702,
-// limit 7, +1), the clamped SiLU of deepseek_v4 / glm5_next / hy_v4 (clamped swiglu with alpha 1,
+// limit 7, +1; also minimax_m3_vl's, its config's defaults), the clamped SiLU of deepseek_v4 / glm5_next / hy_v4 (clamped swiglu with alpha 1,
 // offset 0 and their configs' default swiglu_limit, 10: a model's config may set another, which a
 // conversion, moving bytes, does not depend on), or Nemotron-H's squared ReLU (not gated).
 ActivationParams hf_activation(HfFamily f);

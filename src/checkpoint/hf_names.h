@@ -21,7 +21,7 @@ struct ProjNames {
   }
 };
 inline ProjNames proj_names(HfFamily f) {
-  if (f == HfFamily::kMixtral || f == HfFamily::kDeepseekV4) return {"w1", "w3", "w2"};
+  if (f == HfFamily::kMixtral || f == HfFamily::kDeepseekV4 || f == HfFamily::kMinimaxM3) return {"w1", "w3", "w2"};
   if (f == HfFamily::kNemotronH) return {nullptr, "up_proj", "down_proj"};
   return {"gate_proj", "up_proj", "down_proj"};
 }

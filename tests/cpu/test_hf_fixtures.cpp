@@ -152,7 +152,7 @@ constexpr Fixture kFixtures[] = {
     {"granitemoe", HfFamily::kGraniteMoe, "swiglu"},      {"qwen3_vl_moe", HfFamily::kQwen3VlMoe, "swiglu"},
     // SiLU-gated, clamped at swiglu_limit (10; 10-20% of the fixtures' gate and up values are beyond it).
     {"deepseek_v4", HfFamily::kDeepseekV4, "clamped_silu"}, {"hy_v4", HfFamily::kHyV4, "clamped_silu"},
-    {"glm5_next", HfFamily::kGlm5Next, "clamped_silu"},
+    {"glm5_next", HfFamily::kGlm5Next, "clamped_silu"},     {"minimax_m3_vl", HfFamily::kMinimaxM3, "clamped_swiglu"},
 };
 
 TEST(HfFixtures, ReferenceReproducesTransformersExpertOutputs) {
