@@ -458,6 +458,33 @@ def make_mxfp4(out_dir, seed):
     print(f"gpt_oss_mxfp4: E={E} k={k}, max |y| {captured['y'].abs().max().item():.3g}")
 
 
+def make_llama4(out_dir, seed):
+    """Llama 4's language model as its save_pretrained writes it: feed_forward.experts.gate_up_proj
+    [E, H, 2F] (x @ W, gate and up halves) and down_proj [E, F, H], beside a shared expert. Its experts
+    take inputs already scaled by the router (not the top-k call of the other families), so only the
+    file is kept: tests/cpu/test_convert_cli.cpp converts it to our layouts and back."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    torch.manual_seed(seed)
+    config = Llama4TextConfig(vocab_size=16, hidden_size=H, num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=1, intermediate_size=F, intermediate_size_mlp=48, num_local_experts=4,
+                              num_experts_per_tok=1, head_dim=32, moe_layers=[0], pad_token_id=0, bos_token_id=1,
+                              eos_token_id=2)
+    model = Llama4ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.15)
+    target = os.path.join(out_dir, "llama4")
+    os.makedirs(target, exist_ok=True)
+    tmp = tempfile.mkdtemp()
+    try:
+        model.save_pretrained(tmp)
+        for f in ("model.safetensors", "config.json"):
+            shutil.copyfile(os.path.join(tmp, f), os.path.join(target, f))
+    finally:
+        shutil.rmtree(tmp)
+    print("llama4: file only (experts fused, x @ W)")
+
+
 def make_sharded(out_dir, seed):
     """A two-layer Qwen3-MoE model (E = 4, bf16) saved by save_pretrained in shards of at most 40 KB, so
     that each layer's experts spread over several shards: model-0000i-of-0000N.safetensors and
@@ -507,6 +534,7 @@ def main():
     for name in args.families.split(","):
         # A seed per family, independent of which families are made in this run and of their order.
         make_family(name, specs[name], args.out, args.seed + SEED_OFFSETS[name])
+    make_llama4(args.out, args.seed + 400)
     if args.fp8:
         make_fp8(args.out, args.seed + 200)
         make_mxfp4(args.out, args.seed + 300)

@@ -50,6 +50,8 @@ constexpr FamilyName kModelTypes[] = {
     {HfFamily::kMistral4, "ernie4_5_vl_moe_text"}, {HfFamily::kGemma4, "gemma4_text"},
     {HfFamily::kGemma4, "diffusion_gemma"},    {HfFamily::kGraniteMoe, "granitemoeshared"},
     {HfFamily::kGraniteMoe, "granitemoehybrid"}, {HfFamily::kHyV4, "glm5_next_text"},
+    // Stored as qwen3_vl_moe's released files are: fused, x @ W (gate_up [E, H, 2F] halves), SiLU-gated.
+    {HfFamily::kQwen3VlMoe, "llama4"},         {HfFamily::kQwen3VlMoe, "llama4_text"},
 };
 
 }  // namespace

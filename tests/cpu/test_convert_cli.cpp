@@ -92,7 +92,8 @@ constexpr Fixture kFixtures[] = {{"mixtral", "mixtral"}, {"qwen2_moe", "qwen2_mo
                                  {"glm4_moe", "glm4_moe"}, {"jamba", "jamba"}, {"nemotron_h", "nemotron_h"},
                                  {"mistral4", "mistral4"}, {"gemma4", "gemma4"},     {"granitemoe", "granitemoe"},
                                  {"qwen3_vl_moe", "qwen3_vl_moe"}, {"deepseek_v4", "deepseek_v4"},
-                                 {"hy_v4", "hy_v4"},       {"glm5_next", "glm5_next"},  {"minimax_m3_vl", "minimax_m3_vl"}};
+                                 {"hy_v4", "hy_v4"},       {"glm5_next", "glm5_next"},  {"minimax_m3_vl", "minimax_m3_vl"},
+                                 {"llama4", "llama4"}};
 
 TEST_F(ConvertCli, HuggingFaceFilesRoundTripBitForBit) {
   for (const Fixture& fx : kFixtures) {

@@ -97,9 +97,10 @@ TEST(HfFamily, NamesActivationsBiases) {
   EXPECT_EQ(hf_activation(HfFamily::kDeepseekV4).alpha, 1.0f);
   EXPECT_EQ(hf_activation(HfFamily::kHyV4).offset, 0.0f);
   EXPECT_EQ(hf_family_from_name("glm5_next_text"), HfFamily::kHyV4);
+  EXPECT_EQ(hf_family_from_name("llama4_text"), HfFamily::kQwen3VlMoe);
   EXPECT_EQ(hf_activation(HfFamily::kMinimaxM3).offset, 1.0f);
   EXPECT_FALSE(hf_has_bias(HfFamily::kMinimaxM3));
-  for (const char* no : {"minimax_m3_vl_text", "inkling", "llama4"})
+  for (const char* no : {"minimax_m3_vl_text", "inkling", "llama"})
     expect_error_naming([&] { hf_family_from_name(no); }, std::string("unknown Hugging Face family '") + no + "'");
   EXPECT_EQ(hf_activation(HfFamily::kQwen3Moe).kind, Activation::kSwiGLU);
   const ActivationParams g = hf_activation(HfFamily::kGptOss);
