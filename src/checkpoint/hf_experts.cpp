@@ -4,7 +4,9 @@
 #include <cstdint>
 #include <cstring>
 #include <utility>
+#include <vector>
 
+#include "checkpoint/byte_transpose.h"
 #include "checkpoint/hf_mxfp4.h"
 #include "checkpoint/hf_names.h"
 #include "checkpoint/hf_tensors.h"
@@ -26,25 +28,21 @@ struct XwColumns {
   int64_t up(int64_t j) const { return interleaved ? 2 * j + 1 : F + j; }
 };
 
-// Our fc1 / fc2 of every expert from gate_up / down in the x @ W form.
+// Our fc1 / fc2 of every expert from gate_up / down in the x @ W form: gate_up transposed (a column of
+// x @ W is one of our rows), its rows then placed in our GLU order; down transposed into fc2.
 void from_x_at_w(ExpertWeights& w, const uint8_t* gu, const uint8_t* dn, const XwColumns& c, int s, size_t el) {
   const ExpertWeightsSpec& spec = w.spec();
   const int64_t H = spec.hidden, F = spec.ffn;
+  const size_t row = H * el;
+  std::vector<uint8_t> rows(2 * F * row);  // gate_up^T of one expert: [2F, H]
   for (int e = 0; e < spec.experts; ++e) {
+    detail::transpose_bytes(gu + e * H * 2 * F * el, rows.data(), H, 2 * F, el);
     uint8_t* fc1 = w.mutable_expert_data(Param::kFc1Weight, e);
-    uint8_t* fc2 = w.mutable_expert_data(Param::kFc2Weight, e);
-    const uint8_t* gu_e = gu + e * H * 2 * F * el;
-    const uint8_t* dn_e = dn + e * F * H * el;
     for (int64_t j = 0; j < F; ++j) {
-      const int64_t g = gate_column(j, F, s), u = linear_column(j, F, s);
-      for (int64_t h = 0; h < H; ++h) {  // our fc1 row = one column of x @ W
-        std::memcpy(fc1 + (g * H + h) * el, gu_e + (h * 2 * F + c.gate(j)) * el, el);
-        std::memcpy(fc1 + (u * H + h) * el, gu_e + (h * 2 * F + c.up(j)) * el, el);
-      }
+      std::memcpy(fc1 + gate_column(j, F, s) * row, rows.data() + c.gate(j) * row, row);
+      std::memcpy(fc1 + linear_column(j, F, s) * row, rows.data() + c.up(j) * row, row);
     }
-    // fc2 [H, F] is the transpose of down [F, H].
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t j = 0; j < F; ++j) std::memcpy(fc2 + (h * F + j) * el, dn_e + (j * H + h) * el, el);
+    detail::transpose_bytes(dn + e * F * H * el, w.mutable_expert_data(Param::kFc2Weight, e), F, H, el);
   }
 }
 
@@ -53,21 +51,17 @@ std::pair<HostTensor, HostTensor> to_x_at_w(const ExpertWeights& w, const XwColu
   const ExpertWeightsSpec& spec = w.spec();
   const int64_t E = spec.experts, H = spec.hidden, F = spec.ffn;
   const int s = spec.activation.glu_interleave;
+  const size_t row = H * el;
   HostTensor gu(dt, {E, H, 2 * F}), dn(dt, {E, F, H});
+  std::vector<uint8_t> rows(2 * F * row);  // gate_up^T of one expert: [2F, H]
   for (int e = 0; e < E; ++e) {
     const uint8_t* fc1 = w.expert_data(Param::kFc1Weight, e);
-    const uint8_t* fc2 = w.expert_data(Param::kFc2Weight, e);
-    uint8_t* gu_e = gu.mutable_data() + e * H * 2 * F * el;
-    uint8_t* dn_e = dn.mutable_data() + e * F * H * el;
     for (int64_t j = 0; j < F; ++j) {
-      const int64_t g = gate_column(j, F, s), u = linear_column(j, F, s);
-      for (int64_t h = 0; h < H; ++h) {
-        std::memcpy(gu_e + (h * 2 * F + c.gate(j)) * el, fc1 + (g * H + h) * el, el);
-        std::memcpy(gu_e + (h * 2 * F + c.up(j)) * el, fc1 + (u * H + h) * el, el);
-      }
+      std::memcpy(rows.data() + c.gate(j) * row, fc1 + gate_column(j, F, s) * row, row);
+      std::memcpy(rows.data() + c.up(j) * row, fc1 + linear_column(j, F, s) * row, row);
     }
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t j = 0; j < F; ++j) std::memcpy(dn_e + (j * H + h) * el, fc2 + (h * F + j) * el, el);
+    detail::transpose_bytes(rows.data(), gu.mutable_data() + e * H * 2 * F * el, 2 * F, H, el);
+    detail::transpose_bytes(w.expert_data(Param::kFc2Weight, e), dn.mutable_data() + e * F * H * el, H, F, el);
   }
   return {std::move(gu), std::move(dn)};
 }

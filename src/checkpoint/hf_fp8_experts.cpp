@@ -5,6 +5,7 @@
 #include <cstring>
 #include <vector>
 
+#include "checkpoint/byte_transpose.h"
 #include "checkpoint/hf_names.h"
 #include "checkpoint/hf_tensors.h"
 #include "moe/activation.h"
@@ -32,19 +33,6 @@ std::vector<float> scales_of(const HostTensor& t) {
     }
   }
   return out;
-}
-
-// dst [cols, rows] = src [rows, cols]^T, elements of `el` bytes.
-void transpose(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t cols, size_t el) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) std::memcpy(dst + (c * rows + r) * el, src + (r * cols + c) * el, el);
-}
-
-bool is_transpose(const uint8_t* a, const uint8_t* at, int64_t rows, int64_t cols, size_t el) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c)
-      if (std::memcmp(at + (c * rows + r) * el, a + (r * cols + c) * el, el) != 0) return false;
-  return true;
 }
 
 // F and the GLU interleave that keep every 128-row block of fc1 within the gate or the up rows.
@@ -75,8 +63,8 @@ struct OurWeight {
   // The columnwise copy of expert e: the transpose of its rowwise data and scales.
   void transpose_expert(int e, int64_t rows, int64_t cols) {
     const int64_t n = rows * cols, nb = blocks(rows) * blocks(cols);
-    transpose(data.data() + e * n, col_data.mutable_data() + e * n, rows, cols, 1);
-    transpose(scale.data() + e * nb * 4, col_scale.mutable_data() + e * nb * 4, blocks(rows), blocks(cols), 4);
+    detail::transpose_bytes(data.data() + e * n, col_data.mutable_data() + e * n, rows, cols, 1);
+    detail::transpose_bytes(scale.data() + e * nb * 4, col_scale.mutable_data() + e * nb * 4, blocks(rows), blocks(cols), 4);
   }
   void put(StateDict& out, const std::string& key) {
     out.emplace(quant_part_key(key, QuantPart::kData), std::move(data));
@@ -202,8 +190,8 @@ StateDict hf_fp8_expert_tensors(const StateDict& sd, const std::string& prefix, 
     const uint8_t* csc = g.at(quant_part_key(key, QuantPart::kColumnwiseScale)).data();
     const int64_t nb = blocks(rows) * blocks(cols);
     for (int e = 0; e < E; ++e)
-      MOE_CHECK(is_transpose(d + e * rows * cols, cd + e * rows * cols, rows, cols, 1) &&
-                    is_transpose(sc + e * nb * 4, csc + e * nb * 4, blocks(rows), blocks(cols), 4),
+      MOE_CHECK(detail::is_transpose_bytes(d + e * rows * cols, cd + e * rows * cols, rows, cols, 1) &&
+                    detail::is_transpose_bytes(sc + e * nb * 4, csc + e * nb * 4, blocks(rows), blocks(cols), 4),
                 "state dict: the columnwise copy of '", key, "' (expert ", e, ") is not the transpose of its rowwise ",
                 "copy; Hugging Face naming keeps the rowwise copy only, and this one would be lost");
   }
