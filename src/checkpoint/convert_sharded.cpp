@@ -139,16 +139,6 @@ std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const
   for (const auto& [key, file] : index.weight_map)
     MOE_CHECK(all.count(key), index_path, ": maps tensor '", key, "' to ", file, ", which does not hold it");
 
-  // The output folder: created if absent, never the input's (its shards are read while the new ones are written).
-  std::error_code ec;
-  MOE_CHECK(fs::path(out).extension() != ".safetensors" || is_folder(out), out, ": a sharded checkpoint is ",
-            "written into a folder of shards, and this names a .safetensors file; give a folder");
-  if (!fs::exists(out, ec)) {
-    MOE_CHECK(fs::create_directory(out, ec), out, ": cannot create the output folder (", ec.message(), ")");
-  }
-  MOE_CHECK(is_folder(out), out, ": a sharded checkpoint is written into a folder, and this is not one");
-  MOE_CHECK(!fs::equivalent(out, folder, ec), out, ": is the input's folder; write the converted shards elsewhere");
-
   // Every expert layer, selected or not, is gathered whole into one shard -- the one holding the first
   // of its input keys -- so that each shard's conversion sees complete layers only.
   const Metadata metadata = merged_metadata(shards);
@@ -168,6 +158,17 @@ std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const
     const std::string first = *std::min_element(keys.begin(), keys.end());
     layers_of_shard[shard_of_file.at(index.weight_map.at(first))].push_back(prefix);
   }
+
+  // The output folder, once the input is known to convert: created if absent, never the input's (its
+  // shards are read while the new ones are written).
+  std::error_code ec;
+  MOE_CHECK(fs::path(out).extension() != ".safetensors" || is_folder(out), out, ": a sharded checkpoint is ",
+            "written into a folder of shards, and this names a .safetensors file; give a folder");
+  if (!fs::exists(out, ec)) {
+    MOE_CHECK(fs::create_directory(out, ec), out, ": cannot create the output folder (", ec.message(), ")");
+  }
+  MOE_CHECK(is_folder(out), out, ": a sharded checkpoint is written into a folder, and this is not one");
+  MOE_CHECK(!fs::equivalent(out, folder, ec), out, ": is the input's folder; write the converted shards elsewhere");
 
   // An index left in the folder by an earlier conversion goes first: until this one writes its own,
   // the folder holds no index (the shards it may still hold belong to no checkpoint).
