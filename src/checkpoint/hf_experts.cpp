@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "checkpoint/byte_transpose.h"
+#include "checkpoint/glu_rows.h"
 #include "checkpoint/hf_mxfp4.h"
 #include "checkpoint/hf_names.h"
 #include "checkpoint/hf_tensors.h"
@@ -21,45 +22,36 @@ namespace moe {
 
 namespace {
 
-struct XwColumns {
-  int64_t F;
-  bool interleaved;
-  int64_t gate(int64_t j) const { return interleaved ? 2 * j : j; }
-  int64_t up(int64_t j) const { return interleaved ? 2 * j + 1 : F + j; }
-};
+// Where gate_up^T [2F, H] of one expert holds up row 0, and the step between a half's rows.
+size_t xw_up_offset(bool interleaved, int64_t F, size_t row) { return interleaved ? row : F * row; }
+size_t xw_stride(bool interleaved, size_t row) { return interleaved ? 2 * row : row; }
 
 // Our fc1 / fc2 of every expert from gate_up / down in the x @ W form: gate_up transposed (a column of
 // x @ W is one of our rows), its rows then placed in our GLU order; down transposed into fc2.
-void from_x_at_w(ExpertWeights& w, const uint8_t* gu, const uint8_t* dn, const XwColumns& c, int s, size_t el) {
+void from_x_at_w(ExpertWeights& w, const uint8_t* gu, const uint8_t* dn, bool interleaved, int s, size_t el) {
   const ExpertWeightsSpec& spec = w.spec();
   const int64_t H = spec.hidden, F = spec.ffn;
   const size_t row = H * el;
   std::vector<uint8_t> rows(2 * F * row);  // gate_up^T of one expert: [2F, H]
   for (int e = 0; e < spec.experts; ++e) {
     detail::transpose_bytes(gu + e * H * 2 * F * el, rows.data(), H, 2 * F, el);
-    uint8_t* fc1 = w.mutable_expert_data(Param::kFc1Weight, e);
-    for (int64_t j = 0; j < F; ++j) {
-      std::memcpy(fc1 + gate_column(j, F, s) * row, rows.data() + c.gate(j) * row, row);
-      std::memcpy(fc1 + linear_column(j, F, s) * row, rows.data() + c.up(j) * row, row);
-    }
+    detail::place_glu_rows(w.mutable_expert_data(Param::kFc1Weight, e), rows.data(),
+                           rows.data() + xw_up_offset(interleaved, F, row), xw_stride(interleaved, row), F, s, row);
     detail::transpose_bytes(dn + e * F * H * el, w.mutable_expert_data(Param::kFc2Weight, e), F, H, el);
   }
 }
 
 // The reverse: gate_up [E, H, 2F] and down [E, F, H] of dtype dt from our fc1 / fc2.
-std::pair<HostTensor, HostTensor> to_x_at_w(const ExpertWeights& w, const XwColumns& c, DType dt, size_t el) {
+std::pair<HostTensor, HostTensor> to_x_at_w(const ExpertWeights& w, bool interleaved, DType dt, size_t el) {
   const ExpertWeightsSpec& spec = w.spec();
   const int64_t E = spec.experts, H = spec.hidden, F = spec.ffn;
-  const int s = spec.activation.glu_interleave;
   const size_t row = H * el;
   HostTensor gu(dt, {E, H, 2 * F}), dn(dt, {E, F, H});
   std::vector<uint8_t> rows(2 * F * row);  // gate_up^T of one expert: [2F, H]
   for (int e = 0; e < E; ++e) {
-    const uint8_t* fc1 = w.expert_data(Param::kFc1Weight, e);
-    for (int64_t j = 0; j < F; ++j) {
-      std::memcpy(rows.data() + c.gate(j) * row, fc1 + gate_column(j, F, s) * row, row);
-      std::memcpy(rows.data() + c.up(j) * row, fc1 + linear_column(j, F, s) * row, row);
-    }
+    detail::take_glu_rows(w.expert_data(Param::kFc1Weight, e), rows.data(),
+                          rows.data() + xw_up_offset(interleaved, F, row), xw_stride(interleaved, row), F,
+                          spec.activation.glu_interleave, row);
     detail::transpose_bytes(rows.data(), gu.mutable_data() + e * H * 2 * F * el, 2 * F, H, el);
     detail::transpose_bytes(w.expert_data(Param::kFc2Weight, e), dn.mutable_data() + e * F * H * el, H, F, el);
   }
@@ -103,13 +95,10 @@ ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLay
     const uint8_t* gub = need(sd, l.prefix + "gate_up_proj_bias", {E, 2 * F}, l.dtype).data();
     const uint8_t* dn = l.mxfp4 ? dn_decoded.data() : need(sd, l.prefix + "down_proj", {E, F, H}, l.dtype).data();
     const uint8_t* dnb = need(sd, l.prefix + "down_proj_bias", {E, H}, l.dtype).data();
-    from_x_at_w(w, gu, dn, XwColumns{F, true}, s, el);
+    from_x_at_w(w, gu, dn, /*interleaved=*/true, s, el);
     for (int e = 0; e < E; ++e) {  // the biases follow the columns
-      uint8_t* b1 = w.mutable_expert_data(Param::kFc1Bias, e);
-      for (int64_t j = 0; j < F; ++j) {
-        std::memcpy(b1 + gate_column(j, F, s) * el, gub + (e * 2 * F + 2 * j) * el, el);
-        std::memcpy(b1 + linear_column(j, F, s) * el, gub + (e * 2 * F + 2 * j + 1) * el, el);
-      }
+      const uint8_t* gub_e = gub + e * 2 * F * el;
+      detail::place_glu_rows(w.mutable_expert_data(Param::kFc1Bias, e), gub_e, gub_e + el, 2 * el, F, s, el);
       std::memcpy(w.mutable_expert_data(Param::kFc2Bias, e), dnb + e * H * el, H * el);
     }
     return w;
@@ -119,7 +108,7 @@ ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLay
   const FusedNames fn = fused_names(f);
   if (l.transposed) {  // x @ W: gate = columns [0, F), up = [F, 2F) of gate_up [E, H, 2F]; down [E, F, H]
     from_x_at_w(w, need(sd, l.prefix + fn.gate_up, {E, H, 2 * F}, l.dtype).data(),
-                need(sd, l.prefix + fn.down, {E, F, H}, l.dtype).data(), XwColumns{F, false}, s, el);
+                need(sd, l.prefix + fn.down, {E, F, H}, l.dtype).data(), /*interleaved=*/false, s, el);
     return w;
   }
   const uint8_t* fused_gu = l.fused ? need(sd, l.prefix + fn.gate_up, {E, 2 * F, H}, l.dtype).data() : nullptr;
@@ -137,14 +126,10 @@ ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLay
     }
     uint8_t* fc1 = w.mutable_expert_data(Param::kFc1Weight, e);
     std::memcpy(w.mutable_expert_data(Param::kFc2Weight, e), down, H * F * el);
-    if (!gate) {  // not gated: fc1 is the up projection
+    if (gate)
+      detail::place_glu_rows(fc1, gate, up, row, F, s, row);
+    else  // not gated: fc1 is the up projection
       std::memcpy(fc1, up, F * row);
-      continue;
-    }
-    for (int64_t j = 0; j < F; ++j) {
-      std::memcpy(fc1 + gate_column(j, F, s) * row, gate + j * row, row);
-      std::memcpy(fc1 + linear_column(j, F, s) * row, up + j * row, row);
-    }
   }
   return w;
 }
@@ -171,14 +156,11 @@ StateDict hf_expert_tensors(const ExpertWeights& w, HfFamily f, const std::strin
   StateDict sd;
 
   if (f == HfFamily::kGptOss) {
-    auto [gu, dn] = to_x_at_w(w, XwColumns{F, true}, dt, el);
+    auto [gu, dn] = to_x_at_w(w, /*interleaved=*/true, dt, el);
     HostTensor gub(dt, {E, 2 * F}), dnb(dt, {E, H});
     for (int e = 0; e < E; ++e) {  // the biases follow the columns
-      const uint8_t* b1 = w.expert_data(Param::kFc1Bias, e);
-      for (int64_t j = 0; j < F; ++j) {
-        std::memcpy(gub.mutable_data() + (e * 2 * F + 2 * j) * el, b1 + gate_column(j, F, s) * el, el);
-        std::memcpy(gub.mutable_data() + (e * 2 * F + 2 * j + 1) * el, b1 + linear_column(j, F, s) * el, el);
-      }
+      uint8_t* gub_e = gub.mutable_data() + e * 2 * F * el;
+      detail::take_glu_rows(w.expert_data(Param::kFc1Bias, e), gub_e, gub_e + el, 2 * el, F, s, el);
       std::memcpy(dnb.mutable_data() + e * H * el, w.expert_data(Param::kFc2Bias, e), H * el);
     }
     sd.emplace(prefix + "gate_up_proj", std::move(gu));
@@ -189,7 +171,7 @@ StateDict hf_expert_tensors(const ExpertWeights& w, HfFamily f, const std::strin
   }
 
   if (f == HfFamily::kQwen3VlMoe) {  // the released form: x @ W, gate_up [E, H, 2F] (halves), down [E, F, H]
-    auto [gu, dn] = to_x_at_w(w, XwColumns{F, false}, dt, el);
+    auto [gu, dn] = to_x_at_w(w, /*interleaved=*/false, dt, el);
     sd.emplace(prefix + "gate_up_proj", std::move(gu));
     sd.emplace(prefix + "down_proj", std::move(dn));
     return sd;
@@ -198,12 +180,8 @@ StateDict hf_expert_tensors(const ExpertWeights& w, HfFamily f, const std::strin
     const FusedNames fn = fused_names(f);
     HostTensor gu(dt, {E, 2 * F, H}), dn(dt, {E, H, F});
     for (int e = 0; e < E; ++e) {
-      const uint8_t* fc1 = w.expert_data(Param::kFc1Weight, e);
       uint8_t* gu_e = gu.mutable_data() + e * 2 * F * row;
-      for (int64_t j = 0; j < F; ++j) {
-        std::memcpy(gu_e + j * row, fc1 + gate_column(j, F, s) * row, row);
-        std::memcpy(gu_e + (F + j) * row, fc1 + linear_column(j, F, s) * row, row);
-      }
+      detail::take_glu_rows(w.expert_data(Param::kFc1Weight, e), gu_e, gu_e + F * row, row, F, s, row);
       std::memcpy(dn.mutable_data() + e * H * F * el, w.expert_data(Param::kFc2Weight, e), H * F * el);
     }
     sd.emplace(prefix + fn.gate_up, std::move(gu));
@@ -223,11 +201,7 @@ StateDict hf_expert_tensors(const ExpertWeights& w, HfFamily f, const std::strin
       continue;
     }
     HostTensor gate(dt, {F, H});
-    uint8_t *pg = gate.mutable_data(), *pu = up.mutable_data();
-    for (int64_t j = 0; j < F; ++j) {
-      std::memcpy(pg + j * row, fc1 + gate_column(j, F, s) * row, row);
-      std::memcpy(pu + j * row, fc1 + linear_column(j, F, s) * row, row);
-    }
+    detail::take_glu_rows(fc1, gate.mutable_data(), up.mutable_data(), row, F, s, row);
     sd.emplace(per_expert_key(prefix, e, n.gate), std::move(gate));
     sd.emplace(per_expert_key(prefix, e, n.up), std::move(up));
   }

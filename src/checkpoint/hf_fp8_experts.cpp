@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "checkpoint/byte_transpose.h"
+#include "checkpoint/glu_rows.h"
 #include "checkpoint/hf_names.h"
 #include "checkpoint/hf_tensors.h"
 #include "moe/activation.h"
@@ -110,20 +111,16 @@ StateDict load_hf_fp8_experts(const StateDict& sd, HfFamily f, const HfExpertLay
     }
   OurWeight fc1(E, 2 * F, H), fc2(E, H, F);
   const int64_t bH = blocks(H), bF = F / kBlock;
+  const size_t scale_row = bH * sizeof(float);  // one row of 128x128 blocks
   for (int e = 0; e < E; ++e) {
-    uint8_t* d1 = fc1.data.mutable_data() + e * 2 * F * H;
-    auto* s1 = reinterpret_cast<float*>(fc1.scale.mutable_data()) + e * 2 * bF * bH;
-    for (const auto& [proj, gate] : {std::pair{n.gate, true}, std::pair{n.up, false}}) {
-      const std::string key = per_expert_key(l.prefix, e, proj);
-      const uint8_t* w = sd.at(key).data();
-      const std::vector<float> sc = scales_of(sd.at(key + kFp8ScaleSuffix));
-      for (int64_t j = 0; j < F; ++j) {
-        const int64_t row = gate ? gate_column(j, F, s) : linear_column(j, F, s);
-        std::memcpy(d1 + row * H, w + j * H, H);
-        // A block's first row carries its scales: rows j .. j + 127 stay together (check_block_aligned).
-        if (j % kBlock == 0) std::memcpy(s1 + row / kBlock * bH, sc.data() + j / kBlock * bH, bH * sizeof(float));
-      }
-    }
+    const std::string gate = per_expert_key(l.prefix, e, n.gate), up = per_expert_key(l.prefix, e, n.up);
+    detail::place_glu_rows(fc1.data.mutable_data() + e * 2 * F * H, sd.at(gate).data(), sd.at(up).data(), H, F, s,
+                           H);
+    // Block rows move with their 128 rows (check_block_aligned): the same placement, over F / 128 block rows.
+    const std::vector<float> gate_sc = scales_of(sd.at(gate + kFp8ScaleSuffix)), up_sc = scales_of(sd.at(up + kFp8ScaleSuffix));
+    detail::place_glu_rows(fc1.scale.mutable_data() + e * 2 * bF * scale_row,
+                           reinterpret_cast<const uint8_t*>(gate_sc.data()),
+                           reinterpret_cast<const uint8_t*>(up_sc.data()), scale_row, bF, s / kBlock, scale_row);
     const std::string down = per_expert_key(l.prefix, e, n.down);
     std::memcpy(fc2.data.mutable_data() + e * H * F, sd.at(down).data(), H * F);
     const std::vector<float> sc = scales_of(sd.at(down + kFp8ScaleSuffix));
@@ -199,22 +196,21 @@ StateDict hf_fp8_expert_tensors(const StateDict& sd, const std::string& prefix, 
   const ProjNames n = proj_names(f);
   const int64_t bH = blocks(H), bF = F / kBlock;
   const uint8_t* d1 = g.at(quant_part_key(k1, QuantPart::kData)).data();
-  const auto* s1 = reinterpret_cast<const float*>(g.at(quant_part_key(k1, QuantPart::kScale)).data());
+  const uint8_t* s1 = g.at(quant_part_key(k1, QuantPart::kScale)).data();
   const uint8_t* d2 = g.at(quant_part_key(k2, QuantPart::kData)).data();
   const uint8_t* s2 = g.at(quant_part_key(k2, QuantPart::kScale)).data();
+  const size_t scale_row = bH * sizeof(float);  // one row of 128x128 blocks
   StateDict out;
   for (int e = 0; e < E; ++e) {
-    for (const auto& [proj, gate] : {std::pair{n.gate, true}, std::pair{n.up, false}}) {
-      HostTensor w(DType::kFP8E4M3, {F, H}), sc(DType::kFP32, {bF, bH});
-      for (int64_t j = 0; j < F; ++j) {
-        const int64_t row = gate ? gate_column(j, F, s) : linear_column(j, F, s);
-        std::memcpy(w.mutable_data() + j * H, d1 + (e * 2 * F + row) * H, H);
-        if (j % kBlock == 0)
-          std::memcpy(sc.mutable_data() + j / kBlock * bH * 4, s1 + (e * 2 * bF + row / kBlock) * bH, bH * 4);
-      }
+    HostTensor gate(DType::kFP8E4M3, {F, H}), up(DType::kFP8E4M3, {F, H});
+    HostTensor gate_sc(DType::kFP32, {bF, bH}), up_sc(DType::kFP32, {bF, bH});
+    detail::take_glu_rows(d1 + e * 2 * F * H, gate.mutable_data(), up.mutable_data(), H, F, s, H);
+    detail::take_glu_rows(s1 + e * 2 * bF * scale_row, gate_sc.mutable_data(), up_sc.mutable_data(), scale_row, bF,
+                          s / kBlock, scale_row);
+    for (auto& [proj, w, sc] : {std::tuple{n.gate, &gate, &gate_sc}, std::tuple{n.up, &up, &up_sc}}) {
       const std::string key = per_expert_key(prefix, e, proj);
-      out.emplace(key + kFp8ScaleSuffix, std::move(sc));
-      out.emplace(key, std::move(w));
+      out.emplace(key + kFp8ScaleSuffix, std::move(*sc));
+      out.emplace(key, std::move(*w));
     }
     HostTensor w(DType::kFP8E4M3, {H, F}), sc(DType::kFP32, {bH, bF});
     std::memcpy(w.mutable_data(), d2 + e * H * F, H * F);
