@@ -34,6 +34,13 @@ bool split_experts_key(const std::string& key, std::string* prefix, std::string*
   return true;
 }
 
+// The expert count of a tensor whose first dimension is E (an int for the layer).
+int experts_of(const std::string& key, const HostTensor& t) {
+  MOE_CHECK(t.size(0) <= INT32_MAX, "state dict: '", key, "' ", t.shape_string(), " holds more experts than a ",
+            "layer can (2^31 - 1)");
+  return static_cast<int>(t.size(0));
+}
+
 // GPT-OSS's released form: MXFP4 blocks [E, rows, cols / 32, 16] (two E2M1 codes a byte, low nibble
 // first, along cols) and E8M0 scales [E, rows, cols / 32], rows the output features.
 void need_mxfp4(const StateDict& sd, const std::string& key, int64_t E, int64_t rows, int64_t cols) {
@@ -45,21 +52,17 @@ void find_gpt_oss_mxfp4(const StateDict& sd, const std::string& key, const HostT
                         std::vector<HfExpertLayer>& layers) {
   MOE_CHECK(t.ndim() == 4 && t.size(1) % 2 == 0 && t.size(3) == 16 && t.size(2) <= INT32_MAX, "state dict: '", key,
             "' has shape ", t.shape_string(), ", expected [E, 2F, H / 32, 16] (MXFP4 blocks)");
-  MOE_CHECK(t.size(0) <= INT32_MAX, "state dict: '", key, "' ", t.shape_string(), " holds more experts than a ",
-            "layer can (2^31 - 1)");
   HfExpertLayer l;
   l.prefix = prefix;
-  l.experts = static_cast<int>(t.size(0));
+  l.experts = experts_of(key, t);
   l.ffn = t.size(1) / 2;
   l.hidden = t.size(2) * 32;
   l.dtype = DType::kBF16;  // what the codes decode to, exactly, and the biases' dtype
   l.mxfp4 = true;
   need_mxfp4(sd, prefix + "gate_up_proj", l.experts, 2 * l.ffn, l.hidden);
-  MOE_CHECK(sd.count(prefix + "down_proj_blocks"), "state dict: missing '", prefix, "down_proj_blocks'");
-  MOE_CHECK(sd.at(prefix + "down_proj_blocks").ndim() == 4 && sd.at(prefix + "down_proj_blocks").size(2) <= INT32_MAX &&
-                sd.at(prefix + "down_proj_blocks").size(2) * 32 == l.ffn,
-            "state dict: '", prefix, "down_proj_blocks' has shape ", sd.at(prefix + "down_proj_blocks").shape_string(),
-            ", expected [E, H, F / 32, 16] with F = ", l.ffn, " (a multiple of 32)");
+  // F must be a multiple of 32 for down's blocks to hold it (need_mxfp4 takes F / 32 groups).
+  MOE_CHECK(l.ffn % 32 == 0, "state dict: '", key, "' ", t.shape_string(), " gives F = ", l.ffn,
+            ", which MXFP4 blocks of down_proj along F cannot hold (a multiple of 32)");
   need_mxfp4(sd, prefix + "down_proj", l.experts, l.hidden, l.ffn);
   need(sd, prefix + "gate_up_proj_bias", {l.experts, 2 * l.ffn}, l.dtype);
   need(sd, prefix + "down_proj_bias", {l.experts, l.hidden}, l.dtype);
@@ -69,23 +72,19 @@ void find_gpt_oss_mxfp4(const StateDict& sd, const std::string& key, const HostT
 void find_gpt_oss(const StateDict& sd, std::vector<HfExpertLayer>& layers) {
   for (const auto& [key, t] : sd) {
     std::string prefix, rest;
-    if (!split_experts_key(key, &prefix, &rest)) continue;
+    if (!split_experts_key(key, &prefix, &rest) || (rest != "gate_up_proj" && rest != "gate_up_proj_blocks")) continue;
+    MOE_CHECK(!sd.count(prefix + "gate_up_proj") || !sd.count(prefix + "gate_up_proj_blocks"), "state dict: ",
+              "experts under '", prefix, "' are stored both in MXFP4 (gate_up_proj_blocks) and unquantized ",
+              "(gate_up_proj)");
     if (rest == "gate_up_proj_blocks") {
-      MOE_CHECK(!sd.count(prefix + "gate_up_proj"), "state dict: experts under '", prefix,
-                "' are stored both in MXFP4 (gate_up_proj_blocks) and unquantized (gate_up_proj)");
       find_gpt_oss_mxfp4(sd, key, t, prefix, layers);
       continue;
     }
-    if (rest != "gate_up_proj") continue;
-    MOE_CHECK(!sd.count(prefix + "gate_up_proj_blocks"), "state dict: experts under '", prefix,
-              "' are stored both in MXFP4 (gate_up_proj_blocks) and unquantized (gate_up_proj)");
     MOE_CHECK(t.ndim() == 3 && t.size(2) % 2 == 0, "state dict: '", key, "' has shape ", t.shape_string(),
               ", expected [E, H, 2F]");
-    MOE_CHECK(t.size(0) <= INT32_MAX, "state dict: '", key, "' ", t.shape_string(), " holds more experts than a ",
-              "layer can (2^31 - 1)");
     HfExpertLayer l;
     l.prefix = prefix;
-    l.experts = static_cast<int>(t.size(0));
+    l.experts = experts_of(key, t);
     l.hidden = t.size(1);
     l.ffn = t.size(2) / 2;
     l.dtype = t.dtype();
@@ -114,10 +113,6 @@ void add_fused_layer(const StateDict& sd, const std::string& prefix, const Fused
                      std::vector<HfExpertLayer>& layers) {
   const std::string gu_key = prefix + names.gate_up, dn_key = prefix + names.down;
   const HostTensor& gu = sd.at(gu_key);
-  MOE_CHECK(gu.ndim() == 3, "state dict: '", gu_key, "' has shape ", gu.shape_string(), ", expected [E, 2F, H]",
-            may_transpose ? " or [E, H, 2F]" : "");
-  MOE_CHECK(gu.size(0) <= INT32_MAX, "state dict: '", gu_key, "' ", gu.shape_string(), " holds ",
-            "more experts than a layer can (2^31 - 1)");
   auto dn = sd.find(dn_key);
   const bool transposed = may_transpose && gu.ndim() == 3 && gu.size(2) % 2 == 0 && dn != sd.end() &&
                           dn->second.shape() == std::vector<int64_t>{gu.size(0), gu.size(2) / 2, gu.size(1)};
@@ -125,7 +120,7 @@ void add_fused_layer(const StateDict& sd, const std::string& prefix, const Fused
             gu.shape_string(), ", expected [E, 2F, H]", may_transpose ? " or [E, H, 2F]" : "");
   HfExpertLayer l;
   l.prefix = prefix;
-  l.experts = static_cast<int>(gu.size(0));
+  l.experts = experts_of(gu_key, gu);
   l.ffn = gu.size(transposed ? 2 : 1) / 2;
   l.hidden = gu.size(transposed ? 1 : 2);
   l.dtype = gu.dtype();
@@ -150,6 +145,9 @@ void find_fused(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>& lay
 
 void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>& layers) {
   const ProjNames names = proj_names(f);
+  const std::vector<const char*> projs = names.all();  // fc1's first: gate, or up when not gated
+  std::string expected;                                // for the error naming a stray tensor
+  for (const char* n : projs) expected += std::string(expected.empty() ? "" : ", ") + "<e>." + n + ".weight";
   std::map<std::string, std::map<int, std::set<std::string>>> found;  // prefix -> expert -> projections
   std::set<std::string> fused;
   for (const auto& [key, t] : sd) {
@@ -162,9 +160,8 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
     int e;
     std::string proj;
     if (!split_expert_rest(rest, &e, &proj)) continue;
-    for (const char* n : names.all()) {
+    for (const char* n : projs)
       if (proj == std::string(n) + ".weight") found[prefix][e].insert(n);
-    }
   }
   for (const auto& [prefix, experts] : found) {
     MOE_CHECK(!fused.count(prefix), "state dict: experts under '", prefix,
@@ -173,7 +170,7 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
     detail::KeyList missing;
     for (int e = 0; e < E; ++e) {
       auto it = experts.find(e);
-      for (const char* n : names.all())
+      for (const char* n : projs)
         if (it == experts.end() || !it->second.count(n)) {
           if (missing.full())
             missing.skip();
@@ -184,8 +181,8 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
     MOE_CHECK(missing.empty(), "state dict: the experts under '", prefix, "' are incomplete (", E,
               " experts): missing ", missing.str());
     // FP8 weights (DeepSeek-V3's released form) come with their 128x128 block scales.
-    const char* first = names.all()[0];  // fc1's first projection: gate, or up when not gated
-    const bool fp8 = sd.at(per_expert_key(prefix, 0, first)).dtype() == DType::kFP8E4M3;
+    const HostTensor& first = sd.at(per_expert_key(prefix, 0, projs[0]));
+    const bool fp8 = first.dtype() == DType::kFP8E4M3;
     // Any other key under the layer that starts with an expert index is none of the experts' tensors
     // (another projection, a bias, a quantization scale other than an FP8 layer's, an index past the
     // layer or written with a leading zero): refused by name, not left behind under its Hugging Face
@@ -198,27 +195,24 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
       std::string proj;
       bool expert_tensor = false;
       if (split_expert_rest(rest, &e, &proj) && e < E)
-        for (const char* n : names.all())
+        for (const char* n : projs)
           expert_tensor = expert_tensor || proj == std::string(n) + ".weight" ||
                           (fp8 && proj == std::string(n) + ".weight" + kFp8ScaleSuffix);
-      std::string expected;
-      for (const char* n : names.all()) expected += std::string(expected.empty() ? "" : ", ") + "<e>." + n + ".weight";
       MOE_CHECK(expert_tensor, "state dict: '", it->first, "' lies under the ", hf_family_name(f), " experts '",
                 prefix, "' but is none of their tensors (", expected, fp8 ? " and their weight_scale_inv" : "",
                 " for e in 0..", E - 1, ")");
     }
-    const HostTensor& gate0 = sd.at(per_expert_key(prefix, 0, first));
-    MOE_CHECK(gate0.ndim() == 2, "state dict: '", per_expert_key(prefix, 0, first), "' has shape ",
-              gate0.shape_string(), ", expected [F, H]");
+    MOE_CHECK(first.ndim() == 2, "state dict: '", per_expert_key(prefix, 0, projs[0]), "' has shape ",
+              first.shape_string(), ", expected [F, H]");
     HfExpertLayer l;
     l.prefix = prefix;
     l.experts = E;
-    l.ffn = gate0.size(0);
-    l.hidden = gate0.size(1);
-    l.dtype = gate0.dtype();
+    l.ffn = first.size(0);
+    l.hidden = first.size(1);
+    l.dtype = first.dtype();
     l.fp8 = fp8;
     for (int e = 0; e < E; ++e)
-      for (const char* n : names.all()) {
+      for (const char* n : projs) {
         const bool down = n == names.down;
         const int64_t rows = down ? l.hidden : l.ffn, cols = down ? l.ffn : l.hidden;
         need(sd, per_expert_key(prefix, e, n), {rows, cols}, l.dtype);
