@@ -59,10 +59,9 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
 // The same for a dict without __metadata__ (no quantized layer of ours).
 std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions& options);
 
-// The expert layers convert_state_dict would convert (those `options.prefixes` selects), each with
-// the input keys it reads and replaces, by prefix. Finds them from the keys and shapes alone (no
-// tensor's data is read); the same errors as convert_state_dict for no layer found or a prefix that
-// names none.
+// Every expert layer of `sd` in `options.from`'s naming (`options.prefixes` is not applied), each with
+// the input keys a conversion reads and replaces, by prefix. Finds them from the keys and shapes alone
+// (no tensor's data is read); no layer found is an error, as in convert_state_dict.
 std::map<std::string, std::vector<std::string>> expert_layer_keys(const StateDict& sd, const ConvertOptions& options,
                                                                   const Metadata& metadata = {});
 

@@ -4,6 +4,7 @@
 #include <optional>
 #include <set>
 
+#include "checkpoint/key_text.h"
 #include "moe/checkpoint_convert.h"
 #include "moe/checkpoint_hf_fp8.h"
 #include "moe/checkpoint_quant.h"
@@ -65,10 +66,6 @@ int64_t expert_index(const std::string& key, const std::string& prefix) {
   return -1;
 }
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // The expert layers with a quantized weight, by prefix: parameters "<prefix>fc1.weight" /
 // "<prefix>fc2.weight" that the metadata declares and that are stored as experts (a 3-D grouped
 // tensor or per-expert keys). Other quantized tensors (a dense layer's) are not experts.
@@ -77,7 +74,7 @@ std::map<std::string, std::vector<QuantizedParamDecl>> quantized_expert_layers(c
   std::map<std::string, std::vector<QuantizedParamDecl>> layers;
   for (const QuantizedParamDecl& d : quantized_params(metadata)) {
     for (Param p : {Param::kFc1Weight, Param::kFc2Weight}) {
-      if (!ends_with(d.key, param_name(p))) continue;
+      if (!detail::ends_with(d.key, param_name(p))) continue;
       bool experts = false;
       for (QuantPart part : kQuantParts) {
         auto g = sd.find(quant_part_key(d.key, part));
@@ -382,21 +379,15 @@ std::map<std::string, std::vector<std::string>> expert_layer_keys(const StateDic
     const auto quantized = quantized_expert_layers(sd, metadata);
     StateDict without = sd;  // borrowed tensors: a copy of the dict copies no data
     for (const auto& q : quantized) {
-      std::vector<std::string> keys = our_keys(sd, q.first, /*companions=*/true);
-      for (const std::string& k : keys) without.erase(k);
-      if (selected(o, q.first)) layers[q.first] = std::move(keys);
+      layers[q.first] = our_keys(sd, q.first, /*companions=*/true);
+      for (const std::string& k : layers[q.first]) without.erase(k);
     }
-    for (const ExpertLayerKeys& l : find_expert_layers(without, o.experts))
-      if (selected(o, l.prefix)) layers[l.prefix] = our_keys(sd, l.prefix);
+    for (const ExpertLayerKeys& l : find_expert_layers(without, o.experts)) layers[l.prefix] = our_keys(sd, l.prefix);
   } else {
     for (const HfExpertLayer& l : find_hf_expert_layers(sd, o.from.family))
-      if (selected(o, l.prefix)) layers[l.prefix] = hf_expert_keys(l, o.from.family);
+      layers[l.prefix] = hf_expert_keys(l, o.from.family);
   }
-  MOE_CHECK(!layers.empty(), "no expert layers in ", o.from.name(), " naming were found",
-            o.prefixes.empty() ? "" : " under the given prefixes");
-  for (const std::string& prefix : o.prefixes)
-    MOE_CHECK(layers.count(prefix), "argument 'prefixes': no expert layer in ", o.from.name(), " naming under '",
-              prefix, "'");
+  MOE_CHECK(!layers.empty(), "no expert layers in ", o.from.name(), " naming were found");
   return layers;
 }
 

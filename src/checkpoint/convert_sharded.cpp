@@ -6,7 +6,6 @@
 #include <map>
 #include <set>
 
-#include <sys/stat.h>
 
 #include "moe/checkpoint_convert.h"
 #include "moe/checkpoint_quant.h"
@@ -32,8 +31,8 @@ std::string index_in_folder(const std::string& dir) {
 }
 
 bool is_folder(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+  std::error_code ec;
+  return fs::is_directory(path, ec);
 }
 
 struct Shard {
@@ -81,25 +80,20 @@ bool holds_param(const StateDict& tensors, const std::string& key) {
 // kept or added where the shard holds it, dropped where it does not (a layer converted into another
 // shard, or into Hugging Face naming).
 Metadata metadata_for(const Metadata& own, const Metadata& declared, const StateDict& tensors) {
-  const std::string quant = kQuantMetadataPrefix;
-  auto is_quant = is_quant_entry;
-  auto find = [&](const std::string& k) -> const std::string* {
-    for (const auto& kv : declared)
-      if (kv.first == k) return &kv.second;
-    return nullptr;
-  };
+  const size_t quant = std::string(kQuantMetadataPrefix).size();
   Metadata out;
   std::set<std::string> placed;
   for (const auto& [k, v] : own) {
-    if (!is_quant(k)) {
+    if (!is_quant_entry(k)) {
       out.emplace_back(k, v);
-    } else if (const std::string* now = find(k); now && holds_param(tensors, k.substr(quant.size()))) {
+    } else if (const std::string* now = safetensors::find_metadata(declared, k);
+               now && holds_param(tensors, k.substr(quant))) {
       out.emplace_back(k, *now);
       placed.insert(k);
     }
   }
-  for (const auto& [k, v] : declared)
-    if (is_quant(k) && !placed.count(k) && holds_param(tensors, k.substr(quant.size()))) out.emplace_back(k, v);
+  for (const auto& [k, v] : declared)  // every entry of `declared` is a moe.quant one (merged_metadata)
+    if (!placed.count(k) && holds_param(tensors, k.substr(quant))) out.emplace_back(k, v);
   return out;
 }
 
@@ -142,9 +136,7 @@ std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const
   // Every expert layer, selected or not, is gathered whole into one shard -- the one holding the first
   // of its input keys -- so that each shard's conversion sees complete layers only.
   const Metadata metadata = merged_metadata(shards);
-  ConvertOptions every = o;
-  every.prefixes.clear();
-  const auto layers = expert_layer_keys(all, every, metadata);
+  const auto layers = expert_layer_keys(all, o, metadata);
   for (const std::string& prefix : o.prefixes)
     MOE_CHECK(layers.count(prefix), "argument 'prefixes': no expert layer in ", o.from.name(), " naming under '",
               prefix, "'");

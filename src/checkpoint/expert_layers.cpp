@@ -2,16 +2,13 @@
 #include <cstdint>
 #include <algorithm>
 
+#include "checkpoint/key_text.h"
 #include "moe/checkpoint.h"
 #include "moe/error.h"
 
 namespace moe {
 
 namespace {
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 
 const HostTensor* lookup(const StateDict& sd, const std::string& key) {
   auto it = sd.find(key);
@@ -32,7 +29,7 @@ std::vector<ExpertLayerKeys> find_expert_layers(const StateDict& sd, int experts
   const std::string fc1_grouped = param_name(Param::kFc1Weight);
   for (const auto& [key, t] : sd) {
     ExpertLayerKeys l;
-    if (ends_with(key, fc1_per)) {
+    if (detail::ends_with(key, fc1_per)) {
       l.prefix = key.substr(0, key.size() - fc1_per.size());
       l.layout = WeightLayout::kPerExpert;
       int E = 0;
@@ -45,7 +42,7 @@ std::vector<ExpertLayerKeys> find_expert_layers(const StateDict& sd, int experts
       l.fc1_out = t.size(0);
       l.hidden = t.size(1);
       l.ffn = fc2->size(1);
-    } else if (ends_with(key, fc1_grouped)) {
+    } else if (detail::ends_with(key, fc1_grouped)) {
       l.prefix = key.substr(0, key.size() - fc1_grouped.size());
       l.layout = WeightLayout::kSingleGrouped;
       const HostTensor* fc2 = lookup(sd, expert_param_key(l.prefix, Param::kFc2Weight));

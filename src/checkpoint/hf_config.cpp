@@ -1,9 +1,9 @@
 // families_from_config (include/moe/checkpoint_convert.h): the Hugging Face family of an "hf" side from
 // the model_type of the config.json beside the checkpoint.
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 
-#include <sys/stat.h>
 
 #include <nlohmann/json.hpp>
 
@@ -16,11 +16,10 @@ namespace {
 
 // config.json in the folder `in` names, or in the folder of the file it names.
 std::string config_beside(const std::string& in) {
-  struct stat st {};
-  const bool folder = ::stat(in.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-  const size_t slash = in.rfind('/');
-  const std::string dir = folder ? in : slash == std::string::npos ? "." : in.substr(0, slash);
-  return dir + "/config.json";
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path dir = fs::is_directory(in, ec) ? fs::path(in) : fs::path(in).parent_path();
+  return ((dir.empty() ? fs::path(".") : dir) / "config.json").string();
 }
 
 HfFamily family_of(const std::string& config) {

@@ -9,6 +9,7 @@
 #include "checkpoint/hf_names.h"
 #include "checkpoint/hf_tensors.h"
 #include "checkpoint/key_list.h"
+#include "checkpoint/key_text.h"
 #include "moe/checkpoint_hf.h"
 #include "moe/error.h"
 
@@ -136,8 +137,7 @@ void find_fused(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>& lay
   const FusedNames names = fused_names(f);
   const std::string gate_up = names.gate_up;
   for (const auto& [key, t] : sd) {
-    if (key.size() <= gate_up.size() || key.compare(key.size() - gate_up.size(), gate_up.size(), gate_up) != 0)
-      continue;
+    if (key.size() == gate_up.size() || !detail::ends_with(key, gate_up)) continue;
     const std::string prefix = key.substr(0, key.size() - gate_up.size());
     if (names_expert_module(prefix, f)) add_fused_layer(sd, prefix, names, f == HfFamily::kQwen3VlMoe, layers);
   }

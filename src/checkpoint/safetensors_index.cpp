@@ -12,6 +12,7 @@
 
 #include "checkpoint/atomic_write.h"
 #include "checkpoint/json_tokens.h"
+#include "checkpoint/key_text.h"
 #include "moe/error.h"
 
 namespace moe::safetensors {
@@ -22,10 +23,6 @@ using Json = nlohmann::json;  // std::map objects: members come out sorted, as s
 
 constexpr char kIndexSuffix[] = ".safetensors.index.json";
 constexpr int kMaxIndexDepth = 16;  // an index is two levels deep; metadata values may nest a little
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 
 // The index's tokens before the DOM is built: repeated keys (a weight_map naming one tensor twice,
 // which a DOM silently collapses to one) and runaway nesting are refused.
@@ -66,7 +63,7 @@ struct IndexTokens : detail::JsonShapeTokens {
 void check_shard_name(const std::string& shard, const std::string& tensor, const std::string& where) {
   MOE_CHECK(!shard.empty() && shard.find('/') == std::string::npos && shard.find('\\') == std::string::npos &&
                 shard.find('\0') == std::string::npos && shard != "." && shard != ".." &&
-                ends_with(shard, ".safetensors"),
+                detail::ends_with(shard, ".safetensors"),
             where, ": tensor '", tensor, "' is mapped to '", shard, "', expected a file name ending in ",
             "\".safetensors\" in the index's folder");
 }
@@ -79,7 +76,7 @@ std::vector<std::string> ShardIndex::shard_files() const {
   return {files.begin(), files.end()};
 }
 
-bool is_index_path(const std::string& path) { return ends_with(path, kIndexSuffix); }
+bool is_index_path(const std::string& path) { return detail::ends_with(path, kIndexSuffix); }
 
 ShardIndex read_index(const std::string& path) {
   struct stat st {};
