@@ -344,11 +344,9 @@ TEST_F(ShardedCheckpoint, ColumnwiseOnlyWeightsKeepTheirDeclarations) {
   col.columnwise = true;
   const std::string p = "layers.0.mlp.experts.";
   StateDict a;
-  testing::add_grouped(a, p + "fc1.weight", col, testing::expert_matrices(E, 2 * F, H, 1), E, 2 * F, H);
-  testing::add_grouped(a, p + "fc2.weight", col, testing::expert_matrices(E, H, F, 2), E, H, F);
   Metadata meta;
-  set_quant_metadata(meta, p + "fc1.weight", col);
-  set_quant_metadata(meta, p + "fc2.weight", col);
+  testing::add_grouped_layer(a, meta, p, col, testing::expert_matrices(E, 2 * F, H, 1),
+                             testing::expert_matrices(E, H, F, 2), E, H, F);
   StateDict b;
   b.emplace("norm.weight", HostTensor(DType::kBF16, {H}));
   write_sharded(tmp("col"), {{"a.safetensors", a}, {"b.safetensors", b}}, meta);

@@ -171,33 +171,23 @@ TEST(HfFp8Naming, OurQuantizedLayersOtherThanFp8BlocksStayOurs) {
   one_d.columnwise = true;
   const auto x1 = testing::expert_matrices(E, 2 * F, H, 5), x2 = testing::expert_matrices(E, H, F, 6);
   StateDict sd;
-  testing::add_grouped(sd, kPrefix + "fc1.weight", one_d, x1, E, 2 * F, H);
-  testing::add_grouped(sd, kPrefix + "fc2.weight", one_d, x2, E, H, F);
   Metadata meta;
-  set_quant_metadata(meta, kPrefix + "fc1.weight", one_d);
-  set_quant_metadata(meta, kPrefix + "fc2.weight", one_d);
+  testing::add_grouped_layer(sd, meta, kPrefix, one_d, x1, x2, E, H, F);
   expect_error_naming([&] { convert_state_dict(sd, opts("grouped", "hf:deepseek"), meta); },
                       "Hugging Face naming holds FP8 block 128x128 weights with row-major scales only");
   // Hugging Face names are written under the experts module's name only (as for unquantized layers).
   {
     StateDict other;
-    const QuantConfig c = hf_fp8_format();
-    testing::add_grouped(other, "layers.0.moe.fc1.weight", c, x1, E, 2 * F, H);
-    testing::add_grouped(other, "layers.0.moe.fc2.weight", c, x2, E, H, F);
     Metadata m;
-    set_quant_metadata(m, "layers.0.moe.fc1.weight", c);
-    set_quant_metadata(m, "layers.0.moe.fc2.weight", c);
+    testing::add_grouped_layer(other, m, "layers.0.moe.", hf_fp8_format(), x1, x2, E, H, F);
     expect_error_naming([&] { convert_state_dict(other, opts("grouped", "hf:qwen3_moe"), m); },
                         "the experts' prefix must end in 'experts.'");
   }
 
   StateDict blocks;
   const QuantConfig c = hf_fp8_format();
-  testing::add_grouped(blocks, kPrefix + "fc1.weight", c, x1, E, 2 * F, H);
-  testing::add_grouped(blocks, kPrefix + "fc2.weight", c, x2, E, H, F);
   Metadata m2;
-  set_quant_metadata(m2, kPrefix + "fc1.weight", c);
-  set_quant_metadata(m2, kPrefix + "fc2.weight", c);
+  testing::add_grouped_layer(blocks, m2, kPrefix, c, x1, x2, E, H, F);
   StateDict ok = blocks;
   Metadata m_ok = m2;
   convert_state_dict(ok, opts("grouped", "hf:deepseek"), m_ok);  // the quantizer's columnwise copy is the transpose

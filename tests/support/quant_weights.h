@@ -81,4 +81,15 @@ inline void add_per_expert(StateDict& sd, const std::string& key, const QuantCon
   }
 }
 
+// A quantized expert layer under `prefix`, grouped: fc1 [E, 2F, H] from x1 and fc2 [E, H, F] from x2,
+// both in format c, their formats declared in `meta`.
+inline void add_grouped_layer(StateDict& sd, Metadata& meta, const std::string& prefix, const QuantConfig& c,
+                              const std::vector<uint16_t>& x1, const std::vector<uint16_t>& x2, int E, int64_t H,
+                              int64_t F) {
+  add_grouped(sd, prefix + "fc1.weight", c, x1, E, 2 * F, H);
+  add_grouped(sd, prefix + "fc2.weight", c, x2, E, H, F);
+  set_quant_metadata(meta, prefix + "fc1.weight", c);
+  set_quant_metadata(meta, prefix + "fc2.weight", c);
+}
+
 }  // namespace moe::testing
