@@ -37,6 +37,7 @@ Needs torch and transformers (>= 5, made with 5.17 and torch 2.11).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -201,6 +202,33 @@ def find_moe_block(model):
     raise RuntimeError(f"{type(model).__name__}: no module with an `experts` child")
 
 
+@contextlib.contextmanager
+def saved_by_transformers(model, **kwargs):
+    """A temporary folder holding what the model's own save_pretrained(**kwargs) wrote."""
+    tmp = tempfile.mkdtemp()
+    try:
+        model.save_pretrained(tmp, **kwargs)
+        yield tmp
+    finally:
+        shutil.rmtree(tmp)
+
+
+def copy_saved_files(model, target, keep=lambda f: f in ("model.safetensors", "config.json"), **kwargs):
+    """save_pretrained(**kwargs), then the files `keep` selects copied into target."""
+    os.makedirs(target, exist_ok=True)
+    with saved_by_transformers(model, **kwargs) as tmp:
+        for f in sorted(os.listdir(tmp)):
+            if keep(f):
+                shutil.copyfile(os.path.join(tmp, f), os.path.join(target, f))
+
+
+def saved_state_and_config(model):
+    """The tensors and config.json the model's own save_pretrained writes."""
+    with saved_by_transformers(model) as tmp:
+        with open(os.path.join(tmp, "config.json")) as fh:
+            return load_file(os.path.join(tmp, "model.safetensors")), json.load(fh)
+
+
 def record_experts_io(experts, run):
     """Runs run() with a hook on the experts module that records exactly what the block hands its
     experts -- the tokens, the top-k expert indices, the routing weights after the family's own softmax /
@@ -255,23 +283,16 @@ def make_family(name, spec, out_dir, seed):
 
     # Save with the model's own code, then keep its model.safetensors and config.json.
     fam_dir = os.path.join(out_dir, name)
-    os.makedirs(fam_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp()
-    try:
-        model.to(save_dtype).save_pretrained(tmp)
-        for f in ("model.safetensors", "config.json"):
-            shutil.copyfile(os.path.join(tmp, f), os.path.join(fam_dir, f))
-        if name in RELEASED_TRANSPOSED:
-            # The released files' form, which transformers' qwen3_vl_moe conversion (Transpose(1, 2)) turns
-            # into the in-memory one on loading, but which its save_pretrained (5.17) does not write back.
-            path = os.path.join(fam_dir, "model.safetensors")
-            state = load_file(path)
-            for key in list(state):
-                if key.endswith(".experts.gate_up_proj") or key.endswith(".experts.down_proj"):
-                    state[key] = state[key].transpose(1, 2).contiguous()
-            save_file(state, path, metadata={"format": "pt"})
-    finally:
-        shutil.rmtree(tmp)
+    copy_saved_files(model.to(save_dtype), fam_dir)
+    if name in RELEASED_TRANSPOSED:
+        # The released files' form, which transformers' qwen3_vl_moe conversion (Transpose(1, 2)) turns
+        # into the in-memory one on loading, but which its save_pretrained (5.17) does not write back.
+        path = os.path.join(fam_dir, "model.safetensors")
+        state = load_file(path)
+        for key in list(state):
+            if key.endswith(".experts.gate_up_proj") or key.endswith(".experts.down_proj"):
+                state[key] = state[key].transpose(1, 2).contiguous()
+        save_file(state, path, metadata={"format": "pt"})
 
     # Where the experts of the layer live in the saved file.
     saved_keys = sorted(load_file(os.path.join(fam_dir, "model.safetensors")).keys())
@@ -341,14 +362,7 @@ def make_fp8(out_dir, seed):
     quantizer = SimpleNamespace(quantization_config=SimpleNamespace(weight_block_size=[128, 128], scale_fmt=None))
     quantize, dequantize = Fp8Quantize(quantizer), Fp8Dequantize(quantizer)
 
-    tmp = tempfile.mkdtemp()
-    try:
-        model.save_pretrained(tmp)
-        state = load_file(os.path.join(tmp, "model.safetensors"))
-        with open(os.path.join(tmp, "config.json")) as fh:
-            cfg = json.load(fh)
-    finally:
-        shutil.rmtree(tmp)
+    state, cfg = saved_state_and_config(model)
     fp8 = {}
     for key, value in state.items():
         if ".experts." in key or ".shared_experts." in key:
@@ -426,14 +440,7 @@ def make_mxfp4(out_dir, seed):
 
     captured = record_experts_io(block.experts, lambda: block(torch.randn(1, T, H)))
 
-    tmp = tempfile.mkdtemp()
-    try:
-        model.to(torch.bfloat16).save_pretrained(tmp)
-        state = load_file(os.path.join(tmp, "model.safetensors"))
-        with open(os.path.join(tmp, "config.json")) as fh:
-            cfg = json.load(fh)
-    finally:
-        shutil.rmtree(tmp)
+    state, cfg = saved_state_and_config(model.to(torch.bfloat16))
     pre = block_name + ".experts."
     for name, (b, s_) in packed.items():
         del state[pre + name]
@@ -473,15 +480,7 @@ def make_llama4(out_dir, seed):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.15)
-    target = os.path.join(out_dir, "llama4")
-    os.makedirs(target, exist_ok=True)
-    tmp = tempfile.mkdtemp()
-    try:
-        model.save_pretrained(tmp)
-        for f in ("model.safetensors", "config.json"):
-            shutil.copyfile(os.path.join(tmp, f), os.path.join(target, f))
-    finally:
-        shutil.rmtree(tmp)
+    copy_saved_files(model, os.path.join(out_dir, "llama4"))
     print("llama4: file only (experts fused, x @ W)")
 
 
@@ -501,15 +500,8 @@ def make_sharded(out_dir, seed):
             p.copy_(torch.randn_like(p, dtype=torch.float32).mul_(0.15).to(p.dtype))
     target = os.path.join(out_dir, "qwen3_moe")
     shutil.rmtree(target, ignore_errors=True)
-    tmp = tempfile.mkdtemp()
-    try:
-        model.save_pretrained(tmp, max_shard_size="40KB")
-        os.makedirs(target)
-        for f in sorted(os.listdir(tmp)):
-            if f.endswith(".safetensors") or f.endswith(".index.json") or f == "config.json":
-                shutil.copyfile(os.path.join(tmp, f), os.path.join(target, f))
-    finally:
-        shutil.rmtree(tmp)
+    copy_saved_files(model, target, keep=lambda f: f.endswith((".safetensors", ".index.json")) or f == "config.json",
+                     max_shard_size="40KB")
     with open(os.path.join(target, "model.safetensors.index.json")) as f:
         index = json.load(f)
     shards = sorted(set(index["weight_map"].values()))
