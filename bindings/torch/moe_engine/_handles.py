@@ -1,4 +1,4 @@
-"""Releasing the library objects behind the modules' handles.
+"""The library objects behind the Python objects' integer handles: made, copied, released.
 
 Destroying one frees device memory with cudaFree, which a CUDA graph capture in progress forbids:
 the call would invalidate the capture. Python's garbage collector may run at any allocation,
@@ -7,6 +7,9 @@ released while the current stream is capturing is kept and destroyed at the next
 capture instead."""
 import torch
 
+from ._arg_names import create
+
+_ops = torch.ops.moe_engine
 _deferred = []  # (destroy, handle) released during a capture, destroyed at the next release outside one
 
 
@@ -24,3 +27,42 @@ def release(destroy, handle):
         deferred_destroy, deferred_handle = _deferred.pop()
         deferred_destroy(deferred_handle)
     destroy(handle)
+
+
+class HandleOwner:
+    """Base of the objects that own a library object through a handle: the attribute named by
+    `_HANDLE`, made by `_make_handle`, destroyed through release() by the operator named by
+    `_DESTROY` when the owner goes. A copy (copy.deepcopy) or an unpickled owner makes a library
+    object of its own from the same arguments: sharing the original's would have both bind their
+    weights to one op in turn, and destroy it with either owner (the other then fails with "unknown
+    or destroyed handle")."""
+    _HANDLE = "handle"
+    _DESTROY = ""
+
+    def _make_handle(self, creator, *args):
+        """The library object torch.ops.moe_engine.<creator>(*args) makes (errors in the caller's names)."""
+        self._handle_recipe = (creator, args)
+        setattr(self, self._HANDLE, create(getattr(_ops, creator), *args))
+
+    def __del__(self):
+        handle = self.__dict__.get(self._HANDLE)
+        if handle is not None:
+            release(getattr(_ops, self._DESTROY), handle)
+
+    def __getstate__(self):
+        parent = getattr(super(), "__getstate__", None)
+        state = dict(parent() if parent is not None else self.__dict__)
+        state[self._HANDLE] = None
+        return state
+
+    def __setstate__(self, state):
+        parent = getattr(super(), "__setstate__", None)
+        if parent is not None:
+            parent(state)
+        else:
+            self.__dict__.update(state)
+        creator, args = self._handle_recipe
+        # On the current device, as the constructor makes it; none without a GPU (an owner unpickled
+        # there can be inspected, not run).
+        if torch.cuda.is_available():
+            setattr(self, self._HANDLE, create(getattr(_ops, creator), *args))

@@ -25,7 +25,8 @@ torch.cuda.graph), so any number of forwards may be in flight (pipeline schedule
 and their backwards may run in any order. One module's calls must stay on one stream (or streams
 synchronised with each other): its backward workspaces are shared by all micro-batches.
 `recompute=True` (GroupedMLP) keeps only x and the routing and recomputes the rest in backward;
-torch.utils.checkpoint works around either module.
+torch.utils.checkpoint works around either module. A copy (copy.deepcopy, or torch.save / torch.load
+of the whole module) makes a library object of its own.
 
 `fuse_fc1`: fc1, its bias and the activation x prob in one kernel (GroupedMLP: which also gathers
 the rows of x, with no separate permute); same results within bf16 rounding, same saved state.
@@ -74,8 +75,7 @@ import weakref
 import torch
 from torch import nn
 
-from ._arg_names import create
-from ._handles import release
+from ._handles import HandleOwner
 from .state_dict import normalize_expert_keys
 
 _ops = torch.ops.moe_engine
@@ -131,17 +131,9 @@ def rebind_moved_weights(ctx, addresses, rebind):
         rebind()
 
 
-def _weak_method(obj, name):
-    """obj.name(...) through a weak reference to obj (nothing once obj is gone), for the hooks obj
-    registers on itself and its parameters: a bound method there would make a reference cycle (obj ->
-    hook -> obj) and leave obj -- and the library object behind its handle -- to the garbage collector
-    instead of freeing it when its last user drops it."""
-    ref = weakref.ref(obj)
-
-    def call(*args, **kwargs):
-        target = ref()
-        return None if target is None else getattr(target, name)(*args, **kwargs)
-    return call
+def _normalize_keys_hook(module, *args, **kwargs):
+    # load_state_dict's pre-hook, registered with_module (a plain function: copied and pickled)
+    module._normalize_keys(*args, **kwargs)
 
 
 def _fuse_fc1(choice, ffn_hidden_size, num_experts):
@@ -184,7 +176,7 @@ def _check_fp8_options(fp8, fp8_weight_refresh, accumulate_into_main_grad):
                          "(the gradients go to each parameter's fp32 main_grad)")
 
 
-class _ExpertModule(nn.Module):
+class _ExpertModule(HandleOwner, nn.Module):
     """Parameters, gradient buffers and wgrad hooks shared by GroupedMLP and GroupedExperts."""
 
     # The submodule names that hold fc1's and fc2's parameters (and so the state-dict keys and the
@@ -192,6 +184,7 @@ class _ExpertModule(nn.Module):
     # and give them a class of its own (_OWNER_CLASS: an nn.Module constructed without arguments).
     _OWNER_NAMES = {"fc1": "fc1", "fc2": "fc2"}
     _OWNER_CLASS = nn.Module
+    _HANDLE = "_handle"
 
     def _setup_params(self, hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
                       accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std,
@@ -226,12 +219,36 @@ class _ExpertModule(nn.Module):
                 owner.register_parameter(s, nn.Parameter(self._init((num_experts, *shape), std, device, dtype)))
         self._hooks = []
         self._pending_dw = []  # delayed mode: (state tensors, gradient buffers) of each backward, oldest first
-        self._register_load_state_dict_pre_hook(_weak_method(self, "_normalize_keys"))
-        if not accumulate_into_main_grad and not delay_wgrad:
-            # Write mode: a gradient is final once autograd has accumulated it into param.grad.
-            fire = _weak_method(self, "_fire_hook")
-            for name, q in self.named_parameters():
-                q.register_post_accumulate_grad_hook(lambda q, name=name: fire(name, q))
+        # with_module: PyTorch holds the module weakly (a bound method would make a reference cycle)
+        # and copies and pickles the hook with it.
+        self._register_load_state_dict_pre_hook(_normalize_keys_hook, with_module=True)
+        self._register_grad_hooks()
+
+    def _register_grad_hooks(self):
+        """Write mode: a gradient is final once autograd has accumulated it into param.grad. The hooks
+        hold the module weakly: module -> parameter -> hook -> module would be a reference cycle, which
+        leaves the module -- and the library object behind its handle -- to the garbage collector
+        instead of freeing it when its last user drops it."""
+        if self.accumulate_into_main_grad or self.delay_wgrad:
+            return
+        module = weakref.ref(self)
+
+        def fire(name, q):
+            target = module()
+            if target is not None:
+                target._fire_hook(name, q)
+        for name, q in self.named_parameters():
+            q.register_post_accumulate_grad_hook(lambda q, name=name: fire(name, q))
+
+    # -- copies (copy.deepcopy, pickle) ------------------------------------------------------
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_pending_dw"] = []  # the backwards in flight stay with the original
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)  # a library object of its own (HandleOwner)
+        self._register_grad_hooks()  # parameter hooks are neither copied nor pickled by PyTorch
 
     @staticmethod
     def _init(shape, std, device, dtype=torch.bfloat16):
@@ -346,6 +363,8 @@ class _ExpertModule(nn.Module):
 
 
 class GroupedMLP(_ExpertModule):
+    _DESTROY = "mlp_destroy"
+
     def __init__(self, hidden_size, ffn_hidden_size, num_experts, topk, max_tokens, activation="swiglu",
                  glu_interleave=0, bias=False, probs_at_combine=False, align=0, pre_padded=False, row_bound=-1,
                  map_routing=False, per_expert_weights=False, accumulate_into_main_grad=False,
@@ -370,21 +389,16 @@ class GroupedMLP(_ExpertModule):
         # Whether backward (and backward_dw) read the forward's x again.
         self.reads_x = recompute or not self.save_x_perm
         self.slots = num_experts if map_routing else topk
-        self._handle = create(_ops.mlp_create, hidden_size, ffn_hidden_size, num_experts, topk, max_tokens,
-                              activation, glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias,
-                              probs_at_combine, align, pre_padded, row_bound, map_routing, per_expert_weights,
-                              accumulate_into_main_grad, wgrad_dtype == torch.float32, delay_wgrad, recompute,
-                              self.fuse_fc1, self.save_x_perm, self.fuse_fc2_dgrad, False, fp8 or "none",
-                              fp8_weight_refresh, token_chunks)
+        self._make_handle("mlp_create", hidden_size, ffn_hidden_size, num_experts, topk, max_tokens,
+                          activation, glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias,
+                          probs_at_combine, align, pre_padded, row_bound, map_routing, per_expert_weights,
+                          accumulate_into_main_grad, wgrad_dtype == torch.float32, delay_wgrad, recompute,
+                          self.fuse_fc1, self.save_x_perm, self.fuse_fc2_dgrad, False, fp8 or "none",
+                          fp8_weight_refresh, token_chunks)
         self._state_bytes = _ops.mlp_state_bytes(self._handle)
         self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
                            accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std,
                            weight_dtype=torch.float32 if fp8_weight_refresh == "from_master" else torch.bfloat16)
-
-    def __del__(self):
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            release(_ops.mlp_destroy, handle)
 
     def forward(self, x, routing, probs):
         """x bf16 [T, H] (another float dtype under a bf16 autocast: cast); routing int32 [T, k] top-k
@@ -431,6 +445,8 @@ class GroupedExperts(_ExpertModule):
     is skipped). fp8="mxfp8" / "nvfp4" (emulated) take any groups: each expert's rows are quantized
     as a matrix of their own (whole blocks when they start on multiples of 32 / 16)."""
 
+    _DESTROY = "experts_destroy"
+
     def __init__(self, hidden_size, ffn_hidden_size, num_experts, max_rows, activation="swiglu",
                  glu_interleave=0, bias=False, probs_at_combine=False, per_expert_weights=False,
                  accumulate_into_main_grad=False, wgrad_dtype=torch.bfloat16, delay_wgrad=False,
@@ -440,19 +456,14 @@ class GroupedExperts(_ExpertModule):
         _check_fp8_options(fp8, fp8_weight_refresh, accumulate_into_main_grad)
         self.fp8 = fp8
         self.probs_at_combine = probs_at_combine
-        self._handle = create(_ops.experts_create, hidden_size, ffn_hidden_size, num_experts, max_rows, activation,
-                              glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias, probs_at_combine,
-                              per_expert_weights, accumulate_into_main_grad, wgrad_dtype == torch.float32,
-                              delay_wgrad, bool(fuse_fc1), bool(fuse_fc2_dgrad), fp8 or "none", fp8_weight_refresh)
+        self._make_handle("experts_create", hidden_size, ffn_hidden_size, num_experts, max_rows, activation,
+                          glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias, probs_at_combine,
+                          per_expert_weights, accumulate_into_main_grad, wgrad_dtype == torch.float32,
+                          delay_wgrad, bool(fuse_fc1), bool(fuse_fc2_dgrad), fp8 or "none", fp8_weight_refresh)
         self._state_bytes = _ops.experts_state_bytes(self._handle)
         self._setup_params(hidden_size, ffn_hidden_size, num_experts, activation, bias, per_expert_weights,
                            accumulate_into_main_grad, wgrad_dtype, delay_wgrad, device, init_std,
                            weight_dtype=torch.float32 if fp8_weight_refresh == "from_master" else torch.bfloat16)
-
-    def __del__(self):
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            release(_ops.experts_destroy, handle)
 
     def forward(self, x_perm, group_offsets, probs_perm=None):
         if self.probs_at_combine and probs_perm is not None:

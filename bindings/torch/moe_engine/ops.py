@@ -3,8 +3,7 @@ grouped GEMM. All run on the current CUDA stream, allocate only through PyTorch'
 make no host synchronisation, so they can sit inside torch.cuda.graph."""
 import torch
 
-from ._arg_names import create
-from ._handles import release
+from ._handles import HandleOwner
 
 _ops = torch.ops.moe_engine
 
@@ -47,13 +46,15 @@ class DispatchPlan:
         self.plan, self.header, self.tokens = plan, header, tokens
 
 
-class Dispatcher:
+class Dispatcher(HandleOwner):
     """Permute + pad and unpermute + unpad for one static configuration (docs/semantics.md).
 
     permute(x, routing, probs) -> (x_perm [R, H], probs_perm [R], group_offsets [E + 1],
     tokens_per_expert [E], plan); unpermute(Y, plan, probs=None) -> y [T, H], merged with `probs`
     when given. Both are differentiable (dx; dprobs through probs_perm or through the merge). The
     dispatcher holds configuration only: each call uses the plan it is given."""
+
+    _DESTROY = "dispatcher_destroy"
 
     def __init__(self, max_tokens, num_experts, hidden_size, topk=0, map_routing=False, align=0,
                  pre_padded=False, row_bound=-1, dtype=torch.bfloat16):
@@ -62,15 +63,10 @@ class Dispatcher:
             raise ValueError(f"argument 'dtype': expected bfloat16, float16 or float32, got {dtype}")
         self.num_experts = num_experts
         self.slots = num_experts if map_routing else topk
-        self.handle = create(_ops.dispatcher_create, max_tokens, num_experts, topk, hidden_size, map_routing,
-                             align, pre_padded, row_bound, names[dtype])
+        self._make_handle("dispatcher_create", max_tokens, num_experts, topk, hidden_size, map_routing,
+                          align, pre_padded, row_bound, names[dtype])
         self.rows = _ops.dispatcher_rows(self.handle)
         self.plan_bytes = _ops.dispatcher_plan_bytes(self.handle)
-
-    def __del__(self):
-        handle = getattr(self, "handle", None)
-        if handle is not None:
-            release(_ops.dispatcher_destroy, handle)
 
     def permute(self, x, routing, probs):
         x_perm, probs_perm, groups, counts, plan, header = _Permute.apply(self, x, routing, probs)

@@ -13,7 +13,7 @@ from collections import namedtuple
 import torch
 from torch import nn
 
-from ._handles import release
+from ._handles import HandleOwner
 
 _ops = torch.ops.moe_engine
 _lib = "moe_engine::"
@@ -81,7 +81,7 @@ def update_expert_bias(counts, bias, rate):
     _ops.router_update_bias(counts, bias, float(rate))
 
 
-class Router(nn.Module):
+class Router(HandleOwner, nn.Module):
     """Fused top-k router. Options mirror the C++ RouterConfig (see docs/router.md):
 
     score "softmax" | "sigmoid"; softmax_after_topk (GPT-OSS); normalize_topk (renormalise the k
@@ -96,6 +96,8 @@ class Router(nn.Module):
     forward(logits [T, E] bf16/fp32) -> RouterOutput; differentiable in logits (through probs and
     the losses). T may change between calls (T <= max_tokens)."""
 
+    _DESTROY = "router_destroy"
+
     def __init__(self, num_experts, topk, max_tokens, score="softmax", softmax_after_topk=False,
                  normalize_topk=False, scaling_factor=1.0, expert_bias=False, num_groups=1, topk_groups=1,
                  aux_loss_coeff=0.0, seq_aux_loss_coeff=0.0, seq_length=0, z_loss_coeff=0.0, capacity_factor=0.0,
@@ -109,11 +111,11 @@ class Router(nn.Module):
         self.seq_aux = seq_aux_loss_coeff != 0.0
         self.seq_length = seq_length
         self.bias_update_rate = bias_update_rate
-        self.handle = _ops.router_create(num_experts, topk, max_tokens, score, softmax_after_topk, normalize_topk,
-                                         float(scaling_factor), expert_bias, num_groups, topk_groups,
-                                         float(aux_loss_coeff), float(seq_aux_loss_coeff), seq_length,
-                                         float(z_loss_coeff), float(capacity_factor), drop_policy, rounding,
-                                         rounding_tile, rounding_candidates, self.map_output)
+        self._make_handle("router_create", num_experts, topk, max_tokens, score, softmax_after_topk, normalize_topk,
+                          float(scaling_factor), expert_bias, num_groups, topk_groups,
+                          float(aux_loss_coeff), float(seq_aux_loss_coeff), seq_length,
+                          float(z_loss_coeff), float(capacity_factor), drop_policy, rounding,
+                          rounding_tile, rounding_candidates, self.map_output)
         self.width = _ops.router_selection_width(self.handle)
         if expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
@@ -121,11 +123,6 @@ class Router(nn.Module):
         else:
             self.expert_bias = None
             self.tokens_per_expert = None
-
-    def __del__(self):
-        handle = getattr(self, "handle", None)
-        if handle is not None:
-            release(_ops.router_destroy, handle)
 
     def sequences(self, T):
         return T // self.seq_length if self.seq_aux else 0

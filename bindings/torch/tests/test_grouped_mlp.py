@@ -264,6 +264,39 @@ def test_a_module_dropped_after_its_backward_is_freed_without_the_garbage_collec
         gc.enable()
 
 
+def test_copies_run_on_library_objects_of_their_own():
+    # copy.deepcopy (an EMA or reference model) and torch.save / torch.load of whole modules: a copy
+    # sharing the original's library object would lose it with the original and bind its weights to
+    # the same op in turn.
+    import copy
+    import io
+    mod, x, idx, probs = make(bias=True, seed=9)
+    router, dispatcher = Router(6, 2, max_tokens=48), Dispatcher(48, 6, 128, topk=2)
+    saved = io.BytesIO()
+    torch.save(mod, saved)
+    saved.seek(0)
+    twins = [copy.deepcopy(mod), torch.load(saved, weights_only=False)]
+    router_twin, dispatcher_twin = copy.deepcopy(router), copy.deepcopy(dispatcher)
+    handles = {mod._handle, router.handle, dispatcher.handle, router_twin.handle, dispatcher_twin.handle,
+               *(t._handle for t in twins)}
+    assert len(handles) == 7, "a copy shares its original's library object"
+    dy = output_grad(x)
+    want = mod(x, idx, probs)
+    logits = torch.randn(48, 6, device=DEV)
+    want_routing = router(logits).indices
+    want_rows = dispatcher.permute(x, idx, probs)[0]
+    del mod, router, dispatcher
+    assert torch.equal(router_twin(logits).indices, want_routing)
+    assert torch.equal(dispatcher_twin.permute(x, idx, probs)[0], want_rows)
+    for twin in twins:
+        fired = []
+        twin.register_wgrad_hook(lambda name, q: fired.append(name))
+        y = twin(x, idx, probs)
+        y.backward(dy)
+        assert torch.equal(y, want)
+        assert sorted(fired) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+
+
 def test_torch_compile_of_a_small_model():
     class Model(torch.nn.Module):
         def __init__(self):

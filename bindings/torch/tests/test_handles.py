@@ -2,7 +2,9 @@
 CUDA graph is deferred to the next release outside one (destroying frees device memory, which a
 capture forbids); and a dropped module is released at once, not left to the garbage collector.
 Runs without a GPU (the operator's handle calls stubbed); the GPU side is in test_grouped_mlp.py."""
+import copy
 import gc
+import pickle
 import weakref
 
 import pytest
@@ -33,10 +35,11 @@ class _StubOps:
     """The experts operator's handle calls, recorded (the module's other calls need a GPU)."""
 
     def __init__(self):
-        self.destroyed = []
+        self.made, self.destroyed = [], []
 
     def experts_create(self, *args):
-        return 41
+        self.made.append(41 + len(self.made))
+        return self.made[-1]
 
     def experts_state_bytes(self, handle):
         return 0
@@ -45,20 +48,60 @@ class _StubOps:
         self.destroyed.append(handle)
 
 
+@pytest.fixture
+def ops(monkeypatch):
+    import moe_engine.module
+    stub = _StubOps()
+    monkeypatch.setattr(_handles, "_ops", stub)
+    monkeypatch.setattr(moe_engine.module, "_ops", stub)
+    return stub
+
+
 @pytest.mark.parametrize("kwargs", [dict(), dict(per_expert_weights=True, bias=True), dict(delay_wgrad=True)])
-def test_a_dropped_module_is_freed_without_the_garbage_collector(monkeypatch, kwargs):
+def test_a_dropped_module_is_freed_without_the_garbage_collector(ops, kwargs):
     # The hooks a module registers on itself (load_state_dict's key conversion) and on its parameters
     # (write-mode gradient hooks) hold it weakly: with bound methods there the module sat in a
     # reference cycle until the collector ran -- at any allocation, inside a graph capture too.
-    import moe_engine.module
-    ops = _StubOps()
-    monkeypatch.setattr(moe_engine.module, "_ops", ops)
+    from moe_engine import GroupedExperts
     gc.disable()
     try:
-        mod = moe_engine.module.GroupedExperts(128, 64, 4, 64, device="cpu", **kwargs)
+        mod = GroupedExperts(128, 64, 4, 64, device="cpu", **kwargs)
         mod.load_state_dict(mod.state_dict())  # the key conversion hook still runs
         ref = weakref.ref(mod)
         del mod
         assert ref() is None and ops.destroyed == [41]
     finally:
         gc.enable()
+
+
+_fired = []
+
+
+def _record_hook(name, param):  # a module-level function: pickled by reference with the module
+    _fired.append(name)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_owns_a_library_object_and_hooks_of_its_own(ops, monkeypatch, how):
+    # A shared handle would be destroyed with either module (the other then fails) and have both bind
+    # their weights to one op in turn.
+    import torch
+    from moe_engine import GroupedExperts
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # an unpickled module makes its object
+    mod = GroupedExperts(128, 64, 4, 64, device="cpu", bias=True)
+    _fired.clear()
+    mod.register_wgrad_hook(_record_hook)
+    twin = copy.deepcopy(mod) if how == "deepcopy" else pickle.loads(pickle.dumps(mod))
+    assert (mod._handle, twin._handle) == (41, 42)
+    assert all(torch.equal(a, b) for a, b in zip(mod.state_dict().values(), twin.state_dict().values()))
+    # load_state_dict's key conversion acts on the copy: per-expert keys load into its grouped weights.
+    per_expert = {f"{p}.{s}{e}": t[e] for (name, t) in mod.state_dict().items()
+                  for p, s in [name.split(".")] for e in range(4)}
+    twin.load_state_dict({k: torch.ones_like(v) for k, v in per_expert.items()})
+    assert torch.equal(twin.fc1.weight, torch.ones_like(twin.fc1.weight))
+    assert not torch.equal(mod.fc1.weight, twin.fc1.weight)
+    # The copy's parameters carry its write-mode hooks (PyTorch copies no parameter hooks).
+    (twin.fc2.bias * 2).sum().backward()
+    assert _fired == ["fc2.bias"]
+    del twin
+    assert ops.destroyed == [42]
