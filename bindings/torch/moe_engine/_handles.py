@@ -5,6 +5,8 @@ the call would invalidate the capture. Python's garbage collector may run at any
 including one inside `torch.cuda.graph`, and collect an unrelated module there; so a handle
 released while the current stream is capturing is kept and destroyed at the next release outside a
 capture instead."""
+import contextlib
+
 import torch
 
 from ._arg_names import create
@@ -35,7 +37,7 @@ class HandleOwner:
     `_DESTROY` when the owner goes. A copy (copy.deepcopy) or an unpickled owner makes a library
     object of its own from the same arguments: sharing the original's would have both bind their
     weights to one op in turn, and destroy it with either owner (the other then fails with "unknown
-    or destroyed handle")."""
+    or destroyed handle"). A shallow copy (copy.copy) shares everything else with the original."""
     _HANDLE = "handle"
     _DESTROY = ""
 
@@ -61,8 +63,28 @@ class HandleOwner:
             parent(state)
         else:
             self.__dict__.update(state)
-        creator, args = self._handle_recipe
-        # On the current device, as the constructor makes it; none without a GPU (an owner unpickled
-        # there can be inspected, not run).
+        # An integer from another process (a pickle of an older version) names no object of this one:
+        # never released.
+        setattr(self, self._HANDLE, None)
+        recipe = self.__dict__.get("_handle_recipe")
+        if recipe is None:
+            raise RuntimeError(f"moe_engine: this {type(self).__name__} was saved without its constructor "
+                               "arguments (by an older version); construct it anew and load its state_dict")
+        creator, args = recipe
+        # On the device of the owner's parameters (the current one where it has none on a GPU), as the
+        # constructor makes it there; none without a GPU (an owner unpickled there can be inspected,
+        # not run).
         if torch.cuda.is_available():
-            setattr(self, self._HANDLE, create(getattr(_ops, creator), *args))
+            device = self._handle_device()
+            with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+                setattr(self, self._HANDLE, create(getattr(_ops, creator), *args))
+
+    def __copy__(self):
+        cls = type(self)
+        twin = cls.__new__(cls)
+        HandleOwner.__setstate__(twin, self.__getstate__())  # the shared parameters keep their hooks
+        return twin
+
+    def _handle_device(self):
+        """The CUDA device a copy's library object is made on (None: the current one)."""
+        return None

@@ -250,6 +250,10 @@ class _ExpertModule(HandleOwner, nn.Module):
         super().__setstate__(state)  # a library object of its own (HandleOwner)
         self._register_grad_hooks()  # parameter hooks are neither copied nor pickled by PyTorch
 
+    def _handle_device(self):
+        q = next(self.parameters(), None)
+        return q.device if q is not None and q.is_cuda else None
+
     @staticmethod
     def _init(shape, std, device, dtype=torch.bfloat16):
         t = torch.empty(shape, dtype=dtype, device=device)

@@ -105,3 +105,34 @@ def test_a_copy_owns_a_library_object_and_hooks_of_its_own(ops, monkeypatch, how
     assert _fired == ["fc2.bias"]
     del twin
     assert ops.destroyed == [42]
+
+
+def test_a_shallow_copy_has_its_own_object_and_no_second_hooks(ops, monkeypatch):
+    import torch
+    from moe_engine import GroupedExperts
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    mod = GroupedExperts(128, 64, 4, 64, device="cpu")
+    _fired.clear()
+    mod.register_wgrad_hook(_record_hook)
+    twin = copy.copy(mod)
+    assert (mod._handle, twin._handle) == (41, 42) and twin.fc1.weight is mod.fc1.weight
+    (mod.fc2.weight * 2).sum().backward()
+    assert _fired == ["fc2.weight"]  # the shared parameters' hooks, registered once
+    del twin
+    assert ops.destroyed == [42]
+
+
+def test_a_pickle_without_constructor_arguments_is_refused_and_releases_nothing(ops, monkeypatch):
+    # An older version pickled the handle integer alone: in this process it may name a live object.
+    import torch
+    from moe_engine import GroupedExperts
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    mod = GroupedExperts(128, 64, 4, 64, device="cpu")
+    state = mod.__getstate__()
+    del state["_handle_recipe"]
+    state["_handle"] = mod._handle
+    old = GroupedExperts.__new__(GroupedExperts)
+    with pytest.raises(RuntimeError, match="constructor arguments"):
+        old.__setstate__(state)
+    del old
+    assert ops.destroyed == []

@@ -180,7 +180,8 @@ class MegatronGroupedMLP(GroupedExperts):
     (workspaces are sized for it once): at most tokens per micro-batch x moe_router_topk x
     expert-parallel size in a dropless setting, x ETP / TP under expert tensor parallelism (the
     dispatcher gathers over the expert-tensor-and-expert-parallel group); when it is None,
-    `config.moe_engine_max_rows` is read."""
+    `config.moe_engine_max_rows` is read. It holds Megatron's process groups, as Megatron's own experts
+    modules do, so it is neither deep-copied nor pickled."""
 
     _OWNER_NAMES = {"fc1": _OWNERS[0], "fc2": _OWNERS[1]}
     _OWNER_CLASS = _LinearOwner
