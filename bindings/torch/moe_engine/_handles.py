@@ -85,6 +85,14 @@ class HandleOwner:
         HandleOwner.__setstate__(twin, self.__getstate__())  # the shared parameters keep their hooks
         return twin
 
+    def _replicate_for_data_parallel(self):
+        # torch.nn.DataParallel's replicas (one per GPU, made by each forward) share the module's
+        # attributes, this handle among them: an op object made for one device, destroyed with the
+        # first replica dropped.
+        raise RuntimeError(f"moe_engine: {type(self).__name__} does not run under torch.nn.DataParallel over "
+                           "several GPUs (its replicas would share one library object); use "
+                           "DistributedDataParallel, one process per GPU")
+
     def _handle_device(self):
         """The CUDA device a copy's library object is made on (None: the current one)."""
         return None

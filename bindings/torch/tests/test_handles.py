@@ -136,3 +136,12 @@ def test_a_pickle_without_constructor_arguments_is_refused_and_releases_nothing(
         old.__setstate__(state)
     del old
     assert ops.destroyed == []
+
+
+def test_data_parallel_replicas_are_refused_by_name(ops):
+    # nn.DataParallel over several GPUs replicates the module by copying its attributes, the handle too.
+    from moe_engine import GroupedExperts
+    mod = GroupedExperts(128, 64, 4, 64, device="cpu")
+    with pytest.raises(RuntimeError, match="DistributedDataParallel"):
+        mod._replicate_for_data_parallel()
+    assert ops.destroyed == []
