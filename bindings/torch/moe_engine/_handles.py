@@ -12,7 +12,8 @@ import torch
 from ._arg_names import create
 
 _ops = torch.ops.moe_engine
-_deferred = []  # (destroy, handle) released during a capture, destroyed at the next release outside one
+_deferred = []  # (destroy, handle) released during a capture, destroyed at the next release or
+# construction outside one
 
 
 def _capturing():
@@ -25,10 +26,14 @@ def release(destroy, handle):
     if _capturing():
         _deferred.append((destroy, handle))
         return
+    _destroy_deferred()
+    destroy(handle)
+
+
+def _destroy_deferred():
     while _deferred:
         deferred_destroy, deferred_handle = _deferred.pop()
         deferred_destroy(deferred_handle)
-    destroy(handle)
 
 
 class HandleOwner:
@@ -44,6 +49,8 @@ class HandleOwner:
     def _make_handle(self, creator, *args):
         """The library object torch.ops.moe_engine.<creator>(*args) makes (errors in the caller's names)."""
         self._handle_recipe = (creator, args)
+        if not _capturing():
+            _destroy_deferred()  # objects released during an earlier capture
         setattr(self, self._HANDLE, create(getattr(_ops, creator), *args))
 
     def __del__(self):

@@ -145,3 +145,13 @@ def test_data_parallel_replicas_are_refused_by_name(ops):
     with pytest.raises(RuntimeError, match="DistributedDataParallel"):
         mod._replicate_for_data_parallel()
     assert ops.destroyed == []
+
+
+def test_a_construction_outside_a_capture_destroys_the_deferred_objects(ops, monkeypatch):
+    from moe_engine import GroupedExperts
+    capturing = [True]
+    monkeypatch.setattr(_handles, "_capturing", lambda: capturing[0])
+    _handles.release(ops.experts_destroy, 7)
+    capturing[0] = False
+    mod = GroupedExperts(128, 64, 4, 64, device="cpu")  # kept: its own release would destroy them too
+    assert ops.destroyed == [7] and _handles._deferred == [] and mod._handle == 41
