@@ -270,6 +270,7 @@ def test_copies_run_on_library_objects_of_their_own():
     # the same op in turn.
     import copy
     import io
+    import weakref
     mod, x, idx, probs = make(bias=True, seed=9)
     router, dispatcher = Router(6, 2, max_tokens=48), Dispatcher(48, 6, 128, topk=2)
     saved = io.BytesIO()
@@ -281,11 +282,13 @@ def test_copies_run_on_library_objects_of_their_own():
                *(t._handle for t in twins)}
     assert len(handles) == 7, "a copy shares its original's library object"
     dy = output_grad(x)
-    want = mod(x, idx, probs)
+    want = mod(x, idx, probs).detach()  # no autograd graph keeping mod alive
     logits = torch.randn(48, 6, device=DEV)
     want_routing = router(logits).indices
     want_rows = dispatcher.permute(x, idx, probs)[0]
+    originals = [weakref.ref(o) for o in (mod, router, dispatcher)]
     del mod, router, dispatcher
+    assert all(r() is None for r in originals), "an original outlived its last reference"
     assert torch.equal(router_twin(logits).indices, want_routing)
     assert torch.equal(dispatcher_twin.permute(x, idx, probs)[0], want_rows)
     for twin in twins:
