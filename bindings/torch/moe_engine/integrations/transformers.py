@@ -314,15 +314,15 @@ def _check_autocast(mod, spec):
                          "under torch.autocast('cuda', dtype=torch.bfloat16) (the weights are cast for each call)")
 
 
-def _routing_weights(top_k_weights, top_k_index, E, cls):
+def _routing_weights(top_k_weights, top_k_index, valid, E, cls):
     """[T, k] fp32 routing weights, one per slot. A router's dense [T, E] weights (one per expert; taken
     as such only where E != k) are gathered at each slot's expert, differentiably (the gradient goes to
-    the chosen entries). A sentinel slot reads entry 0 and gets no gradient from the op."""
+    the chosen entries). A sentinel slot (`valid` False) reads entry 0 and gets no gradient from the op."""
     T, k = top_k_index.shape
     if top_k_weights.dim() == 2 and tuple(top_k_weights.shape) == (T, k):
         return top_k_weights.float().contiguous()
     if top_k_weights.dim() == 2 and tuple(top_k_weights.shape) == (T, E):
-        safe = torch.where((top_k_index >= 0) & (top_k_index < E), top_k_index, 0).long()
+        safe = torch.where(valid, top_k_index, 0).long()
         return top_k_weights.gather(1, safe).float().contiguous()
     raise ValueError(f"moe_engine: {cls}: top_k_weights should be [T, k] = [{T}, {k}] like top_k_index, or "
                      f"[T, E] = [{T}, {E}], got {tuple(top_k_weights.shape)}")
@@ -383,9 +383,10 @@ def moe_engine_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if not top_k_weights.is_floating_point():
         raise ValueError(f"moe_engine: {cls}: top_k_weights should be floating point, got {top_k_weights.dtype}")
     E = spec.experts
-    probs = _routing_weights(top_k_weights, top_k_index, E, cls)
     # Expert-parallel sentinels (ids >= E, or anything outside [0, E)) become empty slots.
-    routing = torch.where((top_k_index >= 0) & (top_k_index < E), top_k_index, -1).to(torch.int32).contiguous()
+    valid = (top_k_index >= 0) & (top_k_index < E)
+    probs = _routing_weights(top_k_weights, top_k_index, valid, E, cls)
+    routing = torch.where(valid, top_k_index, -1).to(torch.int32).contiguous()
     _check_autocast(self, spec)
     x = hidden_states.to(torch.bfloat16).contiguous()
     layer = _layer_for(self, spec, T, k, spec.w1.device)
