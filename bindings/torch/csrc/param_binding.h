@@ -50,20 +50,12 @@ struct Bound {
 
   void bind_weights(const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
                     const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2) {
-    auto ptrs = addresses({&w1, &b1, &w2, &b2});
-    if (ptrs == weight_ptrs) return;
-    check_rebind_allowed("weight");
-    op.set_weights(expert_tensors(w1, b1, w2, b2));
-    weight_ptrs = std::move(ptrs);
+    bind_weights_with(&Op::set_weights, w1, b1, w2, b2);
   }
   // The same weights at new addresses (op.rebind_weights): the binding the saved states hold stays.
   void rebind_weights(const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
                       const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2) {
-    auto ptrs = addresses({&w1, &b1, &w2, &b2});
-    if (ptrs == weight_ptrs) return;
-    check_rebind_allowed("weight");
-    op.rebind_weights(expert_tensors(w1, b1, w2, b2));
-    weight_ptrs = std::move(ptrs);
+    bind_weights_with(&Op::rebind_weights, w1, b1, w2, b2);
   }
   void bind_grads(const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
                   const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2) {
@@ -73,6 +65,19 @@ struct Bound {
     if (!grouped_only) check_rebind_allowed("gradient");
     op.set_grads(expert_tensors(w1, b1, w2, b2));
     grad_ptrs = std::move(ptrs);
+  }
+
+ private:
+  // Binds the weights through `bind` (set_weights or rebind_weights) unless they are where they are
+  // bound already.
+  void bind_weights_with(void (Op::*bind)(const ExpertTensors&), const std::vector<at::Tensor>& w1,
+                         const std::vector<at::Tensor>& b1, const std::vector<at::Tensor>& w2,
+                         const std::vector<at::Tensor>& b2) {
+    auto ptrs = addresses({&w1, &b1, &w2, &b2});
+    if (ptrs == weight_ptrs) return;
+    check_rebind_allowed("weight");
+    (op.*bind)(expert_tensors(w1, b1, w2, b2));
+    weight_ptrs = std::move(ptrs);
   }
 };
 
