@@ -49,11 +49,16 @@ std::vector<Variant> variants() {
   };
   ActivationParams clamped = make(Activation::kClampedSwiGLU, 0);  // GPT-OSS: alpha 1.702, L 7, off 1
   ActivationParams clamped_il = make(Activation::kClampedSwiGLU, 8);
+  // DeepSeek-V4 / GLM-5-Next / Hunyuan v4: silu(min(g, L)) * clamp(l, -L, L), L = 10.
+  ActivationParams clamped_silu = make(Activation::kClampedSwiGLU, 0);
+  clamped_silu.alpha = 1.0f;
+  clamped_silu.limit = 10.0f;
+  clamped_silu.offset = 0.0f;
   return {{"swiglu", make(Activation::kSwiGLU, 0), 3.0},      {"swiglu_il32", make(Activation::kSwiGLU, 32), 3.0},
           {"geglu", make(Activation::kGeGLU, 0), 3.0},        {"geglu_il8", make(Activation::kGeGLU, 8), 3.0},
           {"clamped", clamped, 9.0},                          {"clamped_il8", clamped_il, 9.0},
           {"swiglu_il1", make(Activation::kSwiGLU, 1), 3.0},  {"clamped_il1", make(Activation::kClampedSwiGLU, 1), 9.0},
-          {"squared_relu", make(Activation::kSquaredReLU, 0), 3.0}};
+          {"squared_relu", make(Activation::kSquaredReLU, 0), 3.0}, {"clamped_silu", clamped_silu, 13.0}};
 }
 
 // One problem on the host: bf16 inputs (as bits and as the exact doubles the reference takes).

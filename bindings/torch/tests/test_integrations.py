@@ -131,9 +131,35 @@ def relu2_experts(seed=0):
     return experts
 
 
+# Experts classes with a clamped gate: (module, config class, experts class), config kwargs. A limit
+# below the activations' spread (0.3 here) so that both clamps bite on most values.
+CLAMPED_EXPERTS = {
+    "deepseek_v4": (("deepseek_v4", "DeepseekV4Config", "DeepseekV4Experts"),
+                    dict(n_routed_experts=E, moe_intermediate_size=FFN, swiglu_limit=0.3)),
+    "glm5_next": (("glm5_next", "Glm5NextTextConfig", "Glm5NextTextExperts"),
+                  dict(n_routed_experts=E, moe_intermediate_size=FFN, swiglu_limit=0.3)),
+    "hy_v4": (("hy_v4", "HYV4Config", "HYV4Experts"), dict(n_routed_experts=E, moe_intermediate_size=FFN, swiglu_limit=0.3)),
+    "minimax_m3_vl": (("minimax_m3_vl", "MiniMaxM3VLTextConfig", "MiniMaxM3VLExperts"),
+                      dict(num_local_experts=E, intermediate_size=FFN, swiglu_limit=0.3, swiglu_alpha=1.702)),
+}
+
+
+def clamped_experts(case, seed=0):
+    import importlib
+    _transformers()
+    (mod_name, cfg_name, cls_name), kwargs = CLAMPED_EXPERTS[case]
+    mod = importlib.import_module(f"transformers.models.{mod_name}.modeling_{mod_name}")
+    cfg_mod = importlib.import_module(f"transformers.models.{mod_name}.configuration_{mod_name}")
+    experts = getattr(mod, cls_name)(getattr(cfg_mod, cfg_name)(hidden_size=H, **kwargs)).to(DEV, torch.bfloat16)
+    _init_params(experts, seed)
+    return experts
+
+
 def experts_of(case, seed=0):
     if case == "relu2":
         return relu2_experts(seed)
+    if case in CLAMPED_EXPERTS:
+        return clamped_experts(case, seed)
     block, _ = hf_block(case, seed)
     return block.experts
 
@@ -189,7 +215,7 @@ def compare_to_references(experts, x, idx, w, seed=99, sentinel=None):
     return ours
 
 
-CASES = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "relu2"]
+CASES = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "relu2", *CLAMPED_EXPERTS]
 
 
 @pytest.mark.parametrize("case", CASES)

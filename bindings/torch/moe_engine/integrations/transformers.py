@@ -27,7 +27,10 @@ What the function reads from the experts module (the attributes the 5.17 experts
   - the activation from the class's `_apply_gate`: the default gate of moe.py
     (`act_fn(gate) * up` on the two halves) with `act_fn` SiLU -> swiglu, tanh-approximated GELU ->
     geglu; GPT-OSS's own `_apply_gate` (clamp, `alpha`, `limit`, `up + 1`) -> clamped-swiglu with
-    the module's `alpha` and `limit` and offset 1. Not gated: `act_fn` ReLUSquared -> squared-relu.
+    the module's `alpha` and `limit` and offset 1; the clamped gates of DeepSeek-V4, GLM-5-Next and
+    Hunyuan v4 (silu(min(gate, L)) * clamp(up, -L, L)) -> clamped-swiglu with alpha 1, offset 0 and the
+    module's limit, and MiniMax-M3's (GPT-OSS's on the halves) with its swiglu_alpha / swiglu_limit.
+    Not gated: `act_fn` ReLUSquared -> squared-relu.
     Any other gate or activation is refused with the attribute named.
 
 Call contract: hidden_states [T, H] (cast to bf16 when it is not), top_k_index [T, k] integer,
@@ -101,6 +104,30 @@ def _gpt_oss_gate():
     return vars(GptOssExperts).get("_apply_gate")
 
 
+# Experts classes whose `_apply_gate` is a clamped SwiGLU of the op's form, a * sigmoid(alpha a) *
+# (clamp(up, -L, L) + offset) with a = min(gate, L), on the gate and up halves:
+# (module, class, alpha or the attribute holding it, attribute holding L, offset, act_fn must be SiLU).
+_CLAMPED_GATES = (
+    ("deepseek_v4", "DeepseekV4Experts", 1.0, "limit", 0.0, True),         # self.act_fn(gate) * up
+    ("glm5_next", "Glm5NextTextExperts", 1.0, "swiglu_limit", 0.0, False),  # F.silu(gate) * up
+    ("hy_v4", "HYV4Experts", 1.0, "swiglu_limit", 0.0, False),              # F.silu(gate) * up
+    ("minimax_m3_vl", "MiniMaxM3VLExperts", "swiglu_alpha", "swiglu_limit", 1.0, False),  # GPT-OSS's, on halves
+)
+
+
+def _clamped_gate(gate):
+    """The _CLAMPED_GATES entry whose class defines `gate`, or None."""
+    import importlib
+    for module, cls, alpha, limit, offset, silu_act in _CLAMPED_GATES:
+        try:
+            klass = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls)
+        except (ImportError, AttributeError):  # a transformers without that model
+            continue
+        if vars(klass).get("_apply_gate") is gate:
+            return alpha, limit, offset, silu_act
+    return None
+
+
 def _default_gate():
     from transformers.integrations import moe as hf_moe
     return getattr(hf_moe, "_default_apply_gate", None)
@@ -138,10 +165,24 @@ def _activation(mod, spec, has_gate):
         spec.activation = "clamped-swiglu"
         spec.alpha, spec.limit, spec.offset = float(mod.alpha), float(mod.limit), 1.0
         return
+    clamped = _clamped_gate(gate) if gate is not None else None
+    if clamped is not None:
+        # DeepSeek-V4, GLM-5-Next, Hunyuan v4: silu(min(gate, L)) * clamp(up, -L, L); MiniMax-M3: GPT-OSS's
+        # gate on the halves. L (and MiniMax's alpha) come from the module, as its own gate reads them.
+        alpha, limit, offset, silu_act = clamped
+        if silu_act and _act_kind(getattr(mod, "act_fn", None)) != "silu":
+            raise NotImplementedError(
+                f"moe_engine: {cls}.act_fn is {type(getattr(mod, 'act_fn', None)).__name__}; its clamped gate is "
+                "supported with SiLU")
+        spec.activation = "clamped-swiglu"
+        spec.alpha = float(getattr(mod, alpha) if isinstance(alpha, str) else alpha)
+        spec.limit, spec.offset = float(getattr(mod, limit)), offset
+        return
     if gate is not None and gate is not _default_gate():
         raise NotImplementedError(
             f"moe_engine: {cls}._apply_gate is a custom gate ({gate.__qualname__}) that moe_engine does not "
-            "implement; supported: the default act_fn(gate) * up with SiLU or tanh GELU, and GPT-OSS's clamped SwiGLU")
+            "implement; supported: the default act_fn(gate) * up with SiLU or tanh GELU, GPT-OSS's clamped SwiGLU, "
+            "and the clamped gates of DeepSeek-V4, GLM-5-Next, Hunyuan v4 and MiniMax-M3")
     kind = _act_kind(getattr(mod, "act_fn", None))
     if kind == "silu":
         spec.activation = "swiglu"
