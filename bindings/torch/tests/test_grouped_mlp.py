@@ -278,9 +278,9 @@ def test_copies_run_on_library_objects_of_their_own():
     saved.seek(0)
     twins = [copy.deepcopy(mod), torch.load(saved, weights_only=False)]
     router_twin, dispatcher_twin = copy.deepcopy(router), copy.deepcopy(dispatcher)
-    handles = {mod._handle, router.handle, dispatcher.handle, router_twin.handle, dispatcher_twin.handle,
-               *(t._handle for t in twins)}
-    assert len(handles) == 7, "a copy shares its original's library object"
+    # Each kind of object (layer, router, dispatcher) numbers its handles on its own.
+    assert len({mod._handle, *(t._handle for t in twins)}) == 3, "a copy shares its original's library object"
+    assert router_twin.handle != router.handle and dispatcher_twin.handle != dispatcher.handle
     dy = output_grad(x)
     want = mod(x, idx, probs).detach()  # no autograd graph keeping mod alive
     logits = torch.randn(48, 6, device=DEV)
