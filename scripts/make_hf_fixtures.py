@@ -63,7 +63,9 @@ def family_specs():
                               Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3VLMoeTextConfig,
                               Qwen3VLMoeTextModel, DeepseekV4Config, DeepseekV4ForCausalLM, HYV4Config,
                               HYV4ForCausalLM, Glm5NextConfig, Glm5NextForConditionalGeneration,
-                              MiniMaxM3VLConfig, MiniMaxM3SparseForConditionalGeneration)
+                              MiniMaxM3VLConfig, MiniMaxM3SparseForConditionalGeneration, MiniMaxM3VLTextConfig,
+                              MiniMaxM3VLForCausalLM, InklingConfig, InklingForConditionalGeneration,
+                              OpenAIPrivacyFilterConfig, OpenAIPrivacyFilterForTokenClassification)
 
     common = dict(vocab_size=16, hidden_size=H, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
@@ -165,6 +167,32 @@ def family_specs():
                                                   num_attention_heads=2, image_size=16, patch_size=4),
                                projector_hidden_size=H),
                           "clamped_swiglu", 0.5, torch.float32),
+        # MiniMax-M3's language model alone: the same experts, saved fused as held in memory.
+        "minimax_m3_vl_text": (MiniMaxM3VLTextConfig, MiniMaxM3VLForCausalLM,
+                               dict(common, num_attention_heads=4, num_key_value_heads=2, intermediate_size=F,
+                                    num_local_experts=4, num_experts_per_tok=2, head_dim=16, rotary_dim=8,
+                                    dense_intermediate_size=48, shared_intermediate_size=48,
+                                    mlp_layer_types=["sparse"], layer_types=["full_attention"]),
+                               "clamped_swiglu", 0.5, torch.float32),
+        # Inkling (vision, audio and text): its conversion stores the language model's experts fused with
+        # the gate and up rows alternating (w13_weight) and down as w2_weight, under model.llm.
+        "inkling_mm_model": (InklingConfig, InklingForConditionalGeneration,
+                             dict(text_config=dict(common, num_attention_heads=4, num_key_value_heads=2,
+                                                   intermediate_size=48, moe_intermediate_size=F, n_routed_experts=4,
+                                                   n_shared_experts=1, num_experts_per_tok=2,
+                                                   mlp_layer_types=["sparse"], layer_types=["hybrid"], head_dim=16,
+                                                   swa_num_attention_heads=4, swa_num_key_value_heads=2,
+                                                   swa_head_dim=16),
+                                  vision_config=dict(patch_size=4, hidden_size=32, num_hidden_layers=1,
+                                                     num_attention_heads=2),
+                                  audio_config=dict(n_mel_bins=8, mel_vocab_size=16)),
+                             "swiglu", 0.15, torch.float32),
+        # OpenAI's privacy filter: GPT-OSS's layout and clamp, with [gate | up] halves instead of interleaved
+        # columns.
+        "openai_privacy_filter": (OpenAIPrivacyFilterConfig, OpenAIPrivacyFilterForTokenClassification,
+                                  dict(common, intermediate_size=F, num_local_experts=4, num_experts_per_tok=2,
+                                       head_dim=32),
+                                  "clamped_swiglu", 0.5, torch.float32),
         "hy_v4": (HYV4Config, HYV4ForCausalLM,
                   dict(common, intermediate_size=48, moe_intermediate_size=F, n_routed_experts=4, n_shared_experts=1,
                        num_experts_per_tok=2, mlp_layer_types=["sparse"], head_dim=32, kv_lora_rank=16,
@@ -183,7 +211,8 @@ def family_specs():
 # Each family's seed is --seed plus its offset here: the committed fixtures were made with these.
 SEED_OFFSETS = {"mixtral": 0, "qwen2_moe": 1, "qwen3_moe": 2, "olmoe": 3, "deepseek_v3": 4, "gpt_oss": 5,
                 "glm4_moe": 5, "jamba": 6, "nemotron_h": 7, "mistral4": 8, "gemma4": 9, "granitemoe": 10,
-                "qwen3_vl_moe": 11, "deepseek_v4": 12, "hy_v4": 13, "glm5_next": 14, "minimax_m3_vl": 15}
+                "qwen3_vl_moe": 11, "deepseek_v4": 12, "hy_v4": 13, "glm5_next": 14, "minimax_m3_vl": 15,
+                "minimax_m3_vl_text": 16, "inkling_mm_model": 17, "openai_privacy_filter": 18}
 
 # Families whose experts sit in the decoder layer itself (beside its dense MLP), which needs the
 # model's position embeddings: the whole model runs on random token ids, and the hook records what the
@@ -262,7 +291,9 @@ def make_family(name, spec, out_dir, seed):
         for pname, p in model.named_parameters():
             s = scale if pname.startswith(block_name + ".experts.") else 0.15
             p.copy_(torch.randn_like(p) * s)
-            if pname.endswith("per_expert_scale"):  # Gemma 4's router scales each expert's weight: keep it 1
+            # Routers' multipliers of the routing weights (Gemma 4's per expert, Inkling's global one): kept at
+            # 1, so that the routed outputs stay of a useful size.
+            if pname.endswith("per_expert_scale") or pname.endswith(".gate.global_scale"):
                 p.fill_(1.0)
         if save_dtype != torch.float32:
             # The saved values, exactly: the fp32 run below uses the bf16-rounded weights.
@@ -322,9 +353,9 @@ def make_family(name, spec, out_dir, seed):
         # How often the clamps bite (a fixture that never clamps would not test them).
         limit = 7.0 if activation == "clamped_swiglu" else 10.0
         with torch.no_grad():
-            if hasattr(experts, "gate_up_proj_bias"):  # GPT-OSS: x @ W, gate / up interleaved, biases
+            if hasattr(experts, "gate_up_proj_bias"):  # x @ W with biases: GPT-OSS interleaved, or halves
                 gu = torch.einsum("th,ehc->etc", xs, experts.gate_up_proj.float()) + experts.gate_up_proj_bias.float()[:, None]
-                gate, up = gu[..., ::2], gu[..., 1::2]
+                gate, up = (gu[..., ::2], gu[..., 1::2]) if name == "gpt_oss" else gu.chunk(2, dim=-1)
             else:  # [gate ; up] rows
                 gu = torch.einsum("th,ech->etc", xs, experts.gate_up_proj.float())
                 gate, up = gu.chunk(2, dim=-1)

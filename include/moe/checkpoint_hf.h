@@ -55,10 +55,14 @@ enum class HfFamily : uint8_t {
   kMistral4, kGemma4, kGraniteMoe, kQwen3VlMoe,  // stored fused
   kDeepseekV4, kGlm5Next, kHyV4,                  // SwiGLU clamped at a limit (hy_v4 stored fused)
   kMinimaxM3,                                      // GPT-OSS's clamped SwiGLU in Mixtral's naming
+  kMinimaxM3Text,                                  // the same clamp, stored fused
+  kInkling,                                        // stored fused, gate and up rows interleaved
+  kOpenaiPrivacyFilter,                            // GPT-OSS's layout with [gate | up] halves
 };
 
 // "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek", "gpt_oss", "nemotron_h", "mistral4",
-// "gemma4", "granitemoe", "qwen3_vl_moe", "deepseek_v4", "glm5_next", "hy_v4", "minimax_m3_vl".
+// "gemma4", "granitemoe", "qwen3_vl_moe", "deepseek_v4", "glm5_next", "hy_v4", "minimax_m3_vl",
+// "minimax_m3_vl_text", "inkling_mm_model", "openai_privacy_filter".
 const char* hf_family_name(HfFamily f);
 // Accepts the names above and the Hugging Face model types whose checkpoints use a family's naming
 // (hf_model_types: "glm4_moe", "qwen3_next", "deepseek_v3", "minimax", "jamba", ...); throws
@@ -69,11 +73,12 @@ std::vector<std::string> hf_family_names();
 // save_pretrained writes f's per-expert naming, SiLU-gated experts without biases).
 std::vector<std::string> hf_model_types(HfFamily f);
 // The family's expert activation: swiglu, geglu (gemma4), GPT-OSS's clamped swiglu (alpha 1.702,
-// limit 7, +1; also minimax_m3_vl's, its config's defaults), the clamped SiLU of deepseek_v4 / glm5_next / hy_v4 (clamped swiglu with alpha 1,
+// limit 7, +1; also minimax_m3_vl's and minimax_m3_vl_text's, their config's defaults, and
+// openai_privacy_filter's), the clamped SiLU of deepseek_v4 / glm5_next / hy_v4 (clamped swiglu with alpha 1,
 // offset 0 and their configs' default swiglu_limit, 10: a model's config may set another, which a
 // conversion, moving bytes, does not depend on), or Nemotron-H's squared ReLU (not gated).
 ActivationParams hf_activation(HfFamily f);
-// GPT-OSS's experts have biases; the others have none.
+// GPT-OSS's and openai_privacy_filter's experts have biases; the others have none.
 bool hf_has_bias(HfFamily f);
 
 // One expert layer of a Hugging Face state dict.
@@ -85,6 +90,7 @@ struct HfExpertLayer {
   DType dtype = DType::kBF16;
   bool fused = false;  // gate_up / down tensors of all experts (the fused families; the others' in-memory form)
   bool transposed = false;  // fused in the x @ W form: gate_up [E, H, 2F], down [E, F, H] (qwen3_vl_moe)
+  // (gpt_oss and openai_privacy_filter, always in that form, have neither flag set.)
   // GPT-OSS's released MXFP4 form (gate_up_proj_blocks / _scales, down_proj_blocks / _scales, bf16
   // biases): read as the bf16 values it decodes to, exactly; written back as bf16 (dtype bf16 here).
   bool mxfp4 = false;

@@ -17,14 +17,16 @@
 namespace moe {
 
 // ---------------------------------------------------------------------------------------------
-// The x @ W form (GPT-OSS, qwen3_vl_moe's released files): gate_up [E, H, 2F], down [E, F, H]. Gate j
-// and up j are columns 2j and 2j + 1 (GPT-OSS, interleaved) or j and F + j (halves).
+// The x @ W form (GPT-OSS, the privacy filter, qwen3_vl_moe's released files): gate_up [E, H, 2F], down
+// [E, F, H]. Gate j and up j are columns 2j and 2j + 1 (GPT-OSS, interleaved) or j and F + j (halves).
 
 namespace {
 
-// Where gate_up^T [2F, H] of one expert holds up row 0, and the step between a half's rows.
-size_t xw_up_offset(bool interleaved, int64_t F, size_t row) { return interleaved ? row : F * row; }
-size_t xw_stride(bool interleaved, size_t row) { return interleaved ? 2 * row : row; }
+// One expert's 2F gate and up rows (of `row` bytes: rows of gate_up^T in the x @ W form, rows of a
+// fused gate_up, or bias elements), as halves [gate ; up] or alternating (gate 0, up 0, gate 1, ...):
+// where up row 0 starts, and the step from one gate (or up) row to the next.
+size_t up_offset(bool alternating, int64_t F, size_t row) { return alternating ? row : F * row; }
+size_t glu_row_step(bool alternating, size_t row) { return alternating ? 2 * row : row; }
 
 // Our fc1 / fc2 of every expert from gate_up / down in the x @ W form: gate_up transposed (a column of
 // x @ W is one of our rows), its rows then placed in our GLU order; down transposed into fc2.
@@ -36,7 +38,7 @@ void from_x_at_w(ExpertWeights& w, const uint8_t* gu, const uint8_t* dn, bool in
   for (int e = 0; e < spec.experts; ++e) {
     detail::transpose_bytes(gu + e * H * 2 * F * el, rows.data(), H, 2 * F, el);
     detail::place_glu_rows(w.mutable_expert_data(Param::kFc1Weight, e), rows.data(),
-                           rows.data() + xw_up_offset(interleaved, F, row), xw_stride(interleaved, row), F, s, row);
+                           rows.data() + up_offset(interleaved, F, row), glu_row_step(interleaved, row), F, s, row);
     detail::transpose_bytes(dn + e * F * H * el, w.mutable_expert_data(Param::kFc2Weight, e), F, H, el);
   }
 }
@@ -50,7 +52,7 @@ std::pair<HostTensor, HostTensor> to_x_at_w(const ExpertWeights& w, bool interle
   std::vector<uint8_t> rows(2 * F * row);  // gate_up^T of one expert: [2F, H]
   for (int e = 0; e < E; ++e) {
     detail::take_glu_rows(w.expert_data(Param::kFc1Weight, e), rows.data(),
-                          rows.data() + xw_up_offset(interleaved, F, row), xw_stride(interleaved, row), F,
+                          rows.data() + up_offset(interleaved, F, row), glu_row_step(interleaved, row), F,
                           spec.activation.glu_interleave, row);
     detail::transpose_bytes(rows.data(), gu.mutable_data() + e * H * 2 * F * el, 2 * F, H, el);
     detail::transpose_bytes(w.expert_data(Param::kFc2Weight, e), dn.mutable_data() + e * F * H * el, H, F, el);
@@ -84,7 +86,7 @@ ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLay
   const size_t el = static_cast<size_t>(dtype_bytes(l.dtype, 1));
   const size_t row = H * el;  // one fc1 row
 
-  if (f == HfFamily::kGptOss) {
+  if (stored_as_gpt_oss(f)) {
     // MXFP4 decodes (exactly) into the bf16 tensors transformers makes of it: gate_up [E, H, 2F], down [E, F, H].
     HostTensor gu_decoded, dn_decoded;
     if (l.mxfp4) {
@@ -95,10 +97,12 @@ ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLay
     const uint8_t* gub = need(sd, l.prefix + "gate_up_proj_bias", {E, 2 * F}, l.dtype).data();
     const uint8_t* dn = l.mxfp4 ? dn_decoded.data() : need(sd, l.prefix + "down_proj", {E, F, H}, l.dtype).data();
     const uint8_t* dnb = need(sd, l.prefix + "down_proj_bias", {E, H}, l.dtype).data();
-    from_x_at_w(w, gu, dn, /*interleaved=*/true, s, el);
+    const bool interleaved = gpt_oss_columns_interleaved(f);
+    from_x_at_w(w, gu, dn, interleaved, s, el);
     for (int e = 0; e < E; ++e) {  // the biases follow the columns
       const uint8_t* gub_e = gub + e * 2 * F * el;
-      detail::place_glu_rows(w.mutable_expert_data(Param::kFc1Bias, e), gub_e, gub_e + el, 2 * el, F, s, el);
+      detail::place_glu_rows(w.mutable_expert_data(Param::kFc1Bias, e), gub_e, gub_e + up_offset(interleaved, F, el),
+                             glu_row_step(interleaved, el), F, s, el);
       std::memcpy(w.mutable_expert_data(Param::kFc2Bias, e), dnb + e * H * el, H * el);
     }
     return w;
@@ -115,9 +119,11 @@ ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLay
   const uint8_t* fused_dn = l.fused ? need(sd, l.prefix + fn.down, {E, H, F}, l.dtype).data() : nullptr;
   for (int e = 0; e < E; ++e) {
     const uint8_t *gate, *up, *down;
-    if (l.fused) {  // [gate ; up] rows, as chunk(2, dim=-1) of the product splits them
+    size_t stride = row;
+    if (l.fused) {  // [gate ; up] rows, as chunk(2, dim=-1) of the product splits them (inkling: alternating)
       gate = fused_gu + e * 2 * F * row;
-      up = gate + F * row;
+      up = gate + up_offset(fused_rows_alternate(f), F, row);
+      stride = glu_row_step(fused_rows_alternate(f), row);
       down = fused_dn + e * H * F * el;
     } else {
       gate = n.gate ? need(sd, per_expert_key(l.prefix, e, n.gate), {F, H}, l.dtype).data() : nullptr;
@@ -127,7 +133,7 @@ ExpertWeights load_hf_experts(const StateDict& sd, HfFamily f, const HfExpertLay
     uint8_t* fc1 = w.mutable_expert_data(Param::kFc1Weight, e);
     std::memcpy(w.mutable_expert_data(Param::kFc2Weight, e), down, H * F * el);
     if (gate)
-      detail::place_glu_rows(fc1, gate, up, row, F, s, row);
+      detail::place_glu_rows(fc1, gate, up, stride, F, s, row);
     else  // not gated: fc1 is the up projection
       std::memcpy(fc1, up, F * row);
   }
@@ -155,12 +161,14 @@ StateDict hf_expert_tensors(const ExpertWeights& w, HfFamily f, const std::strin
   const size_t row = H * el;
   StateDict sd;
 
-  if (f == HfFamily::kGptOss) {
-    auto [gu, dn] = to_x_at_w(w, /*interleaved=*/true, dt, el);
+  if (stored_as_gpt_oss(f)) {
+    const bool interleaved = gpt_oss_columns_interleaved(f);
+    auto [gu, dn] = to_x_at_w(w, interleaved, dt, el);
     HostTensor gub(dt, {E, 2 * F}), dnb(dt, {E, H});
     for (int e = 0; e < E; ++e) {  // the biases follow the columns
       uint8_t* gub_e = gub.mutable_data() + e * 2 * F * el;
-      detail::take_glu_rows(w.expert_data(Param::kFc1Bias, e), gub_e, gub_e + el, 2 * el, F, s, el);
+      detail::take_glu_rows(w.expert_data(Param::kFc1Bias, e), gub_e, gub_e + up_offset(interleaved, F, el),
+                            glu_row_step(interleaved, el), F, s, el);
       std::memcpy(dnb.mutable_data() + e * H * el, w.expert_data(Param::kFc2Bias, e), H * el);
     }
     sd.emplace(prefix + "gate_up_proj", std::move(gu));
@@ -176,12 +184,14 @@ StateDict hf_expert_tensors(const ExpertWeights& w, HfFamily f, const std::strin
     sd.emplace(prefix + "down_proj", std::move(dn));
     return sd;
   }
-  if (stored_fused(f)) {  // [gate ; up] rows of every expert, and every expert's fc2
+  if (stored_fused(f)) {  // [gate ; up] rows of every expert (inkling: alternating), and every expert's fc2
     const FusedNames fn = fused_names(f);
+    const bool alternate = fused_rows_alternate(f);
     HostTensor gu(dt, {E, 2 * F, H}), dn(dt, {E, H, F});
     for (int e = 0; e < E; ++e) {
       uint8_t* gu_e = gu.mutable_data() + e * 2 * F * row;
-      detail::take_glu_rows(w.expert_data(Param::kFc1Weight, e), gu_e, gu_e + F * row, row, F, s, row);
+      detail::take_glu_rows(w.expert_data(Param::kFc1Weight, e), gu_e, gu_e + up_offset(alternate, F, row),
+                            glu_row_step(alternate, row), F, s, row);
       std::memcpy(dn.mutable_data() + e * H * F * el, w.expert_data(Param::kFc2Weight, e), H * F * el);
     }
     sd.emplace(prefix + fn.gate_up, std::move(gu));

@@ -1,4 +1,5 @@
 // Hugging Face MoE families: names, activations, biases.
+#include "checkpoint/hf_names.h"
 #include "moe/checkpoint_hf.h"
 #include "moe/error.h"
 
@@ -15,15 +16,14 @@ constexpr FamilyName kFamilies[] = {
     {HfFamily::kNemotronH, "nemotron_h"}, {HfFamily::kMistral4, "mistral4"}, {HfFamily::kGemma4, "gemma4"},
     {HfFamily::kGraniteMoe, "granitemoe"}, {HfFamily::kQwen3VlMoe, "qwen3_vl_moe"},
     {HfFamily::kDeepseekV4, "deepseek_v4"}, {HfFamily::kGlm5Next, "glm5_next"}, {HfFamily::kHyV4, "hy_v4"},
-    {HfFamily::kMinimaxM3, "minimax_m3_vl"},
+    {HfFamily::kMinimaxM3, "minimax_m3_vl"}, {HfFamily::kMinimaxM3Text, "minimax_m3_vl_text"},
+    {HfFamily::kInkling, "inkling_mm_model"}, {HfFamily::kOpenaiPrivacyFilter, "openai_privacy_filter"},
 };
 // Hugging Face model types (config.json's "model_type") whose save_pretrained writes a family's naming
 // with its activation (no biases), checked against transformers 5.17 by saving a tiny model
 // of each: the per-expert gate_proj / up_proj / down_proj of Qwen2-MoE (transformers itself maps most
 // of them to "qwen2_moe" when loading), or Mixtral's w1 / w3 / w2, SiLU-gated; the fused families';
-// and glm5_next_text (stored fused, clamped as glm5_next: read as hy_v4). minimax_m3_vl_text (stored
-// fused with GPT-OSS's clamp) and inkling (interleaved w13) are not listed: their experts are not
-// those of any family here.
+// and glm5_next_text (stored fused, clamped as glm5_next: read as hy_v4).
 constexpr FamilyName kModelTypes[] = {
     {HfFamily::kDeepseek, "deepseek_v2"},      {HfFamily::kDeepseek, "deepseek_v3"},
     {HfFamily::kDeepseek, "deepseek_v32"},     {HfFamily::kQwen2Moe, "qwen3_next"},
@@ -89,8 +89,10 @@ HfFamily hf_family_from_name(const std::string& name, const char* what) {
 
 ActivationParams hf_activation(HfFamily f) {
   ActivationParams a;
-  if (f == HfFamily::kGptOss || f == HfFamily::kMinimaxM3) {
-    // GptOssExperts._apply_gate (MiniMax-M3's experts apply it to the gate and up halves): gate.clamp(max=7), up.clamp(-7, 7), gate * sigmoid(1.702 gate) * (up + 1).
+  if (f == HfFamily::kGptOss || f == HfFamily::kMinimaxM3 || f == HfFamily::kMinimaxM3Text ||
+      f == HfFamily::kOpenaiPrivacyFilter) {
+    // GptOssExperts._apply_gate (MiniMax-M3's and the privacy filter's experts apply it to the gate and up
+    // halves): gate.clamp(max=7), up.clamp(-7, 7), gate * sigmoid(1.702 gate) * (up + 1).
     a.kind = Activation::kClampedSwiGLU;
     a.alpha = 1.702f;
     a.limit = 7.0f;
@@ -111,6 +113,6 @@ ActivationParams hf_activation(HfFamily f) {
   return a;
 }
 
-bool hf_has_bias(HfFamily f) { return f == HfFamily::kGptOss; }
+bool hf_has_bias(HfFamily f) { return stored_as_gpt_oss(f); }
 
 }  // namespace moe

@@ -70,7 +70,8 @@ void find_gpt_oss_mxfp4(const StateDict& sd, const std::string& key, const HostT
   layers.push_back(l);
 }
 
-void find_gpt_oss(const StateDict& sd, std::vector<HfExpertLayer>& layers) {
+// GPT-OSS's layout (stored_as_gpt_oss: gpt_oss, openai_privacy_filter); the MXFP4 form is GPT-OSS's.
+void find_gpt_oss(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>& layers) {
   for (const auto& [key, t] : sd) {
     std::string prefix, rest;
     if (!split_experts_key(key, &prefix, &rest) || (rest != "gate_up_proj" && rest != "gate_up_proj_blocks")) continue;
@@ -78,6 +79,8 @@ void find_gpt_oss(const StateDict& sd, std::vector<HfExpertLayer>& layers) {
               "experts under '", prefix, "' are stored both in MXFP4 (gate_up_proj_blocks) and unquantized ",
               "(gate_up_proj)");
     if (rest == "gate_up_proj_blocks") {
+      MOE_CHECK(f == HfFamily::kGptOss, "state dict: '", key, "': MXFP4 experts are read for gpt_oss only, not for ",
+                hf_family_name(f));
       find_gpt_oss_mxfp4(sd, key, t, prefix, layers);
       continue;
     }
@@ -227,8 +230,8 @@ void find_per_expert(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>
 
 std::vector<HfExpertLayer> find_hf_expert_layers(const StateDict& sd, HfFamily f) {
   std::vector<HfExpertLayer> layers;
-  if (f == HfFamily::kGptOss)
-    find_gpt_oss(sd, layers);
+  if (stored_as_gpt_oss(f))
+    find_gpt_oss(sd, f, layers);
   else if (stored_fused(f))
     find_fused(sd, f, layers);
   else
@@ -245,7 +248,7 @@ std::vector<std::string> hf_expert_keys(const HfExpertLayer& l, HfFamily f) {
   if (f == HfFamily::kGptOss && l.mxfp4)
     return {p + "gate_up_proj_blocks", p + "gate_up_proj_scales", p + "gate_up_proj_bias",
             p + "down_proj_blocks",    p + "down_proj_scales",    p + "down_proj_bias"};
-  if (f == HfFamily::kGptOss)
+  if (stored_as_gpt_oss(f))
     return {p + "gate_up_proj", p + "gate_up_proj_bias", p + "down_proj", p + "down_proj_bias"};
   if (l.fused) return {p + fused_names(f).gate_up, p + fused_names(f).down};
   const ProjNames n = proj_names(f);

@@ -142,7 +142,7 @@ StateDict hf_fp8_expert_tensors(const StateDict& sd, const std::string& prefix, 
                                 const QuantConfig& fc2_format, HfFamily f, int s) {
   MOE_CHECK(f != HfFamily::kGptOss, "Hugging Face gpt_oss: its experts are not stored as FP8 with 128x128 block ",
             "scales (GPT-OSS ships MXFP4); the FP8 experts under '", prefix, "' cannot be written in its naming");
-  MOE_CHECK(proj_names(f).gate != nullptr && !stored_fused(f), "Hugging Face ", hf_family_name(f), ": FP8 experts ",
+  MOE_CHECK(proj_names(f).gate != nullptr && !stored_fused(f) && !stored_as_gpt_oss(f), "Hugging Face ", hf_family_name(f), ": FP8 experts ",
             "are written for the gated per-expert families only; the experts under '", prefix, "' stay ours");
   MOE_CHECK(names_expert_module(prefix, f), "Hugging Face ", hf_family_name(f), ": the experts' prefix must end in '",
             expert_module(f), "' (the module's name), got '", prefix, "'");

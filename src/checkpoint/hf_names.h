@@ -35,12 +35,23 @@ struct FusedNames {
 };
 inline bool stored_fused(HfFamily f) {
   return f == HfFamily::kMistral4 || f == HfFamily::kGemma4 || f == HfFamily::kGraniteMoe ||
-         f == HfFamily::kQwen3VlMoe || f == HfFamily::kHyV4;
+         f == HfFamily::kQwen3VlMoe || f == HfFamily::kHyV4 || f == HfFamily::kMinimaxM3Text ||
+         f == HfFamily::kInkling;
 }
 inline FusedNames fused_names(HfFamily f) {
   if (f == HfFamily::kGraniteMoe) return {"input_linear.weight", "output_linear.weight"};
+  if (f == HfFamily::kInkling) return {"w13_weight", "w2_weight"};
   return {"gate_up_proj", "down_proj"};
 }
+// Inkling's w13 holds each expert's gate and up rows alternating (gate 0, up 0, gate 1, ...), not as
+// [gate ; up] halves.
+inline bool fused_rows_alternate(HfFamily f) { return f == HfFamily::kInkling; }
+
+// GPT-OSS's layout, also the privacy filter's: x @ W, gate_up_proj [E, H, 2F] with gate_up_proj_bias
+// [E, 2F], down_proj [E, F, H] with down_proj_bias [E, H]. GPT-OSS interleaves gate and up columns
+// (gate 2j, up 2j + 1); the privacy filter keeps them as [gate | up] halves.
+inline bool stored_as_gpt_oss(HfFamily f) { return f == HfFamily::kGptOss || f == HfFamily::kOpenaiPrivacyFilter; }
+inline bool gpt_oss_columns_interleaved(HfFamily f) { return f == HfFamily::kGptOss; }
 
 // The name of the module a family keys its experts' tensors under: "experts." (granitemoe:
 // "block_sparse_moe."). A layer's prefix is that name or ends in "." + that name.

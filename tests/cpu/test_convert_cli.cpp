@@ -93,7 +93,8 @@ constexpr Fixture kFixtures[] = {{"mixtral", "mixtral"}, {"qwen2_moe", "qwen2_mo
                                  {"mistral4", "mistral4"}, {"gemma4", "gemma4"},     {"granitemoe", "granitemoe"},
                                  {"qwen3_vl_moe", "qwen3_vl_moe"}, {"deepseek_v4", "deepseek_v4"},
                                  {"hy_v4", "hy_v4"},       {"glm5_next", "glm5_next"},  {"minimax_m3_vl", "minimax_m3_vl"},
-                                 {"llama4", "llama4"}};
+                                 {"minimax_m3_vl_text", "minimax_m3_vl_text"}, {"inkling_mm_model", "inkling_mm_model"},
+                                 {"openai_privacy_filter", "openai_privacy_filter"}, {"llama4", "llama4"}};
 
 TEST_F(ConvertCli, HuggingFaceFilesRoundTripBitForBit) {
   for (const Fixture& fx : kFixtures) {

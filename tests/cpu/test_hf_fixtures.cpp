@@ -153,6 +153,11 @@ constexpr Fixture kFixtures[] = {
     // SiLU-gated, clamped at swiglu_limit (10; 10-20% of the fixtures' gate and up values are beyond it).
     {"deepseek_v4", HfFamily::kDeepseekV4, "clamped_silu"}, {"hy_v4", HfFamily::kHyV4, "clamped_silu"},
     {"glm5_next", HfFamily::kGlm5Next, "clamped_silu"},     {"minimax_m3_vl", HfFamily::kMinimaxM3, "clamped_swiglu"},
+    // MiniMax-M3's language model stored fused; Inkling's fused gate / up rows alternating; the privacy
+    // filter in GPT-OSS's layout with [gate | up] halves.
+    {"minimax_m3_vl_text", HfFamily::kMinimaxM3Text, "clamped_swiglu"},
+    {"inkling_mm_model", HfFamily::kInkling, "swiglu"},
+    {"openai_privacy_filter", HfFamily::kOpenaiPrivacyFilter, "clamped_swiglu"},
 };
 
 TEST(HfFixtures, ReferenceReproducesTransformersExpertOutputs) {

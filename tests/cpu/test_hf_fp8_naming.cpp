@@ -194,6 +194,14 @@ TEST(HfFp8Naming, OurQuantizedLayersOtherThanFp8BlocksStayOurs) {
   EXPECT_TRUE(ok.count(kPrefix + "1.down_proj.weight_scale_inv"));
   EXPECT_TRUE(m_ok.empty());
 
+  // Families stored fused or in GPT-OSS's layout have no FP8 form: the layer stays ours, by name.
+  for (const char* fused : {"hf:mistral4", "hf:inkling_mm_model", "hf:openai_privacy_filter"}) {
+    StateDict f8 = blocks;
+    Metadata mf = m2;
+    expect_error_naming([&] { convert_state_dict(f8, opts("grouped", fused), mf); },
+                        "are written for the gated per-expert families only");
+  }
+
   StateDict spoiled = blocks;
   HostTensor col(DType::kFP8E4M3, spoiled.at(kPrefix + "fc2.weight_columnwise").shape());
   std::memcpy(col.mutable_data(), spoiled.at(kPrefix + "fc2.weight_columnwise").data(), col.nbytes());

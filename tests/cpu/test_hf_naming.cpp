@@ -100,7 +100,17 @@ TEST(HfFamily, NamesActivationsBiases) {
   EXPECT_EQ(hf_family_from_name("llama4_text"), HfFamily::kQwen3VlMoe);
   EXPECT_EQ(hf_activation(HfFamily::kMinimaxM3).offset, 1.0f);
   EXPECT_FALSE(hf_has_bias(HfFamily::kMinimaxM3));
-  for (const char* no : {"minimax_m3_vl_text", "inkling", "llama"})
+  for (HfFamily f : {HfFamily::kMinimaxM3Text, HfFamily::kOpenaiPrivacyFilter}) {
+    const ActivationParams a = hf_activation(f);
+    EXPECT_EQ(a.kind, Activation::kClampedSwiGLU);
+    EXPECT_FLOAT_EQ(a.alpha, 1.702f);
+    EXPECT_FLOAT_EQ(a.offset, 1.0f);
+  }
+  EXPECT_FALSE(hf_has_bias(HfFamily::kMinimaxM3Text));
+  EXPECT_TRUE(hf_has_bias(HfFamily::kOpenaiPrivacyFilter));
+  EXPECT_EQ(hf_activation(HfFamily::kInkling).kind, Activation::kSwiGLU);
+  EXPECT_FALSE(hf_has_bias(HfFamily::kInkling));
+  for (const char* no : {"inkling", "llama"})
     expect_error_naming([&] { hf_family_from_name(no); }, std::string("unknown Hugging Face family '") + no + "'");
   EXPECT_EQ(hf_activation(HfFamily::kQwen3Moe).kind, Activation::kSwiGLU);
   const ActivationParams g = hf_activation(HfFamily::kGptOss);
@@ -275,6 +285,9 @@ TEST(HfNaming, GptOssMxfp4DecodesEveryCodeAndScale) {
   StateDict huge = sd;  // a valid header's empty tensor with a dimension no arithmetic may take
   huge.at(p + "gate_up_proj_blocks") = HostTensor(DType::kUInt8, {0, 2, int64_t{1} << 62, 16});
   expect_error_naming([&] { find_hf_expert_layers(huge, HfFamily::kGptOss); }, "gate_up_proj_blocks' has shape");
+  // MXFP4 is GPT-OSS's release form only: the privacy filter, in the same layout, refuses it by name.
+  expect_error_naming([&] { find_hf_expert_layers(sd, HfFamily::kOpenaiPrivacyFilter); },
+                      "MXFP4 experts are read for gpt_oss only, not for openai_privacy_filter");
   // A fused family's tensor of the wrong rank is named.
   StateDict scalar;
   scalar.emplace("model.layers.0.mlp.experts.gate_up_proj", HostTensor(DType::kBF16, {}));

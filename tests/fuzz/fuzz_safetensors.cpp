@@ -36,7 +36,8 @@ void convert_all_ways(const moe::safetensors::Header& h, const uint8_t* data) {
   const char* formats[] = {"per-expert", "grouped",     "hf:mixtral",    "hf:qwen3_moe", "hf:deepseek",
                            "hf:gpt_oss", "hf:nemotron_h", "hf:mistral4", "hf:gemma4",   "hf:granitemoe",
                            "hf:qwen3_vl_moe", "hf:deepseek_v4", "hf:hy_v4",
-                           "hf:minimax_m3_vl"};
+                           "hf:minimax_m3_vl", "hf:minimax_m3_vl_text", "hf:inkling_mm_model",
+                           "hf:openai_privacy_filter"};
   for (const char* from : formats) {
     for (const char* to : {"grouped", "per-expert", "hf:mixtral", "hf:gpt_oss"}) {
       moe::ConvertOptions o;
