@@ -4,9 +4,11 @@
 //   moe-engine convert --from grouped --to hf:mixtral grouped.safetensors model.safetensors
 //   moe-engine convert --from hf:qwen3_moe --to grouped Qwen3-30B-A3B/ grouped/   (a sharded checkpoint)
 //   moe-engine convert --from hf --to grouped Qwen3-30B-A3B/ grouped/              (family from its config.json)
+//   moe-engine convert --from hf:deepseek --to hf:deepseek --dequantize bf16 DeepSeek-V3/ bf16/   (FP8 -> bf16)
 //
 // Only the experts' tensors change (see include/moe/checkpoint_convert.h); the rest of the file
-// and its metadata are carried over byte for byte, so hf -> grouped -> hf reproduces the file.
+// and its metadata are carried over byte for byte, so hf -> grouped -> hf reproduces the file
+// (--dequantize also writes the other FP8 tensors unquantized).
 #include <iostream>
 #include <limits>
 #include <memory>
@@ -29,6 +31,7 @@ struct ConvertArgs {
   int experts = 0;
   int glu_interleave = -1, from_glu = -1, to_glu = -1;
   std::vector<std::string> layers;
+  std::string dequantize;  // "", "bf16" or "fp32"
   bool progress = false, no_progress = false, quiet = false;
 };
 
@@ -61,6 +64,7 @@ void run_convert(const ConvertArgs& a) {
   o.from_glu_interleave = a.from_glu >= 0 ? a.from_glu : o.from.ours() ? both : 0;
   o.to_glu_interleave = a.to_glu >= 0 ? a.to_glu : o.to.ours() ? both : 0;
   o.prefixes = a.layers;
+  if (!a.dequantize.empty()) o.dequantize = a.dequantize == "bf16" ? DType::kBF16 : DType::kFP32;
 
   std::unique_ptr<ProgressBar> shown;
   auto progress = [&](uint64_t done, uint64_t total) {
@@ -121,6 +125,10 @@ void setup_convert(CLI::App& app) {
       ->transform(cli::decimal_integer())
       ->check(CLI::Range(0, std::numeric_limits<int>::max()));
   sub->add_option("--layer", args->layers, "Convert only the layer with this key prefix (repeatable)");
+  sub->add_option("--dequantize", args->dequantize,
+                  "Write quantized weights (the converted expert layers', and every FP8 tensor with 128x128 block "
+                  "scales beside them, e.g. DeepSeek-V3's attention) as the values they decode to, in this dtype")
+      ->check(CLI::IsMember({"bf16", "fp32"}));
   sub->add_flag("--progress", args->progress, "Show a progress bar on stderr even when it is not a terminal");
   sub->add_flag("--no-progress", args->no_progress, "Never show a progress bar");
   sub->add_flag("-q,--quiet", args->quiet, "Print nothing on success");

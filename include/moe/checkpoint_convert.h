@@ -4,6 +4,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,9 @@ struct ConvertOptions {
   // Only these layers (prefixes as find_expert_layers / find_hf_expert_layers name them, each of which
   // must name one); all when empty.
   std::vector<std::string> prefixes;
+  // bf16 or fp32: quantized weights are written as the values they decode to, in that dtype (see
+  // convert_state_dict); unset: they stay quantized.
+  std::optional<DType> dequantize;
 };
 
 // Converts the expert layers of `sd` in place; returns their prefixes. No layer found is an error
@@ -55,6 +59,14 @@ struct ConvertOptions {
 // "moe.quant." entries added to `metadata`; ours in that format becomes the family's FP8 tensors, its
 // entries removed. Other quantized formats are refused for Hugging Face naming. `metadata` changes
 // only when the conversion succeeds.
+//
+// With `options.dequantize` (bf16 or fp32), the converted layers' quantized weights -- ours in any
+// format, Hugging Face FP8 -- are written unquantized: each value is its code times its block's decode
+// factor in fp32, rounded once to the dtype (transformers' Fp8Dequantize computes the same), and their
+// "moe.quant." entries are removed. So is every other FP8 tensor of the dict with Hugging Face's
+// 128x128 block scales ("K" F8_E4M3 with "K_scale_inv"; DeepSeek-V3's attention and dense weights),
+// its companion removed; expert layers left out by `options.prefixes` stay as they are. Any other
+// tensor is carried over unchanged (a bf16 tensor is not widened to fp32).
 std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions& options, Metadata& metadata);
 // The same for a dict without __metadata__ (no quantized layer of ours).
 std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions& options);

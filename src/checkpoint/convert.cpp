@@ -4,6 +4,7 @@
 #include <optional>
 #include <set>
 
+#include "checkpoint/dequantize.h"
 #include "checkpoint/key_text.h"
 #include "moe/checkpoint_convert.h"
 #include "moe/checkpoint_hf_fp8.h"
@@ -221,6 +222,33 @@ struct Layer {
   std::vector<std::string> old_keys;
 };
 
+void erase_metadata(Metadata& metadata, const std::string& key) {
+  metadata.erase(std::remove_if(metadata.begin(), metadata.end(), [&](const auto& kv) { return kv.first == key; }),
+                 metadata.end());
+}
+
+// A quantized layer of ours (`params` declared under `prefix` in sd), decoded to o.dequantize: an
+// unquantized layer from then on. Its activation is `act` where given (a Hugging Face input's), else
+// our_activation's; the input's keys (with companions) are the ones it replaces.
+Layer dequantized_layer(const StateDict& sd, const std::string& prefix, const std::vector<QuantizedParamDecl>& params,
+                        const ConvertOptions& o, const ActivationParams* act = nullptr) {
+  int E = o.experts;
+  for (const QuantizedParamDecl& d : params) {
+    const QuantizedParamInfo info = inspect_quantized_param(sd, d.key, d.config, E);
+    E = info.experts;
+    MOE_CHECK(act || info.layout == layout_of(o.from), "input declared ", o.from.name(), ", but the experts under '",
+              prefix, "' are stored ", info.layout == WeightLayout::kPerExpert ? "per expert" : "single grouped");
+  }
+  const StateDict plain = detail::dequantized_expert_tensors(sd, prefix, params, E);
+  const std::vector<ExpertLayerKeys> found = find_expert_layers(plain, E);
+  MOE_CHECK(found.size() == 1 && found[0].prefix == prefix, "state dict: the quantized experts under '", prefix,
+            "' do not make one expert layer");
+  const ExpertLayerKeys& l = found[0];
+  const ExpertWeightsSpec spec = layer_spec(l, act ? *act : our_activation(l, o), WeightLayout::kSingleGrouped);
+  return {prefix, ExpertWeights::from_state_dict(plain, spec, prefix).cast(*o.dequantize), {},
+          our_keys(sd, prefix, /*companions=*/true)};
+}
+
 }  // namespace
 
 CheckpointFormat CheckpointFormat::parse(const std::string& text, const char* what) {
@@ -260,6 +288,8 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
 
 std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions& o, Metadata& metadata_io) {
   MOE_CHECK(o.experts >= 0, "argument 'experts': expected >= 0, got ", o.experts);
+  MOE_CHECK(!o.dequantize || *o.dequantize == DType::kBF16 || *o.dequantize == DType::kFP32,
+            "argument 'dequantize': expected bf16 or fp32, got ", dtype_name(*o.dequantize));
   for (const auto& [side, name] : {std::pair{&o.from, "from"}, std::pair{&o.to, "to"}})
     MOE_CHECK(!side->family_from_config, "argument '", name, "': 'hf' takes the family from a config.json, which ",
               "a state dict has none of; give hf:<family> (or resolve it with families_from_config)");
@@ -290,13 +320,15 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
     }
     for (const auto& [prefix, params] : quantized) {
       if (!selected(o, prefix)) continue;
+      if (o.dequantize) {
+        layers.push_back(dequantized_layer(sd, prefix, params, o));
+        for (const QuantizedParamDecl& d : params) erase_metadata(metadata_out, quant_metadata_key(d.key));
+        continue;
+      }
       Layer l{prefix, std::nullopt, {}, {}};
       l.moved = move_quantized_layer(sd, prefix, params, o, &l.old_keys);
       if (!o.to.ours())  // Hugging Face naming declares its FP8 weights by their dtype and companions
-        for (const QuantizedParamDecl& d : params)
-          metadata_out.erase(std::remove_if(metadata_out.begin(), metadata_out.end(),
-                                            [&](const auto& kv) { return kv.first == quant_metadata_key(d.key); }),
-                             metadata_out.end());
+        for (const QuantizedParamDecl& d : params) erase_metadata(metadata_out, quant_metadata_key(d.key));
       layers.push_back(std::move(l));
     }
     std::sort(layers.begin(), layers.end(), [](const Layer& a, const Layer& b) { return a.prefix < b.prefix; });
@@ -308,6 +340,17 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
       MOE_CHECK(o.experts == 0 || o.experts == l.experts, "argument 'experts': expected ", o.experts,
                 " experts, but the Hugging Face layer '", l.prefix, "' has ", l.experts);
       const int s = o.to.ours() ? o.to_glu_interleave : 0;
+      if (l.fp8 && o.dequantize) {
+        // Through our FP8 layer (grouped, no interleave): decoded, then written as an unquantized layer.
+        Metadata declared;
+        const StateDict ours = load_hf_fp8_experts(sd, o.from.family, l, WeightLayout::kSingleGrouped, 0, declared);
+        ActivationParams act = hf_activation(o.from.family);
+        act.glu_interleave = 0;
+        Layer q = dequantized_layer(ours, l.prefix, quantized_params(declared), o, &act);
+        q.old_keys = hf_expert_keys(l, o.from.family);
+        layers.push_back(std::move(q));
+        continue;
+      }
       if (l.fp8) {
         // FP8 with 128x128 block scales: into our quantized layout (or another family's naming through it).
         Layer q{l.prefix, std::nullopt, {}, hf_expert_keys(l, o.from.family)};
@@ -343,6 +386,9 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
               "layout, got ", o.to_glu_interleave);
 
   // Every output is made before the dict is touched: a failed conversion leaves it as it was.
+  std::set<std::string> expert_keys;  // every expert layer's input keys, converted or left out
+  if (o.dequantize)
+    for (const auto& kv : expert_layer_keys(sd, o, metadata)) expert_keys.insert(kv.second.begin(), kv.second.end());
   std::vector<StateDict> outputs;
   std::set<std::string> removed;
   for (const Layer& l : layers) {
@@ -362,7 +408,18 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
     for (const auto& kv : out)
       MOE_CHECK(!sd.count(kv.first) || removed.count(kv.first), "convert: output tensor '", kv.first,
                 "' collides with a tensor of the input");
+  // The FP8 tensors outside expert layers, dequantized in a copy of the dict (shared bytes) first.
+  StateDict others;
+  std::vector<std::string> dequantized;
+  if (o.dequantize) {
+    others = sd;
+    dequantized = detail::dequantize_fp8_block_tensors(others, *o.dequantize, expert_keys);
+  }
   for (const std::string& k : removed) sd.erase(k);
+  for (const std::string& k : dequantized) {
+    sd.erase(quant_part_key(k, QuantPart::kScale));
+    sd[k] = others.at(k);
+  }
   std::vector<std::string> prefixes;
   for (size_t i = 0; i < layers.size(); ++i) {
     for (auto& kv : outputs[i]) sd[kv.first] = std::move(kv.second);

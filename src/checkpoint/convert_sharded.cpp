@@ -7,6 +7,7 @@
 #include <set>
 
 
+#include "checkpoint/dequantize.h"
 #include "moe/checkpoint_convert.h"
 #include "moe/checkpoint_quant.h"
 #include "moe/error.h"
@@ -189,7 +190,14 @@ std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const
       if (selected(prefix)) shard_options.prefixes.push_back(prefix);
     }
     Metadata converted = metadata;
-    if (!shard_options.prefixes.empty()) convert_state_dict(sd, shard_options, converted);
+    if (!shard_options.prefixes.empty()) {
+      convert_state_dict(sd, shard_options, converted);
+    } else if (o.dequantize) {  // no layer to convert here: its other FP8 tensors all the same
+      std::set<std::string> layer_keys;
+      for (const auto& kv : sd)
+        if (layer_of_key.count(kv.first)) layer_keys.insert(kv.first);
+      detail::dequantize_fp8_block_tensors(sd, *o.dequantize, layer_keys);
+    }
     s.tensors.clear();  // the input's views of this shard are no longer needed
     if (sd.empty()) {
       if (progress) progress(done, total_bytes);

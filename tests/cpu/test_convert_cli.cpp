@@ -262,6 +262,22 @@ TEST_F(ConvertCli, Fp8CheckpointRoundTripsBitForBit) {
   Result r = run("convert --from hf:deepseek --to grouped --glu-interleave 16 '" + hf + "' '" + tmp("x.safetensors") + "'");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.output.find("argument 'to-glu-interleave'"), std::string::npos) << r.output;
+  // --dequantize: the values, in bf16, with no FP8 tensor or scale left (the values themselves are
+  // checked in test_hf_fixtures.cpp); any interleave is then a move of values. Only bf16 and fp32.
+  r = run("convert -q --from hf:deepseek --to grouped --glu-interleave 16 --dequantize bf16 '" + hf + "' '" +
+          tmp("bf16.safetensors") + "'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  Metadata meta;
+  const StateDict out = load_safetensors(tmp("bf16.safetensors"), &meta);
+  EXPECT_EQ(out.at("model.layers.0.mlp.experts.fc1.weight").dtype(), DType::kBF16);
+  for (const auto& [k, t] : out) {
+    EXPECT_NE(t.dtype(), DType::kFP8E4M3) << k;
+    EXPECT_EQ(k.find("_scale_inv"), std::string::npos) << k;
+  }
+  EXPECT_TRUE(quantized_params(meta).empty());
+  r = run("convert --from hf:deepseek --to grouped --dequantize fp16 '" + hf + "' '" + tmp("x.safetensors") + "'");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--dequantize"), std::string::npos) << r.output;
 }
 
 TEST_F(ConvertCli, ShardedCheckpointsConvertFolderToFolder) {

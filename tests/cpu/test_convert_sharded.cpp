@@ -320,6 +320,25 @@ TEST_F(ShardedCheckpoint, QuantizedLayersDeclarationsGoWithTheirTensors) {
   load_safetensors(tmp("fp8_back") + "/a.safetensors", &back_a);
   EXPECT_EQ(back_a, meta);
   expect_same_tensors(load_sharded_as(tmp("fp8_back"), "model.safetensors.index.json"), all);
+  // Dequantized to bf16: no FP8 weight or scale left in either shard -- the layer's, gathered into "a",
+  // nor the shared experts' in "b", which holds no expert layer.
+  ConvertOptions dq = options("hf:deepseek", "hf:deepseek");
+  dq.dequantize = DType::kBF16;
+  convert_sharded_checkpoint(d, tmp("fp8_bf16"), dq);
+  const StateDict out = load_sharded_as(tmp("fp8_bf16"), "model.safetensors.index.json");
+  size_t scales = 0;
+  for (const auto& [k, t] : all) {
+    if (k.find("_scale_inv") != std::string::npos) {
+      ++scales;
+      EXPECT_FALSE(out.count(k)) << k;
+    } else {
+      ASSERT_TRUE(out.count(k)) << k;
+      EXPECT_EQ(out.at(k).dtype(), t.dtype() == DType::kFP8E4M3 ? DType::kBF16 : t.dtype()) << k;
+    }
+  }
+  EXPECT_GT(scales, 0u);
+  EXPECT_EQ(out.size() + scales, all.size());
+  EXPECT_TRUE(out.count("model.layers.0.mlp.shared_experts.gate_proj.weight"));
 }
 
 // Writes the tensors of `shards` (file -> tensors, each with `meta`) and their index into folder d.

@@ -21,8 +21,10 @@
 #include "moe/checkpoint_hf.h"
 #include "moe/checkpoint_hf_fp8.h"
 #include "moe/error.h"
+#include "moe/float_convert.h"
 #include "reference/grouped_mlp_ref.h"
 #include "reference/quantize_ref.h"
+#include "support/expect_error.h"
 
 namespace moe {
 namespace {
@@ -306,6 +308,104 @@ TEST(HfFixtures, Fp8CheckpointBecomesOurFp8LayerExactly) {
   double diff = 0;
   for (size_t i = 0; i < y.size(); ++i) diff = std::max(diff, std::fabs(y[i] - io.y[i]));
   EXPECT_GT(diff, 1e-3 * ymax);
+}
+
+// The value a Hugging Face FP8 weight decodes to: its code times its 128x128 block's scale_inv, in fp32.
+float fp8_block_value(const StateDict& sd, const std::string& key, int64_t r, int64_t c) {
+  const HostTensor& t = sd.at(key);
+  const HostTensor& s = sd.at(key + "_scale_inv");
+  const int64_t cols = t.shape()[1], col_blocks = s.shape()[1];
+  return static_cast<float>(ref::e4m3_to_double(t.data()[r * cols + c])) *
+         reinterpret_cast<const float*>(s.data())[(r / 128) * col_blocks + c / 128];
+}
+
+// --dequantize: the FP8 checkpoint's experts become unquantized weights of exactly the values our FP8
+// layer decodes to (fp32; bf16 rounds each once), from its Hugging Face form and from ours, and every
+// other FP8 weight (the shared experts') is written as its values too, its scales gone.
+TEST(HfFixtures, Fp8CheckpointDequantizesToTheValuesItDecodesTo) {
+  const std::string dir = fixtures() + "deepseek_v3_fp8";
+  const Io io = load_io(dir);
+  Metadata meta_in;
+  const StateDict model = load_safetensors(dir + "/model.safetensors", &meta_in);
+  const std::string prefix = find_hf_expert_layers(model, HfFamily::kDeepseek).at(0).prefix;
+  // Our FP8 layer made from the file, and the fp32 weights it decodes to.
+  StateDict fp8 = model;
+  Metadata fp8_meta = meta_in;
+  ConvertOptions to_ours;
+  to_ours.from = CheckpointFormat::parse("hf:deepseek");
+  to_ours.to = CheckpointFormat::parse("grouped");
+  convert_state_dict(fp8, to_ours, fp8_meta);
+  const ExpertWeights want = decoded_fp8(fp8, fp8_meta, prefix, io, 0);
+  const std::string shared = "model.layers.0.mlp.shared_experts.gate_proj.weight";
+  ASSERT_EQ(model.at(shared).dtype(), DType::kFP8E4M3);
+
+  for (DType dt : {DType::kFP32, DType::kBF16}) {
+    for (bool from_ours : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + (from_ours ? " from our FP8 layer" : " from the FP8 file"));
+      StateDict sd = from_ours ? fp8 : model;
+      Metadata meta = from_ours ? fp8_meta : meta_in;
+      ConvertOptions o;
+      o.from = from_ours ? to_ours.to : to_ours.from;
+      o.to = CheckpointFormat::parse("grouped");
+      o.dequantize = dt;
+      ASSERT_EQ(convert_state_dict(sd, o, meta), std::vector<std::string>{prefix});
+      EXPECT_EQ(meta, meta_in);  // no "moe.quant." entry: nothing is quantized any more
+      ExpertWeightsSpec spec = want.spec();
+      const ExpertWeights got = ExpertWeights::from_state_dict(sd, spec, prefix);
+      EXPECT_EQ(got.dtype(), dt);
+      EXPECT_TRUE(got.equals(want.cast(dt)));
+      for (const auto& [k, t] : sd) {
+        EXPECT_NE(t.dtype(), DType::kFP8E4M3) << k;
+        EXPECT_EQ(k.find("_scale_inv"), std::string::npos) << k;
+      }
+      // A weight outside the expert layer: its values, computed here from the file's code and scale.
+      const HostTensor& w = sd.at(shared);
+      ASSERT_EQ(w.dtype(), dt);
+      for (int64_t r : {0, 127, 128, 255})
+        for (int64_t c : {0, 127}) {
+          const float v = fp8_block_value(model, shared, r, c);
+          const float g = dt == DType::kFP32 ? reinterpret_cast<const float*>(w.data())[r * 128 + c]
+                                             : bf16_bits_to_float(reinterpret_cast<const uint16_t*>(w.data())[r * 128 + c]);
+          EXPECT_EQ(g, dt == DType::kFP32 ? v : round_to_bf16(v)) << shared << " [" << r << ", " << c << "]";
+        }
+      // The other tensors as they were.
+      for (const auto& [k, t] : model)
+        if (t.dtype() != DType::kFP8E4M3 && k.find("_scale_inv") == std::string::npos && k.rfind(prefix, 0) != 0)
+          EXPECT_TRUE(sd.at(k).equals(t)) << k;
+    }
+  }
+  // In Hugging Face naming again, bf16: each expert weight its values, rounded once.
+  StateDict hf = model;
+  Metadata meta = meta_in;
+  ConvertOptions o;
+  o.from = o.to = CheckpointFormat::parse("hf:deepseek");
+  o.dequantize = DType::kBF16;
+  convert_state_dict(hf, o, meta);
+  const std::string gate = prefix + "3.gate_proj.weight";
+  ASSERT_EQ(hf.at(gate).dtype(), DType::kBF16);
+  EXPECT_EQ(bf16_bits_to_float(reinterpret_cast<const uint16_t*>(hf.at(gate).data())[200 * 128 + 100]),
+            round_to_bf16(fp8_block_value(model, gate, 200, 100)));
+  // With the values any interleave of fc1's rows is a move of values (no block to cut).
+  StateDict inter = model;
+  o.to = CheckpointFormat::parse("per-expert");
+  o.to_glu_interleave = 16;
+  convert_state_dict(inter, o, meta);
+  ExpertWeightsSpec spec16 = want.spec();
+  spec16.layout = WeightLayout::kPerExpert;
+  spec16.activation.glu_interleave = 16;
+  EXPECT_TRUE(ExpertWeights::from_state_dict(inter, spec16, prefix).equals(want.cast(DType::kBF16).with_glu_interleave(16).with_layout(WeightLayout::kPerExpert)));
+
+  // Refused by name: scales of the wrong shape beside an FP8 weight, and a dtype other than bf16 / fp32.
+  StateDict bad = model;
+  bad.at(shared + "_scale_inv") = HostTensor(DType::kFP32, {1, 1});
+  ConvertOptions d = o;
+  d.to = CheckpointFormat::parse("grouped");
+  d.to_glu_interleave = 0;
+  testing::expect_error_naming([&] { convert_state_dict(bad, d, meta); }, "'" + shared + "_scale_inv' has dtype fp32 and shape [1, 1]");
+  EXPECT_TRUE(bad.at(shared).dtype() == DType::kFP8E4M3);  // a refused conversion leaves the dict as it was
+  d.dequantize = DType::kFP16;
+  StateDict any = model;
+  testing::expect_error_naming([&] { convert_state_dict(any, d, meta); }, "argument 'dequantize': expected bf16 or fp32");
 }
 
 // GPT-OSS's released MXFP4 form decodes to exactly the bf16 weights transformers' own decoder gives

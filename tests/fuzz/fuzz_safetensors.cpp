@@ -43,11 +43,14 @@ void convert_all_ways(const moe::safetensors::Header& h, const uint8_t* data) {
       moe::ConvertOptions o;
       o.from = CheckpointFormat::parse(from);
       o.to = CheckpointFormat::parse(to);
-      moe::StateDict copy = sd;
-      try {
-        moe::Metadata metadata = h.metadata;
-        moe::convert_state_dict(copy, o, metadata);  // quantized layers as the metadata declares
-      } catch (const moe::Error&) {
+      for (bool dequantize : {false, true}) {  // and written as the values they decode to
+        if (dequantize) o.dequantize = moe::DType::kBF16;
+        moe::StateDict copy = sd;
+        try {
+          moe::Metadata metadata = h.metadata;
+          moe::convert_state_dict(copy, o, metadata);  // quantized layers as the metadata declares
+        } catch (const moe::Error&) {
+        }
       }
     }
   }

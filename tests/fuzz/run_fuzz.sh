@@ -25,8 +25,10 @@ if ! "$cxx" -fsanitize=fuzzer "$probe" -o "$work/probe" >/dev/null 2>&1; then
   exit 77
 fi
 
-# The target and everything it reaches: the checkpoint library and the host-only core.
-srcs=("$root/tests/fuzz/fuzz_safetensors.cpp" "$root"/src/checkpoint/*.cpp "$root"/src/core/*.cpp)
+# The target and everything it reaches: the checkpoint library, the host-only core, and the part of
+# the reference that decodes quantized weights (convert's dequantize).
+srcs=("$root/tests/fuzz/fuzz_safetensors.cpp" "$root"/src/checkpoint/*.cpp "$root"/src/core/*.cpp
+      "$root/src/reference/quantize_ref.cpp")
 flags=(-std=c++17 -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined
        -fno-sanitize-recover=undefined -I"$root/include" -I"$root/src" -isystem "$json_inc")
 echo "run_fuzz: building $work/fuzz_safetensors"

@@ -1,0 +1,172 @@
+// Quantized weights read back as floating-point values (dequantize.h).
+#include "checkpoint/dequantize.h"
+
+#include <cstring>
+
+#include "moe/error.h"
+#include "moe/float_convert.h"
+#include "reference/quantize_ref.h"
+
+namespace moe::detail {
+
+namespace {
+
+constexpr Param kParams[] = {Param::kFc1Weight, Param::kFc1Bias, Param::kFc2Weight, Param::kFc2Bias};
+
+float element_as_float(DType dtype, const uint8_t* p, int64_t i) {
+  uint16_t h;
+  switch (dtype) {
+    case DType::kBF16: std::memcpy(&h, p + 2 * i, 2); return bf16_bits_to_float(h);
+    case DType::kFP16: std::memcpy(&h, p + 2 * i, 2); return fp16_bits_to_float(h);
+    default: {
+      float f;
+      std::memcpy(&f, p + 4 * i, 4);
+      return f;
+    }
+  }
+}
+
+void store(DType dtype, uint8_t* p, int64_t i, float v) {
+  if (dtype == DType::kBF16) {
+    const uint16_t b = float_to_bf16_bits(v);
+    std::memcpy(p + 2 * i, &b, 2);
+  } else {
+    std::memcpy(p + 4 * i, &v, 4);
+  }
+}
+
+// One part of a quantized parameter, every expert's bytes in expert order (a grouped tensor's bytes as
+// they are; per expert, the experts' tensors one after the other).
+std::vector<uint8_t> part_bytes(const StateDict& sd, const QuantizedParamInfo& info, QuantPart part) {
+  std::vector<uint8_t> out;
+  const int count = info.layout == WeightLayout::kSingleGrouped ? 1 : info.experts;
+  for (int e = 0; e < count; ++e) {
+    const std::string key =
+        quant_part_key(info.layout == WeightLayout::kSingleGrouped ? info.key : info.key + std::to_string(e), part);
+    const HostTensor& t = sd.at(key);
+    out.insert(out.end(), t.data(), t.data() + t.nbytes());
+  }
+  return out;
+}
+
+// The parameter decoded into fp32 [E, rows, cols].
+HostTensor decoded(const StateDict& sd, const QuantizedParamInfo& info) {
+  const QuantConfig& c = info.config;
+  const int64_t E = info.experts, rows = info.rows, cols = info.cols;
+  const bool rowwise = quant_stores(c, QuantPart::kData);
+  ref::Quantized q;
+  if (rowwise) {
+    q.rowwise_data = part_bytes(sd, info, QuantPart::kData);
+    q.rowwise_scale = part_bytes(sd, info, QuantPart::kScale);
+  } else {
+    q.columnwise_data = part_bytes(sd, info, QuantPart::kColumnwiseData);
+    q.columnwise_scale = part_bytes(sd, info, QuantPart::kColumnwiseScale);
+  }
+  if (quant_stores(c, QuantPart::kGlobalAmax)) {
+    const std::vector<uint8_t> amax = part_bytes(sd, info, QuantPart::kGlobalAmax);
+    q.global_amax.resize(amax.size() / sizeof(float));
+    std::memcpy(q.global_amax.data(), amax.data(), amax.size());
+  }
+  const std::vector<float> v = ref::dequantize(c, q, /*columnwise=*/!rowwise, E, rows, cols);
+  HostTensor t(DType::kFP32, {E, rows, cols});
+  float* out = reinterpret_cast<float*>(t.mutable_data());
+  if (rowwise) {
+    std::memcpy(out, v.data(), v.size() * sizeof(float));
+  } else {  // [E, cols, rows] -> [E, rows, cols]
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < cols; ++k) out[(e * rows + r) * cols + k] = v[(e * cols + k) * rows + r];
+  }
+  return t;
+}
+
+std::string dims_text(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+HostTensor widened(const HostTensor& t) {
+  MOE_CHECK(t.dtype() == DType::kBF16 || t.dtype() == DType::kFP16 || t.dtype() == DType::kFP32,
+            "state dict: an unquantized tensor of a quantized expert layer has dtype ", dtype_name(t.dtype()),
+            " (shape ", t.shape_string(), "), expected bf16, fp16 or fp32");
+  HostTensor out(DType::kFP32, t.shape());
+  const int64_t n = t.numel();
+  for (int64_t i = 0; i < n; ++i) store(DType::kFP32, out.mutable_data(), i, element_as_float(t.dtype(), t.data(), i));
+  return out;
+}
+
+}  // namespace
+
+StateDict dequantized_expert_tensors(const StateDict& sd, const std::string& prefix,
+                                     const std::vector<QuantizedParamDecl>& params, int experts) {
+  int E = experts;
+  StateDict out;
+  std::set<std::string> declared;
+  for (const QuantizedParamDecl& d : params) {
+    const QuantizedParamInfo info = inspect_quantized_param(sd, d.key, d.config, E);
+    E = info.experts;
+    out.emplace(d.key, decoded(sd, info));
+    declared.insert(d.key);
+  }
+  // The layer's unquantized parameters, in whichever layout they are stored (made grouped below).
+  for (Param p : kParams) {
+    const std::string key = expert_param_key(prefix, p);
+    if (declared.count(key)) continue;
+    if (auto it = sd.find(key); it != sd.end()) out.emplace(key, widened(it->second));
+    for (int e = 0; e < E; ++e)
+      if (auto it = sd.find(key + std::to_string(e)); it != sd.end()) out.emplace(it->first, widened(it->second));
+  }
+  normalize_expert_keys(out, prefix, E, WeightLayout::kSingleGrouped);
+  return out;
+}
+
+std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype, const std::set<std::string>& skip) {
+  MOE_CHECK(dtype == DType::kBF16 || dtype == DType::kFP32, "argument 'dequantize': expected bf16 or fp32, got ",
+            dtype_name(dtype));
+  const std::string suffix = quant_part_suffix(QuantPart::kScale);  // "_scale_inv"
+  std::vector<std::string> keys;
+  for (const auto& [key, t] : sd)
+    if (t.dtype() == DType::kFP8E4M3 && t.ndim() >= 2 && !skip.count(key) && sd.count(key + suffix))
+      keys.push_back(key);
+  // Every tensor checked before any is replaced: a refused dict is left as it was.
+  for (const std::string& key : keys) {
+    const HostTensor& t = sd.at(key);
+    const HostTensor& s = sd.at(key + suffix);
+    std::vector<int64_t> want = t.shape();
+    const int64_t rows = want[want.size() - 2], cols = want.back();
+    want[want.size() - 2] = (rows + 127) / 128;
+    want.back() = (cols + 127) / 128;
+    MOE_CHECK((s.dtype() == DType::kFP32 || s.dtype() == DType::kBF16) && s.shape() == want, "state dict: '",
+              key + suffix, "' has dtype ", dtype_name(s.dtype()), " and shape ", s.shape_string(), "; the FP8 tensor '",
+              key, "' ", t.shape_string(), " needs fp32 (or bf16) block scales of shape ", dims_text(want),
+              " (one per 128x128 block)");
+  }
+  for (const std::string& key : keys) {
+    const HostTensor& t = sd.at(key);
+    const HostTensor& s = sd.at(key + suffix);
+    HostTensor out(dtype, t.shape());
+    if (t.numel() == 0) {  // nothing to decode (and other dimensions may be too large to multiply)
+      sd.erase(key + suffix);
+      sd[key] = std::move(out);
+      continue;
+    }
+    const int64_t rows = t.shape()[t.ndim() - 2], cols = t.shape().back();
+    const int64_t matrices = t.numel() / (rows * cols);
+    const int64_t row_blocks = (rows + 127) / 128, col_blocks = (cols + 127) / 128;
+
+    for (int64_t m = 0; m < matrices; ++m)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          const int64_t i = (m * rows + r) * cols + c;
+          const float v = static_cast<float>(ref::e4m3_to_double(t.data()[i])) *
+                          element_as_float(s.dtype(), s.data(), (m * row_blocks + r / 128) * col_blocks + c / 128);
+          store(dtype, out.mutable_data(), i, v);
+        }
+    sd.erase(key + suffix);
+    sd[key] = std::move(out);
+  }
+  return keys;
+}
+
+}  // namespace moe::detail

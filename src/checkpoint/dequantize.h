@@ -1,0 +1,32 @@
+// Quantized weights read back as floating-point values, for `moe-engine convert --dequantize`
+// (include/moe/checkpoint_convert.h): our quantized expert layers (moe/checkpoint_quant.h, any
+// format) and the FP8 tensors with 128x128 block scales that Hugging Face FP8 checkpoints hold
+// beside the experts (DeepSeek-V3's attention and dense weights). The values are the reference
+// dequantizer's: code x the block's decode factor, one fp32 multiply, then rounded once to the
+// output dtype (as transformers' Fp8Dequantize computes them).
+#pragma once
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "moe/checkpoint_quant.h"
+#include "moe/state_dict.h"
+
+namespace moe::detail {
+
+// The expert layer under `prefix` whose quantized parameters `params` declares, as unquantized fp32
+// tensors with our key names, single grouped: each declared weight decoded (from its rowwise copy, or
+// its columnwise copy transposed back when it stores no rowwise one); the layer's unquantized
+// parameters (biases, a weight left unquantized) widened to fp32. `experts` = 0 takes E from the
+// tensors. Problems are moe::Errors naming the tensor (inspect_quantized_param).
+StateDict dequantized_expert_tensors(const StateDict& sd, const std::string& prefix,
+                                     const std::vector<QuantizedParamDecl>& params, int experts);
+
+// Every tensor K of sd that is F8_E4M3 with at least two dimensions and has a companion
+// "K_scale_inv" (fp32 or bf16 [..., ceil(rows / 128), ceil(cols / 128)]: Hugging Face's FP8 block form), other
+// than the keys in `skip`: replaced by its values in `dtype` (bf16 or fp32), the companion removed.
+// A companion of another dtype or shape is a moe::Error naming it. Returns the keys dequantized.
+std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype, const std::set<std::string>& skip);
+
+}  // namespace moe::detail
