@@ -413,7 +413,7 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
   std::vector<std::string> dequantized;
   if (o.dequantize) {
     others = sd;
-    dequantized = detail::dequantize_fp8_block_tensors(others, *o.dequantize, expert_keys);
+    dequantized = detail::dequantize_fp8_block_tensors(others, *o.dequantize, expert_keys, metadata);
   }
   for (const std::string& k : removed) sd.erase(k);
   for (const std::string& k : dequantized) {

@@ -196,7 +196,7 @@ std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const
       std::set<std::string> layer_keys;
       for (const auto& kv : sd)
         if (layer_of_key.count(kv.first)) layer_keys.insert(kv.first);
-      detail::dequantize_fp8_block_tensors(sd, *o.dequantize, layer_keys);
+      detail::dequantize_fp8_block_tensors(sd, *o.dequantize, layer_keys, metadata);
     }
     s.tensors.clear();  // the input's views of this shard are no longer needed
     if (sd.empty()) {

@@ -96,6 +96,19 @@ HostTensor widened(const HostTensor& t) {
   return out;
 }
 
+// Whether `key` is one of the tensors of a parameter `declared` names: any part (data or companion) of
+// its grouped key or of a per-expert one (digits after it).
+bool is_declared(const std::string& key, const std::vector<QuantizedParamDecl>& declared) {
+  for (const QuantizedParamDecl& d : declared) {
+    if (key.compare(0, d.key.size(), d.key) != 0) continue;
+    size_t rest = d.key.size();
+    while (rest < key.size() && key[rest] >= '0' && key[rest] <= '9') ++rest;
+    for (QuantPart part : kQuantParts)
+      if (key.compare(rest, std::string::npos, quant_part_suffix(part)) == 0) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 StateDict dequantized_expert_tensors(const StateDict& sd, const std::string& prefix,
@@ -121,13 +134,16 @@ StateDict dequantized_expert_tensors(const StateDict& sd, const std::string& pre
   return out;
 }
 
-std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype, const std::set<std::string>& skip) {
+std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype, const std::set<std::string>& skip,
+                                                      const Metadata& metadata) {
   MOE_CHECK(dtype == DType::kBF16 || dtype == DType::kFP32, "argument 'dequantize': expected bf16 or fp32, got ",
             dtype_name(dtype));
   const std::string suffix = quant_part_suffix(QuantPart::kScale);  // "_scale_inv"
   std::vector<std::string> keys;
+  const std::vector<QuantizedParamDecl> declared = quantized_params(metadata);
   for (const auto& [key, t] : sd)
-    if (t.dtype() == DType::kFP8E4M3 && t.ndim() >= 2 && !skip.count(key) && sd.count(key + suffix))
+    if (t.dtype() == DType::kFP8E4M3 && t.ndim() >= 2 && !skip.count(key) && sd.count(key + suffix) &&
+        !is_declared(key, declared))
       keys.push_back(key);
   // Every tensor checked before any is replaced: a refused dict is left as it was.
   for (const std::string& key : keys) {

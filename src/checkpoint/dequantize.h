@@ -25,8 +25,11 @@ StateDict dequantized_expert_tensors(const StateDict& sd, const std::string& pre
 
 // Every tensor K of sd that is F8_E4M3 with at least two dimensions and has a companion
 // "K_scale_inv" (fp32 or bf16 [..., ceil(rows / 128), ceil(cols / 128)]: Hugging Face's FP8 block form), other
-// than the keys in `skip`: replaced by its values in `dtype` (bf16 or fp32), the companion removed.
-// A companion of another dtype or shape is a moe::Error naming it. Returns the keys dequantized.
-std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype, const std::set<std::string>& skip);
+// than the keys in `skip` and the tensors `metadata` declares ("moe.quant." entries: ours, in the
+// declared format, grouped or per expert): replaced by its values in `dtype` (bf16 or fp32), the
+// companion removed. A companion of another dtype or shape is a moe::Error naming it, and the dict is
+// then left as it was. Returns the keys dequantized.
+std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype, const std::set<std::string>& skip,
+                                                      const Metadata& metadata);
 
 }  // namespace moe::detail

@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -14,6 +15,7 @@
 #include "moe/checkpoint_convert.h"
 #include "moe/checkpoint_quant.h"
 #include "moe/error.h"
+#include "moe/float_convert.h"
 #include "moe/state_dict.h"
 #include "reference/quantize_ref.h"
 #include "support/expect_error.h"
@@ -641,6 +643,102 @@ TEST(QuantCheckpoint, ConvertRefusesWhatWouldNeedRequantization) {
                       "'layers.0.mlp.experts.fc1.weight_scale_inv' (rowwise scales) has dtype F8_E8M0, expected F32");
 }
 
+// The values a quantized parameter decodes to, [E, M, K]: per expert (each quantized on its own, as
+// add_per_expert stores them) or as one batch.
+std::vector<float> decoded(const QuantConfig& c, const std::vector<uint16_t>& x, int E, int64_t M, int64_t K,
+                           bool per_expert) {
+  if (!per_expert) return ref::dequantize(c, ref::quantize(c, x, E, M, K), false, E, M, K);
+  std::vector<float> v;
+  for (int e = 0; e < E; ++e) {
+    const std::vector<uint16_t> one(x.begin() + e * M * K, x.begin() + (e + 1) * M * K);
+    const std::vector<float> d = ref::dequantize(c, ref::quantize(c, one, 1, M, K), false, 1, M, K);
+    v.insert(v.end(), d.begin(), d.end());
+  }
+  return v;
+}
+
+void expect_values(const HostTensor& t, DType dt, const std::vector<float>& want, const std::string& key) {
+  ASSERT_EQ(t.dtype(), dt) << key;
+  ASSERT_EQ(t.numel(), static_cast<int64_t>(want.size())) << key;
+  size_t bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const float got = dt == DType::kFP32 ? reinterpret_cast<const float*>(t.data())[i]
+                                         : bf16_bits_to_float(reinterpret_cast<const uint16_t*>(t.data())[i]);
+    const float w = dt == DType::kFP32 ? want[i] : round_to_bf16(want[i]);
+    bad += !(got == w || (std::isnan(got) && std::isnan(w)));
+  }
+  EXPECT_EQ(bad, 0u) << key;
+}
+
+TEST(QuantCheckpoint, DequantizeWritesTheValuesTheLayersDecodeTo) {
+  // quant_model's layer 0 (fc1 MXFP8 with swizzled scales, fc2 NVFP4 with its global amax, an fp32 fc2
+  // bias, and here an fp32 fc1 bias) from either layout, into fp32 and bf16: the reference
+  // dequantizer's values (bf16: rounded once); layer 1 (fp32) and the rest as they were, no
+  // "moe.quant." entry left.
+  const int64_t H = 64, F = 32;
+  const std::string q = "layers.0.mlp.experts.";
+  const QuantConfig fc1 = config(QuantFormat::kMXFP8, QuantBlocking::k1D, ScaleLayout::kSwizzled128x4);
+  const QuantConfig fc2 = config(QuantFormat::kNVFP4, QuantBlocking::k1D);
+  const auto x1 = expert_matrices(kE, 2 * F, H, 21), x2 = expert_matrices(kE, H, F, 22);
+  QuantModel m = quant_model();
+  {
+    // An unquantized layer has both biases or neither: with fc2's alone, the missing one is named.
+    StateDict sd = m.grouped;
+    Metadata meta = m.meta;
+    ConvertOptions o = options("grouped", "grouped");
+    o.dequantize = DType::kFP32;
+    expect_error_naming([&] { convert_state_dict(sd, o, meta); }, "missing '" + q + "fc1.bias'");
+  }
+  std::vector<float> bias1(kE * 2 * F, 0.5f);
+  m.grouped.emplace(q + "fc1.bias", HostTensor(DType::kFP32, {kE, 2 * F}));
+  std::memcpy(m.grouped.at(q + "fc1.bias").mutable_data(), bias1.data(), bias1.size() * 4);
+  for (int e = 0; e < kE; ++e) {
+    HostTensor b(DType::kFP32, {2 * F});
+    std::memcpy(b.mutable_data(), bias1.data(), 2 * F * 4);
+    m.per_expert.emplace(q + "fc1.bias" + std::to_string(e), b);
+  }
+  for (const char* from : {"grouped", "per-expert"}) {
+    for (DType dt : {DType::kFP32, DType::kBF16}) {
+      SCOPED_TRACE(std::string(from) + " to " + dtype_name(dt));
+      const bool per_expert = std::string(from) == "per-expert";
+      StateDict sd = per_expert ? m.per_expert : m.grouped;
+      Metadata meta = m.meta;
+      ConvertOptions o = options(from, "grouped");
+      o.dequantize = dt;
+      convert_state_dict(sd, o, meta);
+      EXPECT_EQ(meta, (Metadata{{"format", "pt"}}));
+      expect_values(sd.at(q + "fc1.weight"), dt, decoded(fc1, x1, kE, 2 * F, H, per_expert), q + "fc1.weight");
+      expect_values(sd.at(q + "fc2.weight"), dt, decoded(fc2, x2, kE, H, F, per_expert), q + "fc2.weight");
+      std::vector<float> bias(kE * H);
+      for (size_t i = 0; i < bias.size(); ++i) bias[i] = static_cast<float>(i);
+      expect_values(sd.at(q + "fc2.bias"), dt, bias, q + "fc2.bias");
+      expect_values(sd.at(q + "fc1.bias"), dt, bias1, q + "fc1.bias");
+      for (const auto& [k, t] : sd) EXPECT_EQ(k.find("_scale_inv"), std::string::npos) << k;
+      EXPECT_TRUE(sd.at("layers.1.mlp.experts.fc1.weight").equals(m.grouped.at("layers.1.mlp.experts.fc1.weight")));
+      EXPECT_TRUE(sd.at("lm_head.weight").equals(m.grouped.at("lm_head.weight")));
+    }
+  }
+  // A weight stored as its columnwise copy only: decoded from it, transposed back.
+  const QuantConfig col = config(QuantFormat::kNVFP4, QuantBlocking::k1D, ScaleLayout::kRowMajor, false, true);
+  const int64_t M = 48, K = 80;  // fc1 [2F, H] with F = 24, H = 80
+  const auto x = expert_matrices(kE, M, K, 5);
+  StateDict sd;
+  Metadata meta;
+  add_grouped(sd, q + "fc1.weight", col, x, kE, M, K);
+  set_quant_metadata(meta, q + "fc1.weight", col);
+  sd.emplace(q + "fc2.weight", HostTensor(DType::kBF16, {kE, K, M / 2}));
+  ConvertOptions o = options("grouped", "grouped");
+  o.dequantize = DType::kFP32;
+  convert_state_dict(sd, o, meta);
+  const std::vector<float> cw = ref::dequantize(col, ref::quantize(col, x, kE, M, K), true, kE, M, K);
+  std::vector<float> want(cw.size());
+  for (int e = 0; e < kE; ++e)
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t c = 0; c < K; ++c) want[(e * M + r) * K + c] = cw[(e * K + c) * M + r];
+  expect_values(sd.at(q + "fc1.weight"), DType::kFP32, want, q + "fc1.weight");
+  EXPECT_FALSE(sd.count(q + "fc1.weight_columnwise"));
+}
+
 TEST(QuantCheckpoint, QuantizedDenseTensorsAreNotExperts) {
   // A quantized 2-D fc1/fc2 pair (an ordinary MLP) is declared in the metadata but stays as it is.
   QuantModel m = quant_model();
@@ -658,6 +756,14 @@ TEST(QuantCheckpoint, QuantizedDenseTensorsAreNotExperts) {
   StateDict sd = m.grouped;
   convert_state_dict(sd, options("grouped", "per-expert"), m.meta);
   expect_same(sd, m.per_expert);
+  // Nor does dequantizing touch them: they are declared in our format (their rowwise companion is named
+  // like Hugging Face's FP8 scales, but their columnwise copy and declaration would be left behind).
+  sd = m.grouped;
+  ConvertOptions o = options("grouped", "grouped");
+  o.dequantize = DType::kBF16;
+  o.prefixes = {"layers.1.mlp.experts."};  // (layer 0, with fc2's bias alone, left as it is)
+  convert_state_dict(sd, o, m.meta);
+  for (const auto& kv : dense) EXPECT_TRUE(sd.count(kv.first) && sd.at(kv.first).equals(kv.second)) << kv.first;
 }
 
 }  // namespace
