@@ -228,23 +228,23 @@ void erase_metadata(Metadata& metadata, const std::string& key) {
 }
 
 // A quantized layer of ours (`params` declared under `prefix` in sd), decoded to o.dequantize: an
-// unquantized layer from then on. Its activation is `act` where given (a Hugging Face input's), else
-// our_activation's; the input's keys (with companions) are the ones it replaces.
+// unquantized layer from then on, read with our_activation; the input's keys (with companions) are the
+// ones it replaces.
 Layer dequantized_layer(const StateDict& sd, const std::string& prefix, const std::vector<QuantizedParamDecl>& params,
-                        const ConvertOptions& o, const ActivationParams* act = nullptr) {
+                        const ConvertOptions& o) {
   int E = o.experts;
   for (const QuantizedParamDecl& d : params) {
     const QuantizedParamInfo info = inspect_quantized_param(sd, d.key, d.config, E);
     E = info.experts;
-    MOE_CHECK(act || info.layout == layout_of(o.from), "input declared ", o.from.name(), ", but the experts under '",
-              prefix, "' are stored ", info.layout == WeightLayout::kPerExpert ? "per expert" : "single grouped");
+    MOE_CHECK(info.layout == layout_of(o.from), "input declared ", o.from.name(), ", but the experts under '", prefix,
+              "' are stored ", info.layout == WeightLayout::kPerExpert ? "per expert" : "single grouped");
   }
   const StateDict plain = detail::dequantized_expert_tensors(sd, prefix, params, E);
   const std::vector<ExpertLayerKeys> found = find_expert_layers(plain, E);
   MOE_CHECK(found.size() == 1 && found[0].prefix == prefix, "state dict: the quantized experts under '", prefix,
             "' do not make one expert layer");
   const ExpertLayerKeys& l = found[0];
-  const ExpertWeightsSpec spec = layer_spec(l, act ? *act : our_activation(l, o), WeightLayout::kSingleGrouped);
+  const ExpertWeightsSpec spec = layer_spec(l, our_activation(l, o), WeightLayout::kSingleGrouped);
   return {prefix, ExpertWeights::from_state_dict(plain, spec, prefix).cast(*o.dequantize), {},
           our_keys(sd, prefix, /*companions=*/true)};
 }
@@ -341,14 +341,15 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
                 " experts, but the Hugging Face layer '", l.prefix, "' has ", l.experts);
       const int s = o.to.ours() ? o.to_glu_interleave : 0;
       if (l.fp8 && o.dequantize) {
-        // Through our FP8 layer (grouped, no interleave): decoded, then written as an unquantized layer.
-        Metadata declared;
-        const StateDict ours = load_hf_fp8_experts(sd, o.from.family, l, WeightLayout::kSingleGrouped, 0, declared);
-        ActivationParams act = hf_activation(o.from.family);
-        act.glu_interleave = 0;
-        Layer q = dequantized_layer(ours, l.prefix, quantized_params(declared), o, &act);
-        q.old_keys = hf_expert_keys(l, o.from.family);
-        layers.push_back(std::move(q));
+        // Each FP8 weight decoded in the family's own naming, then read as the unquantized layer it is.
+        StateDict decoded;
+        for (const std::string& k : hf_expert_keys(l, o.from.family)) decoded.emplace(k, sd.at(k));
+        detail::dequantize_fp8_block_tensors(decoded, *o.dequantize, {}, {});
+        HfExpertLayer plain = l;
+        plain.fp8 = false;
+        plain.dtype = *o.dequantize;
+        layers.push_back({l.prefix, load_hf_experts(decoded, o.from.family, plain, layout_of(o.to), s), {},
+                          hf_expert_keys(l, o.from.family)});
         continue;
       }
       if (l.fp8) {

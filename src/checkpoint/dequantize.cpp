@@ -158,6 +158,9 @@ std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype
               key, "' ", t.shape_string(), " needs fp32 (or bf16) block scales of shape ", dims_text(want),
               " (one per 128x128 block)");
   }
+  // Every E4M3 code's value (0x7F / 0xFF: NaN).
+  float code_value[256];
+  for (int c = 0; c < 256; ++c) code_value[c] = static_cast<float>(ref::e4m3_to_double(static_cast<uint8_t>(c)));
   for (const std::string& key : keys) {
     const HostTensor& t = sd.at(key);
     const HostTensor& s = sd.at(key + suffix);
@@ -171,14 +174,21 @@ std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype
     const int64_t matrices = t.numel() / (rows * cols);
     const int64_t row_blocks = (rows + 127) / 128, col_blocks = (cols + 127) / 128;
 
+    std::vector<float> row_scales(col_blocks);
     for (int64_t m = 0; m < matrices; ++m)
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c) {
-          const int64_t i = (m * rows + r) * cols + c;
-          const float v = static_cast<float>(ref::e4m3_to_double(t.data()[i])) *
-                          element_as_float(s.dtype(), s.data(), (m * row_blocks + r / 128) * col_blocks + c / 128);
-          store(dtype, out.mutable_data(), i, v);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < col_blocks; ++j)
+          row_scales[j] = element_as_float(s.dtype(), s.data(), (m * row_blocks + r / 128) * col_blocks + j);
+        const int64_t first = (m * rows + r) * cols;
+        const uint8_t* codes = t.data() + first;
+        if (dtype == DType::kFP32) {
+          float* o = reinterpret_cast<float*>(out.mutable_data()) + first;
+          for (int64_t c = 0; c < cols; ++c) o[c] = code_value[codes[c]] * row_scales[c / 128];
+        } else {
+          uint16_t* o = reinterpret_cast<uint16_t*>(out.mutable_data()) + first;
+          for (int64_t c = 0; c < cols; ++c) o[c] = float_to_bf16_bits(code_value[codes[c]] * row_scales[c / 128]);
         }
+      }
     sd.erase(key + suffix);
     sd[key] = std::move(out);
   }
