@@ -51,6 +51,7 @@ from safetensors.torch import load_file, save_file
 T = 16  # tokens
 H = 64  # hidden
 F = 32  # expert FFN size
+F_NARROW = 24  # the FFN size of the families added later: 2 F != H, so that no gate_up tensor is square
 
 
 def family_specs():
@@ -169,7 +170,7 @@ def family_specs():
                           "clamped_swiglu", 0.5, torch.float32),
         # MiniMax-M3's language model alone: the same experts, saved fused as held in memory.
         "minimax_m3_vl_text": (MiniMaxM3VLTextConfig, MiniMaxM3VLForCausalLM,
-                               dict(common, num_attention_heads=4, num_key_value_heads=2, intermediate_size=F,
+                               dict(common, num_attention_heads=4, num_key_value_heads=2, intermediate_size=F_NARROW,
                                     num_local_experts=4, num_experts_per_tok=2, head_dim=16, rotary_dim=8,
                                     dense_intermediate_size=48, shared_intermediate_size=48,
                                     mlp_layer_types=["sparse"], layer_types=["full_attention"]),
@@ -178,7 +179,8 @@ def family_specs():
         # the gate and up rows alternating (w13_weight) and down as w2_weight, under model.llm.
         "inkling_mm_model": (InklingConfig, InklingForConditionalGeneration,
                              dict(text_config=dict(common, num_attention_heads=4, num_key_value_heads=2,
-                                                   intermediate_size=48, moe_intermediate_size=F, n_routed_experts=4,
+                                                   intermediate_size=48, moe_intermediate_size=F_NARROW,
+                                                   n_routed_experts=4,
                                                    n_shared_experts=1, num_experts_per_tok=2,
                                                    mlp_layer_types=["sparse"], layer_types=["hybrid"], head_dim=16,
                                                    swa_num_attention_heads=4, swa_num_key_value_heads=2,
@@ -190,8 +192,8 @@ def family_specs():
         # OpenAI's privacy filter: GPT-OSS's layout and clamp, with [gate | up] halves instead of interleaved
         # columns.
         "openai_privacy_filter": (OpenAIPrivacyFilterConfig, OpenAIPrivacyFilterForTokenClassification,
-                                  dict(common, intermediate_size=F, num_local_experts=4, num_experts_per_tok=2,
-                                       head_dim=32),
+                                  dict(common, intermediate_size=F_NARROW, num_local_experts=4,
+                                       num_experts_per_tok=2, head_dim=32),
                                   "clamped_swiglu", 0.5, torch.float32),
         "hy_v4": (HYV4Config, HYV4ForCausalLM,
                   dict(common, intermediate_size=48, moe_intermediate_size=F, n_routed_experts=4, n_shared_experts=1,
@@ -213,6 +215,8 @@ SEED_OFFSETS = {"mixtral": 0, "qwen2_moe": 1, "qwen3_moe": 2, "olmoe": 3, "deeps
                 "glm4_moe": 5, "jamba": 6, "nemotron_h": 7, "mistral4": 8, "gemma4": 9, "granitemoe": 10,
                 "qwen3_vl_moe": 11, "deepseek_v4": 12, "hy_v4": 13, "glm5_next": 14, "minimax_m3_vl": 15,
                 "minimax_m3_vl_text": 16, "inkling_mm_model": 17, "openai_privacy_filter": 18}
+# The families made with F_NARROW.
+NARROW = {"minimax_m3_vl_text", "inkling_mm_model", "openai_privacy_filter"}
 
 # Families whose experts sit in the decoder layer itself (beside its dense MLP), which needs the
 # model's position embeddings: the whole model runs on random token ids, and the hook records what the
@@ -333,7 +337,7 @@ def make_family(name, spec, out_dir, seed):
         "family": name,
         "activation": activation,
         "hidden": str(H),
-        "ffn": str(F),
+        "ffn": str(F_NARROW if name in NARROW else F),
         "experts": str(experts.num_experts),
         "topk": str(k),
         "tokens": str(T),

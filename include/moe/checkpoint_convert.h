@@ -107,8 +107,10 @@ bool is_sharded_checkpoint(const std::string& in);
 // the quantized layers (an entry may sit in any shard) and each is written with its parameter's
 // tensors. The index's "metadata" is carried over ("total_size" recomputed). The index is checked
 // against the shards first: every tensor it maps is in its shard, and every shard's tensor is
-// mapped to that shard. `progress` sees (done, total) in bytes of the input's tensors: each shard's
-// write advances it by the bytes that shard held.
+// mapped to that shard. With `options.dequantize`, an FP8 weight outside the expert layers is decoded
+// in its own shard, its scales brought there from whichever shard holds them (every such pair checked
+// before any shard is written). `progress` sees (done, total) in bytes of the input's tensors: each
+// shard's write advances it by the bytes that shard held.
 std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const std::string& out,
                                                     const ConvertOptions& options,
                                                     const safetensors::ProgressFn& progress = {});

@@ -120,6 +120,38 @@ std::vector<int64_t> plain_expert_shape(const StateDict& sd, const std::string& 
   return shape;
 }
 
+// The keys of a quantized layer (our_keys with companions), after checking the rest of it: a weight the
+// metadata does not declare (dims lacks it) is checked as an unquantized one, both weights and the
+// biases must make one expert MLP (fc1 [F or 2F, H], fc2 [H, F], fc1.bias [fc1 rows], fc2.bias [H]),
+// and no key may name an expert past E. dims: rows and cols of each declared weight, by key.
+std::vector<std::string> checked_layer_keys(const StateDict& sd, const std::string& prefix,
+                                            std::map<std::string, std::pair<int64_t, int64_t>> dims, int E,
+                                            WeightLayout stored) {
+  const std::string w1 = expert_param_key(prefix, Param::kFc1Weight), w2 = expert_param_key(prefix, Param::kFc2Weight);
+  DType plain = DType::kFP32;
+  for (const std::string& w : {w1, w2})
+    if (!dims.count(w)) {
+      const std::vector<int64_t> s = plain_expert_shape(sd, w, E, stored, 2, &plain);
+      dims[w] = {s[0], s[1]};
+    }
+  const auto [fc1_rows, H] = dims[w1];
+  const auto [fc2_rows, F] = dims[w2];
+  MOE_CHECK(fc2_rows == H && (fc1_rows == F || fc1_rows == 2 * F), "state dict: the experts under '", prefix,
+            "' do not make one MLP: fc1 [", fc1_rows, ", ", H, "], fc2 [", fc2_rows, ", ", F,
+            "] (expected fc1 [F or 2F, H] and fc2 [H, F])");
+  for (const auto& [param, want] : {std::pair{Param::kFc1Bias, fc1_rows}, std::pair{Param::kFc2Bias, H}}) {
+    const std::string b = expert_param_key(prefix, param);
+    const bool present = sd.count(b) || sd.count(b + "0");
+    if (!present) continue;
+    const std::vector<int64_t> s = plain_expert_shape(sd, b, E, stored, 1, &plain);
+    MOE_CHECK(s[0] == want, "state dict: '", b, "' holds ", s[0], " values an expert, expected ", want);
+  }
+  std::vector<std::string> keys = our_keys(sd, prefix, /*companions=*/true);
+  for (const std::string& k : keys)
+    MOE_CHECK(expert_index(k, prefix) < E, "state dict: '", k, "' names no expert of the layer's ", E);
+  return keys;
+}
+
 // A quantized layer changes layout by moving its tensors (data and companions) as they are.
 StateDict move_quantized_layer(const StateDict& sd, const std::string& prefix,
                                const std::vector<QuantizedParamDecl>& params, const ConvertOptions& o,
@@ -160,34 +192,9 @@ StateDict move_quantized_layer(const StateDict& sd, const std::string& prefix,
   MOE_CHECK(o.from_glu_interleave == o.to_glu_interleave, "argument 'to_glu_interleave': the experts under '",
             prefix, "' are quantized (", formats, "): moving fc1's rows would cut its quantization blocks (",
             o.from_glu_interleave, " -> ", o.to_glu_interleave, "); requantize from the unquantized weights instead");
-  // The layer's other parameters move with it: a weight the metadata does not declare is checked as an
-  // unquantized one, and both weights and the biases must make one expert MLP (fc1 [F or 2F, H],
-  // fc2 [H, F], fc1.bias [fc1 rows], fc2.bias [H]).
-  const std::string w1 = expert_param_key(prefix, Param::kFc1Weight), w2 = expert_param_key(prefix, Param::kFc2Weight);
-  DType plain = DType::kFP32;
-  for (const std::string& w : {w1, w2})
-    if (!dims.count(w)) {
-      const std::vector<int64_t> s = plain_expert_shape(sd, w, E, *stored, 2, &plain);
-      dims[w] = {s[0], s[1]};
-    }
-  const auto [fc1_rows, H] = dims[w1];
-  const auto [fc2_rows, F] = dims[w2];
-  MOE_CHECK(fc2_rows == H && (fc1_rows == F || fc1_rows == 2 * F), "state dict: the experts under '", prefix,
-            "' do not make one MLP: fc1 [", fc1_rows, ", ", H, "], fc2 [", fc2_rows, ", ", F,
-            "] (expected fc1 [F or 2F, H] and fc2 [H, F])");
-  for (const auto& [param, want] : {std::pair{Param::kFc1Bias, fc1_rows}, std::pair{Param::kFc2Bias, H}}) {
-    const std::string b = expert_param_key(prefix, param);
-    const bool present = sd.count(b) || sd.count(b + "0");
-    if (!present) continue;
-    const std::vector<int64_t> s = plain_expert_shape(sd, b, E, *stored, 1, &plain);
-    MOE_CHECK(s[0] == want, "state dict: '", b, "' holds ", s[0], " values an expert, expected ", want);
-  }
-  *old_keys = our_keys(sd, prefix, /*companions=*/true);
+  *old_keys = checked_layer_keys(sd, prefix, dims, E, *stored);
   StateDict mine;
-  for (const std::string& k : *old_keys) {
-    MOE_CHECK(expert_index(k, prefix) < E, "state dict: '", k, "' names no expert of the layer's ", E);
-    mine.emplace(k, sd.at(k));
-  }
+  for (const std::string& k : *old_keys) mine.emplace(k, sd.at(k));
   const WeightLayout to = layout_of(o.to);
   normalize_expert_keys(mine, prefix, E, to);
   // Nothing left behind in the old layout (e.g. an unquantized bias stored in both layouts).
@@ -233,20 +240,22 @@ void erase_metadata(Metadata& metadata, const std::string& key) {
 Layer dequantized_layer(const StateDict& sd, const std::string& prefix, const std::vector<QuantizedParamDecl>& params,
                         const ConvertOptions& o) {
   int E = o.experts;
+  std::map<std::string, std::pair<int64_t, int64_t>> dims;
   for (const QuantizedParamDecl& d : params) {
     const QuantizedParamInfo info = inspect_quantized_param(sd, d.key, d.config, E);
     E = info.experts;
     MOE_CHECK(info.layout == layout_of(o.from), "input declared ", o.from.name(), ", but the experts under '", prefix,
               "' are stored ", info.layout == WeightLayout::kPerExpert ? "per expert" : "single grouped");
+    dims[d.key] = {info.rows, info.cols};
   }
+  std::vector<std::string> keys = checked_layer_keys(sd, prefix, dims, E, layout_of(o.from));
   const StateDict plain = detail::dequantized_expert_tensors(sd, prefix, params, E);
   const std::vector<ExpertLayerKeys> found = find_expert_layers(plain, E);
   MOE_CHECK(found.size() == 1 && found[0].prefix == prefix, "state dict: the quantized experts under '", prefix,
             "' do not make one expert layer");
   const ExpertLayerKeys& l = found[0];
   const ExpertWeightsSpec spec = layer_spec(l, our_activation(l, o), WeightLayout::kSingleGrouped);
-  return {prefix, ExpertWeights::from_state_dict(plain, spec, prefix).cast(*o.dequantize), {},
-          our_keys(sd, prefix, /*companions=*/true)};
+  return {prefix, ExpertWeights::from_state_dict(plain, spec, prefix).cast(*o.dequantize), {}, std::move(keys)};
 }
 
 }  // namespace
@@ -371,8 +380,9 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
       MOE_CHECK(s == 0 || is_gated(hf_activation(o.from.family).kind), "argument 'to_glu_interleave': the ",
                 hf_family_name(o.from.family), " experts under '", l.prefix, "' are not gated (fc1 has no gate and ",
                 "linear halves to interleave), got ", s);
-      layers.push_back({l.prefix, load_hf_experts(sd, o.from.family, l, layout_of(o.to), s), {},
-                        hf_expert_keys(l, o.from.family)});
+      ExpertWeights w = load_hf_experts(sd, o.from.family, l, layout_of(o.to), s);
+      if (l.mxfp4 && o.dequantize) w = w.cast(*o.dequantize);  // read as bf16, which fp32 holds exactly
+      layers.push_back({l.prefix, std::move(w), {}, hf_expert_keys(l, o.from.family)});
     }
   }
   MOE_CHECK(!layers.empty(), "no expert layers in ", o.from.name(), " naming were found",

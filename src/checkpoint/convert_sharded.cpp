@@ -152,6 +152,21 @@ std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const
     layers_of_shard[shard_of_file.at(index.weight_map.at(first))].push_back(prefix);
   }
 
+  // Dequantizing, every FP8 weight outside the expert layers is decoded in its own shard: its block
+  // scales are brought there from whichever shard holds them. All of them are checked here, before
+  // anything is written.
+  std::map<std::string, size_t> scale_to_shard;
+  if (o.dequantize) {
+    std::set<std::string> layer_keys;
+    for (const auto& kv : layer_of_key) layer_keys.insert(kv.first);
+    for (const std::string& k : detail::fp8_block_weights(all, layer_keys, metadata)) {
+      const std::string scale = detail::fp8_block_scale_key(k);
+      detail::check_fp8_block_scales(k, all.at(k), all.at(scale));
+      const size_t weight_shard = shard_of_file.at(index.weight_map.at(k));
+      if (shard_of_file.at(index.weight_map.at(scale)) != weight_shard) scale_to_shard[scale] = weight_shard;
+    }
+  }
+
   // The output folder, once the input is known to convert: created if absent, never the input's (its
   // shards are read while the new ones are written).
   std::error_code ec;
@@ -182,7 +197,9 @@ std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const
     done += input_bytes;
     StateDict sd;
     for (const auto& [key, t] : s.tensors)
-      if (!layer_of_key.count(key)) sd.emplace(key, t);
+      if (!layer_of_key.count(key) && !scale_to_shard.count(key)) sd.emplace(key, t);
+    for (const auto& [scale, shard] : scale_to_shard)
+      if (shard == i) sd.emplace(scale, all.at(scale));
     ConvertOptions shard_options = o;
     shard_options.prefixes.clear();
     for (const std::string& prefix : layers_of_shard[i]) {

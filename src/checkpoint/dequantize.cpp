@@ -3,6 +3,7 @@
 
 #include <cstring>
 
+#include "checkpoint/hf_tensors.h"
 #include "moe/error.h"
 #include "moe/float_convert.h"
 #include "reference/quantize_ref.h"
@@ -80,16 +81,10 @@ HostTensor decoded(const StateDict& sd, const QuantizedParamInfo& info) {
   return t;
 }
 
-std::string dims_text(const std::vector<int64_t>& shape) {
-  std::string text = "[";
-  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
-  return text + "]";
-}
-
-HostTensor widened(const HostTensor& t) {
-  MOE_CHECK(t.dtype() == DType::kBF16 || t.dtype() == DType::kFP16 || t.dtype() == DType::kFP32,
-            "state dict: an unquantized tensor of a quantized expert layer has dtype ", dtype_name(t.dtype()),
-            " (shape ", t.shape_string(), "), expected bf16, fp16 or fp32");
+HostTensor widened(const std::string& key, const HostTensor& t) {
+  MOE_CHECK(t.dtype() == DType::kBF16 || t.dtype() == DType::kFP16 || t.dtype() == DType::kFP32, "state dict: '", key,
+            "' of a quantized expert layer has dtype ", dtype_name(t.dtype()), ", expected bf16, fp16 or fp32 (or a ",
+            "quantized format declared in __metadata__)");
   HostTensor out(DType::kFP32, t.shape());
   const int64_t n = t.numel();
   for (int64_t i = 0; i < n; ++i) store(DType::kFP32, out.mutable_data(), i, element_as_float(t.dtype(), t.data(), i));
@@ -126,12 +121,40 @@ StateDict dequantized_expert_tensors(const StateDict& sd, const std::string& pre
   for (Param p : kParams) {
     const std::string key = expert_param_key(prefix, p);
     if (declared.count(key)) continue;
-    if (auto it = sd.find(key); it != sd.end()) out.emplace(key, widened(it->second));
+    if (auto it = sd.find(key); it != sd.end()) out.emplace(key, widened(key, it->second));
     for (int e = 0; e < E; ++e)
-      if (auto it = sd.find(key + std::to_string(e)); it != sd.end()) out.emplace(it->first, widened(it->second));
+      if (auto it = sd.find(key + std::to_string(e)); it != sd.end()) out.emplace(it->first, widened(it->first, it->second));
   }
   normalize_expert_keys(out, prefix, E, WeightLayout::kSingleGrouped);
+  // Nothing left per expert: a parameter stored in both layouts is refused (the grouped one would win).
+  for (const auto& kv : out)
+    for (Param p : kParams) {
+      const std::string key = expert_param_key(prefix, p);
+      MOE_CHECK(kv.first.size() == key.size() || kv.first.compare(0, key.size(), key) != 0, "convert: '", kv.first,
+                "' of the experts under '", prefix, "' is stored in both layouts (beside '", key, "')");
+    }
   return out;
+}
+
+std::vector<std::string> fp8_block_weights(const StateDict& sd, const std::set<std::string>& skip,
+                                           const Metadata& metadata) {
+  const std::vector<QuantizedParamDecl> declared = quantized_params(metadata);
+  std::vector<std::string> keys;
+  for (const auto& [key, t] : sd)
+    if (t.dtype() == DType::kFP8E4M3 && t.ndim() >= 2 && !skip.count(key) && !is_declared(key, declared) &&
+        sd.count(fp8_block_scale_key(key)))
+      keys.push_back(key);
+  return keys;
+}
+
+void check_fp8_block_scales(const std::string& key, const HostTensor& t, const HostTensor& s) {
+  std::vector<int64_t> want = t.shape();
+  want[want.size() - 2] = blocks_of_128(want[want.size() - 2]);
+  want.back() = blocks_of_128(want.back());
+  MOE_CHECK((s.dtype() == DType::kFP32 || s.dtype() == DType::kBF16) && s.shape() == want, "state dict: '",
+            fp8_block_scale_key(key), "' has dtype ", dtype_name(s.dtype()), " and shape ", s.shape_string(),
+            "; the FP8 tensor '", key, "' ", t.shape_string(), " needs fp32 (or bf16) block scales of shape ",
+            shape_string(want), " (one per 128x128 block)");
 }
 
 std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype, const std::set<std::string>& skip,
@@ -139,25 +162,9 @@ std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype
   MOE_CHECK(dtype == DType::kBF16 || dtype == DType::kFP32, "argument 'dequantize': expected bf16 or fp32, got ",
             dtype_name(dtype));
   const std::string suffix = quant_part_suffix(QuantPart::kScale);  // "_scale_inv"
-  std::vector<std::string> keys;
-  const std::vector<QuantizedParamDecl> declared = quantized_params(metadata);
-  for (const auto& [key, t] : sd)
-    if (t.dtype() == DType::kFP8E4M3 && t.ndim() >= 2 && !skip.count(key) && sd.count(key + suffix) &&
-        !is_declared(key, declared))
-      keys.push_back(key);
+  const std::vector<std::string> keys = fp8_block_weights(sd, skip, metadata);
   // Every tensor checked before any is replaced: a refused dict is left as it was.
-  for (const std::string& key : keys) {
-    const HostTensor& t = sd.at(key);
-    const HostTensor& s = sd.at(key + suffix);
-    std::vector<int64_t> want = t.shape();
-    const int64_t rows = want[want.size() - 2], cols = want.back();
-    want[want.size() - 2] = (rows + 127) / 128;
-    want.back() = (cols + 127) / 128;
-    MOE_CHECK((s.dtype() == DType::kFP32 || s.dtype() == DType::kBF16) && s.shape() == want, "state dict: '",
-              key + suffix, "' has dtype ", dtype_name(s.dtype()), " and shape ", s.shape_string(), "; the FP8 tensor '",
-              key, "' ", t.shape_string(), " needs fp32 (or bf16) block scales of shape ", dims_text(want),
-              " (one per 128x128 block)");
-  }
+  for (const std::string& key : keys) check_fp8_block_scales(key, sd.at(key), sd.at(key + suffix));
   // Every E4M3 code's value (0x7F / 0xFF: NaN).
   float code_value[256];
   for (int c = 0; c < 256; ++c) code_value[c] = static_cast<float>(ref::e4m3_to_double(static_cast<uint8_t>(c)));
@@ -172,7 +179,7 @@ std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype
     }
     const int64_t rows = t.shape()[t.ndim() - 2], cols = t.shape().back();
     const int64_t matrices = t.numel() / (rows * cols);
-    const int64_t row_blocks = (rows + 127) / 128, col_blocks = (cols + 127) / 128;
+    const int64_t row_blocks = blocks_of_128(rows), col_blocks = blocks_of_128(cols);
 
     std::vector<float> row_scales(col_blocks);
     for (int64_t m = 0; m < matrices; ++m)

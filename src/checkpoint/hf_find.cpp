@@ -70,6 +70,14 @@ void find_gpt_oss_mxfp4(const StateDict& sd, const std::string& key, const HostT
   layers.push_back(l);
 }
 
+// Fused and x @ W expert tensors are read unquantized; FP8 weights with block scales come per expert.
+void need_floating(const std::string& key, const HostTensor& t) {
+  const DType d = t.dtype();
+  MOE_CHECK(d == DType::kBF16 || d == DType::kFP16 || d == DType::kFP32 || d == DType::kFP64, "state dict: '", key,
+            "' has dtype ", dtype_name(d), "; experts stored fused are read in bf16, fp16, fp32 or fp64 (FP8 ",
+            "experts with block scales are read in the per-expert naming only)");
+}
+
 // GPT-OSS's layout (stored_as_gpt_oss: gpt_oss, openai_privacy_filter); the MXFP4 form is GPT-OSS's.
 void find_gpt_oss(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>& layers) {
   for (const auto& [key, t] : sd) {
@@ -86,6 +94,7 @@ void find_gpt_oss(const StateDict& sd, HfFamily f, std::vector<HfExpertLayer>& l
     }
     MOE_CHECK(t.ndim() == 3 && t.size(2) % 2 == 0, "state dict: '", key, "' has shape ", t.shape_string(),
               ", expected [E, H, 2F]");
+    need_floating(key, t);
     HfExpertLayer l;
     l.prefix = prefix;
     l.experts = experts_of(key, t);
@@ -122,6 +131,7 @@ void add_fused_layer(const StateDict& sd, const std::string& prefix, const Fused
                           dn->second.shape() == std::vector<int64_t>{gu.size(0), gu.size(2) / 2, gu.size(1)};
   MOE_CHECK(gu.ndim() == 3 && gu.size(transposed ? 2 : 1) % 2 == 0, "state dict: '", gu_key, "' has shape ",
             gu.shape_string(), ", expected [E, 2F, H]", may_transpose ? " or [E, H, 2F]" : "");
+  need_floating(gu_key, gu);
   HfExpertLayer l;
   l.prefix = prefix;
   l.experts = experts_of(gu_key, gu);

@@ -430,5 +430,37 @@ TEST_F(ShardedCheckpoint, ConvertCheckpointTakesAFolderOrAnIndex) {
   EXPECT_EQ(total, 153472u);
 }
 
+TEST_F(ShardedCheckpoint, DequantizingReadsAnFp8WeightsScalesFromAnyShard) {
+  // The FP8 fixture with a shared expert's weight in "a" and its block scales in "b" (save_pretrained
+  // splits by size, so a pair can straddle shards): dequantized in "a", nothing FP8 left. With a bad
+  // scale, nothing is written.
+  Metadata meta;
+  const StateDict all = load_safetensors(std::string(MOE_TESTS_DIR) + "/fixtures/hf/deepseek_v3_fp8/model.safetensors", &meta);
+  const std::string w = "model.layers.0.mlp.shared_experts.gate_proj.weight";
+  auto split = [&](const std::string& d, const StateDict& tensors) {
+    StateDict a, b;
+    for (const auto& [k, t] : tensors) (k == w + "_scale_inv" || k.find("norm") != std::string::npos ? b : a).emplace(k, t);
+    write_sharded(d, {{"a.safetensors", a}, {"b.safetensors", b}}, meta);
+  };
+  split(tmp("straddle"), all);
+  ConvertOptions dq = options("hf:deepseek", "hf:deepseek");
+  dq.dequantize = DType::kFP32;
+  convert_sharded_checkpoint(tmp("straddle"), tmp("straddle_fp32"), dq);
+  const StateDict out = load_sharded_as(tmp("straddle_fp32"), "model.safetensors.index.json");
+  ASSERT_TRUE(out.count(w));
+  EXPECT_EQ(out.at(w).dtype(), DType::kFP32);
+  for (const auto& [k, t] : out) {
+    EXPECT_NE(t.dtype(), DType::kFP8E4M3) << k;
+    EXPECT_EQ(k.find("_scale_inv"), std::string::npos) << k;
+  }
+  StateDict bad = all;
+  bad.at(w + "_scale_inv") = HostTensor(DType::kFP32, {3, 3});
+  split(tmp("bad"), bad);
+  expect_error_naming([&] { convert_sharded_checkpoint(tmp("bad"), tmp("bad_out"), dq); },
+                      "'" + w + "_scale_inv' has dtype fp32 and shape [3, 3]");
+  EXPECT_FALSE(fs::exists(tmp("bad_out") + "/a.safetensors"));
+  EXPECT_FALSE(fs::exists(tmp("bad_out") + "/b.safetensors"));
+}
+
 }  // namespace
 }  // namespace moe

@@ -288,6 +288,13 @@ TEST(HfNaming, GptOssMxfp4DecodesEveryCodeAndScale) {
   // MXFP4 is GPT-OSS's release form only: the privacy filter, in the same layout, refuses it by name.
   expect_error_naming([&] { find_hf_expert_layers(sd, HfFamily::kOpenaiPrivacyFilter); },
                       "MXFP4 experts are read for gpt_oss only, not for openai_privacy_filter");
+  // FP8 experts come per expert with block scales: stored fused or in GPT-OSS's layout they are named.
+  for (HfFamily f : {HfFamily::kMistral4, HfFamily::kInkling, HfFamily::kOpenaiPrivacyFilter}) {
+    StateDict fp8;
+    const std::string gu = std::string("model.layers.0.mlp.experts.") + (f == HfFamily::kInkling ? "w13_weight" : "gate_up_proj");
+    fp8.emplace(gu, HostTensor(DType::kFP8E4M3, {2, 64, 64}));
+    expect_error_naming([&] { find_hf_expert_layers(fp8, f); }, "'" + gu + "' has dtype fp8_e4m3; experts stored fused");
+  }
   // A fused family's tensor of the wrong rank is named.
   StateDict scalar;
   scalar.emplace("model.layers.0.mlp.experts.gate_up_proj", HostTensor(DType::kBF16, {}));

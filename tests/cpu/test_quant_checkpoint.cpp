@@ -718,6 +718,25 @@ TEST(QuantCheckpoint, DequantizeWritesTheValuesTheLayersDecodeTo) {
       EXPECT_TRUE(sd.at("lm_head.weight").equals(m.grouped.at("lm_head.weight")));
     }
   }
+  // The rest of the layer is checked as when it moves: a bias of no expert, a bias in both layouts, and a
+  // weight with companions but no declaration are refused by name.
+  {
+    ConvertOptions o = options("grouped", "grouped");
+    o.dequantize = DType::kFP32;
+    StateDict stray = m.grouped;
+    stray.emplace(q + "fc2.bias7", HostTensor(DType::kFP32, {H}));
+    Metadata meta = m.meta;
+    expect_error_naming([&] { convert_state_dict(stray, o, meta); }, "'" + q + "fc2.bias7' names no expert");
+    StateDict both = m.grouped;
+    for (int e = 0; e < kE; ++e) both.emplace(q + "fc2.bias" + std::to_string(e), HostTensor(DType::kFP32, {H}));
+    expect_error_naming([&] { convert_state_dict(both, o, meta); }, "'" + q + "fc2.bias0' of the experts under '" + q +
+                                                                        "' is stored in both layouts");
+    StateDict undeclared = m.grouped;
+    Metadata fc1_only = {{"format", "pt"}};
+    set_quant_metadata(fc1_only, q + "fc1.weight", fc1);
+    expect_error_naming([&] { convert_state_dict(undeclared, o, fc1_only); },
+                        "'" + q + "fc2.weight_scale_inv' is present, but __metadata__ has no");
+  }
   // A weight stored as its columnwise copy only: decoded from it, transposed back.
   const QuantConfig col = config(QuantFormat::kNVFP4, QuantBlocking::k1D, ScaleLayout::kRowMajor, false, true);
   const int64_t M = 48, K = 80;  // fc1 [2F, H] with F = 24, H = 80
