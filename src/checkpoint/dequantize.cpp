@@ -27,15 +27,6 @@ float element_as_float(DType dtype, const uint8_t* p, int64_t i) {
   }
 }
 
-void store(DType dtype, uint8_t* p, int64_t i, float v) {
-  if (dtype == DType::kBF16) {
-    const uint16_t b = float_to_bf16_bits(v);
-    std::memcpy(p + 2 * i, &b, 2);
-  } else {
-    std::memcpy(p + 4 * i, &v, 4);
-  }
-}
-
 // One part of a quantized parameter, every expert's bytes in expert order (a grouped tensor's bytes as
 // they are; per expert, the experts' tensors one after the other).
 std::vector<uint8_t> part_bytes(const StateDict& sd, const QuantizedParamInfo& info, QuantPart part) {
@@ -87,7 +78,8 @@ HostTensor widened(const std::string& key, const HostTensor& t) {
             "quantized format declared in __metadata__)");
   HostTensor out(DType::kFP32, t.shape());
   const int64_t n = t.numel();
-  for (int64_t i = 0; i < n; ++i) store(DType::kFP32, out.mutable_data(), i, element_as_float(t.dtype(), t.data(), i));
+  float* o = reinterpret_cast<float*>(out.mutable_data());
+  for (int64_t i = 0; i < n; ++i) o[i] = element_as_float(t.dtype(), t.data(), i);
   return out;
 }
 
