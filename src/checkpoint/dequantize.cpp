@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "checkpoint/hf_tensors.h"
+#include "checkpoint/parallel_for.h"
 #include "moe/error.h"
 #include "moe/float_convert.h"
 #include "reference/quantize_ref.h"
@@ -160,19 +161,20 @@ std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype
   // Every E4M3 code's value (0x7F / 0xFF: NaN).
   float code_value[256];
   for (int c = 0; c < 256; ++c) code_value[c] = static_cast<float>(ref::e4m3_to_double(static_cast<uint8_t>(c)));
+  // The outputs are made here; the tensors are decoded on every core, each by one thread.
+  std::vector<HostTensor> outs;
+  std::vector<uint8_t*> out_data;
   for (const std::string& key : keys) {
-    const HostTensor& t = sd.at(key);
-    const HostTensor& s = sd.at(key + suffix);
-    HostTensor out(dtype, t.shape());
-    if (t.numel() == 0) {  // nothing to decode (and other dimensions may be too large to multiply)
-      sd.erase(key + suffix);
-      sd[key] = std::move(out);
-      continue;
-    }
+    outs.emplace_back(dtype, sd.at(key).shape());
+    out_data.push_back(outs.back().mutable_data());
+  }
+  parallel_for(keys.size(), [&](size_t k) {
+    const HostTensor& t = sd.at(keys[k]);
+    const HostTensor& s = sd.at(keys[k] + suffix);
+    if (t.numel() == 0) return;  // nothing to decode (and other dimensions may be too large to multiply)
     const int64_t rows = t.shape()[t.ndim() - 2], cols = t.shape().back();
     const int64_t matrices = t.numel() / (rows * cols);
     const int64_t row_blocks = blocks_of_128(rows), col_blocks = blocks_of_128(cols);
-
     std::vector<float> row_scales(col_blocks);
     for (int64_t m = 0; m < matrices; ++m)
       for (int64_t r = 0; r < rows; ++r) {
@@ -181,15 +183,17 @@ std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype
         const int64_t first = (m * rows + r) * cols;
         const uint8_t* codes = t.data() + first;
         if (dtype == DType::kFP32) {
-          float* o = reinterpret_cast<float*>(out.mutable_data()) + first;
+          float* o = reinterpret_cast<float*>(out_data[k]) + first;
           for (int64_t c = 0; c < cols; ++c) o[c] = code_value[codes[c]] * row_scales[c / 128];
         } else {
-          uint16_t* o = reinterpret_cast<uint16_t*>(out.mutable_data()) + first;
+          uint16_t* o = reinterpret_cast<uint16_t*>(out_data[k]) + first;
           for (int64_t c = 0; c < cols; ++c) o[c] = float_to_bf16_bits(code_value[codes[c]] * row_scales[c / 128]);
         }
       }
-    sd.erase(key + suffix);
-    sd[key] = std::move(out);
+  });
+  for (size_t k = 0; k < keys.size(); ++k) {
+    sd.erase(keys[k] + suffix);
+    sd[keys[k]] = std::move(outs[k]);
   }
   return keys;
 }

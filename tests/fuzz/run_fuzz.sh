@@ -29,7 +29,7 @@ fi
 # the reference that decodes quantized weights (convert's dequantize).
 srcs=("$root/tests/fuzz/fuzz_safetensors.cpp" "$root"/src/checkpoint/*.cpp "$root"/src/core/*.cpp
       "$root/src/reference/quantize_ref.cpp")
-flags=(-std=c++17 -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined
+flags=(-std=c++17 -O1 -g -pthread -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined
        -fno-sanitize-recover=undefined -I"$root/include" -I"$root/src" -isystem "$json_inc")
 echo "run_fuzz: building $work/fuzz_safetensors"
 "$cxx" "${flags[@]}" "${srcs[@]}" -o "$work/fuzz_safetensors"
