@@ -19,7 +19,8 @@ namespace moe::detail {
 // tensors with our key names, single grouped: each declared weight decoded (from its rowwise copy, or
 // its columnwise copy transposed back when it stores no rowwise one); the layer's unquantized
 // parameters (biases, a weight left unquantized) widened to fp32. `experts` = 0 takes E from the
-// tensors. Problems are moe::Errors naming the tensor (inspect_quantized_param).
+// tensors. Problems are moe::Errors naming the tensor (inspect_quantized_param), as is a parameter
+// stored in both layouts.
 StateDict dequantized_expert_tensors(const StateDict& sd, const std::string& prefix,
                                      const std::vector<QuantizedParamDecl>& params, int experts);
 
@@ -36,8 +37,9 @@ void check_fp8_block_scales(const std::string& key, const HostTensor& t, const H
 // "K_scale_inv" (fp32 or bf16 [..., ceil(rows / 128), ceil(cols / 128)]: Hugging Face's FP8 block form), other
 // than the keys in `skip` and the tensors `metadata` declares ("moe.quant." entries: ours, in the
 // declared format, grouped or per expert): replaced by its values in `dtype` (bf16 or fp32), the
-// companion removed. A companion of another dtype or shape is a moe::Error naming it, and the dict is
-// then left as it was. Returns the keys dequantized.
+// companion removed; the tensors are decoded on every core (parallel_for.h). A companion of another
+// dtype or shape is a moe::Error naming it, and the dict is then left as it was. Returns the keys
+// dequantized.
 std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype, const std::set<std::string>& skip,
                                                       const Metadata& metadata);
 
