@@ -27,21 +27,6 @@ bool selected(const ConvertOptions& o, const std::string& prefix) {
 
 bool is_weight(Param p) { return p == Param::kFc1Weight || p == Param::kFc2Weight; }
 
-// What follows a parameter's key in one of our tensors: an expert index or nothing, then (weights
-// of a quantized layer only) a companion suffix. Sets *index to the index or -1.
-bool our_key_rest(const std::string& rest, bool companions, int64_t* index) {
-  size_t digits = 0;
-  while (digits < rest.size() && rest[digits] >= '0' && rest[digits] <= '9') ++digits;
-  const std::string suffix = rest.substr(digits);
-  bool ours = suffix.empty();
-  if (companions)
-    for (QuantPart part : kQuantParts) ours = ours || suffix == quant_part_suffix(part);
-  if (!ours) return false;
-  *index = -1;
-  if (digits > 0) *index = digits > 9 ? INT64_MAX : std::stoll(rest.substr(0, digits));
-  return true;
-}
-
 // Our keys of one layer: P.S and P.S{i} for every parameter, and with `companions` the quantized
 // weights' P.S{i}_scale_inv, ... too.
 std::vector<std::string> our_keys(const StateDict& sd, const std::string& prefix, bool companions = false) {
@@ -50,7 +35,8 @@ std::vector<std::string> our_keys(const StateDict& sd, const std::string& prefix
     const std::string base = expert_param_key(prefix, p);
     for (auto it = sd.lower_bound(base); it != sd.end() && it->first.compare(0, base.size(), base) == 0; ++it) {
       int64_t index;
-      if (our_key_rest(it->first.substr(base.size()), companions && is_weight(p), &index)) keys.push_back(it->first);
+      if (detail::our_key_rest(it->first.substr(base.size()), companions && is_weight(p), &index))
+        keys.push_back(it->first);
     }
   }
   return keys;
@@ -61,7 +47,7 @@ int64_t expert_index(const std::string& key, const std::string& prefix) {
   for (Param p : kParams) {
     const std::string base = expert_param_key(prefix, p);
     int64_t index;
-    if (key.compare(0, base.size(), base) == 0 && our_key_rest(key.substr(base.size()), is_weight(p), &index))
+    if (key.compare(0, base.size(), base) == 0 && detail::our_key_rest(key.substr(base.size()), is_weight(p), &index))
       return index;
   }
   return -1;
@@ -351,14 +337,15 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
       const int s = o.to.ours() ? o.to_glu_interleave : 0;
       if (l.fp8 && o.dequantize) {
         // Each FP8 weight decoded in the family's own naming, then read as the unquantized layer it is.
+        std::vector<std::string> keys = hf_expert_keys(l, o.from.family);
         StateDict decoded;
-        for (const std::string& k : hf_expert_keys(l, o.from.family)) decoded.emplace(k, sd.at(k));
+        for (const std::string& k : keys) decoded.emplace(k, sd.at(k));
         detail::dequantize_fp8_block_tensors(decoded, *o.dequantize, {}, {});
         HfExpertLayer plain = l;
         plain.fp8 = false;
         plain.dtype = *o.dequantize;
         layers.push_back({l.prefix, load_hf_experts(decoded, o.from.family, plain, layout_of(o.to), s), {},
-                          hf_expert_keys(l, o.from.family)});
+                          std::move(keys)});
         continue;
       }
       if (l.fp8) {
@@ -419,18 +406,10 @@ std::vector<std::string> convert_state_dict(StateDict& sd, const ConvertOptions&
     for (const auto& kv : out)
       MOE_CHECK(!sd.count(kv.first) || removed.count(kv.first), "convert: output tensor '", kv.first,
                 "' collides with a tensor of the input");
-  // The FP8 tensors outside expert layers, dequantized in a copy of the dict (shared bytes) first.
-  StateDict others;
-  std::vector<std::string> dequantized;
-  if (o.dequantize) {
-    others = sd;
-    dequantized = detail::dequantize_fp8_block_tensors(others, *o.dequantize, expert_keys, metadata);
-  }
+  // The FP8 tensors outside expert layers: checked before any is replaced (a refused dict stays as it
+  // was), and the last step that can fail.
+  if (o.dequantize) detail::dequantize_fp8_block_tensors(sd, *o.dequantize, expert_keys, metadata);
   for (const std::string& k : removed) sd.erase(k);
-  for (const std::string& k : dequantized) {
-    sd.erase(quant_part_key(k, QuantPart::kScale));
-    sd[k] = others.at(k);
-  }
   std::vector<std::string> prefixes;
   for (size_t i = 0; i < layers.size(); ++i) {
     for (auto& kv : outputs[i]) sd[kv.first] = std::move(kv.second);

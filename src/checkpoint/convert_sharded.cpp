@@ -156,11 +156,11 @@ std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const
   // scales are brought there from whichever shard holds them. All of them are checked here, before
   // anything is written.
   std::map<std::string, size_t> scale_to_shard;
+  std::set<std::string> layer_keys;
+  for (const auto& kv : layer_of_key) layer_keys.insert(kv.first);
   if (o.dequantize) {
-    std::set<std::string> layer_keys;
-    for (const auto& kv : layer_of_key) layer_keys.insert(kv.first);
     for (const std::string& k : detail::fp8_block_weights(all, layer_keys, metadata)) {
-      const std::string scale = detail::fp8_block_scale_key(k);
+      const std::string scale = k + kFp8ScaleSuffix;
       detail::check_fp8_block_scales(k, all.at(k), all.at(scale));
       const size_t weight_shard = shard_of_file.at(index.weight_map.at(k));
       if (shard_of_file.at(index.weight_map.at(scale)) != weight_shard) scale_to_shard[scale] = weight_shard;
@@ -210,9 +210,6 @@ std::vector<std::string> convert_sharded_checkpoint(const std::string& in, const
     if (!shard_options.prefixes.empty()) {
       convert_state_dict(sd, shard_options, converted);
     } else if (o.dequantize) {  // no layer to convert here: its other FP8 tensors all the same
-      std::set<std::string> layer_keys;
-      for (const auto& kv : sd)
-        if (layer_of_key.count(kv.first)) layer_keys.insert(kv.first);
       detail::dequantize_fp8_block_tensors(sd, *o.dequantize, layer_keys, metadata);
     }
     s.tensors.clear();  // the input's views of this shard are no longer needed

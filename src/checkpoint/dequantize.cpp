@@ -3,8 +3,12 @@
 
 #include <cstring>
 
+#include "checkpoint/byte_transpose.h"
+#include "checkpoint/element_io.h"
 #include "checkpoint/hf_tensors.h"
+#include "checkpoint/key_text.h"
 #include "checkpoint/parallel_for.h"
+#include "moe/checkpoint_hf.h"
 #include "moe/error.h"
 #include "moe/float_convert.h"
 #include "reference/quantize_ref.h"
@@ -14,19 +18,6 @@ namespace moe::detail {
 namespace {
 
 constexpr Param kParams[] = {Param::kFc1Weight, Param::kFc1Bias, Param::kFc2Weight, Param::kFc2Bias};
-
-float element_as_float(DType dtype, const uint8_t* p, int64_t i) {
-  uint16_t h;
-  switch (dtype) {
-    case DType::kBF16: std::memcpy(&h, p + 2 * i, 2); return bf16_bits_to_float(h);
-    case DType::kFP16: std::memcpy(&h, p + 2 * i, 2); return fp16_bits_to_float(h);
-    default: {
-      float f;
-      std::memcpy(&f, p + 4 * i, 4);
-      return f;
-    }
-  }
-}
 
 // One part of a quantized parameter, every expert's bytes in expert order (a grouped tensor's bytes as
 // they are; per expert, the experts' tensors one after the other).
@@ -67,8 +58,8 @@ HostTensor decoded(const StateDict& sd, const QuantizedParamInfo& info) {
     std::memcpy(out, v.data(), v.size() * sizeof(float));
   } else {  // [E, cols, rows] -> [E, rows, cols]
     for (int64_t e = 0; e < E; ++e)
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t k = 0; k < cols; ++k) out[(e * rows + r) * cols + k] = v[(e * cols + k) * rows + r];
+      transpose_bytes(reinterpret_cast<const uint8_t*>(v.data() + e * cols * rows),
+                      reinterpret_cast<uint8_t*>(out + e * rows * cols), cols, rows, sizeof(float));
   }
   return t;
 }
@@ -80,20 +71,16 @@ HostTensor widened(const std::string& key, const HostTensor& t) {
   HostTensor out(DType::kFP32, t.shape());
   const int64_t n = t.numel();
   float* o = reinterpret_cast<float*>(out.mutable_data());
-  for (int64_t i = 0; i < n; ++i) o[i] = element_as_float(t.dtype(), t.data(), i);
+  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<float>(load_element(t.dtype(), t.data(), i));
   return out;
 }
 
 // Whether `key` is one of the tensors of a parameter `declared` names: any part (data or companion) of
 // its grouped key or of a per-expert one (digits after it).
 bool is_declared(const std::string& key, const std::vector<QuantizedParamDecl>& declared) {
-  for (const QuantizedParamDecl& d : declared) {
-    if (key.compare(0, d.key.size(), d.key) != 0) continue;
-    size_t rest = d.key.size();
-    while (rest < key.size() && key[rest] >= '0' && key[rest] <= '9') ++rest;
-    for (QuantPart part : kQuantParts)
-      if (key.compare(rest, std::string::npos, quant_part_suffix(part)) == 0) return true;
-  }
+  int64_t index;
+  for (const QuantizedParamDecl& d : declared)
+    if (key.compare(0, d.key.size(), d.key) == 0 && our_key_rest(key.substr(d.key.size()), true, &index)) return true;
   return false;
 }
 
@@ -116,7 +103,8 @@ StateDict dequantized_expert_tensors(const StateDict& sd, const std::string& pre
     if (declared.count(key)) continue;
     if (auto it = sd.find(key); it != sd.end()) out.emplace(key, widened(key, it->second));
     for (int e = 0; e < E; ++e)
-      if (auto it = sd.find(key + std::to_string(e)); it != sd.end()) out.emplace(it->first, widened(it->first, it->second));
+      if (auto it = sd.find(key + std::to_string(e)); it != sd.end())
+        out.emplace(it->first, widened(it->first, it->second));
   }
   normalize_expert_keys(out, prefix, E, WeightLayout::kSingleGrouped);
   // Nothing left per expert: a parameter stored in both layouts is refused (the grouped one would win).
@@ -135,7 +123,7 @@ std::vector<std::string> fp8_block_weights(const StateDict& sd, const std::set<s
   std::vector<std::string> keys;
   for (const auto& [key, t] : sd)
     if (t.dtype() == DType::kFP8E4M3 && t.ndim() >= 2 && !skip.count(key) && !is_declared(key, declared) &&
-        sd.count(fp8_block_scale_key(key)))
+        sd.count(key + kFp8ScaleSuffix))
       keys.push_back(key);
   return keys;
 }
@@ -145,7 +133,7 @@ void check_fp8_block_scales(const std::string& key, const HostTensor& t, const H
   want[want.size() - 2] = blocks_of_128(want[want.size() - 2]);
   want.back() = blocks_of_128(want.back());
   MOE_CHECK((s.dtype() == DType::kFP32 || s.dtype() == DType::kBF16) && s.shape() == want, "state dict: '",
-            fp8_block_scale_key(key), "' has dtype ", dtype_name(s.dtype()), " and shape ", s.shape_string(),
+            key + kFp8ScaleSuffix, "' has dtype ", dtype_name(s.dtype()), " and shape ", s.shape_string(),
             "; the FP8 tensor '", key, "' ", t.shape_string(), " needs fp32 (or bf16) block scales of shape ",
             shape_string(want), " (one per 128x128 block)");
 }
@@ -154,10 +142,9 @@ std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype
                                                       const Metadata& metadata) {
   MOE_CHECK(dtype == DType::kBF16 || dtype == DType::kFP32, "argument 'dequantize': expected bf16 or fp32, got ",
             dtype_name(dtype));
-  const std::string suffix = quant_part_suffix(QuantPart::kScale);  // "_scale_inv"
   const std::vector<std::string> keys = fp8_block_weights(sd, skip, metadata);
   // Every tensor checked before any is replaced: a refused dict is left as it was.
-  for (const std::string& key : keys) check_fp8_block_scales(key, sd.at(key), sd.at(key + suffix));
+  for (const std::string& key : keys) check_fp8_block_scales(key, sd.at(key), sd.at(key + kFp8ScaleSuffix));
   // Every E4M3 code's value (0x7F / 0xFF: NaN).
   float code_value[256];
   for (int c = 0; c < 256; ++c) code_value[c] = static_cast<float>(ref::e4m3_to_double(static_cast<uint8_t>(c)));
@@ -170,7 +157,7 @@ std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype
   }
   parallel_for(keys.size(), [&](size_t k) {
     const HostTensor& t = sd.at(keys[k]);
-    const HostTensor& s = sd.at(keys[k] + suffix);
+    const HostTensor& s = sd.at(keys[k] + kFp8ScaleSuffix);
     if (t.numel() == 0) return;  // nothing to decode (and other dimensions may be too large to multiply)
     const int64_t rows = t.shape()[t.ndim() - 2], cols = t.shape().back();
     const int64_t matrices = t.numel() / (rows * cols);
@@ -179,7 +166,7 @@ std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype
     for (int64_t m = 0; m < matrices; ++m)
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t j = 0; j < col_blocks; ++j)
-          row_scales[j] = element_as_float(s.dtype(), s.data(), (m * row_blocks + r / 128) * col_blocks + j);
+          row_scales[j] = static_cast<float>(load_element(s.dtype(), s.data(), (m * row_blocks + r / 128) * col_blocks + j));
         const int64_t first = (m * rows + r) * cols;
         const uint8_t* codes = t.data() + first;
         if (dtype == DType::kFP32) {
@@ -192,7 +179,7 @@ std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype
       }
   });
   for (size_t k = 0; k < keys.size(); ++k) {
-    sd.erase(keys[k] + suffix);
+    sd.erase(keys[k] + kFp8ScaleSuffix);
     sd[keys[k]] = std::move(outs[k]);
   }
   return keys;

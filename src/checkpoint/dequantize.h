@@ -24,10 +24,8 @@ namespace moe::detail {
 StateDict dequantized_expert_tensors(const StateDict& sd, const std::string& prefix,
                                      const std::vector<QuantizedParamDecl>& params, int experts);
 
-// "K_scale_inv": the block scales of a Hugging Face FP8 weight K.
-inline std::string fp8_block_scale_key(const std::string& key) { return key + "_scale_inv"; }
-
-// The keys K of sd that dequantize_fp8_block_tensors takes (below), without checking their scales.
+// The keys K of sd that dequantize_fp8_block_tensors takes (below; K's scales are K + kFp8ScaleSuffix),
+// without checking their scales.
 std::vector<std::string> fp8_block_weights(const StateDict& sd, const std::set<std::string>& skip,
                                            const Metadata& metadata);
 // A moe::Error naming the scales unless `s` holds fp32 or bf16 scales of FP8 weight t's 128x128 blocks.

@@ -1,9 +1,9 @@
 // ExpertWeights: the expert MLP's parameters on the host in our layout (include/moe/checkpoint.h).
 #include <cstring>
 
+#include "checkpoint/element_io.h"
 #include "moe/checkpoint.h"
 #include "moe/error.h"
-#include "moe/float_convert.h"
 
 namespace moe {
 
@@ -15,26 +15,6 @@ int64_t product(const std::vector<int64_t>& s) {
   int64_t n = 1;
   for (int64_t v : s) n *= v;
   return n;
-}
-
-double load_element(DType t, const uint8_t* p, int64_t i) {
-  switch (t) {
-    case DType::kBF16: { uint16_t b; std::memcpy(&b, p + 2 * i, 2); return bf16_bits_to_float(b); }
-    case DType::kFP16: { uint16_t b; std::memcpy(&b, p + 2 * i, 2); return fp16_bits_to_float(b); }
-    case DType::kFP32: { float f; std::memcpy(&f, p + 4 * i, 4); return f; }
-    case DType::kFP64: { double d; std::memcpy(&d, p + 8 * i, 8); return d; }
-    default: detail::throw_error("expert weights: dtype ", dtype_name(t), " is not a weight dtype");
-  }
-}
-
-void store_element(DType t, uint8_t* p, int64_t i, double v) {
-  switch (t) {
-    case DType::kBF16: { uint16_t b = float_to_bf16_bits(static_cast<float>(v)); std::memcpy(p + 2 * i, &b, 2); return; }
-    case DType::kFP16: { uint16_t b = float_to_fp16_bits(static_cast<float>(v)); std::memcpy(p + 2 * i, &b, 2); return; }
-    case DType::kFP32: { float f = static_cast<float>(v); std::memcpy(p + 4 * i, &f, 4); return; }
-    case DType::kFP64: std::memcpy(p + 8 * i, &v, 8); return;
-    default: detail::throw_error("expert weights: dtype ", dtype_name(t), " is not a weight dtype");
-  }
 }
 
 }  // namespace
@@ -206,7 +186,7 @@ ExpertWeights ExpertWeights::cast(DType dtype) const {
         continue;
       }
       // fp64 -> bf16/fp16 rounds twice (via fp32); exact for every value a narrower dtype holds.
-      for (int64_t i = 0; i < n; ++i) store_element(dtype, dst, i, load_element(dtype_, src, i));
+      for (int64_t i = 0; i < n; ++i) detail::store_element(dtype, dst, i, detail::load_element(dtype_, src, i));
     }
   }
   return out;

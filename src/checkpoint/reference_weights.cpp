@@ -1,24 +1,14 @@
 #include "checkpoint/reference_weights.h"
 
-#include <cstring>
-
+#include "checkpoint/element_io.h"
 #include "moe/error.h"
-#include "moe/float_convert.h"
 
 namespace moe {
 
 namespace {
 
 void to_double(DType t, const uint8_t* src, int64_t n, double* dst) {
-  for (int64_t i = 0; i < n; ++i) {
-    switch (t) {
-      case DType::kBF16: { uint16_t b; std::memcpy(&b, src + 2 * i, 2); dst[i] = bf16_bits_to_float(b); break; }
-      case DType::kFP16: { uint16_t b; std::memcpy(&b, src + 2 * i, 2); dst[i] = fp16_bits_to_float(b); break; }
-      case DType::kFP32: { float f; std::memcpy(&f, src + 4 * i, 4); dst[i] = f; break; }
-      case DType::kFP64: std::memcpy(dst + i, src + 8 * i, 8); break;
-      default: detail::throw_error("to_reference_weights: dtype ", dtype_name(t), " is not a weight dtype");
-    }
-  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = detail::load_element(t, src, i);
 }
 
 std::vector<double*>& table(ref::ExpertParams& p, Param param) {

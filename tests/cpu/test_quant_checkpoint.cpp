@@ -27,6 +27,7 @@ namespace {
 using ::moe::testing::add_grouped;
 using ::moe::testing::add_per_expert;
 using ::moe::testing::expect_error_naming;
+using ::moe::testing::expect_values;
 using ::moe::testing::expert_matrices;
 
 QuantConfig config(QuantFormat f, QuantBlocking b, ScaleLayout l = ScaleLayout::kRowMajor, bool rowwise = true,
@@ -655,19 +656,6 @@ std::vector<float> decoded(const QuantConfig& c, const std::vector<uint16_t>& x,
     v.insert(v.end(), d.begin(), d.end());
   }
   return v;
-}
-
-void expect_values(const HostTensor& t, DType dt, const std::vector<float>& want, const std::string& key) {
-  ASSERT_EQ(t.dtype(), dt) << key;
-  ASSERT_EQ(t.numel(), static_cast<int64_t>(want.size())) << key;
-  size_t bad = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const float got = dt == DType::kFP32 ? reinterpret_cast<const float*>(t.data())[i]
-                                         : bf16_bits_to_float(reinterpret_cast<const uint16_t*>(t.data())[i]);
-    const float w = dt == DType::kFP32 ? want[i] : round_to_bf16(want[i]);
-    bad += !(got == w || (std::isnan(got) && std::isnan(w)));
-  }
-  EXPECT_EQ(bad, 0u) << key;
 }
 
 TEST(QuantCheckpoint, DequantizeWritesTheValuesTheLayersDecodeTo) {

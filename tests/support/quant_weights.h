@@ -92,4 +92,27 @@ inline void add_grouped_layer(StateDict& sd, Metadata& meta, const std::string& 
   set_quant_metadata(meta, prefix + "fc2.weight", c);
 }
 
+// Dequantized tensors (convert's dequantize): every value of t, of dtype dt (fp32, or bf16: `want`
+// rounded once), equals want's (NaN where want is NaN).
+inline void expect_values(const HostTensor& t, DType dt, const std::vector<float>& want, const std::string& key) {
+  ASSERT_EQ(t.dtype(), dt) << key;
+  ASSERT_EQ(t.numel(), static_cast<int64_t>(want.size())) << key;
+  size_t bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const float got = dt == DType::kFP32 ? reinterpret_cast<const float*>(t.data())[i]
+                                         : bf16_bits_to_float(reinterpret_cast<const uint16_t*>(t.data())[i]);
+    const float w = dt == DType::kFP32 ? want[i] : round_to_bf16(want[i]);
+    bad += !(got == w || (std::isnan(got) && std::isnan(w)));
+  }
+  EXPECT_EQ(bad, 0u) << key;
+}
+
+// Nothing quantized left in the Hugging Face form: no F8_E4M3 tensor, no "_scale_inv" key.
+inline void expect_no_fp8_left(const StateDict& sd) {
+  for (const auto& [k, t] : sd) {
+    EXPECT_NE(t.dtype(), DType::kFP8E4M3) << k;
+    EXPECT_EQ(k.find("_scale_inv"), std::string::npos) << k;
+  }
+}
+
 }  // namespace moe::testing
