@@ -1,7 +1,7 @@
 """Which activation the Hugging Face experts implementation runs for each experts class (no GPU: the
 classes are built on the CPU and only their gate is read): the clamped gates of DeepSeek-V4, GLM-5-Next,
-Hunyuan v4 and MiniMax-M3 map to clamped-swiglu with the module's own limit (and MiniMax's alpha), and
-a gate the library does not implement is refused by name."""
+Hunyuan v4, MiniMax-M3 and OpenAI's privacy filter map to clamped-swiglu with the module's own limit (and
+the alpha of the latter two), and a gate the library does not implement is refused by name."""
 import importlib
 import types
 
@@ -14,7 +14,8 @@ from moe_engine.integrations.transformers import _activation  # noqa: E402
 H, FFN, E = 64, 32, 4
 LIMIT = 0.3  # not any class's default, so that reading it from the module is what is tested
 
-# family: (module, config class, experts class, config kwargs, expected (alpha, offset))
+# family: (module, config class, experts class, config kwargs, expected (alpha, offset)); the privacy
+# filter's constants are module attributes (not in its config), set on the module below.
 CLAMPED = {
     "deepseek_v4": ("deepseek_v4", "DeepseekV4Config", "DeepseekV4Experts",
                     dict(n_routed_experts=E, moe_intermediate_size=FFN), (1.0, 0.0)),
@@ -23,6 +24,8 @@ CLAMPED = {
     "hy_v4": ("hy_v4", "HYV4Config", "HYV4Experts", dict(n_routed_experts=E, moe_intermediate_size=FFN), (1.0, 0.0)),
     "minimax_m3_vl": ("minimax_m3_vl", "MiniMaxM3VLTextConfig", "MiniMaxM3VLExperts",
                       dict(num_local_experts=E, intermediate_size=FFN, swiglu_alpha=1.5), (1.5, 1.0)),
+    "openai_privacy_filter": ("openai_privacy_filter", "OpenAIPrivacyFilterConfig", "OpenAIPrivacyFilterExperts",
+                              dict(num_local_experts=E, intermediate_size=FFN), (1.5, 1.0)),
 }
 
 
@@ -33,7 +36,10 @@ def experts(family):
         cfg = importlib.import_module(f"transformers.models.{module}.configuration_{module}")
     except ImportError:
         pytest.skip(f"transformers {transformers.__version__} has no {module}")
-    return getattr(mod, cls)(getattr(cfg, cfg_cls)(hidden_size=H, swiglu_limit=LIMIT, **kwargs))
+    experts = getattr(mod, cls)(getattr(cfg, cfg_cls)(hidden_size=H, swiglu_limit=LIMIT, **kwargs))
+    if family == "openai_privacy_filter":
+        experts.alpha, experts.limit = 1.5, LIMIT
+    return experts
 
 
 @pytest.mark.parametrize("family", sorted(CLAMPED))

@@ -140,6 +140,9 @@ CLAMPED_EXPERTS = {
     "hy_v4": (("hy_v4", "HYV4Config", "HYV4Experts"), dict(n_routed_experts=E, moe_intermediate_size=FFN)),
     "minimax_m3_vl": (("minimax_m3_vl", "MiniMaxM3VLTextConfig", "MiniMaxM3VLExperts"),
                       dict(num_local_experts=E, intermediate_size=FFN, swiglu_alpha=1.702)),
+    # GPT-OSS's layout (x @ W, biases) with [gate | up] halves; its limit is a module attribute.
+    "openai_privacy_filter": (("openai_privacy_filter", "OpenAIPrivacyFilterConfig", "OpenAIPrivacyFilterExperts"),
+                              dict(num_local_experts=E, intermediate_size=FFN)),
 }
 
 
@@ -151,6 +154,8 @@ def clamped_experts(case, seed=0, limit=7.0):
     cfg_mod = importlib.import_module(f"transformers.models.{mod_name}.configuration_{mod_name}")
     config = getattr(cfg_mod, cfg_name)(hidden_size=H, swiglu_limit=limit, **kwargs)
     experts = getattr(mod, cls_name)(config).to(DEV, torch.bfloat16)
+    if case == "openai_privacy_filter":
+        experts.limit = limit
     _init_params(experts, seed)
     return experts
 

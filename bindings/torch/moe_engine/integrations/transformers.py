@@ -112,6 +112,7 @@ _CLAMPED_GATES = (
     ("glm5_next", "Glm5NextTextExperts", 1.0, "swiglu_limit", 0.0, False),  # F.silu(gate) * up
     ("hy_v4", "HYV4Experts", 1.0, "swiglu_limit", 0.0, False),              # F.silu(gate) * up
     ("minimax_m3_vl", "MiniMaxM3VLExperts", "swiglu_alpha", "swiglu_limit", 1.0, False),  # GPT-OSS's, on halves
+    ("openai_privacy_filter", "OpenAIPrivacyFilterExperts", "alpha", "limit", 1.0, False),  # the same
 )
 
 
@@ -167,8 +168,9 @@ def _activation(mod, spec, has_gate):
         return
     clamped = _clamped_gate(gate) if gate is not None else None
     if clamped is not None:
-        # DeepSeek-V4, GLM-5-Next, Hunyuan v4: silu(min(gate, L)) * clamp(up, -L, L); MiniMax-M3: GPT-OSS's
-        # gate on the halves. L (and MiniMax's alpha) come from the module, as its own gate reads them.
+        # DeepSeek-V4, GLM-5-Next, Hunyuan v4: silu(min(gate, L)) * clamp(up, -L, L); MiniMax-M3 and OpenAI's
+        # privacy filter: GPT-OSS's gate on the halves. L (and the alpha of the latter two) come from the
+        # module, as its own gate reads them.
         alpha, limit, offset, silu_act = clamped
         if silu_act and _act_kind(getattr(mod, "act_fn", None)) != "silu":
             raise NotImplementedError(
@@ -182,7 +184,7 @@ def _activation(mod, spec, has_gate):
         raise NotImplementedError(
             f"moe_engine: {cls}._apply_gate is a custom gate ({gate.__qualname__}) that moe_engine does not "
             "implement; supported: the default act_fn(gate) * up with SiLU or tanh GELU, GPT-OSS's clamped SwiGLU, "
-            "and the clamped gates of DeepSeek-V4, GLM-5-Next, Hunyuan v4 and MiniMax-M3")
+            "and the clamped gates of DeepSeek-V4, GLM-5-Next, Hunyuan v4, MiniMax-M3 and OpenAI's privacy filter")
     kind = _act_kind(getattr(mod, "act_fn", None))
     if kind == "silu":
         spec.activation = "swiglu"
