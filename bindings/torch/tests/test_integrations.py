@@ -65,6 +65,9 @@ def _init_params(module, seed):
 
 
 H, FFN, E, K = 128, 64, 8, 2
+# The FFN size of the transposed (x @ W) and clamped families: 2 F != H, so that no gate_up is square and
+# a reading that confused H with 2F would not pass.
+FFN_NARROW = 48
 
 # (module, config class, block class), config kwargs
 FAMILIES = {
@@ -79,7 +82,7 @@ FAMILIES = {
                          norm_topk_prob=True, routed_scaling_factor=2.5, moe_intermediate_size=FFN,
                          intermediate_size=2 * FFN)),
     "gpt_oss": (("gpt_oss", "GptOssConfig", "GptOssMLP"),
-                dict(num_local_experts=E, num_experts_per_tok=K, intermediate_size=FFN)),
+                dict(num_local_experts=E, num_experts_per_tok=K, intermediate_size=FFN_NARROW)),
 }
 
 
@@ -134,15 +137,15 @@ def relu2_experts(seed=0):
 # Experts classes with a clamped gate: (module, config class, experts class), config kwargs.
 CLAMPED_EXPERTS = {
     "deepseek_v4": (("deepseek_v4", "DeepseekV4Config", "DeepseekV4Experts"),
-                    dict(n_routed_experts=E, moe_intermediate_size=FFN)),
+                    dict(n_routed_experts=E, moe_intermediate_size=FFN_NARROW)),
     "glm5_next": (("glm5_next", "Glm5NextTextConfig", "Glm5NextTextExperts"),
-                  dict(n_routed_experts=E, moe_intermediate_size=FFN)),
-    "hy_v4": (("hy_v4", "HYV4Config", "HYV4Experts"), dict(n_routed_experts=E, moe_intermediate_size=FFN)),
+                  dict(n_routed_experts=E, moe_intermediate_size=FFN_NARROW)),
+    "hy_v4": (("hy_v4", "HYV4Config", "HYV4Experts"), dict(n_routed_experts=E, moe_intermediate_size=FFN_NARROW)),
     "minimax_m3_vl": (("minimax_m3_vl", "MiniMaxM3VLTextConfig", "MiniMaxM3VLExperts"),
-                      dict(num_local_experts=E, intermediate_size=FFN, swiglu_alpha=1.702)),
+                      dict(num_local_experts=E, intermediate_size=FFN_NARROW, swiglu_alpha=1.702)),
     # GPT-OSS's layout (x @ W, biases) with [gate | up] halves; its limit is a module attribute.
     "openai_privacy_filter": (("openai_privacy_filter", "OpenAIPrivacyFilterConfig", "OpenAIPrivacyFilterExperts"),
-                              dict(num_local_experts=E, intermediate_size=FFN)),
+                              dict(num_local_experts=E, intermediate_size=FFN_NARROW)),
 }
 
 
@@ -350,9 +353,9 @@ def test_hf_gpt_oss_experts_are_transposed_and_checked_in_that_orientation():
     block, _ = hf_block("gpt_oss")
     experts = block.experts
     assert experts.is_transposed  # transformers 5.17: gate_up_proj [E, H, 2F], down_proj [E, F, H]
-    assert tuple(experts.gate_up_proj.shape) == (E, H, 2 * FFN)
+    assert tuple(experts.gate_up_proj.shape) == (E, H, 2 * FFN_NARROW)
     spec = hf.describe(experts)
-    assert spec.transposed and (spec.hidden, spec.ffn, spec.experts, spec.interleave) == (H, FFN, E, 1)
+    assert spec.transposed and (spec.hidden, spec.ffn, spec.experts, spec.interleave) == (H, FFN_NARROW, E, 1)
     # A weight in the other orientation is named, not silently misread.
     experts.down_proj = torch.nn.Parameter(experts.down_proj.detach().transpose(1, 2).contiguous())
     with pytest.raises(ValueError, match=r"down_proj"):
