@@ -55,4 +55,7 @@ void check_device_tensor(const TensorView& t, const char* name, DType dtype, std
 void check_device_tensor(const TensorView& t, const char* name, DType dtype, const std::vector<int64_t>& shape,
                          int alignment = 16);
 
+// Whether two tensors share a byte (a null tensor shares none).
+bool bytes_overlap(const TensorView& a, const TensorView& b);
+
 }  // namespace moe

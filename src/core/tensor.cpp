@@ -110,4 +110,10 @@ void check_device_tensor(const TensorView& t, const char* name, DType dtype, con
   check_pointer(t, name, alignment);
 }
 
+bool bytes_overlap(const TensorView& a, const TensorView& b) {
+  if (a.data == nullptr || b.data == nullptr) return false;
+  const char *pa = static_cast<const char*>(a.data), *pb = static_cast<const char*>(b.data);
+  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+}
+
 }  // namespace moe

@@ -25,12 +25,6 @@ void add_bound_ranges(std::vector<BoundRange>& out, const std::vector<TensorView
   }
 }
 
-bool bytes_overlap(const TensorView& a, const TensorView& b) {
-  if (a.data == nullptr || b.data == nullptr) return false;
-  const char *pa = static_cast<const char*>(a.data), *pb = static_cast<const char*>(b.data);
-  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
-}
-
 std::vector<BoundRange> expert_tensor_ranges(const ExpertTensors& t, bool grads) {
   static const char* const kWeights[] = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
   static const char* const kGrads[] = {"fc1.weight grad", "fc1.bias grad", "fc2.weight grad", "fc2.bias grad"};

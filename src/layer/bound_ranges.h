@@ -21,9 +21,6 @@ struct BoundRange {
 // Appends the non-empty byte ranges of the views bound as `name` (one view: single grouped).
 void add_bound_ranges(std::vector<BoundRange>& out, const std::vector<TensorView>& views, const char* name);
 
-// Whether two tensors share a byte (a null tensor shares none).
-bool bytes_overlap(const TensorView& a, const TensorView& b);
-
 // The non-empty byte ranges of a binding's four tensor lists, named as their arguments ("fc1.weight",
 // ... or, for gradients, "fc1.weight grad", ...).
 std::vector<BoundRange> expert_tensor_ranges(const ExpertTensors& t, bool grads);

@@ -162,6 +162,12 @@ void Router::forward(const TensorView& logits, const TensorView& bias, const Rou
   check_tensor(out.selection_counts, "selection_counts", DType::kInt32, {E});
   check_tensor(out.counts, "counts", DType::kInt32, {E});
   if (out.counts_int64.data) check_tensor(out.counts_int64, "counts_int64", DType::kInt64, {E});
+  // One buffer given as two count outputs would hold whichever the kernel wrote last (the counts
+  // before and after a capacity's drops differ).
+  MOE_CHECK(!bytes_overlap(out.counts, out.selection_counts),
+            "argument 'counts': overlaps 'selection_counts'; the router writes each of its outputs");
+  MOE_CHECK(!bytes_overlap(out.counts_int64, out.selection_counts) && !bytes_overlap(out.counts_int64, out.counts),
+            "argument 'counts_int64': overlaps 'selection_counts' or 'counts'; the router writes each of its outputs");
   if (c.aux_loss_coeff != 0.0f) check_scalar(out.aux_loss, "aux_loss");
   if (c.seq_aux_loss_coeff != 0.0f) check_scalar(out.seq_aux_loss, "seq_aux_loss");
   if (c.z_loss_coeff != 0.0f) check_scalar(out.z_loss, "z_loss");

@@ -934,6 +934,15 @@ TEST(Router, HostCheckedArguments) {
   bad.counts_int64 = TensorView(run.counts.get(), DType::kInt32, {16});
   expect_error_naming([&] { router.forward(run.logits_view(), TensorView(), bad, ew.device_ptr(), nullptr); },
                       "counts_int64");
+  // One buffer given as two count outputs.
+  bad = o;
+  bad.counts = o.selection_counts;
+  expect_error_naming([&] { router.forward(run.logits_view(), TensorView(), bad, ew.device_ptr(), nullptr); },
+                      "counts");
+  bad = o;
+  bad.counts_int64 = TensorView(run.counts.get(), DType::kInt64, {16});  // the int32 counts and past them
+  expect_error_naming([&] { router.forward(run.logits_view(), TensorView(), bad, ew.device_ptr(), nullptr); },
+                      "counts_int64");
   RouterGrads g = run.grads();
   g.d_probs = TensorView(run.dprobs.get(), DType::kFP32, {64, 16});
   expect_error_naming([&] { router.backward(run.logits_view(), o, g, run.dlogits_view(), nullptr); }, "d_probs");
