@@ -227,15 +227,17 @@ Layer dequantized_layer(const StateDict& sd, const std::string& prefix, const st
                         const ConvertOptions& o) {
   int E = o.experts;
   std::map<std::string, std::pair<int64_t, int64_t>> dims;
+  std::vector<QuantizedParamInfo> infos;
   for (const QuantizedParamDecl& d : params) {
-    const QuantizedParamInfo info = inspect_quantized_param(sd, d.key, d.config, E);
+    infos.push_back(inspect_quantized_param(sd, d.key, d.config, E));
+    const QuantizedParamInfo& info = infos.back();
     E = info.experts;
     MOE_CHECK(info.layout == layout_of(o.from), "input declared ", o.from.name(), ", but the experts under '", prefix,
               "' are stored ", info.layout == WeightLayout::kPerExpert ? "per expert" : "single grouped");
     dims[d.key] = {info.rows, info.cols};
   }
   std::vector<std::string> keys = checked_layer_keys(sd, prefix, dims, E, layout_of(o.from));
-  const StateDict plain = detail::dequantized_expert_tensors(sd, prefix, params, E);
+  const StateDict plain = detail::dequantized_expert_tensors(sd, prefix, infos);
   const std::vector<ExpertLayerKeys> found = find_expert_layers(plain, E);
   MOE_CHECK(found.size() == 1 && found[0].prefix == prefix, "state dict: the quantized experts under '", prefix,
             "' do not make one expert layer");

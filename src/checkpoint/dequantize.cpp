@@ -87,15 +87,14 @@ bool is_declared(const std::string& key, const std::vector<QuantizedParamDecl>& 
 }  // namespace
 
 StateDict dequantized_expert_tensors(const StateDict& sd, const std::string& prefix,
-                                     const std::vector<QuantizedParamDecl>& params, int experts) {
-  int E = experts;
+                                     const std::vector<QuantizedParamInfo>& params) {
+  MOE_CHECK(!params.empty(), "convert: no quantized parameter of the experts under '", prefix, "' to decode");
+  const int E = params.front().experts;
   StateDict out;
   std::set<std::string> declared;
-  for (const QuantizedParamDecl& d : params) {
-    const QuantizedParamInfo info = inspect_quantized_param(sd, d.key, d.config, E);
-    E = info.experts;
-    out.emplace(d.key, decoded(sd, info));
-    declared.insert(d.key);
+  for (const QuantizedParamInfo& info : params) {
+    out.emplace(info.key, decoded(sd, info));
+    declared.insert(info.key);
   }
   // The layer's unquantized parameters, in whichever layout they are stored (made grouped below).
   for (Param p : kParams) {

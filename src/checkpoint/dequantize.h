@@ -15,14 +15,13 @@
 
 namespace moe::detail {
 
-// The expert layer under `prefix` whose quantized parameters `params` declares, as unquantized fp32
-// tensors with our key names, single grouped: each declared weight decoded (from its rowwise copy, or
-// its columnwise copy transposed back when it stores no rowwise one); the layer's unquantized
-// parameters (biases, a weight left unquantized) widened to fp32. `experts` = 0 takes E from the
-// tensors. Problems are moe::Errors naming the tensor (inspect_quantized_param), as is a parameter
-// stored in both layouts.
+// The expert layer under `prefix` whose quantized parameters `params` are (as inspect_quantized_param
+// found and checked them, at least one, one E), as unquantized fp32 tensors with our key names, single
+// grouped: each quantized weight decoded (from its rowwise copy, or its columnwise copy transposed back
+// when it stores no rowwise one); the layer's unquantized parameters (biases, a weight left
+// unquantized) widened to fp32. A parameter stored in both layouts is a moe::Error naming it.
 StateDict dequantized_expert_tensors(const StateDict& sd, const std::string& prefix,
-                                     const std::vector<QuantizedParamDecl>& params, int experts);
+                                     const std::vector<QuantizedParamInfo>& params);
 
 // The keys K of sd that dequantize_fp8_block_tensors takes (below; K's scales are K + kFp8ScaleSuffix),
 // without checking their scales.
