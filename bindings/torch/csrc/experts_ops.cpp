@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "csrc/fp8_weight_views.h"
 #include "csrc/handle_registry.h"
 #include "csrc/param_binding.h"
 #include "csrc/torch_interop.h"
@@ -130,6 +131,31 @@ void experts_refresh_fp8_weights(int64_t handle, const std::vector<at::Tensor>& 
   });
 }
 
+// FP8 or emulated: the parts of the quantized weight copies the format stores (fp8_weight_views),
+// for the Python side to clone or to copy loaded bytes into right away.
+std::tuple<std::vector<int64_t>, std::vector<at::Tensor>> experts_fp8_weight_views(int64_t handle) {
+  ExpertsState& s = registry().get(handle);
+  return translate_errors([&] { return fp8_weight_views(s.op); });
+}
+
+// Whether the copies were made since the weights were bound (GroupedExperts::fp8_weights_current).
+bool experts_fp8_weights_current(int64_t handle) {
+  ExpertsState& s = registry().get(handle);
+  return translate_errors([&] { return s.op.fp8_weights_current(); });
+}
+
+// The copies were written through the views: binds the weights (as a forward would) and accepts the
+// copies for them (GroupedExperts::accept_fp8_weights), on the current stream.
+void experts_accept_fp8_weights(int64_t handle, const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
+                              const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2) {
+  ExpertsState& s = registry().get(handle);
+  translate_errors([&] {
+    s.bind_weights(w1, b1, w2, b2);
+    s.op.accept_fp8_weights(current_stream());
+    return 0;
+  });
+}
+
 // The same weights at new addresses between forwards and their backwards (Bound::rebind_weights).
 void experts_rebind_weights(int64_t handle, const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
                             const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2) {
@@ -159,6 +185,11 @@ TORCH_LIBRARY_FRAGMENT(moe_engine, m) {
   m.def("experts_refresh_fp8_weights(int handle, Tensor[] fc1_weight, Tensor[] fc1_bias, Tensor[] fc2_weight, "
         "Tensor[] fc2_bias) -> ()",
         &experts_refresh_fp8_weights);
+  m.def("experts_fp8_weight_views(int handle) -> (int[], Tensor[])", &experts_fp8_weight_views);
+  m.def("experts_fp8_weights_current(int handle) -> bool", &experts_fp8_weights_current);
+  m.def("experts_accept_fp8_weights(int handle, Tensor[] fc1_weight, Tensor[] fc1_bias, Tensor[] fc2_weight, "
+        "Tensor[] fc2_bias) -> ()",
+        &experts_accept_fp8_weights);
   m.def("experts_rebind_weights(int handle, Tensor[] fc1_weight, Tensor[] fc1_bias, Tensor[] fc2_weight, "
         "Tensor[] fc2_bias) -> ()",
         &experts_rebind_weights);

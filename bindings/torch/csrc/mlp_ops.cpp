@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "csrc/fp8_weight_views.h"
 #include "csrc/handle_registry.h"
 #include "csrc/param_binding.h"
 #include "csrc/torch_interop.h"
@@ -138,6 +139,31 @@ void mlp_refresh_fp8_weights(int64_t handle, const std::vector<at::Tensor>& w1, 
   });
 }
 
+// FP8 or emulated: the parts of the quantized weight copies the format stores (fp8_weight_views),
+// for the Python side to clone or to copy loaded bytes into right away.
+std::tuple<std::vector<int64_t>, std::vector<at::Tensor>> mlp_fp8_weight_views(int64_t handle) {
+  MlpState& s = registry().get(handle);
+  return translate_errors([&] { return fp8_weight_views(s.op.experts()); });
+}
+
+// Whether the copies were made since the weights were bound (GroupedExperts::fp8_weights_current).
+bool mlp_fp8_weights_current(int64_t handle) {
+  MlpState& s = registry().get(handle);
+  return translate_errors([&] { return s.op.experts().fp8_weights_current(); });
+}
+
+// The copies were written through the views: binds the weights (as a forward would) and accepts the
+// copies for them (GroupedExperts::accept_fp8_weights), on the current stream.
+void mlp_accept_fp8_weights(int64_t handle, const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
+                              const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2) {
+  MlpState& s = registry().get(handle);
+  translate_errors([&] {
+    s.bind_weights(w1, b1, w2, b2);
+    s.op.experts().accept_fp8_weights(current_stream());
+    return 0;
+  });
+}
+
 // The same weights at new addresses between forwards and their backwards (Bound::rebind_weights).
 void mlp_rebind_weights(int64_t handle, const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
                         const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2) {
@@ -176,6 +202,11 @@ TORCH_LIBRARY_FRAGMENT(moe_engine, m) {
   m.def("mlp_refresh_fp8_weights(int handle, Tensor[] fc1_weight, Tensor[] fc1_bias, Tensor[] fc2_weight, "
         "Tensor[] fc2_bias) -> ()",
         &mlp_refresh_fp8_weights);
+  m.def("mlp_fp8_weight_views(int handle) -> (int[], Tensor[])", &mlp_fp8_weight_views);
+  m.def("mlp_fp8_weights_current(int handle) -> bool", &mlp_fp8_weights_current);
+  m.def("mlp_accept_fp8_weights(int handle, Tensor[] fc1_weight, Tensor[] fc1_bias, Tensor[] fc2_weight, "
+        "Tensor[] fc2_bias) -> ()",
+        &mlp_accept_fp8_weights);
   m.def("mlp_rebind_weights(int handle, Tensor[] fc1_weight, Tensor[] fc1_bias, Tensor[] fc2_weight, "
         "Tensor[] fc2_bias) -> ()",
         &mlp_rebind_weights);

@@ -60,7 +60,9 @@ default with fp8). `fp8_weight_refresh="every_forward"` quantizes the weights in
 (once per optimizer step, before the first micro-batch). "from_master" (FP8 primary weights): the
 weight parameters are fp32 (the master weights the optimizer updates; biases stay bf16),
 `refresh_fp8_weights()` quantizes them straight from fp32, and the FP8 copies are the only weights
-computed with -- no bf16 weight exists; needs accumulate_into_main_grad=True.
+computed with -- no bf16 weight exists; needs accumulate_into_main_grad=True. `fp8_weights()` gives
+a snapshot of the quantized copies and `load_fp8_weights(tensors)` writes loaded ones into them
+(checkpoint keys, docs/checkpoints.md).
 
 `fp8="mxfp8"` or `fp8="nvfp4"`: the Blackwell formats, **emulated** on Hopper (docs/layer.md,
 emulated MXFP8 / NVFP4). Every GEMM operand is quantized exactly into the codes and scales a
@@ -79,6 +81,9 @@ from ._handles import HandleOwner
 from .state_dict import normalize_expert_keys
 
 _ops = torch.ops.moe_engine
+# The tensors of one quantized weight in moe-engine's checkpoints (docs/checkpoints.md), in the order
+# the library lists them: rowwise data, its scales, columnwise data, its scales, NVFP4's global amax.
+_QUANT_PART_SUFFIXES = ("", "_scale_inv", "_columnwise", "_columnwise_scale_inv", "_amax")
 _GATED = {"swiglu", "geglu", "clamped-swiglu"}
 _ORDER = (("fc2", "weight"), ("fc2", "bias"), ("fc1", "weight"), ("fc1", "bias"))
 
@@ -281,6 +286,60 @@ class _ExpertModule(HandleOwner, nn.Module):
         # recomputes the forward).
         return self.fp8 is None or getattr(self, "recompute", False)
 
+    # -- quantized weight copies (fp8) ----------------------------------------------------------
+    def _op(self, name):
+        return getattr(_ops, f"{self._OP_PREFIX}_{name}")
+
+    def _fp8_weight_views(self, method):
+        """{key: view} of the copies' parts the format stores. The views are over the library object's
+        own memory and do not keep it alive: used within the calling method only."""
+        if self.fp8 is None:
+            raise ValueError(f"{method}: the layer does not quantize its weights (fp8=None)")
+        parts, views = self._op("fp8_weight_views")(self._handle)
+        names = [f"{self._OWNER_NAMES[p]}.weight{suffix}" for p in ("fc1", "fc2") for suffix in _QUANT_PART_SUFFIXES]
+        return {names[i]: v for i, v in zip(parts, views)}
+
+    def fp8_weights(self):
+        """fp8: the quantized weight copies the GEMMs compute with, as tensors of their own (a snapshot,
+        e.g. to save beside or instead of the bf16 weights), keyed as moe-engine's checkpoints store
+        them (docs/checkpoints.md): "fc1.weight" (rowwise data, [E, fc1_out, H]), "fc1.weight_scale_inv",
+        "fc1.weight_columnwise", "fc1.weight_columnwise_scale_inv", the same for fc2, and "..._amax"
+        with nvfp4 (block: float8_e4m3fn data with float32 scales; mxfp8: float8_e8m0fnu scales;
+        nvfp4: uint8 data, two values a byte, float8_e4m3fn scales). Refused before copies were made
+        for the bound weights (refresh_fp8_weights(), or a forward with fp8_weight_refresh=
+        "every_forward")."""
+        views = self._fp8_weight_views("fp8_weights")
+        if not self._op("fp8_weights_current")(self._handle):
+            raise ValueError("fp8_weights: no quantized copies of the current weights yet; call "
+                             "refresh_fp8_weights() (or run a forward with fp8_weight_refresh=\"every_forward\")")
+        return {name: view.clone() for name, view in views.items()}
+
+    def load_fp8_weights(self, tensors, prefix=""):
+        """fp8 with fp8_weight_refresh="on_request" or "from_master": writes quantized weights -- a
+        snapshot of fp8_weights(), or a checkpoint's tensors under the same keys after `prefix` -- into
+        the copies the GEMMs compute with, which then count as refreshed: the forwards and backwards
+        that follow use them bit for bit until the next refresh_fp8_weights(). Every key the format
+        stores is required with its dtype and shape (KeyError / ValueError naming it; checked before
+        any byte is written); other keys are ignored. The bf16 (or fp32 master) weights are left as
+        they are: load them too if a later refresh_fp8_weights() is to start from the same values."""
+        views = self._fp8_weight_views("load_fp8_weights")
+        if self.fp8_weight_refresh == "every_forward":
+            raise ValueError("load_fp8_weights: with fp8_weight_refresh=\"every_forward\" each forward quantizes "
+                             "the weights again; use \"on_request\" or \"from_master\"")
+        missing = [prefix + name for name in views if prefix + name not in tensors]
+        if missing:
+            raise KeyError(f"load_fp8_weights: missing {missing}")
+        for name, view in views.items():
+            t = tensors[prefix + name]
+            if not isinstance(t, torch.Tensor) or t.dtype != view.dtype or t.shape != view.shape:
+                got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"argument 'tensors': '{prefix}{name}': expected {view.dtype} {list(view.shape)}, "
+                                 f"got {got}")
+        with torch.no_grad():
+            for name, view in views.items():
+                view.copy_(tensors[prefix + name])
+            self._op("accept_fp8_weights")(self._handle, *self._param_lists())
+
     def _normalize_keys(self, state_dict, prefix, *args, **kwargs):
         normalize_expert_keys(state_dict, prefix, self.num_experts, self.per_expert_weights,
                               params=(self._OWNER_NAMES["fc1"], self._OWNER_NAMES["fc2"]))
@@ -367,6 +426,7 @@ class _ExpertModule(HandleOwner, nn.Module):
 
 
 class GroupedMLP(_ExpertModule):
+    _OP_PREFIX = "mlp"
     _DESTROY = "mlp_destroy"
 
     def __init__(self, hidden_size, ffn_hidden_size, num_experts, topk, max_tokens, activation="swiglu",
@@ -378,6 +438,7 @@ class GroupedMLP(_ExpertModule):
         super().__init__()
         _check_fp8_options(fp8, fp8_weight_refresh, accumulate_into_main_grad)
         self.fp8 = fp8
+        self.fp8_weight_refresh = fp8_weight_refresh
         self.token_chunks = token_chunks
         if fp8 is not None:
             # The quantized experts run the unfused path on expert rows aligned to their blocks.
@@ -449,6 +510,7 @@ class GroupedExperts(_ExpertModule):
     is skipped). fp8="mxfp8" / "nvfp4" (emulated) take any groups: each expert's rows are quantized
     as a matrix of their own (whole blocks when they start on multiples of 32 / 16)."""
 
+    _OP_PREFIX = "experts"
     _DESTROY = "experts_destroy"
 
     def __init__(self, hidden_size, ffn_hidden_size, num_experts, max_rows, activation="swiglu",
@@ -459,6 +521,7 @@ class GroupedExperts(_ExpertModule):
         super().__init__()
         _check_fp8_options(fp8, fp8_weight_refresh, accumulate_into_main_grad)
         self.fp8 = fp8
+        self.fp8_weight_refresh = fp8_weight_refresh
         self.probs_at_combine = probs_at_combine
         self._make_handle("experts_create", hidden_size, ffn_hidden_size, num_experts, max_rows, activation,
                           glu_interleave, clamp_alpha, clamp_limit, clamp_offset, bias, probs_at_combine,
