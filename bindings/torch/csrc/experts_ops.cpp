@@ -138,16 +138,21 @@ std::tuple<std::vector<int64_t>, std::vector<at::Tensor>> experts_fp8_weight_vie
   return translate_errors([&] { return fp8_weight_views(s.op); });
 }
 
-// Whether the copies were made since the weights were bound (GroupedExperts::fp8_weights_current).
-bool experts_fp8_weights_current(int64_t handle) {
+// Binds the weights (as a forward would: parameters that moved are a new binding) and tells whether
+// the copies were made for them (GroupedExperts::fp8_weights_current).
+bool experts_fp8_weights_current(int64_t handle, const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
+                                 const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2) {
   ExpertsState& s = registry().get(handle);
-  return translate_errors([&] { return s.op.fp8_weights_current(); });
+  return translate_errors([&] {
+    s.bind_weights(w1, b1, w2, b2);
+    return s.op.fp8_weights_current();
+  });
 }
 
 // The copies were written through the views: binds the weights (as a forward would) and accepts the
 // copies for them (GroupedExperts::accept_fp8_weights), on the current stream.
 void experts_accept_fp8_weights(int64_t handle, const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
-                              const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2) {
+                                const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2) {
   ExpertsState& s = registry().get(handle);
   translate_errors([&] {
     s.bind_weights(w1, b1, w2, b2);
@@ -186,7 +191,9 @@ TORCH_LIBRARY_FRAGMENT(moe_engine, m) {
         "Tensor[] fc2_bias) -> ()",
         &experts_refresh_fp8_weights);
   m.def("experts_fp8_weight_views(int handle) -> (int[], Tensor[])", &experts_fp8_weight_views);
-  m.def("experts_fp8_weights_current(int handle) -> bool", &experts_fp8_weights_current);
+  m.def("experts_fp8_weights_current(int handle, Tensor[] fc1_weight, Tensor[] fc1_bias, Tensor[] fc2_weight, "
+        "Tensor[] fc2_bias) -> bool",
+        &experts_fp8_weights_current);
   m.def("experts_accept_fp8_weights(int handle, Tensor[] fc1_weight, Tensor[] fc1_bias, Tensor[] fc2_weight, "
         "Tensor[] fc2_bias) -> ()",
         &experts_accept_fp8_weights);

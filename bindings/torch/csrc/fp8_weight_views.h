@@ -16,10 +16,6 @@
 
 namespace moe::torch_ext {
 
-// Parts per quantized weight, in QuantizedTensor's order: rowwise data, its scales, columnwise data,
-// its scales, NVFP4's global amax. Part i of the layer is part i % 5 of fc1.weight (i < 5) or fc2.weight.
-constexpr int64_t kQuantizedWeightParts = 5;
-
 // The PyTorch dtype of a copy's bytes: packed FP4 as bytes (two values each, low nibble first).
 inline at::ScalarType copy_scalar_type(DType t) {
   switch (t) {
@@ -33,7 +29,9 @@ inline at::ScalarType copy_scalar_type(DType t) {
   detail::throw_error("fp8_weights: a quantized copy of dtype ", dtype_name(t), " has no PyTorch dtype");
 }
 
-// The indices of the parts the layer's format stores, and a view of each.
+// The indices of the parts the layer's format stores, and a view of each. A weight has five parts, in
+// QuantizedTensor's order (rowwise data, its scales, columnwise data, its scales, NVFP4's global
+// amax): part i is part i % 5 of fc1.weight (i < 5) or of fc2.weight.
 inline std::tuple<std::vector<int64_t>, std::vector<at::Tensor>> fp8_weight_views(const GroupedExperts& experts) {
   std::vector<int64_t> parts;
   std::vector<at::Tensor> views;

@@ -296,7 +296,8 @@ class _ExpertModule(HandleOwner, nn.Module):
         if self.fp8 is None:
             raise ValueError(f"{method}: the layer does not quantize its weights (fp8=None)")
         parts, views = self._op("fp8_weight_views")(self._handle)
-        names = [f"{self._OWNER_NAMES[p]}.weight{suffix}" for p in ("fc1", "fc2") for suffix in _QUANT_PART_SUFFIXES]
+        # The checkpoints' names (docs/checkpoints.md), whatever the subclass calls its submodules.
+        names = [f"{p}.weight{suffix}" for p in ("fc1", "fc2") for suffix in _QUANT_PART_SUFFIXES]
         return {names[i]: v for i, v in zip(parts, views)}
 
     def fp8_weights(self):
@@ -305,11 +306,12 @@ class _ExpertModule(HandleOwner, nn.Module):
         them (docs/checkpoints.md): "fc1.weight" (rowwise data, [E, fc1_out, H]), "fc1.weight_scale_inv",
         "fc1.weight_columnwise", "fc1.weight_columnwise_scale_inv", the same for fc2, and "..._amax"
         with nvfp4 (block: float8_e4m3fn data with float32 scales; mxfp8: float8_e8m0fnu scales;
-        nvfp4: uint8 data, two values a byte, float8_e4m3fn scales). Refused before copies were made
-        for the bound weights (refresh_fp8_weights(), or a forward with fp8_weight_refresh=
-        "every_forward")."""
+        nvfp4: uint8 data, two values a byte, float8_e4m3fn scales). Refused unless copies were made
+        for the parameters as they are bound now (refresh_fp8_weights(), load_fp8_weights(), or with
+        fp8_weight_refresh="every_forward" a forward: the snapshot then holds the weights as of that
+        forward, not changes made in place since)."""
         views = self._fp8_weight_views("fp8_weights")
-        if not self._op("fp8_weights_current")(self._handle):
+        if not self._op("fp8_weights_current")(self._handle, *self._param_lists()):
             raise ValueError("fp8_weights: no quantized copies of the current weights yet; call "
                              "refresh_fp8_weights() (or run a forward with fp8_weight_refresh=\"every_forward\")")
         return {name: view.clone() for name, view in views.items()}
@@ -319,11 +321,14 @@ class _ExpertModule(HandleOwner, nn.Module):
         snapshot of fp8_weights(), or a checkpoint's tensors under the same keys after `prefix` -- into
         the copies the GEMMs compute with, which then count as refreshed: the forwards and backwards
         that follow use them bit for bit until the next refresh_fp8_weights(). Every key the format
-        stores is required with its dtype and shape (KeyError / ValueError naming it; checked before
-        any byte is written); other keys are ignored. The bf16 (or fp32 master) weights are left as
-        they are: load them too if a later refresh_fp8_weights() is to start from the same values."""
+        stores is required with its dtype and shape (KeyError / ValueError naming it; checked, and
+        every part moved to the layer's device, before any byte is written); other keys are ignored.
+        Neither a scale layout nor a GLU interleave can be told from dtypes and shapes: load what was
+        written for this layer's configuration (fp8_weights(), moe-engine's checkpoints). The bf16 (or
+        fp32 master) weights are left as they are: load them too if a later refresh_fp8_weights() is to
+        start from the same values; moving the parameters (a new binding) discards the loaded copies."""
         views = self._fp8_weight_views("load_fp8_weights")
-        if self.fp8_weight_refresh == "every_forward":
+        if getattr(self, "fp8_weight_refresh", "every_forward") == "every_forward":
             raise ValueError("load_fp8_weights: with fp8_weight_refresh=\"every_forward\" each forward quantizes "
                              "the weights again; use \"on_request\" or \"from_master\"")
         missing = [prefix + name for name in views if prefix + name not in tensors]
@@ -336,8 +341,11 @@ class _ExpertModule(HandleOwner, nn.Module):
                 raise ValueError(f"argument 'tensors': '{prefix}{name}': expected {view.dtype} {list(view.shape)}, "
                                  f"got {got}")
         with torch.no_grad():
+            # Every part on the device first, so that a tensor that cannot move fails before the
+            # copies hold some new parts and some old (they would still count as current).
+            staged = {name: tensors[prefix + name].to(view.device) for name, view in views.items()}
             for name, view in views.items():
-                view.copy_(tensors[prefix + name])
+                view.copy_(staged[name])
             self._op("accept_fp8_weights")(self._handle, *self._param_lists())
 
     def _normalize_keys(self, state_dict, prefix, *args, **kwargs):
