@@ -1,8 +1,15 @@
-"""Hugging Face transformers (5.x) experts implementation "moe_engine".
+"""Hugging Face transformers (5.x) experts implementations "moe_engine" and "moe_engine_fp8".
 
-    import moe_engine.integrations.transformers          # registers "moe_engine" on import
+    import moe_engine.integrations.transformers          # registers both names on import
     model = AutoModelForCausalLM.from_pretrained(..., dtype=torch.bfloat16, experts_implementation="moe_engine")
     model.set_experts_implementation("moe_engine")       # or switch an existing model
+
+"moe_engine_fp8" runs the experts' six GEMMs in FP8 E4M3 with block scaling (1x128 blocks for
+tokens and gradients, 128x128 for weights: GroupedMLP(fp8="block"), docs/layer.md), the weights
+quantized from the module's parameters in every forward, so they may change between steps as they
+like; parameters, inputs, outputs and gradients stay as with "moe_engine". It needs the standard
+weight orientation (not GPT-OSS's transposed experts) and hidden and intermediate sizes that are
+multiples of 16.
 
 How transformers dispatches (read in transformers 5.17, src/transformers/integrations/moe.py): the
 experts classes of the MoE models are decorated with `@use_experts_implementation(is_concatenated=,
@@ -57,6 +64,7 @@ from ..module import _bf16_autocast, _fuse_fc1, _weight_addresses, rebind_moved_
 _ops = torch.ops.moe_engine
 
 NAME = "moe_engine"
+NAME_FP8 = "moe_engine_fp8"
 _MIN_TOKENS = 256
 
 
@@ -268,16 +276,17 @@ class _Layer:
     contexts of forwards still waiting for their backward."""
 
     def __init__(self, key, max_tokens, device, spec):
-        H, F, E, k, activation, interleave, alpha, limit, offset, bias, transposed, _ = key
+        H, F, E, k, activation, interleave, alpha, limit, offset, bias, transposed, _, fp8 = key
         self.key, self.max_tokens, self.topk = key, max_tokens, k
         # The fused fc1 where GroupedMLP's default takes it (F <= 2048), keeping x_perm and the
         # unfused fc2 dgrad; it reads the [E, out, in] orientation only, so transposed experts run the
-        # unfused path.
-        fuse_fc1 = _fuse_fc1(None, F, E) and not transposed
+        # unfused path. FP8: the unfused path on expert rows aligned to the 128-row blocks.
+        fuse_fc1 = _fuse_fc1(None, F, E) and not transposed and fp8 is None
+        align = 128 if fp8 is not None else 0
         with torch.cuda.device(device):
             self.handle = _ops.mlp_create(H, F, E, k, max_tokens, activation, interleave, alpha, limit, offset, bias,
-                                          False, 0, False, -1, False, False, False, False, False, False, fuse_fc1,
-                                          True, False, transposed)
+                                          False, align, False, -1, False, False, False, False, False, False, fuse_fc1,
+                                          True, False, transposed, fp8 or "none")
         self.state_bytes = _ops.mlp_state_bytes(self.handle)
         # bf16 copies of full-precision weights (a model kept in fp32 under autocast), one per tensor that
         # is not bf16, written by each forward. The op binds weights by address at forward and its
@@ -307,8 +316,12 @@ def _round_up_tokens(n):
     return max(_MIN_TOKENS, 1 << max(0, int(n - 1).bit_length()))
 
 
-def _layer_for(mod, spec, tokens, topk, device):
-    key = spec.key(topk)
+def _layer_for(mod, spec, tokens, topk, device, fp8=None):
+    if fp8 is not None and spec.transposed:
+        raise NotImplementedError(
+            f"moe_engine_fp8: {_class_name(mod)} stores its experts transposed (is_transposed, x @ W), which the FP8 "
+            "experts do not read; use experts_implementation=\"moe_engine\"")
+    key = spec.key(topk) + (fp8,)
     layer = _layers.get(mod)
     if layer is not None and layer.key == key and tokens <= layer.max_tokens:
         return layer
@@ -323,11 +336,12 @@ def _layer_for(mod, spec, tokens, topk, device):
     return layer
 
 
-def reserve(experts_module, max_tokens, topk):
+def reserve(experts_module, max_tokens, topk, fp8=None):
     """Makes the experts module's layer for up to `max_tokens` tokens of `topk` experts now (before a
-    CUDA graph capture, or to avoid growing step by step). Returns the token bound."""
+    CUDA graph capture, or to avoid growing step by step); fp8="block" for "moe_engine_fp8". Returns
+    the token bound."""
     spec = describe(experts_module)
-    return _layer_for(experts_module, spec, max_tokens, topk, spec.w1.device).max_tokens
+    return _layer_for(experts_module, spec, max_tokens, topk, spec.w1.device, fp8).max_tokens
 
 
 def layer_tokens(experts_module):
@@ -413,6 +427,15 @@ class _ExpertsFunction(torch.autograd.Function):
 
 def moe_engine_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The "moe_engine" entry of transformers' ALL_EXPERTS_FUNCTIONS (see the module docstring)."""
+    return _experts_forward(self, hidden_states, top_k_index, top_k_weights, None)
+
+
+def moe_engine_fp8_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The "moe_engine_fp8" entry: the same with the GEMMs in FP8 block scaling (see the module docstring)."""
+    return _experts_forward(self, hidden_states, top_k_index, top_k_weights, "block")
+
+
+def _experts_forward(self, hidden_states, top_k_index, top_k_weights, fp8):
     spec = describe(self)
     cls = _class_name(self)
     if hidden_states.dim() != 2 or hidden_states.shape[1] != spec.hidden:
@@ -432,16 +455,17 @@ def moe_engine_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     routing = torch.where(valid, top_k_index, -1).to(torch.int32).contiguous()
     _check_autocast(self, spec)
     x = hidden_states.to(torch.bfloat16).contiguous()
-    layer = _layer_for(self, spec, T, k, spec.w1.device)
+    layer = _layer_for(self, spec, T, k, spec.w1.device, fp8)
     y = _ExpertsFunction.apply(layer, x, routing, probs, *spec.tensors())
     return y.to(hidden_states.dtype)
 
 
 def register():
-    """Adds "moe_engine" to transformers' experts implementations (ALL_EXPERTS_FUNCTIONS). Idempotent;
-    called when this module is imported."""
+    """Adds "moe_engine" and "moe_engine_fp8" to transformers' experts implementations
+    (ALL_EXPERTS_FUNCTIONS). Idempotent; called when this module is imported."""
     from transformers.integrations.moe import ExpertsInterface
     ExpertsInterface.register(NAME, moe_engine_experts_forward)
+    ExpertsInterface.register(NAME_FP8, moe_engine_fp8_experts_forward)
 
 
 register()
