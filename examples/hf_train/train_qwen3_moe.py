@@ -3,6 +3,10 @@
 the same data, and compare the loss curves and the step time.
 
     python3 examples/hf_train/train_qwen3_moe.py --steps 300 --png loss.png
+    python3 examples/hf_train/train_qwen3_moe.py --implementations grouped_mm moe_engine moe_engine_fp8
+
+The first implementation named is the baseline each other run is compared with; `moe_engine_fp8`
+runs the experts' GEMMs in FP8 block scaling (the expert FFN size must then be a multiple of 16).
 
 The model is Qwen3-MoE's architecture scaled to fit one GPU quickly (the sizes are arguments). The
 data is synthetic text that can be learned: token sequences drawn from a fixed random Markov chain
@@ -67,7 +71,7 @@ def build_model(args):
 
 
 def train(args, implementation, data):
-    import moe_engine.integrations.transformers  # noqa: F401  (registers "moe_engine")
+    import moe_engine.integrations.transformers  # noqa: F401  (registers "moe_engine" and "moe_engine_fp8")
     model = build_model(args)
     model.set_experts_implementation(implementation)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -105,37 +109,46 @@ def main():
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--png", help="write both loss curves to this PNG file")
+    ap.add_argument("--implementations", nargs="+", default=["grouped_mm", "moe_engine"],
+                    help="experts implementations to train with, the first the baseline (also: eager, moe_engine_fp8)")
+    ap.add_argument("--png", help="write the loss curves to this PNG file")
     ap.add_argument("--json", help="write the losses and step times to this JSON file")
     args = ap.parse_args()
 
     nxt, probs = markov_chain(args.vocab, 4, args.seed)
     data = batches(nxt, probs, args.batch, args.seq, args.steps, args.seed + 1)
     floor = chain_entropy(probs)
+    impls = list(dict.fromkeys(args.implementations))
+    if len(impls) < 2:
+        ap.error("argument --implementations: name at least two (the first is the baseline)")
     results = {}
-    for impl in ("grouped_mm", "moe_engine"):
+    for impl in impls:
         losses, ms = train(args, impl, data)
         results[impl] = {"losses": losses, "step_ms": ms}
-        print(f"{impl:>10}: median step {ms:.2f} ms, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+        print(f"{impl:>14}: median step {ms:.2f} ms, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
 
-    a, b = results["grouped_mm"]["losses"], results["moe_engine"]["losses"]
+    base = impls[0]
+    a = results[base]["losses"]
     tail = max(1, len(a) // 5)
-    mean_gap = sum(abs(x - y) for x, y in zip(a[-tail:], b[-tail:])) / tail
-    rel_gap = mean_gap / (sum(a[-tail:]) / tail)
-    speed = results["grouped_mm"]["step_ms"] / results["moe_engine"]["step_ms"]
     print(f"loss floor (chain entropy) {floor:.3f}, log(vocab) {math.log(args.vocab):.3f}")
-    print(f"last {tail} steps: mean |loss difference| {mean_gap:.4f} ({100 * rel_gap:.2f}% of the loss)")
-    print(f"step time: grouped_mm / moe_engine = {speed:.2f}x")
+    for impl in impls[1:]:
+        b = results[impl]["losses"]
+        mean_gap = sum(abs(x - y) for x, y in zip(a[-tail:], b[-tail:])) / tail
+        rel_gap = mean_gap / (sum(a[-tail:]) / tail)
+        speed = results[base]["step_ms"] / results[impl]["step_ms"]
+        results[impl].update({"mean_gap": mean_gap, "rel_gap": rel_gap, "speedup": speed})
+        print(f"{impl} against {base}, last {tail} steps: mean |loss difference| {mean_gap:.4f} "
+              f"({100 * rel_gap:.2f}% of the loss); step time {base} / {impl} = {speed:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "floor": floor, "results": results, "mean_gap": mean_gap,
-                       "rel_gap": rel_gap, "speedup": speed}, f)
+            json.dump({"args": vars(args), "floor": floor, "baseline": base, "results": results}, f)
     if args.png:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        for impl, style in (("grouped_mm", "-"), ("moe_engine", "--")):
+        for i, impl in enumerate(impls):
+            style = ("-", "--", ":", "-.")[i % 4]
             r = results[impl]
             ax.plot(r["losses"], style, label=f"{impl} ({r['step_ms']:.1f} ms/step)")
         ax.axhline(floor, color="gray", lw=0.8, ls=":", label="chain entropy")
