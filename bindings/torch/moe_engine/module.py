@@ -323,7 +323,10 @@ class _ExpertModule(HandleOwner, nn.Module):
         that follow use them bit for bit until the next refresh_fp8_weights(). Every key the format
         stores is required with its dtype and shape (KeyError / ValueError naming it; checked, and
         every part moved to the layer's device, before any byte is written); other keys are ignored.
-        Neither a scale layout nor a GLU interleave can be told from dtypes and shapes: load what was
+        With fp8="block" the columnwise parts may be left out: the 128x128 blocks of the transposed
+        weight are the rowwise blocks transposed, so they are derived from the rowwise data and scales,
+        bit for bit (a checkpoint that stores only `weight` / `weight_scale_inv`, as DeepSeek-V3's
+        does, loads once its experts are stacked). Neither a scale layout nor a GLU interleave can be told from dtypes and shapes: load what was
         written for this layer's configuration (fp8_weights(), moe-engine's checkpoints). The bf16 (or
         fp32 master) weights are left as they are: load them too if a later refresh_fp8_weights() is to
         start from the same values; moving the parameters (a new binding) discards the loaded copies."""
@@ -331,6 +334,7 @@ class _ExpertModule(HandleOwner, nn.Module):
         if getattr(self, "fp8_weight_refresh", "every_forward") == "every_forward":
             raise ValueError("load_fp8_weights: with fp8_weight_refresh=\"every_forward\" each forward quantizes "
                              "the weights again; use \"on_request\" or \"from_master\"")
+        tensors = self._with_columnwise_parts(tensors, prefix, views)
         missing = [prefix + name for name in views if prefix + name not in tensors]
         if missing:
             raise KeyError(f"load_fp8_weights: missing {missing}")
@@ -347,6 +351,20 @@ class _ExpertModule(HandleOwner, nn.Module):
             for name, view in views.items():
                 view.copy_(staged[name])
             self._op("accept_fp8_weights")(self._handle, *self._param_lists())
+
+    def _with_columnwise_parts(self, tensors, prefix, views):
+        """fp8="block": `tensors` with each absent columnwise part (data, scales) derived from its
+        present rowwise part as its last two dimensions transposed (128x128 blocks quantize the same
+        values either way); other formats, or parts given, as they are."""
+        if self.fp8 != "block":
+            return tensors
+        derived = {}
+        for p in ("fc1", "fc2"):
+            for part in ("", "_scale_inv"):
+                col, row = f"{prefix}{p}.weight_columnwise{part}", f"{prefix}{p}.weight{part}"
+                if col[len(prefix):] in views and col not in tensors and isinstance(tensors.get(row), torch.Tensor):
+                    derived[col] = tensors[row].transpose(-1, -2)
+        return {**tensors, **derived} if derived else tensors
 
     def _normalize_keys(self, state_dict, prefix, *args, **kwargs):
         normalize_expert_keys(state_dict, prefix, self.num_experts, self.per_expert_weights,

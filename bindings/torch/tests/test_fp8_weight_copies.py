@@ -107,6 +107,20 @@ def test_load_from_a_checkpoint_dict_with_a_prefix_into_per_expert_experts():
     assert all(_same_bits(v, ckpt["model.layers.3.mlp." + n]) for n, v in ex.fp8_weights().items())
 
 
+def test_block_columnwise_parts_are_derived_from_the_rowwise_ones():
+    """fp8="block" with only the rowwise parts (data and scale_inv, as DeepSeek-V3's checkpoints store
+    weights): the columnwise copies derived by transposition are bitwise the ones the layer's own
+    quantization made."""
+    torch.manual_seed(35)
+    a, b = _mlp("block"), _mlp("block")
+    a.refresh_fp8_weights()
+    snap = a.fp8_weights()
+    b.load_fp8_weights({n: v for n, v in snap.items() if "_columnwise" not in n})
+    assert all(_same_bits(v, snap[n]) for n, v in b.fp8_weights().items())
+    with pytest.raises(KeyError, match="fc1.weight_columnwise"):  # mxfp8's 1x32 blocks do not transpose
+        _mlp("mxfp8").load_fp8_weights({n: v for n, v in snap.items() if "_columnwise" not in n})
+
+
 def test_bad_loads_are_refused_by_name_before_any_byte_is_written():
     torch.manual_seed(34)
     a, b = _mlp("block"), _mlp("block")
