@@ -1,16 +1,16 @@
-"""Train a small Qwen3-MoE model from Hugging Face transformers twice -- with transformers' own
-`experts_implementation="grouped_mm"` and with `"moe_engine"` -- from the same initial weights on
-the same data, and compare the loss curves and the step time.
+"""Train a small Qwen3-MoE model from Hugging Face transformers once per experts implementation --
+by default transformers' own `experts_implementation="grouped_mm"` and `"moe_engine"` -- from the
+same initial weights on the same data, and compare the loss curves and the step time.
 
     python3 examples/hf_train/train_qwen3_moe.py --steps 300 --png loss.png
     python3 examples/hf_train/train_qwen3_moe.py --implementations grouped_mm moe_engine moe_engine_fp8
 
 The first implementation named is the baseline each other run is compared with; `moe_engine_fp8`
-runs the experts' GEMMs in FP8 block scaling (the expert FFN size must then be a multiple of 16).
+runs the experts' GEMMs in FP8 block scaling (hidden and expert FFN sizes multiples of 16).
 
 The model is Qwen3-MoE's architecture scaled to fit one GPU quickly (the sizes are arguments). The
 data is synthetic text that can be learned: token sequences drawn from a fixed random Markov chain
-whose rows are sparse, so the loss falls from log(vocab) towards the chain's entropy. Both runs
+whose rows are sparse, so the loss falls from log(vocab) towards the chain's entropy. All runs
 use bf16 parameters and AdamW; only the experts implementation differs. Needs a Hopper GPU,
 transformers 5.x and the moe_engine package (pip install . in the repository root)."""
 import argparse

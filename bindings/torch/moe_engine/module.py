@@ -326,10 +326,12 @@ class _ExpertModule(HandleOwner, nn.Module):
         With fp8="block" the columnwise parts may be left out: the 128x128 blocks of the transposed
         weight are the rowwise blocks transposed, so they are derived from the rowwise data and scales,
         bit for bit (a checkpoint that stores only `weight` / `weight_scale_inv`, as DeepSeek-V3's
-        does, loads once its experts are stacked). Neither a scale layout nor a GLU interleave can be told from dtypes and shapes: load what was
-        written for this layer's configuration (fp8_weights(), moe-engine's checkpoints). The bf16 (or
-        fp32 master) weights are left as they are: load them too if a later refresh_fp8_weights() is to
-        start from the same values; moving the parameters (a new binding) discards the loaded copies."""
+        does, loads once gate and up are concatenated into fc1 -- F a multiple of 128, so that their
+        scale blocks do not straddle -- and the experts stacked). Neither a scale layout nor a GLU
+        interleave can be told from dtypes and shapes: load what was written for this layer's
+        configuration (fp8_weights(), moe-engine's checkpoints). The bf16 (or fp32 master) weights are
+        left as they are: load them too if a later refresh_fp8_weights() is to start from the same
+        values; moving the parameters (a new binding) discards the loaded copies."""
         views = self._fp8_weight_views("load_fp8_weights")
         if getattr(self, "fp8_weight_refresh", "every_forward") == "every_forward":
             raise ValueError("load_fp8_weights: with fp8_weight_refresh=\"every_forward\" each forward quantizes "

@@ -511,7 +511,8 @@ def test_hf_experts_fp8_are_grouped_mlp_fp8_on_the_modules_weights(case):
     mlp = GroupedMLP(H, spec.ffn, E, K, max_tokens=hf.layer_tokens(experts), activation=spec.activation,
                      glu_interleave=spec.interleave, bias=spec.b1 is not None, clamp_alpha=spec.alpha,
                      clamp_limit=spec.limit, clamp_offset=spec.offset, fp8="block")
-    names = {"fc1.weight": spec.w1_name, "fc2.weight": "down_proj", "fc1.bias": spec.b1_name, "fc2.bias": "down_proj_bias"}
+    names = {"fc1.weight": spec.w1_name, "fc2.weight": "down_proj", "fc1.bias": spec.b1_name,
+             "fc2.bias": "down_proj_bias"}
     params = hf_params(experts)
     with torch.no_grad():
         for n, q in mlp.named_parameters():
@@ -530,8 +531,8 @@ def test_hf_experts_fp8_are_grouped_mlp_fp8_on_the_modules_weights(case):
         assert rel_err(ours[name], v) < FP8_REF_TOL, (name, rel_err(ours[name], v))
 
 
-def test_hf_fp8_refuses_transposed_experts_and_a_model_takes_the_name():
-    transformers, hf = _transformers()
+def test_hf_fp8_refuses_transposed_experts_and_a_block_runs_by_name():
+    hf = _transformers()[1]
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     assert "moe_engine_fp8" in ALL_EXPERTS_FUNCTIONS
     gpt_oss = experts_of("gpt_oss")
@@ -546,7 +547,9 @@ def test_hf_fp8_refuses_transposed_experts_and_a_model_takes_the_name():
     out = out[0] if isinstance(out, tuple) else out
     out.float().sum().backward()
     assert xb.grad is not None and block.experts.gate_up_proj.grad is not None
-    assert hf.layer_tokens(block.experts) >= 80
+    assert hf._layers[block.experts].key[-1] == "block"  # the block ran on an FP8 layer
+    with pytest.raises(ValueError, match="fp8"):
+        hf.reserve(block.experts, 64, K, fp8="mxfp8")
 
 
 def test_hf_model_accepts_the_registered_name():

@@ -329,7 +329,7 @@ def _layer_for(mod, spec, tokens, topk, device, fp8=None):
         raise RuntimeError(
             f"moe_engine: {_class_name(mod)} needs a layer for {tokens} tokens during CUDA graph capture, which "
             "would allocate workspaces; call moe_engine.integrations.transformers.reserve(experts_module, "
-            "max_tokens, topk) before capturing")
+            f"max_tokens, topk{', fp8=' + repr(fp8) if fp8 is not None else ''}) before capturing")
     bound = _round_up_tokens(max(tokens, layer.max_tokens if layer is not None and layer.key == key else 0))
     layer = _Layer(key, bound, device, spec)
     _layers[mod] = layer
@@ -340,6 +340,8 @@ def reserve(experts_module, max_tokens, topk, fp8=None):
     """Makes the experts module's layer for up to `max_tokens` tokens of `topk` experts now (before a
     CUDA graph capture, or to avoid growing step by step); fp8="block" for "moe_engine_fp8". Returns
     the token bound."""
+    if fp8 not in (None, "block"):
+        raise ValueError(f"argument 'fp8': expected None (\"moe_engine\") or 'block' (\"moe_engine_fp8\"), got {fp8!r}")
     spec = describe(experts_module)
     return _layer_for(experts_module, spec, max_tokens, topk, spec.w1.device, fp8).max_tokens
 
