@@ -684,6 +684,67 @@ def test_megatron_matches_per_expert_reference_and_grouped_experts(over, per_exp
     assert torch.equal(plain(x, offsets, probs), out.detach())
 
 
+@pytest.mark.parametrize("per_expert", [True, False])
+def test_megatron_fp8_blockwise_is_grouped_experts_fp8_on_the_128_row_grid(per_expert):
+    """config.fp8 = "e4m3" with fp8_recipe = "blockwise": the experts run GroupedExperts(fp8="block") on
+    the call's groups moved onto the 128-row grid (zero rows with zero probs between them). The same
+    computed by hand on such a grid gives the output and every gradient bit for bit; the bf16 module
+    with the same weights is within the recipe's error (FP8_REF_TOL)."""
+    from moe_engine import GroupedExperts
+    from moe_engine.integrations.megatron import MegatronGroupedMLP
+    mod = MegatronGroupedMLP(ME, megatron_config(fp8="e4m3", fp8_recipe="blockwise"), max_rows=64,
+                             per_expert_weights=per_expert)
+    assert mod.fp8 == "block" and mod.max_rows_on_grid % 128 == 0 and mod.max_rows_on_grid >= 64 + ME * 127
+    randomize(mod, 7)
+    counts = [9, 0, 17, 6]
+    x, tpe, probs, dy = megatron_batch(counts, 8)
+    xr, pr = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    out, _ = mod(xr, tpe, pr)
+    out.backward(dy)
+    mod.check_errors()  # no expert's rows off the 128-row grid
+
+    ref = GroupedExperts(MH, MF, ME, mod.max_rows_on_grid, bias=True, fp8="block")
+    with torch.no_grad():
+        for p, o in (("fc1", "linear_fc1"), ("fc2", "linear_fc2")):
+            getattr(ref, p).weight.copy_(stacked(mod, o, "weight"))
+            getattr(ref, p).bias.copy_(stacked(mod, o, "bias"))
+    starts, grid_starts = [0, 9, 9, 26], [0, 128, 128, 256]
+    dest = torch.cat([torch.arange(g, g + c) for g, c in zip(grid_starts, counts)]).to(DEV)
+    xg = torch.zeros(mod.max_rows_on_grid, MH, device=DEV, dtype=torch.bfloat16)
+    xg[dest] = x
+    pg = torch.zeros(mod.max_rows_on_grid, device=DEV)
+    pg[dest] = probs
+    xg.requires_grad_()
+    pg.requires_grad_()
+    grid = torch.tensor([0, 128, 128, 256, 384], dtype=torch.int32, device=DEV)
+    want = ref(xg, grid, pg)[dest]
+    want.backward(dy)
+    assert torch.equal(out, want)
+    assert torch.equal(xr.grad, xg.grad[dest]) and torch.equal(pr.grad, pg.grad[dest])
+    for p, o in (("fc1", "linear_fc1"), ("fc2", "linear_fc2")):
+        for w in ("weight", "bias"):
+            got = (torch.stack([getattr(getattr(mod, o), f"{w}{i}").grad for i in range(ME)]) if per_expert
+                   else getattr(getattr(mod, o), w).grad)
+            assert torch.equal(got, getattr(getattr(ref, p), w).grad), (o, w)
+
+    bf16 = MegatronGroupedMLP(ME, megatron_config(), max_rows=64, per_expert_weights=per_expert)
+    bf16.load_state_dict(mod.state_dict())
+    assert rel_err(out, bf16(x, tpe, probs)[0]) < FP8_REF_TOL
+
+
+@pytest.mark.parametrize("over,named", [
+    ({"fp8": "e4m3", "fp8_recipe": "delayed"}, "fp8_recipe"),
+    ({"fp8": "hybrid", "fp8_recipe": "blockwise"}, "config.fp8 "),
+    ({"fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_param": True}, "fp8_param"),
+    ({"fp8": "e4m3", "fp8_recipe": "blockwise", "delay_wgrad_compute": True}, "delay_wgrad_compute"),
+    ({"fp4": "nvfp4"}, "fp4"),
+])
+def test_megatron_fp8_options_other_than_blockwise_e4m3_are_refused_by_name(over, named):
+    from moe_engine.integrations.megatron import MegatronGroupedMLP
+    with pytest.raises(NotImplementedError, match=named):
+        MegatronGroupedMLP(ME, megatron_config(**over), max_rows=64)
+
+
 def test_megatron_group_offsets_stay_on_the_device():
     from moe_engine.integrations.megatron import group_offsets
     counts = torch.tensor([3, 0, 5, 2], device=DEV)

@@ -20,9 +20,13 @@ From the TransformerConfig (any object with these attributes; megatron-core is n
   `allreduce` attribute), expert_tensor_parallel_size (or pg_collection.expt_tp: this rank holds
   moe_ffn_hidden_size / ETP features of each expert, fc1's rows [gate shard; linear shard] and fc2's
   columns, and returns partial sums that Megatron's dispatcher reduces, as TE's grouped linears do),
-  moe_latent_size (must be None). Refused with NotImplementedError: latent MoE, expert tensor
-  parallelism with biases, expert GTP weight rematerialization, FP8/FP4 (`fp8`, `fp4`), erf GELU
-  (F.gelu) as a GLU activation.
+  moe_latent_size (must be None), fp8 = "e4m3" with fp8_recipe = "blockwise" (the experts' GEMMs in
+  FP8 block scaling, GroupedExperts(fp8="block"): 1x128 / 128x128 blocks as TransformerEngine's
+  Float8BlockScaling, weights quantized in every forward; each call's expert groups are moved onto
+  the 128-row grid the FP8 weight gradients need and back). Refused with NotImplementedError: latent
+  MoE, expert tensor parallelism with biases, expert GTP weight rematerialization, other FP8 recipes
+  and formats, fp8_param, FP8 with delay_wgrad_compute, FP4 (`fp4`), erf GELU (F.gelu) as a GLU
+  activation.
 
 Parameters are named like TEGroupedLinear's: `linear_fc1.weight0 .. weight{E-1}` ([2F, H]) per
 expert (the default, per_expert_weights=True) or one grouped `linear_fc1.weight` [E, 2F, H]; the same
@@ -138,10 +142,37 @@ def _local_ffn(config, etp):
     return ffn // etp
 
 
+# FP8 blocks need each expert's rows to start on a multiple of this (the weight gradients reduce over
+# 128-token scale blocks); Megatron's dispatcher packs the groups back to back.
+_FP8_ROWS = 128
+
+
+def _fp8_from_config(config):
+    """The experts' quantization from Megatron's FP8 options: "block" for config.fp8 = "e4m3" with
+    config.fp8_recipe = "blockwise" (TransformerEngine's Float8BlockScaling: 1x128 blocks for tokens
+    and gradients, 128x128 for weights, E4M3 throughout); None without config.fp8; anything else is
+    refused by name."""
+    if getattr(config, "fp4", None):
+        raise NotImplementedError("moe_engine: config.fp4 is set; the experts run in bf16 or FP8 block scaling")
+    fmt = getattr(config, "fp8", None)
+    if not fmt:
+        return None
+    recipe = str(getattr(config, "fp8_recipe", "delayed")).lower().split(".")[-1]
+    if recipe != "blockwise":
+        raise NotImplementedError(f"moe_engine: config.fp8_recipe {recipe!r}; the FP8 experts implement the "
+                                  "\"blockwise\" recipe (1x128 / 128x128 blocks, DeepSeek-V3's)")
+    if str(fmt).lower() != "e4m3":
+        raise NotImplementedError(f"moe_engine: config.fp8 {fmt!r}; the blockwise FP8 experts use E4M3 for "
+                                  "tokens, weights and gradients (\"e4m3\")")
+    if getattr(config, "fp8_param", False):
+        raise NotImplementedError("moe_engine: config.fp8_param (FP8 parameters) is not supported; the FP8 experts "
+                                  "quantize their bf16 weights in every forward")
+    if getattr(config, "delay_wgrad_compute", False):
+        raise NotImplementedError("moe_engine: delay_wgrad_compute is not offered with FP8 experts")
+    return "block"
+
+
 def _check_config(config):
-    for flag in ("fp8", "fp4"):
-        if getattr(config, flag, None):
-            raise NotImplementedError(f"moe_engine: config.{flag} is set; the experts run in bf16 only")
     if getattr(config, "moe_latent_size", None) is not None:
         raise NotImplementedError("moe_engine: config.moe_latent_size (latent MoE) is not supported")
     if (getattr(config, "expert_gtp_weight_remat_size", 1) or 1) > 1:
@@ -202,20 +233,26 @@ class MegatronGroupedMLP(GroupedExperts):
             raise ValueError("moe_engine: moe_apply_probs_on_input only works with moe_router_topk=1 (as in Megatron)")
         accumulate = bool(getattr(config, "gradient_accumulation_fusion", False))
         delay = bool(getattr(config, "delay_wgrad_compute", False))
+        fp8 = _fp8_from_config(config)
+        # FP8: each call's groups are moved onto the 128-row grid, which adds up to 127 rows an expert.
+        op_rows = max_rows
+        if fp8 is not None:
+            op_rows = -(-(max_rows + num_local_experts * (_FP8_ROWS - 1)) // _FP8_ROWS) * _FP8_ROWS
         etp = _expert_tp_size(config, pg_collection)
         # Megatron's initialisation replaces the module's own (which would draw from the default CUDA
         # stream) unless init_std is given.
         megatron_init = (init_std is None and getattr(config, "init_method", None) is not None and
                          getattr(config, "perform_initialization", True))
-        super().__init__(config.hidden_size, _local_ffn(config, etp), num_local_experts, max_rows,
+        super().__init__(config.hidden_size, _local_ffn(config, etp), num_local_experts, op_rows,
                          activation=activation, glu_interleave=interleave, bias=bool(config.add_bias_linear),
                          per_expert_weights=per_expert_weights, accumulate_into_main_grad=accumulate, delay_wgrad=delay,
                          clamp_alpha=alpha, clamp_limit=limit, clamp_offset=offset, device=device,
-                         init_std=0.0 if megatron_init else init_std)
+                         init_std=0.0 if megatron_init else init_std, fp8=fp8)
         self.config = config
         self.num_local_experts = num_local_experts
         self.pg_collection = pg_collection  # the expert groups of Megatron's distributed checkpoint
         self.max_rows = max_rows
+        self.max_rows_on_grid = op_rows  # FP8: the rows of one call once its groups are on the 128-row grid
         self.apply_probs_on_input = apply_probs_on_input
         self.expert_tensor_parallel_size = etp
         # TE's expert parameters (extensions/transformer_engine.py, _set_expert_parameter_attributes):
@@ -283,8 +320,29 @@ class MegatronGroupedMLP(GroupedExperts):
             # Megatron: x = (probs * x).to(x.dtype), then probs = 1.
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = torch.ones_like(probs)
-        out = super().forward(x.to(torch.bfloat16).contiguous(), offsets, probs.contiguous())
+        x = x.to(torch.bfloat16).contiguous()
+        if self.fp8 is None:
+            out = super().forward(x, offsets, probs.contiguous())
+        else:
+            out = self._forward_on_fp8_grid(x, offsets, probs)
         return out.to(permuted_local_hidden_states.dtype), None
+
+    def _forward_on_fp8_grid(self, x, offsets, probs):
+        """The FP8 experts on rows moved so that each expert's group starts on a multiple of 128 (zero
+        rows with zero probs between the groups, which add nothing to any output or gradient), then
+        the rows moved back; on the device, without a host sync (graph-safe)."""
+        rows, E = x.shape[0], self.num_experts
+        counts = offsets[1:] - offsets[:-1]
+        padded = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
+        torch.cumsum((counts + _FP8_ROWS - 1) // _FP8_ROWS * _FP8_ROWS, 0, dtype=torch.int32, out=padded[1:])
+        # Row r of group e moves by padded[e] - offsets[e]; rows past the last group (in no group, so
+        # neither read nor written, as without FP8) follow the last padded group.
+        r = torch.arange(rows, dtype=torch.int32, device=x.device)
+        group = torch.searchsorted(offsets[1:], r, right=True)
+        dest = r.long() + (padded - offsets).long()[group]
+        x_grid = x.new_zeros(self.max_rows_on_grid, x.shape[1]).index_copy(0, dest, x)
+        p_grid = probs.new_zeros(self.max_rows_on_grid).index_copy(0, dest, probs.contiguous())
+        return super().forward(x_grid, padded, p_grid).index_select(0, dest)
 
     # -- Megatron DDP interplay ----------------------------------------------------------------
     def _after_backward(self, run_backward, keep_for_dw):
