@@ -730,6 +730,10 @@ def test_megatron_fp8_blockwise_is_grouped_experts_fp8_on_the_128_row_grid(per_e
     bf16 = MegatronGroupedMLP(ME, megatron_config(), max_rows=64, per_expert_weights=per_expert)
     bf16.load_state_dict(mod.state_dict())
     assert rel_err(out, bf16(x, tpe, probs)[0]) < FP8_REF_TOL
+    # A call above max_rows is refused by name (the grid would otherwise hold it silently, or not at all).
+    with pytest.raises(ValueError, match="max_rows"):
+        mod(torch.zeros(65, MH, device=DEV, dtype=torch.bfloat16), torch.tensor([65, 0, 0, 0], device=DEV),
+            torch.ones(65, device=DEV))
 
 
 @pytest.mark.parametrize("over,named", [
@@ -737,6 +741,8 @@ def test_megatron_fp8_blockwise_is_grouped_experts_fp8_on_the_128_row_grid(per_e
     ({"fp8": "hybrid", "fp8_recipe": "blockwise"}, "config.fp8 "),
     ({"fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_param": True}, "fp8_param"),
     ({"fp8": "e4m3", "fp8_recipe": "blockwise", "delay_wgrad_compute": True}, "delay_wgrad_compute"),
+    ({"fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_wgrad": False}, "fp8_wgrad"),
+    ({"fp8": "e4m3", "fp8_recipe": "blockwise", "first_last_layers_bf16": True}, "first_last_layers_bf16"),
     ({"fp4": "nvfp4"}, "fp4"),
 ])
 def test_megatron_fp8_options_other_than_blockwise_e4m3_are_refused_by_name(over, named):

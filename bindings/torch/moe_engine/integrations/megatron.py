@@ -25,8 +25,8 @@ From the TransformerConfig (any object with these attributes; megatron-core is n
   Float8BlockScaling, weights quantized in every forward; each call's expert groups are moved onto
   the 128-row grid the FP8 weight gradients need and back). Refused with NotImplementedError: latent
   MoE, expert tensor parallelism with biases, expert GTP weight rematerialization, other FP8 recipes
-  and formats, fp8_param, FP8 with delay_wgrad_compute, FP4 (`fp4`), erf GELU (F.gelu) as a GLU
-  activation.
+  and formats, fp8_param, fp8_wgrad = False, first_last_layers_bf16, FP8 with delay_wgrad_compute,
+  FP4 (`fp4`), erf GELU (F.gelu) as a GLU activation.
 
 Parameters are named like TEGroupedLinear's: `linear_fc1.weight0 .. weight{E-1}` ([2F, H]) per
 expert (the default, per_expert_weights=True) or one grouped `linear_fc1.weight` [E, 2F, H]; the same
@@ -59,8 +59,8 @@ Checkpoints (plain state dicts; `load_state_dict` and the helpers below): groupe
 (`linear_fc1.weight` <-> `linear_fc1.weight{i}`), and SequentialMLP's spelling
 `local_experts.{i}.linear_fc1.weight` in either direction of the load. The linears' `_extra_state`
 entries (None from Megatron's local linears, FP8 scaling metadata from TE's) are dropped on load:
-the experts run in bf16 and keep no such state. Optimizer states keyed by parameter name convert
-the same way (`normalize_optimizer_state`).
+the experts keep no scaling state (FP8 block scales are computed anew in every forward). Optimizer
+states keyed by parameter name convert the same way (`normalize_optimizer_state`).
 
 Megatron's distributed checkpoint (`sharded_state_dict`, which MoELayer calls): the ShardedTensors
 SequentialMLP and TEGroupedMLP write -- each expert at its global index, the GLU halves split as
@@ -164,6 +164,12 @@ def _fp8_from_config(config):
     if str(fmt).lower() != "e4m3":
         raise NotImplementedError(f"moe_engine: config.fp8 {fmt!r}; the blockwise FP8 experts use E4M3 for "
                                   "tokens, weights and gradients (\"e4m3\")")
+    if getattr(config, "fp8_wgrad", True) is False:
+        raise NotImplementedError("moe_engine: config.fp8_wgrad = False (weight gradients in higher precision) is "
+                                  "not offered; the FP8 experts compute their weight gradients in FP8")
+    if getattr(config, "first_last_layers_bf16", False):
+        raise NotImplementedError("moe_engine: config.first_last_layers_bf16 is not supported: the experts module "
+                                  "does not know its layer number, so it cannot run the first and last layers in bf16")
     if getattr(config, "fp8_param", False):
         raise NotImplementedError("moe_engine: config.fp8_param (FP8 parameters) is not supported; the FP8 experts "
                                   "quantize their bf16 weights in every forward")
@@ -332,6 +338,10 @@ class MegatronGroupedMLP(GroupedExperts):
         rows with zero probs between the groups, which add nothing to any output or gradient), then
         the rows moved back; on the device, without a host sync (graph-safe)."""
         rows, E = x.shape[0], self.num_experts
+        if rows > self.max_rows:
+            raise ValueError(f"argument 'permuted_local_hidden_states': {rows} rows, above max_rows = {self.max_rows}")
+        # The grid for this call (host integers: fixed per captured graph): every group rounded up to 128.
+        grid_rows = min(self.max_rows_on_grid, -(-(rows + E * (_FP8_ROWS - 1)) // _FP8_ROWS) * _FP8_ROWS)
         counts = offsets[1:] - offsets[:-1]
         padded = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
         torch.cumsum((counts + _FP8_ROWS - 1) // _FP8_ROWS * _FP8_ROWS, 0, dtype=torch.int32, out=padded[1:])
@@ -340,8 +350,8 @@ class MegatronGroupedMLP(GroupedExperts):
         r = torch.arange(rows, dtype=torch.int32, device=x.device)
         group = torch.searchsorted(offsets[1:], r, right=True)
         dest = r.long() + (padded - offsets).long()[group]
-        x_grid = x.new_zeros(self.max_rows_on_grid, x.shape[1]).index_copy(0, dest, x)
-        p_grid = probs.new_zeros(self.max_rows_on_grid).index_copy(0, dest, probs.contiguous())
+        x_grid = x.new_zeros(grid_rows, x.shape[1]).index_copy(0, dest, x)
+        p_grid = probs.new_zeros(grid_rows).index_copy(0, dest, probs)
         return super().forward(x_grid, padded, p_grid).index_select(0, dest)
 
     # -- Megatron DDP interplay ----------------------------------------------------------------
