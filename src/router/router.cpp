@@ -3,6 +3,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <iterator>
+#include <utility>
 
 #include "device/cuda_check.h"
 #include "device/device_arena.h"
@@ -124,6 +126,30 @@ struct Router::Impl {
     check_tensor(o.selected, "selected", DType::kInt32, {T, W});
     if (cfg.seq_aux_loss_coeff != 0.0f) check_tensor(o.seq_counts, "seq_counts", DType::kInt32, {sequences(cfg, T), E});
   }
+
+  // No two outputs the forward writes share a byte: one buffer given as two would hold whichever the
+  // kernels wrote last (the counts before and after a capacity's drops, indices and selected, ...).
+  // Outputs the configuration does not write are not looked at.
+  void check_outputs_disjoint(const RouterOutputs& o) const {
+    const bool top_k = cfg.output_form == RoutingForm::kTopK;
+    const std::pair<const char*, const TensorView*> written[] = {
+        {top_k ? "indices" : "map", top_k ? &o.indices : &o.map},
+        {"probs", &o.probs},
+        {"selected", &o.selected},
+        {"selection_counts", &o.selection_counts},
+        {"counts", &o.counts},
+        {"counts_int64", &o.counts_int64},
+        {"seq_counts", cfg.seq_aux_loss_coeff != 0.0f ? &o.seq_counts : nullptr},
+        {"aux_loss", cfg.aux_loss_coeff != 0.0f ? &o.aux_loss : nullptr},
+        {"seq_aux_loss", cfg.seq_aux_loss_coeff != 0.0f ? &o.seq_aux_loss : nullptr},
+        {"z_loss", cfg.z_loss_coeff != 0.0f ? &o.z_loss : nullptr},
+    };
+    for (size_t j = 0; j < std::size(written); ++j)
+      for (size_t i = 0; i < j; ++i)
+        MOE_CHECK(!written[i].second || !written[j].second || !bytes_overlap(*written[j].second, *written[i].second),
+                  "argument '", written[j].first, "': overlaps '", written[i].first,
+                  "'; the router writes each of its outputs");
+  }
 };
 
 Router::Router(const RouterConfig& config) : impl_(std::make_unique<Impl>()) {
@@ -162,15 +188,10 @@ void Router::forward(const TensorView& logits, const TensorView& bias, const Rou
   check_tensor(out.selection_counts, "selection_counts", DType::kInt32, {E});
   check_tensor(out.counts, "counts", DType::kInt32, {E});
   if (out.counts_int64.data) check_tensor(out.counts_int64, "counts_int64", DType::kInt64, {E});
-  // One buffer given as two count outputs would hold whichever the kernel wrote last (the counts
-  // before and after a capacity's drops differ).
-  MOE_CHECK(!bytes_overlap(out.counts, out.selection_counts),
-            "argument 'counts': overlaps 'selection_counts'; the router writes each of its outputs");
-  MOE_CHECK(!bytes_overlap(out.counts_int64, out.selection_counts) && !bytes_overlap(out.counts_int64, out.counts),
-            "argument 'counts_int64': overlaps 'selection_counts' or 'counts'; the router writes each of its outputs");
   if (c.aux_loss_coeff != 0.0f) check_scalar(out.aux_loss, "aux_loss");
   if (c.seq_aux_loss_coeff != 0.0f) check_scalar(out.seq_aux_loss, "seq_aux_loss");
   if (c.z_loss_coeff != 0.0f) check_scalar(out.z_loss, "z_loss");
+  m.check_outputs_disjoint(out);
 
   kernels::RouterForwardArgs a;
   a.p = m.row_params(logits, c.expert_bias ? bias.ptr<float>() : nullptr);

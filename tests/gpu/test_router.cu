@@ -934,7 +934,11 @@ TEST(Router, HostCheckedArguments) {
   bad.counts_int64 = TensorView(run.counts.get(), DType::kInt32, {16});
   expect_error_naming([&] { router.forward(run.logits_view(), TensorView(), bad, ew.device_ptr(), nullptr); },
                       "counts_int64");
-  // One buffer given as two count outputs.
+  // One buffer given as two outputs.
+  bad = o;
+  bad.selected = o.indices;  // both int32 [64, 2] here
+  expect_error_naming([&] { router.forward(run.logits_view(), TensorView(), bad, ew.device_ptr(), nullptr); },
+                      "selected");
   bad = o;
   bad.counts = o.selection_counts;
   expect_error_naming([&] { router.forward(run.logits_view(), TensorView(), bad, ew.device_ptr(), nullptr); },
