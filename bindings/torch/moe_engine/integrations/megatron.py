@@ -74,7 +74,7 @@ import re
 import torch
 from torch import nn
 
-from ..module import GroupedExperts
+from ..module import _FP8_ALIGN, GroupedExperts
 from ..state_dict import EXPERT_DIMS, normalize_expert_keys, split_experts
 
 _OWNERS = ("linear_fc1", "linear_fc2")
@@ -144,7 +144,12 @@ def _local_ffn(config, etp):
 
 # FP8 blocks need each expert's rows to start on a multiple of this (the weight gradients reduce over
 # 128-token scale blocks); Megatron's dispatcher packs the groups back to back.
-_FP8_ROWS = 128
+_FP8_ROWS = _FP8_ALIGN["block"]
+
+
+def _rows_on_fp8_grid(rows, experts):
+    """The most rows `rows` packed rows of `experts` groups take once each group starts on the grid."""
+    return -(-(rows + experts * (_FP8_ROWS - 1)) // _FP8_ROWS) * _FP8_ROWS
 
 
 def _fp8_from_config(config):
@@ -241,9 +246,7 @@ class MegatronGroupedMLP(GroupedExperts):
         delay = bool(getattr(config, "delay_wgrad_compute", False))
         fp8 = _fp8_from_config(config)
         # FP8: each call's groups are moved onto the 128-row grid, which adds up to 127 rows an expert.
-        op_rows = max_rows
-        if fp8 is not None:
-            op_rows = -(-(max_rows + num_local_experts * (_FP8_ROWS - 1)) // _FP8_ROWS) * _FP8_ROWS
+        op_rows = max_rows if fp8 is None else _rows_on_fp8_grid(max_rows, num_local_experts)
         etp = _expert_tp_size(config, pg_collection)
         # Megatron's initialisation replaces the module's own (which would draw from the default CUDA
         # stream) unless init_std is given.
@@ -341,7 +344,7 @@ class MegatronGroupedMLP(GroupedExperts):
         if rows > self.max_rows:
             raise ValueError(f"argument 'permuted_local_hidden_states': {rows} rows, above max_rows = {self.max_rows}")
         # The grid for this call (host integers: fixed per captured graph): every group rounded up to 128.
-        grid_rows = min(self.max_rows_on_grid, -(-(rows + E * (_FP8_ROWS - 1)) // _FP8_ROWS) * _FP8_ROWS)
+        grid_rows = min(self.max_rows_on_grid, _rows_on_fp8_grid(rows, E))
         counts = offsets[1:] - offsets[:-1]
         padded = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
         torch.cumsum((counts + _FP8_ROWS - 1) // _FP8_ROWS * _FP8_ROWS, 0, dtype=torch.int32, out=padded[1:])
