@@ -35,8 +35,11 @@ const char* param_name(Param p);  // "fc1.weight", ...
 // Quantized compute of the experts (docs/layer.md, FP8). kBlock: every GEMM operand is quantized
 // to FP8 E4M3 with block scaling (1x128 blocks for tokens, 128x128 for weights, fp32 scales, the
 // recipe of TransformerEngine's Float8BlockScaling / DeepSeek-V3) and the FP8 grouped GEMMs run;
-// h, the activation, the bias and all gradients between the GEMMs stay bf16.
-enum class Fp8Recipe : uint8_t { kNone, kBlock };
+// h, the activation, the bias and all gradients between the GEMMs stay bf16. kBlockPow2: the same
+// with every scale rounded down to a power of two (each block's amax then maps at or below the E4M3
+// maximum; the scaling itself is exact) -- what TransformerEngine's Float8BlockScaling computes
+// by default (unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1), so the two quantize every operand alike.
+enum class Fp8Recipe : uint8_t { kNone, kBlock, kBlockPow2 };
 
 // When the FP8 experts quantize their bf16 weights. kEveryForward: every forward (and recompute)
 // does, so the copies always match the weights (a read of the weights and a write of two FP8 copies

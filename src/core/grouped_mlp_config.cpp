@@ -85,7 +85,7 @@ void validate_fp8(Fp8Recipe fp8, EmulatedQuant emulated, Fp8WeightRefresh refres
             "config 'fp8_weight_refresh': from master (quantized primary weights) needs quantized experts (config ",
             "'fp8' or 'emulated')");
   if (fp8 == Fp8Recipe::kNone) return;
-  MOE_CHECK(fp8 == Fp8Recipe::kBlock, "config 'fp8': unknown recipe ", int(fp8));
+  MOE_CHECK(fp8 == Fp8Recipe::kBlock || fp8 == Fp8Recipe::kBlockPow2, "config 'fp8': unknown recipe ", int(fp8));
   MOE_CHECK(hidden % 16 == 0 && ffn % 16 == 0, "config 'fp8': FP8 operands need hidden and ffn multiples of 16 ",
             "(16-byte rows), got ", hidden, " and ", ffn);
   MOE_CHECK(!fuse_fc1 && !fuse_fc2_dgrad, "config 'fp8': the FP8 experts run the unfused path; set fuse_fc1 and ",

@@ -14,13 +14,15 @@ namespace {
 constexpr int64_t kBlock = 128;
 int64_t blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
-// Weights: 128x128 blocks, both copies, row-major scales. Tokens: 1x128 blocks, both copies'
+// Weights: 128x128 blocks, both copies, row-major scales; with pow2, every scale a power of two
+// (Fp8Recipe::kBlockPow2; the layouts do not depend on it). Tokens: 1x128 blocks, both copies'
 // scales kMNMajor: the rowwise copy's [ceil(cols / 128), round_up(rows, 4)] (fprop / dgrad; each
 // tile's scales of a block contiguous, copied by the GEMM's TMA engine), the columnwise copy's
 // [ceil(rows / 128), cols] (the weight gradient; cols is a multiple of 16, so no padding).
-QuantConfig fp8_config(QuantBlocking blocking, bool rowwise, bool columnwise) {
+QuantConfig fp8_config(QuantBlocking blocking, bool rowwise, bool columnwise, bool pow2 = false) {
   QuantConfig c;
   c.format = QuantFormat::kFP8Block;
+  c.pow2_scale = pow2;
   c.blocking = blocking;
   c.rowwise = rowwise;
   c.columnwise = columnwise;
@@ -89,7 +91,10 @@ void Fp8ExpertsRecipe::bind_weights(const std::vector<TensorView>& fc1, const st
   w_[1].source = fc2;
 }
 
-QuantConfig Fp8ExpertsRecipe::weight_config() { return fp8_config(QuantBlocking::k2D, true, true); }
+QuantConfig Fp8ExpertsRecipe::weight_config() const { return fp8_config(QuantBlocking::k2D, true, true, pow2()); }
+QuantConfig Fp8ExpertsRecipe::token_config(bool rowwise, bool columnwise) const {
+  return fp8_config(QuantBlocking::k1D, rowwise, columnwise, pow2());
+}
 
 QuantizedTensor Fp8ExpertsRecipe::weight_copies(int fc) const {
   const Weight& w = w_[fc - 1];
@@ -131,14 +136,14 @@ void Fp8ExpertsRecipe::quantize(const TensorView& a, bool rowwise, uint8_t* col,
                                 cudaStream_t s) const {
   // Both copies come from one read of `a` (each with its own scale layout).
   const QuantizedTensor q = token_copies(a.shape[0], a.shape[1], rowwise, col, col_scale);
-  if (rowwise || col != nullptr) moe::quantize(fp8_config(QuantBlocking::k1D, rowwise, col != nullptr), a, q, s);
+  if (rowwise || col != nullptr) moe::quantize(token_config(rowwise, col != nullptr), a, q, s);
 }
 
 void Fp8ExpertsRecipe::quantize_gathered(const TensorView& x, const TensorView& row_slots, int slots, bool rowwise,
                                          uint8_t* col, float* col_scale, uint32_t* error_word, cudaStream_t s) const {
   const QuantizedTensor q = token_copies(row_slots.shape[0], x.shape[1], rowwise, col, col_scale);
   if (rowwise || col != nullptr)
-    moe::quantize_gathered(fp8_config(QuantBlocking::k1D, rowwise, col != nullptr), x, row_slots, slots, q, error_word,
+    moe::quantize_gathered(token_config(rowwise, col != nullptr), x, row_slots, slots, q, error_word,
                            s);
 }
 
@@ -148,7 +153,7 @@ void Fp8ExpertsRecipe::quantize_activation(const ActivationParams& params, const
   const QuantizedTensor q = token_copies(h.shape[0], cfg_.ffn, rowwise, col, col_scale);
   if (rowwise || col != nullptr)
     activation_forward_quantized(params, h, probs, group_offsets,
-                                 fp8_config(QuantBlocking::k1D, rowwise, col != nullptr), q, s);
+                                 token_config(rowwise, col != nullptr), q, s);
 }
 
 bool Fp8ExpertsRecipe::fused_activation_grad() const {
@@ -163,7 +168,7 @@ void Fp8ExpertsRecipe::quantize_activation_grad(const ActivationParams& params, 
             "configuration (see fused_activation_grad)");
   const QuantizedTensor q = token_copies(h.shape[0], cfg_.fc1_out(), /*rowwise=*/true, col_, col_scale_);
   activation_backward_quantized(params, h, probs, d_out, group_offsets,
-                                fp8_config(QuantBlocking::k1D, /*rowwise=*/true, /*columnwise=*/true), q, dprobs,
+                                token_config(/*rowwise=*/true, /*columnwise=*/true), q, dprobs,
                                 TensorView(grad_partials_, DType::kFP32, {grad_partials_count_}), s);
 }
 

@@ -54,9 +54,9 @@ class Fp8ExpertsRecipe {
   void bind_weights(const std::vector<TensorView>& fc1_weight, const std::vector<TensorView>& fc2_weight);
   void quantize_weights(cudaStream_t stream) const;
   // Views of fc (1 or 2)'s quantized copies (see GroupedExperts::fp8_weights), and their format:
-  // 128x128 blocks, both copies, row-major fp32 scales.
+  // 128x128 blocks, both copies, row-major fp32 scales (powers of two with Fp8Recipe::kBlockPow2).
   QuantizedTensor weight_copies(int fc) const;
-  static QuantConfig weight_config();
+  QuantConfig weight_config() const;
 
   // Quantizes a bf16 [rows, cols]: rowwise into the token workspace (read by the next fprop or
   // dgrad) when `rowwise`; columnwise into (col, col_scale) when col is given.
@@ -112,6 +112,9 @@ class Fp8ExpertsRecipe {
   void plan_weight(DeviceArena& arena, Weight& w);
   void quantize_weight(int fc, cudaStream_t stream) const;
   QuantizedTensor token_copies(int64_t rows, int64_t cols, bool rowwise, uint8_t* col, float* col_scale) const;
+  // The tokens' format: 1x128 blocks, the copies asked for (scale layouts as described above).
+  QuantConfig token_config(bool rowwise, bool columnwise) const;
+  bool pow2() const { return cfg_.fp8 == Fp8Recipe::kBlockPow2; }
   void token_product(GemmOp op, const Weight& w, const GroupedGemm& gemm, const TensorView& gemm_ws,
                      const TensorView& g, const TensorView& out, cudaStream_t stream) const;
 

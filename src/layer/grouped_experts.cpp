@@ -615,7 +615,7 @@ QuantConfig GroupedExperts::fp8_weights_format() const {
   const Impl& m = *impl_;
   MOE_CHECK(m.quantized_weights(), "GroupedExperts::fp8_weights_format: the experts do not quantize their weights ",
             "(config.fp8 or config.emulated)");
-  return m.emu ? m.emu->weight_config() : Fp8ExpertsRecipe::weight_config();
+  return m.emu ? m.emu->weight_config() : m.fp8->weight_config();
 }
 void GroupedExperts::check_errors(cudaStream_t stream) { impl_->errors.check(stream); }
 uint32_t GroupedExperts::fetch_and_clear_errors(cudaStream_t stream) { return impl_->errors.fetch_and_clear(stream); }

@@ -1,6 +1,7 @@
 // GroupedExperts with the FP8 block-scaling recipe (ExpertsConfig::fp8 = kBlock): forward and
 // backward against the bf16 experts on the same data, both weight layouts bitwise equal, a CUDA
-// graph replayed with new data bitwise equal to eager, train / eval / train with weights changed
+// graph replayed with new data bitwise equal to eager (both recipes), power-of-two scales
+// (kBlockPow2: the weight copies bitwise the reference's, every scale a power of two), train / eval / train with weights changed
 // between the steps equal to train / train (no stale quantized weights), the gathered forward and
 // backward bitwise the permuted ones, an expert off the 128-row grid reported, bad configurations
 // named.
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -207,18 +209,96 @@ TEST_F(Fp8Experts, CloseToTheBf16ExpertsAndBothLayoutsBitwiseEqual) {
 }
 
 TEST_F(Fp8Experts, GraphReplayWithNewDataIsBitwiseEager) {
-  for (bool bias : {true, false}) {  // dh quantized apart / as the activation backward computes it
-    const ExpertsConfig c = experts_config(Activation::kSwiGLU, bias, ProbsPlacement::kInActivation,
-                                           WgradMode::kWrite, Fp8Recipe::kBlock, WeightLayout::kSingleGrouped);
-    Inputs a(c, {128, 256, 0, 384}, 1), b(c, {0, 512, 128, 128}, 2);
-    ExpertsRun eager(c, 3), graphed(c, 3);
-    eager.train_step(b, stream);
+  for (Fp8Recipe recipe : {Fp8Recipe::kBlock, Fp8Recipe::kBlockPow2}) {
+    for (bool bias : {true, false}) {  // dh quantized apart / as the activation backward computes it
+      const ExpertsConfig c = experts_config(Activation::kSwiGLU, bias, ProbsPlacement::kInActivation,
+                                             WgradMode::kWrite, recipe, WeightLayout::kSingleGrouped);
+      Inputs a(c, {128, 256, 0, 384}, 1), b(c, {0, 512, 128, 128}, 2);
+      ExpertsRun eager(c, 3), graphed(c, 3);
+      eager.train_step(b, stream);
 
-    const testing::CapturedGraph graph(stream, [&] { graphed.train_step(a, stream); });
-    a.copy_from(b, stream);
-    graph.launch();
-    EXPECT_EQ(graphed.results(b), eager.results(b)) << "bias=" << bias;
+      const testing::CapturedGraph graph(stream, [&] { graphed.train_step(a, stream); });
+      a.copy_from(b, stream);
+      graph.launch();
+      EXPECT_EQ(graphed.results(b), eager.results(b)) << "bias=" << bias << " pow2=" << (recipe == Fp8Recipe::kBlockPow2);
+    }
   }
+}
+
+std::vector<uint8_t> device_bytes(const TensorView& t) {
+  std::vector<uint8_t> h(t.nbytes());
+  MOE_CUDA_CHECK(cudaMemcpy(h.data(), t.data, h.size(), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+TEST_F(Fp8Experts, PowerOfTwoScalesAsTransformerEngineComputesThem) {
+  // kBlockPow2 (Float8BlockScaling's default): each weight copy is bitwise the reference's
+  // quantization with pow2_scale, every scale a power of two; the results stay within the FP8
+  // tolerance of the bf16 experts, both layouts bitwise equal, and differ from kBlock's (the
+  // tokens' scales are rounded too: with weights whose 128x128 blocks have amax 448 x 2^-j, both
+  // recipes make the same weight copies, so only the tokens' quantization tells them apart).
+  const ExpertsConfig bf16 = experts_config(Activation::kSwiGLU, true, ProbsPlacement::kInActivation, WgradMode::kWrite,
+                                            Fp8Recipe::kNone, WeightLayout::kSingleGrouped);
+  ExpertsConfig pow2 = bf16, pow2_pe = bf16, block = bf16;
+  pow2.fp8 = pow2_pe.fp8 = Fp8Recipe::kBlockPow2;
+  pow2_pe.layout = WeightLayout::kPerExpert;
+  block.fp8 = Fp8Recipe::kBlock;
+  const Inputs in(bf16, {256, 0, 128, 384}, 81);
+  ExpertsRun ref(bf16, 82), q(pow2, 82), qp(pow2_pe, 82), b(block, 82);
+  // Every 128x128 block of both weights gets one element of magnitude 448 x 2^-5 (above the block's
+  // others, |w| < 0.1 x 4.5 here): its exact scale is then 2^-5 in either recipe.
+  for (ExpertsRun* r : {&ref, &q, &qp, &b}) {
+    for (DeviceParam* w : {&r->W1, &r->W2}) {
+      const int64_t rows = w == &r->W1 ? r->c.fc1_out() : r->c.hidden, cols = w == &r->W1 ? r->c.hidden : r->c.ffn;
+      std::vector<double> v = download_param(*w, DType::kBF16);
+      for (int e = 0; e < r->c.experts; ++e)
+        for (int64_t i = 0; i < rows; i += 128)
+          for (int64_t j = 0; j < cols; j += 128) v[(e * rows + i) * cols + j] = 448.0 / 32;
+      *w = make_param(v, r->c.experts, {rows, cols}, DType::kBF16, r->c.layout);
+    }
+    const bool bias = r->c.bias;
+    r->ex.set_weights({r->W1.views, bias ? r->B1.views : std::vector<TensorView>{}, r->W2.views,
+                       bias ? r->B2.views : std::vector<TensorView>{}});
+  }
+  for (ExpertsRun* r : {&ref, &q, &qp, &b}) r->train_step(in, stream);
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_NO_THROW(q.ex.check_errors(stream));
+  EXPECT_TRUE(q.ex.fp8_weights_format().pow2_scale);
+  EXPECT_FALSE(b.ex.fp8_weights_format().pow2_scale);
+
+  for (Param p : {Param::kFc1Weight, Param::kFc2Weight}) {
+    const bool fc1 = p == Param::kFc1Weight;
+    const int64_t rows = fc1 ? pow2.fc1_out() : pow2.hidden, cols = fc1 ? pow2.hidden : pow2.ffn;
+    const std::vector<double> w = download_param(fc1 ? q.W1 : q.W2, DType::kBF16);
+    QuantConfig qc = q.ex.fp8_weights_format();
+    const ref::Quantized want = ref::quantize_fp32(qc, std::vector<float>(w.begin(), w.end()), pow2.experts, rows, cols);
+    const QuantizedTensor got = q.ex.fp8_weights(p), other = b.ex.fp8_weights(p);
+    EXPECT_EQ(device_bytes(got.rowwise_data), want.rowwise_data) << param_name(p);
+    EXPECT_EQ(device_bytes(got.rowwise_scale), want.rowwise_scale) << param_name(p);
+    EXPECT_EQ(device_bytes(got.columnwise_data), want.columnwise_data) << param_name(p);
+    EXPECT_EQ(device_bytes(got.columnwise_scale), want.columnwise_scale) << param_name(p);
+    for (const TensorView& s : {got.rowwise_scale, got.columnwise_scale}) {
+      const std::vector<uint8_t> bytes = device_bytes(s);
+      for (size_t i = 0; i < bytes.size(); i += 4) {
+        uint32_t bits;
+        std::memcpy(&bits, bytes.data() + i, 4);
+        ASSERT_EQ(bits & 0x007FFFFFu, 0u) << param_name(p) << ": scale " << i / 4 << " is not a power of two";
+      }
+    }
+    EXPECT_EQ(device_bytes(got.rowwise_data), device_bytes(other.rowwise_data)) << param_name(p) << ": the weights' "
+        "blocks were built to quantize alike in both recipes";
+    EXPECT_EQ(device_bytes(got.rowwise_scale), device_bytes(other.rowwise_scale)) << param_name(p);
+  }
+  const auto want = ref.results(in), got = q.results(in), got_pe = qp.results(in), exact = b.results(in);
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (want[i].empty()) continue;
+    const double e = relative_l2(got[i], want[i]);
+    std::printf("pow2 scales: %s relative L2 error vs bf16 = %.4f (fp32 scales %.4f)\n", kNames[i], e,
+                relative_l2(exact[i], want[i]));
+    EXPECT_LE(e, kNormwise) << kNames[i];
+    EXPECT_EQ(got[i], got_pe[i]) << kNames[i] << ": the weight layouts differ";
+  }
+  EXPECT_NE(got[0], exact[0]) << "y: the tokens' scales were not rounded to powers of two";
 }
 
 TEST_F(Fp8Experts, TrainEvalTrainEqualsTrainTrain) {
@@ -546,6 +626,9 @@ TEST_F(Fp8Experts, BadConfigurationsNameTheField) {
   expect_error_naming([&] { bad.validate(); }, "'max_rows'");
   bad = c;
   bad.ffn = 200;  // a multiple of 8, not of 16
+  expect_error_naming([&] { bad.validate(); }, "'fp8'");
+  bad = c;
+  bad.fp8 = static_cast<Fp8Recipe>(7);
   expect_error_naming([&] { bad.validate(); }, "'fp8'");
   // Rows of a call: multiples of 16.
   ExpertsRun r(c, 1);

@@ -100,13 +100,14 @@ void set_expert_options(Config& c, const std::string& activation, int64_t glu_in
 }
 
 // The quantized-compute options from their Python names: fp8 "none" | "block" (FP8 block scaling)
-// | "mxfp8" | "nvfp4" (emulated on Hopper, ExpertsConfig::emulated), fp8_weight_refresh
+// | "block_pow2" (the same with power-of-two scales) | "mxfp8" | "nvfp4" (emulated on Hopper,
+// ExpertsConfig::emulated), fp8_weight_refresh
 // "every_forward" | "on_request" | "from_master".
 template <typename Config>
 void set_fp8_options(Config& c, const std::string& fp8, const std::string& refresh) {
-  MOE_CHECK(fp8 == "none" || fp8 == "block" || fp8 == "mxfp8" || fp8 == "nvfp4",
-            "argument 'fp8': expected 'none', 'block', 'mxfp8' or 'nvfp4', got '", fp8, "'");
-  c.fp8 = fp8 == "block" ? Fp8Recipe::kBlock : Fp8Recipe::kNone;
+  MOE_CHECK(fp8 == "none" || fp8 == "block" || fp8 == "block_pow2" || fp8 == "mxfp8" || fp8 == "nvfp4",
+            "argument 'fp8': expected 'none', 'block', 'block_pow2', 'mxfp8' or 'nvfp4', got '", fp8, "'");
+  c.fp8 = fp8 == "block" ? Fp8Recipe::kBlock : fp8 == "block_pow2" ? Fp8Recipe::kBlockPow2 : Fp8Recipe::kNone;
   c.emulated = fp8 == "mxfp8" ? EmulatedQuant::kMXFP8 : fp8 == "nvfp4" ? EmulatedQuant::kNVFP4 : EmulatedQuant::kNone;
   MOE_CHECK(refresh == "every_forward" || refresh == "on_request" || refresh == "from_master",
             "argument 'fp8_weight_refresh': expected 'every_forward', 'on_request' or 'from_master', got '", refresh,

@@ -53,7 +53,8 @@ ffn_hidden_size 2048), no bias, probs in the activation, bf16.
 
 `fp8="block"` (GroupedMLP): the experts' six GEMMs run in FP8 E4M3 with block scaling (1x128 blocks
 for tokens and gradients, 128x128 for weights, fp32 scales; TransformerEngine's Float8BlockScaling
-recipe); parameters, inputs, outputs and gradients stay bf16 / fp32 (docs/layer.md, FP8 experts).
+recipe); `fp8="block_pow2"` the same with every scale rounded down to a power of two, as
+Float8BlockScaling computes them by default (NVTE_FP8_BLOCK_SCALING_FP32_SCALES unset); parameters, inputs, outputs and gradients stay bf16 / fp32 (docs/layer.md, FP8 experts).
 It runs the unfused path (fuse_fc1 and fuse_fc2_dgrad default to False) and needs align=128 (the
 default with fp8). `fp8_weight_refresh="every_forward"` quantizes the weights in every forward;
 "on_request" only in `refresh_fp8_weights()`, to be called after every change of the weights
@@ -166,18 +167,18 @@ def _fuse_fc2_dgrad(choice, ffn_hidden_size, num_experts, save_x_perm, keeps_dY)
 
 
 # Per-expert row alignment that gives each recipe's expert rows whole blocks.
-_FP8_ALIGN = {"block": 128, "mxfp8": 32, "nvfp4": 16}
+_FP8_ALIGN = {"block": 128, "block_pow2": 128, "mxfp8": 32, "nvfp4": 16}
 
 
 def _check_fp8_options(fp8, fp8_weight_refresh, accumulate_into_main_grad):
-    if fp8 not in (None, "block", "mxfp8", "nvfp4"):
-        raise ValueError(f"argument 'fp8': expected None, 'block', 'mxfp8' or 'nvfp4', got {fp8!r}")
+    if fp8 is not None and fp8 not in _FP8_ALIGN:
+        raise ValueError(f"argument 'fp8': expected None, 'block', 'block_pow2', 'mxfp8' or 'nvfp4', got {fp8!r}")
     if fp8_weight_refresh not in ("every_forward", "on_request", "from_master"):
         raise ValueError("argument 'fp8_weight_refresh': expected 'every_forward', 'on_request' or 'from_master', "
                          f"got {fp8_weight_refresh!r}")
     if fp8_weight_refresh == "from_master" and (fp8 is None or not accumulate_into_main_grad):
         raise ValueError("argument 'fp8_weight_refresh': 'from_master' (quantized primary weights: fp32 weight "
-                         "parameters) needs fp8 ('block', 'mxfp8' or 'nvfp4') and accumulate_into_main_grad=True "
+                         "parameters) needs fp8 ('block', 'block_pow2', 'mxfp8' or 'nvfp4') and accumulate_into_main_grad=True "
                          "(the gradients go to each parameter's fp32 main_grad)")
 
 
@@ -323,8 +324,8 @@ class _ExpertModule(HandleOwner, nn.Module):
         that follow use them bit for bit until the next refresh_fp8_weights(). Every key the format
         stores is required with its dtype and shape (KeyError / ValueError naming it; checked, and
         every part moved to the layer's device, before any byte is written); other keys are ignored.
-        With fp8="block" the columnwise parts may be left out: the 128x128 blocks of the transposed
-        weight are the rowwise blocks transposed, so they are derived from the rowwise data and scales,
+        With fp8="block" or "block_pow2" the columnwise parts may be left out: the 128x128 blocks of
+        the transposed weight are the rowwise blocks transposed, so they are derived from the rowwise data and scales,
         bit for bit (a checkpoint that stores only `weight` / `weight_scale_inv`, as DeepSeek-V3's
         does, loads once gate and up are concatenated into fc1 -- F a multiple of 128, so that their
         scale blocks do not straddle -- and the experts stacked). Neither a scale layout nor a GLU
@@ -355,10 +356,10 @@ class _ExpertModule(HandleOwner, nn.Module):
             self._op("accept_fp8_weights")(self._handle, *self._param_lists())
 
     def _with_columnwise_parts(self, tensors, prefix, views):
-        """fp8="block": `tensors` with each absent columnwise part (data, scales) derived from its
+        """fp8="block" / "block_pow2": `tensors` with each absent columnwise part (data, scales) derived from its
         present rowwise part as its last two dimensions transposed (128x128 blocks quantize the same
         values either way); other formats, or parts given, as they are."""
-        if self.fp8 != "block":
+        if self.fp8 not in ("block", "block_pow2"):
             return tensors
         derived = {}
         for p in ("fc1", "fc2"):
@@ -532,7 +533,7 @@ class GroupedExperts(_ExpertModule):
     probs_at_combine=True the experts do not scale by probs (pass None). Differentiable in x_perm,
     probs_perm and the parameters.
 
-    fp8="block" and fp8_weight_refresh as for GroupedMLP; the rows of each expert must then fill
+    fp8="block" / "block_pow2" and fp8_weight_refresh as for GroupedMLP; the rows of each expert must then fill
     whole 128-row blocks (start on a multiple of 128, e.g. a dispatcher with align=128) and max_rows
     be a multiple of 16. An expert off that grid is reported by check_errors() (its weight gradient
     is skipped). fp8="mxfp8" / "nvfp4" (emulated) take any groups: each expert's rows are quantized

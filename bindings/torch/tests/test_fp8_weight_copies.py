@@ -9,6 +9,7 @@ from quant_emulation import DEV, routing
 
 T, H, F_, E, K = 256, 256, 384, 4, 2
 PARTS = {"block": ("", "_scale_inv", "_columnwise", "_columnwise_scale_inv"),
+         "block_pow2": ("", "_scale_inv", "_columnwise", "_columnwise_scale_inv"),
          "mxfp8": ("", "_scale_inv", "_columnwise", "_columnwise_scale_inv"),
          "nvfp4": ("", "_scale_inv", "_columnwise", "_columnwise_scale_inv", "_amax")}
 
@@ -45,7 +46,7 @@ def _step(mod, x, idx, probs, dy):
     return out
 
 
-@pytest.mark.parametrize("fp8", ["block", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("fp8", ["block", "block_pow2", "mxfp8", "nvfp4"])
 def test_loaded_copies_give_the_snapshot_layers_results_bit_for_bit(fp8):
     """Layer b (bf16 weights of its own, a's biases) loads layer a's snapshot: its forward and backward
     are bitwise a's -- the GEMMs read the loaded copies, not b's weights -- and its own snapshot is the
@@ -63,6 +64,9 @@ def test_loaded_copies_give_the_snapshot_layers_results_bit_for_bit(fp8):
     data_dtype = torch.uint8 if fp8 == "nvfp4" else torch.float8_e4m3fn
     assert snap["fc1.weight"].dtype == data_dtype and snap["fc1.weight"].shape[:2] == (E, 2 * F_)
     assert snap["fc2.weight_columnwise"].shape[:2] == (E, F_)
+    if fp8 == "block_pow2":  # every scale a power of two: sign and mantissa bits clear
+        for n in ("fc1.weight_scale_inv", "fc2.weight_columnwise_scale_inv"):
+            assert not (snap[n].view(torch.int32) & ((1 << 23) - 1)).any(), n
     b.load_fp8_weights(snap)
     assert all(_same_bits(v, snap[n]) for n, v in b.fp8_weights().items())
     x, idx, probs, dy = _inputs(32)

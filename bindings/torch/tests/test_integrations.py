@@ -684,17 +684,23 @@ def test_megatron_matches_per_expert_reference_and_grouped_experts(over, per_exp
     assert torch.equal(plain(x, offsets, probs), out.detach())
 
 
-@pytest.mark.parametrize("per_expert", [True, False])
-def test_megatron_fp8_blockwise_is_grouped_experts_fp8_on_the_128_row_grid(per_expert):
-    """config.fp8 = "e4m3" with fp8_recipe = "blockwise": the experts run GroupedExperts(fp8="block") on
-    the call's groups moved onto the 128-row grid (zero rows with zero probs between them). The same
-    computed by hand on such a grid gives the output and every gradient bit for bit; the bf16 module
-    with the same weights is within the recipe's error (FP8_REF_TOL)."""
+@pytest.mark.parametrize("per_expert,fp32_scales", [(True, False), (False, False), (True, True)])
+def test_megatron_fp8_blockwise_is_grouped_experts_fp8_on_the_128_row_grid(per_expert, fp32_scales, monkeypatch):
+    """config.fp8 = "e4m3" with fp8_recipe = "blockwise": the experts run GroupedExperts(fp8="block_pow2")
+    -- TransformerEngine's power-of-two scales -- or, with NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1,
+    GroupedExperts(fp8="block"), on the call's groups moved onto the 128-row grid (zero rows with zero
+    probs between them). The same computed by hand on such a grid gives the output and every gradient
+    bit for bit; the bf16 module with the same weights is within the recipe's error (FP8_REF_TOL)."""
     from moe_engine import GroupedExperts
     from moe_engine.integrations.megatron import MegatronGroupedMLP
+    if fp32_scales:
+        monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    else:
+        monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+    recipe = "block" if fp32_scales else "block_pow2"
     mod = MegatronGroupedMLP(ME, megatron_config(fp8="e4m3", fp8_recipe="blockwise"), max_rows=64,
                              per_expert_weights=per_expert)
-    assert mod.fp8 == "block" and mod.max_rows_on_grid % 128 == 0 and mod.max_rows_on_grid >= 64 + ME * 127
+    assert mod.fp8 == recipe and mod.max_rows_on_grid % 128 == 0 and mod.max_rows_on_grid >= 64 + ME * 127
     randomize(mod, 7)
     counts = [9, 0, 17, 6]
     x, tpe, probs, dy = megatron_batch(counts, 8)
@@ -703,7 +709,7 @@ def test_megatron_fp8_blockwise_is_grouped_experts_fp8_on_the_128_row_grid(per_e
     out.backward(dy)
     mod.check_errors()  # no expert's rows off the 128-row grid
 
-    ref = GroupedExperts(MH, MF, ME, mod.max_rows_on_grid, bias=True, fp8="block")
+    ref = GroupedExperts(MH, MF, ME, mod.max_rows_on_grid, bias=True, fp8=recipe)
     with torch.no_grad():
         for p, o in (("fc1", "linear_fc1"), ("fc2", "linear_fc2")):
             getattr(ref, p).weight.copy_(stacked(mod, o, "weight"))

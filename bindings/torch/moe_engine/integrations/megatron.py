@@ -21,8 +21,9 @@ From the TransformerConfig (any object with these attributes; megatron-core is n
   moe_ffn_hidden_size / ETP features of each expert, fc1's rows [gate shard; linear shard] and fc2's
   columns, and returns partial sums that Megatron's dispatcher reduces, as TE's grouped linears do),
   moe_latent_size (must be None), fp8 = "e4m3" with fp8_recipe = "blockwise" (the experts' GEMMs in
-  FP8 block scaling, GroupedExperts(fp8="block"): 1x128 / 128x128 blocks as TransformerEngine's
-  Float8BlockScaling, weights quantized in every forward; each call's expert groups are moved onto
+  FP8 block scaling: 1x128 / 128x128 blocks as TransformerEngine's Float8BlockScaling, and its
+  scales -- powers of two, GroupedExperts(fp8="block_pow2"), unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1
+  asks for exact fp32 ones, fp8="block" -- with the weights quantized in every forward; each call's expert groups are moved onto
   the 128-row grid the FP8 weight gradients need and back). Refused with NotImplementedError: latent
   MoE, expert tensor parallelism with biases, expert GTP weight rematerialization, other FP8 recipes
   and formats, fp8_param, fp8_wgrad = False, first_last_layers_bf16, FP8 with delay_wgrad_compute,
@@ -69,6 +70,7 @@ between expert-parallel sizes; a grouped parameter is one factory entry holding 
 optimizer states map to it too (megatron_sharded_state_dict)."""
 import contextlib
 import copy
+import os
 import re
 
 import torch
@@ -144,7 +146,7 @@ def _local_ffn(config, etp):
 
 # FP8 blocks need each expert's rows to start on a multiple of this (the weight gradients reduce over
 # 128-token scale blocks); Megatron's dispatcher packs the groups back to back.
-_FP8_ROWS = _FP8_ALIGN["block"]
+_FP8_ROWS = _FP8_ALIGN["block"]  # "block_pow2" alike
 
 
 def _rows_on_fp8_grid(rows, experts):
@@ -153,10 +155,11 @@ def _rows_on_fp8_grid(rows, experts):
 
 
 def _fp8_from_config(config):
-    """The experts' quantization from Megatron's FP8 options: "block" for config.fp8 = "e4m3" with
-    config.fp8_recipe = "blockwise" (TransformerEngine's Float8BlockScaling: 1x128 blocks for tokens
-    and gradients, 128x128 for weights, E4M3 throughout); None without config.fp8; anything else is
-    refused by name."""
+    """The experts' quantization from Megatron's FP8 options: for config.fp8 = "e4m3" with
+    config.fp8_recipe = "blockwise", TransformerEngine's Float8BlockScaling (1x128 blocks for tokens
+    and gradients, 128x128 for weights, E4M3 throughout) with its scales: "block_pow2" (powers of two,
+    its default), or "block" (exact fp32 scales) when NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 is set, the
+    variable TransformerEngine reads; None without config.fp8; anything else is refused by name."""
     if getattr(config, "fp4", None):
         raise NotImplementedError("moe_engine: config.fp4 is set; the experts run in bf16 or FP8 block scaling")
     fmt = getattr(config, "fp8", None)
@@ -180,7 +183,7 @@ def _fp8_from_config(config):
                                   "quantize their bf16 weights in every forward")
     if getattr(config, "delay_wgrad_compute", False):
         raise NotImplementedError("moe_engine: delay_wgrad_compute is not offered with FP8 experts")
-    return "block"
+    return "block" if os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") == "1" else "block_pow2"
 
 
 def _check_config(config):
