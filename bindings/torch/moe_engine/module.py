@@ -324,8 +324,8 @@ class _ExpertModule(HandleOwner, nn.Module):
         that follow use them bit for bit until the next refresh_fp8_weights(). Every key the format
         stores is required with its dtype and shape (KeyError / ValueError naming it; checked, and
         every part moved to the layer's device, before any byte is written); other keys are ignored.
-        With fp8="block" or "block_pow2" the columnwise parts may be left out: the 128x128 blocks of
-        the transposed weight are the rowwise blocks transposed, so they are derived from the rowwise data and scales,
+        With fp8="block" or "block_pow2" a weight's columnwise copy (both its parts) may be left out:
+        the 128x128 blocks of the transposed weight are the rowwise blocks transposed, so they are derived from the rowwise data and scales,
         bit for bit (a checkpoint that stores only `weight` / `weight_scale_inv`, as DeepSeek-V3's
         does, loads once gate and up are concatenated into fc1 -- F a multiple of 128, so that their
         scale blocks do not straddle -- and the experts stacked). Neither a scale layout nor a GLU
@@ -356,17 +356,20 @@ class _ExpertModule(HandleOwner, nn.Module):
             self._op("accept_fp8_weights")(self._handle, *self._param_lists())
 
     def _with_columnwise_parts(self, tensors, prefix, views):
-        """fp8="block" / "block_pow2": `tensors` with each absent columnwise part (data, scales) derived from its
-        present rowwise part as its last two dimensions transposed (128x128 blocks quantize the same
-        values either way); other formats, or parts given, as they are."""
+        """fp8="block" / "block_pow2": `tensors` with a weight's columnwise copy (data and scales)
+        derived from its rowwise copy as their last two dimensions transposed (128x128 blocks quantize
+        the same values either way) when both columnwise parts are absent and both rowwise parts
+        present; other formats, or a copy given in part (then refused as missing), as they are."""
         if self.fp8 not in ("block", "block_pow2"):
             return tensors
         derived = {}
         for p in ("fc1", "fc2"):
-            for part in ("", "_scale_inv"):
-                col, row = f"{prefix}{p}.weight_columnwise{part}", f"{prefix}{p}.weight{part}"
-                if col[len(prefix):] in views and col not in tensors and isinstance(tensors.get(row), torch.Tensor):
-                    derived[col] = tensors[row].transpose(-1, -2)
+            parts = ("", "_scale_inv")
+            cols = [f"{prefix}{p}.weight_columnwise{s}" for s in parts]
+            rows = [f"{prefix}{p}.weight{s}" for s in parts]
+            if (all(c[len(prefix):] in views and c not in tensors for c in cols)
+                    and all(isinstance(tensors.get(r), torch.Tensor) for r in rows)):
+                derived.update({c: tensors[r].transpose(-1, -2) for c, r in zip(cols, rows)})
         return {**tensors, **derived} if derived else tensors
 
     def _normalize_keys(self, state_dict, prefix, *args, **kwargs):
