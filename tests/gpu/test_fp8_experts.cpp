@@ -1,10 +1,10 @@
 // GroupedExperts with the FP8 block-scaling recipe (ExpertsConfig::fp8 = kBlock): forward and
 // backward against the bf16 experts on the same data, both weight layouts bitwise equal, a CUDA
 // graph replayed with new data bitwise equal to eager (both recipes), power-of-two scales
-// (kBlockPow2: the weight copies bitwise the reference's, every scale a power of two), train / eval / train with weights changed
-// between the steps equal to train / train (no stale quantized weights), the gathered forward and
-// backward bitwise the permuted ones, an expert off the 128-row grid reported, bad configurations
-// named.
+// (kBlockPow2: the weight copies bitwise the reference's, every scale a power of two), train /
+// eval / train with weights changed between the steps equal to train / train (no stale quantized
+// weights), the gathered forward and backward bitwise the permuted ones, an expert off the 128-row
+// grid reported, bad configurations named.
 //
 // Tolerance against the bf16 experts: relative L2 error <= 0.15 for every output and gradient.
 // Each quantized operand carries E4M3 rounding (at most 2^-4 relative per element, about 2.5% RMS
@@ -245,8 +245,8 @@ TEST_F(Fp8Experts, PowerOfTwoScalesAsTransformerEngineComputesThem) {
   block.fp8 = Fp8Recipe::kBlock;
   const Inputs in(bf16, {256, 0, 128, 384}, 81);
   ExpertsRun ref(bf16, 82), q(pow2, 82), qp(pow2_pe, 82), b(block, 82);
-  // Every 128x128 block of both weights gets one element of magnitude 448 x 2^-5 (above the block's
-  // others, |w| < 0.1 x 4.5 here): its exact scale is then 2^-5 in either recipe.
+  // Every 128x128 block of both weights gets one element 448 x 2^-5 = 14, far above the block's
+  // random others (of scale 0.1): the block's amax, so its scale is 2^5 in either recipe.
   for (ExpertsRun* r : {&ref, &q, &qp, &b}) {
     for (DeviceParam* w : {&r->W1, &r->W2}) {
       const int64_t rows = w == &r->W1 ? r->c.fc1_out() : r->c.hidden, cols = w == &r->W1 ? r->c.hidden : r->c.ffn;
@@ -270,7 +270,7 @@ TEST_F(Fp8Experts, PowerOfTwoScalesAsTransformerEngineComputesThem) {
     const bool fc1 = p == Param::kFc1Weight;
     const int64_t rows = fc1 ? pow2.fc1_out() : pow2.hidden, cols = fc1 ? pow2.hidden : pow2.ffn;
     const std::vector<double> w = download_param(fc1 ? q.W1 : q.W2, DType::kBF16);
-    QuantConfig qc = q.ex.fp8_weights_format();
+    const QuantConfig qc = q.ex.fp8_weights_format();
     const ref::Quantized want = ref::quantize_fp32(qc, std::vector<float>(w.begin(), w.end()), pow2.experts, rows, cols);
     const QuantizedTensor got = q.ex.fp8_weights(p), other = b.ex.fp8_weights(p);
     EXPECT_EQ(device_bytes(got.rowwise_data), want.rowwise_data) << param_name(p);
