@@ -54,7 +54,8 @@ ffn_hidden_size 2048), no bias, probs in the activation, bf16.
 `fp8="block"` (GroupedMLP): the experts' six GEMMs run in FP8 E4M3 with block scaling (1x128 blocks
 for tokens and gradients, 128x128 for weights, fp32 scales; TransformerEngine's Float8BlockScaling
 recipe); `fp8="block_pow2"` the same with every scale rounded down to a power of two, as
-Float8BlockScaling computes them by default (NVTE_FP8_BLOCK_SCALING_FP32_SCALES unset); parameters, inputs, outputs and gradients stay bf16 / fp32 (docs/layer.md, FP8 experts).
+Float8BlockScaling computes them by default (NVTE_FP8_BLOCK_SCALING_FP32_SCALES unset);
+parameters, inputs, outputs and gradients stay bf16 / fp32 (docs/layer.md, FP8 experts).
 It runs the unfused path (fuse_fc1 and fuse_fc2_dgrad default to False) and needs align=128 (the
 default with fp8). `fp8_weight_refresh="every_forward"` quantizes the weights in every forward;
 "on_request" only in `refresh_fp8_weights()`, to be called after every change of the weights
@@ -178,8 +179,8 @@ def _check_fp8_options(fp8, fp8_weight_refresh, accumulate_into_main_grad):
                          f"got {fp8_weight_refresh!r}")
     if fp8_weight_refresh == "from_master" and (fp8 is None or not accumulate_into_main_grad):
         raise ValueError("argument 'fp8_weight_refresh': 'from_master' (quantized primary weights: fp32 weight "
-                         "parameters) needs fp8 ('block', 'block_pow2', 'mxfp8' or 'nvfp4') and accumulate_into_main_grad=True "
-                         "(the gradients go to each parameter's fp32 main_grad)")
+                         "parameters) needs fp8 ('block', 'block_pow2', 'mxfp8' or 'nvfp4') and "
+                         "accumulate_into_main_grad=True (the gradients go to each parameter's fp32 main_grad)")
 
 
 class _ExpertModule(HandleOwner, nn.Module):
@@ -325,10 +326,11 @@ class _ExpertModule(HandleOwner, nn.Module):
         stores is required with its dtype and shape (KeyError / ValueError naming it; checked, and
         every part moved to the layer's device, before any byte is written); other keys are ignored.
         With fp8="block" or "block_pow2" a weight's columnwise copy (both its parts) may be left out:
-        the 128x128 blocks of the transposed weight are the rowwise blocks transposed, so they are derived from the rowwise data and scales,
-        bit for bit (a checkpoint that stores only `weight` / `weight_scale_inv`, as DeepSeek-V3's
-        does, loads once gate and up are concatenated into fc1 -- F a multiple of 128, so that their
-        scale blocks do not straddle -- and the experts stacked). Neither a scale layout nor a GLU
+        the 128x128 blocks of the transposed weight are the rowwise blocks transposed, so they are
+        derived from the rowwise data and scales, bit for bit (a checkpoint that stores only `weight`
+        / `weight_scale_inv`, as DeepSeek-V3's does, loads once gate and up are concatenated into fc1
+        -- F a multiple of 128, so that their scale blocks do not straddle -- and the experts
+        stacked). Neither a scale layout nor a GLU
         interleave can be told from dtypes and shapes: load what was written for this layer's
         configuration (fp8_weights(), moe-engine's checkpoints). The bf16 (or fp32 master) weights are
         left as they are: load them too if a later refresh_fp8_weights() is to start from the same
@@ -536,8 +538,8 @@ class GroupedExperts(_ExpertModule):
     probs_at_combine=True the experts do not scale by probs (pass None). Differentiable in x_perm,
     probs_perm and the parameters.
 
-    fp8="block" / "block_pow2" and fp8_weight_refresh as for GroupedMLP; the rows of each expert must then fill
-    whole 128-row blocks (start on a multiple of 128, e.g. a dispatcher with align=128) and max_rows
+    fp8="block" / "block_pow2" and fp8_weight_refresh as for GroupedMLP; the rows of each expert must
+    then fill whole 128-row blocks (start on a multiple of 128, e.g. a dispatcher with align=128) and max_rows
     be a multiple of 16. An expert off that grid is reported by check_errors() (its weight gradient
     is skipped). fp8="mxfp8" / "nvfp4" (emulated) take any groups: each expert's rows are quantized
     as a matrix of their own (whole blocks when they start on multiples of 32 / 16)."""

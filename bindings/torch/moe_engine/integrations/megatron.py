@@ -22,9 +22,10 @@ From the TransformerConfig (any object with these attributes; megatron-core is n
   columns, and returns partial sums that Megatron's dispatcher reduces, as TE's grouped linears do),
   moe_latent_size (must be None), fp8 = "e4m3" with fp8_recipe = "blockwise" (the experts' GEMMs in
   FP8 block scaling: 1x128 / 128x128 blocks as TransformerEngine's Float8BlockScaling, and its
-  scales -- powers of two, GroupedExperts(fp8="block_pow2"), unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1
-  asks for exact fp32 ones, fp8="block" -- with the weights quantized in every forward; each call's expert groups are moved onto
-  the 128-row grid the FP8 weight gradients need and back). Refused with NotImplementedError: latent
+  scales -- powers of two, GroupedExperts(fp8="block_pow2"), unless
+  NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 asks for exact fp32 ones, fp8="block" -- with the weights
+  quantized in every forward; each call's expert groups are moved onto the 128-row grid the FP8
+  weight gradients need and back). Refused with NotImplementedError: latent
   MoE, expert tensor parallelism with biases, expert GTP weight rematerialization, other FP8 recipes
   and formats, fp8_param, fp8_wgrad = False, first_last_layers_bf16, FP8 with delay_wgrad_compute,
   FP4 (`fp4`), erf GELU (F.gelu) as a GLU activation.
