@@ -137,8 +137,8 @@ void check_fp8_block_scales(const std::string& key, const HostTensor& t, const H
             shape_string(want), " (one per 128x128 block)");
 }
 
-std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype, const std::set<std::string>& skip,
-                                                      const Metadata& metadata) {
+void dequantize_fp8_block_tensors(StateDict& sd, DType dtype, const std::set<std::string>& skip,
+                                  const Metadata& metadata) {
   MOE_CHECK(dtype == DType::kBF16 || dtype == DType::kFP32, "argument 'dequantize': expected bf16 or fp32, got ",
             dtype_name(dtype));
   const std::vector<std::string> keys = fp8_block_weights(sd, skip, metadata);
@@ -164,8 +164,10 @@ std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype
     std::vector<float> row_scales(col_blocks);
     for (int64_t m = 0; m < matrices; ++m)
       for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t j = 0; j < col_blocks; ++j)
-          row_scales[j] = static_cast<float>(load_element(s.dtype(), s.data(), (m * row_blocks + r / 128) * col_blocks + j));
+        if (r % 128 == 0)  // a new row of 128x128 blocks: its scales
+          for (int64_t j = 0; j < col_blocks; ++j)
+            row_scales[j] =
+                static_cast<float>(load_element(s.dtype(), s.data(), (m * row_blocks + r / 128) * col_blocks + j));
         const int64_t first = (m * rows + r) * cols;
         const uint8_t* codes = t.data() + first;
         if (dtype == DType::kFP32) {
@@ -181,7 +183,6 @@ std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype
     sd.erase(keys[k] + kFp8ScaleSuffix);
     sd[keys[k]] = std::move(outs[k]);
   }
-  return keys;
 }
 
 }  // namespace moe::detail

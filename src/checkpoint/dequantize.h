@@ -35,9 +35,8 @@ void check_fp8_block_scales(const std::string& key, const HostTensor& t, const H
 // than the keys in `skip` and the tensors `metadata` declares ("moe.quant." entries: ours, in the
 // declared format, grouped or per expert): replaced by its values in `dtype` (bf16 or fp32), the
 // companion removed; the tensors are decoded on every core (parallel_for.h). A companion of another
-// dtype or shape is a moe::Error naming it, and the dict is then left as it was. Returns the keys
-// dequantized.
-std::vector<std::string> dequantize_fp8_block_tensors(StateDict& sd, DType dtype, const std::set<std::string>& skip,
-                                                      const Metadata& metadata);
+// dtype or shape is a moe::Error naming it, and the dict is then left as it was.
+void dequantize_fp8_block_tensors(StateDict& sd, DType dtype, const std::set<std::string>& skip,
+                                  const Metadata& metadata);
 
 }  // namespace moe::detail
