@@ -2,13 +2,15 @@
 torch._grouped_mm, SwiGLU x prob, index_add_ combine), moe_engine.GroupedMLP and -- whenever
 `sonicmoe` imports -- SonicMoE (timed by its own method, sonicmoe_side.py), on the same tokens and
 routing (SonicMoE's router's when it is there): forward and forward+backward, eager and
-CUDA-graph captured, on the named shapes of docs/shapes.md. Ours and SonicMoE are timed in
+CUDA-graph captured, on the named shapes of docs/shapes.md, with balanced routing or (--skew S) a
+Zipf-like skewed one. Ours and SonicMoE are timed in
 alternating rounds (--rounds, default 4; every other round in reverse order) and the medians over
 the rounds are reported; ours is timed by its own method (medians of CUDA-event-timed calls back to back) and by SonicMoE's too.
 In the same rounds, the layer's six products as dense cuBLAS GEMMs of the same sizes (dense_gemms):
 how fast any layer could be whose GEMMs ran at cuBLAS's dense rate and whose other passes were free.
 
-usage: python3 bindings/torch/bench/compare_with_pytorch.py [SHAPE ...] [--rounds N] [--token-chunks N] [--png chart.png]      (no names: all shapes)"""
+usage: python3 bindings/torch/bench/compare_with_pytorch.py [SHAPE ...] [--rounds N] [--token-chunks N] [--skew S]
+       [--png chart.png]      (no names: all shapes)"""
 import argparse
 import json
 
@@ -97,22 +99,38 @@ def median_ms(fn, iters=10, warm=3):
     return median(times)
 
 
-def measure(name, rounds=4, token_chunks=1):
+def skew_offsets(E, skew):
+    """Expert e's logit offset for skewed routing, -skew * log(1 + e): the popularity of `moe-engine bench
+    --skew` (src/reference/routing_gen.h), a few experts receiving many more tokens than the rest."""
+    return -skew * torch.log1p(torch.arange(E, device="cuda", dtype=torch.float32))
+
+
+def measure(name, rounds=4, token_chunks=1, skew=0.0):
     T, H, Fd, E, k = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(T, H, device="cuda", generator=gen) * 0.5).bfloat16().requires_grad_()
-    probs, idx = torch.topk(torch.softmax(torch.randn(T, E, device="cuda", generator=gen), -1), k)
+    logits = torch.randn(T, E, device="cuda", generator=gen)
+    if skew > 0:
+        logits += skew_offsets(E, skew)
+    probs, idx = torch.topk(torch.softmax(logits, -1), k)
     idx, probs = idx.to(torch.int32), probs.float()
     dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     sonic = SonicSide(T, H, Fd, E, k, x, dy) if SONIC else None
+    if sonic is not None and skew > 0:
+        sonic.skew_router(skew)
     bench_idx, bench_probs = idx, probs
     if sonic is not None:  # the same routing for every side
         idx, probs = sonic.routing()
+    res = {"shape": name, "skew": skew}
+    # Rows of the busiest expert over the mean: how uneven the routing each side is timed on is.
+    for label, i in (("sonic", idx if sonic is not None else None), ("bench", bench_idx)):
+        if i is not None:
+            rows = torch.bincount(i.long().flatten(), minlength=E).float()
+            res[f"{label}_routing_max_over_mean"] = (rows.max() / rows.mean()).item()
     mod = GroupedMLP(H, Fd, E, k, max_tokens=T, token_chunks=token_chunks)
     w1 = mod.fc1.weight.detach().clone().requires_grad_()
     w2 = mod.fc2.weight.detach().clone().requires_grad_()
     flops = 18 * T * k * H * Fd
-    res = {"shape": name}
 
     # Every step starts from gradients set to None (as SonicMoE's method does), so no side pays an
     # extra pass accumulating into the previous step's .grad.
@@ -138,11 +156,8 @@ def measure(name, rounds=4, token_chunks=1):
     if sonic is not None:
         # Ours again on the routing `moe-engine bench` uses (softmax over standard-normal logits,
         # top-k), in the same process: separates the effect of SonicMoE's routing (its router on
-        # these tokens) from the module's own cost. Rows of the busiest expert over the mean, both.
+        # these tokens) from the module's own cost.
         res["ours_fwd_graph_ms_bench_routing"] = median_ms(graphed(lambda: ours_forward((bench_idx, bench_probs))))
-        for label, i in (("sonic", idx), ("bench", bench_idx)):
-            rows = torch.bincount(i.long().flatten(), minlength=E).float()
-            res[f"{label}_routing_max_over_mean"] = (rows.max() / rows.mean()).item()
         res.update(sonic.prepare())
         x.grad = None
 
@@ -257,16 +272,21 @@ def main():
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds of ours and SonicMoE, every other one in reverse order (medians reported)")
     ap.add_argument("--token-chunks", type=int, default=1, help="ours with fc2 + combine and the fc1 dgrad + dx sum "
                     "in this many pieces of tokens (GroupedMLP(token_chunks=N): less memory)")
+    ap.add_argument("--skew", type=float, default=0.0, help="skewed routing: expert e's logit offset by -S * log(1 + e) "
+                    "(for SonicMoE through its router's weights, at its logits' scale), as `moe-engine bench --skew`")
     args = ap.parse_args()
+    if args.skew < 0:
+        ap.error("--skew must be >= 0")
     names = args.shapes or list(SHAPES)
-    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}: forward+backward, bf16, swiglu x prob")
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}: forward+backward, bf16, swiglu x prob, "
+          + (f"skewed routing (--skew {args.skew:g})" if args.skew > 0 else "balanced routing"))
     print(f"{'shape':<18} {'torch ms':>9} {'TF/s':>6} {'GiB':>6} | {'ours ms':>9} {'TF/s':>6} {'GiB':>6} | {'ratio':>5}"
           " | dense cuBLAS fwd / fwd+bwd ms (TF/s)"
           + (" | sonic fwd / fwd+bwd ms, GiB, ours fwd / fwd+bwd speed-up (ours by our method; both by SonicMoE's)"
              if SONIC else ""))
     rows = []
     for n in names:
-        r = measure(n, args.rounds, args.token_chunks)
+        r = measure(n, args.rounds, args.token_chunks, args.skew)
         rows.append(r)
         print(json.dumps(r), flush=True)
         t = r["torch_graph_ms"] or r["torch_eager_ms"]

@@ -34,6 +34,20 @@ class SonicSide:
                        activation_function=self.act, add_bias=False, std=0.02).to(dtype=torch.bfloat16).cuda()
         self.x, self.dy, self.k = x, dy, k
 
+    def skew_router(self, skew):
+        """Skewed routing through SonicMoE's own router, which has no bias: x's first feature becomes a
+        constant 1 and the router's weight on it expert e's offset, -skew * sigma * log(1 + e) with sigma the
+        spread of the logits the rest of x gives. That is the Zipf-like popularity of `moe-engine bench
+        --skew` (which offsets standard-normal logits by -skew * log(1 + e)), at this router's scale. Changes
+        x in place: call before anything reads it, and give every side the same x."""
+        with torch.no_grad():
+            w = self.moe.router.weight
+            self.x[:, 0] = 0
+            sigma = (self.x.float() @ w.float().t()).std().item()
+            e = torch.arange(w.shape[0], device=w.device, dtype=torch.float32)
+            self.x[:, 0] = 1
+            w[:, 0] = (-skew * sigma * torch.log1p(e)).to(w.dtype)
+
     def routing(self):
         """(indices int32 [T, k], probs fp32 [T, k]) as SonicMoE's softmax-top-k router computes them."""
         with torch.no_grad():
