@@ -157,8 +157,9 @@ LayerBenchResult run_layer_bench(const Shape& s, const LayerBenchOptions& o) {
     // grows it over the runs).
     const bool main_grad = o.wgrad == WgradMode::kAccumulate;
     const DType gt = main_grad ? DType::kFP32 : DType::kBF16;
-    const int64_t dw1_bytes = int64_t(s.E) * F1 * s.H * dtype_bytes(gt, 1);
-    const int64_t dw2_bytes = int64_t(s.E) * s.H * s.F * dtype_bytes(gt, 1);
+    // Frozen experts have no weight gradient, so none is allocated (or counted as extra memory).
+    const int64_t dw1_bytes = o.frozen ? 0 : int64_t(s.E) * F1 * s.H * dtype_bytes(gt, 1);
+    const int64_t dw2_bytes = o.frozen ? 0 : int64_t(s.E) * s.H * s.F * dtype_bytes(gt, 1);
     DeviceMem dw1(dw1_bytes), dw2(dw2_bytes);
     if (main_grad) {
       MOE_CUDA_CHECK(cudaMemsetAsync(dw1.p, 0, dw1_bytes, stream));
@@ -170,7 +171,8 @@ LayerBenchResult run_layer_bench(const Shape& s, const LayerBenchOptions& o) {
     g.fc1_weight = {TensorView(dw1.p, gt, {s.E, F1, s.H})};
     g.fc2_weight = {TensorView(dw2.p, gt, {s.E, s.H, s.F})};
     layer.set_weights(w);
-    layer.set_grads(g);
+    if (!o.frozen) layer.set_grads(g);
+    const WeightGrads weight_grads = o.frozen ? WeightGrads::kSkip : WeightGrads::kCompute;
     if ((c.fp8 != Fp8Recipe::kNone || c.emulated != EmulatedQuant::kNone) &&
         c.fp8_weight_refresh == Fp8WeightRefresh::kOnRequest)
       layer.refresh_fp8_weights(stream);
@@ -190,7 +192,7 @@ LayerBenchResult run_layer_bench(const Shape& s, const LayerBenchOptions& o) {
     auto fwd_bwd = [&] {
       st.reset();  // after forward-only runs the state still holds their (discarded) forward
       layer.forward(xv, rv, yv, st, stream);
-      layer.backward(dyv, dxv, dpv, st, stream);
+      layer.backward(dyv, dxv, dpv, st, stream, nullptr, weight_grads);
     };
 
     if (o.check) {

@@ -28,6 +28,7 @@ struct LayerBenchOptions {
   // Emulated MXFP8 / NVFP4 experts (the unfused path); the weights follow fp8_weight_refresh.
   EmulatedQuant emulated = EmulatedQuant::kNone;
   WgradMode wgrad = WgradMode::kWrite;  // kAccumulate: weight gradients added into fp32 main_grad buffers
+  bool frozen = false;  // frozen experts: the backward computes dx and dprobs only (WeightGrads::kSkip)
   bool check = true;      // compare sampled tokens with the CPU reference first
   int sample_tokens = 8;  // tokens checked
   int warmup = 3;

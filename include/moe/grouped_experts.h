@@ -43,6 +43,13 @@ struct ExpertTensors {
   std::vector<TensorView> fc1_weight, fc1_bias, fc2_weight, fc2_bias;
 };
 
+// What a backward computes. kSkip is for frozen experts (fine-tuning the layers around them, LoRA
+// adapters outside the experts): only the input gradients -- dx_perm (the layer: dx) and the probs'
+// gradient -- bitwise those of a full backward, with no weight or bias gradient GEMM, no gradient
+// tensors needed (set_grads may never have been called), no hooks, and the state consumed. Refused
+// with config.delay_wgrad, whose backward_dw owes the weight gradients.
+enum class WeightGrads { kCompute, kSkip };
+
 class GroupedExperts {
  public:
   using Hook = std::function<void(Param)>;
@@ -114,7 +121,7 @@ class GroupedExperts {
   // except with config.dprobs_partials_in_dx_perm (and F > 256): then dx_perm must not overlap dY
   // (nor dy or dY_out in backward_gathered) and its rows past group_offsets[E] are left unspecified.
   void backward(const TensorView& dY, const TensorView& dx_perm, const TensorView& d_probs_perm,
-                const SavedState& state, cudaStream_t stream);
+                const SavedState& state, cudaStream_t stream, WeightGrads weight_grads = WeightGrads::kCompute);
   // The layer's backward (config.fuse_fc2_dgrad, probs in the activation): the dY rows are gathered
   // from dy [T, H] inside the fused fc2 dgrad -- row r is dy[row_slots[r] / slots], zeros where
   // row_slots[r] < 0, the row map of forward_gathered -- with no separate pass building dY. The
@@ -125,7 +132,7 @@ class GroupedExperts {
   // FP8 copies (bitwise backward's) and dY_out must be empty. Otherwise as backward.
   void backward_gathered(const TensorView& dy, const TensorView& row_slots, int slots, const TensorView& dY_out,
                          const TensorView& dx_perm, const TensorView& d_probs_perm, const SavedState& state,
-                         cudaStream_t stream);
+                         cudaStream_t stream, WeightGrads weight_grads = WeightGrads::kCompute);
   // Delayed mode: fc2's weight gradients, then fc1's, each parameter's hooks once it is final.
   void backward_dw(const SavedState& state, cudaStream_t stream);
 

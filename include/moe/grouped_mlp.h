@@ -59,13 +59,14 @@ class GroupedMlp {
   void forward(const TensorView& x, const RoutingView& routing, const TensorView& y, const SavedState& state,
                cudaStream_t stream);
   // dy bf16 [T, H] -> dx bf16 [T, H], dprobs fp32 [T, k] (top-k) or [T, E] (map);
-  // weight gradients too unless config.delay_wgrad. Consumes the state (delayed: backward_dw does).
+  // weight gradients too unless config.delay_wgrad or weight_grads = kSkip (frozen experts, see
+  // WeightGrads). Consumes the state (delayed: backward_dw does).
   // Recompute mode and save_x_perm = false read the forward's x again (the latter: the fc1 weight
   // gradient gathers its rows, in delayed mode in backward_dw): by the address recorded at forward,
   // or `x` when given (the same values, e.g. restored to another address after offloading). x must
   // stay unchanged until then.
   void backward(const TensorView& dy, const TensorView& dx, const TensorView& dprobs, const SavedState& state,
-                cudaStream_t stream, const TensorView* x = nullptr);
+                cudaStream_t stream, const TensorView* x = nullptr, WeightGrads weight_grads = WeightGrads::kCompute);
   // Delayed mode: fc2's weight gradients, then fc1's, each parameter's hooks once it is final.
   // save_x_perm = false reads the forward's x again (see backward).
   void backward_dw(const SavedState& state, cudaStream_t stream, const TensorView* x = nullptr);

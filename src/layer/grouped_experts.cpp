@@ -444,20 +444,21 @@ struct GroupedExperts::Impl {
   // dy the kernel reads) or `writes` (dY_out).
   float* dprobs_partials(const TensorView& dx_perm, const TensorView& reads, const TensorView& writes,
                          const char* call) const;
+  // act is recomputed on the way only where fc2's weight gradient will read it (`recompute_act`).
   void fused_dgrad(const void* dY, const int32_t* row_slots, int slots, void* dY_out, float* dprobs_partial,
-                   const Saved& v, const TensorView& dpp, cudaStream_t s) const;
+                   const Saved& v, const TensorView& dpp, bool recompute_act, cudaStream_t s) const;
   // The backward's checks shared by backward and backward_gathered; returns the saved inputs.
   Saved check_backward(const SavedState& state, const TensorView& dx_perm, const TensorView& dpp,
-                       const char* call) const;
+                       WeightGrads weight_grads, const char* call) const;
   // fc2_rows (fprop from act) and fc1_dgrad_rows (dgrad from dh): the state checked for `statuses`.
   void run_windows(GemmOp op, const SavedState& state, std::initializer_list<StateStatus> statuses,
                    const TensorView& row_begin, const TensorView& offsets, const TensorView& out, const char* call,
                    cudaStream_t s);
   // fc1's weight gradient from dh (written over h), the state consumed, the hooks.
   void finish_fc1(const SavedState& state, const Saved& v, cudaStream_t s);
-  // After fc2's gradients: fc1 dgrad, then (unless delayed) fc1's weight gradients and the hooks.
+  // After fc2's gradients: fc1 dgrad, then (unless delayed or skipped) fc1's weight gradients and the hooks.
   void finish_backward(const SavedState& state, const Saved& v, const TensorView& dY, const TensorView& dx_perm,
-                       cudaStream_t s);
+                       WeightGrads weight_grads, cudaStream_t s);
   void relocate_inputs(const SavedState& state, const TensorView& group_offsets, const TensorView& probs_perm,
                        const TensorView* dY) const;
   // FP8: from dY's columnwise copy in the recipe's workspace (the backward quantized it) and act's
@@ -475,10 +476,11 @@ struct GroupedExperts::Impl {
   // gradients (dY bf16 for the bias gradient only: empty without bias), the activation backward:
   // without the fc1 bias straight into dh's FP8 copies (dh itself is never written), otherwise dh
   // over h, quantized by finish_backward.
-  void fp8_fc2_backward(const TensorView& dY, const Saved& v, const TensorView& dpp, cudaStream_t s) {
+  void fp8_fc2_backward(const TensorView& dY, const Saved& v, const TensorView& dpp, WeightGrads weight_grads,
+                        cudaStream_t s) {
     const int64_t rows = v.rows, F = cfg.ffn, F1 = cfg.fc1_out();
     fp8->dgrad(2, gemm, gemm_workspace(), v.g, bf16_view(v.b.act, rows, F), s);
-    wgrad_fc2(dY, v, s);
+    if (weight_grads == WeightGrads::kCompute) wgrad_fc2(dY, v, s);
     const TensorView dprobs = probs_in_act() ? dpp : TensorView();
     if (fp8->fused_activation_grad())
       fp8->quantize_activation_grad(cfg.activation, bf16_view(v.b.h, rows, F1), v.pp, bf16_view(v.b.act, rows, F),
@@ -544,7 +546,7 @@ float* GroupedExperts::Impl::dprobs_partials(const TensorView& dx_perm, const Te
 
 void GroupedExperts::Impl::fused_dgrad(const void* dY, const int32_t* row_slots, int slots, void* dY_out,
                                        float* dprobs_partial, const Saved& v, const TensorView& dpp,
-                                       cudaStream_t s) const {
+                                       bool recompute_act, cudaStream_t s) const {
   fused::Fc2DgradActivationArgs f;
   f.dy = dY;
   f.row_slots = row_slots;
@@ -560,7 +562,7 @@ void GroupedExperts::Impl::fused_dgrad(const void* dY, const int32_t* row_slots,
   f.probs = v.pp.data != nullptr ? v.pp.ptr<const float>() : nullptr;
   f.activation = cfg.activation;
   f.h = v.b.h;
-  f.act_out = saves_act() ? nullptr : v.b.act;  // recomputed for fc2's weight gradient
+  f.act_out = saves_act() || !recompute_act ? nullptr : v.b.act;  // recomputed for fc2's weight gradient
   f.dprobs = dpp.data != nullptr ? dpp.ptr<float>() : nullptr;
   f.dprobs_partial = dprobs_partial;
   f.sm_count = sm_count;
@@ -773,12 +775,16 @@ void GroupedExperts::recompute(const TensorView& x_perm, const TensorView& g, co
 }
 
 GroupedExperts::Impl::Saved GroupedExperts::Impl::check_backward(const SavedState& state, const TensorView& dx_perm,
-                                                                  const TensorView& dpp, const char* call) const {
+                                                                  const TensorView& dpp, WeightGrads weight_grads,
+                                                                  const char* call) const {
   check_state_capacity(state, "state", state_bytes, kStateHeaders);
   check_state(state, "state", serial, StateKind::kExperts, {StateStatus::kFilled}, call);
   MOE_CHECK(state.header(0).binding == binding, "argument 'state' of ", call, ": the weights were rebound since its ",
             "forward (set_weights between a forward and its backward)");
-  MOE_CHECK(cfg.delay_wgrad || have_grads, call, ": no gradient tensors bound (call set_grads first)");
+  MOE_CHECK(weight_grads == WeightGrads::kCompute || !cfg.delay_wgrad, "argument 'weight_grads' of ", call,
+            ": kSkip is refused with config.delay_wgrad (backward_dw owes the weight gradients)");
+  MOE_CHECK(cfg.delay_wgrad || weight_grads == WeightGrads::kSkip || have_grads, call,
+            ": no gradient tensors bound (call set_grads first)");
   const Saved v = saved(state);
   check_x_perm(v, call);
   const int64_t rows = v.rows;
@@ -808,16 +814,22 @@ GroupedExperts::Impl::Saved GroupedExperts::Impl::check_backward(const SavedStat
 }
 
 void GroupedExperts::Impl::finish_backward(const SavedState& state, const Saved& v, const TensorView& dY,
-                                           const TensorView& dx_perm, cudaStream_t s) {
+                                           const TensorView& dx_perm, WeightGrads weight_grads, cudaStream_t s) {
+  const bool wgrads = weight_grads == WeightGrads::kCompute;
   const TensorView dh = bf16_view(v.b.h, v.rows, cfg.fc1_out());  // written over h (not by FP8's fused path)
   if (fp8) {  // dh rowwise for the dgrad, columnwise for the weight gradient below
     if (!fp8->fused_activation_grad())  // otherwise fp8_fc2_backward made them
-      fp8->quantize(dh, /*rowwise=*/true, fp8->col_workspace(), fp8->col_workspace_scale(), s);
+      fp8->quantize(dh, /*rowwise=*/true, wgrads ? fp8->col_workspace() : nullptr,
+                    wgrads ? fp8->col_workspace_scale() : nullptr, s);
     fp8->dgrad(1, gemm, gemm_workspace(), v.g, dx_perm, s);
   } else if (!cfg.row_windows) {  // windows: fc1_dgrad_rows computes it
     dgrad(1, dh, v.g, dx_perm, s);
   }
   StateHeader& h = state.header(0);
+  if (!wgrads) {  // frozen experts: no weight gradient, no hook (windows: fc1_dgrad_rows still reads dh)
+    h.status = static_cast<int32_t>(StateStatus::kConsumed);
+    return;
+  }
   // Delayed: backward_dw runs fc1's weight gradient. Windows: finish_row_windows runs it and the
   // hooks after the caller's fc1_dgrad_rows, so every read of the weights is enqueued before a hook
   // runs, as without windows.
@@ -837,10 +849,12 @@ void GroupedExperts::Impl::finish_fc1(const SavedState& state, const Saved& v, c
 }
 
 void GroupedExperts::backward(const TensorView& dY, const TensorView& dx_perm, const TensorView& dpp,
-                              const SavedState& state, cudaStream_t s) {
+                              const SavedState& state, cudaStream_t s, WeightGrads weight_grads) {
   Impl& m = *impl_;
   const auto& c = m.cfg;
-  const Impl::Saved v = m.check_backward(state, dx_perm, dpp, "GroupedExperts::backward");
+  const Impl::Saved v = m.check_backward(state, dx_perm, dpp, weight_grads, "GroupedExperts::backward");
+  // fc2's weight gradient runs here unless delayed (backward_dw) or skipped (frozen experts).
+  const bool wgrad_now = !c.delay_wgrad && weight_grads == WeightGrads::kCompute;
   const int64_t rows = v.rows, H = c.hidden, F = c.ffn, F1 = c.fc1_out();
   check_device_tensor(dY, "dY", c.dtype, {rows, H});
   MOE_CHECK(!c.delay_wgrad || dx_perm.data != dY.data, "argument 'dx_perm': with delay_wgrad, dY is read again by ",
@@ -848,13 +862,16 @@ void GroupedExperts::backward(const TensorView& dY, const TensorView& dx_perm, c
 
   if (c.fuse_fc2_dgrad) {
     float* partials = m.dprobs_partials(dx_perm, dY, TensorView(), "GroupedExperts::backward");
-    m.fused_dgrad(dY.data, nullptr, 1, nullptr, partials, v, dpp, s);  // leaves act as it is, or writes it again
-    if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);
+    // Leaves act as it is, or writes it again for a weight gradient that reads it.
+    m.fused_dgrad(dY.data, nullptr, 1, nullptr, partials, v, dpp, weight_grads == WeightGrads::kCompute, s);
+    if (wgrad_now) m.wgrad_fc2(dY, v, s);
   } else if (m.fp8) {
-    m.fp8->quantize(dY, /*rowwise=*/true, m.fp8->col_workspace(), m.fp8->col_workspace_scale(), s);
-    m.fp8_fc2_backward(dY, v, dpp, s);
+    const bool col = weight_grads == WeightGrads::kCompute;  // the columnwise copy feeds the weight gradient only
+    m.fp8->quantize(dY, /*rowwise=*/true, col ? m.fp8->col_workspace() : nullptr,
+                    col ? m.fp8->col_workspace_scale() : nullptr, s);
+    m.fp8_fc2_backward(dY, v, dpp, weight_grads, s);
   } else {
-    if (!c.delay_wgrad) m.wgrad_fc2(dY, v, s);  // reads act before dact is written over it
+    if (wgrad_now) m.wgrad_fc2(dY, v, s);  // reads act before dact is written over it
     uint16_t* dact = c.delay_wgrad ? m.dact_ws : v.b.act;
     m.dgrad(2, dY, v.g, bf16_view(dact, rows, F), s);
     // In place: the activation backward reads each h element before writing its gradient.
@@ -862,12 +879,12 @@ void GroupedExperts::backward(const TensorView& dY, const TensorView& dx_perm, c
                         bf16_view(v.b.h, rows, F1), m.probs_in_act() ? dpp : TensorView(), s);
   }
   if (m.probs_in_act() && c.bias) m.bias_dprobs_of(dY, v, dpp, s);
-  m.finish_backward(state, v, dY, dx_perm, s);
+  m.finish_backward(state, v, dY, dx_perm, weight_grads, s);
 }
 
 void GroupedExperts::backward_gathered(const TensorView& dy, const TensorView& row_slots, int slots,
                                        const TensorView& dY_out, const TensorView& dx_perm, const TensorView& dpp,
-                                       const SavedState& state, cudaStream_t s) {
+                                       const SavedState& state, cudaStream_t s, WeightGrads weight_grads) {
   Impl& m = *impl_;
   const auto& c = m.cfg;
   constexpr const char* kCall = "GroupedExperts::backward_gathered";
@@ -877,7 +894,8 @@ void GroupedExperts::backward_gathered(const TensorView& dy, const TensorView& r
             "combine the dY rows are scaled copies of dy");
   MOE_CHECK(!m.fp8 || !c.bias, kCall, ": with config.fp8 and bias the bias gradients read dY in bf16, which the ",
             "FP8 gathered backward never writes; use backward()");
-  const Impl::Saved v = m.check_backward(state, dx_perm, dpp, kCall);
+  const Impl::Saved v = m.check_backward(state, dx_perm, dpp, weight_grads, kCall);
+  const bool wgrads = weight_grads == WeightGrads::kCompute;
   const int64_t rows = v.rows, H = c.hidden;
   MOE_CHECK(dy.ndim == 2 && dy.shape[1] == H, "argument 'dy': expected shape [T, ", H, "], got ", dy.shape_string());
   check_device_tensor(dy, "dy", c.dtype, {dy.shape[0], H});
@@ -899,22 +917,22 @@ void GroupedExperts::backward_gathered(const TensorView& dy, const TensorView& r
   }
 
   if (m.fp8) {
-    m.fp8->quantize_gathered(dy, row_slots, slots, /*rowwise=*/true, m.fp8->col_workspace(),
-                             m.fp8->col_workspace_scale(), m.errors.device_ptr(), s);
-    m.fp8_fc2_backward(TensorView(), v, dpp, s);
-    return m.finish_backward(state, v, dY_out, dx_perm, s);
+    m.fp8->quantize_gathered(dy, row_slots, slots, /*rowwise=*/true, wgrads ? m.fp8->col_workspace() : nullptr,
+                             wgrads ? m.fp8->col_workspace_scale() : nullptr, m.errors.device_ptr(), s);
+    m.fp8_fc2_backward(TensorView(), v, dpp, weight_grads, s);
+    return m.finish_backward(state, v, dY_out, dx_perm, weight_grads, s);
   }
   float* partials = m.dprobs_partials(dx_perm, dy, dY_out, kCall);
-  m.fused_dgrad(dy.data, row_slots.ptr<const int32_t>(), slots, dY_out.data, partials, v, dpp, s);
+  m.fused_dgrad(dy.data, row_slots.ptr<const int32_t>(), slots, dY_out.data, partials, v, dpp, wgrads, s);
   if (dY_out.data != nullptr) {
     if (c.bias) m.bias_dprobs_of(dY_out, v, dpp, s);
-    if (!c.delay_wgrad) m.wgrad_fc2(dY_out, v, s);
-  } else {
+    if (!c.delay_wgrad && wgrads) m.wgrad_fc2(dY_out, v, s);
+  } else if (wgrads) {
     // dW2_e = dY_perm_e^T act_e with the dY rows gathered from dy: X = dy (N = H), act the
     // contiguous operand (M = F), stored X-major ([H, F]).
     m.wgrad_gathered(v.b.act, c.ffn, Impl::Gathered{dy, row_slots, slots}, m.dw2, /*x_major=*/true, v, s);
   }
-  m.finish_backward(state, v, dY_out, dx_perm, s);
+  m.finish_backward(state, v, dY_out, dx_perm, weight_grads, s);
 }
 
 void GroupedExperts::Impl::run_windows(GemmOp op, const SavedState& state, std::initializer_list<StateStatus> statuses,

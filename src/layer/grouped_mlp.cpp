@@ -293,7 +293,7 @@ void GroupedMlp::forward(const TensorView& x, const RoutingView& routing, const 
 }
 
 void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const TensorView& dprobs, const SavedState& state,
-                          cudaStream_t s, const TensorView* x_in) {
+                          cudaStream_t s, const TensorView* x_in, WeightGrads weight_grads) {
   Impl& m = *impl_;
   const auto& c = m.cfg;
   // Everything is checked before anything is enqueued: a refused call changes nothing.
@@ -302,7 +302,9 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
   MOE_CHECK(state.header(kLayerHeader).binding == m.experts.weight_binding(), "argument 'state' of ",
             "GroupedMlp::backward: the weights were rebound since its forward (set_weights between a forward and ",
             "its backward)");
-  MOE_CHECK(c.delay_wgrad || m.experts.grads_bound(),
+  MOE_CHECK(weight_grads == WeightGrads::kCompute || !c.delay_wgrad, "argument 'weight_grads' of ",
+            "GroupedMlp::backward: kSkip is refused with config.delay_wgrad (backward_dw owes the weight gradients)");
+  MOE_CHECK(c.delay_wgrad || weight_grads == WeightGrads::kSkip || m.experts.grads_bound(),
             "GroupedMlp::backward: no gradient tensors bound (call set_grads first)");
   const int64_t T = state.header(kLayerHeader).tokens, H = c.hidden;
   const int slots = m.dispatcher.slots_per_token();
@@ -349,21 +351,23 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
     MOE_CHECK(m.chunks() == 1 || !keep_dY || c.delay_wgrad, "GroupedMlp::backward: token chunks with a dY_perm in ",
               "the workspace (internal error)");
     m.experts.backward_gathered(dy, m.dispatcher.row_slots(plan), slots, keep_dY ? dYv : TensorView(), dx_perm,
-                                m.dpp(), es, s);
+                                m.dpp(), es, s, weight_grads);
   } else if (m.fp8_gathers_dy()) {
-    m.experts.backward_gathered(dy, m.dispatcher.row_slots(plan), slots, TensorView(), dx_perm, m.dpp(), es, s);
+    m.experts.backward_gathered(dy, m.dispatcher.row_slots(plan), slots, TensorView(), dx_perm, m.dpp(), es, s,
+                                weight_grads);
   } else if (m.probs_in_act()) {
     m.dispatcher.unpermute_backward(plan, dy, dYv, MergeProbs::kNone, s);
-    m.experts.backward(dYv, dx_perm, m.dpp(), es, s);
+    m.experts.backward(dYv, dx_perm, m.dpp(), es, s, weight_grads);
   } else {
     // Probs merged at combine: their gradient <Y[row], dy[t]> comes from the combine's backward.
     const TensorView Yv = bf16_view(m.Ycomb_of(state), m.R, H);
     m.dispatcher.unpermute_backward(plan, dy, dYv, MergeProbs::kPlanned, s, nullptr, &Yv, &dprobs);
-    m.experts.backward(dYv, dx_perm, TensorView(), es, s);
+    m.experts.backward(dYv, dx_perm, TensorView(), es, s, weight_grads);
   }
   if (m.chunks() > 1) {
     m.dgrad_and_sum_by_chunk(plan, es, dx, dprobs, s);
-    if (!c.delay_wgrad) m.experts.finish_row_windows(es, s);  // fc1's weight gradients, the hooks
+    // fc1's weight gradients, the hooks (frozen experts: none; the experts' state is consumed already).
+    if (!c.delay_wgrad && weight_grads == WeightGrads::kCompute) m.experts.finish_row_windows(es, s);
   } else if (m.probs_in_act()) {
     const TensorView dpp = m.dpp();
     m.dispatcher.permute_backward(plan, dx_perm, dx, s, &dpp, &dprobs);

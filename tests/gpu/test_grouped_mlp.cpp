@@ -53,6 +53,9 @@ struct Case {
   // Between the forward and the backward, the same weights in new buffers bound with rebind_weights
   // and the old ones overwritten with NaN (parameters gathered again, as FSDP does).
   bool rebind_before_backward = false;
+  // Frozen experts: the backward computes dx and dprobs only; with bind_grads false set_grads is never called.
+  WeightGrads weight_grads = WeightGrads::kCompute;
+  bool bind_grads = true;
 };
 
 struct Outputs {
@@ -142,7 +145,7 @@ struct Runner {
       GB2 = make_param(gb2, E, {H}, gtype, layout);
     }
     layer.set_weights({W1.views, B1.views, W2.views, B2.views});
-    layer.set_grads({G1.views, GB1.views, G2.views, GB2.views});
+    if (c.bind_grads) layer.set_grads({G1.views, GB1.views, G2.views, GB2.views});
     for (Param p : {Param::kFc1Weight, Param::kFc1Bias, Param::kFc2Weight, Param::kFc2Bias})
       layer.register_hook(p, [&o](Param q) { o.hook_order.push_back(static_cast<int>(q)); });
 
@@ -178,7 +181,7 @@ struct Runner {
         for (auto& b : old->bufs) b.fill_bytes(0xFF);
     }
     layer.backward(TensorView(dy_.get(), DType::kBF16, {c.T, H}), TensorView(dx_.get(), DType::kBF16, {c.T, H}),
-                   TensorView(dprobs_.get(), DType::kFP32, {c.T, slots}), st, s);
+                   TensorView(dprobs_.get(), DType::kFP32, {c.T, slots}), st, s, nullptr, c.weight_grads);
     if (k.delay_wgrad) {
       EXPECT_TRUE(o.hook_order.empty()) << "delayed mode: no hook may fire before backward_dw";
       layer.backward_dw(st, s);
@@ -754,6 +757,12 @@ TEST_P(GraphReplay, WithNewDataEqualsEager) {
     k.save_x_perm = false;
     k.token_chunks = 3;
   }
+  // Frozen experts: 4's path with the weight gradients skipped (the gradients stay zero).
+  const WeightGrads wg = GetParam() == 7 ? WeightGrads::kSkip : WeightGrads::kCompute;
+  if (GetParam() == 7) {
+    k.fuse_fc1 = k.fuse_fc2_dgrad = true;
+    k.save_x_perm = k.bias = false;
+  }
   k.fp8 = fp8 ? Fp8Recipe::kBlock : Fp8Recipe::kNone;
   const DType gt = fp8 ? DType::kFP32 : DType::kBF16;  // the FP8 weight gradients write fp32
   k.wgrad_dtype = gt;
@@ -795,7 +804,7 @@ TEST_P(GraphReplay, WithNewDataEqualsEager) {
   const SavedState st = layer.new_state();
   auto step = [&] {
     layer.forward(xv, rv, yv, st, s);
-    layer.backward(dyv, dxv, dpv, st, s);
+    layer.backward(dyv, dxv, dpv, st, s, nullptr, wg);
   };
   auto results = [&] {
     MOE_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -833,13 +842,13 @@ TEST_P(GraphReplay, WithNewDataEqualsEager) {
 }
 
 // 0: unfused, 1: fused fc1, 2: fused fc1 without x_perm, 3 / 4: 1 / 2 with the fused fc2 dgrad,
-// 5: FP8 (x and dy quantized from their gathered rows), 6: 4 in three token chunks.
+// 5: FP8 (x and dy quantized from their gathered rows), 6: 4 in three token chunks, 7: 4 with frozen experts.
 std::string graph_replay_name(const ::testing::TestParamInfo<int>& info) {
-  static const char* const kNames[] = {"Unfused",           "Fused", "FusedNoXPerm", "FusedDgrad",
-                                       "FusedDgradNoXPerm", "Fp8",   "TokenChunks"};
+  static const char* const kNames[] = {"Unfused", "Fused",       "FusedNoXPerm", "FusedDgrad", "FusedDgradNoXPerm",
+                                       "Fp8",     "TokenChunks", "FrozenExperts"};
   return kNames[info.param];
 }
-INSTANTIATE_TEST_SUITE_P(GroupedMlp, GraphReplay, ::testing::Values(0, 1, 2, 3, 4, 5, 6), graph_replay_name);
+INSTANTIATE_TEST_SUITE_P(GroupedMlp, GraphReplay, ::testing::Values(0, 1, 2, 3, 4, 5, 6, 7), graph_replay_name);
 
 // Token chunks (config.token_chunks): fc2 and the combine, the fc1 dgrad and the sum of each
 // token's rows, one piece of consecutive tokens at a time -- bitwise the results of the whole batch
@@ -1033,6 +1042,104 @@ TEST(GroupedMlp, EmulatedFormatsMatchTheReferenceWithQuantizedOperands) {
 // forward writing Y over the x_perm its state keeps for the fc1 weight gradient (Y overlapping it by
 // one row too), and the layer's backward in token chunks writing dx over the x whose rows the fc1
 // weight gradient gathers after the last chunk (as with delay_wgrad).
+// Frozen experts (backward with WeightGrads::kSkip): y, dx and dprobs bitwise those of the full
+// backward on every path that computes them differently -- unfused, fused fc1 with and without
+// x_perm, the fused fc2 dgrad (which then does not recompute act), probs at the combine, recompute,
+// token chunks, biases, FP8 with the quantize of dY_perm (bias) or of the gathered rows of dy --
+// with the gradient tensors left exactly as they were (main_grad accumulation, so a weight gradient
+// run by mistake would change them), no hook, and the same results when set_grads was never called.
+TEST(GroupedMlp, FrozenExpertsComputeTheInputGradientsOnly) {
+  MOE_REQUIRE_GPU();
+  struct Path {
+    const char* name;
+    bool fuse_fc1, save_x_perm, fuse_fc2_dgrad, bias, probs_at_combine, recompute, fp8;
+    int token_chunks;
+  };
+  const Path paths[] = {
+      {"unfused", false, true, false, true, false, false, false, 1},
+      {"fused fc1", true, true, false, true, false, false, false, 1},
+      {"fused fc1 without x_perm, fused dgrad", true, false, true, false, false, false, false, 1},
+      {"fused dgrad with bias", true, false, true, true, false, false, false, 1},
+      {"probs at combine", false, true, false, false, true, false, false, 1},
+      {"recompute", true, true, true, false, false, true, false, 1},
+      {"token chunks", true, false, true, false, false, false, false, 3},
+      {"fp8 with bias", false, true, false, true, false, false, true, 1},
+      {"fp8 without bias", false, true, false, false, false, false, true, 1},
+  };
+  for (const Path& p : paths) {
+    SCOPED_TRACE(p.name);
+    Case c = p.fp8 ? quantized_case() : Case{};
+    if (!p.fp8) {
+      c.cfg = small_config();
+      c.T = 61;
+      c.skew = 1.0;
+    }
+    c.cfg.fuse_fc1 = p.fuse_fc1;
+    c.cfg.save_x_perm = p.save_x_perm;
+    c.cfg.fuse_fc2_dgrad = p.fuse_fc2_dgrad;
+    c.cfg.bias = p.bias;
+    c.cfg.probs = p.probs_at_combine ? ProbsPlacement::kAtCombine : ProbsPlacement::kInActivation;
+    c.cfg.recompute = p.recompute;
+    c.cfg.token_chunks = p.token_chunks;
+    if (p.fp8) {
+      c.cfg.fp8 = Fp8Recipe::kBlock;
+      c.cfg.dispatch.align = 128;
+    }
+    c.cfg.wgrad = WgradMode::kAccumulate;  // random initial main_grad: any weight gradient would change it
+    const Outputs full = Runner(c).run_gpu(WeightLayout::kSingleGrouped);
+    Case frozen_case = c;
+    frozen_case.weight_grads = WeightGrads::kSkip;
+    Runner frozen_runner(frozen_case);
+    const Outputs frozen = frozen_runner.run_gpu(WeightLayout::kSingleGrouped);
+    EXPECT_EQ(frozen.y, full.y);
+    EXPECT_EQ(frozen.dx, full.dx);
+    EXPECT_EQ(frozen.dprobs, full.dprobs);
+    EXPECT_TRUE(frozen.hook_order.empty());
+    EXPECT_FALSE(full.hook_order.empty());
+    // The initial main_grad, through the same fp32 round trip the downloads take.
+    EXPECT_EQ(frozen.dw1, frozen_runner.g1);
+    EXPECT_EQ(frozen.dw2, frozen_runner.g2);
+    EXPECT_EQ(frozen.db1, frozen_runner.gb1);
+    EXPECT_EQ(frozen.db2, frozen_runner.gb2);
+    EXPECT_NE(full.dw1, frozen_runner.g1);
+    frozen_case.bind_grads = false;
+    const Outputs unbound = Runner(frozen_case).run_gpu(WeightLayout::kSingleGrouped);
+    EXPECT_EQ(unbound.dx, full.dx);
+    EXPECT_EQ(unbound.dprobs, full.dprobs);
+  }
+  // Skipping is refused where backward_dw owes the weight gradients; the refused call changes nothing.
+  GroupedMlpConfig k = small_config();
+  k.delay_wgrad = true;
+  GroupedMlp layer(k);
+  Case c;
+  c.cfg = k;
+  c.T = 8;
+  Runner r(c);
+  const int64_t H = k.hidden, F1 = k.fc1_out(), F = k.ffn, E = k.experts;
+  auto W1 = make_param(r.w1, E, {F1, H}, DType::kBF16, k.layout);
+  auto W2 = make_param(r.w2, E, {H, F}, DType::kBF16, k.layout);
+  layer.set_weights({W1.views, {}, W2.views, {}});
+  DeviceBuffer<uint16_t> x(to_bf16(r.x)), dy(to_bf16(r.dy)), y(c.T * H), dx(c.T * H);
+  DeviceBuffer<int32_t> idx(r.routing.indices);
+  DeviceBuffer<float> probs(std::vector<float>(r.routing.probs.begin(), r.routing.probs.end())), dprobs(c.T * k.topk);
+  RoutingView rv;
+  rv.indices = TensorView(idx.get(), DType::kInt32, {c.T, k.topk});
+  rv.probs = TensorView(probs.get(), DType::kFP32, {c.T, k.topk});
+  const SavedState st = layer.new_state();
+  layer.forward(TensorView(x.get(), DType::kBF16, {c.T, H}), rv, TensorView(y.get(), DType::kBF16, {c.T, H}), st,
+                nullptr);
+  testing::expect_error_naming(
+      [&] {
+        layer.backward(TensorView(dy.get(), DType::kBF16, {c.T, H}), TensorView(dx.get(), DType::kBF16, {c.T, H}),
+                       TensorView(dprobs.get(), DType::kFP32, {c.T, k.topk}), st, nullptr, nullptr, WeightGrads::kSkip);
+      },
+      "weight_grads");
+  // The state is still filled: the full backward runs.
+  layer.backward(TensorView(dy.get(), DType::kBF16, {c.T, H}), TensorView(dx.get(), DType::kBF16, {c.T, H}),
+                 TensorView(dprobs.get(), DType::kFP32, {c.T, k.topk}), st, nullptr);
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 TEST(GroupedMlp, OutputsOverInputsTheBackwardReadsAreRefused) {
   MOE_REQUIRE_GPU();
   {

@@ -96,11 +96,11 @@ std::tuple<at::Tensor, at::Tensor> experts_backward(int64_t handle, const at::Te
     MOE_CHECK(with_probs == probs, "argument 'with_probs': expected ", probs ? "true" : "false",
               " (the experts' probs placement)");
     relocate(ex, st, x_perm, group_offsets, probs_perm, nullptr);
-    if (!ex.config().delay_wgrad) s.bind_grads(gw1, gb1, gw2, gb2);
+    const WeightGrads weight_grads = s.bind_backward_grads(ex.config().delay_wgrad, gw1, gb1, gw2, gb2);
     at::Tensor dx_perm = at::empty_like(dY, at::MemoryFormat::Contiguous);
     at::Tensor dpp = at::empty({probs ? dY.size(0) : 0}, dY.options().dtype(at::kFloat));
     ex.backward(view(dY, "dY"), view(dx_perm, "dx_perm"), probs ? view(dpp, "d_probs_perm") : TensorView(), st,
-                current_stream());
+                current_stream(), weight_grads);
     return std::make_tuple(dx_perm, dpp);
   });
 }

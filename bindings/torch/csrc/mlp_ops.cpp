@@ -102,11 +102,12 @@ std::tuple<at::Tensor, at::Tensor> mlp_backward(int64_t handle, const at::Tensor
               reads_x_again(layer) ? "the forward's x (recompute mode or save_x_perm=False)"
                                    : "None (x is read again only in recompute mode or with save_x_perm=False)");
     require_dims(dy, "dy", 2);
-    if (!layer.config().delay_wgrad) s.bind_grads(gw1, gb1, gw2, gb2);
+    const WeightGrads weight_grads = s.bind_backward_grads(layer.config().delay_wgrad, gw1, gb1, gw2, gb2);
     at::Tensor dx = at::empty_like(dy, at::MemoryFormat::Contiguous);
     at::Tensor dprobs = at::empty({dy.size(0), slots}, dy.options().dtype(at::kFloat));
     const TensorView xv = x ? view(*x, "x") : TensorView();
-    layer.backward(view(dy, "dy"), view(dx, "dx"), view(dprobs, "dprobs"), st, current_stream(), x ? &xv : nullptr);
+    layer.backward(view(dy, "dy"), view(dx, "dx"), view(dprobs, "dprobs"), st, current_stream(), x ? &xv : nullptr,
+                   weight_grads);
     return std::make_tuple(dx, dprobs);
   });
 }

@@ -66,6 +66,16 @@ struct Bound {
     op.set_grads(expert_tensors(w1, b1, w2, b2));
     grad_ptrs = std::move(ptrs);
   }
+  // A backward's gradient lists. All four empty outside delayed mode means no expert parameter wants a
+  // gradient (frozen experts): nothing is bound and the backward skips the weight gradients. Delayed
+  // mode binds them in backward_dw.
+  WeightGrads bind_backward_grads(bool delayed, const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
+                                  const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2) {
+    if (delayed) return WeightGrads::kCompute;
+    if (w1.empty() && b1.empty() && w2.empty() && b2.empty()) return WeightGrads::kSkip;
+    bind_grads(w1, b1, w2, b2);
+    return WeightGrads::kCompute;
+  }
 
  private:
   // Binds the weights through `bind` (set_weights or rebind_weights) unless they are where they are

@@ -424,14 +424,19 @@ class _ExpertModule(HandleOwner, nn.Module):
             q.grad_added_to_main_grad = True
 
     # -- backward plumbing shared by both autograd functions ------------------------------------
-    def _after_backward(self, run_backward, keep_for_dw):
+    def _after_backward(self, run_backward, keep_for_dw, wants_param_grads=True):
         """Runs the op's backward with the right gradient buffers; returns the per-parameter grads
-        for autograd (or Nones)."""
+        for autograd (or Nones). Where no expert parameter wants a gradient (`wants_param_grads`
+        false: frozen experts, e.g. adapters trained around them) the op gets no gradient buffers and
+        computes only dx and the probs' gradient, with no weight gradient and no hook."""
         n = len(self._flat_params())
         if self.delay_wgrad:
             outs = run_backward([[], [], [], []])
-            self._pending_dw.append(keep_for_dw)
+            # Frozen experts owe no weight gradient: backward_dw() has nothing to do for this backward.
+            self._pending_dw.append(keep_for_dw if wants_param_grads else None)
             return outs, [None] * n
+        if not wants_param_grads:
+            return run_backward([[], [], [], []]), [None] * n
         lists = self._grad_buffers()
         outs = run_backward(lists)
         if self.accumulate_into_main_grad:
@@ -449,6 +454,8 @@ class _ExpertModule(HandleOwner, nn.Module):
         if not self._pending_dw:
             raise RuntimeError("backward_dw: no pending weight gradients (run backward first)")
         pending = self._pending_dw.pop(0)
+        if pending is None:  # a backward with frozen experts
+            return
         lists = self._grad_buffers()
         self._run_backward_dw(pending, lists)
         if not self.accumulate_into_main_grad:
@@ -612,7 +619,8 @@ class _MlpFunction(torch.autograd.Function):
         rebind_moved_weights(ctx, addresses, lambda: _ops.mlp_rebind_weights(mod._handle, *mod._param_lists()))
         dy = dy.contiguous()
         (dx, dprobs), param_grads = mod._after_backward(
-            lambda lists: _ops.mlp_backward(mod._handle, state, header, x, dy, mod.slots, *lists), (state, header, x))
+            lambda lists: _ops.mlp_backward(mod._handle, state, header, x, dy, mod.slots, *lists), (state, header, x),
+            wants_param_grads=any(ctx.needs_input_grad[4:]))
         return (None, dx, None, dprobs, *param_grads)
 
 
@@ -641,5 +649,5 @@ class _ExpertsFunction(torch.autograd.Function):
         (dx_perm, dpp), param_grads = mod._after_backward(
             lambda lists: _ops.experts_backward(mod._handle, state, header, x_perm, group_offsets, probs_perm, dY,
                                                 ctx.has_probs, *lists),
-            (state, header, x_perm, group_offsets, probs_perm, dY))
+            (state, header, x_perm, group_offsets, probs_perm, dY), wants_param_grads=any(ctx.needs_input_grad[4:]))
         return (None, dx_perm, None, dpp if ctx.has_probs else None, *param_grads)

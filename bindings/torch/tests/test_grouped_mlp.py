@@ -180,6 +180,67 @@ def test_main_grad_accumulation_and_delayed_wgrad_with_hooks():
             assert rel_err(added, want[name].float()) < 1e-2, name
 
 
+class _BackwardSpy:
+    """Stands in for torch.ops.moe_engine in moe_engine.module: records the gradient lists each
+    backward op is given, and forwards every call to the real operators."""
+
+    def __init__(self, ops):
+        self._ops, self.grad_lists = ops, []
+
+    def __getattr__(self, name):
+        fn = getattr(self._ops, name)
+        if name not in ("mlp_backward", "experts_backward"):
+            return fn
+
+        def spy(*args):
+            self.grad_lists.append([len(lst) for lst in args[-4:]])
+            return fn(*args)
+        return spy
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_frozen_experts_compute_no_weight_gradients(monkeypatch, delay):
+    # Expert parameters that want no gradient (frozen experts, adapters trained around them): the op
+    # gets no gradient buffers, so it runs only the GEMMs of dx, and dx / dprobs are bitwise those of
+    # trainable experts; no gradient, main_grad or hook is touched. Delayed: backward_dw() has nothing
+    # to do for that backward.
+    import moe_engine.module
+    base, x, idx, probs = make(bias=True, seed=9)
+    with torch.no_grad():
+        base.fc2.bias.normal_(0, 0.5)
+    want, _ = run_both(base, x, idx, probs)
+    for experts in (False, True):
+        mod = GroupedMLP(128, 64, 6, 2, max_tokens=48, bias=True, delay_wgrad=delay)
+        mod.load_state_dict(base.state_dict())
+        mod.requires_grad_(False)
+        fired = []
+        mod.register_wgrad_hook(lambda name, q: fired.append(name))
+        spy = _BackwardSpy(moe_engine.module._ops)
+        monkeypatch.setattr(moe_engine.module, "_ops", spy)
+        xr = x.detach().clone().requires_grad_()
+        pr = probs.detach().clone().requires_grad_()
+        if experts:  # the experts alone, behind the library's dispatcher
+            disp = Dispatcher(48, 6, 128, topk=2)
+            ex = GroupedExperts(128, 64, 6, max_rows=disp.rows, bias=True, delay_wgrad=delay)
+            ex.load_state_dict(base.state_dict())
+            ex.requires_grad_(False)
+            ex.register_wgrad_hook(lambda name, q: fired.append(name))
+            x_perm, pp, offsets, _, plan = disp.permute(xr, idx, pr)
+            y = disp.unpermute(ex(x_perm, offsets, pp), plan)
+        else:
+            y = mod(xr, idx, pr)
+        y.backward(output_grad(x))
+        monkeypatch.setattr(moe_engine.module, "_ops", spy._ops)
+        assert spy.grad_lists == [[0, 0, 0, 0]]
+        if not experts:
+            assert torch.equal(y, want["y"])
+            assert torch.equal(xr.grad, want["dx"]) and torch.equal(pr.grad, want["dprobs"])
+        if delay:
+            (ex if experts else mod).backward_dw()
+        assert fired == []
+        assert all(q.grad is None for q in (ex if experts else mod).parameters())
+
+
 def test_cuda_graph_capture_and_replay_with_new_data():
     mod, x, idx, probs = make(bias=True, align=16, seed=7)
     sx = x.clone().requires_grad_()

@@ -292,6 +292,40 @@ def test_hf_weights_are_read_in_place(case, monkeypatch):
     assert rel_err(y, ref) < REF_TOL
 
 
+@pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
+def test_hf_frozen_experts_compute_dx_and_routing_gradients_only(case, monkeypatch):
+    # Experts frozen (as when adapters or the router train around them): the op gets no gradient
+    # buffers, so its backward skips the weight gradients; the hidden states' and routing weights'
+    # gradients are bitwise those of trainable experts, and no expert parameter gets a gradient.
+    hf = _transformers()[1]
+    experts = experts_of(case, seed=7)
+    T = 48
+    x = (torch.randn(T, H, device=DEV) * 0.5).bfloat16()
+    idx, w = random_routing(T, E, K, seed=8)
+    dy = torch.randn(x.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(9))
+    want = run_experts(hf.moe_engine_experts_forward, experts, x, idx, w, dy)
+    lists = []
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(torch.ops.moe_engine, name)
+            if name != "mlp_backward":
+                return fn
+
+            def spy(*args):
+                lists.append([len(lst) for lst in args[-4:]])
+                return fn(*args)
+            return spy
+
+    monkeypatch.setattr(hf, "_ops", Spy())
+    experts.requires_grad_(False)
+    got = run_experts(hf.moe_engine_experts_forward, experts, x, idx, w, dy)
+    assert lists == [[0, 0, 0, 0]]
+    for name in ("y", "d_hidden", "d_weights"):
+        assert torch.equal(got[name], want[name]), name
+    assert all(p.grad is None for p in experts.parameters())
+
+
 @pytest.mark.parametrize("case", ["qwen3_moe", "deepseek_v3"])
 def test_hf_expert_parallel_sentinels_contribute_nothing(case):
     experts = experts_of(case, seed=5)

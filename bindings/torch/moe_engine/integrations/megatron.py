@@ -362,13 +362,15 @@ class MegatronGroupedMLP(GroupedExperts):
         return super().forward(x_grid, padded, p_grid).index_select(0, dest)
 
     # -- Megatron DDP interplay ----------------------------------------------------------------
-    def _after_backward(self, run_backward, keep_for_dw):
+    def _after_backward(self, run_backward, keep_for_dw, wants_param_grads=True):
         # Megatron's DDP gives every parameter `grad_added_to_main_grad` (False) when it wraps the
         # model; read before the op's backward sets it.
         under_ddp = [hasattr(q, "grad_added_to_main_grad") for q in self._flat_params()]
-        outs, grads = super()._after_backward(run_backward, keep_for_dw)
+        outs, grads = super()._after_backward(run_backward, keep_for_dw, wants_param_grads)
         if self.accumulate_into_main_grad and not self.delay_wgrad:
-            grads = [self._placeholder_grad(q) if ddp else None for q, ddp in zip(self._flat_params(), under_ddp)]
+            # Placeholders only where a gradient is wanted (frozen experts get none).
+            grads = [self._placeholder_grad(q) if ddp and q.requires_grad else None
+                     for q, ddp in zip(self._flat_params(), under_ddp)]
         return outs, grads
 
     @staticmethod

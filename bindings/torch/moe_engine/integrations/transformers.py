@@ -412,13 +412,17 @@ class _ExpertsFunction(torch.autograd.Function):
         rebind_moved_weights(ctx, addresses, lambda: _ops.mlp_rebind_weights(
             layer.handle, [w1], [] if b1 is None else [b1], [w2], [] if b2 is None else [b2]))
 
+        need = ctx.needs_input_grad
+        # Frozen experts (no parameter wants a gradient, e.g. adapters trained around them): no
+        # buffers, and the op computes dx and the probs' gradient only.
+        frozen = not any(need[4:8])
+
         def buffer(shape):
-            return [] if shape is None else [torch.empty(shape, dtype=torch.bfloat16, device=dy.device)]
+            return [] if shape is None or frozen else [torch.empty(shape, dtype=torch.bfloat16, device=dy.device)]
 
         gw1, gw2, gb1, gb2 = (buffer(s) for s in ctx.shapes)
         dx, dprobs = _ops.mlp_backward(layer.handle, state, header, None, dy.contiguous(), layer.topk, gw1, gb1,
                                        gw2, gb2)
-        need = ctx.needs_input_grad
 
         def grad(lst, i):  # in the parameter's dtype (the bf16 gradient of a full-precision weight cast)
             return lst[0].to(ctx.dtypes[i - 4]) if lst and need[i] else None
