@@ -116,7 +116,8 @@ class GroupedExperts {
                  const SavedState& state, cudaStream_t stream);
 
   // dY bf16 [rows, H] -> dx_perm bf16 [rows, H] and d_probs_perm fp32 [rows] (probs in the
-  // activation; an empty view otherwise), weight gradients too unless delay_wgrad. Without
+  // activation; an empty view otherwise), weight gradients too unless delay_wgrad or weight_grads =
+  // kSkip (frozen experts, see WeightGrads). Without
   // delay_wgrad, dx_perm may be the very buffer of dY (dY is fully read before dx_perm is written),
   // except with config.dprobs_partials_in_dx_perm (and F > 256): then dx_perm must not overlap dY
   // (nor dy or dY_out in backward_gathered) and its rows past group_offsets[E] are left unspecified.
@@ -153,7 +154,8 @@ class GroupedExperts {
   // again. Without delay_wgrad the backward leaves fc1's weight gradients and every hook to
   // finish_row_windows, which the caller makes after its fc1_dgrad_rows calls (so that, as without
   // windows, every read of the weights is enqueued before a hook runs); with delay_wgrad
-  // backward_dw does that work as always.
+  // backward_dw does that work as always. After a backward with WeightGrads::kSkip there is no such
+  // work: the state is consumed, and finish_row_windows is refused.
   void fc1_dgrad_rows(const SavedState& state, const TensorView& row_begin, const TensorView& offsets,
                       const TensorView& out, cudaStream_t stream);
   void finish_row_windows(const SavedState& state, cudaStream_t stream);

@@ -200,45 +200,52 @@ class _BackwardSpy:
 
 @pytest.mark.parametrize("delay", [False, True])
 def test_frozen_experts_compute_no_weight_gradients(monkeypatch, delay):
-    # Expert parameters that want no gradient (frozen experts, adapters trained around them): the op
-    # gets no gradient buffers, so it runs only the GEMMs of dx, and dx / dprobs are bitwise those of
-    # trainable experts; no gradient, main_grad or hook is touched. Delayed: backward_dw() has nothing
-    # to do for that backward.
+    # Expert parameters that want no gradient (frozen experts, adapters trained around them), for the
+    # layer and for the experts behind the library's dispatcher: y, dx and dprobs bitwise those of the
+    # same module trainable, and no parameter gets a gradient or fires a hook. Immediate mode: the op
+    # is given no gradient buffers (so it runs only the GEMMs of dx). Delayed mode, where the op always
+    # gets none in backward: backward_dw() has nothing to do for a frozen backward.
     import moe_engine.module
     base, x, idx, probs = make(bias=True, seed=9)
     with torch.no_grad():
         base.fc2.bias.normal_(0, 0.5)
-    want, _ = run_both(base, x, idx, probs)
-    for experts in (False, True):
-        mod = GroupedMLP(128, 64, 6, 2, max_tokens=48, bias=True, delay_wgrad=delay)
+    dy = output_grad(x)
+    disp = Dispatcher(48, 6, 128, topk=2)
+
+    def run(experts_alone, frozen):
+        if experts_alone:
+            mod = GroupedExperts(128, 64, 6, max_rows=disp.rows, bias=True, delay_wgrad=delay)
+        else:
+            mod = GroupedMLP(128, 64, 6, 2, max_tokens=48, bias=True, delay_wgrad=delay)
         mod.load_state_dict(base.state_dict())
-        mod.requires_grad_(False)
+        mod.requires_grad_(not frozen)
         fired = []
         mod.register_wgrad_hook(lambda name, q: fired.append(name))
         spy = _BackwardSpy(moe_engine.module._ops)
         monkeypatch.setattr(moe_engine.module, "_ops", spy)
         xr = x.detach().clone().requires_grad_()
         pr = probs.detach().clone().requires_grad_()
-        if experts:  # the experts alone, behind the library's dispatcher
-            disp = Dispatcher(48, 6, 128, topk=2)
-            ex = GroupedExperts(128, 64, 6, max_rows=disp.rows, bias=True, delay_wgrad=delay)
-            ex.load_state_dict(base.state_dict())
-            ex.requires_grad_(False)
-            ex.register_wgrad_hook(lambda name, q: fired.append(name))
+        if experts_alone:
             x_perm, pp, offsets, _, plan = disp.permute(xr, idx, pr)
-            y = disp.unpermute(ex(x_perm, offsets, pp), plan)
+            y = disp.unpermute(mod(x_perm, offsets, pp), plan)
         else:
             y = mod(xr, idx, pr)
-        y.backward(output_grad(x))
+        y.backward(dy)
         monkeypatch.setattr(moe_engine.module, "_ops", spy._ops)
-        assert spy.grad_lists == [[0, 0, 0, 0]]
-        if not experts:
-            assert torch.equal(y, want["y"])
-            assert torch.equal(xr.grad, want["dx"]) and torch.equal(pr.grad, want["dprobs"])
         if delay:
-            (ex if experts else mod).backward_dw()
-        assert fired == []
-        assert all(q.grad is None for q in (ex if experts else mod).parameters())
+            mod.backward_dw()
+        return {"y": y, "dx": xr.grad, "dprobs": pr.grad}, spy.grad_lists, fired, mod
+
+    for experts_alone in (False, True):
+        want, want_lists, want_fired, _ = run(experts_alone, frozen=False)
+        got, lists, fired, mod = run(experts_alone, frozen=True)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (experts_alone, name)
+        assert lists == [[0, 0, 0, 0]]
+        if not delay:
+            assert want_lists == [[1, 1, 1, 1]]  # trainable: the op got the four gradient buffers
+        assert want_fired and fired == []
+        assert all(q.grad is None for q in mod.parameters())
 
 
 def test_cuda_graph_capture_and_replay_with_new_data():

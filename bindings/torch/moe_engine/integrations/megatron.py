@@ -399,8 +399,8 @@ class MegatronGroupedMLP(GroupedExperts):
         set when it overlaps the gradient reduction, and drops it."""
         super().backward_dw()
         if self.accumulate_into_main_grad:
-            for q in self._flat_params():
-                if hasattr(q, "grad_added_to_main_grad") and q.grad is None:
+            for q in self._flat_params():  # frozen experts (no parameter requiring a gradient) get none
+                if hasattr(q, "grad_added_to_main_grad") and q.requires_grad and q.grad is None:
                     q.grad = self._placeholder_grad(q)
         self.linear_fc2._trigger_wgrad_accumulation_and_reduce_hooks()
         self.linear_fc1._trigger_wgrad_accumulation_and_reduce_hooks()
