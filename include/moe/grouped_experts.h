@@ -129,8 +129,9 @@ class GroupedExperts {
   // kernel writes them to dY_out [rows, H] on the way, where the fc2 weight and bias gradients (and
   // backward_dw) read them; dY_out may be empty only without bias and delay_wgrad: then no dY_perm
   // ever exists and the fc2 weight gradient gathers the rows of dy too. With config.fp8 (instead of
-  // fuse_fc2_dgrad; without bias and delay_wgrad) the gathered rows are quantized straight into dY's
-  // FP8 copies (bitwise backward's) and dY_out must be empty. Otherwise as backward.
+  // fuse_fc2_dgrad; without bias) the gathered rows are quantized straight into dY's FP8 copies
+  // (bitwise backward's; with delay_wgrad the state keeps them for backward_dw) and dY_out must be
+  // empty. Otherwise as backward.
   void backward_gathered(const TensorView& dy, const TensorView& row_slots, int slots, const TensorView& dY_out,
                          const TensorView& dx_perm, const TensorView& d_probs_perm, const SavedState& state,
                          cudaStream_t stream, WeightGrads weight_grads = WeightGrads::kCompute);
@@ -161,7 +162,8 @@ class GroupedExperts {
   void finish_row_windows(const SavedState& state, cudaStream_t stream);
 
   // The inputs a filled state reads again by address (x_perm, group_offsets, probs_perm; dY once a
-  // delayed backward ran, else pass nullptr) now live elsewhere -- e.g. the caller offloaded them to
+  // delayed backward ran -- except an FP8 backward_gathered, which kept dY's quantized copies in the
+  // state instead -- else pass nullptr) now live elsewhere -- e.g. the caller offloaded them to
   // the host and restored them, or the state's own memory moved: point the state at them. Same
   // shapes as at forward; the data must be unchanged. With config.fp8, x_perm may be an empty view
   // (the FP8 backward reads the state's own FP8 copy of it).

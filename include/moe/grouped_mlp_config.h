@@ -104,8 +104,9 @@ struct ExpertsConfig {
   // standard orientation only, so fuse_fc1 and fuse_fc2_dgrad must be off.
   bool transposed_weights = false;
   // FP8 compute (see Fp8Recipe). kBlock needs: H and F multiples of 16, max_rows a multiple of 16,
-  // the unfused path (fuse_fc1 and fuse_fc2_dgrad off), the standard weight orientation, no
-  // delay_wgrad; every expert's rows must fill whole 128-row blocks -- start on a 128-row boundary and
+  // the unfused path (fuse_fc1 and fuse_fc2_dgrad off), the standard weight orientation (with
+  // delay_wgrad a state also keeps the columnwise FP8 copies of dY and dh, (H + fc1_out) bytes a
+  // row and their scales); every expert's rows must fill whole 128-row blocks -- start on a 128-row boundary and
   // end on one or at the end of x_perm (dispatch with A = 128): the FP8 weight gradients read
   // 128-token scale blocks (a group that does not is skipped and raises kErrUnalignedGroup, see
   // GroupedExperts::check_errors).

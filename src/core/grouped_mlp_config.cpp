@@ -77,7 +77,7 @@ void validate_transposed(bool transposed, bool fuse_fc1, bool fuse_fc2_dgrad) {
 }
 // The FP8 recipe's requirements (ExpertsConfig::fp8).
 void validate_fp8(Fp8Recipe fp8, EmulatedQuant emulated, Fp8WeightRefresh refresh, int64_t hidden, int64_t ffn,
-                  bool fuse_fc1, bool fuse_fc2_dgrad, bool transposed, bool delay_wgrad) {
+                  bool fuse_fc1, bool fuse_fc2_dgrad, bool transposed) {
   MOE_CHECK(refresh == Fp8WeightRefresh::kEveryForward || refresh == Fp8WeightRefresh::kOnRequest ||
                 refresh == Fp8WeightRefresh::kFromMaster,
             "config 'fp8_weight_refresh': unknown value ", int(refresh));
@@ -92,8 +92,6 @@ void validate_fp8(Fp8Recipe fp8, EmulatedQuant emulated, Fp8WeightRefresh refres
             "fuse_fc2_dgrad to false");
   MOE_CHECK(!transposed, "config 'fp8': the FP8 experts read weights in the standard orientation; set ",
             "transposed_weights to false");
-  MOE_CHECK(!delay_wgrad, "config 'fp8': delayed weight gradients are not offered with FP8 yet; set delay_wgrad to ",
-            "false");
 }
 // The emulated recipes' requirements (ExpertsConfig::emulated).
 void validate_emulated(EmulatedQuant q, Fp8Recipe fp8, int64_t hidden, int64_t ffn, bool fuse_fc1,
@@ -122,8 +120,7 @@ void ExpertsConfig::validate() const {
             max_rows);
   MOE_CHECK(max_sms >= 0, "config 'max_sms': expected 0 (every SM) or a positive count, got ", max_sms);
   validate_transposed(transposed_weights, fuse_fc1, fuse_fc2_dgrad);
-  validate_fp8(fp8, emulated, fp8_weight_refresh, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights,
-               delay_wgrad);
+  validate_fp8(fp8, emulated, fp8_weight_refresh, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights);
   validate_emulated(emulated, fp8, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights);
   MOE_CHECK(!dprobs_partials_in_dx_perm || (fuse_fc2_dgrad && probs == ProbsPlacement::kInActivation),
             "config 'dprobs_partials_in_dx_perm': needs fuse_fc2_dgrad and the probs in the activation (only the ",
@@ -196,8 +193,7 @@ void GroupedMlpConfig::validate() const {
   MOE_CHECK(!(recompute && delay_wgrad), "config 'recompute': activation recompute is not combinable with ",
             "delay_wgrad (the delayed weight gradients need the saved activations)");
   validate_transposed(transposed_weights, fuse_fc1, fuse_fc2_dgrad);
-  validate_fp8(fp8, emulated, fp8_weight_refresh, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights,
-               delay_wgrad);
+  validate_fp8(fp8, emulated, fp8_weight_refresh, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights);
   validate_emulated(emulated, fp8, hidden, ffn, fuse_fc1, fuse_fc2_dgrad, transposed_weights);
   MOE_CHECK(fp8 == Fp8Recipe::kNone || (dispatch.align > 0 && dispatch.align % 128 == 0), "config 'fp8': the FP8 ",
             "weight gradients need each expert's rows to fill whole 128-row blocks; set dispatch.align to 128 or 256 ",

@@ -69,8 +69,10 @@ void Fp8ExpertsRecipe::plan_workspace(DeviceArena& a) {
   row_ = a.take<uint8_t>(R_ * tok_cols_);
   const ScaleShape rs = row_scale_shape(R_, tok_cols_);
   row_scale_ = a.take<float>(rs.rows * rs.cols);
-  col_ = a.take<uint8_t>(R_ * tok_cols_);
-  col_scale_ = a.take<float>(blocks(R_) * tok_cols_);
+  if (!cfg_.delay_wgrad) {  // delayed: the columnwise copies of dY and dh live in each state
+    col_ = a.take<uint8_t>(R_ * tok_cols_);
+    col_scale_ = a.take<float>(blocks(R_) * tok_cols_);
+  }
   if (fused_activation_grad() && cfg_.probs == ProbsPlacement::kInActivation) {
     grad_partials_count_ = activation_backward_quantized_workspace(cfg_.activation, R_, cfg_.ffn);
     grad_partials_ = a.take<float>(grad_partials_count_);
@@ -83,6 +85,12 @@ Fp8ExpertsRecipe::SavedCopies Fp8ExpertsRecipe::plan_state(DeviceArena& a) const
   c.x_col_scale = a.take<float>(blocks(R_) * cfg_.hidden);
   c.act_col = a.take<uint8_t>(R_ * cfg_.ffn);
   c.act_col_scale = a.take<float>(blocks(R_) * cfg_.ffn);
+  if (cfg_.delay_wgrad) {
+    c.dy_col = a.take<uint8_t>(R_ * cfg_.hidden);
+    c.dy_col_scale = a.take<float>(blocks(R_) * cfg_.hidden);
+    c.dh_col = a.take<uint8_t>(R_ * cfg_.fc1_out());
+    c.dh_col_scale = a.take<float>(blocks(R_) * cfg_.fc1_out());
+  }
   return c;
 }
 
@@ -163,10 +171,12 @@ bool Fp8ExpertsRecipe::fused_activation_grad() const {
 void Fp8ExpertsRecipe::quantize_activation_grad(const ActivationParams& params, const TensorView& h,
                                                 const TensorView& probs, const TensorView& d_out,
                                                 const TensorView& group_offsets, const TensorView& dprobs,
-                                                cudaStream_t s) const {
+                                                uint8_t* col, float* col_scale, cudaStream_t s) const {
   MOE_CHECK(fused_activation_grad(), "Fp8ExpertsRecipe::quantize_activation_grad: not offered for this ",
             "configuration (see fused_activation_grad)");
-  const QuantizedTensor q = token_copies(h.shape[0], cfg_.fc1_out(), /*rowwise=*/true, col_, col_scale_);
+  MOE_CHECK(col != nullptr && col_scale != nullptr, "Fp8ExpertsRecipe::quantize_activation_grad: needs the ",
+            "columnwise copy's memory (internal error)");
+  const QuantizedTensor q = token_copies(h.shape[0], cfg_.fc1_out(), /*rowwise=*/true, col, col_scale);
   activation_backward_quantized(params, h, probs, d_out, group_offsets,
                                 token_config(/*rowwise=*/true, /*columnwise=*/true), q, dprobs,
                                 TensorView(grad_partials_, DType::kFP32, {grad_partials_count_}), s);

@@ -10,6 +10,8 @@
 //   backward  dY     -> rowwise (fc2 dgrad)  + columnwise (fc2 wgrad), from dY or gathered from dy
 //             dh     -> rowwise (fc1 dgrad)  + columnwise (fc1 wgrad), without the fc1 bias
 //                       quantized as the activation backward computes it (dh is never stored)
+//             (the columnwise copies are transient, read by the weight gradients right after; with
+//             delayed weight gradients they are saved in the state, where backward_dw reads them)
 //   weights   128x128 blocks, rowwise (fprop) and columnwise (dgrad), at every forward
 //
 // Quantizing the weights at every forward (and recompute) makes the copies a pure function of the
@@ -40,12 +42,18 @@ class Fp8ExpertsRecipe {
 
   // The op's workspace (two passes of the arena: measure, then carve).
   void plan_workspace(DeviceArena& arena);
-  // The FP8 part of a saved state: the columnwise copies the weight gradients read.
+  // The FP8 part of a saved state: the columnwise copies the weight gradients read. With delayed
+  // weight gradients (config.delay_wgrad) also those of dY and dh, which the backward makes and
+  // backward_dw reads; otherwise they are transient, in the recipe's workspace.
   struct SavedCopies {
     uint8_t* x_col = nullptr;  // [H, rows]
     float* x_col_scale = nullptr;
     uint8_t* act_col = nullptr;  // [F, rows]
     float* act_col_scale = nullptr;
+    uint8_t* dy_col = nullptr;  // [H, rows], delayed only
+    float* dy_col_scale = nullptr;
+    uint8_t* dh_col = nullptr;  // [fc1_out, rows], delayed only
+    float* dh_col_scale = nullptr;
   };
   SavedCopies plan_state(DeviceArena& arena) const;
 
@@ -72,18 +80,19 @@ class Fp8ExpertsRecipe {
                            cudaStream_t stream) const;
   // The same for dh = activation_backward(h, d_out, probs) [rows, fc1_out], computed on the way
   // (dh is not stored): bitwise the copies of quantize() on activation_backward's dh, rowwise into
-  // the token workspace and columnwise into the transient copy; dprobs [rows] (or absent) summed
-  // per tile of dh in the recipe's workspace (which it has with fused_activation_grad() and the
-  // probs in the activation).
+  // the token workspace and columnwise into (col, col_scale) (the transient copy, or a delayed
+  // state's); dprobs [rows] (or absent) summed per tile of dh in the recipe's workspace (which it
+  // has with fused_activation_grad() and the probs in the activation).
   void quantize_activation_grad(const ActivationParams& params, const TensorView& h, const TensorView& probs,
                                 const TensorView& d_out, const TensorView& group_offsets, const TensorView& dprobs,
-                                cudaStream_t stream) const;
+                                uint8_t* col, float* col_scale, cudaStream_t stream) const;
   // Whether the backward quantizes dh as the activation backward computes it: without the fc1
   // bias (whose gradient sums dh in bf16), and where that kernel evaluates each feature's
   // derivatives once (activation_backward_quantized_evaluates_once); elsewhere the activation
   // backward and dh's quantize run apart.
   bool fused_activation_grad() const;
-  // The transient columnwise copy of dY or dh (backward), for the weight gradient that follows.
+  // The transient columnwise copy of dY or dh (backward), for the weight gradient that follows
+  // (none with delayed weight gradients: the state keeps those copies).
   uint8_t* col_workspace() const { return col_; }
   float* col_workspace_scale() const { return col_scale_; }
 
@@ -122,7 +131,8 @@ class Fp8ExpertsRecipe {
   int64_t R_ = 0;
   Weight w_[2];
   // Token workspace: the rowwise copy of the operand of the next fprop / dgrad ([rows, cols], scales
-  // [rows, ceil(cols / 128)]) and the transient columnwise copy of dY or dh.
+  // [rows, ceil(cols / 128)]) and the transient columnwise copy of dY or dh (not with delayed weight
+  // gradients, whose states keep those copies).
   int64_t tok_cols_ = 0;
   uint8_t* row_ = nullptr;
   float* row_scale_ = nullptr;

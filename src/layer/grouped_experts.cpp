@@ -15,7 +15,8 @@
 // again), where backward_dw finds it in delayed mode;
 // the op's workspace holds what one backward needs only while it runs: dact
 // (delayed: act must survive until backward_dw; otherwise dact overwrites act once fc2's wgrad
-// has read it), the bias-gradient workspace and the GEMM call workspace.
+// has read it; FP8 writes it into act's workspace, its weight gradient reading act's quantized
+// copy), the bias-gradient workspace and the GEMM call workspace.
 // With fuse_fc2_dgrad (not delayed) the state holds h only: act lives in the workspace, where the
 // forward's fc2 reads it and the fused fc2 dgrad writes it again from h (the same fp32 math and
 // rounding, so bitwise the forward's act) for fc2's weight gradient -- R x F x 2 bytes less per
@@ -80,12 +81,13 @@ TensorView bf16_view(void* p, int64_t rows, int64_t cols) {
 // Marks header 1 of a state whose fc1 weight gradient gathers the rows of x.
 constexpr int32_t kGatheredHeader = 1;
 
-// Saved state layout. Header 0: pointer = x_perm, reserved = group offsets, probs_perm, dY;
+// Saved state layout. Header 0: pointer = x_perm, reserved = group offsets, probs_perm, dY (delayed;
+// 0 after an FP8 backward_gathered, which keeps dY's quantized copies instead);
 // header 1 (gathered fc1 weight gradient): kind = 1, pointer = x, tokens = its rows, reserved =
 // row_slots, slots.
 struct StateBuffers {
   uint16_t *h = nullptr, *act = nullptr;  // h becomes dh in backward
-  Fp8ExpertsRecipe::SavedCopies fp8;      // FP8 recipe: the columnwise copies of x_perm and act
+  Fp8ExpertsRecipe::SavedCopies fp8;      // FP8 recipe: the columnwise copies of x_perm, act (and dY, dh)
 };
 
 }  // namespace
@@ -168,7 +170,8 @@ struct GroupedExperts::Impl {
   void plan_workspace(char* base) {
     const int64_t H = cfg.hidden, F = cfg.ffn, F1 = cfg.fc1_out();
     DeviceArena a(base);
-    if (cfg.delay_wgrad && !cfg.fuse_fc2_dgrad) dact_ws = a.take<uint16_t>(R * F);
+    // FP8 writes dact into act's workspace (its weight gradient reads act's quantized copy).
+    if (cfg.delay_wgrad && !cfg.fuse_fc2_dgrad && !fp8) dact_ws = a.take<uint16_t>(R * F);
     if (!saves_act()) act_ws = a.take<uint16_t>(R * F);
     if (probs_in_act() && feature_blocks > 1 && !cfg.dprobs_partials_in_dx_perm)
       dpp_partial_ws = a.take<float>(R * feature_blocks);
@@ -461,44 +464,59 @@ struct GroupedExperts::Impl {
                        WeightGrads weight_grads, cudaStream_t s);
   void relocate_inputs(const SavedState& state, const TensorView& group_offsets, const TensorView& probs_perm,
                        const TensorView* dY) const;
-  // FP8: from dY's columnwise copy in the recipe's workspace (the backward quantized it) and act's
-  // saved one.
+  // FP8: where the backward writes the columnwise copies of dY and dh and the weight gradients read
+  // them: the recipe's transient workspace, or with delayed weight gradients the state (backward_dw
+  // runs after other micro-batches' backwards).
+  struct ColCopy {
+    uint8_t* data = nullptr;
+    float* scale = nullptr;
+  };
+  ColCopy dy_col(const Saved& v) const {
+    return cfg.delay_wgrad ? ColCopy{v.b.fp8.dy_col, v.b.fp8.dy_col_scale}
+                           : ColCopy{fp8->col_workspace(), fp8->col_workspace_scale()};
+  }
+  ColCopy dh_col(const Saved& v) const {
+    return cfg.delay_wgrad ? ColCopy{v.b.fp8.dh_col, v.b.fp8.dh_col_scale}
+                           : ColCopy{fp8->col_workspace(), fp8->col_workspace_scale()};
+  }
+  // FP8: from dY's columnwise copy (the backward quantized it) and act's saved one.
   void wgrad_fc2(const TensorView& dY, const Saved& v, cudaStream_t s) {
     if (fp8)
-      fp8->wgrad(gemm, gemm_workspace(), v.g, v.rows, fp8->col_workspace(), fp8->col_workspace_scale(), cfg.hidden,
-                 v.b.fp8.act_col, v.b.fp8.act_col_scale, cfg.ffn, dw2, accumulate(), errors.device_ptr(), s);
+      fp8->wgrad(gemm, gemm_workspace(), v.g, v.rows, dy_col(v).data, dy_col(v).scale, cfg.hidden, v.b.fp8.act_col,
+                 v.b.fp8.act_col_scale, cfg.ffn, dw2, accumulate(), errors.device_ptr(), s);
     else
       wgrad(2, dY, bf16_view(v.b.act, v.rows, cfg.ffn), v.g, s);
     if (cfg.bias) bias_grad(dY, v.pp, v.g, db2, accumulate(), bias_workspace(), s);
   }
   // FP8, after dY's copies were made (quantized from dY, or gathered from dy): the fc2 dgrad into
   // act's workspace (the weight gradient reads act's saved columnwise copy), fc2's weight
-  // gradients (dY bf16 for the bias gradient only: empty without bias), the activation backward:
-  // without the fc1 bias straight into dh's FP8 copies (dh itself is never written), otherwise dh
-  // over h, quantized by finish_backward.
+  // gradients unless delayed or skipped (dY bf16 for the bias gradient only: empty without bias),
+  // the activation backward: without the fc1 bias straight into dh's FP8 copies (dh itself is never
+  // written), otherwise dh over h, quantized by finish_backward.
   void fp8_fc2_backward(const TensorView& dY, const Saved& v, const TensorView& dpp, WeightGrads weight_grads,
                         cudaStream_t s) {
     const int64_t rows = v.rows, F = cfg.ffn, F1 = cfg.fc1_out();
     fp8->dgrad(2, gemm, gemm_workspace(), v.g, bf16_view(v.b.act, rows, F), s);
-    if (weight_grads == WeightGrads::kCompute) wgrad_fc2(dY, v, s);
+    if (weight_grads == WeightGrads::kCompute && !cfg.delay_wgrad) wgrad_fc2(dY, v, s);
     const TensorView dprobs = probs_in_act() ? dpp : TensorView();
-    if (fp8->fused_activation_grad())
+    if (fp8->fused_activation_grad()) {
+      const ColCopy dh = dh_col(v);
       fp8->quantize_activation_grad(cfg.activation, bf16_view(v.b.h, rows, F1), v.pp, bf16_view(v.b.act, rows, F),
-                                    v.g, dprobs, s);
-    else
+                                    v.g, dprobs, dh.data, dh.scale, s);
+    } else {
       activation_backward(cfg.activation, bf16_view(v.b.h, rows, F1), v.pp, bf16_view(v.b.act, rows, F), v.g,
                           bf16_view(v.b.h, rows, F1), dprobs, s);
+    }
   }
   // dprobs += <dY row, b2[e]>: the fc2 bias is scaled by the prob too.
   void bias_dprobs_of(const TensorView& dY, const Saved& v, const TensorView& dpp, cudaStream_t s) const {
     bias_dprobs(dY, b2, v.g, dpp, /*accumulate=*/true, s);
   }
-  // FP8: from dh's columnwise copy in the recipe's workspace and x_perm's saved one.
+  // FP8: from dh's columnwise copy (the backward quantized it) and x_perm's saved one.
   void wgrad_fc1(const TensorView& dh, const Saved& v, cudaStream_t s) {
     if (fp8) {
-      fp8->wgrad(gemm, gemm_workspace(), v.g, v.rows, fp8->col_workspace(), fp8->col_workspace_scale(),
-                 cfg.fc1_out(), v.b.fp8.x_col, v.b.fp8.x_col_scale, cfg.hidden, dw1, accumulate(),
-                 errors.device_ptr(), s);
+      fp8->wgrad(gemm, gemm_workspace(), v.g, v.rows, dh_col(v).data, dh_col(v).scale, cfg.fc1_out(),
+                 v.b.fp8.x_col, v.b.fp8.x_col_scale, cfg.hidden, dw1, accumulate(), errors.device_ptr(), s);
     } else if (v.gathered) {
       wgrad_gathered(dh.data, cfg.fc1_out(), v.from_x, dw1, /*x_major=*/false, v, s);
     } else {
@@ -817,10 +835,11 @@ void GroupedExperts::Impl::finish_backward(const SavedState& state, const Saved&
                                            const TensorView& dx_perm, WeightGrads weight_grads, cudaStream_t s) {
   const bool wgrads = weight_grads == WeightGrads::kCompute;
   const TensorView dh = bf16_view(v.b.h, v.rows, cfg.fc1_out());  // written over h (not by FP8's fused path)
-  if (fp8) {  // dh rowwise for the dgrad, columnwise for the weight gradient below
-    if (!fp8->fused_activation_grad())  // otherwise fp8_fc2_backward made them
-      fp8->quantize(dh, /*rowwise=*/true, wgrads ? fp8->col_workspace() : nullptr,
-                    wgrads ? fp8->col_workspace_scale() : nullptr, s);
+  if (fp8) {  // dh rowwise for the dgrad, columnwise for the weight gradient (below, or backward_dw)
+    if (!fp8->fused_activation_grad()) {  // otherwise fp8_fc2_backward made them
+      const ColCopy col = wgrads ? dh_col(v) : ColCopy{};
+      fp8->quantize(dh, /*rowwise=*/true, col.data, col.scale, s);
+    }
     fp8->dgrad(1, gemm, gemm_workspace(), v.g, dx_perm, s);
   } else if (!cfg.row_windows) {  // windows: fc1_dgrad_rows computes it
     dgrad(1, dh, v.g, dx_perm, s);
@@ -866,9 +885,9 @@ void GroupedExperts::backward(const TensorView& dY, const TensorView& dx_perm, c
     m.fused_dgrad(dY.data, nullptr, 1, nullptr, partials, v, dpp, weight_grads == WeightGrads::kCompute, s);
     if (wgrad_now) m.wgrad_fc2(dY, v, s);
   } else if (m.fp8) {
-    const bool col = weight_grads == WeightGrads::kCompute;  // the columnwise copy feeds the weight gradient only
-    m.fp8->quantize(dY, /*rowwise=*/true, col ? m.fp8->col_workspace() : nullptr,
-                    col ? m.fp8->col_workspace_scale() : nullptr, s);
+    // The columnwise copy feeds the weight gradient only.
+    const Impl::ColCopy col = weight_grads == WeightGrads::kCompute ? m.dy_col(v) : Impl::ColCopy{};
+    m.fp8->quantize(dY, /*rowwise=*/true, col.data, col.scale, s);
     m.fp8_fc2_backward(dY, v, dpp, weight_grads, s);
   } else {
     if (wgrad_now) m.wgrad_fc2(dY, v, s);  // reads act before dact is written over it
@@ -912,13 +931,15 @@ void GroupedExperts::backward_gathered(const TensorView& dy, const TensorView& r
     MOE_CHECK(!c.delay_wgrad || dx_perm.data != dY_out.data || rows == 0, "argument 'dx_perm': with delay_wgrad, ",
               "dY_out is read again by backward_dw, so dx_perm must not be its buffer");
   } else {
-    MOE_CHECK(!c.bias && !c.delay_wgrad, "argument 'dY_out': needed with ", c.bias ? "bias" : "delay_wgrad",
-              " (the gradients read the dY rows again); only without both may it be empty");
+    // FP8 with delay_wgrad keeps dY's quantized copies in the state instead of its rows.
+    MOE_CHECK(!c.bias && (!c.delay_wgrad || m.fp8), "argument 'dY_out': needed with ",
+              c.bias ? "bias" : "delay_wgrad", " (the gradients read the dY rows again); only without both may it be ",
+              "empty");
   }
 
   if (m.fp8) {
-    m.fp8->quantize_gathered(dy, row_slots, slots, /*rowwise=*/true, wgrads ? m.fp8->col_workspace() : nullptr,
-                             wgrads ? m.fp8->col_workspace_scale() : nullptr, m.errors.device_ptr(), s);
+    const Impl::ColCopy col = wgrads ? m.dy_col(v) : Impl::ColCopy{};
+    m.fp8->quantize_gathered(dy, row_slots, slots, /*rowwise=*/true, col.data, col.scale, m.errors.device_ptr(), s);
     m.fp8_fc2_backward(TensorView(), v, dpp, weight_grads, s);
     return m.finish_backward(state, v, dY_out, dx_perm, weight_grads, s);
   }
@@ -1011,9 +1032,13 @@ void GroupedExperts::Impl::relocate_inputs(const SavedState& state, const Tensor
   const int64_t rows = h.tokens;
   check_device_tensor(group_offsets, "group_offsets", DType::kInt32, {int64_t(cfg.experts) + 1}, 4);
   if (probs_in_act()) check_device_tensor(probs_perm, "probs_perm", DType::kFP32, {rows}, 4);
+  // backward_dw reads dY again for the bf16 weight gradients and the fc2 bias gradient; FP8 without
+  // bias reads only the quantized copies its backward kept, so dY is optional there.
   const bool awaiting = h.status == static_cast<int32_t>(StateStatus::kAwaitingWgrad);
-  MOE_CHECK(awaiting == (dY != nullptr), "argument 'dY': expected ", awaiting ? "the dY of the delayed backward" : "none",
-            " (the state is ", state_status_name(state.status()), ")");
+  const bool needs_dY = awaiting && (!fp8 || cfg.bias);
+  MOE_CHECK(needs_dY ? dY != nullptr : awaiting || dY == nullptr, "argument 'dY': expected ",
+            needs_dY ? "the dY of the delayed backward" : "none", " (the state is ", state_status_name(state.status()),
+            ")");
   if (dY) check_device_tensor(*dY, "dY", cfg.dtype, {rows, cfg.hidden});
   h.reserved[0] = reinterpret_cast<uint64_t>(group_offsets.data);
   h.reserved[1] = probs_in_act() ? reinterpret_cast<uint64_t>(probs_perm.data) : 0;

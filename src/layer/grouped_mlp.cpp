@@ -9,12 +9,13 @@
 //           -> permute_bwd      (weight gradients deferred to backward_dw in delayed mode)
 //           (fuse_fc2_dgrad, probs in the activation: no unpermute_bwd -- the experts' fused fc2
 //           dgrad gathers the rows of dy through the dispatch map; so does fp8's quantize of dY,
-//           probs in the activation, without bias and delay_wgrad)
+//           probs in the activation, without bias)
 //
 // Saved state (caller-owned), device block: the dispatch plan, x_perm (not with save_x_perm off: the
 // fc1 weight gradient then gathers the rows of the caller's x, whose address the state keeps), Y when
 // probs are merged at the combine (its backward needs <Y, dy>), dY in delayed mode (backward_dw
-// reads it), and the experts' state (h, act, ...). Recompute mode keeps only the plan and the
+// reads it; not where fp8 quantizes dy's rows: the experts' state keeps dY's FP8 copies), and the
+// experts' state (h, act, ...). Recompute mode keeps only the plan and the
 // address of the caller's x; x_perm, Y and the experts' activations then live in the layer's
 // workspace and are rebuilt by the backward with the same kernels on the same inputs (bitwise the
 // same gradients). The FP8 experts save their own columnwise copy of x_perm, quantized from the
@@ -95,8 +96,9 @@ struct GroupedMlp::Impl {
   // off), not replaced by the experts' saved FP8 copy (fp8, which never writes a bf16 x_perm).
   bool x_perm_saved() const { return !gathered() && !cfg.recompute && !fp8(); }
   // The experts' FP8 backward quantizes dY from the rows of dy (no dY_perm): dY's bf16 rows are read
-  // by nothing else (no bias gradient, no delayed weight gradient) and are dy's rows unscaled.
-  bool fp8_gathers_dy() const { return fp8() && probs_in_act() && !cfg.bias && !cfg.delay_wgrad; }
+  // by nothing else (no bias gradient; delayed weight gradients read the quantized copies the state
+  // keeps) and are dy's rows unscaled.
+  bool fp8_gathers_dy() const { return fp8() && probs_in_act() && !cfg.bias; }
 
   StateLayout plan_state() const {
     const int64_t H = cfg.hidden;
@@ -113,7 +115,7 @@ struct GroupedMlp::Impl {
       if (l.has_x_perm) l.x_perm = at(R * H * 2);
       l.has_Y = !probs_in_act();
       if (l.has_Y) l.Y = at(R * H * 2);
-      l.has_dY = cfg.delay_wgrad;
+      l.has_dY = cfg.delay_wgrad && !fp8_gathers_dy();
       if (l.has_dY) l.dY = at(R * H * 2);
       l.has_experts = true;
       l.experts = at(static_cast<int64_t>(experts.state_bytes()));
@@ -334,7 +336,7 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
     else
       m.run_experts(plan, m.x_perm_ws, m.Ycomb_ws, es, s);
   }
-  void* dY = c.delay_wgrad ? m.at(state, m.layout.dY) : m.Y_ws;
+  void* dY = m.layout.has_dY ? m.at(state, m.layout.dY) : m.Y_ws;  // not read when FP8 gathers dy
   // With token chunks Y_ws holds one piece's rows: dx_perm is then the experts' scratch only (the
   // fc1 dgrad runs piece by piece below), and no dY_perm lives there (config: the fused fc2 dgrad
   // gathers dy, or delay_wgrad keeps dY in the state).
@@ -389,7 +391,8 @@ void GroupedMlp::backward_dw(const SavedState& state, cudaStream_t s, const Tens
   const SavedState plan = m.plan_of(state), es = m.experts_of(state);
   const TensorView dY = bf16_view(m.at(state, m.layout.dY), m.R, m.cfg.hidden);
   if (x_in) check_device_tensor(*x_in, "x", m.cfg.dtype, {state.header(kLayerHeader).tokens, m.cfg.hidden});
-  m.relocate_experts(state, plan, es, m.x_of(state, x_in), &dY);
+  // No dY in the state where the FP8 backward quantized dy's rows straight into the experts' state.
+  m.relocate_experts(state, plan, es, m.x_of(state, x_in), m.layout.has_dY ? &dY : nullptr);
   m.experts.backward_dw(es, s);
   state.header(kLayerHeader).status = static_cast<int32_t>(StateStatus::kConsumed);
 }

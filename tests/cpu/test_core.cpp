@@ -316,7 +316,7 @@ TEST(GroupedMlpConfig, ValidatesFields) {
   bad.fuse_fc1 = false;
   bad.fuse_fc2_dgrad = true;
   expect_error_naming([&] { bad.validate(); }, "fuse_fc2_dgrad");
-  // FP8 experts: A = 128, the unfused path, the standard orientation, no delayed wgrad; the row
+  // FP8 experts: A = 128, the unfused path, the standard orientation (delayed wgrad allowed); the row
   // bound is rounded up to a multiple of 16 and passed on to the experts with the recipe.
   bad = c;
   bad.fp8 = Fp8Recipe::kBlock;
@@ -328,15 +328,19 @@ TEST(GroupedMlpConfig, ValidatesFields) {
   EXPECT_EQ(bad.experts_config().fp8, Fp8Recipe::kBlock);
   EXPECT_EQ(bad.experts_config().max_rows, bad.row_bound());
   bad.experts_config().validate();
-  for (int which = 0; which < 4; ++which) {
+  for (int which = 0; which < 3; ++which) {
     auto f = bad;
     if (which == 0) f.fuse_fc1 = true;
     if (which == 1) f.fuse_fc2_dgrad = true;
     if (which == 2) f.transposed_weights = true;
-    if (which == 3) f.delay_wgrad = true;
     expect_error_naming([&] { f.validate(); }, "'fp8'");
     expect_error_naming([&] { f.experts_config().validate(); }, "'fp8'");
   }
+  auto delayed = bad;
+  delayed.delay_wgrad = true;
+  delayed.validate();
+  EXPECT_TRUE(delayed.experts_config().delay_wgrad);
+  delayed.experts_config().validate();
   ExpertsConfig fe = bad.experts_config();
   fe.max_rows = 100;  // not a multiple of 16
   expect_error_naming([&] { fe.validate(); }, "max_rows");
@@ -362,7 +366,7 @@ TEST(GroupedMlpConfig, ValidatesFields) {
       if (which == 0) f.fuse_fc1 = true;
       if (which == 1) f.fuse_fc2_dgrad = true;
       if (which == 2) f.transposed_weights = true;
-      if (which == 3) f.fp8 = Fp8Recipe::kBlock, f.dispatch.align = 128, f.delay_wgrad = false;
+      if (which == 3) f.fp8 = Fp8Recipe::kBlock, f.dispatch.align = 128;
       if (which == 4) f.ffn = q == EmulatedQuant::kMXFP8 ? c.ffn + 16 : c.ffn + 8;
       expect_error_naming([&] { f.validate(); }, "'emulated'");
       expect_error_naming([&] { f.experts_config().validate(); }, "'emulated'");

@@ -619,9 +619,6 @@ TEST_F(Fp8Experts, BadConfigurationsNameTheField) {
   bad.fuse_fc1 = true;
   expect_error_naming([&] { bad.validate(); }, "'fp8'");
   bad = c;
-  bad.delay_wgrad = true;
-  expect_error_naming([&] { bad.validate(); }, "'fp8'");
-  bad = c;
   bad.max_rows = 760;
   expect_error_naming([&] { bad.validate(); }, "'max_rows'");
   bad = c;

@@ -963,6 +963,21 @@ TEST(GroupedMlp, Fp8MatchesTheReferenceWithQuantizedOperands) {
     const Outputs want = r.run_reference(&q);
     const Outputs grouped = r.run_gpu(WeightLayout::kSingleGrouped), per_expert = r.run_gpu(WeightLayout::kPerExpert);
     expect_bitwise(grouped, per_expert);
+    // Delayed weight gradients (backward_dw from the FP8 copies of dY and dh the state keeps; without
+    // bias the layer keeps no dY): bitwise the immediate run, with power-of-two scales too.
+    for (Fp8Recipe recipe : {Fp8Recipe::kBlock, Fp8Recipe::kBlockPow2}) {
+      SCOPED_TRACE(recipe == Fp8Recipe::kBlock ? "delayed" : "delayed, pow2 scales");
+      Case dc = cs;
+      dc.cfg.fp8 = recipe;
+      auto run = [&](bool delay) {
+        dc.cfg.delay_wgrad = delay;
+        Runner rr(dc);
+        put_on_grid(rr, 8);
+        return rr.run_gpu(WeightLayout::kSingleGrouped);
+      };
+      const Outputs immediate = recipe == Fp8Recipe::kBlock ? grouped : run(false);
+      expect_bitwise(run(true), immediate);
+    }
     const struct {
       const char* name;
       const std::vector<double>*got, *want;

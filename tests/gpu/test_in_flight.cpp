@@ -346,6 +346,11 @@ const Variant kVariants[] = {
     {"fp8", true, false, false, false, false, false, true},
     {"fp8, no bias (dY quantized from dy's rows)", false, false, false, false, false, false, true},
     {"fp8, recompute, probs at combine", false, true, false, true, false, false, true},
+    // Delayed: the states keep the columnwise FP8 copies of dY and dh for backward_dw; without bias
+    // the layer's state keeps no dY at all (dy's rows are quantized straight into those copies).
+    {"fp8, bias, delayed wgrad", true, false, true, false, false, false, true},
+    {"fp8, no bias, delayed wgrad", false, false, true, false, false, false, true},
+    {"fp8, probs at combine, delayed wgrad", false, true, true, false, false, false, true},
 };
 
 GroupedMlpConfig config_of(const Variant& v) {
@@ -428,17 +433,32 @@ TEST(GroupedMlp, RecomputeStateHoldsOnlyThePlan) {
 }
 
 // With the FP8 experts the layer's state is its plan and the experts' state (h and the FP8
-// columnwise copies): the bf16 x_perm (2 R H bytes) stays in the workspace.
+// columnwise copies): the bf16 x_perm (2 R H bytes) stays in the workspace. So does dY with delayed
+// weight gradients and no bias (the experts' state keeps its FP8 copies instead); with bias the
+// delayed state keeps dY for the bias gradient.
 TEST(GroupedMlp, Fp8StateHoldsNoXPerm) {
   MOE_REQUIRE_GPU();
-  Variant v{"fp8", true, false, false, false};
-  v.fp8 = true;
-  const GroupedMlpConfig c = config_of(v);
-  GroupedMlp layer(c);
-  const size_t parts = layer.dispatcher().plan_bytes() + GroupedExperts(c.experts_config()).state_bytes();
-  const size_t x_perm = static_cast<size_t>(c.row_bound() * c.hidden * 2);
-  EXPECT_GE(layer.state_bytes(), parts);
-  EXPECT_LT(layer.state_bytes(), parts + x_perm / 4);  // alignment padding only
+  for (const Variant& v : {Variant{"fp8", true, false, false, false, false, false, true},
+                           Variant{"fp8 delayed", false, false, true, false, false, false, true},
+                           Variant{"fp8 delayed, bias", true, false, true, false, false, false, true}}) {
+    SCOPED_TRACE(v.name);
+    const GroupedMlpConfig c = config_of(v);
+    GroupedMlp layer(c);
+    const size_t parts = layer.dispatcher().plan_bytes() + GroupedExperts(c.experts_config()).state_bytes();
+    const size_t rows_h = static_cast<size_t>(c.row_bound() * c.hidden * 2);  // one bf16 [R, H]
+    const size_t dY = v.delay && v.bias ? rows_h : 0;
+    EXPECT_GE(layer.state_bytes(), parts + dY);
+    EXPECT_LT(layer.state_bytes(), parts + dY + rows_h / 4);  // alignment padding only
+    if (v.delay) {  // the experts' state adds the columnwise FP8 copies of dY and dh with their scales
+      ExpertsConfig immediate = c.experts_config();
+      immediate.delay_wgrad = false;
+      const int64_t R = c.row_bound(), blocks = (R + 127) / 128, cols = c.hidden + c.fc1_out();
+      const size_t copies = static_cast<size_t>(R * cols + 4 * blocks * cols);
+      const size_t added = GroupedExperts(c.experts_config()).state_bytes() - GroupedExperts(immediate).state_bytes();
+      EXPECT_GE(added, copies);
+      EXPECT_LT(added, copies + 4 * 256);  // alignment padding only
+    }
+  }
 }
 
 }  // namespace

@@ -107,12 +107,14 @@ VARIANTS = [
     dict(bias=True, accumulate_into_main_grad=True, wgrad_dtype=torch.float32, delay_wgrad=True),
     dict(recompute=True, bias=True),
     dict(fp8="block", align=128, bias=True),
+    # FP8 with delayed weight gradients: each state keeps the FP8 copies of dY and dh for backward_dw.
+    dict(fp8="block", align=128, accumulate_into_main_grad=True, wgrad_dtype=torch.float32, delay_wgrad=True),
 ]
 
 
 @pytest.mark.parametrize("kind", ["layer", "composed"])
 @pytest.mark.parametrize("kwargs", VARIANTS, ids=["default", "bias_at_combine", "delayed_main_grad", "recompute",
-                                                  "fp8"])
+                                                  "fp8", "fp8_delayed_main_grad"])
 def test_in_flight_micro_batches_any_backward_order(kind, kwargs):
     if kind == "composed" and kwargs.get("recompute"):
         pytest.skip("recompute is a layer option")

@@ -27,8 +27,8 @@ From the TransformerConfig (any object with these attributes; megatron-core is n
   quantized in every forward; each call's expert groups are moved onto the 128-row grid the FP8
   weight gradients need and back). Refused with NotImplementedError: latent
   MoE, expert tensor parallelism with biases, expert GTP weight rematerialization, other FP8 recipes
-  and formats, fp8_param, fp8_wgrad = False, first_last_layers_bf16, FP8 with delay_wgrad_compute,
-  FP4 (`fp4`), erf GELU (F.gelu) as a GLU activation.
+  and formats, fp8_param, fp8_wgrad = False, first_last_layers_bf16, FP4 (`fp4`), erf GELU (F.gelu) as
+  a GLU activation.
 
 Parameters are named like TEGroupedLinear's: `linear_fc1.weight0 .. weight{E-1}` ([2F, H]) per
 expert (the default, per_expert_weights=True) or one grouped `linear_fc1.weight` [E, 2F, H]; the same
@@ -182,8 +182,6 @@ def _fp8_from_config(config):
     if getattr(config, "fp8_param", False):
         raise NotImplementedError("moe_engine: config.fp8_param (FP8 parameters) is not supported; the FP8 experts "
                                   "quantize their bf16 weights in every forward")
-    if getattr(config, "delay_wgrad_compute", False):
-        raise NotImplementedError("moe_engine: delay_wgrad_compute is not offered with FP8 experts")
     return "block" if os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") == "1" else "block_pow2"
 
 
