@@ -272,8 +272,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds of ours and SonicMoE, every other one in reverse order (medians reported)")
     ap.add_argument("--token-chunks", type=int, default=1, help="ours with fc2 + combine and the fc1 dgrad + dx sum "
                     "in this many pieces of tokens (GroupedMLP(token_chunks=N): less memory)")
-    ap.add_argument("--skew", type=float, default=0.0, help="skewed routing: expert e's logit offset by -S * log(1 + e) "
-                    "(for SonicMoE through its router's weights, at its logits' scale), as `moe-engine bench --skew`")
+    ap.add_argument("--skew", type=float, default=0.0,
+                    help="skewed routing: expert e's logit offset by -S * log(1 + e) (for SonicMoE through its "
+                         "router's weights, at its logits' scale), as `moe-engine bench --skew`")
     args = ap.parse_args()
     if args.skew < 0:
         ap.error("--skew must be >= 0")

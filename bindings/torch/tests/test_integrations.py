@@ -847,8 +847,9 @@ def test_megatron_fp8_blockwise_with_delay_wgrad_compute_is_bitwise_the_immediat
     x, tpe, probs, dy = megatron_batch(counts, 8)
     results = []
     for delay in (False, True):
-        mod = MegatronGroupedMLP(ME, megatron_config(fp8="e4m3", fp8_recipe="blockwise", gradient_accumulation_fusion=True,
-                                                     delay_wgrad_compute=delay), max_rows=64)
+        config = megatron_config(fp8="e4m3", fp8_recipe="blockwise", gradient_accumulation_fusion=True,
+                                 delay_wgrad_compute=delay)
+        mod = MegatronGroupedMLP(ME, config, max_rows=64)
         randomize(mod, 7)
         for q in mod.parameters():
             q.main_grad = torch.zeros(q.shape, device=DEV)
