@@ -72,12 +72,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> experts_forward(
 
 // The inputs the forward read (x_perm, group_offsets, probs_perm) are passed again: autograd may
 // have moved them (offloading), so the state is pointed at their current addresses first.
-void relocate(const GroupedExperts& ex, const SavedState& st, const at::Tensor& x_perm, const at::Tensor& group_offsets,
+void relocate(const GroupedExperts& ex, const SavedState& st, const at::Tensor* x_perm, const at::Tensor& group_offsets,
               const c10::optional<at::Tensor>& probs_perm, const at::Tensor* dY) {
   const TensorView d = dY ? view(*dY, "dY") : TensorView();
-  ex.relocate(st, view(x_perm, "x_perm"), view(group_offsets, "group_offsets"),
+  ex.relocate(st, x_perm ? view(*x_perm, "x_perm") : TensorView(), view(group_offsets, "group_offsets"),
               probs_perm ? view(*probs_perm, "probs_perm") : TensorView(), dY ? &d : nullptr);
 }
+
+// backward_dw's saved inputs: an empty 1-D tensor stands for one the module did not keep because
+// the FP8 backward_dw never reads it (x_perm, and dY without bias: the state holds their FP8
+// copies). Rows of zero tokens arrive as [0, H], so they are never mistaken for it.
+bool kept(const at::Tensor& t) { return !(t.dim() == 1 && t.numel() == 0); }
 
 // dY [rows, H] -> dx_perm [rows, H], d_probs_perm fp32 [rows] (empty [0] without probs).
 std::tuple<at::Tensor, at::Tensor> experts_backward(int64_t handle, const at::Tensor& state, const at::Tensor& header,
@@ -95,7 +100,7 @@ std::tuple<at::Tensor, at::Tensor> experts_backward(int64_t handle, const at::Te
     const bool probs = ex.config().probs == ProbsPlacement::kInActivation;
     MOE_CHECK(with_probs == probs, "argument 'with_probs': expected ", probs ? "true" : "false",
               " (the experts' probs placement)");
-    relocate(ex, st, x_perm, group_offsets, probs_perm, nullptr);
+    relocate(ex, st, &x_perm, group_offsets, probs_perm, nullptr);
     const WeightGrads weight_grads = s.bind_backward_grads(ex.config().delay_wgrad, gw1, gb1, gw2, gb2);
     at::Tensor dx_perm = at::empty_like(dY, at::MemoryFormat::Contiguous);
     at::Tensor dpp = at::empty({probs ? dY.size(0) : 0}, dY.options().dtype(at::kFloat));
@@ -112,7 +117,7 @@ void experts_backward_dw(int64_t handle, const at::Tensor& state, const at::Tens
   ExpertsState& s = registry().get(handle);
   translate_errors([&] {
     const SavedState st = state_of(state, header, kHeaders);
-    relocate(s.op, st, x_perm, group_offsets, probs_perm, &dY);
+    relocate(s.op, st, kept(x_perm) ? &x_perm : nullptr, group_offsets, probs_perm, kept(dY) ? &dY : nullptr);
     s.bind_grads(gw1, gb1, gw2, gb2);
     s.op.backward_dw(st, current_stream());
     return 0;

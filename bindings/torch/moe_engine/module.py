@@ -645,9 +645,18 @@ class _ExpertsFunction(torch.autograd.Function):
         x_perm, group_offsets, probs_perm, state, header, addresses = ctx.saved_tensors
         rebind_moved_weights(ctx, addresses, lambda: _ops.experts_rebind_weights(mod._handle, *mod._param_lists()))
         dY = dY.contiguous()
-        # Delayed mode reads dY (and the saved inputs) again in backward_dw: keep them with the state.
+        # Delayed mode reads dY (and the saved inputs) again in backward_dw: keep them with the state --
+        # except what the FP8 block-scaled backward_dw never reads, kept as empty placeholders (freed
+        # with this backward): x_perm, whose FP8 copy the state holds, and without bias dY, whose
+        # FP8 copies the backward writes into the state.
+        kept_x_perm, kept_dY = x_perm, dY
+        if mod.fp8 in ("block", "block_pow2"):
+            kept_x_perm = x_perm.new_empty(0)
+            if not mod.has_bias:
+                kept_dY = dY.new_empty(0)
         (dx_perm, dpp), param_grads = mod._after_backward(
             lambda lists: _ops.experts_backward(mod._handle, state, header, x_perm, group_offsets, probs_perm, dY,
                                                 ctx.has_probs, *lists),
-            (state, header, x_perm, group_offsets, probs_perm, dY), wants_param_grads=any(ctx.needs_input_grad[4:]))
+            (state, header, kept_x_perm, group_offsets, probs_perm, kept_dY),
+            wants_param_grads=any(ctx.needs_input_grad[4:]))
         return (None, dx_perm, None, dpp if ctx.has_probs else None, *param_grads)
