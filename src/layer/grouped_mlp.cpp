@@ -352,7 +352,9 @@ void GroupedMlp::backward(const TensorView& dy, const TensorView& dx, const Tens
     // chunks only where none is kept there: without one, or in the state with delay_wgrad).
     MOE_CHECK(m.chunks() == 1 || !keep_dY || c.delay_wgrad, "GroupedMlp::backward: token chunks with a dY_perm in ",
               "the workspace (internal error)");
-    m.experts.backward_gathered(dy, m.dispatcher.row_slots(plan), slots, keep_dY ? dYv : TensorView(), dx_perm,
+    // Frozen experts without bias read no dY_perm (no weight or bias gradient): none is written.
+    const bool write_dY = keep_dY && (weight_grads == WeightGrads::kCompute || c.bias);
+    m.experts.backward_gathered(dy, m.dispatcher.row_slots(plan), slots, write_dY ? dYv : TensorView(), dx_perm,
                                 m.dpp(), es, s, weight_grads);
   } else if (m.fp8_gathers_dy()) {
     m.experts.backward_gathered(dy, m.dispatcher.row_slots(plan), slots, TensorView(), dx_perm, m.dpp(), es, s,
