@@ -2,15 +2,16 @@
 
 namespace moe::gemm {
 
-// Every rule is a measurement on the named benchmark shapes (interleaved timing, docs/gemm.md):
-//  - short reductions: the epilogue no longer hides behind a short main loop, and ping-pong (one
-//    warp group's epilogue overlapping the other's main loop) beats the cooperative 128x256 tile;
-//    its 128x192 tile beats 128x128 (1.5x fewer tiles, so fewer per-tile costs: the group change,
-//    the pipeline fill, the epilogue drain), forward 1.01-1.03x on the fine-grained shapes; the
-//    1x2 cluster only where whole pairs of 192-wide tiles fill N, i.e. the tile count is even
-//    (the fc2 of qwen3-30b-a3b-ep8, 11 tiles wide, is 0.92x with it; sonic-30b-fine's and
-//    sonic-30b-coarse's, 4096 wide = 22 tiles, are 1.03-1.05x over 2x1, and so are their fc1
-//    dgrads); its epilogue converts the accumulator without CUTLASS's alpha multiply
+// Every rule is a measurement on the named benchmark shapes (interleaved timing, docs/gemm.md; the
+// H100 where the H100 and the H200 disagree):
+//  - short reductions (K <= 2048): the epilogue no longer hides behind a short main loop, and
+//    ping-pong (one warp group's epilogue overlapping the other's main loop) beats the cooperative
+//    128x256 tile (on K = 2048 too: the fc2 of deepseek-v3-ep32, 7168 wide, 1.10x; of
+//    sonic-120b-coarse 1.03-1.08x); its 128x192 tile beats 128x128 (1.5x fewer tiles, so fewer
+//    per-tile costs: the group change, the pipeline fill, the epilogue drain), forward 1.01-1.03x
+//    on the fine-grained shapes; the 1x2 cluster only where whole pairs of 192-wide tiles fill N
+//    (the fc2 of qwen3-30b-a3b-ep8, 11 tiles wide, is 0.92x with it) and N is at most 2048 (see
+//    pong_192); its epilogue converts the accumulator without CUTLASS's alpha multiply
 //    (epilogue_plain_conversion.cuh: 1.10x on sonic-7b-fine's fc2, K = 256, where the epilogue is
 //    longer than the main loop it should hide behind);
 //  - long reductions: cooperative 128x256; the 1x2 cluster (token tile multicast to two N tiles)
@@ -35,16 +36,20 @@ namespace moe::gemm {
 //    faster in bf16 with no gain in the layer's step, and cost the FP8 layer's backward 0.5-3%).
 namespace {
 // The ping-pong 128x192 tile across an output width: the 1x2 cluster where the 192-wide tiles are
-// even in number, the 2x1 cluster otherwise (or half of the last cluster would idle).
+// even in number and the output at most 2048 wide, the 2x1 cluster otherwise. An odd count would
+// idle half of the last cluster; on wider outputs the 1x2 cluster loses on the H100 (4096 wide, the
+// fc1 dgrad of sonic-30b-coarse: 436 against 660 TFLOP/s, sonic-30b-fine's 511 against 642, their
+// fc2 fprops 1.03-1.12x with 2x1; at 1536 wide 1x2 is still 1.03-1.06x ahead).
 const char* pong_192(int64_t width) {
-  return (width + 191) / 192 % 2 == 0 ? "pong_128x192x64_c1x2" : "pong_128x192x64_c2x1";
+  const bool pairs_fill = (width + 191) / 192 % 2 == 0;
+  return pairs_fill && width <= 2048 ? "pong_128x192x64_c1x2" : "pong_128x192x64_c2x1";
 }
 }  // namespace
 
 TileChoice choose_tiles(Op op, int64_t N, int64_t K, bool accumulate) {
   switch (op) {
     case Op::kFprop: {  // Y [m, N], reduction K
-      const bool short_k = K <= 1024 || (K <= 2048 && N <= 2048);
+      const bool short_k = K <= 2048;
       if (short_k && N % 256 == 0)
         return {pong_192(N), true, K <= 512 ? 4 : 1};
       return {N % 512 == 0 ? "coop_128x256x64_c1x2" : "coop_128x256x64_c2x1", false};

@@ -71,13 +71,14 @@ TEST(TileHeuristic, WeightGradientsIntoMainGradTakeTheWarpGroupStores) {
 }
 
 // The dgrad rule measured on the fine-grained shapes (docs/gemm.md): ping-pong 128x192 for reductions
-// up to 2048 into outputs at least 768 wide, with the 1x2 cluster where 192-wide tile pairs fill the
-// output; the cooperative tile for narrow outputs and long reductions.
+// up to 2048 into outputs at least 768 wide, with the 1x2 cluster where 192-wide tile pairs fill an
+// output at most 2048 wide; the cooperative tile for narrow outputs and long reductions.
 TEST(TileHeuristic, DgradTilesFollowTheMeasuredRule) {
   EXPECT_STREQ(choose_tiles(Op::kDgrad, 512, 1536).name, "pong_128x192x64_c1x2");   // sonic-7b-fine fc1
   EXPECT_STREQ(choose_tiles(Op::kDgrad, 1536, 2048).name, "pong_128x192x64_c2x1");  // qwen3-30b-a3b-ep8 fc1
-  EXPECT_STREQ(choose_tiles(Op::kDgrad, 1024, 4096).name, "pong_128x192x64_c1x2");  // sonic-30b-fine fc1
-  EXPECT_STREQ(choose_tiles(Op::kDgrad, 2048, 4096).name, "pong_128x192x64_c1x2");  // sonic-30b-coarse fc1
+  EXPECT_STREQ(choose_tiles(Op::kDgrad, 1024, 4096).name, "pong_128x192x64_c2x1");  // sonic-30b-fine fc1
+  EXPECT_STREQ(choose_tiles(Op::kDgrad, 2048, 4096).name, "pong_128x192x64_c2x1");  // sonic-30b-coarse fc1
+  EXPECT_STREQ(choose_tiles(Op::kDgrad, 2048, 1536).name, "pong_128x192x64_c1x2");  // sonic-7b-coarse fc1
   EXPECT_STREQ(choose_tiles(Op::kDgrad, 2048, 768).name, "pong_128x192x64_c1x2");   // qwen3-30b-a3b-ep8 fc2
   EXPECT_STREQ(choose_tiles(Op::kDgrad, 1536, 256).name, "coop_128x256x64_c2x1");   // sonic-7b-fine fc2
   EXPECT_STREQ(choose_tiles(Op::kDgrad, 4096, 512).name, "coop_128x256x64_c1x2");   // sonic-30b-fine fc2
@@ -89,9 +90,9 @@ TEST(TileHeuristic, DgradTilesFollowTheMeasuredRule) {
   }
 }
 
-// Short-reduction fprop: ping-pong 128x192, with the 1x2 cluster wherever the output is an even
-// number of 192-wide tiles (4096 = 21 1/3 tiles: 22, so the last pair is whole too), the 2x1 cluster
-// otherwise; runs of four tiles for reductions up to 512.
+// Short-reduction fprop (K <= 2048): ping-pong 128x192, with the 1x2 cluster where the output is an
+// even number of 192-wide tiles and at most 2048 wide, the 2x1 cluster otherwise; runs of four tiles
+// for reductions up to 512. Longer reductions: the cooperative 128x256 tile.
 TEST(TileHeuristic, ShortReductionFpropTilesPairWholeClusters) {
   const auto expect = [](int64_t N, int64_t K, const char* name, int run) {
     const TileChoice c = choose_tiles(Op::kFprop, N, K);
@@ -100,10 +101,15 @@ TEST(TileHeuristic, ShortReductionFpropTilesPairWholeClusters) {
     EXPECT_TRUE(c.raster_along_n) << N << " " << K;
   };
   expect(1536, 256, "pong_128x192x64_c1x2", 4);   // sonic-7b-fine fc2
-  expect(4096, 512, "pong_128x192x64_c1x2", 4);   // sonic-30b-fine fc2
-  expect(4096, 1024, "pong_128x192x64_c1x2", 1);  // sonic-30b-coarse fc2
+  expect(1536, 1024, "pong_128x192x64_c1x2", 1);  // sonic-7b-coarse fc2
+  expect(4096, 512, "pong_128x192x64_c2x1", 4);   // sonic-30b-fine fc2 (22 tiles, but 4096 wide)
+  expect(4096, 1024, "pong_128x192x64_c2x1", 1);  // sonic-30b-coarse fc2
+  expect(4096, 2048, "pong_128x192x64_c2x1", 1);  // sonic-120b-coarse fc2
+  expect(7168, 2048, "pong_128x192x64_c2x1", 1);  // deepseek-v3-ep32 fc2
   expect(2048, 768, "pong_128x192x64_c2x1", 1);   // qwen3-30b-a3b-ep8 fc2 (11 tiles)
   expect(2048, 1024, "pong_128x192x64_c2x1", 1);  // olmoe-1b-7b fc2
+  EXPECT_STREQ(choose_tiles(Op::kFprop, 4096, 14336).name, "coop_128x256x64_c1x2");  // mixtral-8x7b fc2
+  EXPECT_STREQ(choose_tiles(Op::kFprop, 4096, 4096).name, "coop_128x256x64_c1x2");   // sonic-120b-coarse fc1
 }
 
 }  // namespace
