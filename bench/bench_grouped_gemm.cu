@@ -46,6 +46,8 @@
 #include "reference/routing_gen.h"
 #include "support/bench_util.h"
 #include "support/cli_checks.h"
+#include "support/dense_gemm.h"
+#include "support/interleaved_timing.h"
 
 namespace {
 
@@ -54,34 +56,13 @@ using moe::ExpertMatrices;
 using moe::GemmOp;
 using moe::GroupedGemm;
 using moe::TensorView;
+using moe::bench::Candidate;
+using moe::bench::dense_gemm;
+using moe::bench::DeviceMem;
+using moe::bench::interleaved_ms;
+using moe::bench::tflops;
 
-#define CUBLAS_CHECK(call)                                                              \
-  do {                                                                                  \
-    cublasStatus_t st_ = (call);                                                        \
-    MOE_CHECK(st_ == CUBLAS_STATUS_SUCCESS, "cuBLAS error ", int(st_), " in ", #call); \
-  } while (0)
-
-// Uniform values in [-1, 1) from a hash of the index: cheap, deterministic, no host transfer.
-__global__ void fill_bf16(__nv_bfloat16* p, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
-    p[i] = __float2bfloat16(float(h & 0xFFFF) / 32768.0f - 1.0f);
-  }
-}
-
-struct DeviceMem {
-  void* p = nullptr;
-  explicit DeviceMem(size_t bytes) { MOE_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 16))); }
-  ~DeviceMem() { cudaFree(p); }
-  template <typename T>
-  T* as() const { return static_cast<T*>(p); }
-};
-
-void fill(const DeviceMem& m, int64_t n, uint32_t seed, cudaStream_t s) {
-  fill_bf16<<<1024, 256, 0, s>>>(m.as<__nv_bfloat16>(), n, seed);
-  MOE_CUDA_CHECK_LAUNCH();
-}
+void fill(const DeviceMem& m, int64_t n, uint32_t seed, cudaStream_t s) { moe::bench::fill_bf16_uniform(m.p, n, seed, s); }
 
 // Group sizes of a named shape: tokens per expert, padded to `align` rows.
 struct Groups {
@@ -103,69 +84,6 @@ Groups make_groups(const moe::bench::Shape& s, double skew, int align) {
     g.rows += p;
   }
   return g;
-}
-
-// One thing to time: a launch function, optionally replayed from a CUDA graph of one launch.
-struct Candidate {
-  std::string label;
-  std::function<void()> fn;
-  bool graph = false;
-};
-
-// Interleaved timing (see the header): median milliseconds per launch of each candidate.
-std::vector<double> interleaved_ms(const std::vector<Candidate>& cands, cudaStream_t stream, int rounds,
-                                   double batch_ms = 4.0, double warmup_ms = 60.0) {
-  const size_t n = cands.size();
-  std::vector<cudaGraphExec_t> execs(n, nullptr);
-  std::vector<std::function<void()>> launch(n);
-  for (size_t i = 0; i < n; ++i) {
-    if (cands[i].graph) {
-      cudaGraph_t g;
-      MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      cands[i].fn();
-      MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
-      MOE_CUDA_CHECK(cudaGraphInstantiate(&execs[i], g, 0));
-      MOE_CUDA_CHECK(cudaGraphDestroy(g));
-      launch[i] = [&, i] { MOE_CUDA_CHECK(cudaGraphLaunch(execs[i], stream)); };
-    } else {
-      launch[i] = cands[i].fn;
-    }
-  }
-  cudaEvent_t e0, e1;
-  MOE_CUDA_CHECK(cudaEventCreate(&e0));
-  MOE_CUDA_CHECK(cudaEventCreate(&e1));
-  auto time_batch = [&](size_t i, int b) {
-    MOE_CUDA_CHECK(cudaEventRecord(e0, stream));
-    for (int j = 0; j < b; ++j) launch[i]();
-    MOE_CUDA_CHECK(cudaEventRecord(e1, stream));
-    MOE_CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    return double(ms) / b;
-  };
-  // Batch sizes from a first estimate, then a warm-up long enough for clocks to settle.
-  std::vector<int> batch(n);
-  for (size_t i = 0; i < n; ++i) {
-    time_batch(i, 2);
-    batch[i] = std::max(1, std::min(50, int(batch_ms / std::max(time_batch(i, 2), 1e-3) + 0.5)));
-  }
-  for (double spent = 0; spent < warmup_ms;)
-    for (size_t i = 0; i < n; ++i) spent += time_batch(i, batch[i]) * batch[i];
-  std::vector<std::vector<double>> samples(n);
-  for (int r = 0; r < rounds; ++r)
-    for (size_t j = 0; j < n; ++j) {
-      const size_t i = (j + r) % n;
-      samples[i].push_back(time_batch(i, batch[i]));
-    }
-  std::vector<double> med(n);
-  for (size_t i = 0; i < n; ++i) {
-    std::sort(samples[i].begin(), samples[i].end());
-    med[i] = samples[i][samples[i].size() / 2];
-    if (execs[i]) cudaGraphExecDestroy(execs[i]);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  return med;
 }
 
 // The FP8 operands of one (shape, fc): every copy the three products read, quantized from the
@@ -226,22 +144,6 @@ struct Fp8Operands {
   }
 };
 
-double tflops(double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0; }
-
-// Row-major C[m, n] = A[m, k] * op(B) through cuBLAS (column-major): computes C^T = op(B)^T A^T.
-// b_is_nk: B stored [n, k] (use its transpose) rather than [k, n].
-void dense_gemm(cublasHandle_t h, const void* A, const void* B, void* C, int64_t m, int64_t n, int64_t k,
-                bool a_is_km, bool b_is_nk) {
-  const float one = 1.0f, zero = 0.0f;
-  // Column-major view: C^T [n, m] = B' [n, k] * A' [k, m].
-  const cublasOperation_t opB = b_is_nk ? CUBLAS_OP_T : CUBLAS_OP_N;  // B [n,k] row-major = col-major k x n
-  const int64_t ldb = b_is_nk ? k : n;
-  const cublasOperation_t opA = a_is_km ? CUBLAS_OP_T : CUBLAS_OP_N;  // A stored [k, m] row-major
-  const int64_t lda = a_is_km ? m : k;
-  CUBLAS_CHECK(cublasGemmEx(h, opB, opA, int(n), int(m), int(k), &one, B, CUDA_R_16BF, int(ldb), A, CUDA_R_16BF,
-                            int(lda), &zero, C, CUDA_R_16BF, int(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -276,8 +178,8 @@ int main(int argc, char** argv) {
   cudaStream_t stream;
   MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cublasHandle_t blas;
-  CUBLAS_CHECK(cublasCreate(&blas));
-  CUBLAS_CHECK(cublasSetStream(blas, stream));
+  MOE_CUBLAS_CHECK(cublasCreate(&blas));
+  MOE_CUBLAS_CHECK(cublasSetStream(blas, stream));
   std::printf("device: %s\n", moe::bench::device_description().c_str());
   std::printf("TFLOP/s = 2*T*k*N*K / median time (padding rows not counted); groups padded to 128 rows\n");
   std::printf("%-18s %-8s %-3s %-9s %6s %6s %7s %8s %8s %8s%s  %s\n", "shape", "routing", "fc", "op", "N", "K",
