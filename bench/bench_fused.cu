@@ -9,7 +9,8 @@
 //   - wgrad-fc1 / wgrad-fc2: the gathered weight gradients, dW1_e = dh_e^T x_e (x gathered) and
 //     dW2_e = dY_e^T act_e (dy gathered), written in bf16 and added into an fp32 main_grad (dense:
 //     the same output with the reduction over all R rows).
-// What the layer runs by default (swiglu, probs in the activation, no bias, no padding rows). The
+// Each called as the layer calls it (swiglu, probs in the activation, no bias, no padding rows), which
+// by default takes these kernels where F <= 2048 (every named shape but mixtral-8x7b). The
 // routing is make_topk_routing's (docs/shapes.md, Routing), balanced and skewed; rows are ordered
 // as the dispatcher orders them (by expert, then by slot). TFLOP/s = 2 R N K / time, R = T k.
 //
@@ -17,8 +18,8 @@
 // grow from call to call, and the power the tensor cores draw, hence the clock, depends on the
 // data); the copy alone is timed in the same rounds and subtracted from those calls.
 //
-// Figures only: the kernels' results are checked by the GPU tests (gpu_test_fused_*, the layer
-// tests), not here.
+// Figures only: the kernels' results are checked by the GPU tests (gpu_test_grouped_mlp,
+// gpu_test_fc2_dgrad_schedules, gpu_test_wgrad_gathered), not here.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
