@@ -163,7 +163,8 @@ int main(int argc, char** argv) {
                "off the bulk-copy alignment), graph-captured: the base column");
   app.add_flag("--all-configs", all_configs, "also time every compiled tile configuration and raster order");
   app.add_option("--rounds", rounds, "interleaved timing rounds per measurement (median reported)")
-      ->transform(moe::cli::decimal_integer());
+      ->transform(moe::cli::decimal_integer())
+      ->check(CLI::Range(1, 1000));
   app.add_option("--skew", skew, "Zipf-like skew of the skewed routing");
   app.add_option("--product", products, "only these products, e.g. fc2:fprop (default: all; for profiling one kernel)");
   app.add_option("--tile-run", tile_run, "with --all-configs: consecutive cluster tiles per CTA visit for every alternative")
@@ -196,7 +197,9 @@ int main(int argc, char** argv) {
       std::vector<int32_t> off{0};
       for (int32_t p : g.padded) off.push_back(off.back() + p);
       DeviceMem d_off(off.size() * sizeof(int32_t));
-      MOE_CUDA_CHECK(cudaMemcpy(d_off.p, off.data(), off.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+      // On the non-blocking stream the kernels run on (a plain cudaMemcpy would not be ordered before them).
+      MOE_CUDA_CHECK(cudaMemcpyAsync(d_off.p, off.data(), off.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+      MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
       const TensorView offs(d_off.p, DType::kInt32, {int64_t(s.E) + 1});
       const int64_t R = g.rows;
       // The weight-dim bound lets the 192-wide FP8 configurations run (their restated weight scales).

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "device/cuda_check.h"
+#include "moe/error.h"
 
 namespace moe::bench {
 
@@ -29,6 +30,7 @@ void fill_bf16_uniform(void* p, int64_t n, uint32_t seed, cudaStream_t stream) {
 
 std::vector<double> interleaved_ms(const std::vector<Candidate>& cands, cudaStream_t stream, int rounds,
                                    double batch_ms, double warmup_ms) {
+  MOE_CHECK(rounds >= 1, "interleaved_ms: 'rounds' must be at least 1, got ", rounds);
   const size_t n = cands.size();
   std::vector<cudaGraphExec_t> execs(n, nullptr);
   std::vector<std::function<void()>> launch(n);
