@@ -105,11 +105,9 @@ int main(int argc, char** argv) {
   if (shapes.empty())
     for (const auto& s : moe::bench::named_shapes()) shapes.push_back(s.name);
 
-  cudaStream_t stream;
-  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cublasHandle_t blas;
-  MOE_CUBLAS_CHECK(cublasCreate(&blas));
-  MOE_CUBLAS_CHECK(cublasSetStream(blas, stream));
+  const moe::bench::CublasOnStream on_stream;
+  cudaStream_t stream = on_stream.stream;
+  cublasHandle_t blas = on_stream.blas;
   int device = 0, sm_count = 0;
   MOE_CUDA_CHECK(cudaGetDevice(&device));
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
@@ -168,9 +166,8 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       };
 
-      if (wanted(kernels, "fc1")) {
-        moe::fused::Fc1ActivationArgs f;
-        f.a = x.p;
+      // The arguments both row kernels share: the row map, the sizes, the probs, the activation.
+      const auto row_kernel_args = [&](auto& f) {
         f.row_slots = slots_d.as<const int32_t>();
         f.slots = s.k;
         f.group_offsets = offsets_d.as<const int32_t>();
@@ -178,13 +175,19 @@ int main(int argc, char** argv) {
         f.R = R;
         f.H = int(H);
         f.F = int(F);
-        f.w1_base = w1.p;
-        f.w1_stride_bytes = F1 * H * 2;
         f.probs = probs_d.as<const float>();
         f.activation = swiglu;
+        f.sm_count = sm_count;
+      };
+
+      if (wanted(kernels, "fc1")) {
+        moe::fused::Fc1ActivationArgs f;
+        row_kernel_args(f);
+        f.a = x.p;
+        f.w1_base = w1.p;
+        f.w1_stride_bytes = F1 * H * 2;
         f.h = h.p;
         f.act = act.p;
-        f.sm_count = sm_count;
         const std::vector<double> ms = moe::bench::interleaved_ms(
             {{"fused", [&] { moe::fused::launch_fc1_activation(f, stream); }},
              {"cublas", [&] { moe::bench::dense_gemm(blas, x_perm.p, w1.p, dense_out.p, R, F1, H, false, true); }}},
@@ -194,22 +197,13 @@ int main(int argc, char** argv) {
 
       if (wanted(kernels, "fc2-dgrad")) {
         moe::fused::Fc2DgradActivationArgs f;
+        row_kernel_args(f);
         f.dy = dy.p;
-        f.row_slots = slots_d.as<const int32_t>();
-        f.slots = s.k;
-        f.group_offsets = offsets_d.as<const int32_t>();
-        f.experts = s.E;
-        f.R = R;
-        f.H = int(H);
-        f.F = int(F);
         f.w2 = w2.p;
-        f.probs = probs_d.as<const float>();
-        f.activation = swiglu;
         f.h = h.p;
         f.act_out = act.p;
         f.dprobs = dprobs.as<float>();
         f.dprobs_partial = feature_blocks > 1 ? dprobs_partial.as<float>() : nullptr;
-        f.sm_count = sm_count;
         const auto restore = [&] {
           MOE_CUDA_CHECK(cudaMemcpyAsync(h.p, h_saved.p, R * F1 * 2, cudaMemcpyDeviceToDevice, stream));
         };
@@ -281,7 +275,5 @@ int main(int argc, char** argv) {
       }
     }
   }
-  cublasDestroy(blas);
-  cudaStreamDestroy(stream);
   return 0;
 }

@@ -176,11 +176,9 @@ int main(int argc, char** argv) {
   if (shapes.empty())
     for (const auto& s : moe::bench::named_shapes()) shapes.push_back(s.name);
 
-  cudaStream_t stream;
-  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cublasHandle_t blas;
-  MOE_CUBLAS_CHECK(cublasCreate(&blas));
-  MOE_CUBLAS_CHECK(cublasSetStream(blas, stream));
+  const moe::bench::CublasOnStream on_stream;
+  cudaStream_t stream = on_stream.stream;
+  cublasHandle_t blas = on_stream.blas;
   std::printf("device: %s\n", moe::bench::device_description().c_str());
   std::printf("TFLOP/s = 2*T*k*N*K / median time (padding rows not counted); groups padded to 128 rows\n");
   std::printf("%-18s %-8s %-3s %-9s %6s %6s %7s %8s %8s %8s%s  %s\n", "shape", "routing", "fc", "op", "N", "K",
@@ -385,7 +383,5 @@ int main(int argc, char** argv) {
   }
   if (!json_out.empty()) std::ofstream(json_out) << results.dump(1) << "\n";
   if (!groups_out.empty()) std::ofstream(groups_out) << groups_json.dump(1) << "\n";
-  cublasDestroy(blas);
-  cudaStreamDestroy(stream);
   return 0;
 }

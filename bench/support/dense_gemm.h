@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cublas_v2.h>
+#include <cuda_runtime_api.h>
 
 #include <cstdint>
 
@@ -16,6 +17,23 @@
   } while (0)
 
 namespace moe::bench {
+
+// A non-blocking stream and a cuBLAS handle that runs on it, for a benchmark's lifetime.
+struct CublasOnStream {
+  cudaStream_t stream = nullptr;
+  cublasHandle_t blas = nullptr;
+  CublasOnStream() {
+    MOE_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess, "cannot create a CUDA stream");
+    MOE_CUBLAS_CHECK(cublasCreate(&blas));
+    MOE_CUBLAS_CHECK(cublasSetStream(blas, stream));
+  }
+  ~CublasOnStream() {
+    cublasDestroy(blas);
+    cudaStreamDestroy(stream);
+  }
+  CublasOnStream(const CublasOnStream&) = delete;
+  CublasOnStream& operator=(const CublasOnStream&) = delete;
+};
 
 // Row-major C[m, n] = op(A) op(B) in bf16 through cuBLAS (column-major), computed as C^T = op(B)^T
 // op(A)^T. a_is_km: A stored [k, m] (its transpose is used) rather than [m, k]; b_is_nk: B stored
