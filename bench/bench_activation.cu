@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "device/cuda_check.h"
@@ -64,8 +65,7 @@ int main(int argc, char** argv) {
   app.add_option("--repeats", repeats, "timed repeats per measurement (median reported)")
       ->transform(moe::cli::decimal_integer());
   CLI11_PARSE(app, argc, argv);
-  if (shapes.empty())
-    for (const auto& s : moe::bench::named_shapes()) shapes.push_back(s.name);
+  shapes = moe::bench::shape_args_or_all(std::move(shapes));
 
   cudaStream_t stream;
   MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "device/cuda_check.h"
@@ -102,8 +103,7 @@ int main(int argc, char** argv) {
       ->transform(moe::cli::decimal_integer())
       ->check(CLI::Range(1, 1000));
   CLI11_PARSE(app, argc, argv);
-  if (shapes.empty())
-    for (const auto& s : moe::bench::named_shapes()) shapes.push_back(s.name);
+  shapes = moe::bench::shape_args_or_all(std::move(shapes));
 
   const moe::bench::CublasOnStream on_stream;
   cudaStream_t stream = on_stream.stream;

@@ -38,6 +38,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "device/cuda_check.h"
@@ -173,8 +174,7 @@ int main(int argc, char** argv) {
   app.add_option("--routing", routings, "only these routings: balanced, skewed (default: both)")
       ->check(CLI::IsMember({"balanced", "skewed"}));
   CLI11_PARSE(app, argc, argv);
-  if (shapes.empty())
-    for (const auto& s : moe::bench::named_shapes()) shapes.push_back(s.name);
+  shapes = moe::bench::shape_args_or_all(std::move(shapes));
 
   const moe::bench::CublasOnStream on_stream;
   cudaStream_t stream = on_stream.stream;

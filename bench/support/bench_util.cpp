@@ -81,6 +81,12 @@ Shape parse_shape(const std::string& spec) {
   return Shape{keep_name(name), v[0], v[1], v[2], static_cast<int>(v[3]), static_cast<int>(v[4])};
 }
 
+std::vector<std::string> shape_args_or_all(std::vector<std::string> args) {
+  if (args.empty())
+    for (const auto& s : named_shapes()) args.push_back(s.name);
+  return args;
+}
+
 std::string shape_table() {
   std::string out;
   char line[128];

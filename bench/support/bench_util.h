@@ -29,6 +29,8 @@ const Shape& shape_by_name(const std::string& name);
 Shape parse_shape(const std::string& spec);
 // The named shapes as an aligned text table, one per line, with a header.
 std::string shape_table();
+// A benchmark's --shape arguments, or every named shape's name when none was given.
+std::vector<std::string> shape_args_or_all(std::vector<std::string> args);
 
 struct Timing {
   double median_ms = 0, min_ms = 0, max_ms = 0;

@@ -169,6 +169,8 @@ def _fuse_fc2_dgrad(choice, ffn_hidden_size, num_experts, save_x_perm, keeps_dY)
 
 # Per-expert row alignment that gives each recipe's expert rows whole blocks.
 _FP8_ALIGN = {"block": 128, "block_pow2": 128, "mxfp8": 32, "nvfp4": 16}
+# The FP8 block-scaled recipes (Hopper tensor cores), as against the emulated Blackwell formats.
+_FP8_BLOCK_RECIPES = ("block", "block_pow2")
 
 
 def _check_fp8_options(fp8, fp8_weight_refresh, accumulate_into_main_grad):
@@ -362,7 +364,7 @@ class _ExpertModule(HandleOwner, nn.Module):
         derived from its rowwise copy as their last two dimensions transposed (128x128 blocks quantize
         the same values either way) when both columnwise parts are absent and both rowwise parts
         present; other formats, or a copy given in part (then refused as missing), as they are."""
-        if self.fp8 not in ("block", "block_pow2"):
+        if self.fp8 not in _FP8_BLOCK_RECIPES:
             return tensors
         derived = {}
         for p in ("fc1", "fc2"):
@@ -650,7 +652,7 @@ class _ExpertsFunction(torch.autograd.Function):
         # with this backward): x_perm, whose FP8 copy the state holds, and without bias dY, whose
         # FP8 copies the backward writes into the state.
         kept_x_perm, kept_dY = x_perm, dY
-        if mod.fp8 in ("block", "block_pow2"):
+        if mod.fp8 in _FP8_BLOCK_RECIPES:
             kept_x_perm = x_perm.new_empty(0)
             if not mod.has_bias:
                 kept_dY = dY.new_empty(0)
