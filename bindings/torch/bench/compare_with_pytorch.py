@@ -8,6 +8,9 @@ alternating rounds (--rounds, default 4; every other round in reverse order) and
 the rounds are reported; ours is timed by its own method (medians of CUDA-event-timed calls back to back) and by SonicMoE's too.
 In the same rounds, the layer's six products as dense cuBLAS GEMMs of the same sizes (dense_gemms):
 how fast any layer could be whose GEMMs ran at cuBLAS's dense rate and whose other passes were free.
+SonicMoE's timed layer includes its router (the gate GEMM, softmax top-k and their backward); beside
+it, ours is also timed as the same whole block (moe_engine.MoELayer: the gate with SonicMoE's gate
+weights, the fused router, the experts), the like-for-like figure ("block").
 
 usage: python3 bindings/torch/bench/compare_with_pytorch.py [SHAPE ...] [--rounds N] [--token-chunks N] [--skew S]
        [--png chart.png]      (no names: all shapes)"""
@@ -17,7 +20,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from moe_engine import GroupedMLP
+from moe_engine import GroupedMLP, MoELayer
 
 try:
     from cuda_graphs import graphed
@@ -105,6 +108,35 @@ def skew_offsets(E, skew):
     return -skew * torch.log1p(torch.arange(E, device="cuda", dtype=torch.float32))
 
 
+def whole_block(sonic, T, H, Fd, E, k, token_chunks, x, dy, res):
+    """Ours as the same whole block SonicMoE's timed layer is -- gate (its gate weights, so the same
+    logits up to rounding), softmax top-k router, experts: MoELayer(router="softmax") -- as
+    [(key, step)] for the forward and forward+backward timed by SonicMoE's method; [] (with
+    res["ours_block_error"]) where it cannot be built or captured."""
+    try:
+        block = MoELayer(H, Fd, E, k, max_tokens=T, router="softmax", token_chunks=token_chunks)
+        with torch.no_grad():
+            block.gate.weight.copy_(sonic.moe.router.weight)
+
+        def block_forward():
+            with torch.no_grad():
+                block(x)
+
+        def block_step():
+            x.grad = None
+            block.zero_grad(set_to_none=True)
+            block(x)[0].backward(dy)
+
+        steps = [("ours_block_fwd_sonic_method_ms", graphed(block_forward)),
+                 ("ours_block_fwd_bwd_sonic_method_ms", graphed(block_step))]
+        x.grad = None
+        block.zero_grad(set_to_none=True)
+        return steps
+    except Exception as ex:  # report, don't hide
+        res["ours_block_error"] = str(ex)[:160]
+        return []
+
+
 def measure(name, rounds=4, token_chunks=1, skew=0.0):
     T, H, Fd, E, k = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -160,6 +192,7 @@ def measure(name, rounds=4, token_chunks=1, skew=0.0):
         res["ours_fwd_graph_ms_bench_routing"] = median_ms(graphed(lambda: ours_forward((bench_idx, bench_probs))))
         res.update(sonic.prepare())
         x.grad = None
+        block_steps = whole_block(sonic, T, H, Fd, E, k, token_chunks, x, dy, res)
 
     def clear_grads():
         x.grad = w1.grad = w2.grad = None
@@ -212,6 +245,8 @@ def measure(name, rounds=4, token_chunks=1, skew=0.0):
         steps.append(lambda: sonic_step("sonic_fwd_ms", sonic.time_fwd))
         steps.append(lambda: sonic_step("sonic_fwd_bwd_ms", sonic.time_fwd_bwd))
         steps.append(lambda: sample("ours_fwd_bwd_sonic_method_ms", time_like_sonic(step_graph or ours_step)))
+        for key, fn in block_steps:
+            steps.append(lambda key=key, fn=fn: sample(key, time_like_sonic(fn)))
     steps.append(lambda: sample("ours_eager_ms", median_ms(ours_step)))
     if step_graph is not None:
         steps.append(lambda: sample("ours_graph_ms", median_ms(step_graph)))
@@ -260,6 +295,10 @@ def measure(name, rounds=4, token_chunks=1, skew=0.0):
     if sonic is not None:
         res["fwd_bwd_vs_sonic"] = res["sonic_fwd_bwd_ms"] / best("ours")
         res["fwd_bwd_vs_sonic_same_method"] = res["sonic_fwd_bwd_ms"] / res["ours_fwd_bwd_sonic_method_ms"]
+        if "ours_block_fwd_bwd_sonic_method_ms" in res:
+            res["block_fwd_vs_sonic_same_method"] = res["sonic_fwd_ms"] / res["ours_block_fwd_sonic_method_ms"]
+            res["block_fwd_bwd_vs_sonic_same_method"] = (res["sonic_fwd_bwd_ms"]
+                                                         / res["ours_block_fwd_bwd_sonic_method_ms"])
     del mod
     torch.cuda.empty_cache()
     return res
@@ -299,7 +338,10 @@ def main():
               + (f" | {r['sonic_fwd_ms']:.3f} / {r['sonic_fwd_bwd_ms']:.3f}, {r['sonic_extra_gib']:.2f}, "
                  f"{r['fwd_vs_sonic']:.2f}x / {r['fwd_bwd_vs_sonic']:.2f}x, both by its method "
                  f"{r['fwd_vs_sonic_same_method']:.2f}x / {r['fwd_bwd_vs_sonic_same_method']:.2f}x, "
-                 f"SonicMoE over the dense GEMMs {r['dense_fwd_vs_sonic']:.2f}x / {r['dense_fwd_bwd_vs_sonic']:.2f}x" if SONIC else ""),
+                 f"SonicMoE over the dense GEMMs {r['dense_fwd_vs_sonic']:.2f}x / {r['dense_fwd_bwd_vs_sonic']:.2f}x"
+                 + (f", ours as the whole block (gate + router + experts) {r['block_fwd_vs_sonic_same_method']:.2f}x / "
+                    f"{r['block_fwd_bwd_vs_sonic_same_method']:.2f}x" if "block_fwd_bwd_vs_sonic_same_method" in r
+                    else f", whole block: {r.get('ours_block_error', 'not timed')}") if SONIC else ""),
               flush=True)
     if args.png:
         import matplotlib
