@@ -481,11 +481,13 @@ struct GroupedExperts::Impl {
   }
   // FP8: from dY's columnwise copy (the backward quantized it) and act's saved one.
   void wgrad_fc2(const TensorView& dY, const Saved& v, cudaStream_t s) {
-    if (fp8)
-      fp8->wgrad(gemm, gemm_workspace(), v.g, v.rows, dy_col(v).data, dy_col(v).scale, cfg.hidden, v.b.fp8.act_col,
+    if (fp8) {
+      const ColCopy col = dy_col(v);
+      fp8->wgrad(gemm, gemm_workspace(), v.g, v.rows, col.data, col.scale, cfg.hidden, v.b.fp8.act_col,
                  v.b.fp8.act_col_scale, cfg.ffn, dw2, accumulate(), errors.device_ptr(), s);
-    else
+    } else {
       wgrad(2, dY, bf16_view(v.b.act, v.rows, cfg.ffn), v.g, s);
+    }
     if (cfg.bias) bias_grad(dY, v.pp, v.g, db2, accumulate(), bias_workspace(), s);
   }
   // FP8, after dY's copies were made (quantized from dY, or gathered from dy): the fc2 dgrad into
@@ -515,8 +517,9 @@ struct GroupedExperts::Impl {
   // FP8: from dh's columnwise copy (the backward quantized it) and x_perm's saved one.
   void wgrad_fc1(const TensorView& dh, const Saved& v, cudaStream_t s) {
     if (fp8) {
-      fp8->wgrad(gemm, gemm_workspace(), v.g, v.rows, dh_col(v).data, dh_col(v).scale, cfg.fc1_out(),
-                 v.b.fp8.x_col, v.b.fp8.x_col_scale, cfg.hidden, dw1, accumulate(), errors.device_ptr(), s);
+      const ColCopy col = dh_col(v);
+      fp8->wgrad(gemm, gemm_workspace(), v.g, v.rows, col.data, col.scale, cfg.fc1_out(), v.b.fp8.x_col,
+                 v.b.fp8.x_col_scale, cfg.hidden, dw1, accumulate(), errors.device_ptr(), s);
     } else if (v.gathered) {
       wgrad_gathered(dh.data, cfg.fc1_out(), v.from_x, dw1, /*x_major=*/false, v, s);
     } else {
