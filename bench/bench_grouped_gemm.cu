@@ -318,18 +318,23 @@ int main(int argc, char** argv) {
                 }
           }
           // Alternatives: every compiled configuration in both tile orders (force_config before each
-          // launch, since all candidates share one GroupedGemm).
+          // launch, since all candidates share one GroupedGemm). The rows GEMM ("rows_*") has one
+          // order of its own and no tile runs.
           std::vector<std::pair<std::string, bool>> alt_cfg;
           if (all_configs)
-            for (const std::string& c : GroupedGemm::configs(r.op, r.out))
+            for (const std::string& c : GroupedGemm::configs(r.op, r.out)) {
+              const bool rows_gemm = c.rfind("rows_", 0) == 0;
               for (bool along_n : {false, true}) {
+                if (rows_gemm && along_n) continue;
+                const int run = rows_gemm ? 1 : tile_run;
                 alt_cfg.push_back({c, along_n});
-                cands.push_back({c + (along_n ? "/N" : "/M"), [&, c, along_n] {
-                                   gg.force_config(r.op, c, along_n, tile_run);
+                cands.push_back({c + (along_n ? "/N" : "/M"), [&, c, along_n, run] {
+                                   gg.force_config(r.op, c, along_n, run);
                                    r.ours();
                                  },
                                  false});
               }
+            }
           // The heuristic candidates must not inherit a forced configuration.
           cands[0].fn = cands[1].fn = [&] {
             gg.force_config(r.op, "");

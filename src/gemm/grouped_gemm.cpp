@@ -4,10 +4,13 @@
 #include "moe/grouped_gemm.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
 #include "device/cuda_check.h"
+#include "fused/rows_gemm.h"
+#include "gemm/forced_configs.h"
 #include "gemm/grouped_gemm_prep.h"
 #include "gemm/grouped_kernel.h"
 #include "gemm/tile_heuristic.h"
@@ -95,6 +98,19 @@ void check_fp8_token_product(const GemmProblem& pr, int64_t rows, int64_t red, i
   check_weight_scale(pr.w_scale, pr.w);
 }
 
+// Whether a configuration of that name is compiled for `op` (any operand and output dtype), and
+// whether all of them take runs of tiles.
+bool compiled(Op op, const std::string& name, bool* takes_runs) {
+  bool known = false;
+  for (DType ab : {DType::kBF16, DType::kFP8E4M3})
+    for (DType out : {DType::kBF16, DType::kFP32})
+      if (const gemm::KernelEntry* k = gemm::find_kernel(op, ab, out, false, name.c_str())) {
+        known = true;
+        *takes_runs = *takes_runs && k->tile_runs;
+      }
+  return known;
+}
+
 }  // namespace
 
 const char* gemm_op_name(GemmOp op) {
@@ -146,15 +162,15 @@ struct GroupedGemm::Impl {
     return a;
   }
 
-  // The kernel for the problem's capabilities and shape: the heuristic's configuration, or the
-  // forced one when a kernel of that name has the needed capabilities.
+  // The kernel for the problem's capabilities and shape: the heuristic's configuration, or (with
+  // `honour_forced`) the forced one when a kernel of that name has the needed capabilities.
   const gemm::KernelEntry* kernel(Op op, DType ab, DType out, bool accumulate, int64_t N, int64_t K,
-                                  gemm::TileChoice* choice) const {
+                                  gemm::TileChoice* choice, bool honour_forced = true) const {
     const Forced& f = forced[int(op)];
     gemm::TileChoice c = ab == DType::kFP8E4M3
                              ? gemm::choose_fp8_tiles(op, N, K, max_weight_dim >= std::max(N, K), accumulate)
                              : gemm::choose_tiles(op, N, K, accumulate);
-    if (!f.name.empty() && gemm::find_kernel(op, ab, out, accumulate, f.name.c_str()))
+    if (honour_forced && !f.name.empty() && gemm::find_kernel(op, ab, out, accumulate, f.name.c_str()))
       c = {f.name.c_str(), f.raster_along_n, f.tile_run};
     const gemm::KernelEntry* k = gemm::find_kernel(op, ab, out, accumulate, c.name);
     MOE_CHECK(k != nullptr, "grouped GEMM: no ", gemm_op_name(GemmOp(op)), " kernel '", c.name, "' for ",
@@ -214,6 +230,14 @@ GroupedGemm::GroupedGemm(int max_experts, int64_t max_rows, int max_sms, int64_t
   const gemm::KernelEntry* const* all = gemm::kernel_registry(&n);
   for (int i = 0; i < n; ++i) workspace = std::max(workspace, all[i]->workspace_bytes(max_experts, s.sm_count));
   s.cutlass_workspace = round_up(std::max<size_t>(workspace, 1), 256);
+  // Configurations forced from the environment (gemm/forced_configs.h), for experiments.
+  if (const char* env = std::getenv(gemm::kGemmConfigsEnv))
+    for (const gemm::ForcedConfig& f : gemm::parse_forced_configs(env, gemm::kGemmConfigsEnv)) {
+      bool runs = true;
+      MOE_CHECK(compiled(f.op, f.name, &runs), gemm::kGemmConfigsEnv, ": no ", gemm_op_name(static_cast<GemmOp>(f.op)),
+                " configuration named '", f.name, "'");
+      force_config(static_cast<GemmOp>(f.op), f.name);
+    }
 }
 
 GroupedGemm::~GroupedGemm() = default;
@@ -253,16 +277,11 @@ void GroupedGemm::force_config(GemmOp op, const std::string& name, bool raster_a
   MOE_CHECK(!name.empty() || tile_run == 1,
             "argument 'tile_run': a run length goes with a configuration name (\"\" returns to the heuristic)");
   if (!name.empty()) {
-    bool known = false, runs = true;
-    for (DType ab : {DType::kBF16, DType::kFP8E4M3})
-      for (DType out : {DType::kBF16, DType::kFP32})
-        if (const gemm::KernelEntry* k = gemm::find_kernel(to_op(op), ab, out, false, name.c_str())) {
-          known = true;
-          runs = runs && k->tile_runs;
-        }
-    MOE_CHECK(known, "argument 'name': no ", gemm_op_name(op), " configuration named '", name, "'");
+    bool runs = true;
+    MOE_CHECK(compiled(to_op(op), name, &runs), "argument 'name': no ", gemm_op_name(op), " configuration named '",
+              name, "'");
     MOE_CHECK(runs || tile_run == 1, "argument 'tile_run': configuration '", name,
-              "' runs CUTLASS's round-robin schedule only (tile_run 1)");
+              "' takes no runs of tiles (tile_run 1)");
   }
   impl_->forced[int(op)] = {name, raster_along_n, tile_run};
 }
@@ -395,6 +414,25 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
 
   gemm::TileChoice choice{};
   const gemm::KernelEntry* k = s.kernel(p.op, ab, out, accumulate, p.N, p.K, &choice);
+  if (k->contiguous_rows) {
+    // The rows GEMM reads the token rows in place and the weights as one contiguous tensor (TMA);
+    // a call it cannot take runs the heuristic's kernel -- so does a call without rows, whose
+    // offsets only the prep kernel checks (the rows GEMM launches nothing then).
+    const bool red_is_k = p.op == Op::kFprop;
+    const bool takes = rows > 0 && !windows && w.is_grouped() &&
+                       fused::rows_gemm_unsupported(w.experts(), rows, red_is_k ? p.K : p.N, red_is_k ? p.N : p.K)
+                           .empty();
+    if (!takes) {
+      k = s.kernel(p.op, ab, out, accumulate, p.N, p.K, &choice, /*honour_forced=*/false);
+    } else {
+      gemm::GroupedArgs a;
+      a.groups = w.experts();
+      a.sm_count = s.sm_count;
+      a.contiguous = {p.a, w.base(), p.d, p.offsets, rows, p.N, p.K, p.error_word};
+      k->run(a, stream);
+      return;
+    }
+  }
   void* cutlass_ws = nullptr;
   float* restated = nullptr;
   const gemm::ArgArrays arrays = s.carve(workspace.data, w.experts(), &cutlass_ws, &restated);

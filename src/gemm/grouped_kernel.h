@@ -49,6 +49,19 @@ struct GroupedArgs {
   bool raster_along_n = false;  // tile order of the persistent scheduler inside each group
   int tile_run = 1;             // consecutive cluster tiles per visit (run_group_scheduler.cuh); 1 = round-robin
   void* workspace = nullptr;    // fixed address, at least workspace_bytes(groups, sm_count)
+  // The operands themselves, for the kernels that read the token rows in place and take no
+  // per-group argument arrays (KernelEntry::contiguous_rows): a [rows, .] and d [rows, .] at their
+  // first row, the experts' matrices one contiguous [groups, N, K] tensor (the op's N and K:
+  // fprop reads it as [out, red], dgrad as [red, out]).
+  struct Contiguous {
+    const void* a = nullptr;
+    const void* weights = nullptr;
+    void* d = nullptr;
+    const int32_t* offsets = nullptr;  // [groups + 1]
+    int64_t rows = 0;
+    int64_t N = 0, K = 0;
+    uint32_t* error_word = nullptr;  // optional: kErrBadGroupOffsets
+  } contiguous;
 };
 
 // What a compiled kernel can do -- the registry's key. Derived from the kernel's own types (see
@@ -71,6 +84,10 @@ struct KernelEntry {
   // as given; 64: each restated for both 64-row halves (GroupedGemm writes that copy per call), so
   // that a 192-wide tile holds whole scale blocks. 0 for bf16 kernels, 1 for the FP8 wgrad form.
   int weight_scale_rows;
+  // Reads GroupedArgs::contiguous instead of the prep kernel's argument arrays: bf16 fprop / dgrad
+  // on one contiguous weight tensor without windows (src/gemm/rows_entries.cpp); GroupedGemm runs
+  // the heuristic's kernel for any other call.
+  bool contiguous_rows = false;
 };
 
 // Every compiled configuration (kernel_registry.cpp).

@@ -1,5 +1,6 @@
-// The compiled kernel configurations. Each lives in its own .cu (one CUTLASS instantiation per
-// translation unit); this list is the only place that names them all.
+// The compiled kernel configurations. Each CUTLASS one lives in its own .cu (one instantiation per
+// translation unit), the rows GEMM's in rows_entries.cpp; this list is the only place that names
+// them all.
 #include <cstring>
 
 #include "gemm/grouped_kernel.h"
@@ -16,6 +17,10 @@ const KernelEntry& entry_dgrad_coop_128x256x64_c1x2();
 const KernelEntry& entry_dgrad_pong_128x128x64_c2x1();
 const KernelEntry& entry_dgrad_pong_128x192x64_c2x1();
 const KernelEntry& entry_dgrad_pong_128x192x64_c1x2();
+const KernelEntry& entry_fprop_rows_coop_128x256x64_c2x1();
+const KernelEntry& entry_fprop_rows_pong_64x256x64_c2x1();
+const KernelEntry& entry_dgrad_rows_coop_128x256x64_c2x1();
+const KernelEntry& entry_dgrad_rows_pong_64x256x64_c2x1();
 const KernelEntry& entry_wgrad_coop_128x256x64_c2x1();
 const KernelEntry& entry_wgrad_coop_128x256x64_c2x1_f32();
 const KernelEntry& entry_wgrad_coop_128x256x64_c2x1_f32_wgstores();
@@ -37,6 +42,10 @@ const KernelEntry* const* kernel_registry(int* count) {
       &entry_dgrad_pong_128x128x64_c2x1(),
       &entry_dgrad_pong_128x192x64_c2x1(),
       &entry_dgrad_pong_128x192x64_c1x2(),
+      &entry_fprop_rows_coop_128x256x64_c2x1(),
+      &entry_fprop_rows_pong_64x256x64_c2x1(),
+      &entry_dgrad_rows_coop_128x256x64_c2x1(),
+      &entry_dgrad_rows_pong_64x256x64_c2x1(),
       &entry_wgrad_coop_128x256x64_c2x1(),
       &entry_wgrad_coop_128x256x64_c2x1_f32(),
       &entry_wgrad_coop_128x256x64_c2x1_f32_wgstores(),

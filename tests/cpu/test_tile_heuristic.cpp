@@ -8,9 +8,12 @@
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 
+#include "gemm/forced_configs.h"
 #include "gemm/grouped_kernel.h"
 #include "gemm/tile_heuristic.h"
+#include "moe/error.h"
 #include "support/bench_util.h"
 
 namespace moe::gemm {
@@ -110,6 +113,39 @@ TEST(TileHeuristic, ShortReductionFpropTilesPairWholeClusters) {
   expect(2048, 1024, "pong_128x192x64_c2x1", 1);  // olmoe-1b-7b fc2
   EXPECT_STREQ(choose_tiles(Op::kFprop, 4096, 14336).name, "coop_128x256x64_c1x2");  // mixtral-8x7b fc2
   EXPECT_STREQ(choose_tiles(Op::kFprop, 4096, 4096).name, "coop_128x256x64_c1x2");   // sonic-120b-coarse fc1
+}
+
+// MOE_ENGINE_GEMM_CONFIGS (gemm/forced_configs.h): items op=name, spaces and empty items ignored,
+// and every item that is not one refused with the variable's name.
+TEST(ForcedConfigs, ParsesItemsAndNamesTheSourceOnErrors) {
+  const std::vector<ForcedConfig> got =
+      parse_forced_configs(" fprop=rows_coop_128x256x64_c2x1 ,, dgrad = rows_pong_64x256x64_c2x1,wgrad=x ", "VAR");
+  ASSERT_EQ(got.size(), 3u);
+  EXPECT_EQ(got[0].op, Op::kFprop);
+  EXPECT_EQ(got[0].name, "rows_coop_128x256x64_c2x1");
+  EXPECT_EQ(got[1].op, Op::kDgrad);
+  EXPECT_EQ(got[1].name, "rows_pong_64x256x64_c2x1");
+  EXPECT_EQ(got[2].op, Op::kWgrad);
+  EXPECT_EQ(got[2].name, "x");
+  EXPECT_TRUE(parse_forced_configs("", "VAR").empty());
+  EXPECT_TRUE(parse_forced_configs(" , ", "VAR").empty());
+  for (const char* bad : {"fprop", "fprop=", "bprop=coop_128x256x64_c2x1", "=coop_128x256x64_c2x1"}) {
+    try {
+      parse_forced_configs(bad, "VAR");
+      ADD_FAILURE() << "'" << bad << "' was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("VAR"), std::string::npos) << e.what();
+    }
+  }
+  // The rows GEMM's configurations are compiled for both token-side products (and only those).
+  for (Op op : {Op::kFprop, Op::kDgrad})
+    for (const char* name : {"rows_coop_128x256x64_c2x1", "rows_pong_64x256x64_c2x1"}) {
+      const KernelEntry* k = find_kernel(op, DType::kBF16, DType::kBF16, false, name);
+      ASSERT_NE(k, nullptr) << name;
+      EXPECT_TRUE(k->contiguous_rows) << name;
+      EXPECT_FALSE(k->tile_runs) << name;
+    }
+  EXPECT_EQ(find_kernel(Op::kWgrad, DType::kBF16, DType::kBF16, false, "rows_coop_128x256x64_c2x1"), nullptr);
 }
 
 }  // namespace

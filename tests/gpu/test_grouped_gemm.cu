@@ -382,6 +382,8 @@ TEST(GroupedGemm, TileRunsCoverEveryTileOnce) {
         if (op == GemmOp::kFprop) check_fprop(gg, p, what);
         if (op == GemmOp::kDgrad) check_dgrad(gg, p, what);
         if (op == GemmOp::kWgrad) check_wgrad(gg, p, what);
+        // The rows GEMM keeps its own schedule (no tile runs; RowsKernels... below).
+        if (name.rfind("rows_", 0) == 0) continue;
         const std::vector<Bits> round_robin = run_bf16(gg, p, op);
         for (int run : {2, 3, 7, 1024}) {
           gg.force_config(op, name, along_n, run);
@@ -394,6 +396,8 @@ TEST(GroupedGemm, TileRunsCoverEveryTileOnce) {
     gg.force_config(op, "");
   }
   ::moe::testing::expect_error_naming([&] { gg.force_config(GemmOp::kFprop, "pong_128x128x64_c1x2", true, 0); },
+                                      "tile_run");
+  ::moe::testing::expect_error_naming([&] { gg.force_config(GemmOp::kDgrad, "rows_coop_128x256x64_c2x1", false, 4); },
                                       "tile_run");
   ::moe::testing::expect_error_naming([&] { gg.force_config(GemmOp::kFprop, "", false, 4); }, "tile_run");
   // The FP8 configurations keep CUTLASS's round-robin schedule.
@@ -680,6 +684,166 @@ TEST(GroupedGemm, GraphReplayWithNewGroupSizesEqualsEager) {
 
 using ::moe::testing::expect_error_naming;
 
+const char* const kRowsConfigs[] = {"rows_coop_128x256x64_c2x1", "rows_pong_64x256x64_c2x1"};
+
+// The rows GEMM (our own kernel for the token-side products, src/fused/rows_gemm.cu) in both
+// schedules, fprop form (B K-major) and dgrad form (B MN-major): 40 uneven groups (empty, one row,
+// odd and even numbers of row blocks, so the split of an odd last block between the cluster's CTAs
+// runs, with an odd number of 256-column output blocks), a reduction that ends inside a k block,
+// six SMs (every CTA takes many tiles: the ping-pong warp groups alternate over many turns) and
+// all of them. Checked against the reference, rows past the groups untouched; both schedules give
+// the same bits, and so do the transposed weights (the other form of the same product).
+TEST(GroupedGemm, RowsKernelsManyTilesOddBlocksBothForms) {
+  MOE_REQUIRE_GPU();
+  std::vector<int> sizes;
+  for (int e = 0; e < 40; ++e) sizes.push_back(e % 7 == 3 ? 0 : e % 11 == 5 ? 1 : 17 + (e * 53) % 300);
+  const auto off = offsets_from_sizes(sizes);
+  Problem p(int(sizes.size()), 520, 136, off.back() + 5, off, 23);
+  const std::vector<Bits> wt = transpose_experts(p.w, p.E, p.N, p.K);
+  DeviceBuffer<Bits> d_wt(wt);
+  const ExpertMatrices w_t =
+      ExpertMatrices::grouped(TensorView(d_wt.get(), DType::kBF16, {int64_t(p.E), p.K, p.N}), "w").as_transposed();
+  const Expected ex_f = expect_fprop(p), ex_d = expect_dgrad(p);
+  for (int sms : {6, 0}) {
+    TestGemm gg(p.E, p.R, sms);
+    std::vector<std::vector<Bits>> ys, dxs;
+    for (const char* name : kRowsConfigs) {
+      const std::string what = std::string(name) + " on " + (sms ? std::to_string(sms) : std::string("all")) + " SMs";
+      gg.force_config(GemmOp::kFprop, name);
+      gg.force_config(GemmOp::kDgrad, name);
+      EXPECT_EQ(gg.chosen_config(GemmOp::kFprop, p.N, p.K), std::string(name) + "/M");
+      ys.push_back(run_bf16(gg, p, GemmOp::kFprop));
+      dxs.push_back(run_bf16(gg, p, GemmOp::kDgrad));
+      check_rows_bf16(ys.back(), ex_f, p.used_rows(), p.N, what + " fprop");
+      check_rows_bf16(dxs.back(), ex_d, p.used_rows(), p.K, what + " dgrad");
+      // Transposed weights: fprop runs the dgrad form, dgrad the fprop form.
+      DeviceBuffer<Bits> y(p.R * p.N), dx(p.R * p.K);
+      y.fill_bytes(0xFF);
+      dx.fill_bytes(0xFF);
+      gg.fprop(p.x_view(), w_t, p.off_view(), TensorView(y.get(), DType::kBF16, {p.R, p.N}), nullptr);
+      gg.dgrad(p.dy_view(), w_t, p.off_view(), TensorView(dx.get(), DType::kBF16, {p.R, p.K}), nullptr);
+      MOE_CUDA_CHECK(cudaDeviceSynchronize());
+      EXPECT_TRUE(y.download() == ys.back()) << what << ": fprop on transposed weights";
+      EXPECT_TRUE(dx.download() == dxs.back()) << what << ": dgrad on transposed weights";
+    }
+    EXPECT_TRUE(ys[0] == ys[1]) << "the two schedules' fprop differ";
+    EXPECT_TRUE(dxs[0] == dxs[1]) << "the two schedules' dgrad differ";
+  }
+}
+
+// Calls the rows GEMM does not take run the heuristic's kernel even when it is forced: per-expert
+// weight tables (no single tensor map), windows of a's rows (which the rows GEMM does not read:
+// here every window starts 16 rows after its group, on a copy of x shifted by 16 rows, so a kernel
+// that ignored them would read other rows). Both give the reference's results.
+TEST(GroupedGemm, RowsKernelsFallBackWhereTheyDoNotApply) {
+  MOE_REQUIRE_GPU();
+  const auto off = offsets_from_sizes({130, 0, 77, 256, 9});
+  Problem p(5, 136, 264, off.back(), off, 29);
+  const int64_t nk = p.N * p.K;
+  std::vector<DeviceBuffer<Bits>> w_sep;
+  std::vector<TensorView> w_views;
+  for (int e = 0; e < p.E; ++e) {
+    w_sep.emplace_back(std::vector<Bits>(p.w.begin() + e * nk, p.w.begin() + (e + 1) * nk));
+    w_views.emplace_back(w_sep.back().get(), DType::kBF16, std::initializer_list<int64_t>{p.N, p.K});
+  }
+  const ExpertMatrices w_per = ExpertMatrices::per_expert(w_views, "w");
+  constexpr int64_t kShift = 16;
+  std::vector<Bits> x_shifted(kShift * p.K, kPoison);
+  x_shifted.insert(x_shifted.end(), p.x.begin(), p.x.end());
+  const DeviceBuffer<Bits> d_x_shifted(x_shifted);
+  std::vector<int32_t> begin_rows(off.begin(), off.end() - 1);
+  for (int32_t& b : begin_rows) b += kShift;
+  const DeviceBuffer<int32_t> begin(begin_rows);
+  TestGemm gg(p.E, p.R + kShift);
+  for (const char* name : kRowsConfigs) {
+    gg.force_config(GemmOp::kFprop, name);
+    gg.force_config(GemmOp::kDgrad, name);
+    DeviceBuffer<Bits> y(p.R * p.N), dx(p.R * p.K);
+    gg.fprop(p.x_view(), w_per, p.off_view(), TensorView(y.get(), DType::kBF16, {p.R, p.N}), nullptr);
+    gg.dgrad(p.dy_view(), w_per, p.off_view(), TensorView(dx.get(), DType::kBF16, {p.R, p.K}), nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    check_rows_bf16(y.download(), expect_fprop(p), p.used_rows(), p.N, std::string(name) + " per-expert fprop");
+    check_rows_bf16(dx.download(), expect_dgrad(p), p.used_rows(), p.K, std::string(name) + " per-expert dgrad");
+    // Windows: group e reads its rows of x from row a_row_begin[e] = offsets[e] + 16 of the shifted
+    // copy, i.e. the plain call's rows.
+    DeviceBuffer<Bits> yw(p.R * p.N);
+    GemmProblem pr;
+    pr.op = GemmOp::kFprop;
+    pr.a = TensorView(d_x_shifted.get(), DType::kBF16, {p.R + kShift, p.K});
+    pr.w = p.w_grouped();
+    pr.d = TensorView(yw.get(), DType::kBF16, {p.R, p.N});
+    pr.group_offsets = p.off_view();
+    pr.a_row_begin = TensorView(begin.get(), DType::kInt32, {int64_t(p.E)});
+    gg.gg.run(pr, gg.workspace(), nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_TRUE(yw.download() == y.download()) << name << ": windows of x's rows";
+  }
+  // Every expert empty (the kernel runs no tile: nothing may hang or be written), and zero rows.
+  const Problem empty(4, 16, 24, 64, {0, 0, 0, 0, 0}, 3), none(3, 16, 24, 0, {0, 0, 0, 0}, 4);
+  TestGemm g4(4, 64);
+  for (const char* name : kRowsConfigs) {
+    g4.force_config(GemmOp::kFprop, name);
+    g4.force_config(GemmOp::kDgrad, name);
+    for (const Problem* q : {&empty, &none}) {
+      check_fprop(g4, *q, std::string(name) + (q == &empty ? " all empty" : " zero rows"));
+      check_dgrad(g4, *q, std::string(name) + (q == &empty ? " all empty" : " zero rows"));
+    }
+  }
+}
+
+// The rows GEMM in a captured graph replayed with new group sizes and data: bitwise the eager
+// call's results, and right.
+TEST(GroupedGemm, RowsKernelsGraphReplayWithNewGroupSizes) {
+  MOE_REQUIRE_GPU();
+  const int E = 6;
+  const int64_t N = 264, K = 136, R = 800;
+  Problem p(E, N, K, R, offsets_from_sizes({100, 100, 100, 100, 100, 100}), 31);
+  const auto off_b = offsets_from_sizes({0, 311, 5, 0, 290, 64});
+  TestGemm gg(E, R);
+  cudaStream_t stream;
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const char* name : kRowsConfigs) {
+    gg.force_config(GemmOp::kFprop, name);
+    gg.force_config(GemmOp::kDgrad, name);
+    DeviceBuffer<Bits> y(R * N), dx(R * K);
+    auto step = [&] {
+      gg.fprop(p.x_view(), p.w_grouped(), p.off_view(), TensorView(y.get(), DType::kBF16, {R, N}), stream);
+      gg.dgrad(p.dy_view(), p.w_grouped(), p.off_view(), TensorView(dx.get(), DType::kBF16, {R, K}), stream);
+    };
+    p.off = offsets_from_sizes({100, 100, 100, 100, 100, 100});
+    p.d_off.upload(p.off);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    step();
+    MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    std::mt19937_64 rng(32);
+    p.off = off_b;
+    p.d_off.upload(off_b);
+    p.x = random_bf16(R * K, rng);
+    p.d_x.upload(p.x);
+    p.dy = random_bf16(R * N, rng);
+    p.d_dy.upload(p.dy);
+    y.fill_bytes(0xFF);
+    dx.fill_bytes(0xFF);
+    MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto gy = y.download(), gdx = dx.download();
+    y.fill_bytes(0xFF);
+    dx.fill_bytes(0xFF);
+    step();
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_TRUE(gy == y.download()) << name << ": replayed fprop differs from eager";
+    EXPECT_TRUE(gdx == dx.download()) << name << ": replayed dgrad differs from eager";
+    check_rows_bf16(gy, expect_fprop(p), p.used_rows(), N, std::string(name) + " graph fprop");
+    check_rows_bf16(gdx, expect_dgrad(p), p.used_rows(), K, std::string(name) + " graph dgrad");
+    MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    MOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+  MOE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 TEST(GroupedGemm, RejectsUnsupportedArgumentsBeforeLaunch) {
   MOE_REQUIRE_GPU();
   const int E = 2;
@@ -742,6 +906,8 @@ TEST(GroupedGemm, BadGroupOffsetsAreReported) {
   TestGemm gg(E, R);
   ErrorWord ew;
   const ExpertMatrices wm = ExpertMatrices::grouped(TensorView(w.get(), DType::kBF16, {E, N, K}), "w");
+  // The heuristic's CUTLASS kernel (the prep kernel reports) and the rows GEMM (its first CTA does).
+  for (const char* config : {"", kRowsConfigs[0], kRowsConfigs[1]})
   for (auto [offs, bad] : {std::pair<std::vector<int32_t>, bool>{{0, 10, 20, 64}, false},
                            {{0, 30, 20, 40}, true},
                            {{4, 10, 20, 30}, true},
@@ -754,8 +920,10 @@ TEST(GroupedGemm, BadGroupOffsetsAreReported) {
     p.d = TensorView(y.get(), DType::kBF16, {R, N});
     p.group_offsets = TensorView(off.get(), DType::kInt32, {E + 1});
     p.error_word = ew.device_ptr();
+    gg.force_config(GemmOp::kFprop, config);
     gg.gg.run(p, gg.workspace(), nullptr);
-    EXPECT_EQ(ew.fetch_and_clear(nullptr) != 0, bad) << offs[0] << " " << offs[1] << " " << offs[2] << " " << offs[3];
+    EXPECT_EQ(ew.fetch_and_clear(nullptr) != 0, bad)
+        << config << ": " << offs[0] << " " << offs[1] << " " << offs[2] << " " << offs[3];
   }
 }
 

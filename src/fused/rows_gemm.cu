@@ -1,0 +1,368 @@
+// The grouped GEMM over contiguous expert rows (rows_gemm.h; design in docs/gemm.md).
+//
+// Persistent and warp-specialized, one CTA per SM, clusters of 2, 384 threads -- the fused fc2
+// dgrad's skeleton (fc2_dgrad_activation.cu) with the token rows read in place and a plain epilogue:
+//   * warp group 0 (producer) copies the A rows of each tile with 16-byte cp.async (the row-tile
+//     gather with the identity map: gather_rows.cuh), 64 columns of the reduction at a time, into a
+//     5-stage (ping-pong) or 4-stage (cooperative) ring. The weight tile -- 256 output columns x 64
+//     of the reduction -- comes by TMA from one [E, ., .] tensor map: two CTAs of a cluster, two row
+//     blocks of one expert, each load half of it and multicast it to both (on an expert's odd last
+//     row block, split by feature block, each CTA loads the whole tile itself). Fprop form (B_e
+//     [out, red]): two 128-row K-major boxes, as the fused fc1's. Dgrad form (B_e [red, out]): four
+//     64 x 64 MN-major boxes, as the fused fc2 dgrad's.
+//   * warp groups 1 and 2 (consumers) run WGMMA 64x256x16, then round the accumulators to bf16,
+//     transpose them inside each quad of lanes (fragment_pack.cuh) and store 16-byte vectors: a
+//     warp writes 8 rows x 64 contiguous bytes. Ping-pong: the warp groups take the CTA's tiles in
+//     turn (64 rows each), one's epilogue under the other's main loop, in the stage order the fused
+//     fc2 dgrad keeps with its order barriers. Cooperative: both take every 128-row tile.
+// Tiles: (expert, cluster of row blocks, block of 256 output columns), numbered expert by expert
+// (row_tiles.cuh); the per-expert prefix is computed on the device at kernel start, so a captured
+// graph replays with new group sizes. Moving to another expert changes a base row and the tensor
+// map's expert coordinate, nothing else.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include <cuda.h>
+
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/bfloat16.h>
+
+#include "device/cuda_check.h"
+#include "fused/async_copy.cuh"
+#include "fused/cluster_launch.h"
+#include "fused/consumer_loop.cuh"
+#include "fused/fragment_pack.cuh"
+#include "fused/gather_rows.cuh"
+#include "fused/pipeline.cuh"
+#include "fused/row_tile_limits.h"
+#include "fused/row_tiles.cuh"
+#include "fused/rows_gemm.h"
+#include "fused/tensor_map.h"
+#include "moe/device_errors.h"
+#include "moe/error.h"
+
+namespace moe::fused {
+namespace {
+
+using namespace cute;
+using bf16 = cutlass::bfloat16_t;
+
+constexpr int kBN = 256, kBK = kGatherCols, kCluster = 2;
+static_assert(kBK == 64, "the A stage (gather_rows.cuh) is 64 columns wide");
+constexpr int kProducerThreads = kGatherThreads, kGroupThreads = 128, kConsumerGroups = 2;
+constexpr int kThreads = kProducerThreads + kConsumerGroups * kGroupThreads;
+constexpr int kStageBytesB = kBN * kBK * 2;  // 32 KiB: the whole weight tile lands in every CTA
+constexpr int kMaxExperts = kMaxRowTileExperts;
+// Fprop form: two boxes of 128 output rows x 64 reduction columns (16 KiB each).
+constexpr int kOutRowsPerBox = kBN / 2, kOutMajorBoxBytes = kOutRowsPerBox * kBK * 2;
+// Dgrad form: four boxes of 64 output columns (128 bytes) x 64 reduction rows (8 KiB each).
+constexpr int kOutColsPerBox = 64, kRedMajorBoxBytes = kOutColsPerBox * kBK * 2;
+
+// kCoop: the schedule (see the file comment). kOutMajor: B_e stored [out, red] (K-major for the
+// WGMMA, the fprop form) or [red, out] (MN-major, the dgrad form).
+template <bool kCoop, bool kOutMajor>
+struct Config {
+  static constexpr int kBM = kCoop ? 128 : 64;
+  static constexpr int kStages = kCoop ? 4 : 5;
+  static constexpr int kRows = rows_per_thread(kBM);  // rows of a tile one producer thread copies
+  static constexpr int kStageBytesA = kBM * kBK * 2;  // 8 or 16 KiB
+  // Registers a producer / consumer thread keeps (128 * P + 256 * C <= 384 * 168), the fused fc2
+  // dgrad's split for the same producer.
+  static constexpr int kProducerRegs = kCoop ? 72 : 56, kConsumerRegs = kCoop ? 216 : 224;
+  static_assert(kProducerThreads * kProducerRegs + kConsumerGroups * kGroupThreads * kConsumerRegs <=
+                    kThreads * (65536 / kThreads / 8 * 8),
+                "the register split fits the launch pool (168 registers a thread at launch)");
+  using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{},
+                                             make_shape(Int<kBM>{}, Int<kBK>{}, Int<kStages>{})));
+  // K-major: 128-byte rows of the reduction, stacked along the output rows (a 128-row box is 16 KiB
+  // of contiguous shared memory). MN-major: 64 output columns of one reduction row are 128 bytes;
+  // the atoms of one 64-column box stack along the reduction first (a box is 8 KiB contiguous).
+  using SmemLayoutB = std::conditional_t<
+      kOutMajor,
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{}, make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{}))),
+      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<bf16>{}, make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{}),
+                             Step<_2, _1, _3>{}))>;
+  static_assert(cosize_v<SmemLayoutB> == kStages * kBN * kBK, "the weight stages are contiguous");
+  static constexpr GMMA::Major kMajorB = kOutMajor ? GMMA::Major::K : GMMA::Major::MN;
+  // One warp group per tile (ping-pong) or both along the tile's rows (cooperative).
+  using TiledMma = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, kMajorB>{},
+                                           Layout<Shape<Int<kCoop ? 2 : 1>, _1, _1>>{}));
+};
+
+template <class C>
+struct SharedStorage {
+  alignas(1024) uint8_t a[C::kStages][C::kStageBytesA];
+  alignas(1024) bf16 b[cosize_v<typename C::SmemLayoutB>];
+  alignas(8) uint64_t full[C::kStages];   // producer -> consumers: the stage's copies and boxes landed
+  alignas(8) uint64_t empty[C::kStages];  // consumers of both CTAs -> producer: the stage's WGMMAs are done
+  alignas(8) uint64_t order[kConsumerGroups];  // ping-pong: consumer warp group g may start its next main loop
+  int32_t tile_start[kMaxExperts + 1];  // only E + 1 entries are used (and allocated)
+};
+template <class C>
+constexpr size_t kFixedSmemBytes = offsetof(SharedStorage<C>, tile_start);
+
+struct Params {
+  CUtensorMap b_map;  // the experts' matrices as a 3D tensor (boxes: see weight_map)
+  const __nv_bfloat16* a;
+  __nv_bfloat16* d;
+  const int32_t* offsets;
+  uint32_t* error_word;
+  int E;
+  int64_t R;
+  int red, out;
+  int feature_tiles;  // blocks of 256 output columns
+};
+
+template <class C>
+__device__ __forceinline__ RowTile decode_tile(int t, const int32_t* start, const Params& p, int rank) {
+  return decode_row_tile<C::kBM, kCluster, true>(t, start, p.offsets, p.E, p.R, p.feature_tiles, rank);
+}
+
+// Offsets that are not 0-based, decrease or run past the rows raise kErrBadGroupOffsets (the GEMM
+// prep kernel's rule; the tiles use the clamped groups either way). One warp.
+__device__ void report_bad_offsets(const Params& p, int lane) {
+  for (int e = lane; e < p.E; e += 32) {
+    const int32_t lo = p.offsets[e], hi = p.offsets[e + 1];
+    if ((e == 0 && lo != 0) || hi < lo || (e == p.E - 1 && hi > p.R)) atomicOr(p.error_word, kErrBadGroupOffsets);
+  }
+}
+
+// The weight tile of k block kb into `stage_b` (thread 0 of the producer): our half multicast to
+// both CTAs of the cluster, or, on an odd last row block (tile.solo), the whole tile for this CTA
+// alone. Rows and columns past the matrix arrive as zeros.
+template <bool kOutMajor>
+__device__ __forceinline__ void load_weight_stage(const Params& p, uint64_t* full, char* stage_b, const RowTile& tile,
+                                                  int kb, int rank) {
+  constexpr uint64_t kEvictLast = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_LAST);
+  constexpr uint16_t kBoth = (1 << kCluster) - 1;
+  constexpr int kBoxes = kOutMajor ? kBN / kOutRowsPerBox : kBN / kOutColsPerBox;
+  constexpr int kBoxBytes = kOutMajor ? kOutMajorBoxBytes : kRedMajorBoxBytes;
+  constexpr int kBoxesPerCta = kBoxes / kCluster;
+  const int out0 = tile.nt * kBN, red0 = kb * kBK;
+  const auto coords = [&](int box, int* c0, int* c1) {
+    if constexpr (kOutMajor) *c0 = red0, *c1 = out0 + box * kOutRowsPerBox;
+    else *c0 = out0 + box * kOutColsPerBox, *c1 = red0;
+  };
+  if (tile.solo) {
+#pragma unroll
+    for (int box = 0; box < kBoxes; ++box) {
+      int c0, c1;
+      coords(box, &c0, &c1);
+      SM90_TMA_LOAD_3D::copy(&p.b_map, full, kEvictLast, stage_b + box * kBoxBytes, c0, c1, tile.e);
+    }
+  } else {
+#pragma unroll
+    for (int b = 0; b < kBoxesPerCta; ++b) {
+      const int box = rank * kBoxesPerCta + b;
+      int c0, c1;
+      coords(box, &c0, &c1);
+      SM90_TMA_LOAD_MULTICAST_3D::copy(&p.b_map, full, kBoth, kEvictLast, stage_b + box * kBoxBytes, c0, c1, tile.e);
+    }
+  }
+}
+
+template <class C, bool kOutMajor>
+__device__ void produce(SharedStorage<C>& s, const Params& p, int total, int rank) {
+  constexpr int kStages = C::kStages;
+  const int tid = threadIdx.x;  // 0..127
+  const int c = tid & 7, r0 = tid >> 3;
+  const uint32_t a_dst = smem_u32(s.a[0]) + swizzled_chunk(r0, c);
+  const int k_blocks = (p.red + kBK - 1) / kBK;
+  RingPosition<kStages> ring;
+  ring.phase = 1;  // a fresh barrier counts as released for parity 1
+  for (int t = blockIdx.x / kCluster; t < total; t += gridDim.x / kCluster) {
+    const RowTile tile = decode_tile<C>(t, s.tile_start, p, rank);
+    GatherRows<C::kRows> a_rows;  // the tile's own rows: the gather with the identity map
+    gather_source_rows(a_rows, tile, nullptr, 1, r0, p.a, p.red);
+#pragma unroll 1
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      cutlass::arch::ClusterBarrier::wait(&s.empty[ring.stage], ring.phase);
+      if (tid == 0) {
+        // Both CTAs' boxes land here: this barrier expects the whole tile's bytes.
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[ring.stage], kStageBytesB);
+        load_weight_stage<kOutMajor>(p, &s.full[ring.stage], reinterpret_cast<char*>(s.b) + ring.stage * kStageBytesB,
+                                     tile, kb, rank);
+      }
+      gather_stage(a_dst + ring.stage * C::kStageBytesA, a_rows, p.red, kb, c);
+      // Arrives on full[stage] once this thread's copies have landed.
+      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
+      ring.advance();
+    }
+  }
+  cute::cp_async_wait<0>();
+}
+
+template <class C, bool kCoop>
+__device__ void consume(SharedStorage<C>& s, const Params& p, int total, int rank) {
+  constexpr int kBM = C::kBM;
+  const int ctid = threadIdx.x - kProducerThreads;
+  const int group = ctid / kGroupThreads, gtid = ctid % kGroupThreads;
+  const int ttid = kCoop ? ctid : gtid;  // the thread among those that share a tile
+  const int lane = threadIdx.x & 31;
+  typename C::TiledMma mma;
+  mma.accumulate_ = GMMA::ScaleOut::One;
+  Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<bf16*>(s.a[0])), typename C::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(s.b), typename C::SmemLayoutB{});
+  auto thr = mma.get_thread_slice(ttid);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  Tensor acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
+  Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{}));
+  static_assert(size(decltype(acc){}) == 128, "64x256 per warp group: 128 accumulators per thread");
+
+  const int k_blocks = (p.red + kBK - 1) / kBK;
+  RingPosition<C::kStages> ring;
+  ring.phase = 0;
+  if constexpr (!kCoop) ring.skip(group * k_blocks);  // warp group 1's first tile is the CTA's second
+  uint32_t order_phase = 0;
+  const int stride = gridDim.x / kCluster;
+  // Ping-pong: turn i of the CTA (its i-th tile) belongs to warp group i % 2. Cooperative: every
+  // turn to both.
+  constexpr int kTurnStep = kCoop ? 1 : kConsumerGroups;
+  const int first_turn = kCoop ? 0 : group;
+  for (int turn = first_turn, t = blockIdx.x / kCluster + first_turn * stride; t < total;
+       turn += kTurnStep, t += kTurnStep * stride) {
+    const RowTile tile = decode_tile<C>(t, s.tile_start, p, rank);
+    // Cleared here rather than by a zero scale on the first WGMMA, so that the accumulators are dead
+    // between one tile's epilogue and the next tile's clear (the epilogue gets their registers).
+    clear(acc);
+    if (!kCoop && turn > 0) {  // the other warp group's previous main loop has passed all its stage waits
+      cutlass::arch::ClusterBarrier::wait(&s.order[group], order_phase);
+      order_phase ^= 1;
+    }
+    consume_k_blocks<kCluster>(mma, tCrA, tCrB, acc, s.full, s.empty, ring, k_blocks, lane, [](int, int) {},
+                               [](int, int) {}, false);
+    if constexpr (!kCoop) {
+      // The ring passes to the other warp group for the next tile; this one skips that tile's stages.
+      __syncwarp();
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.order[group ^ 1]);
+      ring.skip(k_blocks);
+    }
+
+    // Epilogue. Accumulator index v0 + 2 v1 + 4 v2 is row r + 8 v1, column 8 v2 + 2 (lane % 4) + v0;
+    // after the quad transpose of packed bf16 pairs each lane holds 8 consecutive columns of a row
+    // (the fused fc1's epilogue), stored as one 16-byte vector.
+    const int j = lane & 3;
+    const int r_first = get<0>(coord(0));
+#pragma unroll
+    for (int v1 = 0; v1 < 2; ++v1) {
+      const int r = r_first + 8 * v1;
+      const bool row_ok = r < tile.rows;
+      __nv_bfloat16* d_row = p.d + (row_ok ? (tile.m0 + r) * p.out : 0);
+#pragma unroll
+      for (int m = 0; m < kBN / 32; ++m) {
+        uint32_t v[4];
+        pack_transpose_pairs(acc, 2 * v1 + 16 * m, j, v);  // all lanes take part: before the row check
+        const int n = tile.nt * kBN + 8 * (4 * m + j);
+        if (row_ok && n < p.out) *reinterpret_cast<uint4*>(d_row + n) = make_uint4(v[0], v[1], v[2], v[3]);
+      }
+    }
+  }
+}
+
+template <bool kCoop, bool kOutMajor>
+__global__ void __launch_bounds__(kThreads, 1) rows_gemm_kernel(const __grid_constant__ Params p) {
+  using C = Config<kCoop, kOutMajor>;
+  const int rank = static_cast<int>(cute::block_rank_in_cluster());
+  extern __shared__ uint8_t smem_raw[];
+  // The swizzle is a function of the address bits: the tiles must start 1024-byte aligned.
+  SharedStorage<C>& s = *reinterpret_cast<SharedStorage<C>*>(align_smem_1024(smem_raw));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (warp == 0) {
+    prefix_row_tiles<C::kBM, kCluster, true>(s.tile_start, p.offsets, p.E, p.R, p.feature_tiles, lane);
+    if (blockIdx.x == 0 && p.error_word != nullptr) report_bad_offsets(p, lane);
+  } else if (warp == 1 && lane == 0) {
+    // full: every producer thread's cp.async arrival + the TMA issuer's expect-tx arrival; empty: the
+    // warps of the consumer warp group that took the stage (ping-pong) or of both (cooperative), in
+    // both CTAs of the cluster; order (ping-pong only): the warps of the other consumer warp group.
+    for (int g = 0; g < kConsumerGroups; ++g) cutlass::arch::ClusterBarrier::init(&s.order[g], kGroupThreads / 32);
+    init_stage_barriers<C::kStages>(s.full, s.empty, kProducerThreads + 1,
+                                    kCluster * stage_releases((kCoop ? kConsumerGroups : 1) * kGroupThreads, false));
+  }
+  if (threadIdx.x == 0) cute::prefetch_tma_descriptor(&p.b_map);
+  // The peer's barriers must be initialized before anything arrives on them.
+  cute::cluster_sync();
+  const int total = s.tile_start[p.E];
+  if (threadIdx.x < kProducerThreads) {
+    cutlass::arch::warpgroup_reg_dealloc<C::kProducerRegs>();
+    produce<C, kOutMajor>(s, p, total, rank);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<C::kConsumerRegs>();
+    consume<C, kCoop>(s, p, total, rank);
+  }
+  // No CTA may leave while its peer can still multicast into it or arrive on its barriers.
+  cute::cluster_sync();
+}
+
+template <class C>
+size_t smem_bytes(int experts) { return 1024 + kFixedSmemBytes<C> + sizeof(int32_t) * (experts + 1); }
+
+// The experts' matrices as a 3D TMA tensor, 128-byte swizzle (the layouts the WGMMA reads), zeros
+// past the edges. Fprop form [E, out, red]: boxes of 64 reduction columns x 128 output rows. Dgrad
+// form [E, red, out]: boxes of 64 output columns x 64 reduction rows.
+CUtensorMap weight_map(const RowsGemmArgs& a) {
+  const uint64_t inner = static_cast<uint64_t>(a.b_out_major ? a.red : a.out);
+  const uint64_t outer = static_cast<uint64_t>(a.b_out_major ? a.out : a.red);
+  const uint64_t dims[3] = {inner, outer, static_cast<uint64_t>(a.experts)};
+  const uint64_t strides[2] = {inner * 2, inner * outer * 2};
+  const uint32_t box[3] = {kBK, static_cast<uint32_t>(a.b_out_major ? kOutRowsPerBox : kBK), 1};
+  static_assert(kOutColsPerBox == kBK, "a dgrad-form box is 64 x 64");
+  return bf16_tensor_map(a.b, 3, dims, strides, box, "rows GEMM");
+}
+
+template <bool kCoop, bool kOutMajor>
+void launch_kernel(const Params& p, int sm_count, cudaStream_t stream) {
+  using C = Config<kCoop, kOutMajor>;
+  const int grid = row_tile_grid<C::kBM>(p.R, p.E, p.feature_tiles, kCluster, sm_count);
+  launch_clustered(rows_gemm_kernel<kCoop, kOutMajor>, p, grid, kThreads, kCluster, smem_bytes<C>(p.E),
+                   smem_bytes<C>(kMaxExperts), stream);
+}
+
+template <bool kCoop>
+void launch_form(const Params& p, bool out_major, int sm_count, cudaStream_t stream) {
+  if (out_major) launch_kernel<kCoop, true>(p, sm_count, stream);
+  else launch_kernel<kCoop, false>(p, sm_count, stream);
+}
+
+}  // namespace
+
+std::string rows_gemm_unsupported(int experts, int64_t R, int64_t red, int64_t out) {
+  if (experts < 1 || experts > kMaxExperts)
+    return "the rows GEMM takes 1 to " + std::to_string(kMaxExperts) + " experts";
+  if (red < 8 || red % 8 != 0 || out < 8 || out % 8 != 0)
+    return "the rows GEMM needs the reduction and the output width to be multiples of 8";
+  if (red >= (int64_t(1) << 30) || out >= (int64_t(1) << 30)) return "the rows GEMM needs dimensions below 2^30";
+  if (R < 0 || R >= (int64_t(1) << 31)) return "the rows GEMM needs fewer than 2^31 rows";
+  return "";
+}
+
+void launch_rows_gemm(const RowsGemmArgs& a, cudaStream_t stream) {
+  const std::string why = rows_gemm_unsupported(a.experts, a.R, a.red, a.out);
+  MOE_CHECK(why.empty(), "rows GEMM: ", why);
+  if (a.R == 0) return;
+  MOE_CHECK(a.sm_count >= kCluster, "rows GEMM: needs at least ", kCluster, " SMs, got ", a.sm_count);
+  Params p;
+  p.b_map = weight_map(a);
+  p.a = static_cast<const __nv_bfloat16*>(a.a);
+  p.d = static_cast<__nv_bfloat16*>(a.d);
+  p.offsets = a.group_offsets;
+  p.error_word = a.error_word;
+  p.E = a.experts;
+  p.R = a.R;
+  p.red = a.red;
+  p.out = a.out;
+  p.feature_tiles = static_cast<int>((a.out + kBN - 1) / kBN);
+  if (a.schedule == RowsGemmSchedule::kCooperative) launch_form<true>(p, a.b_out_major, a.sm_count, stream);
+  else launch_form<false>(p, a.b_out_major, a.sm_count, stream);
+}
+
+}  // namespace moe::fused
