@@ -15,7 +15,11 @@ backward need no host synchronisation and can be captured in a CUDA graph like t
 
 The gate computes the logits as the Hugging Face blocks do: in the input's dtype, or in fp32 for
 DeepSeek-V3 (`logits_dtype`; under a bf16 autocast too, where Hugging Face's fp32 gate would run in
-bf16), with a bias for GPT-OSS (`gate_bias`). Its parameters are
+bf16), with a bias for GPT-OSS (`gate_bias`). x feeds both the gate and the experts, so its gradient
+is a sum of two: a bf16 gate (a plain `nn.Linear` without hooks) adds its part into the experts'
+in its own backward GEMM (beta = 1), which reads the experts' dx once and writes the sum once, where
+autograd would write the gate's part and then read both to add them -- the same sum rounded once
+instead of twice. Its parameters are
 `gate.weight` [E, H] (and `gate.bias` [E]), the keys those blocks use; the experts' parameters are
 under `experts.` (GroupedMLP's keys) and the router's buffers (expert_bias, tokens_per_expert)
 under `router.`."""
@@ -23,11 +27,38 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .module import GroupedMLP, _activation_input
+from .module import GroupedMLP, _activation_input, _bf16_autocast
 from .router import Router
 
 _PRESETS = {"softmax": Router, "mixtral": Router.mixtral, "qwen3": Router.qwen3, "olmoe": Router.olmoe,
             "gpt_oss": Router.gpt_oss, "deepseek_v3": Router.deepseek_v3}
+
+
+class _GateAndInput(torch.autograd.Function):
+    """logits = x W^T (+ b), and x itself for the experts, as one autograd node: its backward gets the
+    logits' gradient and the experts' dx together and adds the gate's part of dx into the experts'
+    with one GEMM (addmm: dx_experts + d_logits W)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, d_logits, d_x):
+        x, weight = ctx.saved_tensors
+        if d_logits is None:
+            return d_x, None, None
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = d_logits.mm(weight) if d_x is None else torch.addmm(d_x, d_logits, weight)
+        if ctx.needs_input_grad[1]:
+            dw = d_logits.t().mm(x)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = d_logits.sum(0)
+        return dx, dw, db
 
 
 def _map_row_bound(max_tokens, topk, num_experts, router_options, experts_options):
@@ -96,6 +127,17 @@ class MoELayer(nn.Module):
         with torch.autocast("cuda", enabled=False):
             return F.linear(x2d.to(dtype), self.gate.weight.to(dtype), bias)
 
+    def _fused_gate(self):
+        """Whether the gate's backward can add into the experts' dx: a plain bf16 nn.Linear (no hooks,
+        nothing wrapped around it) whose logits stay in bf16 (bf16 x: a bf16 autocast changes nothing;
+        under another autocast the gate runs as a module)."""
+        gate = self.gate
+        autocast_ok = not torch.is_autocast_enabled("cuda") or _bf16_autocast()
+        return (type(gate) is nn.Linear and gate.weight.dtype == torch.bfloat16 and autocast_ok and
+                self.logits_dtype in (None, torch.bfloat16) and not gate._forward_hooks and
+                not gate._forward_pre_hooks and not nn.modules.module._global_forward_hooks and
+                not nn.modules.module._global_forward_pre_hooks)
+
     def forward(self, x):
         """x bf16 [..., H] (another float dtype under a bf16 autocast: cast) -> (y bf16 [..., H], routing)."""
         x = _activation_input(x)
@@ -103,9 +145,13 @@ class MoELayer(nn.Module):
             raise ValueError(f"argument 'x': expected bf16 [..., {self.hidden_size}] (or a bf16 autocast), got "
                              f"{x.dtype} {list(x.shape)}")
         x2d = x.reshape(-1, self.hidden_size)
-        routed = self.router(self.logits(x2d))
+        if self._fused_gate():
+            logits, x_experts = _GateAndInput.apply(x2d, self.gate.weight, self.gate.bias)
+        else:
+            logits, x_experts = self.logits(x2d), x2d
+        routed = self.router(logits)
         routing = routed.map if routed.indices is None else routed.indices
-        y = self.experts(x2d, routing, routed.probs)
+        y = self.experts(x_experts, routing, routed.probs)
         return y.reshape(x.shape), routed
 
     def update_bias(self):

@@ -24,7 +24,8 @@ import torch  # noqa: E402
 
 # Without a GPU only the tests of the plain-Python helpers and of the constructors' argument checks
 # run (no operator touches a device); every other file needs one and is not collected.
-_NEEDS_NO_GPU = {"test_argument_names.py", "test_checkpoint_helpers.py", "test_handles.py", "test_hf_gates.py"}
+_NEEDS_NO_GPU = {"test_argument_names.py", "test_checkpoint_helpers.py", "test_gate_and_input.py", "test_handles.py",
+                 "test_hf_gates.py"}
 if not torch.cuda.is_available():
     collect_ignore = [os.path.basename(p) for p in glob.glob(os.path.join(os.path.dirname(__file__), "test_*.py"))
                       if os.path.basename(p) not in _NEEDS_NO_GPU]
