@@ -46,11 +46,13 @@
 #include "fused/async_copy.cuh"
 #include "fused/cluster_launch.h"
 #include "fused/consumer_loop.cuh"
+#include "fused/consumer_turns.cuh"
 #include "fused/fc2_dgrad_activation.h"
 #include "fused/fragment_pack.cuh"
 #include "fused/gather_rows.cuh"
 #include "fused/pipeline.cuh"
 #include "fused/row_tile_limits.h"
+#include "fused/row_tile_schedule.cuh"
 #include "fused/row_tiles.cuh"
 #include "fused/tensor_map.h"
 #include "kernels/activation_math.cuh"
@@ -65,59 +67,24 @@ using kernels::ActConsts;
 using kernels::ActOp;
 using kernels::kVec;
 
-constexpr int kBN = 256, kBK = kGatherCols, kCluster = 2;
-static_assert(kBK == 64, "the gathered A stage (gather_rows.cuh) is 64 columns wide");
-constexpr int kProducerThreads = kGatherThreads, kGroupThreads = 128, kConsumerGroups = 2;
-constexpr int kThreads = kProducerThreads + kConsumerGroups * kGroupThreads;
+constexpr int kBN = WideRowTiles::kBN, kBK = WideRowTiles::kBK, kCluster = WideRowTiles::kCluster;
+constexpr int kProducerThreads = WideRowTiles::kProducerThreads, kGroupThreads = WideRowTiles::kGroupThreads;
+constexpr int kConsumerGroups = WideRowTiles::kConsumerGroups, kThreads = WideRowTiles::kThreads;
+constexpr int kStageBytesB = WideRowTiles::kStageBytesB;
 constexpr int kBoxCols = 64;                               // one TMA box: 64 features (128 bytes) x 64 rows of H
 constexpr int kBoxBytes = kBoxCols * kBK * 2;              // 8 KiB
-constexpr int kStageBytesB = kBN * kBK * 2;                // 32 KiB: all four boxes land in every CTA
 constexpr int kBoxesPerCta = kBN / kBoxCols / kCluster;    // 2
 constexpr int kMaxExperts = kMaxRowTileExperts;
 // Chunks of h (8 features of a row) a consumer thread has loaded ahead of the one it works on in the
 // epilogue: 2 and 4 measured alike, 8 spills.
 constexpr int kHAhead = 4;
 
-// The two schedules: ping-pong (each consumer warp group a 64-row tile of its own, in turn, a 5-stage
-// ring) or cooperative (both on one 128-row tile, 64 rows each, a 4-stage ring).
-// A: K-major 128-byte swizzled (as the fused fc1's). B: MN-major, 64 consecutive features of one
-// row of H are 128 contiguous bytes; the atoms of one 64-feature box stack along K first, so that a
-// box is 8 KiB of contiguous shared memory, exactly what one TMA box writes.
+// The two schedules (row_tile_schedule.cuh): ping-pong or cooperative; B MN-major (W2[e] [H, F]:
+// 64 consecutive features of one row of H are 128 contiguous bytes).
 template <bool kCoop>
-struct Schedule {
-  static constexpr int kBM = kCoop ? 128 : 64;
-  static constexpr int kStages = kCoop ? 4 : 5;
-  static constexpr int kRows = rows_per_thread(kBM);     // rows of a tile one producer thread copies
-  static constexpr int kStageBytesA = kBM * kBK * 2;     // 8 or 16 KiB
-  // Registers a producer / consumer thread keeps of the launch pool (128 * P + 256 * C <= 384 * 168):
-  // ping-pong 56 / 224; the cooperative producer copies twice the rows a stage and at 56 spilled
-  // (ptxas: 20 bytes of stores), at 72 it does not.
-  static constexpr int kProducerRegs = kCoop ? 72 : 56, kConsumerRegs = kCoop ? 216 : 224;
-  static_assert(kProducerThreads * kProducerRegs + kConsumerGroups * kGroupThreads * kConsumerRegs <=
-                    kThreads * (65536 / kThreads / 8 * 8),
-                "the register split fits the launch pool (168 registers a thread at launch)");
-  using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{},
-                                             make_shape(Int<kBM>{}, Int<kBK>{}, Int<kStages>{})));
-  using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<bf16>{},
-                                             make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{}), Step<_2, _1, _3>{}));
-  // One warp group per tile (ping-pong) or both along the tile's rows (cooperative).
-  using TiledMma = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{},
-                                           Layout<Shape<Int<kCoop ? 2 : 1>, _1, _1>>{}));
-  static_assert(cosize_v<SmemLayoutB> == kStages * kBN * kBK, "the weight stages are contiguous");
-};
-
+using Schedule = WideRowTileSchedule<kCoop, GMMA::Major::MN>;
 template <bool kCoop>
-struct SharedStorage {
-  using S = Schedule<kCoop>;
-  alignas(1024) uint8_t a[S::kStages][S::kStageBytesA];
-  alignas(1024) bf16 b[cosize_v<typename S::SmemLayoutB>];
-  alignas(8) uint64_t full[S::kStages];   // producer -> consumers: the stage's copies and boxes landed
-  alignas(8) uint64_t empty[S::kStages];  // consumers of both CTAs -> producer: the stage's WGMMAs are done
-  alignas(8) uint64_t order[kConsumerGroups];  // ping-pong: consumer warp group g may start its next main loop
-  int32_t tile_start[kMaxExperts + 1];  // only E + 1 entries are used (and allocated)
-};
-template <bool kCoop>
-constexpr size_t kFixedSmemBytes = offsetof(SharedStorage<kCoop>, tile_start);
+using SharedStorage = WideRowTileStorage<Schedule<kCoop>>;
 
 struct Params {
   CUtensorMap w2_map;  // TMA kernels: fc2 weights as a 3D [E, H, F] tensor (64 x 64 boxes)
@@ -247,28 +214,18 @@ __device__ void consume(SharedStorage<kCoop>& s, const Params& p, int total, int
 
   const int k_blocks = (p.H + kBK - 1) / kBK;
   const int64_t h_cols = kGated ? 2 * static_cast<int64_t>(p.F) : p.F;
-  RingPosition<S::kStages> ring;
-  ring.phase = 0;
-  if constexpr (!kCoop) ring.skip(group * k_blocks);  // warp group 1's first tile is the CTA's second
-  uint32_t order_phase = 0;
+  ConsumerTurns<kCoop, S::kStages> turns(group, k_blocks);
   const int stride = gridDim.x / kCluster;
-  // Ping-pong: turn i of the CTA (its i-th tile) belongs to warp group i % 2. Cooperative: every
-  // turn to both.
-  constexpr int kTurnStep = kCoop ? 1 : kConsumerGroups;
-  const int first_turn = kCoop ? 0 : group;
-  for (int turn = first_turn, t = blockIdx.x / kCluster + first_turn * stride; t < total;
-       turn += kTurnStep, t += kTurnStep * stride) {
+  for (int turn = turns.first_turn(), t = blockIdx.x / kCluster + turn * stride; t < total;
+       turn += turns.kTurnStep, t += turns.kTurnStep * stride) {
     const RowTile tile = decode_tile<kCoop>(t, s.tile_start, p, rank);
     // Cleared here rather than by a zero scale on the first WGMMA: the accumulators are then dead
     // from the end of one tile's epilogue to the next tile's clear, so the epilogue gets their
     // registers (with a zero scale they stay live around the tile loop: the WGMMA reads them).
     clear(acc);
-    if (!kCoop && turn > 0) {  // the other warp group's previous main loop has passed all its stage waits
-      cutlass::arch::ClusterBarrier::wait(&s.order[group], order_phase);
-      order_phase ^= 1;
-    }
+    turns.begin(s.order, turn);
     consume_k_blocks<kCluster>(
-        mma, tCrA, tCrB, acc, s.full, s.empty, ring, k_blocks, lane,
+        mma, tCrA, tCrB, acc, s.full, s.empty, turns.ring, k_blocks, lane,
         [](int, int) {},
         // While the tensor cores run: the gathered dY rows out to dY_perm, spread over the feature
         // blocks of a row block (each writes every feature_tiles-th k block), as in the fused fc1.
@@ -277,12 +234,7 @@ __device__ void consume(SharedStorage<kCoop>& s, const Params& p, int total, int
             store_gathered_stage<kTileThreads, kBM>(s.a[stage], p.dy_out, tile, p.H, kb, ttid);
         },
         p.dy_out != nullptr);  // those copies read the stage: each thread releases its own reads
-    if constexpr (!kCoop) {
-      // The ring passes to the other warp group for the next tile; this one skips that tile's stages.
-      __syncwarp();
-      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.order[group ^ 1]);
-      ring.skip(k_blocks);
-    }
+    turns.end(s.order, lane);
 
     // Epilogue. Accumulator index v0 + 2 v1 + 4 v2 is row r + 8 v1, feature 8 v2 + 2 (lane % 4) + v0;
     // after a quad transpose of packed bf16 pairs each lane holds 8 consecutive features of a row
@@ -394,7 +346,7 @@ __global__ void sum_dprobs_partials_kernel(const float* __restrict__ partial, in
 }
 
 template <bool kCoop>
-size_t smem_bytes(int experts) { return 1024 + kFixedSmemBytes<kCoop> + sizeof(int32_t) * (experts + 1); }
+size_t smem_bytes(int experts) { return wide_row_tile_smem_bytes<Schedule<kCoop>>(experts); }
 
 // fc2 weights [E, H, F] as a TMA tensor: 64-feature x 64-row boxes, 128-byte swizzle (the MN-major
 // layout the WGMMA reads), zeros past the edges.

@@ -23,7 +23,6 @@
 
 #include <cstdint>
 #include <string>
-#include <type_traits>
 
 #include <cuda.h>
 
@@ -40,10 +39,12 @@
 #include "fused/async_copy.cuh"
 #include "fused/cluster_launch.h"
 #include "fused/consumer_loop.cuh"
+#include "fused/consumer_turns.cuh"
 #include "fused/fragment_pack.cuh"
 #include "fused/gather_rows.cuh"
 #include "fused/pipeline.cuh"
 #include "fused/row_tile_limits.h"
+#include "fused/row_tile_schedule.cuh"
 #include "fused/row_tiles.cuh"
 #include "fused/rows_gemm.h"
 #include "fused/tensor_map.h"
@@ -56,59 +57,22 @@ namespace {
 using namespace cute;
 using bf16 = cutlass::bfloat16_t;
 
-constexpr int kBN = 256, kBK = kGatherCols, kCluster = 2;
-static_assert(kBK == 64, "the A stage (gather_rows.cuh) is 64 columns wide");
-constexpr int kProducerThreads = kGatherThreads, kGroupThreads = 128, kConsumerGroups = 2;
-constexpr int kThreads = kProducerThreads + kConsumerGroups * kGroupThreads;
-constexpr int kStageBytesB = kBN * kBK * 2;  // 32 KiB: the whole weight tile lands in every CTA
+constexpr int kBN = WideRowTiles::kBN, kBK = WideRowTiles::kBK, kCluster = WideRowTiles::kCluster;
+constexpr int kProducerThreads = WideRowTiles::kProducerThreads, kGroupThreads = WideRowTiles::kGroupThreads;
+constexpr int kConsumerGroups = WideRowTiles::kConsumerGroups, kThreads = WideRowTiles::kThreads;
+constexpr int kStageBytesB = WideRowTiles::kStageBytesB;
 constexpr int kMaxExperts = kMaxRowTileExperts;
 // Fprop form: two boxes of 128 output rows x 64 reduction columns (16 KiB each).
 constexpr int kOutRowsPerBox = kBN / 2, kOutMajorBoxBytes = kOutRowsPerBox * kBK * 2;
 // Dgrad form: four boxes of 64 output columns (128 bytes) x 64 reduction rows (8 KiB each).
 constexpr int kOutColsPerBox = 64, kRedMajorBoxBytes = kOutColsPerBox * kBK * 2;
 
-// kCoop: the schedule (see the file comment). kOutMajor: B_e stored [out, red] (K-major for the
+// kCoop: the schedule (row_tile_schedule.cuh). kOutMajor: B_e stored [out, red] (K-major for the
 // WGMMA, the fprop form) or [red, out] (MN-major, the dgrad form).
 template <bool kCoop, bool kOutMajor>
-struct Config {
-  static constexpr int kBM = kCoop ? 128 : 64;
-  static constexpr int kStages = kCoop ? 4 : 5;
-  static constexpr int kRows = rows_per_thread(kBM);  // rows of a tile one producer thread copies
-  static constexpr int kStageBytesA = kBM * kBK * 2;  // 8 or 16 KiB
-  // Registers a producer / consumer thread keeps (128 * P + 256 * C <= 384 * 168), the fused fc2
-  // dgrad's split for the same producer.
-  static constexpr int kProducerRegs = kCoop ? 72 : 56, kConsumerRegs = kCoop ? 216 : 224;
-  static_assert(kProducerThreads * kProducerRegs + kConsumerGroups * kGroupThreads * kConsumerRegs <=
-                    kThreads * (65536 / kThreads / 8 * 8),
-                "the register split fits the launch pool (168 registers a thread at launch)");
-  using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{},
-                                             make_shape(Int<kBM>{}, Int<kBK>{}, Int<kStages>{})));
-  // K-major: 128-byte rows of the reduction, stacked along the output rows (a 128-row box is 16 KiB
-  // of contiguous shared memory). MN-major: 64 output columns of one reduction row are 128 bytes;
-  // the atoms of one 64-column box stack along the reduction first (a box is 8 KiB contiguous).
-  using SmemLayoutB = std::conditional_t<
-      kOutMajor,
-      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{}, make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{}))),
-      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<bf16>{}, make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{}),
-                             Step<_2, _1, _3>{}))>;
-  static_assert(cosize_v<SmemLayoutB> == kStages * kBN * kBK, "the weight stages are contiguous");
-  static constexpr GMMA::Major kMajorB = kOutMajor ? GMMA::Major::K : GMMA::Major::MN;
-  // One warp group per tile (ping-pong) or both along the tile's rows (cooperative).
-  using TiledMma = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, kMajorB>{},
-                                           Layout<Shape<Int<kCoop ? 2 : 1>, _1, _1>>{}));
-};
-
+using Config = WideRowTileSchedule<kCoop, kOutMajor ? GMMA::Major::K : GMMA::Major::MN>;
 template <class C>
-struct SharedStorage {
-  alignas(1024) uint8_t a[C::kStages][C::kStageBytesA];
-  alignas(1024) bf16 b[cosize_v<typename C::SmemLayoutB>];
-  alignas(8) uint64_t full[C::kStages];   // producer -> consumers: the stage's copies and boxes landed
-  alignas(8) uint64_t empty[C::kStages];  // consumers of both CTAs -> producer: the stage's WGMMAs are done
-  alignas(8) uint64_t order[kConsumerGroups];  // ping-pong: consumer warp group g may start its next main loop
-  int32_t tile_start[kMaxExperts + 1];  // only E + 1 entries are used (and allocated)
-};
-template <class C>
-constexpr size_t kFixedSmemBytes = offsetof(SharedStorage<C>, tile_start);
+using SharedStorage = WideRowTileStorage<C>;
 
 struct Params {
   CUtensorMap b_map;  // the experts' matrices as a 3D tensor (boxes: see weight_map)
@@ -220,33 +184,18 @@ __device__ void consume(SharedStorage<C>& s, const Params& p, int total, int ran
   static_assert(size(decltype(acc){}) == 128, "64x256 per warp group: 128 accumulators per thread");
 
   const int k_blocks = (p.red + kBK - 1) / kBK;
-  RingPosition<C::kStages> ring;
-  ring.phase = 0;
-  if constexpr (!kCoop) ring.skip(group * k_blocks);  // warp group 1's first tile is the CTA's second
-  uint32_t order_phase = 0;
+  ConsumerTurns<kCoop, C::kStages> turns(group, k_blocks);  // ping-pong or cooperative (consumer_turns.cuh)
   const int stride = gridDim.x / kCluster;
-  // Ping-pong: turn i of the CTA (its i-th tile) belongs to warp group i % 2. Cooperative: every
-  // turn to both.
-  constexpr int kTurnStep = kCoop ? 1 : kConsumerGroups;
-  const int first_turn = kCoop ? 0 : group;
-  for (int turn = first_turn, t = blockIdx.x / kCluster + first_turn * stride; t < total;
-       turn += kTurnStep, t += kTurnStep * stride) {
+  for (int turn = turns.first_turn(), t = blockIdx.x / kCluster + turn * stride; t < total;
+       turn += turns.kTurnStep, t += turns.kTurnStep * stride) {
     const RowTile tile = decode_tile<C>(t, s.tile_start, p, rank);
     // Cleared here rather than by a zero scale on the first WGMMA, so that the accumulators are dead
     // between one tile's epilogue and the next tile's clear (the epilogue gets their registers).
     clear(acc);
-    if (!kCoop && turn > 0) {  // the other warp group's previous main loop has passed all its stage waits
-      cutlass::arch::ClusterBarrier::wait(&s.order[group], order_phase);
-      order_phase ^= 1;
-    }
-    consume_k_blocks<kCluster>(mma, tCrA, tCrB, acc, s.full, s.empty, ring, k_blocks, lane, [](int, int) {},
+    turns.begin(s.order, turn);
+    consume_k_blocks<kCluster>(mma, tCrA, tCrB, acc, s.full, s.empty, turns.ring, k_blocks, lane, [](int, int) {},
                                [](int, int) {}, false);
-    if constexpr (!kCoop) {
-      // The ring passes to the other warp group for the next tile; this one skips that tile's stages.
-      __syncwarp();
-      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.order[group ^ 1]);
-      ring.skip(k_blocks);
-    }
+    turns.end(s.order, lane);
 
     // Epilogue. Accumulator index v0 + 2 v1 + 4 v2 is row r + 8 v1, column 8 v2 + 2 (lane % 4) + v0;
     // after the quad transpose of packed bf16 pairs each lane holds 8 consecutive columns of a row
@@ -304,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1) rows_gemm_kernel(const __grid_con
 }
 
 template <class C>
-size_t smem_bytes(int experts) { return 1024 + kFixedSmemBytes<C> + sizeof(int32_t) * (experts + 1); }
+size_t smem_bytes(int experts) { return wide_row_tile_smem_bytes<C>(experts); }
 
 // The experts' matrices as a 3D TMA tensor, 128-byte swizzle (the layouts the WGMMA reads), zeros
 // past the edges. Fprop form [E, out, red]: boxes of 64 reduction columns x 128 output rows. Dgrad
