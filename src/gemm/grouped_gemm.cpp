@@ -424,6 +424,9 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
                            .empty();
     if (!takes) {
       k = s.kernel(p.op, ab, out, accumulate, p.N, p.K, &choice, /*honour_forced=*/false);
+      // The heuristic names CUTLASS configurations only (tile_heuristic.cpp): a rule that chose the
+      // rows GEMM would need a CUTLASS alternative for these calls.
+      MOE_CHECK(!k->contiguous_rows, "grouped GEMM: the heuristic chose '", k->name, "' for a call it cannot take");
     } else {
       gemm::GroupedArgs a;
       a.groups = w.experts();
