@@ -10,12 +10,16 @@ In the same rounds, the layer's six products as dense cuBLAS GEMMs of the same s
 how fast any layer could be whose GEMMs ran at cuBLAS's dense rate and whose other passes were free.
 SonicMoE's timed layer includes its router (the gate GEMM, softmax top-k and their backward); beside
 it, ours is also timed as the same whole block (moe_engine.MoELayer: the gate with SonicMoE's gate
-weights, the fused router, the experts), the like-for-like figure ("block").
+weights, the fused router, the experts), the like-for-like figure ("block"). --alt-gemm-configs
+"op=name,..." times, in the same rounds, a second GroupedMLP with the same weights whose grouped GEMMs
+run those configurations (MOE_ENGINE_GEMM_CONFIGS, docs/gemm.md; e.g. the rows GEMM beside the
+heuristic's CUTLASS kernels): the "alt" figures.
 
 usage: python3 bindings/torch/bench/compare_with_pytorch.py [SHAPE ...] [--rounds N] [--token-chunks N] [--skew S]
-       [--png chart.png]      (no names: all shapes)"""
+       [--alt-gemm-configs CONFIGS] [--png chart.png]      (no names: all shapes)"""
 import argparse
 import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -137,7 +141,20 @@ def whole_block(sonic, T, H, Fd, E, k, token_chunks, x, dy, res):
         return []
 
 
-def measure(name, rounds=4, token_chunks=1, skew=0.0):
+def module_with_gemm_configs(configs, make):
+    """make() with every GroupedGemm it builds forcing `configs` (read at construction)."""
+    old = os.environ.get("MOE_ENGINE_GEMM_CONFIGS")
+    os.environ["MOE_ENGINE_GEMM_CONFIGS"] = configs
+    try:
+        return make()
+    finally:
+        if old is None:
+            del os.environ["MOE_ENGINE_GEMM_CONFIGS"]
+        else:
+            os.environ["MOE_ENGINE_GEMM_CONFIGS"] = old
+
+
+def measure(name, rounds=4, token_chunks=1, skew=0.0, alt_gemm_configs=None):
     T, H, Fd, E, k = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(T, H, device="cuda", generator=gen) * 0.5).bfloat16().requires_grad_()
@@ -160,6 +177,11 @@ def measure(name, rounds=4, token_chunks=1, skew=0.0):
             rows = torch.bincount(i.long().flatten(), minlength=E).float()
             res[f"{label}_routing_max_over_mean"] = (rows.max() / rows.mean()).item()
     mod = GroupedMLP(H, Fd, E, k, max_tokens=T, token_chunks=token_chunks)
+    alt = None
+    if alt_gemm_configs:
+        alt = module_with_gemm_configs(alt_gemm_configs,
+                                       lambda: GroupedMLP(H, Fd, E, k, max_tokens=T, token_chunks=token_chunks))
+        alt.load_state_dict(mod.state_dict())
     w1 = mod.fc1.weight.detach().clone().requires_grad_()
     w2 = mod.fc2.weight.detach().clone().requires_grad_()
     flops = 18 * T * k * H * Fd
@@ -197,6 +219,8 @@ def measure(name, rounds=4, token_chunks=1, skew=0.0):
     def clear_grads():
         x.grad = w1.grad = w2.grad = None
         mod.zero_grad(set_to_none=True)
+        if alt is not None:
+            alt.zero_grad(set_to_none=True)
 
     # Peak extra memory of one eager step, then the step captured.
     def peak_extra_gib(step):
@@ -220,6 +244,21 @@ def measure(name, rounds=4, token_chunks=1, skew=0.0):
 
     res["ours_extra_gib"] = peak_extra_gib(ours_step)
     step_graph = graph_of("ours", ours_step)
+    alt_steps = []
+    if alt is not None:
+        def alt_forward():
+            with torch.no_grad():
+                alt(x, idx, probs)
+
+        def alt_step():
+            x.grad = None
+            alt.zero_grad(set_to_none=True)
+            alt(x, idx, probs).backward(dy)
+        with torch.no_grad():  # the same outputs up to the GEMMs' rounding, or the figures mean nothing
+            res["alt_rel_err"] = ((alt(x, idx, probs).float() - mod(x, idx, probs).float()).norm()
+                                  / mod(x, idx, probs).float().norm()).item()
+        alt_steps = [(key, g) for key, g in (("alt_fwd", graph_of("alt_fwd", alt_forward)),
+                                             ("alt_fwd_bwd", graph_of("alt", alt_step))) if g is not None]
 
     # Ours and SonicMoE in alternating rounds, medians over the rounds: the clocks at the 700 W limit
     # drift with the GPU's temperature and the load just before, and a single sample of either side
@@ -247,6 +286,10 @@ def measure(name, rounds=4, token_chunks=1, skew=0.0):
         steps.append(lambda: sample("ours_fwd_bwd_sonic_method_ms", time_like_sonic(step_graph or ours_step)))
         for key, fn in block_steps:
             steps.append(lambda key=key, fn=fn: sample(key, time_like_sonic(fn)))
+        for key, fn in alt_steps:
+            steps.append(lambda key=key, fn=fn: sample(key + "_sonic_method_ms", time_like_sonic(fn)))
+    for key, fn in alt_steps:
+        steps.append(lambda key=key, fn=fn: sample(key + "_graph_ms", median_ms(fn)))
     steps.append(lambda: sample("ours_eager_ms", median_ms(ours_step)))
     if step_graph is not None:
         steps.append(lambda: sample("ours_graph_ms", median_ms(step_graph)))
@@ -299,7 +342,11 @@ def measure(name, rounds=4, token_chunks=1, skew=0.0):
             res["block_fwd_vs_sonic_same_method"] = res["sonic_fwd_ms"] / res["ours_block_fwd_sonic_method_ms"]
             res["block_fwd_bwd_vs_sonic_same_method"] = (res["sonic_fwd_bwd_ms"]
                                                          / res["ours_block_fwd_bwd_sonic_method_ms"])
-    del mod
+        if "alt_fwd_bwd_sonic_method_ms" in res:
+            res["alt_fwd_bwd_vs_sonic_same_method"] = res["sonic_fwd_bwd_ms"] / res["alt_fwd_bwd_sonic_method_ms"]
+    if "alt_fwd_bwd_graph_ms" in res and res.get("ours_graph_ms"):
+        res["alt_fwd_bwd_over_ours_graph"] = res["ours_graph_ms"] / res["alt_fwd_bwd_graph_ms"]
+    del mod, alt
     torch.cuda.empty_cache()
     return res
 
@@ -311,6 +358,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds of ours and SonicMoE, every other one in reverse order (medians reported)")
     ap.add_argument("--token-chunks", type=int, default=1, help="ours with fc2 + combine and the fc1 dgrad + dx sum "
                     "in this many pieces of tokens (GroupedMLP(token_chunks=N): less memory)")
+    ap.add_argument("--alt-gemm-configs", help="also time ours with these grouped GEMM configurations, e.g. "
+                    "fprop=rows_coop_128x256x64_c2x1,dgrad=rows_pong_64x256x64_c2x1 (MOE_ENGINE_GEMM_CONFIGS)")
     ap.add_argument("--skew", type=float, default=0.0,
                     help="skewed routing: expert e's logit offset by -S * log(1 + e) (for SonicMoE through its "
                          "router's weights, at its logits' scale), as `moe-engine bench --skew`")
@@ -326,7 +375,7 @@ def main():
              if SONIC else ""))
     rows = []
     for n in names:
-        r = measure(n, args.rounds, args.token_chunks, args.skew)
+        r = measure(n, args.rounds, args.token_chunks, args.skew, args.alt_gemm_configs)
         rows.append(r)
         print(json.dumps(r), flush=True)
         t = r["torch_graph_ms"] or r["torch_eager_ms"]
@@ -341,7 +390,10 @@ def main():
                  f"SonicMoE over the dense GEMMs {r['dense_fwd_vs_sonic']:.2f}x / {r['dense_fwd_bwd_vs_sonic']:.2f}x"
                  + (f", ours as the whole block (gate + router + experts) {r['block_fwd_vs_sonic_same_method']:.2f}x / "
                     f"{r['block_fwd_bwd_vs_sonic_same_method']:.2f}x" if "block_fwd_bwd_vs_sonic_same_method" in r
-                    else f", whole block: {r.get('ours_block_error', 'not timed')}") if SONIC else ""),
+                    else f", whole block: {r.get('ours_block_error', 'not timed')}") if SONIC else "")
+              + (f" | alt GEMMs: fwd+bwd {r['alt_fwd_bwd_over_ours_graph']:.3f}x ours (graph)"
+                 + (f", {r['alt_fwd_bwd_vs_sonic_same_method']:.2f}x SonicMoE" if "alt_fwd_bwd_vs_sonic_same_method" in r
+                    else "") + f", rel err {r['alt_rel_err']:.1e}" if "alt_fwd_bwd_over_ours_graph" in r else ""),
               flush=True)
     if args.png:
         import matplotlib
