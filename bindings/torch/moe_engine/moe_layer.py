@@ -128,15 +128,16 @@ class MoELayer(nn.Module):
             return F.linear(x2d.to(dtype), self.gate.weight.to(dtype), bias)
 
     def _fused_gate(self):
-        """Whether the gate's backward can add into the experts' dx: a plain bf16 nn.Linear (no hooks,
-        nothing wrapped around it) whose logits stay in bf16 (bf16 x: a bf16 autocast changes nothing;
+        """Whether the gate's backward can add into the experts' dx: a plain bf16 nn.Linear (no module
+        hooks of any kind, nothing wrapped around it) whose logits stay in bf16 (bf16 x: a bf16 autocast changes nothing;
         under another autocast the gate runs as a module)."""
-        gate = self.gate
+        gate, glob = self.gate, nn.modules.module
         autocast_ok = not torch.is_autocast_enabled("cuda") or _bf16_autocast()
+        hooked = (gate._forward_hooks or gate._forward_pre_hooks or gate._backward_hooks or gate._backward_pre_hooks
+                  or glob._global_forward_hooks or glob._global_forward_pre_hooks or glob._global_backward_hooks
+                  or glob._global_backward_pre_hooks)
         return (type(gate) is nn.Linear and gate.weight.dtype == torch.bfloat16 and autocast_ok and
-                self.logits_dtype in (None, torch.bfloat16) and not gate._forward_hooks and
-                not gate._forward_pre_hooks and not nn.modules.module._global_forward_hooks and
-                not nn.modules.module._global_forward_pre_hooks)
+                self.logits_dtype in (None, torch.bfloat16) and not hooked)
 
     def forward(self, x):
         """x bf16 [..., H] (another float dtype under a bf16 autocast: cast) -> (y bf16 [..., H], routing)."""
