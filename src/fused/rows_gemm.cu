@@ -36,6 +36,7 @@
 #include <cutlass/bfloat16.h>
 
 #include "device/cuda_check.h"
+#include "device/device_groups.cuh"
 #include "fused/async_copy.cuh"
 #include "fused/cluster_launch.h"
 #include "fused/consumer_loop.cuh"
@@ -79,6 +80,8 @@ struct Params {
   const __nv_bfloat16* a;
   __nv_bfloat16* d;
   const int32_t* offsets;
+  const int32_t* a_row_begin;  // windows (rows_gemm.h), or null
+  int64_t a_rows;
   uint32_t* error_word;
   int E;
   int64_t R;
@@ -86,9 +89,28 @@ struct Params {
   int feature_tiles;  // blocks of 256 output columns
 };
 
+// A tile's rows of D (tile.m0, tile.rows) and where its rows of A start.
+struct WindowedTile {
+  RowTile tile;
+  int64_t a_m0;
+};
+
+// With windows, expert e's rows of A start at a_row_begin[e], clamped into [0, a_rows], and the rows
+// past the end of A are cut from the tile (neither read nor written), as the GEMM prep does.
 template <class C>
-__device__ __forceinline__ RowTile decode_tile(int t, const int32_t* start, const Params& p, int rank) {
-  return decode_row_tile<C::kBM, kCluster, true>(t, start, p.offsets, p.E, p.R, p.feature_tiles, rank);
+__device__ __forceinline__ WindowedTile decode_tile(int t, const int32_t* start, const Params& p, int rank) {
+  WindowedTile w;
+  w.tile = decode_row_tile<C::kBM, kCluster, true>(t, start, p.offsets, p.E, p.R, p.feature_tiles, rank);
+  w.a_m0 = w.tile.m0;
+  if (p.a_row_begin != nullptr) {
+    int64_t begin, end;
+    kernels::group_rows(p.offsets, w.tile.e, p.R, &begin, &end);
+    const int64_t a_begin = min(max(static_cast<int64_t>(p.a_row_begin[w.tile.e]), int64_t(0)), p.a_rows);
+    w.a_m0 = a_begin + (w.tile.m0 - begin);
+    const int64_t left = p.a_rows - w.a_m0;
+    if (left < w.tile.rows) w.tile.rows = left > 0 ? static_cast<int>(left) : 0;
+  }
+  return w;
 }
 
 // Offsets that are not 0-based, decrease or run past the rows raise kErrBadGroupOffsets (the GEMM
@@ -97,6 +119,12 @@ __device__ void report_bad_offsets(const Params& p, int lane) {
   for (int e = lane; e < p.E; e += 32) {
     const int32_t lo = p.offsets[e], hi = p.offsets[e + 1];
     if ((e == 0 && lo != 0) || hi < lo || (e == p.E - 1 && hi > p.R)) atomicOr(p.error_word, kErrBadGroupOffsets);
+    if (p.a_row_begin != nullptr) {  // a window that had to be clamped to A's rows
+      int64_t begin, end;
+      kernels::group_rows(p.offsets, e, p.R, &begin, &end);
+      const int64_t a_begin = p.a_row_begin[e];
+      if (a_begin < 0 || a_begin + (end - begin) > p.a_rows) atomicOr(p.error_word, kErrBadGroupOffsets);
+    }
   }
 }
 
@@ -144,9 +172,12 @@ __device__ void produce(SharedStorage<C>& s, const Params& p, int total, int ran
   RingPosition<kStages> ring;
   ring.phase = 1;  // a fresh barrier counts as released for parity 1
   for (int t = blockIdx.x / kCluster; t < total; t += gridDim.x / kCluster) {
-    const RowTile tile = decode_tile<C>(t, s.tile_start, p, rank);
-    GatherRows<C::kRows> a_rows;  // the tile's own rows: the gather with the identity map
-    gather_source_rows(a_rows, tile, nullptr, 1, r0, p.a, p.red);
+    const WindowedTile w = decode_tile<C>(t, s.tile_start, p, rank);
+    const RowTile& tile = w.tile;
+    RowTile a_tile = tile;  // the tile's rows of A: the gather with the identity map from a_m0
+    a_tile.m0 = w.a_m0;
+    GatherRows<C::kRows> a_rows;
+    gather_source_rows(a_rows, a_tile, nullptr, 1, r0, p.a, p.red);
 #pragma unroll 1
     for (int kb = 0; kb < k_blocks; ++kb) {
       cutlass::arch::ClusterBarrier::wait(&s.empty[ring.stage], ring.phase);
@@ -188,7 +219,7 @@ __device__ void consume(SharedStorage<C>& s, const Params& p, int total, int ran
   const int stride = gridDim.x / kCluster;
   for (int turn = turns.first_turn(), t = blockIdx.x / kCluster + turn * stride; t < total;
        turn += turns.kTurnStep, t += turns.kTurnStep * stride) {
-    const RowTile tile = decode_tile<C>(t, s.tile_start, p, rank);
+    const RowTile tile = decode_tile<C>(t, s.tile_start, p, rank).tile;
     // Cleared here rather than by a zero scale on the first WGMMA, so that the accumulators are dead
     // between one tile's epilogue and the next tile's clear (the epilogue gets their registers).
     clear(acc);
@@ -304,6 +335,8 @@ void launch_rows_gemm(const RowsGemmArgs& a, cudaStream_t stream) {
   p.a = static_cast<const __nv_bfloat16*>(a.a);
   p.d = static_cast<__nv_bfloat16*>(a.d);
   p.offsets = a.group_offsets;
+  p.a_row_begin = a.a_row_begin;
+  p.a_rows = a.a_row_begin != nullptr ? a.a_rows : a.R;
   p.error_word = a.error_word;
   p.E = a.experts;
   p.R = a.R;

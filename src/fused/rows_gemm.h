@@ -25,7 +25,7 @@ namespace moe::fused {
 enum class RowsGemmSchedule { kPingPong, kCooperative };
 
 struct RowsGemmArgs {
-  const void* a = nullptr;  // bf16 [R, red], row-major
+  const void* a = nullptr;  // bf16 [R, red] (a_rows rows with windows), row-major
   int64_t R = 0;
   int red = 0;  // reduction length, multiple of 8
   int out = 0;  // output columns, multiple of 8
@@ -35,6 +35,11 @@ struct RowsGemmArgs {
   void* d = nullptr;  // bf16 [R, out]; rows past the last group are not written
   const int32_t* group_offsets = nullptr;  // [E + 1], read on the device (clamped into [0, R])
   int experts = 0;
+  // Optional windows (GemmProblem::a_row_begin): expert e reads its rows of `a` from row
+  // a_row_begin[e] of a_rows on and still writes its rows [offsets[e], offsets[e + 1]) of d; a
+  // window that starts below 0 or runs past a_rows is clamped to them (kErrBadGroupOffsets).
+  const int32_t* a_row_begin = nullptr;
+  int64_t a_rows = 0;
   // Optional: kErrBadGroupOffsets for offsets that are not 0-based, decrease or run past R.
   uint32_t* error_word = nullptr;
   int sm_count = 0;  // CTAs of the persistent grid at most (rounded down to clusters of 2)

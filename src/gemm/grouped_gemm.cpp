@@ -419,7 +419,7 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
     // a call it cannot take runs the heuristic's kernel -- so does a call without rows, whose
     // offsets only the prep kernel checks (the rows GEMM launches nothing then).
     const bool red_is_k = p.op == Op::kFprop;
-    const bool takes = rows > 0 && !windows && w.is_grouped() &&
+    const bool takes = rows > 0 && w.is_grouped() &&
                        fused::rows_gemm_unsupported(w.experts(), rows, red_is_k ? p.K : p.N, red_is_k ? p.N : p.K)
                            .empty();
     if (!takes) {
@@ -431,7 +431,7 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
       gemm::GroupedArgs a;
       a.groups = w.experts();
       a.sm_count = s.sm_count;
-      a.contiguous = {p.a, w.base(), p.d, p.offsets, rows, p.N, p.K, p.error_word};
+      a.contiguous = {p.a, w.base(), p.d, p.offsets, rows, p.N, p.K, p.error_word, p.a_row_begin, p.a_rows};
       k->run(a, stream);
       return;
     }

@@ -50,9 +50,9 @@ struct GroupedArgs {
   int tile_run = 1;             // consecutive cluster tiles per visit (run_group_scheduler.cuh); 1 = round-robin
   void* workspace = nullptr;    // fixed address, at least workspace_bytes(groups, sm_count)
   // The operands themselves, for the kernels that read the token rows in place and take no
-  // per-group argument arrays (KernelEntry::contiguous_rows): a [rows, .] and d [rows, .] at their
-  // first row, the experts' matrices one contiguous [groups, N, K] tensor (the op's N and K:
-  // fprop reads it as [out, red], dgrad as [red, out]).
+  // per-group argument arrays (KernelEntry::contiguous_rows): a [rows, .] (or [a_rows, .] with
+  // windows) and d [rows, .] at their first row, the experts' matrices one contiguous [groups, N, K]
+  // tensor (the op's N and K: fprop reads it as [out, red], dgrad as [red, out]).
   struct Contiguous {
     const void* a = nullptr;
     const void* weights = nullptr;
@@ -60,7 +60,9 @@ struct GroupedArgs {
     const int32_t* offsets = nullptr;  // [groups + 1]
     int64_t rows = 0;
     int64_t N = 0, K = 0;
-    uint32_t* error_word = nullptr;  // optional: kErrBadGroupOffsets
+    uint32_t* error_word = nullptr;       // optional: kErrBadGroupOffsets
+    const int32_t* a_row_begin = nullptr;  // optional windows (GemmProblem::a_row_begin)
+    int64_t a_rows = 0;
   } contiguous;
 };
 
@@ -85,8 +87,8 @@ struct KernelEntry {
   // that a 192-wide tile holds whole scale blocks. 0 for bf16 kernels, 1 for the FP8 wgrad form.
   int weight_scale_rows;
   // Reads GroupedArgs::contiguous instead of the prep kernel's argument arrays: bf16 fprop / dgrad
-  // on one contiguous weight tensor without windows (src/gemm/rows_entries.cpp); GroupedGemm runs
-  // the heuristic's kernel for any other call.
+  // on one contiguous weight tensor (src/gemm/rows_entries.cpp); GroupedGemm runs the heuristic's
+  // kernel for any other call.
   bool contiguous_rows = false;
 };
 

@@ -1,8 +1,8 @@
 // The rows GEMM (src/fused/rows_gemm.h) as GroupedGemm configurations of the bf16 fprop and dgrad:
 // our own persistent kernel that reads the token rows in place and the weights through one tensor
 // map, in both schedules. GroupedGemm hands it the operands themselves (GroupedArgs::contiguous)
-// and skips the prep kernel; calls it cannot take (per-expert weight tables, windows of rows, more
-// than 4096 experts) run the heuristic's CUTLASS kernel instead.
+// and skips the prep kernel; calls it cannot take (per-expert weight tables, more than 4096
+// experts, no rows) run the heuristic's CUTLASS kernel instead.
 #include "fused/rows_gemm.h"
 #include "gemm/grouped_kernel.h"
 
@@ -25,6 +25,8 @@ void run_rows(const GroupedArgs& a, cudaStream_t stream) {
   r.group_offsets = c.offsets;
   r.experts = a.groups;
   r.error_word = c.error_word;
+  r.a_row_begin = c.a_row_begin;
+  r.a_rows = c.a_rows;
   r.sm_count = a.sm_count;
   r.schedule = kSchedule;
   fused::launch_rows_gemm(r, stream);

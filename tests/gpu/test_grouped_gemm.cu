@@ -732,9 +732,8 @@ TEST(GroupedGemm, RowsKernelsManyTilesOddBlocksBothForms) {
 }
 
 // Calls the rows GEMM does not take run the heuristic's kernel even when it is forced: per-expert
-// weight tables (no single tensor map), windows of a's rows (which the rows GEMM does not read:
-// here every window starts 16 rows after its group, on a copy of x shifted by 16 rows, so a kernel
-// that ignored them would read other rows). Both give the reference's results.
+// weight tables (no single tensor map) and calls without rows; and every expert empty (the kernel
+// runs no tile: nothing may hang or be written). All give the reference's results.
 TEST(GroupedGemm, RowsKernelsFallBackWhereTheyDoNotApply) {
   MOE_REQUIRE_GPU();
   const auto off = offsets_from_sizes({130, 0, 77, 256, 9});
@@ -747,14 +746,7 @@ TEST(GroupedGemm, RowsKernelsFallBackWhereTheyDoNotApply) {
     w_views.emplace_back(w_sep.back().get(), DType::kBF16, std::initializer_list<int64_t>{p.N, p.K});
   }
   const ExpertMatrices w_per = ExpertMatrices::per_expert(w_views, "w");
-  constexpr int64_t kShift = 16;
-  std::vector<Bits> x_shifted(kShift * p.K, kPoison);
-  x_shifted.insert(x_shifted.end(), p.x.begin(), p.x.end());
-  const DeviceBuffer<Bits> d_x_shifted(x_shifted);
-  std::vector<int32_t> begin_rows(off.begin(), off.end() - 1);
-  for (int32_t& b : begin_rows) b += kShift;
-  const DeviceBuffer<int32_t> begin(begin_rows);
-  TestGemm gg(p.E, p.R + kShift);
+  TestGemm gg(p.E, p.R);
   for (const char* name : kRowsConfigs) {
     gg.force_config(GemmOp::kFprop, name);
     gg.force_config(GemmOp::kDgrad, name);
@@ -764,21 +756,7 @@ TEST(GroupedGemm, RowsKernelsFallBackWhereTheyDoNotApply) {
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
     check_rows_bf16(y.download(), expect_fprop(p), p.used_rows(), p.N, std::string(name) + " per-expert fprop");
     check_rows_bf16(dx.download(), expect_dgrad(p), p.used_rows(), p.K, std::string(name) + " per-expert dgrad");
-    // Windows: group e reads its rows of x from row a_row_begin[e] = offsets[e] + 16 of the shifted
-    // copy, i.e. the plain call's rows.
-    DeviceBuffer<Bits> yw(p.R * p.N);
-    GemmProblem pr;
-    pr.op = GemmOp::kFprop;
-    pr.a = TensorView(d_x_shifted.get(), DType::kBF16, {p.R + kShift, p.K});
-    pr.w = p.w_grouped();
-    pr.d = TensorView(yw.get(), DType::kBF16, {p.R, p.N});
-    pr.group_offsets = p.off_view();
-    pr.a_row_begin = TensorView(begin.get(), DType::kInt32, {int64_t(p.E)});
-    gg.gg.run(pr, gg.workspace(), nullptr);
-    MOE_CUDA_CHECK(cudaDeviceSynchronize());
-    EXPECT_TRUE(yw.download() == y.download()) << name << ": windows of x's rows";
   }
-  // Every expert empty (the kernel runs no tile: nothing may hang or be written), and zero rows.
   const Problem empty(4, 16, 24, 64, {0, 0, 0, 0, 0}, 3), none(3, 16, 24, 0, {0, 0, 0, 0}, 4);
   TestGemm g4(4, 64);
   for (const char* name : kRowsConfigs) {
@@ -789,6 +767,69 @@ TEST(GroupedGemm, RowsKernelsFallBackWhereTheyDoNotApply) {
       check_dgrad(g4, *q, std::string(name) + (q == &empty ? " all empty" : " zero rows"));
     }
   }
+}
+
+// Windows of a's rows (GemmProblem::a_row_begin) through the rows GEMM, fprop and dgrad: every
+// window starts 16 rows after its group, on copies of x and dy shifted by 16 rows, so the output is
+// bitwise the plain call's (a kernel that ignored the windows would read other rows); then the last
+// expert's window starts 40 rows further and runs past the end of a: its rows past it are neither
+// read nor written, its other rows are the plain call's rows 40 further on, and
+// kErrBadGroupOffsets is raised.
+TEST(GroupedGemm, RowsKernelsReadWindowsOfRows) {
+  MOE_REQUIRE_GPU();
+  const auto off = offsets_from_sizes({130, 0, 77, 256, 90});
+  Problem p(5, 136, 264, off.back() + 3, off, 37);
+  constexpr int64_t kShift = 16;
+  const auto shifted = [&](const std::vector<Bits>& v, int64_t cols) {
+    std::vector<Bits> out(kShift * cols, kPoison);
+    out.insert(out.end(), v.begin(), v.end());
+    return DeviceBuffer<Bits>(out);
+  };
+  const DeviceBuffer<Bits> x_s = shifted(p.x, p.K), dy_s = shifted(p.dy, p.N);
+  std::vector<int32_t> begin_rows(off.begin(), off.end() - 1);
+  for (int32_t& b : begin_rows) b += kShift;
+  std::vector<int32_t> past = begin_rows;
+  past.back() += 40;  // the last group (90 rows) now ends 40 rows - 3 rows of slack past a's end
+  const DeviceBuffer<int32_t> begin(begin_rows), begin_past(past);
+  TestGemm gg(p.E, p.R + kShift);
+  ErrorWord ew;
+  for (const char* name : kRowsConfigs)
+    for (GemmOp op : {GemmOp::kFprop, GemmOp::kDgrad}) {
+      const std::string what = std::string(name) + " " + gemm_op_name(op);
+      gg.force_config(op, name);
+      const int64_t in_cols = op == GemmOp::kFprop ? p.K : p.N, out_cols = op == GemmOp::kFprop ? p.N : p.K;
+      const std::vector<Bits> plain = run_bf16(gg, p, op);
+      for (const DeviceBuffer<int32_t>* b : {&begin, &begin_past}) {
+        DeviceBuffer<Bits> out(p.R * out_cols);
+        out.fill_bytes(0xFF);
+        GemmProblem pr;
+        pr.op = op;
+        pr.a = TensorView((op == GemmOp::kFprop ? x_s : dy_s).get(), DType::kBF16, {p.R + kShift, in_cols});
+        pr.w = p.w_grouped();
+        pr.d = TensorView(out.get(), DType::kBF16, {p.R, out_cols});
+        pr.group_offsets = p.off_view();
+        pr.a_row_begin = TensorView(b->get(), DType::kInt32, {int64_t(p.E)});
+        pr.error_word = ew.device_ptr();
+        gg.gg.run(pr, gg.workspace(), nullptr);
+        const bool clamped = ew.fetch_and_clear(nullptr) != 0;
+        const std::vector<Bits> got = out.download();
+        // Rows of a after the last window's start: R + 16 - (off[4] + 16 + 40) = 90 + 3 - 40 = 53.
+        const int64_t kept_end = b == &begin ? p.used_rows() : off[4] + (p.R - off[4] - 40);
+        EXPECT_EQ(clamped, b == &begin_past) << what;
+        for (int64_t i = 0; i < p.R * out_cols; ++i) {
+          const int64_t r = i / out_cols;
+          // The last group's rows come from 40 rows further down in the window past a's end.
+          const int64_t from = b == &begin_past && r >= off[4] ? i + 40 * out_cols : i;
+          const Bits want = r < kept_end ? plain[from] : kPoison;
+          if (got[i] != want) {
+            ADD_FAILURE() << what << (b == &begin ? " windows" : " window past a's end") << ": row " << r
+                          << " column " << i % out_cols << " differs";
+            break;
+          }
+        }
+      }
+      gg.force_config(op, "");
+    }
 }
 
 // The rows GEMM in a captured graph replayed with new group sizes and data: bitwise the eager
