@@ -127,6 +127,15 @@ struct Problem {
   ExpertMatrices w_grouped() const {
     return ExpertMatrices::grouped(TensorView(d_w.get(), DType::kBF16, {int64_t(E), N, K}), "w");
   }
+  // The same weights as E separate allocations (kept in *storage): the per-expert layout.
+  ExpertMatrices w_per_expert(std::vector<DeviceBuffer<Bits>>* storage) const {
+    std::vector<TensorView> views;
+    for (int e = 0; e < E; ++e) {
+      storage->emplace_back(std::vector<Bits>(w.begin() + e * N * K, w.begin() + (e + 1) * N * K));
+      views.emplace_back(storage->back().get(), DType::kBF16, std::initializer_list<int64_t>{N, K});
+    }
+    return ExpertMatrices::per_expert(views, "w");
+  }
   ref::Groups groups() const { return groups_from(off, R); }
   std::vector<const double*> w_ptrs(const std::vector<double>& wd) const {
     std::vector<const double*> p;
@@ -475,14 +484,8 @@ TEST(GroupedGemm, WeightLayoutsGiveBitwiseIdenticalResults) {
   cudaStream_t stream = nullptr;
   const int64_t nk = p.N * p.K;
 
-  // The same weights as E separate allocations.
   std::vector<DeviceBuffer<Bits>> w_sep;
-  std::vector<TensorView> w_views;
-  for (int e = 0; e < p.E; ++e) {
-    w_sep.emplace_back(std::vector<Bits>(p.w.begin() + e * nk, p.w.begin() + (e + 1) * nk));
-    w_views.emplace_back(w_sep.back().get(), DType::kBF16, std::initializer_list<int64_t>{p.N, p.K});
-  }
-  const ExpertMatrices w_per = ExpertMatrices::per_expert(w_views, "w");
+  const ExpertMatrices w_per = p.w_per_expert(&w_sep);
 
   DeviceBuffer<Bits> y1(p.R * p.N), y2(p.R * p.N), dx1(p.R * p.K), dx2(p.R * p.K);
   gg.fprop(p.x_view(), p.w_grouped(), p.off_view(), TensorView(y1.get(), DType::kBF16, {p.R, p.N}), stream);
@@ -738,14 +741,8 @@ TEST(GroupedGemm, RowsKernelsFallBackWhereTheyDoNotApply) {
   MOE_REQUIRE_GPU();
   const auto off = offsets_from_sizes({130, 0, 77, 256, 9});
   Problem p(5, 136, 264, off.back(), off, 29);
-  const int64_t nk = p.N * p.K;
   std::vector<DeviceBuffer<Bits>> w_sep;
-  std::vector<TensorView> w_views;
-  for (int e = 0; e < p.E; ++e) {
-    w_sep.emplace_back(std::vector<Bits>(p.w.begin() + e * nk, p.w.begin() + (e + 1) * nk));
-    w_views.emplace_back(w_sep.back().get(), DType::kBF16, std::initializer_list<int64_t>{p.N, p.K});
-  }
-  const ExpertMatrices w_per = ExpertMatrices::per_expert(w_views, "w");
+  const ExpertMatrices w_per = p.w_per_expert(&w_sep);
   TestGemm gg(p.E, p.R);
   for (const char* name : kRowsConfigs) {
     gg.force_config(GemmOp::kFprop, name);
