@@ -22,7 +22,9 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <type_traits>
 
 #include <cuda.h>
 
@@ -77,6 +79,7 @@ using SharedStorage = WideRowTileStorage<C>;
 
 struct Params {
   CUtensorMap b_map;  // the experts' matrices as a 3D tensor (boxes: see weight_map)
+  CUtensorMap a_map;  // ping-pong 128x192 only: a as a 2D tensor, 64 x 128 boxes (see rows_map)
   const __nv_bfloat16* a;
   __nv_bfloat16* d;
   const int32_t* offsets;
@@ -289,15 +292,212 @@ size_t smem_bytes(int experts) { return wide_row_tile_smem_bytes<C>(experts); }
 // The experts' matrices as a 3D TMA tensor, 128-byte swizzle (the layouts the WGMMA reads), zeros
 // past the edges. Fprop form [E, out, red]: boxes of 64 reduction columns x 128 output rows. Dgrad
 // form [E, red, out]: boxes of 64 output columns x 64 reduction rows.
-CUtensorMap weight_map(const RowsGemmArgs& a) {
+CUtensorMap weight_map(const RowsGemmArgs& a, int out_rows_per_box) {
   const uint64_t inner = static_cast<uint64_t>(a.b_out_major ? a.red : a.out);
   const uint64_t outer = static_cast<uint64_t>(a.b_out_major ? a.out : a.red);
   const uint64_t dims[3] = {inner, outer, static_cast<uint64_t>(a.experts)};
   const uint64_t strides[2] = {inner * 2, inner * outer * 2};
-  const uint32_t box[3] = {kBK, static_cast<uint32_t>(a.b_out_major ? kOutRowsPerBox : kBK), 1};
+  const uint32_t box[3] = {kBK, static_cast<uint32_t>(a.b_out_major ? out_rows_per_box : kBK), 1};
   static_assert(kOutColsPerBox == kBK, "a dgrad-form box is 64 x 64");
   return bf16_tensor_map(a.b, 3, dims, strides, box, "rows GEMM");
 }
+
+// a [a_rows, red] as a 2D TMA tensor of 64-column x box_rows boxes, 128-byte swizzle (the K-major
+// layout the WGMMA reads), zeros past the last row.
+CUtensorMap rows_map(const void* a, int64_t rows, int red, int box_rows) {
+  const uint64_t dims[2] = {static_cast<uint64_t>(red), static_cast<uint64_t>(rows)};
+  const uint64_t strides[1] = {static_cast<uint64_t>(red) * 2};
+  const uint32_t box[2] = {kBK, static_cast<uint32_t>(box_rows)};
+  return bf16_tensor_map(a, 2, dims, strides, box, "rows GEMM");
+}
+
+// ---- Ping-pong 128x192: each consumer warp group a whole 128 x 192 tile (SonicMoE's tile for short
+// reductions), its epilogue under the other's main loop. 192 accumulators a thread need the 232
+// registers the CUTLASS ping-pong kernels give their consumers, which leaves the producer 40: too few
+// for the row copies, so the producer is one thread issuing TMA for both operands -- the rows of a
+// by one 2D tensor map over all of a (rows past the group are the next expert's, computed and never
+// stored; rows past a arrive as zeros), the weight tile as above (fprop form: two 96-row K-major
+// boxes; dgrad form: three 64-column MN-major boxes).
+
+namespace pong192 {
+
+constexpr int kBM = 128, kBN = 192, kStages = 5;
+constexpr int kStageBytesA = kBM * kBK * 2;  // 16 KiB
+constexpr int kStageBytesB = kBN * kBK * 2;  // 24 KiB
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+static_assert(kProducerThreads * kProducerRegs + kConsumerGroups * kGroupThreads * kConsumerRegs <= 65536,
+              "the register split fits the register file");
+constexpr int kOutRowsPerBox = kBN / 2;  // fprop form: two boxes of 96 output rows (12 KiB each)
+constexpr int kOutMajorBoxBytes = kOutRowsPerBox * kBK * 2;
+
+template <bool kOutMajor>
+struct Config {
+  using bf16 = cutlass::bfloat16_t;
+  static constexpr int kBM = pong192::kBM, kStages = pong192::kStages;
+  static constexpr GMMA::Major kMajorB = kOutMajor ? GMMA::Major::K : GMMA::Major::MN;
+  using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{},
+                                             make_shape(Int<kBM>{}, Int<kBK>{}, Int<kStages>{})));
+  using SmemLayoutB = std::conditional_t<
+      kOutMajor,
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{}, make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{}))),
+      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<bf16>{}, make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{}),
+                             Step<_2, _1, _3>{}))>;
+  static_assert(cosize_v<SmemLayoutB> == kStages * kBN * kBK, "the weight stages are contiguous");
+  // One warp group, 128 rows: two 64 x 192 WGMMA atoms along M.
+  using TiledMma = decltype(make_tiled_mma(SM90_64x192x16_F32BF16BF16_SS<GMMA::Major::K, kMajorB>{},
+                                           Layout<Shape<_1, _1, _1>>{}));
+};
+
+template <class C>
+struct Storage {
+  alignas(1024) uint8_t a[kStages][kStageBytesA];
+  alignas(1024) typename C::bf16 b[cosize_v<typename C::SmemLayoutB>];
+  alignas(8) uint64_t full[kStages];   // the producer's expect-tx arrival; the stage's boxes landed
+  alignas(8) uint64_t empty[kStages];  // consumers of both CTAs: the stage's WGMMAs are done
+  alignas(8) uint64_t order[kConsumerGroups];
+  int32_t tile_start[kMaxExperts + 1];
+};
+
+// The weight tile of k block kb (thread 0): fprop form, our 96-row half multicast to both CTAs;
+// dgrad form, 64-column box b loaded by CTA b % 2 and multicast. On an odd last row block (solo)
+// the whole tile for this CTA alone.
+template <bool kOutMajor>
+__device__ __forceinline__ void load_weight_stage(const Params& p, uint64_t* full, char* stage_b, const RowTile& tile,
+                                                  int kb, int rank) {
+  constexpr uint64_t kEvictLast = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_LAST);
+  constexpr uint16_t kBoth = (1 << kCluster) - 1;
+  constexpr int kBoxes = kOutMajor ? kBN / kOutRowsPerBox : kBN / kOutColsPerBox;  // 2 or 3
+  constexpr int kBoxBytes = kOutMajor ? kOutMajorBoxBytes : kRedMajorBoxBytes;
+  const int out0 = tile.nt * kBN, red0 = kb * kBK;
+#pragma unroll
+  for (int box = 0; box < kBoxes; ++box) {
+    const int c0 = kOutMajor ? red0 : out0 + box * kOutColsPerBox;
+    const int c1 = kOutMajor ? out0 + box * kOutRowsPerBox : red0;
+    if (tile.solo)
+      SM90_TMA_LOAD_3D::copy(&p.b_map, full, kEvictLast, stage_b + box * kBoxBytes, c0, c1, tile.e);
+    else if (box % kCluster == rank)
+      SM90_TMA_LOAD_MULTICAST_3D::copy(&p.b_map, full, kBoth, kEvictLast, stage_b + box * kBoxBytes, c0, c1, tile.e);
+  }
+}
+
+template <class C, bool kOutMajor>
+__device__ void produce(Storage<C>& s, const Params& p, int total, int rank) {
+  const int k_blocks = (p.red + kBK - 1) / kBK;
+  RingPosition<kStages> ring;
+  ring.phase = 1;  // a fresh barrier counts as released for parity 1
+  for (int t = blockIdx.x / kCluster; t < total; t += gridDim.x / kCluster) {
+    const WindowedTile w = decode_tile<C>(t, s.tile_start, p, rank);
+    // The tile's rows of a from a_m0 (int32 TMA coordinates: a has fewer than 2^31 rows).
+    const int a_row = static_cast<int>(w.a_m0);
+#pragma unroll 1
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      cutlass::arch::ClusterBarrier::wait(&s.empty[ring.stage], ring.phase);
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[ring.stage],
+                                                                     kStageBytesA + kStageBytesB);
+      constexpr uint64_t kEvictFirst = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_FIRST);
+      SM90_TMA_LOAD_2D::copy(&p.a_map, &s.full[ring.stage], kEvictFirst, s.a[ring.stage], kb * kBK, a_row);
+      pong192::load_weight_stage<kOutMajor>(p, &s.full[ring.stage],
+                                            reinterpret_cast<char*>(s.b) + ring.stage * kStageBytesB, w.tile, kb, rank);
+      ring.advance();
+    }
+  }
+}
+
+template <class C>
+__device__ void consume(Storage<C>& s, const Params& p, int total, int rank) {
+  const int ctid = threadIdx.x - kProducerThreads;
+  const int group = ctid / kGroupThreads, gtid = ctid % kGroupThreads;
+  const int lane = threadIdx.x & 31;
+  typename C::TiledMma mma;
+  mma.accumulate_ = GMMA::ScaleOut::One;
+  Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<typename C::bf16*>(s.a[0])), typename C::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(s.b), typename C::SmemLayoutB{});
+  auto thr = mma.get_thread_slice(gtid);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  Tensor acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
+  Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{}));
+  // 128 x 192 per warp group: two 64-row atoms of 96 accumulators a thread; accumulator
+  // v0 + 2 v1 + 4 v2 + 96 mb is row r + 8 v1 + 64 mb, column 8 v2 + 2 (lane % 4) + v0.
+  static_assert(size(decltype(acc){}) == 192, "128x192 per warp group: 192 accumulators per thread");
+
+  const int k_blocks = (p.red + kBK - 1) / kBK;
+  ConsumerTurns<false, kStages> turns(group, k_blocks);
+  const int stride = gridDim.x / kCluster;
+  for (int turn = turns.first_turn(), t = blockIdx.x / kCluster + turn * stride; t < total;
+       turn += turns.kTurnStep, t += turns.kTurnStep * stride) {
+    const RowTile tile = decode_tile<C>(t, s.tile_start, p, rank).tile;
+    clear(acc);
+    turns.begin(s.order, turn);
+    consume_k_blocks<kCluster>(mma, tCrA, tCrB, acc, s.full, s.empty, turns.ring, k_blocks, lane, [](int, int) {},
+                               [](int, int) {}, false);
+    turns.end(s.order, lane);
+
+    // Epilogue: as the 64x256 kernels', for both 64-row halves (mb) of the tile.
+    const int j = lane & 3;
+    const int r_first = get<0>(coord(0));
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+      for (int v1 = 0; v1 < 2; ++v1) {
+        const int r = r_first + 64 * mb + 8 * v1;
+        const bool row_ok = r < tile.rows;
+        __nv_bfloat16* d_row = p.d + (row_ok ? (tile.m0 + r) * p.out : 0);
+#pragma unroll
+        for (int m = 0; m < kBN / 32; ++m) {
+          uint32_t v[4];
+          pack_transpose_pairs(acc, 96 * mb + 2 * v1 + 16 * m, j, v);  // all lanes: before the row check
+          const int n = tile.nt * kBN + 8 * (4 * m + j);
+          if (row_ok && n < p.out) *reinterpret_cast<uint4*>(d_row + n) = make_uint4(v[0], v[1], v[2], v[3]);
+        }
+      }
+  }
+}
+
+template <bool kOutMajor>
+__global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Params p) {
+  using C = Config<kOutMajor>;
+  const int rank = static_cast<int>(cute::block_rank_in_cluster());
+  extern __shared__ uint8_t smem_raw[];
+  Storage<C>& s = *reinterpret_cast<Storage<C>*>(align_smem_1024(smem_raw));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (warp == 0) {
+    prefix_row_tiles<kBM, kCluster, true>(s.tile_start, p.offsets, p.E, p.R, p.feature_tiles, lane);
+    if (blockIdx.x == 0 && p.error_word != nullptr) report_bad_offsets(p, lane);
+  } else if (warp == 1 && lane == 0) {
+    // full: the TMA issuer's expect-tx arrival; empty: the warps of the warp group that took the
+    // stage, in both CTAs; order: the warps of the other warp group.
+    for (int g = 0; g < kConsumerGroups; ++g) cutlass::arch::ClusterBarrier::init(&s.order[g], kGroupThreads / 32);
+    init_stage_barriers<kStages>(s.full, s.empty, 1, kCluster * stage_releases(kGroupThreads, false));
+  }
+  if (threadIdx.x == 0) {
+    cute::prefetch_tma_descriptor(&p.a_map);
+    cute::prefetch_tma_descriptor(&p.b_map);
+  }
+  cute::cluster_sync();
+  const int total = s.tile_start[p.E];
+  if (threadIdx.x < kProducerThreads) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    if (threadIdx.x == 0) pong192::produce<C, kOutMajor>(s, p, total, rank);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+    pong192::consume<C>(s, p, total, rank);
+  }
+  cute::cluster_sync();
+}
+
+size_t smem_bytes(int experts) {
+  return 1024 + offsetof(Storage<Config<true>>, tile_start) + sizeof(int32_t) * (experts + 1);
+}
+static_assert(sizeof(Storage<Config<true>>) == sizeof(Storage<Config<false>>), "both forms take the same storage");
+
+template <bool kOutMajor>
+void launch(const Params& p, int sm_count, cudaStream_t stream) {
+  const int grid = row_tile_grid<kBM>(p.R, p.E, p.feature_tiles, kCluster, sm_count);
+  launch_clustered(kernel<kOutMajor>, p, grid, kThreads, kCluster, smem_bytes(p.E), smem_bytes(kMaxExperts), stream);
+}
+
+}  // namespace pong192
 
 template <bool kCoop, bool kOutMajor>
 void launch_kernel(const Params& p, int sm_count, cudaStream_t stream) {
@@ -330,8 +530,9 @@ void launch_rows_gemm(const RowsGemmArgs& a, cudaStream_t stream) {
   MOE_CHECK(why.empty(), "rows GEMM: ", why);
   if (a.R == 0) return;
   MOE_CHECK(a.sm_count >= kCluster, "rows GEMM: needs at least ", kCluster, " SMs, got ", a.sm_count);
+  const bool pong192 = a.schedule == RowsGemmSchedule::kPingPong128x192;
   Params p;
-  p.b_map = weight_map(a);
+  p.b_map = weight_map(a, pong192 ? pong192::kOutRowsPerBox : kOutRowsPerBox);
   p.a = static_cast<const __nv_bfloat16*>(a.a);
   p.d = static_cast<__nv_bfloat16*>(a.d);
   p.offsets = a.group_offsets;
@@ -342,7 +543,15 @@ void launch_rows_gemm(const RowsGemmArgs& a, cudaStream_t stream) {
   p.R = a.R;
   p.red = a.red;
   p.out = a.out;
-  p.feature_tiles = static_cast<int>((a.out + kBN - 1) / kBN);
+  const int bn = pong192 ? pong192::kBN : kBN;
+  p.feature_tiles = static_cast<int>((a.out + bn - 1) / bn);
+  if (pong192) {
+    p.a_map = rows_map(a.a, p.a_rows, a.red, pong192::kBM);
+    if (a.b_out_major) pong192::launch<true>(p, a.sm_count, stream);
+    else pong192::launch<false>(p, a.sm_count, stream);
+    return;
+  }
+  std::memset(&p.a_map, 0, sizeof p.a_map);
   if (a.schedule == RowsGemmSchedule::kCooperative) launch_form<true>(p, a.b_out_major, a.sm_count, stream);
   else launch_form<false>(p, a.b_out_major, a.sm_count, stream);
 }

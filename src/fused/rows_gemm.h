@@ -19,10 +19,12 @@
 
 namespace moe::fused {
 
-// How the two consumer warp groups share the tiles, as in the fused fc2 dgrad: ping-pong (a 64-row
-// tile each, in turn, one's epilogue under the other's main loop) or cooperative (both on one
-// 128-row tile). The results are bitwise the same.
-enum class RowsGemmSchedule { kPingPong, kCooperative };
+// How the two consumer warp groups share the tiles: as in the fused fc2 dgrad, 256 output columns a
+// tile, ping-pong (a 64-row tile each, in turn, one's epilogue under the other's main loop) or
+// cooperative (both on one 128-row tile); or ping-pong with a 128 x 192 tile each (SonicMoE's tile
+// for short reductions; the producer then loads both operands by TMA). The first two give the same
+// bits.
+enum class RowsGemmSchedule { kPingPong, kCooperative, kPingPong128x192 };
 
 struct RowsGemmArgs {
   const void* a = nullptr;  // bf16 [R, red] (a_rows rows with windows), row-major

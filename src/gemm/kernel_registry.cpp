@@ -19,8 +19,10 @@ const KernelEntry& entry_dgrad_pong_128x192x64_c2x1();
 const KernelEntry& entry_dgrad_pong_128x192x64_c1x2();
 const KernelEntry& entry_fprop_rows_coop_128x256x64_c2x1();
 const KernelEntry& entry_fprop_rows_pong_64x256x64_c2x1();
+const KernelEntry& entry_fprop_rows_pong_128x192x64_c2x1();
 const KernelEntry& entry_dgrad_rows_coop_128x256x64_c2x1();
 const KernelEntry& entry_dgrad_rows_pong_64x256x64_c2x1();
+const KernelEntry& entry_dgrad_rows_pong_128x192x64_c2x1();
 const KernelEntry& entry_wgrad_coop_128x256x64_c2x1();
 const KernelEntry& entry_wgrad_coop_128x256x64_c2x1_f32();
 const KernelEntry& entry_wgrad_coop_128x256x64_c2x1_f32_wgstores();
@@ -44,8 +46,10 @@ const KernelEntry* const* kernel_registry(int* count) {
       &entry_dgrad_pong_128x192x64_c1x2(),
       &entry_fprop_rows_coop_128x256x64_c2x1(),
       &entry_fprop_rows_pong_64x256x64_c2x1(),
+      &entry_fprop_rows_pong_128x192x64_c2x1(),
       &entry_dgrad_rows_coop_128x256x64_c2x1(),
       &entry_dgrad_rows_pong_64x256x64_c2x1(),
+      &entry_dgrad_rows_pong_128x192x64_c2x1(),
       &entry_wgrad_coop_128x256x64_c2x1(),
       &entry_wgrad_coop_128x256x64_c2x1_f32(),
       &entry_wgrad_coop_128x256x64_c2x1_f32_wgstores(),

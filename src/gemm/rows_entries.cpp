@@ -1,6 +1,6 @@
 // The rows GEMM (src/fused/rows_gemm.h) as GroupedGemm configurations of the bf16 fprop and dgrad:
 // our own persistent kernel that reads the token rows in place and the weights through one tensor
-// map, in both schedules. GroupedGemm hands it the operands themselves (GroupedArgs::contiguous)
+// map, in three schedules. GroupedGemm hands it the operands themselves (GroupedArgs::contiguous)
 // and skips the prep kernel; calls it cannot take (per-expert weight tables, more than 4096
 // experts, no rows) run the heuristic's CUTLASS kernel instead.
 #include "fused/rows_gemm.h"
@@ -53,6 +53,11 @@ const KernelEntry& entry_fprop_rows_pong_64x256x64_c2x1() {
   static const KernelEntry e = rows_entry<Op::kFprop, fused::RowsGemmSchedule::kPingPong>("rows_pong_64x256x64_c2x1");
   return e;
 }
+const KernelEntry& entry_fprop_rows_pong_128x192x64_c2x1() {
+  static const KernelEntry e =
+      rows_entry<Op::kFprop, fused::RowsGemmSchedule::kPingPong128x192>("rows_pong_128x192x64_c2x1");
+  return e;
+}
 const KernelEntry& entry_dgrad_rows_coop_128x256x64_c2x1() {
   static const KernelEntry e =
       rows_entry<Op::kDgrad, fused::RowsGemmSchedule::kCooperative>("rows_coop_128x256x64_c2x1");
@@ -60,6 +65,11 @@ const KernelEntry& entry_dgrad_rows_coop_128x256x64_c2x1() {
 }
 const KernelEntry& entry_dgrad_rows_pong_64x256x64_c2x1() {
   static const KernelEntry e = rows_entry<Op::kDgrad, fused::RowsGemmSchedule::kPingPong>("rows_pong_64x256x64_c2x1");
+  return e;
+}
+const KernelEntry& entry_dgrad_rows_pong_128x192x64_c2x1() {
+  static const KernelEntry e =
+      rows_entry<Op::kDgrad, fused::RowsGemmSchedule::kPingPong128x192>("rows_pong_128x192x64_c2x1");
   return e;
 }
 

@@ -139,7 +139,7 @@ TEST(ForcedConfigs, ParsesItemsAndNamesTheSourceOnErrors) {
   }
   // The rows GEMM's configurations are compiled for both token-side products (and only those).
   for (Op op : {Op::kFprop, Op::kDgrad})
-    for (const char* name : {"rows_coop_128x256x64_c2x1", "rows_pong_64x256x64_c2x1"}) {
+    for (const char* name : {"rows_coop_128x256x64_c2x1", "rows_pong_64x256x64_c2x1", "rows_pong_128x192x64_c2x1"}) {
       const KernelEntry* k = find_kernel(op, DType::kBF16, DType::kBF16, false, name);
       ASSERT_NE(k, nullptr) << name;
       EXPECT_TRUE(k->contiguous_rows) << name;

@@ -687,15 +687,17 @@ TEST(GroupedGemm, GraphReplayWithNewGroupSizesEqualsEager) {
 
 using ::moe::testing::expect_error_naming;
 
-const char* const kRowsConfigs[] = {"rows_coop_128x256x64_c2x1", "rows_pong_64x256x64_c2x1"};
+const char* const kRowsConfigs[] = {"rows_coop_128x256x64_c2x1", "rows_pong_64x256x64_c2x1",
+                                    "rows_pong_128x192x64_c2x1"};
 
-// The rows GEMM (our own kernel for the token-side products, src/fused/rows_gemm.cu) in both
+// The rows GEMM (our own kernel for the token-side products, src/fused/rows_gemm.cu) in its three
 // schedules, fprop form (B K-major) and dgrad form (B MN-major): 40 uneven groups (empty, one row,
 // odd and even numbers of row blocks, so the split of an odd last block between the cluster's CTAs
-// runs, with an odd number of 256-column output blocks), a reduction that ends inside a k block,
-// six SMs (every CTA takes many tiles: the ping-pong warp groups alternate over many turns) and
-// all of them. Checked against the reference, rows past the groups untouched; both schedules give
-// the same bits, and so do the transposed weights (the other form of the same product).
+// runs, with an odd number of output blocks: 3 of 256 and of 192 columns), a reduction that ends
+// inside a k block, six SMs (every CTA takes many tiles: the ping-pong warp groups alternate over
+// many turns) and all of them. Checked against the reference, rows past the groups untouched; the
+// two 256-column schedules give the same bits, and the transposed weights (the other form of the
+// same product) the same bits as the standard ones.
 TEST(GroupedGemm, RowsKernelsManyTilesOddBlocksBothForms) {
   MOE_REQUIRE_GPU();
   std::vector<int> sizes;
@@ -729,8 +731,8 @@ TEST(GroupedGemm, RowsKernelsManyTilesOddBlocksBothForms) {
       EXPECT_TRUE(y.download() == ys.back()) << what << ": fprop on transposed weights";
       EXPECT_TRUE(dx.download() == dxs.back()) << what << ": dgrad on transposed weights";
     }
-    EXPECT_TRUE(ys[0] == ys[1]) << "the two schedules' fprop differ";
-    EXPECT_TRUE(dxs[0] == dxs[1]) << "the two schedules' dgrad differ";
+    EXPECT_TRUE(ys[0] == ys[1]) << "the two 256-column schedules' fprop differ";
+    EXPECT_TRUE(dxs[0] == dxs[1]) << "the two 256-column schedules' dgrad differ";
   }
 }
 
@@ -945,7 +947,7 @@ TEST(GroupedGemm, BadGroupOffsetsAreReported) {
   ErrorWord ew;
   const ExpertMatrices wm = ExpertMatrices::grouped(TensorView(w.get(), DType::kBF16, {E, N, K}), "w");
   // The heuristic's CUTLASS kernel (the prep kernel reports) and the rows GEMM (its first CTA does).
-  for (const char* config : {"", kRowsConfigs[0], kRowsConfigs[1]})
+  for (const char* config : {"", kRowsConfigs[0], kRowsConfigs[1], kRowsConfigs[2]})
   for (auto [offs, bad] : {std::pair<std::vector<int32_t>, bool>{{0, 10, 20, 64}, false},
                            {{0, 30, 20, 40}, true},
                            {{4, 10, 20, 30}, true},
