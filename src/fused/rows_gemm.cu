@@ -19,6 +19,8 @@
 // (row_tiles.cuh); the per-expert prefix is computed on the device at kernel start, so a captured
 // graph replays with new group sizes. Moving to another expert changes a base row and the tensor
 // map's expert coordinate, nothing else.
+// A third schedule, ping-pong 128x192 (namespace pong192 below), gives each consumer warp group a
+// whole 128 x 192 tile and loads both operands by TMA from one producer thread.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -89,7 +91,7 @@ struct Params {
   int E;
   int64_t R;
   int red, out;
-  int feature_tiles;  // blocks of 256 output columns
+  int feature_tiles;  // blocks of 256 (ping-pong 128x192: 192) output columns
 };
 
 // A tile's rows of D (tile.m0, tile.rows) and where its rows of A start.
@@ -290,8 +292,9 @@ template <class C>
 size_t smem_bytes(int experts) { return wide_row_tile_smem_bytes<C>(experts); }
 
 // The experts' matrices as a 3D TMA tensor, 128-byte swizzle (the layouts the WGMMA reads), zeros
-// past the edges. Fprop form [E, out, red]: boxes of 64 reduction columns x 128 output rows. Dgrad
-// form [E, red, out]: boxes of 64 output columns x 64 reduction rows.
+// past the edges. Fprop form [E, out, red]: boxes of 64 reduction columns x out_rows_per_box output
+// rows (half a weight tile: 128, or 96 for ping-pong 128x192). Dgrad form [E, red, out]: boxes of
+// 64 output columns x 64 reduction rows.
 CUtensorMap weight_map(const RowsGemmArgs& a, int out_rows_per_box) {
   const uint64_t inner = static_cast<uint64_t>(a.b_out_major ? a.red : a.out);
   const uint64_t outer = static_cast<uint64_t>(a.b_out_major ? a.out : a.red);
@@ -325,8 +328,9 @@ constexpr int kBM = 128, kBN = 192, kStages = 5;
 constexpr int kStageBytesA = kBM * kBK * 2;  // 16 KiB
 constexpr int kStageBytesB = kBN * kBK * 2;  // 24 KiB
 constexpr int kProducerRegs = 40, kConsumerRegs = 232;
-static_assert(kProducerThreads * kProducerRegs + kConsumerGroups * kGroupThreads * kConsumerRegs <= 65536,
-              "the register split fits the register file");
+static_assert(kProducerThreads * kProducerRegs + kConsumerGroups * kGroupThreads * kConsumerRegs <=
+                  kThreads * (65536 / kThreads / 8 * 8),
+              "the register split fits the launch pool (168 registers a thread at launch)");
 constexpr int kOutRowsPerBox = kBN / 2;  // fprop form: two boxes of 96 output rows (12 KiB each)
 constexpr int kOutMajorBoxBytes = kOutRowsPerBox * kBK * 2;
 
@@ -394,8 +398,9 @@ __device__ void produce(Storage<C>& s, const Params& p, int total, int rank) {
       cutlass::arch::ClusterBarrier::wait(&s.empty[ring.stage], ring.phase);
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[ring.stage],
                                                                      kStageBytesA + kStageBytesB);
-      constexpr uint64_t kEvictFirst = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_FIRST);
-      SM90_TMA_LOAD_2D::copy(&p.a_map, &s.full[ring.stage], kEvictFirst, s.a[ring.stage], kb * kBK, a_row);
+      // The rows are read again by the tiles of the row block's other output blocks: normal eviction.
+      constexpr uint64_t kEvictNormal = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+      SM90_TMA_LOAD_2D::copy(&p.a_map, &s.full[ring.stage], kEvictNormal, s.a[ring.stage], kb * kBK, a_row);
       pong192::load_weight_stage<kOutMajor>(p, &s.full[ring.stage],
                                             reinterpret_cast<char*>(s.b) + ring.stage * kStageBytesB, w.tile, kb, rank);
       ring.advance();
@@ -530,7 +535,11 @@ void launch_rows_gemm(const RowsGemmArgs& a, cudaStream_t stream) {
   MOE_CHECK(why.empty(), "rows GEMM: ", why);
   if (a.R == 0) return;
   MOE_CHECK(a.sm_count >= kCluster, "rows GEMM: needs at least ", kCluster, " SMs, got ", a.sm_count);
-  const bool pong192 = a.schedule == RowsGemmSchedule::kPingPong128x192;
+  MOE_CHECK(a.a_row_begin == nullptr || (a.a_rows >= 0 && a.a_rows < (int64_t(1) << 31)),
+            "rows GEMM: windows need an input of fewer than 2^31 rows, got ", a.a_rows);
+  // Windows over an input without rows: every tile is cut to nothing (and reported); a TMA map cannot
+  // describe zero rows, so the cp.async schedule runs them.
+  const bool pong192 = a.schedule == RowsGemmSchedule::kPingPong128x192 && (a.a_row_begin == nullptr || a.a_rows > 0);
   Params p;
   p.b_map = weight_map(a, pong192 ? pong192::kOutRowsPerBox : kOutRowsPerBox);
   p.a = static_cast<const __nv_bfloat16*>(a.a);
