@@ -167,6 +167,33 @@ __device__ __forceinline__ void load_weight_stage(const Params& p, uint64_t* ful
   }
 }
 
+// The epilogue: a warp group's kRows x kCols accumulators (WGMMA 64 x kCols atoms stacked along the
+// rows) rounded to bf16 and stored to rows tile.m0 + r of D, r < tile.rows, columns below `out`.
+// Accumulator v0 + 2 v1 + 4 v2 + (kCols / 2) mb is row r_first + 8 v1 + 64 mb, column
+// 8 v2 + 2 (lane % 4) + v0; after the quad transpose of packed bf16 pairs each lane holds 8
+// consecutive columns of a row (the fused fc1's epilogue), stored as one 16-byte vector: a warp
+// writes 8 rows x 64 contiguous bytes.
+template <int kRows, int kCols, class Acc>
+__device__ __forceinline__ void store_tile(const Acc& acc, int r_first, const RowTile& tile, const Params& p,
+                                           int lane) {
+  const int j = lane & 3;
+#pragma unroll
+  for (int mb = 0; mb < kRows / 64; ++mb)
+#pragma unroll
+    for (int v1 = 0; v1 < 2; ++v1) {
+      const int r = r_first + 64 * mb + 8 * v1;
+      const bool row_ok = r < tile.rows;
+      __nv_bfloat16* d_row = p.d + (row_ok ? (tile.m0 + r) * p.out : 0);
+#pragma unroll
+      for (int m = 0; m < kCols / 32; ++m) {
+        uint32_t v[4];
+        pack_transpose_pairs(acc, (kCols / 2) * mb + 2 * v1 + 16 * m, j, v);  // all lanes: before the row check
+        const int n = tile.nt * kCols + 8 * (4 * m + j);
+        if (row_ok && n < p.out) *reinterpret_cast<uint4*>(d_row + n) = make_uint4(v[0], v[1], v[2], v[3]);
+      }
+    }
+}
+
 template <class C, bool kOutMajor>
 __device__ void produce(SharedStorage<C>& s, const Params& p, int total, int rank) {
   constexpr int kStages = C::kStages;
@@ -233,24 +260,7 @@ __device__ void consume(SharedStorage<C>& s, const Params& p, int total, int ran
                                [](int, int) {}, false);
     turns.end(s.order, lane);
 
-    // Epilogue. Accumulator index v0 + 2 v1 + 4 v2 is row r + 8 v1, column 8 v2 + 2 (lane % 4) + v0;
-    // after the quad transpose of packed bf16 pairs each lane holds 8 consecutive columns of a row
-    // (the fused fc1's epilogue), stored as one 16-byte vector.
-    const int j = lane & 3;
-    const int r_first = get<0>(coord(0));
-#pragma unroll
-    for (int v1 = 0; v1 < 2; ++v1) {
-      const int r = r_first + 8 * v1;
-      const bool row_ok = r < tile.rows;
-      __nv_bfloat16* d_row = p.d + (row_ok ? (tile.m0 + r) * p.out : 0);
-#pragma unroll
-      for (int m = 0; m < kBN / 32; ++m) {
-        uint32_t v[4];
-        pack_transpose_pairs(acc, 2 * v1 + 16 * m, j, v);  // all lanes take part: before the row check
-        const int n = tile.nt * kBN + 8 * (4 * m + j);
-        if (row_ok && n < p.out) *reinterpret_cast<uint4*>(d_row + n) = make_uint4(v[0], v[1], v[2], v[3]);
-      }
-    }
+    store_tile<kBM / (kCoop ? 2 : 1), kBN>(acc, get<0>(coord(0)), tile, p, lane);
   }
 }
 
@@ -438,24 +448,7 @@ __device__ void consume(Storage<C>& s, const Params& p, int total, int rank) {
                                [](int, int) {}, false);
     turns.end(s.order, lane);
 
-    // Epilogue: as the 64x256 kernels', for both 64-row halves (mb) of the tile.
-    const int j = lane & 3;
-    const int r_first = get<0>(coord(0));
-#pragma unroll
-    for (int mb = 0; mb < 2; ++mb)
-#pragma unroll
-      for (int v1 = 0; v1 < 2; ++v1) {
-        const int r = r_first + 64 * mb + 8 * v1;
-        const bool row_ok = r < tile.rows;
-        __nv_bfloat16* d_row = p.d + (row_ok ? (tile.m0 + r) * p.out : 0);
-#pragma unroll
-        for (int m = 0; m < kBN / 32; ++m) {
-          uint32_t v[4];
-          pack_transpose_pairs(acc, 96 * mb + 2 * v1 + 16 * m, j, v);  // all lanes: before the row check
-          const int n = tile.nt * kBN + 8 * (4 * m + j);
-          if (row_ok && n < p.out) *reinterpret_cast<uint4*>(d_row + n) = make_uint4(v[0], v[1], v[2], v[3]);
-        }
-      }
+    store_tile<kBM, kBN>(acc, get<0>(coord(0)), tile, p, lane);
   }
 }
 
