@@ -2,7 +2,8 @@
 // host: for both products of every named shape, each op's choice names a configuration compiled for
 // that op and those dtypes, and asks for runs of tiles only where the configuration takes them. A
 // rule that names a configuration no longer compiled fails here, without a GPU; gpu_test_grouped_gemm
-// runs every compiled configuration.
+// runs every compiled configuration. Also on the host: configurations forced from the environment
+// (MOE_ENGINE_GEMM_CONFIGS) and the sizes the rows GEMM configurations take.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -10,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "fused/rows_gemm.h"
 #include "gemm/forced_configs.h"
 #include "gemm/grouped_kernel.h"
 #include "gemm/tile_heuristic.h"
@@ -146,6 +148,23 @@ TEST(ForcedConfigs, ParsesItemsAndNamesTheSourceOnErrors) {
       EXPECT_FALSE(k->tile_runs) << name;
     }
   EXPECT_EQ(find_kernel(Op::kWgrad, DType::kBF16, DType::kBF16, false, "rows_coop_128x256x64_c2x1"), nullptr);
+}
+
+// The sizes the rows GEMM takes (GroupedGemm runs the heuristic's CUTLASS kernel for the others):
+// each refusal says which bound.
+TEST(RowsGemm, SizesItTakesAndWhyNot) {
+  EXPECT_EQ(fused::rows_gemm_unsupported(128, 196608, 256, 1536), "");
+  EXPECT_EQ(fused::rows_gemm_unsupported(4096, 0, 8, 8), "");
+  const auto refused = [](int E, int64_t R, int64_t red, int64_t out, const char* word) {
+    const std::string why = fused::rows_gemm_unsupported(E, R, red, out);
+    EXPECT_NE(why.find(word), std::string::npos) << E << " " << R << " " << red << " " << out << ": '" << why << "'";
+  };
+  refused(0, 64, 64, 64, "experts");
+  refused(4097, 64, 64, 64, "experts");
+  refused(8, 64, 12, 64, "multiples of 8");
+  refused(8, 64, 64, 4, "multiples of 8");
+  refused(8, 64, int64_t(1) << 30, 64, "2^30");
+  refused(8, int64_t(1) << 31, 64, 64, "2^31");
 }
 
 }  // namespace
