@@ -777,7 +777,7 @@ TEST(GroupedGemm, RowsKernelsFallBackWhereTheyDoNotApply) {
 TEST(GroupedGemm, RowsKernelsReadWindowsOfRows) {
   MOE_REQUIRE_GPU();
   const auto off = offsets_from_sizes({130, 0, 77, 256, 90});
-  Problem p(5, 136, 264, off.back() + 3, off, 37);
+  Problem p(5, 136, 264, off.back(), off, 37);  // no rows past the groups: every shifted row is computed
   constexpr int64_t kShift = 16;
   const auto shifted = [&](const std::vector<Bits>& v, int64_t cols) {
     std::vector<Bits> out(kShift * cols, kPoison);
@@ -788,7 +788,7 @@ TEST(GroupedGemm, RowsKernelsReadWindowsOfRows) {
   std::vector<int32_t> begin_rows(off.begin(), off.end() - 1);
   for (int32_t& b : begin_rows) b += kShift;
   std::vector<int32_t> past = begin_rows;
-  past.back() += 40;  // the last group (90 rows) now ends 40 rows - 3 rows of slack past a's end
+  past.back() += 40;  // the last group (90 rows) now ends 40 rows past a's end
   const DeviceBuffer<int32_t> begin(begin_rows), begin_past(past);
   TestGemm gg(p.E, p.R + kShift);
   ErrorWord ew;
@@ -812,7 +812,7 @@ TEST(GroupedGemm, RowsKernelsReadWindowsOfRows) {
         gg.gg.run(pr, gg.workspace(), nullptr);
         const bool clamped = ew.fetch_and_clear(nullptr) != 0;
         const std::vector<Bits> got = out.download();
-        // Rows of a after the last window's start: R + 16 - (off[4] + 16 + 40) = 90 + 3 - 40 = 53.
+        // Rows of a after the last window's start: R + 16 - (off[4] + 16 + 40) = 90 - 40 = 50.
         const int64_t kept_end = b == &begin ? p.used_rows() : off[4] + (p.R - off[4] - 40);
         EXPECT_EQ(clamped, b == &begin_past) << what;
         for (int64_t i = 0; i < p.R * out_cols; ++i) {
