@@ -236,7 +236,7 @@ GroupedGemm::GroupedGemm(int max_experts, int64_t max_rows, int max_sms, int64_t
       bool runs = true;
       MOE_CHECK(compiled(f.op, f.name, &runs), gemm::kGemmConfigsEnv, ": no ", gemm_op_name(static_cast<GemmOp>(f.op)),
                 " configuration named '", f.name, "'");
-      force_config(static_cast<GemmOp>(f.op), f.name);
+      force_config(static_cast<GemmOp>(f.op), f.name, f.raster_along_n, f.tile_run);
     }
 }
 

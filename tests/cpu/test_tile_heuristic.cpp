@@ -130,8 +130,18 @@ TEST(ForcedConfigs, ParsesItemsAndNamesTheSourceOnErrors) {
   EXPECT_EQ(got[2].op, Op::kWgrad);
   EXPECT_EQ(got[2].name, "x");
   EXPECT_TRUE(parse_forced_configs("", "VAR").empty());
+  // chosen_config's suffixes: the tile order and the run.
+  const std::vector<ForcedConfig> suffixed = parse_forced_configs("fprop=pong_128x192x64_c1x2/N/run4,dgrad=a/M", "VAR");
+  ASSERT_EQ(suffixed.size(), 2u);
+  EXPECT_EQ(suffixed[0].name, "pong_128x192x64_c1x2");
+  EXPECT_TRUE(suffixed[0].raster_along_n);
+  EXPECT_EQ(suffixed[0].tile_run, 4);
+  EXPECT_EQ(suffixed[1].name, "a");
+  EXPECT_FALSE(suffixed[1].raster_along_n);
+  EXPECT_EQ(suffixed[1].tile_run, 1);
   EXPECT_TRUE(parse_forced_configs(" , ", "VAR").empty());
-  for (const char* bad : {"fprop", "fprop=", "bprop=coop_128x256x64_c2x1", "=coop_128x256x64_c2x1"}) {
+  for (const char* bad : {"fprop", "fprop=", "bprop=coop_128x256x64_c2x1", "=coop_128x256x64_c2x1", "fprop=/N",
+                          "fprop=a/X", "fprop=a/run", "fprop=a/run0", "fprop=a/run4x"}) {
     try {
       parse_forced_configs(bad, "VAR");
       ADD_FAILURE() << "'" << bad << "' was accepted";
