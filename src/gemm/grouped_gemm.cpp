@@ -165,11 +165,11 @@ struct GroupedGemm::Impl {
   // The kernel for the problem's capabilities and shape: the heuristic's configuration, or (with
   // `honour_forced`) the forced one when a kernel of that name has the needed capabilities.
   const gemm::KernelEntry* kernel(Op op, DType ab, DType out, bool accumulate, int64_t N, int64_t K,
-                                  gemm::TileChoice* choice, bool honour_forced = true) const {
+                                  gemm::TileChoice* choice, bool honour_forced = true, bool rows_ok = true) const {
     const Forced& f = forced[int(op)];
     gemm::TileChoice c = ab == DType::kFP8E4M3
                              ? gemm::choose_fp8_tiles(op, N, K, max_weight_dim >= std::max(N, K), accumulate)
-                             : gemm::choose_tiles(op, N, K, accumulate);
+                             : gemm::choose_tiles(op, N, K, accumulate, rows_ok);
     if (honour_forced && !f.name.empty() && gemm::find_kernel(op, ab, out, accumulate, f.name.c_str()))
       c = {f.name.c_str(), f.raster_along_n, f.tile_run};
     const gemm::KernelEntry* k = gemm::find_kernel(op, ab, out, accumulate, c.name);
@@ -423,9 +423,7 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
                        fused::rows_gemm_unsupported(w.experts(), rows, red_is_k ? p.K : p.N, red_is_k ? p.N : p.K)
                            .empty();
     if (!takes) {
-      k = s.kernel(p.op, ab, out, accumulate, p.N, p.K, &choice, /*honour_forced=*/false);
-      // The heuristic names CUTLASS configurations only (tile_heuristic.cpp): a rule that chose the
-      // rows GEMM would need a CUTLASS alternative for these calls.
+      k = s.kernel(p.op, ab, out, accumulate, p.N, p.K, &choice, /*honour_forced=*/false, /*rows_ok=*/false);
       MOE_CHECK(!k->contiguous_rows, "grouped GEMM: the heuristic chose '", k->name, "' for a call it cannot take");
     } else {
       gemm::GroupedArgs a;

@@ -17,6 +17,11 @@ namespace moe::gemm {
 //  - long reductions: cooperative 128x256; the 1x2 cluster (token tile multicast to two N tiles)
 //    beats 2x1 when the output width fills whole cluster pairs of 256-wide tiles, otherwise half a
 //    cluster idles and 2x1 is used;
+//  - fprop of the shortest reductions (K <= 256: sonic-7b-fine's fc2): the rows GEMM's ping-pong
+//    128x192 (our own kernel: no TMA descriptor swap at the group change that four k blocks cannot
+//    hide), 475 against 425 TFLOP/s for the CUTLASS 128x192 ping-pong with runs of 4 (H100,
+//    2026-12-05, bench_grouped_gemm --all-configs, interleaved); at K >= 512 the two are within a few
+//    percent either way on the named shapes (0.92-1.03x), so the CUTLASS rules below stay;
 //  - runs of 4 consecutive cluster tiles per visit for reductions of at most 512 (fprop and dgrad):
 //    a four-k-block main loop cannot hide the group change (TMA descriptor swap) that the
 //    round-robin order makes at nearly every tile of fine-grained experts (sonic-7b-fine fc2:
@@ -46,9 +51,10 @@ const char* pong_192(int64_t width) {
 }
 }  // namespace
 
-TileChoice choose_tiles(Op op, int64_t N, int64_t K, bool accumulate) {
+TileChoice choose_tiles(Op op, int64_t N, int64_t K, bool accumulate, bool rows_ok) {
   switch (op) {
     case Op::kFprop: {  // Y [m, N], reduction K
+      if (rows_ok && K <= 256) return {"rows_pong_128x192x64_c2x1", false, 1};
       const bool short_k = K <= 2048;
       if (short_k && N % 256 == 0)
         return {pong_192(N), true, K <= 512 ? 4 : 1};

@@ -16,8 +16,10 @@ struct TileChoice {
   int tile_run = 1;
 };
 
-// accumulate: a weight gradient added into an fp32 main_grad (beta = 1).
-TileChoice choose_tiles(Op op, int64_t N, int64_t K, bool accumulate = false);
+// accumulate: a weight gradient added into an fp32 main_grad (beta = 1). rows_ok: the call can run
+// the rows GEMM (KernelEntry::contiguous_rows: one contiguous weight tensor, rows to compute); when
+// false the choice is a CUTLASS configuration.
+TileChoice choose_tiles(Op op, int64_t N, int64_t K, bool accumulate = false, bool rows_ok = true);
 // The same for FP8 block-scaled operands (op kFprop serves fprop and dgrad, see grouped_kernel.h).
 // restated_scales: the engine can restate the weight scales per 64 rows for this product
 // (GroupedGemm's max_weight_dim covers N and K), which the 192-wide fprop-form tile needs.

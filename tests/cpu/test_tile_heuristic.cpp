@@ -97,7 +97,8 @@ TEST(TileHeuristic, DgradTilesFollowTheMeasuredRule) {
 
 // Short-reduction fprop (K <= 2048): ping-pong 128x192, with the 1x2 cluster where the output is an
 // even number of 192-wide tiles and at most 2048 wide, the 2x1 cluster otherwise; runs of four tiles
-// for reductions up to 512. Longer reductions: the cooperative 128x256 tile.
+// for reductions up to 512; the rows GEMM's ping-pong 128x192 at K <= 256. Longer reductions: the
+// cooperative 128x256 tile.
 TEST(TileHeuristic, ShortReductionFpropTilesPairWholeClusters) {
   const auto expect = [](int64_t N, int64_t K, const char* name, int run) {
     const TileChoice c = choose_tiles(Op::kFprop, N, K);
@@ -105,8 +106,15 @@ TEST(TileHeuristic, ShortReductionFpropTilesPairWholeClusters) {
     EXPECT_EQ(c.tile_run, run) << N << " " << K;
     EXPECT_TRUE(c.raster_along_n) << N << " " << K;
   };
-  expect(1536, 256, "pong_128x192x64_c1x2", 4);   // sonic-7b-fine fc2
   expect(1536, 1024, "pong_128x192x64_c1x2", 1);  // sonic-7b-coarse fc2
+  // K <= 256 (sonic-7b-fine fc2): the rows GEMM's ping-pong 128x192; a call it cannot take (per-expert
+  // weight tables) gets the CUTLASS ping-pong 128x192 with runs of four tiles.
+  EXPECT_STREQ(choose_tiles(Op::kFprop, 1536, 256).name, "rows_pong_128x192x64_c2x1");
+  EXPECT_STREQ(choose_tiles(Op::kFprop, 64, 8).name, "rows_pong_128x192x64_c2x1");
+  const TileChoice cutlass = choose_tiles(Op::kFprop, 1536, 256, false, /*rows_ok=*/false);
+  EXPECT_STREQ(cutlass.name, "pong_128x192x64_c1x2");
+  EXPECT_EQ(cutlass.tile_run, 4);
+  EXPECT_TRUE(cutlass.raster_along_n);
   expect(4096, 512, "pong_128x192x64_c2x1", 4);   // sonic-30b-fine fc2 (22 tiles, but 4096 wide)
   expect(4096, 1024, "pong_128x192x64_c2x1", 1);  // sonic-30b-coarse fc2
   expect(4096, 2048, "pong_128x192x64_c2x1", 1);  // sonic-120b-coarse fc2
