@@ -115,8 +115,10 @@ def skew_offsets(E, skew):
 def whole_block(sonic, T, H, Fd, E, k, token_chunks, x, dy, res):
     """Ours as the same whole block SonicMoE's timed layer is -- gate (its gate weights, so the same
     logits up to rounding), softmax top-k router, experts: MoELayer(router="softmax") -- as
-    [(key, step)] for the forward and forward+backward timed by SonicMoE's method; [] (with
-    res["ours_block_error"]) where it cannot be built or captured."""
+    ([(key, step)], block) for the forward and forward+backward timed by SonicMoE's method; ([], None)
+    (with res["ours_block_error"]) where it cannot be built or captured. The caller holds `block` as
+    long as it replays the steps: the graphs run in its parameters and its ops' workspaces, which
+    go with it."""
     try:
         block = MoELayer(H, Fd, E, k, max_tokens=T, router="softmax", token_chunks=token_chunks)
         with torch.no_grad():
@@ -135,10 +137,10 @@ def whole_block(sonic, T, H, Fd, E, k, token_chunks, x, dy, res):
                  ("ours_block_fwd_bwd_sonic_method_ms", graphed(block_step))]
         x.grad = None
         block.zero_grad(set_to_none=True)
-        return steps
+        return steps, block
     except Exception as ex:  # report, don't hide
         res["ours_block_error"] = str(ex)[:160]
-        return []
+        return [], None
 
 
 def module_with_gemm_configs(configs, make):
@@ -207,6 +209,7 @@ def measure(name, rounds=4, token_chunks=1, skew=0.0, alt_gemm_configs=None):
     except Exception as ex:  # report, don't hide
         fwd_graph = None
         res["ours_fwd_graph_error"] = str(ex)[:160]
+    block_steps, block = [], None
     if sonic is not None:
         # Ours again on the routing `moe-engine bench` uses (softmax over standard-normal logits,
         # top-k), in the same process: separates the effect of SonicMoE's routing (its router on
@@ -214,7 +217,8 @@ def measure(name, rounds=4, token_chunks=1, skew=0.0, alt_gemm_configs=None):
         res["ours_fwd_graph_ms_bench_routing"] = median_ms(graphed(lambda: ours_forward((bench_idx, bench_probs))))
         res.update(sonic.prepare())
         x.grad = None
-        block_steps = whole_block(sonic, T, H, Fd, E, k, token_chunks, x, dy, res)
+        # block: held until the rounds end (its graphs replay into its memory)
+        block_steps, block = whole_block(sonic, T, H, Fd, E, k, token_chunks, x, dy, res)
 
     def clear_grads():
         x.grad = w1.grad = w2.grad = None
@@ -304,7 +308,7 @@ def measure(name, rounds=4, token_chunks=1, skew=0.0, alt_gemm_configs=None):
         for step in (steps if r % 2 == 0 else reversed(steps)):
             step()
     clear_grads()
-    del dense, dense_fwd, dense_fwd_bwd
+    del dense, dense_fwd, dense_fwd_bwd, block_steps, block
     for key, ms in samples.items():
         res[key] = median(ms)
         res[key + "_rounds"] = ms
