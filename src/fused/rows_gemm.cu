@@ -228,9 +228,12 @@ __device__ void produce(SharedStorage<C>& s, const Params& p, int total, int ran
   cute::cp_async_wait<0>();
 }
 
-template <class C, bool kCoop>
-__device__ void consume(SharedStorage<C>& s, const Params& p, int total, int rank) {
-  constexpr int kBM = C::kBM;
+// The consumer warp groups: each tile's k blocks, then its epilogue from registers. kCoop: both warp
+// groups share a C::kBM-row tile (64 rows each); otherwise each takes whole tiles in turn. kTileN:
+// the tile's output columns (256, or 192 for the ping-pong 128x192). Smem: the schedule's storage.
+template <class C, bool kCoop, int kTileN, class Smem>
+__device__ void consume(Smem& s, const Params& p, int total, int rank) {
+  constexpr int kBM = C::kBM, kGroupRows = kBM / (kCoop ? 2 : 1);
   const int ctid = threadIdx.x - kProducerThreads;
   const int group = ctid / kGroupThreads, gtid = ctid % kGroupThreads;
   const int ttid = kCoop ? ctid : gtid;  // the thread among those that share a tile
@@ -242,9 +245,10 @@ __device__ void consume(SharedStorage<C>& s, const Params& p, int total, int ran
   auto thr = mma.get_thread_slice(ttid);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-  Tensor acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
-  Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{}));
-  static_assert(size(decltype(acc){}) == 128, "64x256 per warp group: 128 accumulators per thread");
+  Tensor acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<kTileN>>{});
+  Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kTileN>>{}));
+  static_assert(size(decltype(acc){}) == kGroupRows * kTileN / kGroupThreads,
+                "a warp group's rows x the tile's columns, spread over its threads");
 
   const int k_blocks = (p.red + kBK - 1) / kBK;
   ConsumerTurns<kCoop, C::kStages> turns(group, k_blocks);  // ping-pong or cooperative (consumer_turns.cuh)
@@ -260,7 +264,7 @@ __device__ void consume(SharedStorage<C>& s, const Params& p, int total, int ran
                                [](int, int) {}, false);
     turns.end(s.order, lane);
 
-    store_tile<kBM / (kCoop ? 2 : 1), kBN>(acc, get<0>(coord(0)), tile, p, lane);
+    store_tile<kGroupRows, kTileN>(acc, get<0>(coord(0)), tile, p, lane);
   }
 }
 
@@ -292,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1) rows_gemm_kernel(const __grid_con
     produce<C, kOutMajor>(s, p, total, rank);
   } else {
     cutlass::arch::warpgroup_reg_alloc<C::kConsumerRegs>();
-    consume<C, kCoop>(s, p, total, rank);
+    consume<C, kCoop, kBN>(s, p, total, rank);
   }
   // No CTA may leave while its peer can still multicast into it or arrive on its barriers.
   cute::cluster_sync();
@@ -418,40 +422,6 @@ __device__ void produce(Storage<C>& s, const Params& p, int total, int rank) {
   }
 }
 
-template <class C>
-__device__ void consume(Storage<C>& s, const Params& p, int total, int rank) {
-  const int ctid = threadIdx.x - kProducerThreads;
-  const int group = ctid / kGroupThreads, gtid = ctid % kGroupThreads;
-  const int lane = threadIdx.x & 31;
-  typename C::TiledMma mma;
-  mma.accumulate_ = GMMA::ScaleOut::One;
-  Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<typename C::bf16*>(s.a[0])), typename C::SmemLayoutA{});
-  Tensor sB = make_tensor(make_smem_ptr(s.b), typename C::SmemLayoutB{});
-  auto thr = mma.get_thread_slice(gtid);
-  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
-  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-  Tensor acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
-  Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{}));
-  // 128 x 192 per warp group: two 64-row atoms of 96 accumulators a thread; accumulator
-  // v0 + 2 v1 + 4 v2 + 96 mb is row r + 8 v1 + 64 mb, column 8 v2 + 2 (lane % 4) + v0.
-  static_assert(size(decltype(acc){}) == 192, "128x192 per warp group: 192 accumulators per thread");
-
-  const int k_blocks = (p.red + kBK - 1) / kBK;
-  ConsumerTurns<false, kStages> turns(group, k_blocks);
-  const int stride = gridDim.x / kCluster;
-  for (int turn = turns.first_turn(), t = blockIdx.x / kCluster + turn * stride; t < total;
-       turn += turns.kTurnStep, t += turns.kTurnStep * stride) {
-    const RowTile tile = decode_tile<C>(t, s.tile_start, p, rank).tile;
-    clear(acc);
-    turns.begin(s.order, turn);
-    consume_k_blocks<kCluster>(mma, tCrA, tCrB, acc, s.full, s.empty, turns.ring, k_blocks, lane, [](int, int) {},
-                               [](int, int) {}, false);
-    turns.end(s.order, lane);
-
-    store_tile<kBM, kBN>(acc, get<0>(coord(0)), tile, p, lane);
-  }
-}
-
 template <bool kOutMajor>
 __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Params p) {
   using C = Config<kOutMajor>;
@@ -479,7 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Pa
     if (threadIdx.x == 0) pong192::produce<C, kOutMajor>(s, p, total, rank);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-    pong192::consume<C>(s, p, total, rank);
+    consume<C, false, pong192::kBN>(s, p, total, rank);
   }
   cute::cluster_sync();
 }
