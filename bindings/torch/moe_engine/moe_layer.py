@@ -37,28 +37,34 @@ _PRESETS = {"softmax": Router, "mixtral": Router.mixtral, "qwen3": Router.qwen3,
 class _GateAndInput(torch.autograd.Function):
     """logits = x W^T (+ b), and x itself for the experts, as one autograd node: its backward gets the
     logits' gradient and the experts' dx together and adds the gate's part of dx into the experts'
-    with one GEMM (addmm: dx_experts + d_logits W)."""
+    with one GEMM (addmm: dx_experts + d_logits W). dx_owned: the experts' dx is a tensor nothing
+    else holds (the experts' op allocates it, no module hook sees it), so the GEMM adds into it in
+    place (beta = 1, C = D); out of place, addmm first copies it, a T x H pass more."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, dx_owned=False):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        ctx.dx_owned = dx_owned
         return F.linear(x, weight, bias), x.view_as(x)
 
     @staticmethod
     def backward(ctx, d_logits, d_x):
         x, weight = ctx.saved_tensors
         if d_logits is None:
-            return d_x, None, None
+            return d_x, None, None, None
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = d_logits.mm(weight) if d_x is None else torch.addmm(d_x, d_logits, weight)
+            if d_x is None:
+                dx = d_logits.mm(weight)
+            else:
+                dx = d_x.addmm_(d_logits, weight) if ctx.dx_owned else torch.addmm(d_x, d_logits, weight)
         if ctx.needs_input_grad[1]:
             dw = d_logits.t().mm(x)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = d_logits.sum(0)
-        return dx, dw, db
+        return dx, dw, db, None
 
 
 def _map_row_bound(max_tokens, topk, num_experts, router_options, experts_options):
@@ -139,6 +145,14 @@ class MoELayer(nn.Module):
         return (type(gate) is nn.Linear and gate.weight.dtype == torch.bfloat16 and autocast_ok and
                 self.logits_dtype in (None, torch.bfloat16) and not hooked)
 
+    def _experts_dx_owned(self):
+        """Whether the experts' dx reaches the gate's backward as a tensor nothing else holds: x_experts
+        feeds the experts alone, whose op allocates dx (GroupedMLP: not a module put in its place),
+        unless a module backward hook on them (or a global one) gets to see it."""
+        experts, glob = self.experts, nn.modules.module
+        return type(experts) is GroupedMLP and not (experts._backward_hooks or experts._backward_pre_hooks or glob._global_backward_hooks
+                    or glob._global_backward_pre_hooks)
+
     def forward(self, x):
         """x bf16 [..., H] (another float dtype under a bf16 autocast: cast) -> (y bf16 [..., H], routing)."""
         x = _activation_input(x)
@@ -147,7 +161,7 @@ class MoELayer(nn.Module):
                              f"{x.dtype} {list(x.shape)}")
         x2d = x.reshape(-1, self.hidden_size)
         if self._fused_gate():
-            logits, x_experts = _GateAndInput.apply(x2d, self.gate.weight, self.gate.bias)
+            logits, x_experts = _GateAndInput.apply(x2d, self.gate.weight, self.gate.bias, self._experts_dx_owned())
         else:
             logits, x_experts = self.logits(x2d), x2d
         routed = self.router(logits)

@@ -69,3 +69,24 @@ def test_frozen_gate_and_input_without_gradient():
     logits, x_out = _GateAndInput.apply(x, wr, br)
     logits.backward(d_logits)
     assert torch.equal(wr.grad, d_logits.t().mm(x)) and torch.equal(br.grad, d_logits.sum(0))
+
+
+def test_owned_dx_gets_the_gate_part_in_place():
+    # dx_owned (MoELayer: the experts' op allocated dx and no hook sees it): the sum lands in the
+    # experts' dx itself, no copy of it first; the same values as the out-of-place addmm. (x.grad is
+    # a copy here only because this test still holds the experts' dx: autograd takes a gradient
+    # nothing else holds as it is.)
+    for dtype in (torch.bfloat16, torch.float32):
+        x, w, b, d_logits, d_x = tensors(dtype, 4)
+        xr, wr, br = leaves(x, w, b)
+        experts_dx = d_x.clone()
+        logits, x_out = _GateAndInput.apply(xr, wr, br, True)
+        torch.autograd.backward([logits, x_out], [d_logits, experts_dx])
+        assert torch.equal(xr.grad, torch.addmm(d_x, d_logits, w))
+        assert torch.equal(experts_dx, xr.grad)
+        # Not owned (the default): the experts' dx is left as it was.
+        xr, wr, br = leaves(x, w, b)
+        experts_dx = d_x.clone()
+        logits, x_out = _GateAndInput.apply(xr, wr, br)
+        torch.autograd.backward([logits, x_out], [d_logits, experts_dx])
+        assert torch.equal(experts_dx, d_x) and torch.equal(xr.grad, torch.addmm(d_x, d_logits, w))
