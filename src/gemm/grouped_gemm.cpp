@@ -162,15 +162,16 @@ struct GroupedGemm::Impl {
     return a;
   }
 
-  // The kernel for the problem's capabilities and shape: the heuristic's configuration, or (with
-  // `honour_forced`) the forced one when a kernel of that name has the needed capabilities.
+  // The kernel for the problem's capabilities and shape: the heuristic's configuration, or the forced
+  // one when a kernel of that name has the needed capabilities. `fallback`: a call the rows GEMM
+  // cannot take -- the heuristic's CUTLASS configuration, nothing forced.
   const gemm::KernelEntry* kernel(Op op, DType ab, DType out, bool accumulate, int64_t N, int64_t K,
-                                  gemm::TileChoice* choice, bool honour_forced = true, bool rows_ok = true) const {
+                                  gemm::TileChoice* choice, bool fallback = false) const {
     const Forced& f = forced[int(op)];
     gemm::TileChoice c = ab == DType::kFP8E4M3
                              ? gemm::choose_fp8_tiles(op, N, K, max_weight_dim >= std::max(N, K), accumulate)
-                             : gemm::choose_tiles(op, N, K, accumulate, rows_ok);
-    if (honour_forced && !f.name.empty() && gemm::find_kernel(op, ab, out, accumulate, f.name.c_str()))
+                             : gemm::choose_tiles(op, N, K, accumulate, /*rows_ok=*/!fallback);
+    if (!fallback && !f.name.empty() && gemm::find_kernel(op, ab, out, accumulate, f.name.c_str()))
       c = {f.name.c_str(), f.raster_along_n, f.tile_run};
     const gemm::KernelEntry* k = gemm::find_kernel(op, ab, out, accumulate, c.name);
     MOE_CHECK(k != nullptr, "grouped GEMM: no ", gemm_op_name(GemmOp(op)), " kernel '", c.name, "' for ",
@@ -423,7 +424,7 @@ void GroupedGemm::run(const GemmProblem& pr, const TensorView& workspace, cudaSt
                        fused::rows_gemm_unsupported(w.experts(), rows, red_is_k ? p.K : p.N, red_is_k ? p.N : p.K)
                            .empty();
     if (!takes) {
-      k = s.kernel(p.op, ab, out, accumulate, p.N, p.K, &choice, /*honour_forced=*/false, /*rows_ok=*/false);
+      k = s.kernel(p.op, ab, out, accumulate, p.N, p.K, &choice, /*fallback=*/true);
       MOE_CHECK(!k->contiguous_rows, "grouped GEMM: the heuristic chose '", k->name, "' for a call it cannot take");
     } else {
       gemm::GroupedArgs a;

@@ -67,6 +67,13 @@ class _GateAndInput(torch.autograd.Function):
         return dx, dw, db, None
 
 
+def _backward_hooked(module):
+    """Whether a module backward hook (the module's own or a global one) sees the module's gradients."""
+    glob = nn.modules.module
+    return bool(module._backward_hooks or module._backward_pre_hooks or glob._global_backward_hooks
+                or glob._global_backward_pre_hooks)
+
+
 def _map_row_bound(max_tokens, topk, num_experts, router_options, experts_options):
     """Expert rows map-form routing can give: T * k, plus what token rounding up may add (less than
     one tile per expert) and the per-expert alignment padding."""
@@ -139,9 +146,8 @@ class MoELayer(nn.Module):
         under another autocast the gate runs as a module)."""
         gate, glob = self.gate, nn.modules.module
         autocast_ok = not torch.is_autocast_enabled("cuda") or _bf16_autocast()
-        hooked = (gate._forward_hooks or gate._forward_pre_hooks or gate._backward_hooks or gate._backward_pre_hooks
-                  or glob._global_forward_hooks or glob._global_forward_pre_hooks or glob._global_backward_hooks
-                  or glob._global_backward_pre_hooks)
+        hooked = (gate._forward_hooks or gate._forward_pre_hooks or glob._global_forward_hooks
+                  or glob._global_forward_pre_hooks or _backward_hooked(gate))
         return (type(gate) is nn.Linear and gate.weight.dtype == torch.bfloat16 and autocast_ok and
                 self.logits_dtype in (None, torch.bfloat16) and not hooked)
 
@@ -149,9 +155,7 @@ class MoELayer(nn.Module):
         """Whether the experts' dx reaches the gate's backward as a tensor nothing else holds: x_experts
         feeds the experts alone, whose op allocates dx (GroupedMLP: not a module put in its place),
         unless a module backward hook on them (or a global one) gets to see it."""
-        experts, glob = self.experts, nn.modules.module
-        return type(experts) is GroupedMLP and not (experts._backward_hooks or experts._backward_pre_hooks or glob._global_backward_hooks
-                    or glob._global_backward_pre_hooks)
+        return type(self.experts) is GroupedMLP and not _backward_hooked(self.experts)
 
     def forward(self, x):
         """x bf16 [..., H] (another float dtype under a bf16 autocast: cast) -> (y bf16 [..., H], routing)."""
