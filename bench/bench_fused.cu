@@ -134,6 +134,8 @@ int main(int argc, char** argv) {
     DeviceMem slots_d(R * 4), offsets_d((E + 1) * 4), probs_d(R * 4), dprobs(R * 4);
     const int feature_blocks = moe::fused::fc2_dgrad_feature_blocks(F);
     DeviceMem dprobs_partial(int64_t(feature_blocks) * R * 4);
+    DeviceMem tile_counter(4);  // the gathered weight gradients' tile queue: zero, and left zero
+    MOE_CUDA_CHECK(cudaMemset(tile_counter.p, 0, 4));
     moe::bench::fill_bf16_uniform(x.p, T * H, 1, stream);
     moe::bench::fill_bf16_uniform(dy.p, T * H, 2, stream);
     moe::bench::fill_bf16_uniform(w1.p, E * F1 * H, 3, stream);
@@ -248,6 +250,7 @@ int main(int argc, char** argv) {
         a.N = int(H);
         a.x_major = fc == 2;
         a.sm_count = sm_count;
+        a.tile_counter = tile_counter.as<int>();
         moe::fused::WgradGatheredArgs acc = a;
         a.dw_base = fc == 1 ? dw1.p : dw2.p;
         a.dw_stride_bytes = int64_t(a.M) * H * 2;

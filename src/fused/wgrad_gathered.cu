@@ -12,8 +12,11 @@
 //   * warp groups 1 and 2 (consumers) run WGMMA 64x256x16 with both operands MN-major on X columns
 //     0-63 and 64-127, then write dW_e rows (dY columns) x X columns, or accumulate into fp32,
 //     through a shared-memory buffer per warp group (stmatrix in, whole 128-byte rows out).
-// Persistent: each cluster walks the (expert, dY block, pair of X blocks) tiles with a stride of the
-// number of clusters, so one tile's epilogue overlaps the next tile's loads.
+// Persistent: each cluster walks the (expert, dY block, pair of X blocks) tiles, so one tile's
+// epilogue overlaps the next tile's loads. A tile's cost is its expert's rows, so the clusters draw
+// their tiles from a queue (tile_queue.cuh) rather than by a fixed stride, the experts with the most
+// rows first: under skewed routing a fixed stride left the SMs of the luckier clusters idle for a
+// quarter of the kernel.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -41,6 +44,7 @@
 #include "fused/consumer_loop.cuh"
 #include "fused/fragment_pack.cuh"
 #include "fused/tensor_map.h"
+#include "fused/tile_queue.cuh"
 #include "fused/wgrad_gathered.h"
 #include "moe/error.h"
 
@@ -94,6 +98,12 @@ static_assert(kStagedRows == kBX / 2, "a warp group's X columns fill one staged 
 // Named barriers of the consumer warp groups (0 is __syncthreads).
 constexpr int kZeroRowsBarrier = 1;      // both warp groups: rows past the group zeroed
 constexpr int kStagingBarrierBase = 2;   // + group: that warp group's staging buffer
+// The tile queue: indices drawn one tile ahead; read by every producer and consumer warp.
+constexpr int kTileSlots = 2;
+constexpr int kTileReaders = kThreads / 32;
+// Experts ordered by rows in shared memory (beyond this many they keep their own order, which the
+// queue still balances up to the cost of the last tiles drawn).
+constexpr int kOrderedExperts = 896;
 
 struct SharedStorage {
   alignas(1024) bf16 x[cosize_v<SmemLayoutX>];
@@ -102,6 +112,8 @@ struct SharedStorage {
   alignas(128) uint8_t staging[2][2][kStagingBytes];
   alignas(8) uint64_t full[kStages];   // the stage's copies and both TMA halves landed
   alignas(8) uint64_t empty[kStages];  // every consumer warp of the cluster is done with the stage
+  TileQueueStorage<kTileSlots> queue;
+  uint16_t order[kOrderedExperts];     // with Params::ordered: the experts, the most k blocks first
 };
 
 struct Params {
@@ -115,6 +127,8 @@ struct Params {
   int M, N;                 // dW_e is [M, N]: M = dY columns, N = X columns
   int y_tiles, x_pairs;     // dY blocks of 256 and pairs of X blocks of 128 per expert
   int total;                // tiles
+  int* tile_counter;        // the tile queue's counter (zero between launches)
+  bool ordered;             // the tile order visits the experts as SharedStorage::order lists them
   char* dw_base;
   int64_t dw_stride;        // bytes
   void* const* dw_table;
@@ -127,10 +141,10 @@ struct Tile {
   int64_t begin, end;      // the expert's rows
 };
 
-__device__ __forceinline__ Tile decode_tile(const Params& p, int t, int rank) {
+__device__ __forceinline__ Tile decode_tile(const SharedStorage& s, const Params& p, int t, int rank) {
   Tile tile;
   const int per_expert = p.y_tiles * p.x_pairs;
-  tile.e = t / per_expert;
+  tile.e = p.ordered ? s.order[t / per_expert] : t / per_expert;
   const int local = t % per_expert;
   tile.y0 = (local % p.y_tiles) * kBY;
   tile.x0 = ((local / p.y_tiles) * kCluster + rank) * kBX;
@@ -172,8 +186,17 @@ __device__ void produce(SharedStorage& s, const Params& p, int rank) {
   for (int i = 0; i < kBK / 8; ++i) chunk[i] = x_chunk_offset(c, r0 + 8 * i);
   RingPosition<kStages> ring;
   ring.phase = 1;  // a fresh barrier counts as released for parity 1
-  for (int t = blockIdx.x / kCluster; t < p.total; t += gridDim.x / kCluster) {
-    const Tile tile = decode_tile(p, t, rank);
+  // Thread 0 of CTA 0 draws the cluster's tiles: the next one once a tile's loads are issued, which
+  // the consumers are still four stages from using up.
+  const bool drawer = rank == 0 && tid == 0;
+  const int last_draw = p.total + static_cast<int>(gridDim.x) / kCluster - 1;
+  TileQueuePosition<kTileSlots> reader, writer;
+  writer.phase = 1;
+  if (drawer) publish_tile<kTileSlots, kCluster>(s.queue, writer, atomicAdd(p.tile_counter, 1), p.tile_counter, last_draw);
+  for (;;) {
+    const int t = next_tile(s.queue, reader, lane);
+    if (t >= p.total) break;
+    const Tile tile = decode_tile(s, p, t, rank);
     const bool c_in = tile.x0 + c < p.N;
     const int64_t col0 = tile.x0 + c;
     const __nv_bfloat16* x_col = p.x + col0;
@@ -223,6 +246,7 @@ __device__ void produce(SharedStorage& s, const Params& p, int rank) {
         ahead[j] = lane < 16 ? row_slot(p, row0 + int64_t(kAhead) * kBK + own, tile.end) : -1;
       }
     }
+    if (drawer) publish_tile<kTileSlots, kCluster>(s.queue, writer, atomicAdd(p.tile_counter, 1), p.tile_counter, last_draw);
   }
   cute::cp_async_wait<0>();
 }
@@ -402,8 +426,10 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
 
   RingPosition<kStages> ring;
   ring.phase = 0;
-  for (int t = blockIdx.x / kCluster; t < p.total; t += gridDim.x / kCluster) {
-    const Tile tile = decode_tile(p, t, rank);
+  TileQueuePosition<kTileSlots> reader;
+  int t = next_tile(s.queue, reader, lane);
+  while (t < p.total) {
+    const Tile tile = decode_tile(s, p, t, rank);
     const int64_t rows = tile.end - tile.begin;
     const int k_blocks = static_cast<int>((rows + kBK - 1) / kBK);
     clear(acc);  // an empty group's gradient is zero
@@ -414,6 +440,8 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
           if (valid < kBK) zero_rows_past_group(s, stage, valid, ctid);
         },
         [](int, int) {}, false);  // WGMMA alone reads the stages: one release per warp
+    // The next tile's index, read (and its slot released) before this tile's stores are in flight.
+    t = next_tile(s.queue, reader, lane);
 
     if (p.accumulate && k_blocks == 0) continue;  // main_grad keeps its value
     char* dw = p.dw_table != nullptr ? static_cast<char*>(p.dw_table[tile.e]) : p.dw_base + tile.e * p.dw_stride;
@@ -435,11 +463,37 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
   }
 }
 
+// SharedStorage::order: the experts by their k blocks, most first (ties: lower expert first), so that
+// the queue hands out the longest tiles while there are short ones left to even out the end. Every
+// CTA computes the same order (a rank per expert, by counting); the epilogue's staging buffers, not
+// in use yet, hold the k blocks meanwhile.
+__device__ void order_experts(SharedStorage& s, const Params& p) {
+  static_assert(sizeof(s.staging) >= kOrderedExperts * sizeof(int), "the staging buffers hold the k blocks");
+  int* k_blocks = reinterpret_cast<int*>(s.staging);
+  for (int e = threadIdx.x; e < p.E; e += kThreads) {
+    int64_t begin, end;
+    kernels::group_rows(p.offsets, e, p.R, &begin, &end);
+    k_blocks[e] = static_cast<int>((end - begin + kBK - 1) / kBK);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < p.E; e += kThreads) {
+    const int mine = k_blocks[e];
+    int rank = 0;
+    for (int f = 0; f < p.E; ++f) {
+      const int other = k_blocks[f];
+      rank += other > mine || (other == mine && f < e);
+    }
+    s.order[rank] = static_cast<uint16_t>(e);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 1) wgrad_gathered_kernel(const __grid_constant__ Params p) {
   extern __shared__ uint8_t smem_raw[];
   // The swizzle is a function of the address bits: the tiles must start 1024-byte aligned.
   SharedStorage& s = *reinterpret_cast<SharedStorage*>(align_smem_1024(smem_raw));
   const int rank = static_cast<int>(cute::block_rank_in_cluster());
+  if (p.ordered) order_experts(s, p);
+  if (threadIdx.x == 64) init_tile_queue<kTileSlots, kCluster>(s.queue, kTileReaders);
   if (threadIdx.x == 32) {
     // full: every producer thread's cp.async arrival + the TMA issuer's expect-tx arrival;
     // empty: every consumer warp of both CTAs of the cluster.
@@ -447,7 +501,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_gathered_kernel(const __gri
                                  kCluster * stage_releases(kConsumerThreads, false));
   }
   if (threadIdx.x == 0) cute::prefetch_tma_descriptor(&p.dy_map);
-  // The peer's barriers must be initialized before anything arrives on them.
+  // The peer's barriers must be initialized before anything arrives on them (and the order is
+  // complete, its scratch space free).
   cute::cluster_sync();
   if (threadIdx.x < kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
@@ -479,7 +534,8 @@ const char* wgrad_gathered_unsupported(int experts, int64_t M, int64_t N) {
   if (M < 8 || M % 8 != 0 || N < 8 || N % 8 != 0) return "the gathered weight gradient needs M and N multiples of 8";
   if (M >= (int64_t(1) << 30) || N >= (int64_t(1) << 30)) return "the gathered weight gradient needs M, N < 2^30";
   const int64_t tiles = int64_t(experts) * ((M + kBY - 1) / kBY) * ((N + kCluster * kBX - 1) / (kCluster * kBX));
-  if (tiles >= (int64_t(1) << 31)) return "the gathered weight gradient needs fewer than 2^31 output tiles";
+  // The queue draws up to tiles + clusters - 1 indices (a cluster per two SMs).
+  if (tiles >= (int64_t(1) << 30)) return "the gathered weight gradient needs fewer than 2^30 output tiles";
   return "";
 }
 
@@ -506,6 +562,9 @@ void launch_wgrad_gathered(const WgradGatheredArgs& a, cudaStream_t stream) {
   p.y_tiles = (a.M + kBY - 1) / kBY;
   p.x_pairs = (a.N + kCluster * kBX - 1) / (kCluster * kBX);
   p.total = a.experts * p.y_tiles * p.x_pairs;
+  MOE_CHECK(a.tile_counter != nullptr, "gathered wgrad: argument 'tile_counter' is required (a zeroed int)");
+  p.tile_counter = a.tile_counter;
+  p.ordered = a.experts <= kOrderedExperts;
   p.dw_base = static_cast<char*>(a.dw_base);
   p.dw_stride = a.dw_stride_bytes;
   p.dw_table = a.dw_table;

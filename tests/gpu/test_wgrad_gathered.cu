@@ -3,7 +3,9 @@
 // than the 4-stage ring, padding rows, M and N that are not tile multiples, bf16 / fp32 written and
 // fp32 accumulated (main_grad), both output layouts and staged or element-wise stores (a dW_e off
 // 16-byte alignment; all bitwise identical), the gathered and the contiguous form of the same rows
-// (bitwise identical), and CUDA graph replay with a new routing (bitwise equal to eager).
+// (bitwise identical), and CUDA graph replay with a new routing (bitwise equal to eager). The tile
+// queue: skewed groups over more tiles than the GPU has clusters, more experts than the kernel
+// orders by rows, and the queue's counter left zero after every launch and replay.
 //
 // Tolerances, as for the grouped GEMM's wgrad (tests/gpu/test_grouped_gemm.cu): bf16 inputs give
 // exact fp32 products, accumulated in fp32 and rounded once:
@@ -114,8 +116,13 @@ Expected expect(const Batch& b) {
 struct DeviceBatch {
   DeviceBuffer<Bits> x, x_perm, dy;
   DeviceBuffer<int32_t> off, row_slots;
+  DeviceBuffer<int32_t> tile_counter{std::vector<int32_t>{0}};
   explicit DeviceBatch(const Batch& b)
       : x(b.x), x_perm(b.x_perm()), dy(b.dy), off(b.off), row_slots(b.row_slots.empty() ? std::vector<int32_t>{0} : b.row_slots) {}
+  // Every launch must leave the tile queue's counter as it found it: zero.
+  void expect_counter_zero(const std::string& when) const {
+    EXPECT_EQ(tile_counter.download(), std::vector<int32_t>{0}) << "the tile queue's counter after " << when;
+  }
 };
 
 fused::WgradGatheredArgs args(const Batch& b, const DeviceBatch& d, bool gathered) {
@@ -129,6 +136,7 @@ fused::WgradGatheredArgs args(const Batch& b, const DeviceBatch& d, bool gathere
   a.R = b.R;
   a.M = b.M;
   a.N = b.N;
+  a.tile_counter = d.tile_counter.get();
   return a;
 }
 
@@ -183,6 +191,7 @@ std::vector<Out> run(const Batch& b, const DeviceBatch& d, bool gathered, bool a
   a.x_major = store.x_major;
   fused::launch_wgrad_gathered(a, nullptr);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  d.expect_counter_zero("a launch");
   std::vector<Out> got = dw.download();
   got.erase(got.begin(), got.begin() + shift);
   return relayout(got, false);
@@ -261,6 +270,17 @@ TEST_P(WgradGathered, MatchesReferenceInEveryOutputMode) {
       EXPECT_TRUE(std::equal(acc.begin() + e * mn, acc.begin() + (e + 1) * mn, prior.begin() + e * mn)) << "expert " << e;
 }
 
+// Zipf-like rows per expert (expert i gets about mean * E / (H_E (i + 1)), H_E the harmonic
+// number), in a shuffled order so that the busiest experts do not come first by number.
+std::vector<int> skewed_counts(int E, int mean, uint64_t seed) {
+  double harmonic = 0;
+  for (int i = 1; i <= E; ++i) harmonic += 1.0 / i;
+  std::vector<int> c(E);
+  for (int i = 0; i < E; ++i) c[i] = static_cast<int>(double(mean) * E / (harmonic * (i + 1)));
+  std::shuffle(c.begin(), c.end(), std::mt19937_64(seed));
+  return c;
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, WgradGathered,
     ::testing::Values(
@@ -279,7 +299,12 @@ INSTANTIATE_TEST_SUITE_P(
         Shape{40, 4, 420, 512, 256,
               {40, 0, 33, 64, 65, 1, 100, 7, 40, 40, 40, 40, 0, 1, 2, 3, 90, 40, 40, 40,
                40, 40, 40, 40, 128, 40, 40, 40, 40, 40, 5, 40, 40, 40, 40, 40, 40, 40, 129, 40},
-              0}));
+              0},
+        // Skewed routing over 48 x 2 x 2 = 192 cluster tiles: the queue hands the busiest experts'
+        // tiles out first (the order of the experts by rows), the clusters draw unequal numbers.
+        Shape{48, 8, 512, 512, 512, skewed_counts(48, 80, 3), 0},
+        // More experts than the kernel orders by rows (896): the queue in the experts' own order.
+        Shape{1000, 4, 2000, 16, 24, skewed_counts(1000, 8, 4), 0}));
 
 // Captured once, replayed with a new routing (new offsets and row map, same buffers): bitwise the
 // eager result of the new routing.
@@ -312,6 +337,14 @@ TEST(WgradGathered, GraphReplayWithNewRoutingEqualsEager) {
   MOE_CUDA_CHECK(cudaGraphLaunch(exec, s));
   MOE_CUDA_CHECK(cudaStreamSynchronize(s));
   const std::vector<float> replayed = dw.download();
+  d.expect_counter_zero("a replay");
+  // Replayed again: the queue starts from zero each time (a counter left past the tiles would skip them).
+  dw.fill_bytes(0xFF);
+  MOE_CUDA_CHECK(cudaGraphLaunch(exec, s));
+  MOE_CUDA_CHECK(cudaGraphLaunch(exec, s));
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  EXPECT_EQ(dw.download(), replayed) << "the third replay";
+  d.expect_counter_zero("three replays");
 
   const DeviceBatch fresh(second);
   EXPECT_EQ(replayed, run<float>(second, fresh, true, false, Store{}, {}));
