@@ -89,7 +89,12 @@ __device__ __forceinline__ int next_tile(TileQueueStorage<kSlots>& q, TileQueueP
     cutlass::arch::ClusterBarrier::arrive(&q.empty[reader.slot], 0, 1);
   }
   reader.advance();
-  return __shfl_sync(0xffffffffu, t, 0);
+  // A warp-wide OR of lane 0's index (the other lanes add zeros): the result lands in a uniform
+  // register, so the compiler knows every lane has it, and the tile loop's trip counts, ring
+  // positions and barrier addresses stay on the uniform datapath. A shuffle gives the same value but
+  // not known uniform: with one, the wgrad producer's copies were issued one by one instead of
+  // interleaved, and each stage's arrival became a loop over the warp's distinct addresses.
+  return static_cast<int>(__reduce_or_sync(0xffffffffu, static_cast<unsigned>(t)));
 }
 
 }  // namespace moe::fused
