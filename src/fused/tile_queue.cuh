@@ -76,25 +76,26 @@ __device__ __forceinline__ void publish_tile(TileQueueStorage<kSlots>& q, TileQu
   writer.advance();
 }
 
-// Called by every lane of a reading warp: the warp's next index. Lane 0 waits, reads and releases
-// the slot to CTA 0's `empty` barrier (its own arrival orders its read before the slot's next
-// write, as a consumer's release of a stage does for the next multicast into it) and passes the
-// index on.
+// One lane of a reading warp (lane 0) takes the next index: it waits, reads and releases the slot
+// to CTA 0's `empty` barrier (its own arrival orders its read before the slot's next write, as a
+// consumer's release of a stage does for the next multicast into it). The warp gets the index by
+// warp_tile.
 template <int kSlots>
-__device__ __forceinline__ int next_tile(TileQueueStorage<kSlots>& q, TileQueuePosition<kSlots>& reader, int lane) {
-  int t = 0;
-  if (lane == 0) {
-    cutlass::arch::ClusterBarrier::wait(&q.full[reader.slot], reader.phase);
-    t = *reinterpret_cast<volatile int*>(&q.index[reader.slot]);
-    cutlass::arch::ClusterBarrier::arrive(&q.empty[reader.slot], 0, 1);
-  }
+__device__ __forceinline__ int take_tile(TileQueueStorage<kSlots>& q, TileQueuePosition<kSlots>& reader) {
+  cutlass::arch::ClusterBarrier::wait(&q.full[reader.slot], reader.phase);
+  const int t = *reinterpret_cast<volatile int*>(&q.index[reader.slot]);
+  cutlass::arch::ClusterBarrier::arrive(&q.empty[reader.slot], 0, 1);
   reader.advance();
-  // A warp-wide OR of lane 0's index (the other lanes add zeros): the result lands in a uniform
-  // register, so the compiler knows every lane has it, and the tile loop's trip counts, ring
-  // positions and barrier addresses stay on the uniform datapath. A shuffle gives the same value but
-  // not known uniform: with one, the wgrad producer's copies were issued one by one instead of
-  // interleaved, and each stage's arrival became a loop over the warp's distinct addresses.
-  return static_cast<int>(__reduce_or_sync(0xffffffffu, static_cast<unsigned>(t)));
+  return t;
+}
+
+// Called by every lane of a warp: lane 0's index (the other lanes pass zero), by a warp-wide OR. The
+// result lands in a uniform register, so the compiler knows every lane has it, and the tile loop's
+// trip counts, ring positions and barrier addresses stay on the uniform datapath. A shuffle gives the
+// same value but not known uniform: with one, the wgrad producer's copies were issued one by one
+// instead of interleaved, and each stage's arrival became a loop over the warp's distinct addresses.
+__device__ __forceinline__ int warp_tile(int from_lane0) {
+  return static_cast<int>(__reduce_or_sync(0xffffffffu, static_cast<unsigned>(from_lane0)));
 }
 
 }  // namespace moe::fused

@@ -13,10 +13,12 @@
 //     0-63 and 64-127, then write dW_e rows (dY columns) x X columns, or accumulate into fp32,
 //     through a shared-memory buffer per warp group (stmatrix in, whole 128-byte rows out).
 // Persistent: each cluster walks the (expert, dY block, pair of X blocks) tiles, so one tile's
-// epilogue overlaps the next tile's loads. A tile's cost is its expert's rows, so the clusters draw
-// their tiles from a queue (tile_queue.cuh) rather than by a fixed stride, the experts with the most
-// rows first: under skewed routing a fixed stride left the SMs of the luckier clusters idle for a
-// quarter of the kernel.
+// epilogue overlaps the next tile's loads. A tile's cost is its expert's rows. Where the routing
+// makes a fixed stride (cluster c: tiles c, c + C, ...) hand the clusters unequal work -- under
+// skewed routing it left the SMs of the luckier clusters idle for a quarter of the kernel -- the
+// clusters draw their tiles from a queue instead (tile_queue.cuh), the experts with the most rows
+// first. The kernel decides in its prologue, from the group sizes, so the choice is graph-safe; on
+// near-balanced routing the stride stays (the queue's hand-off cost a few percent there).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -102,8 +104,17 @@ constexpr int kStagingBarrierBase = 2;   // + group: that warp group's staging b
 constexpr int kTileSlots = 2;
 constexpr int kTileReaders = kThreads / 32;
 // Experts ordered by rows in shared memory (beyond this many they keep their own order, which the
-// queue still balances up to the cost of the last tiles drawn).
+// queue still balances up to the cost of the last tiles drawn, and the schedule is not estimated:
+// the queue).
 constexpr int kOrderedExperts = 896;
+// The schedule estimate: a tile costs its k blocks plus about this many for its epilogue; the queue
+// is taken where the stride's busiest cluster has more than kQueueAbovePercent % of the work the
+// queue would leave its busiest one.
+constexpr int kTileOverheadBlocks = 2;
+constexpr int kQueueAbovePercent = 104;
+// SharedStorage::plan
+constexpr unsigned kPlanQueue = 1u;    // the clusters draw from the queue (else the fixed stride)
+constexpr unsigned kPlanOrdered = 2u;  // SharedStorage::order lists the experts (else their own order)
 
 struct SharedStorage {
   alignas(1024) bf16 x[cosize_v<SmemLayoutX>];
@@ -113,7 +124,9 @@ struct SharedStorage {
   alignas(8) uint64_t full[kStages];   // the stage's copies and both TMA halves landed
   alignas(8) uint64_t empty[kStages];  // every consumer warp of the cluster is done with the stage
   TileQueueStorage<kTileSlots> queue;
-  uint16_t order[kOrderedExperts];     // with Params::ordered: the experts, the most k blocks first
+  uint16_t order[kOrderedExperts];     // with kPlanOrdered: the experts, the most k blocks first
+  unsigned long long stride_makespan;  // the schedule estimate: the stride's busiest cluster
+  unsigned plan;                       // kPlan* bits, the same in every CTA
 };
 
 struct Params {
@@ -128,7 +141,7 @@ struct Params {
   int y_tiles, x_pairs;     // dY blocks of 256 and pairs of X blocks of 128 per expert
   int total;                // tiles
   int* tile_counter;        // the tile queue's counter (zero between launches)
-  bool ordered;             // the tile order visits the experts as SharedStorage::order lists them
+  WgradSchedule schedule;
   char* dw_base;
   int64_t dw_stride;        // bytes
   void* const* dw_table;
@@ -141,10 +154,26 @@ struct Tile {
   int64_t begin, end;      // the expert's rows
 };
 
-__device__ __forceinline__ Tile decode_tile(const SharedStorage& s, const Params& p, int t, int rank) {
+// The kernel's plan (kPlan* bits) as a uniform value: every branch on it stays on the uniform
+// datapath (a value merely read from shared memory is not known to be the same in every lane).
+__device__ __forceinline__ unsigned read_plan(const SharedStorage& s) {
+  return __reduce_or_sync(0xffffffffu, *reinterpret_cast<const volatile unsigned*>(&s.plan));
+}
+
+// The warp's next tile after tile t: drawn from the queue, or t + clusters by the stride. Lane 0
+// alone takes it (only lane 0 keeps `reader` current), so the warp's one branch is lane 0's, as in
+// warp_tile's use with the queue alone.
+__device__ __forceinline__ int following_tile(SharedStorage& s, TileQueuePosition<kTileSlots>& reader, int lane,
+                                              unsigned plan, int t, int clusters) {
+  int next = 0;
+  if (lane == 0) next = (plan & kPlanQueue) ? take_tile(s.queue, reader) : t + clusters;
+  return warp_tile(next);
+}
+
+__device__ __forceinline__ Tile decode_tile(const SharedStorage& s, const Params& p, int t, int rank, unsigned plan) {
   Tile tile;
   const int per_expert = p.y_tiles * p.x_pairs;
-  tile.e = p.ordered ? s.order[t / per_expert] : t / per_expert;
+  tile.e = (plan & kPlanOrdered) ? s.order[t / per_expert] : t / per_expert;
   const int local = t % per_expert;
   tile.y0 = (local % p.y_tiles) * kBY;
   tile.x0 = ((local / p.y_tiles) * kCluster + rank) * kBX;
@@ -186,17 +215,23 @@ __device__ void produce(SharedStorage& s, const Params& p, int rank) {
   for (int i = 0; i < kBK / 8; ++i) chunk[i] = x_chunk_offset(c, r0 + 8 * i);
   RingPosition<kStages> ring;
   ring.phase = 1;  // a fresh barrier counts as released for parity 1
-  // Thread 0 of CTA 0 draws the cluster's tiles: the next one once a tile's loads are issued, which
-  // the consumers are still four stages from using up.
-  const bool drawer = rank == 0 && tid == 0;
-  const int last_draw = p.total + static_cast<int>(gridDim.x) / kCluster - 1;
+  // With the queue, thread 0 of CTA 0 draws the cluster's tiles: the next one once a tile's loads
+  // are issued, which the consumers are still four stages from using up.
+  const unsigned plan = read_plan(s);
+  const bool queue = plan & kPlanQueue;
+  const int clusters = static_cast<int>(gridDim.x) / kCluster;
+  const bool drawer = queue && rank == 0 && tid == 0;
+  const int last_draw = p.total + clusters - 1;
   TileQueuePosition<kTileSlots> reader, writer;
   writer.phase = 1;
   if (drawer) publish_tile<kTileSlots, kCluster>(s.queue, writer, atomicAdd(p.tile_counter, 1), p.tile_counter, last_draw);
+  // One call site for the next tile (a loop header calling it twice left the copy loop's shuffles
+  // not provably converged: a divergence check before each).
+  int t = static_cast<int>(blockIdx.x) / kCluster - clusters;
   for (;;) {
-    const int t = next_tile(s.queue, reader, lane);
+    t = following_tile(s, reader, lane, plan, t, clusters);
     if (t >= p.total) break;
-    const Tile tile = decode_tile(s, p, t, rank);
+    const Tile tile = decode_tile(s, p, t, rank, plan);
     const bool c_in = tile.x0 + c < p.N;
     const int64_t col0 = tile.x0 + c;
     const __nv_bfloat16* x_col = p.x + col0;
@@ -426,10 +461,12 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
 
   RingPosition<kStages> ring;
   ring.phase = 0;
+  const unsigned plan = read_plan(s);
+  const int clusters = static_cast<int>(gridDim.x) / kCluster;
   TileQueuePosition<kTileSlots> reader;
-  int t = next_tile(s.queue, reader, lane);
+  int t = following_tile(s, reader, lane, plan, static_cast<int>(blockIdx.x) / kCluster - clusters, clusters);
   while (t < p.total) {
-    const Tile tile = decode_tile(s, p, t, rank);
+    const Tile tile = decode_tile(s, p, t, rank, plan);
     const int64_t rows = tile.end - tile.begin;
     const int k_blocks = static_cast<int>((rows + kBK - 1) / kBK);
     clear(acc);  // an empty group's gradient is zero
@@ -441,7 +478,7 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
         },
         [](int, int) {}, false);  // WGMMA alone reads the stages: one release per warp
     // The next tile's index, read (and its slot released) before this tile's stores are in flight.
-    t = next_tile(s.queue, reader, lane);
+    t = following_tile(s, reader, lane, plan, t, clusters);
 
     if (p.accumulate && k_blocks == 0) continue;  // main_grad keeps its value
     char* dw = p.dw_table != nullptr ? static_cast<char*>(p.dw_table[tile.e]) : p.dw_base + tile.e * p.dw_stride;
@@ -463,19 +500,68 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
   }
 }
 
-// SharedStorage::order: the experts by their k blocks, most first (ties: lower expert first), so that
-// the queue hands out the longest tiles while there are short ones left to even out the end. Every
-// CTA computes the same order (a rank per expert, by counting); the epilogue's staging buffers, not
-// in use yet, hold the k blocks meanwhile.
-__device__ void order_experts(SharedStorage& s, const Params& p) {
+// SharedStorage::plan, and with the queue SharedStorage::order: the experts by their k blocks, most
+// first (ties: lower expert first), so that the queue hands out the longest tiles while there are
+// short ones left to even out the end. Every CTA computes the same from the group sizes; the
+// epilogue's staging buffers, not in use yet, hold each expert's k blocks meanwhile.
+//
+// The estimate behind kAuto, in k blocks (a tile: its expert's k blocks + kTileOverheadBlocks): the
+// stride gives cluster c the tiles c, c + C, ..., so its busiest cluster's work is the largest such
+// sum; the queue's busiest cluster is taken as the mean work plus the cheapest tile (the longest
+// tiles go first, so a cluster starts its last tile no later than the others finish), and never
+// less than the dearest tile.
+__device__ void plan_schedule(SharedStorage& s, const Params& p) {
+  if (p.E > kOrderedExperts) {  // no room to estimate or to order: the queue, experts in their own order
+    if (threadIdx.x == 0) s.plan = p.schedule == WgradSchedule::kStride ? 0u : kPlanQueue;
+    return;  // the kernel's cluster sync publishes the plan
+  }
   static_assert(sizeof(s.staging) >= kOrderedExperts * sizeof(int), "the staging buffers hold the k blocks");
   int* k_blocks = reinterpret_cast<int*>(s.staging);
+  if (threadIdx.x == 0) s.stride_makespan = 0;
   for (int e = threadIdx.x; e < p.E; e += kThreads) {
     int64_t begin, end;
     kernels::group_rows(p.offsets, e, p.R, &begin, &end);
     k_blocks[e] = static_cast<int>((end - begin + kBK - 1) / kBK);
   }
   __syncthreads();
+  const int clusters = static_cast<int>(gridDim.x) / kCluster;
+  const int per_expert = p.y_tiles * p.x_pairs;
+  if (p.schedule == WgradSchedule::kAuto) {
+    // Expert e's tiles are the per_expert indices from e * per_expert on: cluster c holds q of them,
+    // plus one where c is among the first m residues after (e * per_expert) mod C.
+    const int q = per_expert / clusters, m = per_expert % clusters;
+    for (int c = threadIdx.x; c < clusters; c += kThreads) {
+      unsigned long long work = 0;
+      int first = 0;  // (e * per_expert) mod clusters
+#pragma unroll 4
+      for (int e = 0; e < p.E; ++e) {
+        const int d = c >= first ? c - first : c - first + clusters;
+        work += static_cast<unsigned long long>(q + (d < m)) * (k_blocks[e] + kTileOverheadBlocks);
+        first += m;
+        if (first >= clusters) first -= clusters;
+      }
+      atomicMax(&s.stride_makespan, work);
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    bool queue = p.schedule == WgradSchedule::kQueue;
+    if (p.schedule == WgradSchedule::kAuto) {
+      double total = 0;
+      int cheapest = k_blocks[0], dearest = k_blocks[0];
+      for (int e = 0; e < p.E; ++e) {
+        total += double(per_expert) * (k_blocks[e] + kTileOverheadBlocks);
+        cheapest = min(cheapest, k_blocks[e]);
+        dearest = max(dearest, k_blocks[e]);
+      }
+      const double queue_makespan =
+          fmax(total / clusters + cheapest + kTileOverheadBlocks, double(dearest + kTileOverheadBlocks));
+      queue = 100.0 * double(s.stride_makespan) > kQueueAbovePercent * queue_makespan;
+    }
+    s.plan = queue ? kPlanQueue | kPlanOrdered : 0u;
+  }
+  __syncthreads();
+  if (!(s.plan & kPlanOrdered)) return;
   for (int e = threadIdx.x; e < p.E; e += kThreads) {
     const int mine = k_blocks[e];
     int rank = 0;
@@ -492,7 +578,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_gathered_kernel(const __gri
   // The swizzle is a function of the address bits: the tiles must start 1024-byte aligned.
   SharedStorage& s = *reinterpret_cast<SharedStorage*>(align_smem_1024(smem_raw));
   const int rank = static_cast<int>(cute::block_rank_in_cluster());
-  if (p.ordered) order_experts(s, p);
+  plan_schedule(s, p);
   if (threadIdx.x == 64) init_tile_queue<kTileSlots, kCluster>(s.queue, kTileReaders);
   if (threadIdx.x == 32) {
     // full: every producer thread's cp.async arrival + the TMA issuer's expect-tx arrival;
@@ -501,8 +587,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_gathered_kernel(const __gri
                                  kCluster * stage_releases(kConsumerThreads, false));
   }
   if (threadIdx.x == 0) cute::prefetch_tma_descriptor(&p.dy_map);
-  // The peer's barriers must be initialized before anything arrives on them (and the order is
-  // complete, its scratch space free).
+  // The peer's barriers must be initialized before anything arrives on them (and the plan and the
+  // order are complete, their scratch space free).
   cute::cluster_sync();
   if (threadIdx.x < kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
@@ -564,7 +650,7 @@ void launch_wgrad_gathered(const WgradGatheredArgs& a, cudaStream_t stream) {
   p.total = a.experts * p.y_tiles * p.x_pairs;
   MOE_CHECK(a.tile_counter != nullptr, "gathered wgrad: argument 'tile_counter' is required (a zeroed int)");
   p.tile_counter = a.tile_counter;
-  p.ordered = a.experts <= kOrderedExperts;
+  p.schedule = a.schedule;
   p.dw_base = static_cast<char*>(a.dw_base);
   p.dw_stride = a.dw_stride_bytes;
   p.dw_table = a.dw_table;

@@ -151,7 +151,7 @@ struct Store {
 // dW in bf16 or fp32 written, or accumulated over `prior` ([E, M, N] in and out, whatever `store`).
 template <typename Out>
 std::vector<Out> run(const Batch& b, const DeviceBatch& d, bool gathered, bool accumulate, Store store,
-                     const std::vector<Out>& prior) {
+                     const std::vector<Out>& prior, fused::WgradSchedule schedule = fused::WgradSchedule::kAuto) {
   const int64_t mn = int64_t(b.M) * b.N;
   EXPECT_TRUE(store.table || !store.misaligned) << "a misaligned dW_e needs the table form";
   const int64_t shift = store.misaligned ? 1 : 0;
@@ -189,6 +189,7 @@ std::vector<Out> run(const Batch& b, const DeviceBatch& d, bool gathered, bool a
   a.dw_fp32 = sizeof(Out) == 4;
   a.accumulate = accumulate;
   a.x_major = store.x_major;
+  a.schedule = schedule;
   fused::launch_wgrad_gathered(a, nullptr);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
   d.expect_counter_zero("a launch");
@@ -244,6 +245,11 @@ TEST_P(WgradGathered, MatchesReferenceInEveryOutputMode) {
   };
   const auto bf16 = run<Bits>(b, d, true, false, grouped, {});
   check_bf16(bf16, ex, "bf16 written");
+  // The schedule the kernel picks (kAuto) and both forced ones give the same bits: a tile is one
+  // CTA's whole reduction, whichever cluster takes it.
+  const fused::WgradSchedule forced[] = {fused::WgradSchedule::kStride, fused::WgradSchedule::kQueue};
+  for (fused::WgradSchedule sch : forced)
+    EXPECT_EQ(bf16, run<Bits>(b, d, true, false, grouped, {}, sch)) << "bf16, schedule " << int(sch);
   EXPECT_EQ(bf16, run<Bits>(b, d, false, false, grouped, {})) << "gathered vs contiguous x_perm";
   // Every way of storing gives the same bits: staged stores (aligned) and element-wise ones
   // (misaligned), [M, N] and [N, M].
@@ -261,6 +267,8 @@ TEST_P(WgradGathered, MatchesReferenceInEveryOutputMode) {
   for (float& f : prior) f = u(rng);
   const auto acc = run<float>(b, d, true, true, grouped, prior);
   check_f32(acc, ex, prior, "fp32 accumulated");
+  for (fused::WgradSchedule sch : forced)
+    EXPECT_EQ(acc, run<float>(b, d, true, true, grouped, prior, sch)) << "accumulated, schedule " << int(sch);
   for (const Store& st : {table, misaligned, transposed, transposed_table, transposed_misaligned})
     EXPECT_EQ(acc, run<float>(b, d, true, true, st, prior)) << "accumulated, " << label(st);
   // Empty experts leave main_grad bitwise as it was.
