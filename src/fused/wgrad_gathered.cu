@@ -48,6 +48,7 @@
 #include "fused/tensor_map.h"
 #include "fused/tile_queue.cuh"
 #include "fused/wgrad_gathered.h"
+#include "fused/wgrad_schedule.h"
 #include "moe/error.h"
 
 namespace moe::fused {
@@ -107,11 +108,6 @@ constexpr int kTileReaders = kThreads / 32;
 // queue still balances up to the cost of the last tiles drawn, and the schedule is not estimated:
 // the queue).
 constexpr int kOrderedExperts = 896;
-// The schedule estimate: a tile costs its k blocks plus about this many for its epilogue; the queue
-// is taken where the stride's busiest cluster has more than kQueueAbovePercent % of the work the
-// queue would leave its busiest one.
-constexpr int kTileOverheadBlocks = 2;
-constexpr int kQueueAbovePercent = 104;
 // SharedStorage::plan
 constexpr unsigned kPlanQueue = 1u;    // the clusters draw from the queue (else the fixed stride)
 constexpr unsigned kPlanOrdered = 2u;  // SharedStorage::order lists the experts (else their own order)
@@ -502,14 +498,9 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
 
 // SharedStorage::plan, and with the queue SharedStorage::order: the experts by their k blocks, most
 // first (ties: lower expert first), so that the queue hands out the longest tiles while there are
-// short ones left to even out the end. Every CTA computes the same from the group sizes; the
-// epilogue's staging buffers, not in use yet, hold each expert's k blocks meanwhile.
-//
-// The estimate behind kAuto, in k blocks (a tile: its expert's k blocks + kTileOverheadBlocks): the
-// stride gives cluster c the tiles c, c + C, ..., so its busiest cluster's work is the largest such
-// sum; the queue's busiest cluster is taken as the mean work plus the cheapest tile (the longest
-// tiles go first, so a cluster starts its last tile no later than the others finish), and never
-// less than the dearest tile.
+// short ones left to even out the end. Every CTA computes the same from the group sizes (kAuto:
+// wgrad_schedule.h's estimate, a thread per cluster); the epilogue's staging buffers, not in use
+// yet, hold each expert's k blocks meanwhile.
 __device__ void plan_schedule(SharedStorage& s, const Params& p) {
   if (p.E > kOrderedExperts) {  // no room to estimate or to order: the queue, experts in their own order
     if (threadIdx.x == 0) s.plan = p.schedule == WgradSchedule::kStride ? 0u : kPlanQueue;
@@ -527,37 +518,14 @@ __device__ void plan_schedule(SharedStorage& s, const Params& p) {
   const int clusters = static_cast<int>(gridDim.x) / kCluster;
   const int per_expert = p.y_tiles * p.x_pairs;
   if (p.schedule == WgradSchedule::kAuto) {
-    // Expert e's tiles are the per_expert indices from e * per_expert on: cluster c holds q of them,
-    // plus one where c is among the first m residues after (e * per_expert) mod C.
-    const int q = per_expert / clusters, m = per_expert % clusters;
-    for (int c = threadIdx.x; c < clusters; c += kThreads) {
-      unsigned long long work = 0;
-      int first = 0;  // (e * per_expert) mod clusters
-#pragma unroll 4
-      for (int e = 0; e < p.E; ++e) {
-        const int d = c >= first ? c - first : c - first + clusters;
-        work += static_cast<unsigned long long>(q + (d < m)) * (k_blocks[e] + kTileOverheadBlocks);
-        first += m;
-        if (first >= clusters) first -= clusters;
-      }
-      atomicMax(&s.stride_makespan, work);
-    }
+    for (int c = threadIdx.x; c < clusters; c += kThreads)
+      atomicMax(&s.stride_makespan, static_cast<unsigned long long>(stride_work(k_blocks, p.E, per_expert, clusters, c)));
     __syncthreads();
   }
   if (threadIdx.x == 0) {
-    bool queue = p.schedule == WgradSchedule::kQueue;
-    if (p.schedule == WgradSchedule::kAuto) {
-      double total = 0;
-      int cheapest = k_blocks[0], dearest = k_blocks[0];
-      for (int e = 0; e < p.E; ++e) {
-        total += double(per_expert) * (k_blocks[e] + kTileOverheadBlocks);
-        cheapest = min(cheapest, k_blocks[e]);
-        dearest = max(dearest, k_blocks[e]);
-      }
-      const double queue_makespan =
-          fmax(total / clusters + cheapest + kTileOverheadBlocks, double(dearest + kTileOverheadBlocks));
-      queue = 100.0 * double(s.stride_makespan) > kQueueAbovePercent * queue_makespan;
-    }
+    const bool queue = p.schedule == WgradSchedule::kQueue ||
+                       (p.schedule == WgradSchedule::kAuto &&
+                        queue_pays(s.stride_makespan, k_blocks, p.E, per_expert, clusters));
     s.plan = queue ? kPlanQueue | kPlanOrdered : 0u;
   }
   __syncthreads();
