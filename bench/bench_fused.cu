@@ -134,6 +134,8 @@ int main(int argc, char** argv) {
     DeviceMem slots_d(R * 4), offsets_d((E + 1) * 4), probs_d(R * 4), dprobs(R * 4);
     const int feature_blocks = moe::fused::fc2_dgrad_feature_blocks(F);
     DeviceMem dprobs_partial(int64_t(feature_blocks) * R * 4);
+    DeviceMem tile_counter(4);  // the gathered weight gradients' tile queue: zero, and left zero
+    MOE_CUDA_CHECK(cudaMemset(tile_counter.p, 0, 4));
     moe::bench::fill_bf16_uniform(x.p, T * H, 1, stream);
     moe::bench::fill_bf16_uniform(dy.p, T * H, 2, stream);
     moe::bench::fill_bf16_uniform(w1.p, E * F1 * H, 3, stream);
@@ -248,6 +250,7 @@ int main(int argc, char** argv) {
         a.N = int(H);
         a.x_major = fc == 2;
         a.sm_count = sm_count;
+        a.tile_counter = tile_counter.as<int>();
         moe::fused::WgradGatheredArgs acc = a;
         a.dw_base = fc == 1 ? dw1.p : dw2.p;
         a.dw_stride_bytes = int64_t(a.M) * H * 2;
@@ -262,14 +265,21 @@ int main(int argc, char** argv) {
                     : std::function<void()>([&] {
                         moe::bench::dense_gemm(blas, dy_perm.p, act.p, dense_out.p, H, F, R, true, false);
                       });
+        // The schedule the kernel picks from the routing, beside both forced ones (bf16 written).
+        moe::fused::WgradGatheredArgs stride = a, queue = a;
+        stride.schedule = moe::fused::WgradSchedule::kStride;
+        queue.schedule = moe::fused::WgradSchedule::kQueue;
         const std::vector<double> ms = moe::bench::interleaved_ms(
             {{"written", [&] { moe::fused::launch_wgrad_gathered(a, stream); }},
              {"main_grad", [&] { moe::fused::launch_wgrad_gathered(acc, stream); }},
-             {"cublas", dense}},
+             {"cublas", dense},
+             {"stride", [&] { moe::fused::launch_wgrad_gathered(stride, stream); }},
+             {"queue", [&] { moe::fused::launch_wgrad_gathered(queue, stream); }}},
             stream, rounds);
         const double flops = 2.0 * double(R) * double(a.M) * double(H);
-        char details[96];
-        std::snprintf(details, sizeof details, "bf16 written; into fp32 main_grad %.0f", tflops(flops, ms[1]));
+        char details[128];
+        std::snprintf(details, sizeof details, "bf16 written; into fp32 main_grad %.0f; stride %.0f, queue %.0f",
+                      tflops(flops, ms[1]), tflops(flops, ms[3]), tflops(flops, ms[4]));
         // N, K as bench_grouped_gemm names the product: fc1 (2F, H), fc2 (H, F).
         row(kernel.c_str(), fc == 1 ? F1 : H, fc == 1 ? H : F, ms[0], ms[2], details);
       }

@@ -12,8 +12,13 @@
 //   * warp groups 1 and 2 (consumers) run WGMMA 64x256x16 with both operands MN-major on X columns
 //     0-63 and 64-127, then write dW_e rows (dY columns) x X columns, or accumulate into fp32,
 //     through a shared-memory buffer per warp group (stmatrix in, whole 128-byte rows out).
-// Persistent: each cluster walks the (expert, dY block, pair of X blocks) tiles with a stride of the
-// number of clusters, so one tile's epilogue overlaps the next tile's loads.
+// Persistent: each cluster walks the (expert, dY block, pair of X blocks) tiles, so one tile's
+// epilogue overlaps the next tile's loads. A tile's cost is its expert's rows. Where the routing
+// makes a fixed stride (cluster c: tiles c, c + C, ...) hand the clusters unequal work -- under
+// skewed routing it left the SMs of the luckier clusters idle for a quarter of the kernel -- the
+// clusters draw their tiles from a queue instead (tile_queue.cuh), the experts with the most rows
+// first. The kernel decides in its prologue, from the group sizes, so the choice is graph-safe; on
+// near-balanced routing the stride stays (the queue's hand-off cost a few percent there).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -41,7 +46,9 @@
 #include "fused/consumer_loop.cuh"
 #include "fused/fragment_pack.cuh"
 #include "fused/tensor_map.h"
+#include "fused/tile_queue.cuh"
 #include "fused/wgrad_gathered.h"
+#include "fused/wgrad_schedule.h"
 #include "moe/error.h"
 
 namespace moe::fused {
@@ -94,6 +101,16 @@ static_assert(kStagedRows == kBX / 2, "a warp group's X columns fill one staged 
 // Named barriers of the consumer warp groups (0 is __syncthreads).
 constexpr int kZeroRowsBarrier = 1;      // both warp groups: rows past the group zeroed
 constexpr int kStagingBarrierBase = 2;   // + group: that warp group's staging buffer
+// The tile queue: indices drawn one tile ahead; read by every producer and consumer warp.
+constexpr int kTileSlots = 2;
+constexpr int kTileReaders = kThreads / 32;
+// Experts ordered by rows in shared memory (beyond this many they keep their own order, which the
+// queue still balances up to the cost of the last tiles drawn, and the schedule is not estimated:
+// the queue).
+constexpr int kOrderedExperts = 896;
+// SharedStorage::plan
+constexpr unsigned kPlanQueue = 1u;    // the clusters draw from the queue (else the fixed stride)
+constexpr unsigned kPlanOrdered = 2u;  // SharedStorage::order lists the experts (else their own order)
 
 struct SharedStorage {
   alignas(1024) bf16 x[cosize_v<SmemLayoutX>];
@@ -102,6 +119,10 @@ struct SharedStorage {
   alignas(128) uint8_t staging[2][2][kStagingBytes];
   alignas(8) uint64_t full[kStages];   // the stage's copies and both TMA halves landed
   alignas(8) uint64_t empty[kStages];  // every consumer warp of the cluster is done with the stage
+  TileQueueStorage<kTileSlots> queue;
+  uint16_t order[kOrderedExperts];     // with kPlanOrdered: the experts, the most k blocks first
+  unsigned long long stride_makespan;  // the schedule estimate: the stride's busiest cluster
+  unsigned plan;                       // kPlan* bits, the same in every CTA
 };
 
 struct Params {
@@ -115,6 +136,8 @@ struct Params {
   int M, N;                 // dW_e is [M, N]: M = dY columns, N = X columns
   int y_tiles, x_pairs;     // dY blocks of 256 and pairs of X blocks of 128 per expert
   int total;                // tiles
+  int* tile_counter;        // the tile queue's counter (zero between launches)
+  WgradSchedule schedule;
   char* dw_base;
   int64_t dw_stride;        // bytes
   void* const* dw_table;
@@ -127,10 +150,26 @@ struct Tile {
   int64_t begin, end;      // the expert's rows
 };
 
-__device__ __forceinline__ Tile decode_tile(const Params& p, int t, int rank) {
+// The kernel's plan (kPlan* bits) as a uniform value: every branch on it stays on the uniform
+// datapath (a value merely read from shared memory is not known to be the same in every lane).
+__device__ __forceinline__ unsigned read_plan(const SharedStorage& s) {
+  return __reduce_or_sync(0xffffffffu, *reinterpret_cast<const volatile unsigned*>(&s.plan));
+}
+
+// The warp's next tile after tile t: drawn from the queue, or t + clusters by the stride. Lane 0
+// alone takes it (only lane 0 keeps `reader` current), so the warp's one branch is lane 0's, as in
+// warp_tile's use with the queue alone.
+__device__ __forceinline__ int following_tile(SharedStorage& s, TileQueuePosition<kTileSlots>& reader, int lane,
+                                              unsigned plan, int t, int clusters) {
+  int next = 0;
+  if (lane == 0) next = (plan & kPlanQueue) ? take_tile(s.queue, reader) : t + clusters;
+  return warp_tile(next);
+}
+
+__device__ __forceinline__ Tile decode_tile(const SharedStorage& s, const Params& p, int t, int rank, unsigned plan) {
   Tile tile;
   const int per_expert = p.y_tiles * p.x_pairs;
-  tile.e = t / per_expert;
+  tile.e = (plan & kPlanOrdered) ? s.order[t / per_expert] : t / per_expert;
   const int local = t % per_expert;
   tile.y0 = (local % p.y_tiles) * kBY;
   tile.x0 = ((local / p.y_tiles) * kCluster + rank) * kBX;
@@ -172,8 +211,23 @@ __device__ void produce(SharedStorage& s, const Params& p, int rank) {
   for (int i = 0; i < kBK / 8; ++i) chunk[i] = x_chunk_offset(c, r0 + 8 * i);
   RingPosition<kStages> ring;
   ring.phase = 1;  // a fresh barrier counts as released for parity 1
-  for (int t = blockIdx.x / kCluster; t < p.total; t += gridDim.x / kCluster) {
-    const Tile tile = decode_tile(p, t, rank);
+  // With the queue, thread 0 of CTA 0 draws the cluster's tiles: the next one once a tile's loads
+  // are issued, which the consumers are still four stages from using up.
+  const unsigned plan = read_plan(s);
+  const bool queue = plan & kPlanQueue;
+  const int clusters = static_cast<int>(gridDim.x) / kCluster;
+  const bool drawer = queue && rank == 0 && tid == 0;
+  const int last_draw = p.total + clusters - 1;
+  TileQueuePosition<kTileSlots> reader, writer;
+  writer.phase = 1;
+  if (drawer) publish_tile<kTileSlots, kCluster>(s.queue, writer, atomicAdd(p.tile_counter, 1), p.tile_counter, last_draw);
+  // One call site for the next tile (a loop header calling it twice left the copy loop's shuffles
+  // not provably converged: a divergence check before each).
+  int t = static_cast<int>(blockIdx.x) / kCluster - clusters;
+  for (;;) {
+    t = following_tile(s, reader, lane, plan, t, clusters);
+    if (t >= p.total) break;
+    const Tile tile = decode_tile(s, p, t, rank, plan);
     const bool c_in = tile.x0 + c < p.N;
     const int64_t col0 = tile.x0 + c;
     const __nv_bfloat16* x_col = p.x + col0;
@@ -223,6 +277,7 @@ __device__ void produce(SharedStorage& s, const Params& p, int rank) {
         ahead[j] = lane < 16 ? row_slot(p, row0 + int64_t(kAhead) * kBK + own, tile.end) : -1;
       }
     }
+    if (drawer) publish_tile<kTileSlots, kCluster>(s.queue, writer, atomicAdd(p.tile_counter, 1), p.tile_counter, last_draw);
   }
   cute::cp_async_wait<0>();
 }
@@ -402,8 +457,12 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
 
   RingPosition<kStages> ring;
   ring.phase = 0;
-  for (int t = blockIdx.x / kCluster; t < p.total; t += gridDim.x / kCluster) {
-    const Tile tile = decode_tile(p, t, rank);
+  const unsigned plan = read_plan(s);
+  const int clusters = static_cast<int>(gridDim.x) / kCluster;
+  TileQueuePosition<kTileSlots> reader;
+  int t = following_tile(s, reader, lane, plan, static_cast<int>(blockIdx.x) / kCluster - clusters, clusters);
+  while (t < p.total) {
+    const Tile tile = decode_tile(s, p, t, rank, plan);
     const int64_t rows = tile.end - tile.begin;
     const int k_blocks = static_cast<int>((rows + kBK - 1) / kBK);
     clear(acc);  // an empty group's gradient is zero
@@ -414,6 +473,8 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
           if (valid < kBK) zero_rows_past_group(s, stage, valid, ctid);
         },
         [](int, int) {}, false);  // WGMMA alone reads the stages: one release per warp
+    // The next tile's index, read (and its slot released) before this tile's stores are in flight.
+    t = following_tile(s, reader, lane, plan, t, clusters);
 
     if (p.accumulate && k_blocks == 0) continue;  // main_grad keeps its value
     char* dw = p.dw_table != nullptr ? static_cast<char*>(p.dw_table[tile.e]) : p.dw_base + tile.e * p.dw_stride;
@@ -435,11 +496,58 @@ __device__ void consume(SharedStorage& s, const Params& p, int rank) {
   }
 }
 
+// SharedStorage::plan, and with the queue SharedStorage::order: the experts by their k blocks, most
+// first (ties: lower expert first), so that the queue hands out the longest tiles while there are
+// short ones left to even out the end. Every CTA computes the same from the group sizes (kAuto:
+// wgrad_schedule.h's estimate, a thread per cluster); the epilogue's staging buffers, not in use
+// yet, hold each expert's k blocks meanwhile.
+__device__ void plan_schedule(SharedStorage& s, const Params& p) {
+  if (p.E > kOrderedExperts) {  // no room to estimate or to order: the queue, experts in their own order
+    if (threadIdx.x == 0) s.plan = p.schedule == WgradSchedule::kStride ? 0u : kPlanQueue;
+    return;  // the kernel's cluster sync publishes the plan
+  }
+  static_assert(sizeof(s.staging) >= kOrderedExperts * sizeof(int), "the staging buffers hold the k blocks");
+  int* k_blocks = reinterpret_cast<int*>(s.staging);
+  if (threadIdx.x == 0) s.stride_makespan = 0;
+  for (int e = threadIdx.x; e < p.E; e += kThreads) {
+    int64_t begin, end;
+    kernels::group_rows(p.offsets, e, p.R, &begin, &end);
+    k_blocks[e] = static_cast<int>((end - begin + kBK - 1) / kBK);
+  }
+  __syncthreads();
+  const int clusters = static_cast<int>(gridDim.x) / kCluster;
+  const int per_expert = p.y_tiles * p.x_pairs;
+  if (p.schedule == WgradSchedule::kAuto) {
+    for (int c = threadIdx.x; c < clusters; c += kThreads)
+      atomicMax(&s.stride_makespan, static_cast<unsigned long long>(stride_work(k_blocks, p.E, per_expert, clusters, c)));
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    const bool queue = p.schedule == WgradSchedule::kQueue ||
+                       (p.schedule == WgradSchedule::kAuto &&
+                        queue_pays(s.stride_makespan, k_blocks, p.E, per_expert, clusters));
+    s.plan = queue ? kPlanQueue | kPlanOrdered : 0u;
+  }
+  __syncthreads();
+  if (!(s.plan & kPlanOrdered)) return;
+  for (int e = threadIdx.x; e < p.E; e += kThreads) {
+    const int mine = k_blocks[e];
+    int rank = 0;
+    for (int f = 0; f < p.E; ++f) {
+      const int other = k_blocks[f];
+      rank += other > mine || (other == mine && f < e);
+    }
+    s.order[rank] = static_cast<uint16_t>(e);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 1) wgrad_gathered_kernel(const __grid_constant__ Params p) {
   extern __shared__ uint8_t smem_raw[];
   // The swizzle is a function of the address bits: the tiles must start 1024-byte aligned.
   SharedStorage& s = *reinterpret_cast<SharedStorage*>(align_smem_1024(smem_raw));
   const int rank = static_cast<int>(cute::block_rank_in_cluster());
+  plan_schedule(s, p);
+  if (threadIdx.x == 64) init_tile_queue<kTileSlots, kCluster>(s.queue, kTileReaders);
   if (threadIdx.x == 32) {
     // full: every producer thread's cp.async arrival + the TMA issuer's expect-tx arrival;
     // empty: every consumer warp of both CTAs of the cluster.
@@ -447,7 +555,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_gathered_kernel(const __gri
                                  kCluster * stage_releases(kConsumerThreads, false));
   }
   if (threadIdx.x == 0) cute::prefetch_tma_descriptor(&p.dy_map);
-  // The peer's barriers must be initialized before anything arrives on them.
+  // The peer's barriers must be initialized before anything arrives on them (and the plan and the
+  // order are complete, their scratch space free).
   cute::cluster_sync();
   if (threadIdx.x < kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
@@ -479,7 +588,8 @@ const char* wgrad_gathered_unsupported(int experts, int64_t M, int64_t N) {
   if (M < 8 || M % 8 != 0 || N < 8 || N % 8 != 0) return "the gathered weight gradient needs M and N multiples of 8";
   if (M >= (int64_t(1) << 30) || N >= (int64_t(1) << 30)) return "the gathered weight gradient needs M, N < 2^30";
   const int64_t tiles = int64_t(experts) * ((M + kBY - 1) / kBY) * ((N + kCluster * kBX - 1) / (kCluster * kBX));
-  if (tiles >= (int64_t(1) << 31)) return "the gathered weight gradient needs fewer than 2^31 output tiles";
+  // The queue draws up to tiles + clusters - 1 indices (a cluster per two SMs).
+  if (tiles >= (int64_t(1) << 30)) return "the gathered weight gradient needs fewer than 2^30 output tiles";
   return "";
 }
 
@@ -506,6 +616,9 @@ void launch_wgrad_gathered(const WgradGatheredArgs& a, cudaStream_t stream) {
   p.y_tiles = (a.M + kBY - 1) / kBY;
   p.x_pairs = (a.N + kCluster * kBX - 1) / (kCluster * kBX);
   p.total = a.experts * p.y_tiles * p.x_pairs;
+  MOE_CHECK(a.tile_counter != nullptr, "gathered wgrad: argument 'tile_counter' is required (a zeroed int)");
+  p.tile_counter = a.tile_counter;
+  p.schedule = a.schedule;
   p.dw_base = static_cast<char*>(a.dw_base);
   p.dw_stride = a.dw_stride_bytes;
   p.dw_table = a.dw_table;

@@ -9,8 +9,10 @@
 // x_major the result is stored transposed, dW_e^T [N, M]: the fc2 weight gradient
 // dW2_e = dY_perm_e^T act_e [H, F] with X = dy gathered (N = H) and act in the dY role (M = F).
 // fp32 accumulation; dW_e written as bf16 or fp32, or accumulated into an fp32 main_grad; an empty
-// group writes a zero dW_e (or leaves main_grad as it is). Plain C++ interface; the kernel lives in
-// wgrad_gathered.cu.
+// group writes a zero dW_e (or leaves main_grad as it is). Under skewed routing the clusters draw
+// their tiles from a queue, the experts with the most rows first, so every SM stays busy; each tile
+// is still one CTA's whole reduction, so the result does not depend on the schedule (bitwise the same).
+// Plain C++ interface; the kernel lives in wgrad_gathered.cu.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +20,11 @@
 #include <cuda_runtime_api.h>
 
 namespace moe::fused {
+
+// How the persistent clusters walk the output tiles. kAuto: the kernel estimates, from the group
+// sizes on the device, whether the fixed stride would leave clusters idle, and takes the queue if
+// so. kStride / kQueue force one (tests, benchmarks).
+enum class WgradSchedule { kAuto, kStride, kQueue };
 
 struct WgradGatheredArgs {
   const void* dy = nullptr;  // bf16 [R, M]
@@ -38,6 +45,10 @@ struct WgradGatheredArgs {
   bool accumulate = false;  // fp32 dW += result (main_grad)
   bool x_major = false;     // store dW_e^T [N, M]
   int sm_count = 0;         // SMs of the device (0: queried per launch)
+  // The tile queue's counter: one int, zero before the first launch (the kernel leaves it zero).
+  // Launches that may run at the same time need a counter each. Required whatever the schedule.
+  int* tile_counter = nullptr;
+  WgradSchedule schedule = WgradSchedule::kAuto;
 };
 
 // Whether the kernel handles these sizes (host check). Empty string: yes; otherwise the reason.

@@ -125,6 +125,7 @@ struct GroupedExperts::Impl {
   size_t bias_ws_bytes = 0;
   uint8_t* gemm_ws = nullptr;
   size_t gemm_ws_bytes = 0;
+  int* tile_counter = nullptr;  // the gathered weight gradients' tile queue (zeroed once, left zero)
   int sm_count = 0;
 
   // FP8 experts: the engine's workspace also holds the weight scales restated per 64 rows, for the
@@ -156,6 +157,7 @@ struct GroupedExperts::Impl {
     plan_workspace(nullptr);
     block = cuda_malloc_allocator().allocate(block_bytes);
     plan_workspace(static_cast<char*>(block.get()));
+    MOE_CUDA_CHECK(cudaMemset(tile_counter, 0, sizeof(int)));
     state_layout(nullptr, &state_bytes);
   }
 
@@ -180,6 +182,7 @@ struct GroupedExperts::Impl {
       bias_ws = a.take<uint8_t>(static_cast<int64_t>(bias_ws_bytes));
     }
     gemm_ws = a.take<uint8_t>(static_cast<int64_t>(gemm_ws_bytes));
+    tile_counter = a.take<int>(1);
     if (fp8) fp8->plan_workspace(a);
     if (emu) emu->plan_workspace(a);
     block_bytes = a.used();
@@ -549,6 +552,7 @@ void GroupedExperts::Impl::wgrad_gathered(const void* y, int64_t M, const Gather
   a.accumulate = accumulate();
   a.x_major = x_major;
   a.sm_count = sm_count;  // cached at construction (the fused kernels, which gathered rows need)
+  a.tile_counter = tile_counter;
   fused::launch_wgrad_gathered(a, s);
 }
 

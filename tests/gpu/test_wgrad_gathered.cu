@@ -3,7 +3,9 @@
 // than the 4-stage ring, padding rows, M and N that are not tile multiples, bf16 / fp32 written and
 // fp32 accumulated (main_grad), both output layouts and staged or element-wise stores (a dW_e off
 // 16-byte alignment; all bitwise identical), the gathered and the contiguous form of the same rows
-// (bitwise identical), and CUDA graph replay with a new routing (bitwise equal to eager).
+// (bitwise identical), and CUDA graph replay with a new routing (bitwise equal to eager). The tile
+// queue: skewed groups over more tiles than the GPU has clusters, more experts than the kernel
+// orders by rows, and the queue's counter left zero after every launch and replay.
 //
 // Tolerances, as for the grouped GEMM's wgrad (tests/gpu/test_grouped_gemm.cu): bf16 inputs give
 // exact fp32 products, accumulated in fp32 and rounded once:
@@ -114,8 +116,13 @@ Expected expect(const Batch& b) {
 struct DeviceBatch {
   DeviceBuffer<Bits> x, x_perm, dy;
   DeviceBuffer<int32_t> off, row_slots;
+  DeviceBuffer<int32_t> tile_counter{std::vector<int32_t>{0}};
   explicit DeviceBatch(const Batch& b)
       : x(b.x), x_perm(b.x_perm()), dy(b.dy), off(b.off), row_slots(b.row_slots.empty() ? std::vector<int32_t>{0} : b.row_slots) {}
+  // Every launch must leave the tile queue's counter as it found it: zero.
+  void expect_counter_zero(const std::string& when) const {
+    EXPECT_EQ(tile_counter.download(), std::vector<int32_t>{0}) << "the tile queue's counter after " << when;
+  }
 };
 
 fused::WgradGatheredArgs args(const Batch& b, const DeviceBatch& d, bool gathered) {
@@ -129,6 +136,7 @@ fused::WgradGatheredArgs args(const Batch& b, const DeviceBatch& d, bool gathere
   a.R = b.R;
   a.M = b.M;
   a.N = b.N;
+  a.tile_counter = d.tile_counter.get();
   return a;
 }
 
@@ -143,7 +151,7 @@ struct Store {
 // dW in bf16 or fp32 written, or accumulated over `prior` ([E, M, N] in and out, whatever `store`).
 template <typename Out>
 std::vector<Out> run(const Batch& b, const DeviceBatch& d, bool gathered, bool accumulate, Store store,
-                     const std::vector<Out>& prior) {
+                     const std::vector<Out>& prior, fused::WgradSchedule schedule = fused::WgradSchedule::kAuto) {
   const int64_t mn = int64_t(b.M) * b.N;
   EXPECT_TRUE(store.table || !store.misaligned) << "a misaligned dW_e needs the table form";
   const int64_t shift = store.misaligned ? 1 : 0;
@@ -181,8 +189,10 @@ std::vector<Out> run(const Batch& b, const DeviceBatch& d, bool gathered, bool a
   a.dw_fp32 = sizeof(Out) == 4;
   a.accumulate = accumulate;
   a.x_major = store.x_major;
+  a.schedule = schedule;
   fused::launch_wgrad_gathered(a, nullptr);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  d.expect_counter_zero("a launch");
   std::vector<Out> got = dw.download();
   got.erase(got.begin(), got.begin() + shift);
   return relayout(got, false);
@@ -235,6 +245,11 @@ TEST_P(WgradGathered, MatchesReferenceInEveryOutputMode) {
   };
   const auto bf16 = run<Bits>(b, d, true, false, grouped, {});
   check_bf16(bf16, ex, "bf16 written");
+  // The schedule the kernel picks (kAuto) and both forced ones give the same bits: a tile is one
+  // CTA's whole reduction, whichever cluster takes it.
+  const fused::WgradSchedule forced[] = {fused::WgradSchedule::kStride, fused::WgradSchedule::kQueue};
+  for (fused::WgradSchedule sch : forced)
+    EXPECT_EQ(bf16, run<Bits>(b, d, true, false, grouped, {}, sch)) << "bf16, schedule " << int(sch);
   EXPECT_EQ(bf16, run<Bits>(b, d, false, false, grouped, {})) << "gathered vs contiguous x_perm";
   // Every way of storing gives the same bits: staged stores (aligned) and element-wise ones
   // (misaligned), [M, N] and [N, M].
@@ -252,6 +267,8 @@ TEST_P(WgradGathered, MatchesReferenceInEveryOutputMode) {
   for (float& f : prior) f = u(rng);
   const auto acc = run<float>(b, d, true, true, grouped, prior);
   check_f32(acc, ex, prior, "fp32 accumulated");
+  for (fused::WgradSchedule sch : forced)
+    EXPECT_EQ(acc, run<float>(b, d, true, true, grouped, prior, sch)) << "accumulated, schedule " << int(sch);
   for (const Store& st : {table, misaligned, transposed, transposed_table, transposed_misaligned})
     EXPECT_EQ(acc, run<float>(b, d, true, true, st, prior)) << "accumulated, " << label(st);
   // Empty experts leave main_grad bitwise as it was.
@@ -259,6 +276,17 @@ TEST_P(WgradGathered, MatchesReferenceInEveryOutputMode) {
   for (int e = 0; e < b.E; ++e)
     if (b.off[e + 1] == b.off[e])
       EXPECT_TRUE(std::equal(acc.begin() + e * mn, acc.begin() + (e + 1) * mn, prior.begin() + e * mn)) << "expert " << e;
+}
+
+// Zipf-like rows per expert (expert i gets about mean * E / (H_E (i + 1)), H_E the harmonic
+// number), in a shuffled order so that the busiest experts do not come first by number.
+std::vector<int> skewed_counts(int E, int mean, uint64_t seed) {
+  double harmonic = 0;
+  for (int i = 1; i <= E; ++i) harmonic += 1.0 / i;
+  std::vector<int> c(E);
+  for (int i = 0; i < E; ++i) c[i] = static_cast<int>(double(mean) * E / (harmonic * (i + 1)));
+  std::shuffle(c.begin(), c.end(), std::mt19937_64(seed));
+  return c;
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -279,7 +307,12 @@ INSTANTIATE_TEST_SUITE_P(
         Shape{40, 4, 420, 512, 256,
               {40, 0, 33, 64, 65, 1, 100, 7, 40, 40, 40, 40, 0, 1, 2, 3, 90, 40, 40, 40,
                40, 40, 40, 40, 128, 40, 40, 40, 40, 40, 5, 40, 40, 40, 40, 40, 40, 40, 129, 40},
-              0}));
+              0},
+        // Skewed routing over 48 x 2 x 2 = 192 cluster tiles: the queue hands the busiest experts'
+        // tiles out first (the order of the experts by rows), the clusters draw unequal numbers.
+        Shape{48, 8, 512, 512, 512, skewed_counts(48, 80, 3), 0},
+        // More experts than the kernel orders by rows (896): the queue in the experts' own order.
+        Shape{1000, 4, 2000, 16, 24, skewed_counts(1000, 8, 4), 0}));
 
 // Captured once, replayed with a new routing (new offsets and row map, same buffers): bitwise the
 // eager result of the new routing.
@@ -312,6 +345,14 @@ TEST(WgradGathered, GraphReplayWithNewRoutingEqualsEager) {
   MOE_CUDA_CHECK(cudaGraphLaunch(exec, s));
   MOE_CUDA_CHECK(cudaStreamSynchronize(s));
   const std::vector<float> replayed = dw.download();
+  d.expect_counter_zero("a replay");
+  // Replayed again: the queue starts from zero each time (a counter left past the tiles would skip them).
+  dw.fill_bytes(0xFF);
+  MOE_CUDA_CHECK(cudaGraphLaunch(exec, s));
+  MOE_CUDA_CHECK(cudaGraphLaunch(exec, s));
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  EXPECT_EQ(dw.download(), replayed) << "the third replay";
+  d.expect_counter_zero("three replays");
 
   const DeviceBatch fresh(second);
   EXPECT_EQ(replayed, run<float>(second, fresh, true, false, Store{}, {}));
