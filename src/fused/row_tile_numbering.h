@@ -12,11 +12,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define MOE_FUSED_HD __host__ __device__ __forceinline__
-#else
-#define MOE_FUSED_HD inline
-#endif
+#include "fused/host_device.h"
 
 namespace moe::fused {
 

@@ -55,15 +55,16 @@ __device__ __forceinline__ void init_tile_queue(TileQueueStorage<kSlots>& q, int
   cutlass::arch::fence_barrier_init();
 }
 
-// The drawing thread (one thread of CTA 0) publishes index `t`, which it drew from `counter`, in
+// The drawing thread (one thread of CTA 0) draws the next index from `counter` and publishes it in
 // every CTA of the cluster: an arrival that expects 4 bytes on each CTA's `full` barrier, then the
 // 4 bytes by an asynchronous remote store that completes them, so a reader that sees the phase
 // complete sees the index (no fence on the drawing thread, which keeps loading tiles). `last` is
 // the launch's last index (tiles + clusters - 1): its drawer resets the counter. A writer's position
 // starts at parity 1: a fresh barrier counts as released for it.
 template <int kSlots, int kCluster>
-__device__ __forceinline__ void publish_tile(TileQueueStorage<kSlots>& q, TileQueuePosition<kSlots>& writer, int t,
-                                             int* counter, int last) {
+__device__ __forceinline__ void draw_tile(TileQueueStorage<kSlots>& q, TileQueuePosition<kSlots>& writer, int* counter,
+                                          int last) {
+  const int t = atomicAdd(counter, 1);  // in flight while the slot frees up
   cutlass::arch::ClusterBarrier::wait(&q.empty[writer.slot], writer.phase);
   if (t == last) *counter = 0;  // every other draw of the launch has returned: ready for the next
   const uint32_t index = cute::cast_smem_ptr_to_uint(&q.index[writer.slot]);

@@ -220,7 +220,7 @@ __device__ void produce(SharedStorage& s, const Params& p, int rank) {
   const int last_draw = p.total + clusters - 1;
   TileQueuePosition<kTileSlots> reader, writer;
   writer.phase = 1;
-  if (drawer) publish_tile<kTileSlots, kCluster>(s.queue, writer, atomicAdd(p.tile_counter, 1), p.tile_counter, last_draw);
+  if (drawer) draw_tile<kTileSlots, kCluster>(s.queue, writer, p.tile_counter, last_draw);
   // One call site for the next tile (a loop header calling it twice left the copy loop's shuffles
   // not provably converged: a divergence check before each).
   int t = static_cast<int>(blockIdx.x) / kCluster - clusters;
@@ -277,7 +277,7 @@ __device__ void produce(SharedStorage& s, const Params& p, int rank) {
         ahead[j] = lane < 16 ? row_slot(p, row0 + int64_t(kAhead) * kBK + own, tile.end) : -1;
       }
     }
-    if (drawer) publish_tile<kTileSlots, kCluster>(s.queue, writer, atomicAdd(p.tile_counter, 1), p.tile_counter, last_draw);
+    if (drawer) draw_tile<kTileSlots, kCluster>(s.queue, writer, p.tile_counter, last_draw);
   }
   cute::cp_async_wait<0>();
 }

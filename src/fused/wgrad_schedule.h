@@ -7,18 +7,15 @@
 // tile, the experts with the most k blocks first, to whichever cluster is free. The model: the
 // stride takes as long as its busiest cluster's work; the queue as the mean work plus half the
 // cheapest tile (the clusters finish within about one short tile of each other), and never less
-// than the dearest tile or ceil(tiles / C) cheapest ones. On an H100 with both schedules forced (bench_fused) the model's
-// stride / queue ratio matched the measured one to within about one percent on the named shapes,
-// balanced and skewed; where it is 1 the queue's hand-offs cost 0-3%, hence the margin.
+// than the dearest tile or ceil(tiles / C) cheapest ones. On an H100 with both schedules forced
+// (bench_fused) the model's stride / queue ratio matched the measured one to within about one
+// percent on the named shapes, balanced and skewed; where it is 1 the queue's hand-offs cost 0-3%,
+// hence the margin.
 #pragma once
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define MOE_SCHEDULE_HD __host__ __device__ __forceinline__
-#else
-#define MOE_SCHEDULE_HD inline
-#endif
+#include "fused/host_device.h"
 
 namespace moe::fused {
 
@@ -29,7 +26,7 @@ constexpr int kQueueAbovePercent = 102;
 // Cluster c's work under the stride, in k blocks. Expert e's tiles are the per_expert indices from
 // e * per_expert on: c holds per_expert / C of them, plus one where c is among the first
 // per_expert % C residues from (e * per_expert) mod C on. O(E), no division in the loop.
-MOE_SCHEDULE_HD uint64_t stride_work(const int* k_blocks, int experts, int per_expert, int clusters, int c) {
+MOE_FUSED_HD uint64_t stride_work(const int* k_blocks, int experts, int per_expert, int clusters, int c) {
   const int q = per_expert / clusters, m = per_expert % clusters;
   uint64_t work = 0;
   int first = 0;  // (e * per_expert) mod clusters
@@ -44,8 +41,8 @@ MOE_SCHEDULE_HD uint64_t stride_work(const int* k_blocks, int experts, int per_e
 
 // Whether the queue is expected to beat the stride by the margin, given the stride's busiest
 // cluster's work (the largest stride_work).
-MOE_SCHEDULE_HD bool queue_pays(uint64_t stride_makespan, const int* k_blocks, int experts, int per_expert,
-                                int clusters) {
+MOE_FUSED_HD bool queue_pays(uint64_t stride_makespan, const int* k_blocks, int experts, int per_expert,
+                             int clusters) {
   if (experts < 1) return false;
   double total = 0;
   int cheapest = k_blocks[0], dearest = k_blocks[0];
