@@ -51,17 +51,25 @@ class HandleOwner:
         self._handle_recipe = (creator, args)
         if not _capturing():
             _destroy_deferred()  # objects released during an earlier capture
+        self._own(creator, args)
+
+    def _own(self, creator, args):
+        # The destroy operator is taken with the creator, so that the object goes back to the operators
+        # that made it even where the module's operators were replaced since (a test's stub: an object
+        # of an earlier test collected during that test went to the stub).
+        self.__dict__["_handle_destroy"] = getattr(_ops, self._DESTROY)
         setattr(self, self._HANDLE, create(getattr(_ops, creator), *args))
 
     def __del__(self):
         handle = self.__dict__.get(self._HANDLE)
         if handle is not None:
-            release(getattr(_ops, self._DESTROY), handle)
+            release(self.__dict__["_handle_destroy"], handle)
 
     def __getstate__(self):
         parent = getattr(super(), "__getstate__", None)
         state = dict(parent() if parent is not None else self.__dict__)
         state[self._HANDLE] = None
+        state.pop("_handle_destroy", None)
         return state
 
     def __setstate__(self, state):
@@ -84,7 +92,7 @@ class HandleOwner:
         if torch.cuda.is_available():
             device = self._handle_device()
             with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
-                setattr(self, self._HANDLE, create(getattr(_ops, creator), *args))
+                self._own(creator, args)
 
     def __copy__(self):
         cls = type(self)

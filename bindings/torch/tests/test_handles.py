@@ -74,6 +74,19 @@ def test_a_dropped_module_is_freed_without_the_garbage_collector(ops, kwargs):
         gc.enable()
 
 
+def test_an_object_goes_back_to_the_operators_that_made_it(ops, monkeypatch):
+    # An object of an earlier test, collected while a later one had stubbed the operators, went to the
+    # stub (which had no destroy operator for it): the destroy operator is taken with the creator.
+    import moe_engine.module
+    from moe_engine import GroupedExperts
+    mod = GroupedExperts(128, 64, 4, 64, device="cpu")
+    later = _StubOps()
+    monkeypatch.setattr(_handles, "_ops", later)
+    monkeypatch.setattr(moe_engine.module, "_ops", later)
+    del mod
+    assert ops.destroyed == [41] and later.destroyed == []
+
+
 _fired = []
 
 
