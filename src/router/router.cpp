@@ -42,7 +42,7 @@ struct Router::Impl {
   char* block = nullptr;
   size_t bytes = 0;
   int32_t *count_acc = nullptr, *cand_acc = nullptr;
-  unsigned long long* aux_acc = nullptr;
+  unsigned long long *aux_acc = nullptr, *count_arrivals = nullptr;
   uint32_t* tickets = nullptr;
   float* z_partials = nullptr;
   double* seq_partials = nullptr;
@@ -59,6 +59,7 @@ struct Router::Impl {
     count_acc = a.take<int32_t>(E);
     cand_acc = a.take<int32_t>(E);
     aux_acc = a.take<unsigned long long>(E);
+    count_arrivals = a.take<unsigned long long>(int64_t{E} * kernels::kRouterArrivalStride);
     tickets = a.take<uint32_t>(2);
     z_partials = a.take<float>(kernels::kRouterMaxBlocks);
     seq_partials = a.take<double>(cfg.seq_aux_loss_coeff != 0.0f ? cfg.max_tokens / cfg.seq_length : 0);
@@ -217,6 +218,7 @@ void Router::forward(const TensorView& logits, const TensorView& bias, const Rou
   a.z_loss = out.z_loss.ptr<float>();
   a.error_word = error_word;
   a.count_acc = m.count_acc;
+  a.count_arrivals = m.count_arrivals;
   a.cand_acc = m.cand_acc;
   a.aux_acc = m.aux_acc;
   a.tickets = m.tickets;
