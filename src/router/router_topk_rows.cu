@@ -55,7 +55,7 @@
 // counts go to a shared histogram; each block then adds its count of every expert and one arrival
 // to that expert's scratch entry in one 64-bit atomic, and the block that arrives last on an entry
 // writes the expert's counts and clears it (the general kernel's fence, grid ticket and last block
-// cost 0.6-1.7 us more a call on the H100, docs/router.md).
+// cost 0.5-1.7 us more a call on the H100, docs/router.md).
 #include <algorithm>
 #include <cfloat>
 #include <type_traits>
