@@ -531,6 +531,8 @@ __global__ void __launch_bounds__(kThreads, NJ == 8 ? 3 : 2) route_rows_kernel(R
     if (lane == 0) sh.zbuf[warp] = zacc;
   }
   __syncthreads();
+  // Counts alone (no loss, no select pass): by last arrival, no last block.
+  if (!want_a && !want_lse && !select && p.seq_coeff == 0.0f) return publish_counts_by_arrival(sh.hist, E, a);
   for (int e = threadIdx.x; e < E; e += kThreads) {
     if (want_a) {
       const float P = sum_warp_parts(sh.rowbuf, RPW * (G * NJ), e);

@@ -15,7 +15,7 @@ namespace moe::kernels {
 // partial sums have one entry per block).
 constexpr int kRouterWarps = 8;
 constexpr int kRouterMaxBlocks = 1024;
-// The plain top-k kernel's per-expert arrival entries lie 256 bytes apart: every block adds to every
+// The per-expert arrival entries of the counts (publish_counts_by_arrival) lie 256 bytes apart: every block adds to every
 // entry at about the same time at the end of a one-wave grid, and entries packed side by side put
 // those 64-bit atomics on a few L2 slices (packed: 18.8 us against 17.1 at E = 256, bf16, k = 2 on
 // the H100; 32, 64 and 128 bytes apart were slower than 256, 512 and 1024 no faster).
@@ -79,11 +79,12 @@ struct RouterForwardArgs {
   int32_t* seq_counts = nullptr;
   float *aux_loss = nullptr, *seq_loss = nullptr, *z_loss = nullptr;
   uint32_t* error_word = nullptr;
-  // Scratch (the router's). The accumulators and tickets are zero between calls: the last block of
-  // the kernel that fills them reads and clears them.
+  // Scratch (the router's). The accumulators, arrival entries and tickets are zero between calls:
+  // the last block of the kernel that fills them (the last arriving one, for an entry) reads and
+  // clears them.
   int32_t* count_acc = nullptr;             // [E] selection counts
-  // [E * kRouterArrivalStride] plain top-k kernel: entry e at e * kRouterArrivalStride holds the
-  // blocks arrived << 32 | the count so far (a count is at most T < 2^31, so it never carries)
+  // [E * kRouterArrivalStride] the counts by last arrival: entry e at e * kRouterArrivalStride
+  // holds the blocks arrived << 32 | the count so far
   unsigned long long* count_arrivals = nullptr;
   int32_t* cand_acc = nullptr;              // [E] select-pass list entries
   unsigned long long* aux_acc = nullptr;    // [E] sum_t a_{t,e} in fixed point (2^-32)

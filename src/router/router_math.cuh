@@ -462,6 +462,28 @@ __device__ __forceinline__ double block_sum(double v, double* red) {
   return r;
 }
 
+// Publishes the per-expert selection counts of a launch when they are all its last block would
+// publish (no loss, no select pass): every block adds its count of each expert (hist, shared) and
+// one arrival to the expert's scratch entry in one 64-bit atomic, and the block arriving last on an
+// entry has the expert's total in the value it got back, writes the three count outputs and clears
+// the entry (no other block touches it again in this launch). So no block waits for a fence and a
+// grid-wide ticket, and the counts take one round trip to L2 instead of four: 0.5-1.7 us a call on
+// the H100 (docs/router.md). A count is at most T < 2^31, so it never carries into the arrivals.
+// Every block calls it once, from all threads, after a barrier that follows its last hist update.
+__device__ __forceinline__ void publish_counts_by_arrival(const int32_t* hist, int E, const RouterForwardArgs& a) {
+  for (int e = threadIdx.x; e < E; e += kThreads) {
+    unsigned long long* const entry = a.count_arrivals + int64_t{e} * kRouterArrivalStride;
+    const unsigned long long old = atomicAdd(entry, (1ull << 32) | static_cast<uint32_t>(hist[e]));
+    if ((old >> 32) == gridDim.x - 1) {
+      const int32_t c = static_cast<int32_t>(static_cast<uint32_t>(old)) + hist[e];
+      *entry = 0;
+      a.selection_counts[e] = c;
+      a.counts32[e] = c;
+      if (a.counts64) a.counts64[e] = c;
+    }
+  }
+}
+
 // The last block of the grid to finish gets true (every block calls it once, from all threads,
 // after its last global write). The ticket counter is cleared by the caller once the last block is
 // done, so it is zero again for the next (stream-ordered) launch.

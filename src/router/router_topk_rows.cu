@@ -52,10 +52,8 @@
 // Its second value is the exact second largest where that measured faster, else the smaller of the
 // even and the odd elements' maxima (SecondValue).
 // Keys are the general kernel's Key32 / Key64, so the selection is the same bit for bit. Selection
-// counts go to a shared histogram; each block then adds its count of every expert and one arrival
-// to that expert's scratch entry in one 64-bit atomic, and the block that arrives last on an entry
-// writes the expert's counts and clears it (the general kernel's fence, grid ticket and last block
-// cost 0.5-1.7 us more a call on the H100, docs/router.md).
+// counts go to a shared histogram, then out by last arrival (publish_counts_by_arrival), as the
+// general kernel's do when it computes no loss and no select pass.
 #include <algorithm>
 #include <cfloat>
 #include <type_traits>
@@ -792,21 +790,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
   bits = __reduce_or_sync(kFull, bits);
   if ((threadIdx.x & 31) == 0 && bits) atomicOr(a.error_word, bits);
   __syncthreads();
-  // Every block adds its count of each expert and one arrival in one 64-bit atomic; the block that
-  // arrives last on an entry has the expert's total in the value it got back, writes the counts and
-  // clears the entry (no other block touches it again in this launch). So no block waits for a fence
-  // and a grid-wide ticket, and the counts take one round trip to L2 instead of four.
-  for (int e = threadIdx.x; e < E; e += kThreads) {
-    const unsigned long long old =
-        atomicAdd(a.count_arrivals + e * kRouterArrivalStride, (1ull << 32) | static_cast<uint32_t>(hist[e]));
-    if ((old >> 32) == gridDim.x - 1) {
-      const int32_t c = static_cast<int32_t>(static_cast<uint32_t>(old)) + hist[e];
-      a.count_arrivals[e * kRouterArrivalStride] = 0;
-      a.selection_counts[e] = c;
-      a.counts32[e] = c;
-      if (a.counts64) a.counts64[e] = c;
-    }
-  }
+  publish_counts_by_arrival(hist, E, a);
 }
 
 // The grid. With the candidate filter at k <= 2 and E <= 256 (the cheapest tiles) and for bf16 at
