@@ -15,10 +15,10 @@ namespace moe::kernels {
 // partial sums have one entry per block).
 constexpr int kRouterWarps = 8;
 constexpr int kRouterMaxBlocks = 1024;
-// The per-expert arrival entries of the counts (publish_counts_by_arrival) lie 256 bytes apart: every block adds to every
-// entry at about the same time at the end of a one-wave grid, and entries packed side by side put
-// those 64-bit atomics on a few L2 slices (packed: 18.8 us against 17.1 at E = 256, bf16, k = 2 on
-// the H100; 32, 64 and 128 bytes apart were slower than 256, 512 and 1024 no faster).
+// The per-expert arrival entries of the counts (publish_counts_by_arrival) lie 256 bytes apart:
+// every block adds to every entry at about the same time at the end of a one-wave grid, and entries
+// packed side by side put those 64-bit atomics on a few L2 slices (packed: 18.8 us against 17.1 at
+// E = 256, bf16, k = 2 on the H100; 32, 64 and 128 bytes apart were slower, 512 and 1024 no faster).
 constexpr int kRouterArrivalStride = 32;  // in 64-bit words
 
 // A token row lives in a group of G lanes (a power of two, 1..32); lane g of the group owns the
