@@ -3,8 +3,9 @@
 //      rows ahead) -- scores, group limit, top-k (+ rounding candidates) by k rounds of a group
 //      integer max over presorted per-lane keys, probs, selection counts, and per-block sums of the
 //      balancing scores and of lse^2. Its last block to finish turns the accumulators into the
-//      counts and the loss scalars (and the select pass's list offsets), so a dropless forward is
-//      this one kernel: no memset, no finalize launch.
+//      counts and the loss scalars (and the select pass's list offsets); with no loss and no select
+//      pass the counts go out by last arrival instead (publish_counts_by_arrival). So a dropless
+//      forward is this one kernel: no memset, no finalize launch.
 //   2. seq_loss (sequence aux loss only): one block per sequence, its last block sums the loss.
 //   3. with a capacity or token rounding, the select pass: per-expert candidate lists, one block
 //      per expert keeping its best entries by a unique 64-bit key (radix select), then the outputs.
@@ -854,7 +855,7 @@ void launch_router_forward(const RouterForwardArgs& a, cudaStream_t stream) {
   const int E = p.E;
   if (router_topk_rows_apply(a)) return launch_router_topk_rows(a, stream);
   const bool select = a.select != SelectKey::kNone;
-  // The row kernel (one launch, whatever T: its last block writes the counts and losses).
+  // The row kernel (one launch, whatever T: it ends with the counts and losses written).
   const RouterRowGrid grid = router_row_grid(p.T, p.G);
   using Launch = void (*)(const RouterForwardArgs&, int, int32_t, cudaStream_t);
   static constexpr Launch kLaunch[2][2] = {  // [bf16][groups]
