@@ -854,6 +854,7 @@ void launch_router_forward(const RouterForwardArgs& a, cudaStream_t stream) {
   const RouterRowParams& p = a.p;
   const int E = p.E;
   if (router_topk_rows_apply(a)) return launch_router_topk_rows(a, stream);
+  if (router_biased_rows_apply(a)) return launch_router_biased_rows(a, stream);
   const bool select = a.select != SelectKey::kNone;
   // The row kernel (one launch, whatever T: it ends with the counts and losses written).
   const RouterRowGrid grid = router_row_grid(p.T, p.G);

@@ -101,13 +101,19 @@ struct RouterForwardArgs {
   int32_t* list_slot = nullptr;             // [T_max * W]
 };
 
-// Runs the forward: the plain top-k kernel where it applies (router_topk_rows_apply), else the
-// general row kernel and, with a capacity or rounding, the select pass.
+// Runs the forward: the plain top-k kernel where it applies (router_topk_rows_apply), the biased one
+// where it does (router_biased_rows_apply), else the general row kernel and, with a capacity or
+// rounding, the select pass.
 void launch_router_forward(const RouterForwardArgs& a, cudaStream_t stream);
 // The plain top-k kernel (router_topk_rows.cu): bf16 or fp32 logits in 16-byte vector rows
 // (RouterRowParams vec), E <= 512, k <= 8, top-k form, no bias, group limit, loss, capacity or rounding.
 bool router_topk_rows_apply(const RouterForwardArgs& a);
 void launch_router_topk_rows(const RouterForwardArgs& a, cudaStream_t stream);
+// The biased / group-limited top-k kernel (router_biased_rows.cu): sigmoid scores with an expert bias
+// and / or a group limit (groups of a power-of-two number of 4-expert vectors), 64 <= E <= 512, k <= 8,
+// 16-byte vector rows, top-k form, no loss, capacity or rounding. Its outputs are the general kernel's bits.
+bool router_biased_rows_apply(const RouterForwardArgs& a);
+void launch_router_biased_rows(const RouterForwardArgs& a, cudaStream_t stream);
 
 struct RouterBackwardArgs {
   RouterRowParams p;

@@ -761,6 +761,124 @@ TEST(Router, PlainTopKKernelLayoutsFp32) {
   run_case(mis);
 }
 
+// The biased / group-limited kernel's configurations: sigmoid scores, a bias and / or a group limit.
+std::function<void(RouterConfig&)> grouped_bias(int groups, int topk_groups, bool bias = true, bool normalize = true,
+                                float scale = 1.0f) {
+  return [=](RouterConfig& c) {
+    c.score = ScoreFunction::kSigmoid;
+    c.expert_bias = bias;
+    c.normalize_topk = normalize;
+    c.scaling_factor = scale;
+    c.num_groups = groups;
+    c.topk_groups = topk_groups;
+  };
+}
+
+// The same inputs through the biased kernel (16-byte aligned logits) and the general kernel (the
+// logits one element off that alignment): selection, counts, probs and error bits equal bit for bit
+// -- ties included, which the fp64 reference cannot judge.
+void run_against_general(const Case& c, const std::function<void(std::vector<double>&)>& edit_bias = nullptr) {
+  SCOPED_TRACE(c.name);
+  const RouterConfig cfg = config_of(c);
+  Router router(cfg);
+  Inputs in = make_inputs(c, cfg, c.seed);
+  if (edit_bias) edit_bias(in.b);
+  RouterRun::Host got[2];
+  for (int64_t offset : {0, 1}) {
+    RouterRun run(cfg, c.T, router.selection_width(), c.bf16, offset);
+    run.upload(in.z, in.b, in.dp, in.dl);
+    ErrorWord ew;
+    run.poison();
+    run.enqueue(router, ew.device_ptr(), nullptr, true);
+    got[offset] = run.download(ew);
+  }
+  EXPECT_EQ(got[0].bits, got[1].bits) << describe_error_bits(got[0].bits) << " vs " << describe_error_bits(got[1].bits);
+  EXPECT_TRUE(got[0].selected == got[1].selected) << "selected differs";
+  EXPECT_TRUE(got[0].indices == got[1].indices) << "indices differ";
+  EXPECT_TRUE(got[0].selcounts == got[1].selcounts) << "selection_counts differ";
+  EXPECT_TRUE(got[0].counts == got[1].counts && got[0].counts64 == got[1].counts64) << "counts differ";
+  int bad = 0;
+  for (size_t i = 0; i < got[0].probs.size() && bad < 5; ++i)
+    if (std::memcmp(&got[0].probs[i], &got[1].probs[i], 4) != 0) {
+      ADD_FAILURE() << "prob " << i << ": " << got[0].probs[i] << " vs the general kernel's " << got[1].probs[i];
+      ++bad;
+    }
+}
+
+// The biased / group-limited kernel against the reference: two lanes a row (every vector sorted),
+// four (the filter with lists of 2 and 4, sorted lists of 8), eight and sixteen (the filter, ranked);
+// groups of vectors on one lane index (nv >= G, with nv > G a lane's vectors of one group merged) or
+// on consecutive lanes (nv < G); vectors past E; the logits ordering the experts (no bias); k = 1;
+// probs not renormalised, scaled; non-finite rows.
+TEST(Router, BiasedTopKKernelLayouts) {
+  MOE_REQUIRE_GPU();
+  run_case(make("E64 k2 bias bf16 (G2 L2 sorted)", 64, 2, 900, grouped_bias(1, 1), true));
+  run_case(make("E64 k8 G8/4 bias fp32 (G2 L8, nv 2 = G)", 64, 8, 700, grouped_bias(8, 4)));
+  run_case(make("E128 k2 G8/4 bias fp32 (G4 filter L2, nv 4 = G)", 128, 2, 800, grouped_bias(8, 4)));
+  run_case(make("E128 k4 G4/2 bias bf16 (G4 ranked L4, nv 8 > G)", 128, 4, 800, grouped_bias(4, 2), true));
+  run_case(make("E128 k8 bias fp32 not renormalised, scaled (G4 sorted L8)", 128, 8, 600,
+                grouped_bias(1, 1, true, false, 2.5f)));
+  run_case(make("E256 k1 G16/4 bias fp32 (G8 filter L2, nv 4 < G)", 256, 1, 700, grouped_bias(16, 4)));
+  run_case(make("E256 k4 G8/4 no bias bf16 (the logits order, G8 ranked L4)", 256, 4, 700,
+                grouped_bias(8, 4, false), true));
+  run_case(make("E256 k8 G2/1 bias bf16 (nv 32: four vectors of a lane a group)", 256, 8, 600, grouped_bias(2, 1),
+                true));
+  run_case(make("E512 k8 G8/4 bias fp32 (G16 ranked L8, nv 16 = G)", 512, 8, 500, grouped_bias(8, 4)));
+  run_case(make("E512 k3 G32/8 bias bf16 (G16, nv 4 < G)", 512, 3, 500, grouped_bias(32, 8), true));
+  run_case(make("E200 k6 G25/5 bias fp32 (G8, 50 of 64 vectors, nv 2)", 200, 6, 700, grouped_bias(25, 5)));
+  run_case(make("E320 k2 bias bf16 (G16, 80 of 128 vectors)", 320, 2, 700, grouped_bias(1, 1), true));
+  Case nf = make("E256 k8 G8/4 bias bf16: non-finite rows", 256, 8, 800, grouped_bias(8, 4, true, true, 2.5f), true);
+  nf.edit_logits = [](std::vector<double>& z) {
+    z[3 * 256 + 17] = std::numeric_limits<double>::quiet_NaN();
+    z[40 * 256 + 255] = std::numeric_limits<double>::infinity();
+    z[799 * 256 + 0] = -std::numeric_limits<double>::infinity();  // the last tile's last row
+  };
+  run_case(nf);
+}
+
+// The biased / group-limited kernel bit for bit against the general kernel: several row tiles per
+// warp, ties (coarse logits, a zero bias, constant rows, equal group scores), signed zeros,
+// non-finite rows and a non-finite bias, every lane layout.
+TEST(Router, BiasedTopKKernelMatchesGeneralKernel) {
+  MOE_REQUIRE_GPU();
+  auto coarse = [](double step) {
+    return [step](std::vector<double>& z) {
+      for (auto& v : z) v = std::round(v / step) * step;
+    };
+  };
+  auto zero_bias = [](std::vector<double>& b) { std::fill(b.begin(), b.end(), 0.0); };
+  Case big = make("dsv3 bf16 E256 k8 G8/4 T 40003", 256, 8, 40003, grouped_bias(8, 4, true, true, 2.5f), true);
+  run_against_general(big);
+  Case big32 = make("dsv3 fp32 E256 k8 G8/4 T 20001", 256, 8, 20001, grouped_bias(8, 4, true, true, 2.5f));
+  run_against_general(big32);
+  Case ties = make("E256 k8 G8/4 zero bias, logits on a 1/4 grid, constant rows and non-finite rows", 256, 8,
+                   3001, grouped_bias(8, 4), true);
+  ties.edit_logits = [](std::vector<double>& z) {
+    const size_t E = 256, T = z.size() / E;
+    for (auto& v : z) v = std::round(v * 4.0) / 4.0;
+    for (size_t t = 0; t < T; t += 37)
+      for (size_t e = 0; e < E; ++e) z[t * E + e] = (e * 5 + t) % 3 == 0 ? -0.0 : 0.0;
+    z[5 * E + 3] = std::numeric_limits<double>::quiet_NaN();
+    z[(T - 1) * E + 100] = -std::numeric_limits<double>::infinity();
+  };
+  run_against_general(ties, zero_bias);
+  for (int E : {64, 128, 256, 512}) {
+    for (int k : {1, 2, 4, 8}) {
+      Case c = make("ties", E, k, 2001, grouped_bias(8, 4, k != 4, k != 2), E != 128);
+      c.name = "E" + std::to_string(E) + " k" + std::to_string(k) + " G8/4 " + (k == 4 ? "no bias" : "bias") +
+               (E != 128 ? " bf16" : " fp32") + ", logits on a 1/2 grid";
+      c.seed = 11 + E + k;
+      c.edit_logits = coarse(0.5);
+      run_against_general(c, k == 8 ? std::function<void(std::vector<double>&)>(zero_bias) : nullptr);
+    }
+  }
+  run_against_general(make("E200 k5 G25/5 bias fp32 T 9001", 200, 5, 9001, grouped_bias(25, 5)));
+  run_against_general(make("E512 k6 G16/8 bias bf16 T 7001", 512, 6, 7001, grouped_bias(16, 8), true));
+  run_against_general(make("E256 k3 bias only, fp32 T 5001", 256, 3, 5001, grouped_bias(1, 1)));
+  Case inf_bias = make("E256 k8 G8/4: a non-finite bias (every row unrouted)", 256, 8, 300, grouped_bias(8, 4), true);
+  run_against_general(inf_bias, [](std::vector<double>& b) { b[77] = std::numeric_limits<double>::infinity(); });
+}
+
 // The group-limit layouts, one test each so that a failure names its layout.
 // bf16 without a bias (32-bit keys) and group limit: fast path (16 experts per group: 2 lanes of a
 // group of 8 lanes per row, four rows per warp).
@@ -821,8 +939,9 @@ TEST(Router, ShorterBatchesAndEmpty) {
 TEST(Router, GraphReplayMatchesEager) {
   MOE_REQUIRE_GPU();
   // Mode 0: the plain top-k kernel (bf16, renormalised softmax); 1: the general row kernel with
-  // every feature; 2: the same with token rounding (the select pass).
-  for (int mode : {0, 1, 2}) {
+  // every feature; 2: the same with token rounding (the select pass); 3: the biased / group-limited
+  // kernel (mode 1 without the losses).
+  for (int mode : {0, 1, 2, 3}) {
     const bool rounding = mode == 2;
     Case c = make("graph", 256, 8, 1024, [mode, rounding](RouterConfig& cfg) {
       if (mode == 0) {
@@ -832,6 +951,7 @@ TEST(Router, GraphReplayMatchesEager) {
       sigmoid_bias_norm(cfg);
       cfg.num_groups = 8;
       cfg.topk_groups = 4;
+      if (mode == 3) return;
       cfg.aux_loss_coeff = 0.01f;
       cfg.seq_aux_loss_coeff = 0.001f;
       cfg.seq_length = 512;

@@ -1,0 +1,463 @@
+// The router's forward for top-k routing on sigmoid scores with an expert bias for selection and / or
+// a group limit (DeepSeek-V3's routing and its kin; docs/router.md, "Biased and group-limited
+// top-k"): bf16 or fp32 logits in 16-byte vector rows, 64 <= E <= 512, k <= 8, no loss, no capacity
+// or rounding, groups of a power-of-two number of 4-expert vectors. Everything else runs the general
+// row kernel (router_forward.cu), whose selection and probs this kernel reproduces bit for bit.
+//
+// Why a kernel of its own: the general kernel gives such a row 32 lanes of 8 experts at E = 256 and
+// selects by sorting each lane's 64-bit keys and k rounds of a group max (~1300 warp instructions a
+// row, issue-bound: Nsight Compute). Here a row has G lanes (E / 32 rounded up to a power of two),
+// each lane owns 8 vectors of 4 experts (vector c = i G + lane_g: experts 4c .. 4c + 3, the plain
+// kernel's fp32 layout; bf16 rows are read 8 bytes a vector), and:
+//   - every expert's selection value v = sigmoid(z) + bias (z itself without a bias) is computed
+//     once, in the general kernel's fp32 operations;
+//   - with a group limit, a group's score is the sum of its two largest biased scores: a vector's
+//     top two, merged across the lanes of its group (a butterfly: the group's vectors are G
+//     consecutive vectors of one lane index, or consecutive lanes of one vector index) and across a
+//     lane's vectors of one group; the row's groups are ranked in shared memory (score descending,
+//     then the lower group id) and the experts of the groups not kept get v = -inf;
+//   - top-k on v is the plain kernel's fp32 selection: with k <= G lanes a row, the candidate filter
+//     (a threshold at most the row's k-th largest v from the lanes' largest and second largest, then
+//     the candidates ranked in shared memory, or inserted into a list of 2 and merged), else every
+//     vector sorted and the lanes' lists merged; keys are Key64 (v, then the lower expert id);
+//   - a chosen expert's prob is its sigmoid score, the logit read again (L1), and the k scores are
+//     summed in the general kernel's order (a butterfly over its lanes, one slot each: pairwise in
+//     slot order), so renormalised probs are its bits too.
+#include <algorithm>
+#include <cfloat>
+#include <type_traits>
+
+#include "device/cuda_check.h"
+#include "moe/device_errors.h"
+#include "router/router_kernels.h"
+#include "router/router_math.cuh"
+#include "router/router_rows.cuh"
+
+namespace moe::kernels {
+namespace router {
+namespace {
+
+constexpr int kVectors = 8;      // vectors of 4 experts per lane: 32 experts a lane
+constexpr int kMaxGroups = 32;   // the configuration's limit (a keep mask of 32 bits)
+constexpr int kMinExperts = 64;  // two lanes a row and more (fewer experts: the general kernel)
+
+// The lane's vectors of row t as fp32 (zero for vectors not in `valid`): 16-byte loads of fp32
+// logits, 8-byte loads of four bf16 ones.
+template <class In, int G>
+__device__ __forceinline__ void load_row_part(const RouterRowParams& p, int64_t t, uint32_t valid, int lane_g,
+                                              float4 (&z)[kVectors]) {
+#pragma unroll
+  for (int i = 0; i < kVectors; ++i) {
+    const int c = i * G + lane_g;
+    z[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (!((valid >> i) & 1u)) continue;
+    if constexpr (std::is_same_v<In, float>) {
+      z[i] = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.logits) + t * p.E) + c);
+    } else {
+      const uint2 w = __ldg(reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.logits) + t * p.E) + c);
+      z[i] = make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
+                         __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
+    }
+  }
+}
+
+__device__ __forceinline__ float& elem(float4& v, int m) { return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w; }
+__device__ __forceinline__ float elem(const float4& v, int m) { return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w; }
+
+// The two largest of a multiset merged with another's (t1 >= t2 each): the general kernel's merge.
+__device__ __forceinline__ void merge_top2(float& t1, float& t2, float o1, float o2) {
+  const float hi = fmaxf(t1, o1), lo = fmaxf(fminf(t1, o1), fmaxf(t2, o2));
+  t1 = hi;
+  t2 = lo;
+}
+
+// Group limit: the bit mask of the row's kept groups (the same on every lane of the row). sv: the
+// lane's biased scores (-inf past E); nv: vectors per group (a power of two); gsc: the row's
+// scratch of kMaxGroups floats. Every lane of the warp calls it (shuffles, a ballot).
+template <int G>
+__device__ __forceinline__ uint32_t kept_groups_of_row(const RouterRowParams& p, const Lanes<G>& lanes, int nv,
+                                                       int vecs, const float4 (&sv)[kVectors], float* gsc) {
+  float t1[kVectors], t2[kVectors];
+#pragma unroll
+  for (int i = 0; i < kVectors; ++i) {
+    const float a = fmaxf(sv[i].x, sv[i].y), b = fminf(sv[i].x, sv[i].y);
+    const float c = fmaxf(sv[i].z, sv[i].w), d = fminf(sv[i].z, sv[i].w);
+    t1[i] = fmaxf(a, c);
+    t2[i] = fmaxf(fminf(a, c), fmaxf(b, d));
+  }
+  // The group's vectors on other lanes (offsets below nv), then the lane's own vectors of the group
+  // (nv / G consecutive ones, when nv > G).
+#pragma unroll
+  for (int o = 1; o < G; o *= 2) {
+    if (o >= nv) break;  // uniform: nv is the row's
+#pragma unroll
+    for (int i = 0; i < kVectors; ++i)
+      merge_top2(t1[i], t2[i], __shfl_xor_sync(kFull, t1[i], o), __shfl_xor_sync(kFull, t2[i], o));
+  }
+#pragma unroll
+  for (int span = 1; span < kVectors; span *= 2) {
+    if (span * G >= nv) break;
+#pragma unroll
+    for (int i = 0; i < kVectors; ++i) {
+      const int j = i ^ span;
+      if (j < i) continue;
+      merge_top2(t1[i], t2[i], t1[j], t2[j]);
+      t1[j] = t1[i];
+      t2[j] = t2[i];
+    }
+  }
+  const int shift = __ffs(nv) - 1;  // vector c is in group c / nv
+#pragma unroll
+  for (int i = 0; i < kVectors; ++i) {
+    const int c = i * G + lanes.lane_g;
+    if (c < vecs && (c & (nv - 1)) == 0) gsc[c >> shift] = t1[i] + t2[i];
+  }
+  __syncwarp();
+  // Lane g ranks groups g, g + G, ... by (score descending, id ascending); the best topk_groups stay.
+  uint32_t keep = 0;
+  const unsigned low = G == 32 ? kFull : (1u << G) - 1u;
+  for (int b0 = 0; b0 < p.groups; b0 += G) {
+    const int q = b0 + lanes.lane_g;
+    bool kept = false;
+    if (q < p.groups) {
+      const float x = gsc[q];
+      int rank = 0;
+      for (int r = 0; r < p.groups; ++r) {
+        const float y = gsc[r];
+        rank += (y > x || (y == x && r < q)) ? 1 : 0;
+      }
+      kept = rank < p.topk_groups;
+    }
+    keep |= ((__ballot_sync(kFull, kept) >> (lanes.slot * G)) & low) << b0;
+  }
+  __syncwarp();  // the scratch is rewritten next (candidates) and by the next row
+  return keep;
+}
+
+// G lanes per row, lists of L keys; kFilter: the candidate filter (k <= G), else every vector sorted.
+template <class In, int G, int L, bool kFilter>
+__global__ void __launch_bounds__(kThreads, 3) biased_rows_kernel(RouterForwardArgs a) {
+  constexpr int V = kVectors, RPW = 32 / G;
+  constexpr bool kBF16 = std::is_same_v<In, __nv_bfloat16>;
+  constexpr int kS = L >= G ? L / G : 1;  // output slots per lane
+  constexpr int M = L / kS;               // lanes that own slots
+  constexpr bool kRank = kFilter && L >= 4;
+  static_assert(G >= 2 && G * 4 * V <= kMaxExperts, "two to sixteen lanes a row");
+  __shared__ int32_t hist[kMaxExperts];
+  __shared__ __align__(16) float bias_s[kMaxExperts];
+  // The filter reads a candidate's value back from here: this thread's vector i at
+  // staged[i * kThreads + threadIdx.x].
+  __shared__ uint4 staged[kFilter ? V * kThreads : 1];
+  // Per row: its group scores (kMaxGroups floats), then its candidates to rank (kMaxRowCandidates).
+  static_assert(kMaxRowCandidates * sizeof(uint64_t) >= kMaxGroups * sizeof(float), "scratch holds both");
+  __shared__ __align__(16) uint64_t row_keys[kRouterWarps * RPW * kMaxRowCandidates];
+  __shared__ uint64_t row_top[kRank ? kRouterWarps * RPW * L : 1];
+  __shared__ int bias_bad;
+  const RouterRowParams& p = a.p;
+  const int E = p.E, k = p.k, vecs = E / 4;
+  if (threadIdx.x == 0) bias_bad = 0;
+  for (int e = threadIdx.x; e < E; e += kThreads) hist[e] = 0;
+  __syncthreads();
+  // The bias, staged once per block (0 past E and without a bias); a non-finite one poisons every row.
+  for (int e = threadIdx.x; e < G * 4 * V; e += kThreads) {
+    const float b = p.bias && e < E ? __ldg(p.bias + e) : 0.0f;
+    if (!(fabsf(b) < INFINITY)) bias_bad = 1;  // any writer writes 1
+    bias_s[e] = b;
+  }
+  __syncthreads();
+  const bool bias_ok = *static_cast<volatile int*>(&bias_bad) == 0;  // one load, not re-read
+  const Lanes<G> lanes = lanes_of<G>();
+  const int lane_g = lanes.lane_g;
+  const bool by_z = p.bias == nullptr;  // no bias: the logits order the experts, the scores rank the groups
+  const bool grouped = p.groups > 1;
+  const int nv = grouped ? E / p.groups / 4 : 1;
+  uint32_t bits = 0;
+
+  const int64_t tiles = (int64_t{p.T} + RPW - 1) / RPW;
+  const int warp = threadIdx.x / 32;
+  const int row_index = warp * RPW + lanes.slot;
+  uint64_t* const scratch = row_keys + row_index * kMaxRowCandidates;
+  const uintptr_t out_bits = reinterpret_cast<uintptr_t>(a.indices) | reinterpret_cast<uintptr_t>(a.selected) |
+                             reinterpret_cast<uintptr_t>(a.probs);
+  const bool vector_out = k == L && out_bits % (4 * kS) == 0;
+  uint32_t in_row = 0, in_row_bits = 0;  // bit i: vector i inside the row; its 4 candidate bits
+#pragma unroll
+  for (int i = 0; i < V; ++i)
+    if (i * G + lane_g < vecs) {
+      in_row |= 1u << i;
+      in_row_bits |= 0xfu << (4 * i);
+    }
+  const uint32_t lane_id0 = Key64::id_of(lane_g * 4);  // expert 4 (i G + lane_g) + m has id lane_id0 - 4 i G - m
+  const int64_t tile_stride = int64_t{gridDim.x} * kRouterWarps;
+  for (int64_t tile = int64_t{blockIdx.x} * kRouterWarps + warp; tile < tiles; tile += tile_stride) {
+    const int64_t t = tile * RPW + lanes.slot;
+    const bool live = t < p.T;
+    const uint32_t valid = live ? in_row : 0u;
+    float4 z[V];
+    load_row_part<In, G>(p, t, valid, lane_g, z);
+    // Non-finite logits (or bias): the row is routed nowhere (the general kernel's rule).
+    float mx = z[0].x, mn = z[0].x;
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        mx = fmax_nan(mx, elem(z[i], m));
+        mn = fmin_nan(mn, elem(z[i], m));
+      }
+    const bool any_bad = group_any(!(mx < INFINITY && mn > -INFINITY) || !bias_ok, lanes);  // a vote: every lane
+    const bool bad = live && any_bad;
+    // Selection values: v = sigmoid(z) + bias (the general kernel's operations), or z without a bias;
+    // -inf past E and, with a group limit, outside the kept groups.
+    float4 v[V];
+    {
+      float4 sv[V];
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float4 b = reinterpret_cast<const float4*>(bias_s)[i * G + lane_g];
+        const bool in = (in_row >> i) & 1u;
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+          elem(sv[i], m) = in ? __fadd_rn(sigmoid_score(elem(z[i], m)), elem(b, m)) : -INFINITY;
+      }
+#pragma unroll
+      for (int i = 0; i < V; ++i) v[i] = by_z && ((in_row >> i) & 1u) ? z[i] : sv[i];
+      if (grouped) {  // uniform
+        const uint32_t keep =
+            kept_groups_of_row<G>(p, lanes, nv, vecs, sv, reinterpret_cast<float*>(scratch));
+        const int shift = __ffs(nv) - 1;
+#pragma unroll
+        for (int i = 0; i < V; ++i)
+          if (!((keep >> ((i * G + lane_g) >> shift)) & 1u)) v[i] = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+      }
+    }
+    uint4 raw[V];  // the values as the fp32 selection helpers read them
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      raw[i] = make_uint4(__float_as_uint(v[i].x), __float_as_uint(v[i].y), __float_as_uint(v[i].z),
+                          __float_as_uint(v[i].w));
+
+    // The lane's sorted top L (of its candidates, with the filter), or the row's top L ranked in
+    // shared memory. Every vote runs on every lane: the warp stays converged.
+    uint64_t top[L];
+    bool ranked = false;
+    if constexpr (kFilter) {
+      constexpr bool kSecond = L >= 4;
+      constexpr SecondValue kSecondKind = !kSecond                       ? SecondValue::kNone
+                                          : G >= 16 || (G == 8 && L == 4) ? SecondValue::kHalves
+                                                                          : SecondValue::kExact;
+      float first, second;
+      bool unused;  // the logits' test is above; v is -inf by design outside the kept groups
+      lane_extremes_fp32<V, kSecondKind>(raw, first, second, unused);
+      float tau = group_kth_largest<G>(first, k, lane_g);
+      if constexpr (kSecond) tau = fmaxf(tau, group_kth_largest<G>(second, (k + 1) / 2, lane_g));
+      uint32_t mask = bad ? 0u : candidate_mask_fp32<V>(raw, tau) & (live ? in_row_bits : 0u);
+      const int count = __popc(mask);
+      int row_count = 0, place = 0;
+      if constexpr (kRank) {
+        int upto = count;
+#pragma unroll
+        for (int o = 1; o < G; o *= 2) {
+          const int y = __shfl_up_sync(kFull, upto, o, G);
+          if (lane_g >= o) upto += y;
+        }
+        row_count = __shfl_sync(kFull, upto, G - 1, G);
+        place = upto - count;
+      }
+      if (__any_sync(kFull, count > kMaxLaneCandidates || row_count > kMaxRowCandidates)) {
+        lane_top_sorted_fp32<G, V, L>(raw, valid, lane_g, top);
+      } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) staged[i * kThreads + threadIdx.x] = raw[i];
+        auto candidate_key = [&](int b) {
+          const float* mine = reinterpret_cast<const float*>(staged) + 4 * threadIdx.x;
+          const int i = b >> 2, m = b & 3;
+          return Key64::make_id(mine[i * (4 * kThreads) + m], lane_id0 - i * (4 * G) - m);
+        };
+        if constexpr (kRank) {
+          // The row's candidates in lane order, each ranked by the number of the row's keys above
+          // it (the plain kernel's fp32 ranking; keys are distinct).
+          static_assert(G >= 4, "four lanes write the list's zero padding");
+          if (row_count + lane_g < kMaxRowCandidates && lane_g < 4) scratch[row_count + lane_g] = 0u;
+#pragma unroll
+          for (int n = 0; n < kMaxLaneCandidates; ++n) {
+            if (mask == 0u) break;
+            const int b = __ffs(mask) - 1;
+            mask &= mask - 1u;
+            scratch[place + n] = candidate_key(b);
+          }
+          __syncwarp();
+          uint64_t* const row_out = row_top + row_index * L;
+          const int most = __reduce_max_sync(kFull, row_count);
+          for (int j = lane_g; j < most; j += G) {
+            if (j < row_count) {
+              const uint64_t key = scratch[j];
+              const int rank = keys_above(scratch, row_count, key);
+              if (rank < L) row_out[rank] = key;
+            }
+          }
+          __syncwarp();
+          ranked = true;
+        } else {
+#pragma unroll
+          for (int j = 0; j < L; ++j) top[j] = 0u;
+#pragma unroll
+          for (int n = 0; n < kMaxLaneCandidates; ++n) {
+            if (mask == 0u) break;
+            const int b = __ffs(mask) - 1;
+            mask &= mask - 1u;
+            uint64_t key = candidate_key(b);
+#pragma unroll
+            for (int j = 0; j < (n + 1 < L ? n + 1 : L); ++j) {  // insertion into the sorted list
+              const uint64_t hi = max(top[j], key);
+              key = min(top[j], key);
+              top[j] = hi;
+            }
+          }
+        }
+      }
+    } else {
+      lane_top_sorted_fp32<G, V, L>(raw, valid, lane_g, top);
+    }
+    // Lane g owns slots g kS .. g kS + kS - 1 (lanes past L / kS own none).
+    uint64_t own[kS];
+    if (kRank && ranked) {
+      const uint64_t* const row_out = row_top + row_index * L;
+#pragma unroll
+      for (int i = 0; i < kS; ++i) own[i] = row_out[(lane_g & (M - 1)) * kS + i];
+    } else {
+#pragma unroll
+      for (int o = 1; o < G; o *= 2) {
+        uint64_t b[L];
+#pragma unroll
+        for (int j = 0; j < L; ++j) b[j] = __shfl_xor_sync(kFull, top[j], o);
+        merge_top<L>(top, b);
+      }
+#pragma unroll
+      for (int i = 0; i < kS; ++i) own[i] = pick_entry<M, kS>(top, lane_g & (M - 1), i);
+    }
+    const int j0 = lane_g * kS;
+    const bool mine = live && !bad && j0 < k;  // the lane owns slots of this routed row
+    int ev[kS];
+    float s[kS];
+#pragma unroll
+    for (int i = 0; i < kS; ++i) {
+      ev[i] = Key64::expert(own[i]);
+      // The chosen expert's score: sigmoid of its logit (the key's own value without a bias).
+      const bool scored = mine && j0 + i < k;
+      const float ze = !scored ? 0.0f : by_z ? Key64::value(own[i]) : logit_at<kBF16>(p, t, ev[i]);
+      s[i] = scored ? sigmoid_score(ze) : 0.0f;
+    }
+    // The sum the probs are divided by, in the general kernel's order: a butterfly over its lanes
+    // (at least 8 a row here, one slot each) adds the k scores pairwise in slot order.
+    float den = 0.0f;
+    if (p.normalize) {  // a kernel argument: the whole warp takes the same branch
+      const int group_lane0 = (threadIdx.x & 31) & ~(G - 1);
+      float q[L];
+#pragma unroll
+      for (int j = 0; j < L; ++j) {
+        const float sj = __shfl_sync(kFull, s[j % kS], group_lane0 + j / kS);
+        q[j] = j < k ? sj : 0.0f;
+      }
+#pragma unroll
+      for (int width = 1; width < L; width *= 2)
+#pragma unroll
+        for (int j = 0; j + width < L; j += 2 * width) q[j] += q[j + width];
+      den = q[0];
+    }
+    if (bad) bits |= kErrNonFiniteLogit;
+    float pv[kS];
+#pragma unroll
+    for (int i = 0; i < kS; ++i) {
+      ev[i] = bad ? -1 : ev[i];
+      pv[i] = bad ? 0.0f : (p.normalize ? s[i] / den : s[i]) * p.alpha;
+    }
+    if (live && j0 < k) {
+      const int64_t o = t * k + j0;
+      if (vector_out) {
+        store_slots<kS>(a.indices + o, ev);
+        store_slots<kS>(a.selected + o, ev);
+        store_slots<kS>(a.probs + o, pv);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kS; ++i) {
+          if (j0 + i >= k) break;
+          a.indices[o + i] = ev[i];
+          a.selected[o + i] = ev[i];
+          a.probs[o + i] = pv[i];
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kS; ++i) {
+      const bool counted = mine && j0 + i < k;
+      if constexpr (G <= 2) {
+        // Lanes that chose the same expert in the same slot position add once (see the plain kernel).
+        const unsigned peers = __match_any_sync(kFull, counted ? ev[i] : -1);
+        if (counted && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[ev[i]], __popc(peers));
+      } else {
+        if (counted) atomicAdd(&hist[ev[i]], 1);
+      }
+    }
+  }
+  bits = __reduce_or_sync(kFull, bits);
+  if ((threadIdx.x & 31) == 0 && bits) atomicOr(a.error_word, bits);
+  __syncthreads();
+  publish_counts_by_arrival(hist, E, a);
+}
+
+template <class In, int G, int L, bool kFilter>
+void launch_kernel(const RouterForwardArgs& a, cudaStream_t stream) {
+  const int64_t tiles = (int64_t{a.p.T} + 32 / G - 1) / (32 / G);
+  const unsigned blocks =
+      static_cast<unsigned>(std::clamp<int64_t>((tiles + kRouterWarps - 1) / kRouterWarps, 1, kRouterMaxBlocks));
+  biased_rows_kernel<In, G, L, kFilter><<<blocks, kThreads, 0, stream>>>(a);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+template <class In, int G>
+void launch_for_lanes(const RouterForwardArgs& a, cudaStream_t stream) {
+  const int k = a.p.k;
+  // The filter where k <= G (its threshold needs k lane maxima); two lanes a row sort (as the plain
+  // kernel, where the filter measured slower).
+  constexpr bool kFilterMayRun = G >= 4;
+  if (k <= 2) return launch_kernel<In, G, 2, kFilterMayRun>(a, stream);
+  if (k <= 4) {
+    if constexpr (G >= 4) return launch_kernel<In, G, 4, true>(a, stream);
+    else return launch_kernel<In, G, 4, false>(a, stream);
+  }
+  if constexpr (G >= 8) return launch_kernel<In, G, 8, true>(a, stream);
+  else return launch_kernel<In, G, 8, false>(a, stream);
+}
+
+template <class In>
+void launch_for_type(const RouterForwardArgs& a, cudaStream_t stream) {
+  const int E = a.p.E;
+  if (E <= 64) return launch_for_lanes<In, 2>(a, stream);
+  if (E <= 128) return launch_for_lanes<In, 4>(a, stream);
+  if (E <= 256) return launch_for_lanes<In, 8>(a, stream);
+  return launch_for_lanes<In, 16>(a, stream);
+}
+
+}  // namespace
+}  // namespace router
+
+bool router_biased_rows_apply(const RouterForwardArgs& a) {
+  const RouterRowParams& p = a.p;
+  if (!(p.vec && p.E % 8 == 0 && p.E >= router::kMinExperts && p.E <= router::kMaxExperts && p.k <= router::kMaxK &&
+        p.W == p.k && a.form == RoutingForm::kTopK && a.select == SelectKey::kNone &&
+        p.score == ScoreFunction::kSigmoid && !p.softmax_after && (p.bias != nullptr || p.groups > 1) &&
+        p.aux_coeff == 0.0f && p.seq_coeff == 0.0f && p.z_coeff == 0.0f))
+    return false;
+  if (p.groups == 1) return true;
+  const int group_size = p.E / p.groups;
+  const int nv = group_size / 4;  // vectors per group: a power of two
+  return group_size % 4 == 0 && (nv & (nv - 1)) == 0;
+}
+
+void launch_router_biased_rows(const RouterForwardArgs& a, cudaStream_t stream) {
+  using namespace router;
+  if (a.p.bf16) return launch_for_type<__nv_bfloat16>(a, stream);
+  return launch_for_type<float>(a, stream);
+}
+
+}  // namespace moe::kernels
