@@ -28,6 +28,7 @@
 #include <type_traits>
 
 #include "device/cuda_check.h"
+#include "device/launch_geometry.h"
 #include "moe/device_errors.h"
 #include "router/router_kernels.h"
 #include "router/router_math.cuh"
@@ -405,12 +406,17 @@ __global__ void __launch_bounds__(kThreads, 3) biased_rows_kernel(RouterForwardA
   publish_counts_by_arrival(hist, E, a);
 }
 
+// The grid: with eight lanes a row (E = 256), one wave of resident CTAs whose warps loop over the
+// tiles (device/launch_geometry.h): 1.02x at E = 256 with k = 2 and 8 on the H100; a CTA per eight
+// tiles elsewhere (one wave was 1.03-1.11x slower at E = 64 and 128; E = 512 not measured).
 template <class In, int G, int L, bool kFilter>
 void launch_kernel(const RouterForwardArgs& a, cudaStream_t stream) {
   const int64_t tiles = (int64_t{a.p.T} + 32 / G - 1) / (32 / G);
+  const auto kernel = biased_rows_kernel<In, G, L, kFilter>;
   const unsigned blocks =
-      static_cast<unsigned>(std::clamp<int64_t>((tiles + kRouterWarps - 1) / kRouterWarps, 1, kRouterMaxBlocks));
-  biased_rows_kernel<In, G, L, kFilter><<<blocks, kThreads, 0, stream>>>(a);
+      G == 8 ? one_wave_grid_x(reinterpret_cast<const void*>(kernel), kThreads, tiles, kRouterWarps)
+             : static_cast<unsigned>(std::clamp<int64_t>((tiles + kRouterWarps - 1) / kRouterWarps, 1, kRouterMaxBlocks));
+  kernel<<<blocks, kThreads, 0, stream>>>(a);
   MOE_CUDA_CHECK_LAUNCH();
 }
 
