@@ -46,24 +46,33 @@ constexpr int kMinExperts = 64;  // two lanes a row and more (fewer experts: the
 // logits, 8-byte loads of four bf16 ones.
 template <class In, int G>
 __device__ __forceinline__ void load_row_part(const RouterRowParams& p, int64_t t, uint32_t valid, int lane_g,
-                                              float4 (&z)[kVectors]) {
+                                              float (&z)[kVectors][4]) {
 #pragma unroll
   for (int i = 0; i < kVectors; ++i) {
     const int c = i * G + lane_g;
-    z[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (!((valid >> i) & 1u)) continue;
-    if constexpr (std::is_same_v<In, float>) {
-      z[i] = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.logits) + t * p.E) + c);
-    } else {
-      const uint2 w = __ldg(reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.logits) + t * p.E) + c);
-      z[i] = make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
-                         __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
+    uint32_t w[4] = {0u, 0u, 0u, 0u};
+    if ((valid >> i) & 1u) {
+      if constexpr (std::is_same_v<In, float>) {
+        const uint4 q = __ldg(reinterpret_cast<const uint4*>(static_cast<const float*>(p.logits) + t * p.E) + c);
+        w[0] = q.x, w[1] = q.y, w[2] = q.z, w[3] = q.w;
+      } else {
+        const uint2 q = __ldg(reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.logits) + t * p.E) + c);
+        w[0] = q.x << 16, w[1] = q.x & 0xffff0000u, w[2] = q.y << 16, w[3] = q.y & 0xffff0000u;
+      }
     }
+#pragma unroll
+    for (int m = 0; m < 4; ++m) z[i][m] = __uint_as_float(w[m]);
   }
 }
 
-__device__ __forceinline__ float& elem(float4& v, int m) { return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w; }
-__device__ __forceinline__ float elem(const float4& v, int m) { return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w; }
+// 1 / x for 1 <= x < 2^126: the compiler's IEEE division takes its fast path there, an approximate
+// reciprocal and one Newton step -- these operations, so the same bits -- and checks the range per
+// division (four operations and a branch each); the caller checks it once per row part.
+__device__ __forceinline__ float reciprocal_in_range(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return __fmaf_rn(r, -__fmaf_rn(x, r, -1.0f), r);
+}
 
 // The two largest of a multiset merged with another's (t1 >= t2 each): the general kernel's merge.
 __device__ __forceinline__ void merge_top2(float& t1, float& t2, float o1, float o2) {
@@ -77,12 +86,12 @@ __device__ __forceinline__ void merge_top2(float& t1, float& t2, float o1, float
 // scratch of kMaxGroups floats. Every lane of the warp calls it (shuffles, a ballot).
 template <int G>
 __device__ __forceinline__ uint32_t kept_groups_of_row(const RouterRowParams& p, const Lanes<G>& lanes, int nv,
-                                                       int vecs, const float4 (&sv)[kVectors], float* gsc) {
+                                                       int vecs, const float (&sv)[kVectors][4], float* gsc) {
   float t1[kVectors], t2[kVectors];
 #pragma unroll
   for (int i = 0; i < kVectors; ++i) {
-    const float a = fmaxf(sv[i].x, sv[i].y), b = fminf(sv[i].x, sv[i].y);
-    const float c = fmaxf(sv[i].z, sv[i].w), d = fminf(sv[i].z, sv[i].w);
+    const float a = fmaxf(sv[i][0], sv[i][1]), b = fminf(sv[i][0], sv[i][1]);
+    const float c = fmaxf(sv[i][2], sv[i][3]), d = fminf(sv[i][2], sv[i][3]);
     t1[i] = fmaxf(a, c);
     t2[i] = fmaxf(fminf(a, c), fmaxf(b, d));
   }
@@ -194,48 +203,62 @@ __global__ void __launch_bounds__(kThreads, 3) biased_rows_kernel(RouterForwardA
     const int64_t t = tile * RPW + lanes.slot;
     const bool live = t < p.T;
     const uint32_t valid = live ? in_row : 0u;
-    float4 z[V];
+    float z[V][4];
     load_row_part<In, G>(p, t, valid, lane_g, z);
     // Non-finite logits (or bias): the row is routed nowhere (the general kernel's rule).
-    float mx = z[0].x, mn = z[0].x;
+    float mx = z[0][0], mn = z[0][0];
 #pragma unroll
     for (int i = 0; i < V; ++i)
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        mx = fmax_nan(mx, elem(z[i], m));
-        mn = fmin_nan(mn, elem(z[i], m));
+        mx = fmax_nan(mx, z[i][m]);
+        mn = fmin_nan(mn, z[i][m]);
       }
     const bool any_bad = group_any(!(mx < INFINITY && mn > -INFINITY) || !bias_ok, lanes);  // a vote: every lane
     const bool bad = live && any_bad;
     // Selection values: v = sigmoid(z) + bias (the general kernel's operations), or z without a bias;
-    // -inf past E and, with a group limit, outside the kept groups.
-    float4 v[V];
-    {
-      float4 sv[V];
+    // -inf past E and, with a group limit, outside the kept groups. Every element is scored, past E
+    // too (z = 0 there: a branch per element cost more than the sigmoid); a group past E holds only
+    // vectors past E, so their scores never meet a real group's.
+    // With every z above -87 each 1 + exp(-z) is below 2^126 (e^87 < 2^126), so sigmoid_score's
+    // division is its fast path: reciprocal_in_range, no check per element. Otherwise (or NaN) the
+    // lane takes sigmoid_score itself.
+    float v[V][4];  // the biased scores first
+    const bool in_range = mn > -87.0f;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float4 b = reinterpret_cast<const float4*>(bias_s)[i * G + lane_g];
+      const float bm[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int m = 0; m < 4; ++m)
+        v[i][m] = __fadd_rn(in_range ? reciprocal_in_range(1.0f + expf(-z[i][m])) : sigmoid_score(z[i][m]), bm[m]);
+    }
+    uint32_t keep = 0;
+    if (grouped) keep = kept_groups_of_row<G>(p, lanes, nv, vecs, v, reinterpret_cast<float*>(scratch));  // uniform
+    // Without a bias the logits order the experts: read again (L1) rather than held in registers
+    // through the scores and the group limit.
+    if (by_z) load_row_part<In, G>(p, t, valid, lane_g, v);
+    if (grouped) {
+      const int shift = __ffs(nv) - 1;
 #pragma unroll
       for (int i = 0; i < V; ++i) {
-        const float4 b = reinterpret_cast<const float4*>(bias_s)[i * G + lane_g];
-        const bool in = (in_row >> i) & 1u;
+        const int q = (i * G + lane_g) >> shift;  // past E: a group id >= groups (never kept)
+        const bool kept = q < kMaxGroups && ((keep >> q) & 1u);
 #pragma unroll
-        for (int m = 0; m < 4; ++m)
-          elem(sv[i], m) = in ? __fadd_rn(sigmoid_score(elem(z[i], m)), elem(b, m)) : -INFINITY;
+        for (int m = 0; m < 4; ++m) v[i][m] = kept ? v[i][m] : -INFINITY;
       }
+    }
+    if (vecs < V * G) {  // uniform: E not a multiple of 32 G
 #pragma unroll
-      for (int i = 0; i < V; ++i) v[i] = by_z && ((in_row >> i) & 1u) ? z[i] : sv[i];
-      if (grouped) {  // uniform
-        const uint32_t keep =
-            kept_groups_of_row<G>(p, lanes, nv, vecs, sv, reinterpret_cast<float*>(scratch));
-        const int shift = __ffs(nv) - 1;
+      for (int i = 0; i < V; ++i)
 #pragma unroll
-        for (int i = 0; i < V; ++i)
-          if (!((keep >> ((i * G + lane_g) >> shift)) & 1u)) v[i] = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
-      }
+        for (int m = 0; m < 4; ++m) v[i][m] = (in_row >> i) & 1u ? v[i][m] : -INFINITY;
     }
     uint4 raw[V];  // the values as the fp32 selection helpers read them
 #pragma unroll
     for (int i = 0; i < V; ++i)
-      raw[i] = make_uint4(__float_as_uint(v[i].x), __float_as_uint(v[i].y), __float_as_uint(v[i].z),
-                          __float_as_uint(v[i].w));
+      raw[i] = make_uint4(__float_as_uint(v[i][0]), __float_as_uint(v[i][1]), __float_as_uint(v[i][2]),
+                          __float_as_uint(v[i][3]));
 
     // The lane's sorted top L (of its candidates, with the filter), or the row's top L ranked in
     // shared memory. Every vote runs on every lane: the warp stays converged.

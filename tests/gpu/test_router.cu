@@ -875,6 +875,18 @@ TEST(Router, BiasedTopKKernelMatchesGeneralKernel) {
   run_against_general(make("E200 k5 G25/5 bias fp32 T 9001", 200, 5, 9001, grouped_bias(25, 5)));
   run_against_general(make("E512 k6 G16/8 bias bf16 T 7001", 512, 6, 7001, grouped_bias(16, 8), true));
   run_against_general(make("E256 k3 bias only, fp32 T 5001", 256, 3, 5001, grouped_bias(1, 1)));
+  // Logits far below -87 in some rows (1 + exp(-z) at or above 2^126: the division's slow path, a sigmoid
+  // of 0 for z < -88.7) and far above in others (a sigmoid of 1), beside ordinary rows.
+  for (bool bf16 : {false, true}) {
+    Case sat = make(bf16 ? "E256 k8 G8/4 bf16: saturated sigmoids" : "E256 k8 G8/4 fp32: saturated sigmoids", 256, 8,
+                    2001, grouped_bias(8, 4), bf16);
+    sat.edit_logits = [](std::vector<double>& z) {
+      const size_t E = 256, T = z.size() / E;
+      for (size_t t = 0; t < T; t += 3)
+        for (size_t e = (t * 7) % 5; e < E; e += 5) z[t * E + e] = t % 2 ? -87.0 - double(e % 9) * 1.5 : 60.0 + e % 7;
+    };
+    run_against_general(sat);
+  }
   Case inf_bias = make("E256 k8 G8/4: a non-finite bias (every row unrouted)", 256, 8, 300, grouped_bias(8, 4), true);
   run_against_general(inf_bias, [](std::vector<double>& b) { b[77] = std::numeric_limits<double>::infinity(); });
 }
