@@ -23,6 +23,10 @@
 //   - a chosen expert's prob is its sigmoid score, the logit read again (L1), and the k scores are
 //     summed in the general kernel's order (a butterfly over its lanes, one slot each: pairwise in
 //     slot order), so renormalised probs are its bits too.
+// The selection's steps after the threshold (the candidates' places, ranking or insertion, the
+// lanes' merges, the slot stores and counts) follow the plain kernel's code rather than share it:
+// the two kernels calling common helpers for them (forced inline) compiled to other register
+// allocations and ran 1-4% slower on the H100 (docs/measurements/router.md).
 #include <algorithm>
 #include <cfloat>
 #include <type_traits>
