@@ -86,7 +86,7 @@ __device__ __forceinline__ void merge_top2(float& t1, float& t2, float o1, float
 }
 
 // Group limit: the bit mask of the row's kept groups (the same on every lane of the row). sv: the
-// lane's biased scores (-inf past E); nv: vectors per group (a power of two); gsc: the row's
+// lane's biased scores (past E those of z = 0, in groups past the row's: never ranked); nv: vectors per group (a power of two); gsc: the row's
 // scratch of kMaxGroups floats. Every lane of the warp calls it (shuffles, a ballot).
 template <int G>
 __device__ __forceinline__ uint32_t kept_groups_of_row(const RouterRowParams& p, const Lanes<G>& lanes, int nv,
@@ -450,16 +450,11 @@ void launch_kernel(const RouterForwardArgs& a, cudaStream_t stream) {
 template <class In, int G>
 void launch_for_lanes(const RouterForwardArgs& a, cudaStream_t stream) {
   const int k = a.p.k;
-  // The filter where k <= G (its threshold needs k lane maxima); two lanes a row sort (as the plain
-  // kernel, where the filter measured slower).
-  constexpr bool kFilterMayRun = G >= 4;
-  if (k <= 2) return launch_kernel<In, G, 2, kFilterMayRun>(a, stream);
-  if (k <= 4) {
-    if constexpr (G >= 4) return launch_kernel<In, G, 4, true>(a, stream);
-    else return launch_kernel<In, G, 4, false>(a, stream);
-  }
-  if constexpr (G >= 8) return launch_kernel<In, G, 8, true>(a, stream);
-  else return launch_kernel<In, G, 8, false>(a, stream);
+  // The filter where the list's k fits G (its threshold needs k lane maxima); two lanes a row sort
+  // (as the plain kernel, where the filter measured slower).
+  if (k <= 2) return launch_kernel<In, G, 2, (G >= 4)>(a, stream);
+  if (k <= 4) return launch_kernel<In, G, 4, (G >= 4)>(a, stream);
+  return launch_kernel<In, G, 8, (G >= 8)>(a, stream);
 }
 
 template <class In>

@@ -14,7 +14,6 @@
 namespace moe::kernels::router {
 
 constexpr int kMaxExperts = 512;  // 16 lanes x 32 experts
-
 constexpr int kMaxK = 8;
 // The most candidates a lane inserts one by one; a warp with a lane above it sorts every vector (an
 // insertion costs 20-35 instructions, sorting and merging a lane's four vectors ~470).
