@@ -11,15 +11,16 @@
 // kernel's fp32 layout; bf16 rows are read 8 bytes a vector), and:
 //   - every expert's selection value v = sigmoid(z) + bias (z itself without a bias) is computed
 //     once, in the general kernel's fp32 operations;
-//   - with a group limit, a group's score is the sum of its two largest biased scores: a vector's
-//     top two, merged across the lanes of its group (a butterfly: the group's vectors are G
-//     consecutive vectors of one lane index, or consecutive lanes of one vector index) and across a
-//     lane's vectors of one group; the row's groups are ranked in shared memory (score descending,
-//     then the lower group id) and the experts of the groups not kept get v = -inf;
+//   - each vector's two largest values are taken once; with a group limit, a group's score is the
+//     sum of its two largest biased scores: its vectors' top twos, staged in shared memory and merged
+//     by one lane of the row per group; the row's groups are ranked in shared memory (score
+//     descending, then the lower group id), and the vectors of the groups not kept leave the
+//     selection (their elements are never candidates; their top two is -inf);
 //   - top-k on v is the plain kernel's fp32 selection: with k <= G lanes a row, the candidate filter
-//     (a threshold at most the row's k-th largest v from the lanes' largest and second largest, then
-//     the candidates ranked in shared memory, or inserted into a list of 2 and merged), else every
-//     vector sorted and the lanes' lists merged; keys are Key64 (v, then the lower expert id);
+//     (a threshold at most the row's k-th largest v from the lanes' largest and second largest -- a
+//     tree over the vectors' top twos -- then the candidates ranked in shared memory, or inserted
+//     into a list of 2 and merged), else every vector sorted and the lanes' lists merged; keys are
+//     Key64 (v, then the lower expert id);
 //   - a chosen expert's prob is its sigmoid score, the logit read again (L1), and the k scores are
 //     summed in the general kernel's order (a butterfly over its lanes, one slot each: pairwise in
 //     slot order), so renormalised probs are its bits too.
@@ -47,25 +48,43 @@ constexpr int kMaxGroups = 32;   // the configuration's limit (a keep mask of 32
 constexpr int kMinExperts = 64;  // two lanes a row and more (fewer experts: the general kernel)
 
 // The lane's vectors of row t as fp32 (zero for vectors not in `valid`): 16-byte loads of fp32
-// logits, 8-byte loads of four bf16 ones.
+// logits, 8-byte loads of four bf16 ones; mx and mn: their NaN-propagating maximum and minimum (bf16:
+// packed, two logits an operation).
 template <class In, int G>
 __device__ __forceinline__ void load_row_part(const RouterRowParams& p, int64_t t, uint32_t valid, int lane_g,
-                                              float (&z)[kVectors][4]) {
+                                              float (&z)[kVectors][4], float& mx, float& mn) {
+  __nv_bfloat162 hi, lo;  // bf16: packed maximum and minimum
 #pragma unroll
   for (int i = 0; i < kVectors; ++i) {
     const int c = i * G + lane_g;
-    uint32_t w[4] = {0u, 0u, 0u, 0u};
-    if ((valid >> i) & 1u) {
-      if constexpr (std::is_same_v<In, float>) {
-        const uint4 q = __ldg(reinterpret_cast<const uint4*>(static_cast<const float*>(p.logits) + t * p.E) + c);
-        w[0] = q.x, w[1] = q.y, w[2] = q.z, w[3] = q.w;
-      } else {
-        const uint2 q = __ldg(reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.logits) + t * p.E) + c);
-        w[0] = q.x << 16, w[1] = q.x & 0xffff0000u, w[2] = q.y << 16, w[3] = q.y & 0xffff0000u;
-      }
+    const bool ok = (valid >> i) & 1u;
+    if constexpr (std::is_same_v<In, float>) {
+      uint4 q = make_uint4(0u, 0u, 0u, 0u);
+      if (ok) q = __ldg(reinterpret_cast<const uint4*>(static_cast<const float*>(p.logits) + t * p.E) + c);
+      z[i][0] = __uint_as_float(q.x), z[i][1] = __uint_as_float(q.y);
+      z[i][2] = __uint_as_float(q.z), z[i][3] = __uint_as_float(q.w);
+    } else {
+      uint2 q = make_uint2(0u, 0u);
+      if (ok) q = __ldg(reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.logits) + t * p.E) + c);
+      z[i][0] = __uint_as_float(q.x << 16), z[i][1] = __uint_as_float(q.x & 0xffff0000u);
+      z[i][2] = __uint_as_float(q.y << 16), z[i][3] = __uint_as_float(q.y & 0xffff0000u);
+      const __nv_bfloat162 x = as_bf162(q.x), y = as_bf162(q.y);
+      hi = i == 0 ? __hmax2_nan(x, y) : __hmax2_nan(hi, __hmax2_nan(x, y));
+      lo = i == 0 ? __hmin2_nan(x, y) : __hmin2_nan(lo, __hmin2_nan(x, y));
     }
+  }
+  if constexpr (std::is_same_v<In, float>) {
+    mx = mn = z[0][0];
 #pragma unroll
-    for (int m = 0; m < 4; ++m) z[i][m] = __uint_as_float(w[m]);
+    for (int i = 0; i < kVectors; ++i)
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        mx = fmax_nan(mx, z[i][m]);
+        mn = fmin_nan(mn, z[i][m]);
+      }
+  } else {
+    mx = fmax_nan(__low2float(hi), __high2float(hi));
+    mn = fmin_nan(__low2float(lo), __high2float(lo));
   }
 }
 
@@ -85,46 +104,53 @@ __device__ __forceinline__ void merge_top2(float& t1, float& t2, float o1, float
   t2 = lo;
 }
 
+// The two largest of a vector's four values (t1 >= t2; the second largest as a multiset).
+__device__ __forceinline__ void vector_top2(const float (&x)[4], float& t1, float& t2) {
+  const float a = fmaxf(x[0], x[1]), b = fminf(x[0], x[1]);
+  const float c = fmaxf(x[2], x[3]), d = fminf(x[2], x[3]);
+  t1 = fmaxf(a, c);
+  t2 = fmaxf(fminf(a, c), fmaxf(b, d));
+}
+
 // Group limit: the bit mask of the row's kept groups (the same on every lane of the row). sv: the
-// lane's biased scores (past E those of z = 0, in groups past the row's: never ranked); nv: vectors per group (a power of two); gsc: the row's
-// scratch of kMaxGroups floats. Every lane of the warp calls it (shuffles, a ballot).
+// lane's biased scores (past E those of z = 0: in vectors no group of the row holds); nv: vectors
+// per group (a power of two); pairs: V / 2 kThreads 16-byte slots of shared memory, this warp's
+// own; gsc: the row's scratch of kMaxGroups floats. Every lane of the warp calls it (a ballot).
+// A vector's top two go to shared memory (two vectors a 16-byte store), and lane g of a row merges
+// those of its groups g, g + G, ... (a group's vectors are consecutive: G consecutive lanes' vector
+// i, or one lane's): fewer operations than butterflies that leave every group's top two on each
+// of its lanes.
 template <int G>
 __device__ __forceinline__ uint32_t kept_groups_of_row(const RouterRowParams& p, const Lanes<G>& lanes, int nv,
-                                                       int vecs, const float (&sv)[kVectors][4], float* gsc) {
-  float t1[kVectors], t2[kVectors];
+                                                       const float (&t1)[kVectors], const float (&t2)[kVectors],
+                                                       uint4* pairs, float* gsc) {
 #pragma unroll
-  for (int i = 0; i < kVectors; ++i) {
-    const float a = fmaxf(sv[i][0], sv[i][1]), b = fminf(sv[i][0], sv[i][1]);
-    const float c = fmaxf(sv[i][2], sv[i][3]), d = fminf(sv[i][2], sv[i][3]);
-    t1[i] = fmaxf(a, c);
-    t2[i] = fmaxf(fminf(a, c), fmaxf(b, d));
-  }
-  // The group's vectors on other lanes (offsets below nv), then the lane's own vectors of the group
-  // (nv / G consecutive ones, when nv > G).
-#pragma unroll
-  for (int o = 1; o < G; o *= 2) {
-    if (o >= nv) break;  // uniform: nv is the row's
-#pragma unroll
-    for (int i = 0; i < kVectors; ++i)
-      merge_top2(t1[i], t2[i], __shfl_xor_sync(kFull, t1[i], o), __shfl_xor_sync(kFull, t2[i], o));
-  }
-#pragma unroll
-  for (int span = 1; span < kVectors; span *= 2) {
-    if (span * G >= nv) break;
-#pragma unroll
-    for (int i = 0; i < kVectors; ++i) {
-      const int j = i ^ span;
-      if (j < i) continue;
-      merge_top2(t1[i], t2[i], t1[j], t2[j]);
-      t1[j] = t1[i];
-      t2[j] = t2[i];
+  for (int i = 0; i < kVectors; i += 2)
+    pairs[(i / 2) * kThreads + threadIdx.x] = make_uint4(__float_as_uint(t1[i]), __float_as_uint(t2[i]),
+                                                         __float_as_uint(t1[i + 1]), __float_as_uint(t2[i + 1]));
+  __syncwarp();
+  // Vector c of the row: lane c % G's vector c / G, at float2 index 2 ((c / G / 2) kThreads + thread) + c / G % 2.
+  const float2* const row_pairs = reinterpret_cast<const float2*>(pairs) + 2 * ((threadIdx.x & ~31) + lanes.slot * G);
+  const int log_g = __ffs(G) - 1;
+  const int turn = lanes.lane_g + lanes.slot;  // each lane starts at another vector: fewer bank conflicts
+  for (int q = lanes.lane_g; q < p.groups; q += G) {
+    float g1 = -INFINITY, g2 = -INFINITY;
+    const int c0 = q * nv;
+    if (nv <= G) {  // uniform: the group is vector i = c0 / G of nv consecutive lanes
+      const int i = c0 >> log_g;
+      const float2* const first = row_pairs + 2 * ((i >> 1) * kThreads + (c0 & (G - 1))) + (i & 1);
+      for (int n = 0; n < nv; ++n) {
+        const float2 o = first[2 * ((n + turn) & (nv - 1))];
+        merge_top2(g1, g2, o.x, o.y);
+      }
+    } else {
+      for (int n = 0; n < nv; ++n) {
+        const int c = c0 + ((n + turn) & (nv - 1)), i = c >> log_g;
+        const float2 o = row_pairs[2 * ((i >> 1) * kThreads + (c & (G - 1))) + (i & 1)];
+        merge_top2(g1, g2, o.x, o.y);
+      }
     }
-  }
-  const int shift = __ffs(nv) - 1;  // vector c is in group c / nv
-#pragma unroll
-  for (int i = 0; i < kVectors; ++i) {
-    const int c = i * G + lanes.lane_g;
-    if (c < vecs && (c & (nv - 1)) == 0) gsc[c >> shift] = t1[i] + t2[i];
+    gsc[q] = g1 + g2;
   }
   __syncwarp();
   // Lane g ranks groups g, g + G, ... by (score descending, id ascending); the best topk_groups stay.
@@ -161,7 +187,8 @@ __global__ void __launch_bounds__(kThreads, 3) biased_rows_kernel(RouterForwardA
   __shared__ __align__(16) float bias_s[kMaxExperts];
   // The filter reads a candidate's value back from here: this thread's vector i at
   // staged[i * kThreads + threadIdx.x].
-  __shared__ uint4 staged[kFilter ? V * kThreads : 1];
+  // The group limit's vector top twos use its first V / 2 kThreads slots before.
+  __shared__ uint4 staged[(kFilter ? V : V / 2) * kThreads];
   // Per row: its group scores (kMaxGroups floats), then its candidates to rank (kMaxRowCandidates).
   static_assert(kMaxRowCandidates * sizeof(uint64_t) >= kMaxGroups * sizeof(float), "scratch holds both");
   __shared__ __align__(16) uint64_t row_keys[kRouterWarps * RPW * kMaxRowCandidates];
@@ -194,30 +221,19 @@ __global__ void __launch_bounds__(kThreads, 3) biased_rows_kernel(RouterForwardA
   const uintptr_t out_bits = reinterpret_cast<uintptr_t>(a.indices) | reinterpret_cast<uintptr_t>(a.selected) |
                              reinterpret_cast<uintptr_t>(a.probs);
   const bool vector_out = k == L && out_bits % (4 * kS) == 0;
-  uint32_t in_row = 0, in_row_bits = 0;  // bit i: vector i inside the row; its 4 candidate bits
+  uint32_t in_row = 0;  // bit i: vector i inside the row
 #pragma unroll
   for (int i = 0; i < V; ++i)
-    if (i * G + lane_g < vecs) {
-      in_row |= 1u << i;
-      in_row_bits |= 0xfu << (4 * i);
-    }
+    if (i * G + lane_g < vecs) in_row |= 1u << i;
   const uint32_t lane_id0 = Key64::id_of(lane_g * 4);  // expert 4 (i G + lane_g) + m has id lane_id0 - 4 i G - m
   const int64_t tile_stride = int64_t{gridDim.x} * kRouterWarps;
   for (int64_t tile = int64_t{blockIdx.x} * kRouterWarps + warp; tile < tiles; tile += tile_stride) {
     const int64_t t = tile * RPW + lanes.slot;
     const bool live = t < p.T;
     const uint32_t valid = live ? in_row : 0u;
-    float z[V][4];
-    load_row_part<In, G>(p, t, valid, lane_g, z);
+    float z[V][4], mx, mn;
+    load_row_part<In, G>(p, t, valid, lane_g, z, mx, mn);
     // Non-finite logits (or bias): the row is routed nowhere (the general kernel's rule).
-    float mx = z[0][0], mn = z[0][0];
-#pragma unroll
-    for (int i = 0; i < V; ++i)
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        mx = fmax_nan(mx, z[i][m]);
-        mn = fmin_nan(mn, z[i][m]);
-      }
     const bool any_bad = group_any(!(mx < INFINITY && mn > -INFINITY) || !bias_ok, lanes);  // a vote: every lane
     const bool bad = live && any_bad;
     // Selection values: v = sigmoid(z) + bias (the general kernel's operations), or z without a bias;
@@ -228,36 +244,57 @@ __global__ void __launch_bounds__(kThreads, 3) biased_rows_kernel(RouterForwardA
     // division is its fast path: reciprocal_in_range, no check per element. Otherwise (or NaN) the
     // lane takes sigmoid_score itself.
     float v[V][4];  // the biased scores first
-    const bool in_range = mn > -87.0f;
+    if (mn > -87.0f) {  // one branch for the row part: the compiler branched per element on the test
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const float4 b = reinterpret_cast<const float4*>(bias_s)[i * G + lane_g];
-      const float bm[4] = {b.x, b.y, b.z, b.w};
+      for (int i = 0; i < V; ++i) {
+        const float4 b = reinterpret_cast<const float4*>(bias_s)[i * G + lane_g];
+        const float bm[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
-      for (int m = 0; m < 4; ++m)
-        v[i][m] = __fadd_rn(in_range ? reciprocal_in_range(1.0f + expf(-z[i][m])) : sigmoid_score(z[i][m]), bm[m]);
+        for (int m = 0; m < 4; ++m) v[i][m] = __fadd_rn(reciprocal_in_range(1.0f + expf(-z[i][m])), bm[m]);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float4 b = reinterpret_cast<const float4*>(bias_s)[i * G + lane_g];
+        const float bm[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) v[i][m] = __fadd_rn(sigmoid_score(z[i][m]), bm[m]);
+      }
     }
+    // Each vector's two largest: the group scores' and the lane's extremes' (a tree over them).
+    float t1[V], t2[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) vector_top2(v[i], t1[i], t2[i]);
     uint32_t keep = 0;
-    if (grouped) keep = kept_groups_of_row<G>(p, lanes, nv, vecs, v, reinterpret_cast<float*>(scratch));  // uniform
+    if (grouped) keep = kept_groups_of_row<G>(p, lanes, nv, t1, t2, staged, reinterpret_cast<float*>(scratch));  // uniform
     // Without a bias the logits order the experts: read again (L1) rather than held in registers
     // through the scores and the group limit.
-    if (by_z) load_row_part<In, G>(p, t, valid, lane_g, v);
+    if (by_z) {
+      float unused_mx, unused_mn;
+      load_row_part<In, G>(p, t, valid, lane_g, v, unused_mx, unused_mn);
+#pragma unroll
+      for (int i = 0; i < V; ++i) vector_top2(v[i], t1[i], t2[i]);
+    }
+    // The vectors that take part: inside the row and, with a group limit, in a kept group. The
+    // others' elements never become candidates (their values stay: a select per element cost more)
+    // and their top twos are -inf.
+    uint32_t taking = in_row;
     if (grouped) {
       const int shift = __ffs(nv) - 1;
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         const int q = (i * G + lane_g) >> shift;  // past E: a group id >= groups (never kept)
-        const bool kept = q < kMaxGroups && ((keep >> q) & 1u);
-#pragma unroll
-        for (int m = 0; m < 4; ++m) v[i][m] = kept ? v[i][m] : -INFINITY;
+        if (!(q < kMaxGroups && ((keep >> q) & 1u))) taking &= ~(1u << i);
       }
     }
-    if (vecs < V * G) {  // uniform: E not a multiple of 32 G
 #pragma unroll
-      for (int i = 0; i < V; ++i)
-#pragma unroll
-        for (int m = 0; m < 4; ++m) v[i][m] = (in_row >> i) & 1u ? v[i][m] : -INFINITY;
+    for (int i = 0; i < V; ++i) {
+      const bool in = (taking >> i) & 1u;
+      t1[i] = in ? t1[i] : -INFINITY;
+      t2[i] = in ? t2[i] : -INFINITY;
     }
+    // The lists: keys of the taking vectors only (at least k experts: k <= topk_groups x group size).
+    const uint32_t listed = live ? taking : 0u;
     uint4 raw[V];  // the values as the fp32 selection helpers read them
 #pragma unroll
     for (int i = 0; i < V; ++i)
@@ -270,15 +307,21 @@ __global__ void __launch_bounds__(kThreads, 3) biased_rows_kernel(RouterForwardA
     bool ranked = false;
     if constexpr (kFilter) {
       constexpr bool kSecond = L >= 4;
-      constexpr SecondValue kSecondKind = !kSecond                       ? SecondValue::kNone
-                                          : G >= 16 || (G == 8 && L == 4) ? SecondValue::kHalves
-                                                                          : SecondValue::kExact;
-      float first, second;
-      bool unused;  // the logits' test is above; v is -inf by design outside the kept groups
-      lane_extremes_fp32<V, kSecondKind>(raw, first, second, unused);
+      // The lane's largest and second largest value: its vectors' top twos merged in a tree.
+#pragma unroll
+      for (int span = 1; span < V; span *= 2)
+#pragma unroll
+        for (int i = 0; i + span < V; i += 2 * span) merge_top2(t1[i], t2[i], t1[i + span], t2[i + span]);
+      const float first = t1[0], second = t2[0];
       float tau = group_kth_largest<G>(first, k, lane_g);
       if constexpr (kSecond) tau = fmaxf(tau, group_kth_largest<G>(second, (k + 1) / 2, lane_g));
-      uint32_t mask = bad ? 0u : candidate_mask_fp32<V>(raw, tau) & (live ? in_row_bits : 0u);
+      // Bit 4 i + m for each element m of a listed vector i.
+      uint32_t listed_bits = listed;
+      listed_bits = (listed_bits | listed_bits << 12) & 0x000f000fu;
+      listed_bits = (listed_bits | listed_bits << 6) & 0x03030303u;
+      listed_bits = (listed_bits | listed_bits << 3) & 0x11111111u;
+      listed_bits *= 0xfu;
+      uint32_t mask = bad ? 0u : candidate_mask_fp32<V>(raw, tau) & listed_bits;
       const int count = __popc(mask);
       int row_count = 0, place = 0;
       if constexpr (kRank) {
@@ -292,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, 3) biased_rows_kernel(RouterForwardA
         place = upto - count;
       }
       if (__any_sync(kFull, count > kMaxLaneCandidates || row_count > kMaxRowCandidates)) {
-        lane_top_sorted_fp32<G, V, L>(raw, valid, lane_g, top);
+        lane_top_sorted_fp32<G, V, L>(raw, listed, lane_g, top);
       } else {
 #pragma unroll
         for (int i = 0; i < V; ++i) staged[i * kThreads + threadIdx.x] = raw[i];
@@ -344,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, 3) biased_rows_kernel(RouterForwardA
         }
       }
     } else {
-      lane_top_sorted_fp32<G, V, L>(raw, valid, lane_g, top);
+      lane_top_sorted_fp32<G, V, L>(raw, listed, lane_g, top);
     }
     // Lane g owns slots g kS .. g kS + kS - 1 (lanes past L / kS own none).
     uint64_t own[kS];
@@ -379,18 +422,19 @@ __global__ void __launch_bounds__(kThreads, 3) biased_rows_kernel(RouterForwardA
     // (at least 8 a row here, one slot each) adds the k scores pairwise in slot order.
     float den = 0.0f;
     if (p.normalize) {  // a kernel argument: the whole warp takes the same branch
-      const int group_lane0 = (threadIdx.x & 31) & ~(G - 1);
-      float q[L];
+      // Pairwise over the lane's slots, then a butterfly over the row's lanes (0 past k and on the
+      // lanes that own no slot: x + 0 is x): each lane adds its partner's partial sum to its own,
+      // the same additions as the slot-order tree (a + b and b + a are the same bits).
+      float q[kS];
 #pragma unroll
-      for (int j = 0; j < L; ++j) {
-        const float sj = __shfl_sync(kFull, s[j % kS], group_lane0 + j / kS);
-        q[j] = j < k ? sj : 0.0f;
-      }
+      for (int i = 0; i < kS; ++i) q[i] = s[i];
 #pragma unroll
-      for (int width = 1; width < L; width *= 2)
+      for (int width = 1; width < kS; width *= 2)
 #pragma unroll
-        for (int j = 0; j + width < L; j += 2 * width) q[j] += q[j + width];
+        for (int j = 0; j + width < kS; j += 2 * width) q[j] += q[j + width];
       den = q[0];
+#pragma unroll
+      for (int o = 1; o < G; o *= 2) den += __shfl_xor_sync(kFull, den, o);
     }
     if (bad) bits |= kErrNonFiniteLogit;
     float pv[kS];

@@ -38,6 +38,9 @@ __device__ __forceinline__ void merge_top(K (&a)[L], const K (&b)[L]) {
       if ((i & stride) == 0) compare_swap(a[i], a[i + stride]);
 }
 
+// Two bf16 logits of a 32-bit word (the low half first).
+__device__ __forceinline__ __nv_bfloat162 as_bf162(uint32_t w) { return *reinterpret_cast<const __nv_bfloat162*>(&w); }
+
 __device__ __forceinline__ uint32_t bits_of(int v) { return static_cast<uint32_t>(v); }
 __device__ __forceinline__ uint32_t bits_of(float v) { return __float_as_uint(v); }
 

@@ -109,8 +109,6 @@ __device__ __forceinline__ void sort_row_desc(K (&v)[R], int lane_g) {
     }
 }
 
-__device__ __forceinline__ __nv_bfloat162 as_bf162(uint32_t w) { return *reinterpret_cast<const __nv_bfloat162*>(&w); }
-
 // A finite bf16 value's key lies in [kLowestFinite, kAboveFinite): +inf and NaN with the sign bit
 // clear order above it, -inf and NaN with the sign bit set below it (Key32 keeps the value's
 // ordered bits in the high half).
