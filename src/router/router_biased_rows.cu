@@ -236,10 +236,10 @@ __global__ void __launch_bounds__(kThreads, 3) biased_rows_kernel(RouterForwardA
     // Non-finite logits (or bias): the row is routed nowhere (the general kernel's rule).
     const bool any_bad = group_any(!(mx < INFINITY && mn > -INFINITY) || !bias_ok, lanes);  // a vote: every lane
     const bool bad = live && any_bad;
-    // Selection values: v = sigmoid(z) + bias (the general kernel's operations), or z without a bias;
-    // -inf past E and, with a group limit, outside the kept groups. Every element is scored, past E
-    // too (z = 0 there: a branch per element cost more than the sigmoid); a group past E holds only
-    // vectors past E, so their scores never meet a real group's.
+    // Selection values: v = sigmoid(z) + bias (the general kernel's operations), or z without a bias.
+    // Every element is scored, past E too (z = 0 there: a branch per element cost more than the
+    // sigmoid); the vectors past E and, with a group limit, outside the kept groups leave the
+    // selection below, and no group of the row holds a vector past E.
     // With every z above -87 each 1 + exp(-z) is below 2^126 (e^87 < 2^126), so sigmoid_score's
     // division is its fast path: reciprocal_in_range, no check per element. Otherwise (or NaN) the
     // lane takes sigmoid_score itself.
@@ -276,8 +276,8 @@ __global__ void __launch_bounds__(kThreads, 3) biased_rows_kernel(RouterForwardA
       for (int i = 0; i < V; ++i) vector_top2(v[i], t1[i], t2[i]);
     }
     // The vectors that take part: inside the row and, with a group limit, in a kept group. The
-    // others' elements never become candidates (their values stay: a select per element cost more)
-    // and their top twos are -inf.
+    // others' elements never become candidates (their values stay as they are: no select per
+    // element) and their top twos are -inf.
     uint32_t taking = in_row;
     if (grouped) {
       const int shift = __ffs(nv) - 1;
