@@ -112,14 +112,14 @@ __device__ __forceinline__ void vector_top2(const float (&x)[4], float& t1, floa
   t2 = fmaxf(fminf(a, c), fmaxf(b, d));
 }
 
-// Group limit: the bit mask of the row's kept groups (the same on every lane of the row). sv: the
-// lane's biased scores (past E those of z = 0: in vectors no group of the row holds); nv: vectors
-// per group (a power of two); pairs: V / 2 kThreads 16-byte slots of shared memory, this warp's
-// own; gsc: the row's scratch of kMaxGroups floats. Every lane of the warp calls it (a ballot).
-// A vector's top two go to shared memory (two vectors a 16-byte store), and lane g of a row merges
-// those of its groups g, g + G, ... (a group's vectors are consecutive: G consecutive lanes' vector
-// i, or one lane's): fewer operations than butterflies that leave every group's top two on each
-// of its lanes.
+// Group limit: the bit mask of the row's kept groups (the same on every lane of the row). t1, t2:
+// the top two biased scores of each of the lane's vectors (past E those of z = 0: in vectors no
+// group of the row holds); nv: vectors per group (a power of two); pairs: V / 2 kThreads 16-byte
+// slots of shared memory, each thread's own; gsc: the row's scratch of kMaxGroups floats. Every
+// lane of the warp calls it (a ballot). The vectors' top twos go to shared memory (two vectors a
+// 16-byte store), and lane g of a row merges those of its groups g, g + G, ... (a group's vectors
+// are consecutive: nv consecutive lanes' vector i, or nv / G consecutive vectors of every lane):
+// fewer operations than butterflies that leave every group's top two on each of its lanes.
 template <int G>
 __device__ __forceinline__ uint32_t kept_groups_of_row(const RouterRowParams& p, const Lanes<G>& lanes, int nv,
                                                        const float (&t1)[kVectors], const float (&t2)[kVectors],
