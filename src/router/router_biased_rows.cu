@@ -153,23 +153,7 @@ __device__ __forceinline__ uint32_t kept_groups_of_row(const RouterRowParams& p,
     gsc[q] = g1 + g2;
   }
   __syncwarp();
-  // Lane g ranks groups g, g + G, ... by (score descending, id ascending); the best topk_groups stay.
-  uint32_t keep = 0;
-  const unsigned low = G == 32 ? kFull : (1u << G) - 1u;
-  for (int b0 = 0; b0 < p.groups; b0 += G) {
-    const int q = b0 + lanes.lane_g;
-    bool kept = false;
-    if (q < p.groups) {
-      const float x = gsc[q];
-      int rank = 0;
-      for (int r = 0; r < p.groups; ++r) {
-        const float y = gsc[r];
-        rank += (y > x || (y == x && r < q)) ? 1 : 0;
-      }
-      kept = rank < p.topk_groups;
-    }
-    keep |= ((__ballot_sync(kFull, kept) >> (lanes.slot * G)) & low) << b0;
-  }
+  const uint32_t keep = kept_group_mask<G>(gsc, p.groups, p.topk_groups, lanes);
   __syncwarp();  // the scratch is rewritten next (candidates) and by the next row
   return keep;
 }

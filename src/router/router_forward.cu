@@ -188,21 +188,7 @@ __device__ __forceinline__ uint32_t kept_groups(const RouterRowParams& p, const 
     gbuf[gi] = gs > 1 ? t1 + t2 : t1;
   }
   __syncwarp();
-  const unsigned low = G == 32 ? kFull : (1u << G) - 1u;
-  for (int b0 = 0; b0 < p.groups; b0 += G) {
-    const int gi = b0 + l.lane_g;
-    bool kp = false;
-    if (gi < p.groups) {  // rank of group gi by (score desc, id asc)
-      const float x = gbuf[gi];
-      int rank = 0;
-      for (int gj = 0; gj < p.groups; ++gj) {
-        const float y = gbuf[gj];
-        rank += (y > x || (y == x && gj < gi)) ? 1 : 0;
-      }
-      kp = rank < p.topk_groups;
-    }
-    keep |= ((__ballot_sync(kFull, kp) >> (l.slot * G)) & low) << b0;
-  }
+  keep = kept_group_mask<G>(gbuf, p.groups, p.topk_groups, l);
   __syncwarp();  // rowbuf and gbuf are rewritten by the next row
   return keep;
 }

@@ -101,6 +101,32 @@ __device__ __forceinline__ bool group_any(bool b, const Lanes<G>& l) {
   return (__ballot_sync(kFull, b) & l.mask) != 0;
 }
 
+// Group limit: the bit mask of the row's kept groups, the topk_groups best of its group scores
+// (scores[0, groups), shared memory written before a __syncwarp) by (score descending, then the
+// lower group id); lane g ranks groups g, g + G, ... The same mask on every lane of the row; every
+// lane of the warp calls it (a ballot).
+template <int G>
+__device__ __forceinline__ uint32_t kept_group_mask(const float* scores, int groups, int topk_groups,
+                                                    const Lanes<G>& l) {
+  uint32_t keep = 0;
+  const unsigned low = G == 32 ? kFull : (1u << G) - 1u;
+  for (int b0 = 0; b0 < groups; b0 += G) {
+    const int q = b0 + l.lane_g;
+    bool kept = false;
+    if (q < groups) {
+      const float x = scores[q];
+      int rank = 0;
+      for (int r = 0; r < groups; ++r) {
+        const float y = scores[r];
+        rank += (y > x || (y == x && r < q)) ? 1 : 0;
+      }
+      kept = rank < topk_groups;
+    }
+    keep |= ((__ballot_sync(kFull, kept) >> (l.slot * G)) & low) << b0;
+  }
+  return keep;
+}
+
 // The end of this block's tiles of rows_per_tile rows (router_row_grid): the block works on tiles
 // [blockIdx.x tiles_per_block, end), its warp w on the tiles w, w + kRouterWarps, ... of them.
 __device__ __forceinline__ int64_t block_tile_end(int32_t T, int rows_per_tile, int32_t tiles_per_block) {

@@ -218,7 +218,7 @@ __device__ __forceinline__ void lane_extremes_fp32(const uint4 (&raw)[V], float&
     mx = fmax_nan(me, mo);
     second = fminf(me, mo);
   } else {
-    float m2 = -INFINITY;  // (-inf, not the lowest finite value: the biased kernel's v may be -inf)
+    float m2 = -INFINITY;  // below every value
     mx = mn = Logits<float>::at(raw[0], 0);
 #pragma unroll
     for (int i = 0; i < V; ++i)
