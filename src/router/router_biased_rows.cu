@@ -131,8 +131,49 @@ __device__ __forceinline__ uint32_t kept_groups_of_row(const RouterRowParams& p,
   __syncwarp();
   // Vector c of the row: lane c % G's vector c / G, at float2 index 2 ((c / G / 2) kThreads + thread) + c / G % 2.
   const float2* const row_pairs = reinterpret_cast<const float2*>(pairs) + 2 * ((threadIdx.x & ~31) + lanes.slot * G);
-  const int log_g = __ffs(G) - 1;
   const int turn = lanes.lane_g + lanes.slot;  // each lane starts at another vector: fewer bank conflicts
+  if (nv == G) {
+    // Group q is vector q of the row's G lanes (at most V groups): every loop unrolled, the group
+    // scores ranked from registers (DeepSeek-V3's 8 groups at E = 32 G take this path).
+    float score[(kVectors + G - 1) / G];
+#pragma unroll
+    for (int j = 0; j * G < kVectors; ++j) {
+      const int q = j * G + lanes.lane_g;
+      float g1 = -INFINITY, g2 = -INFINITY;
+      if (q < p.groups) {
+        const float2* const first = row_pairs + 2 * (q >> 1) * kThreads + (q & 1);
+#pragma unroll
+        for (int n = 0; n < G; ++n) {
+          const float2 o = first[2 * ((n + turn) & (G - 1))];
+          merge_top2(g1, g2, o.x, o.y);
+        }
+        gsc[q] = g1 + g2;
+      }
+      score[j] = g1 + g2;
+    }
+    __syncwarp();
+    float all[kVectors];  // the row's scores (those past its groups unread)
+#pragma unroll
+    for (int r = 0; r < kVectors; r += 4) {
+      const float4 f = reinterpret_cast<const float4*>(gsc)[r / 4];
+      all[r] = f.x, all[r + 1] = f.y, all[r + 2] = f.z, all[r + 3] = f.w;
+    }
+    uint32_t keep = 0;
+    const unsigned low = (1u << G) - 1u;
+#pragma unroll
+    for (int j = 0; j * G < kVectors; ++j) {
+      const int q = j * G + lanes.lane_g;
+      int rank = 0;  // groups ahead of q: a higher score, or the same and a lower id
+#pragma unroll
+      for (int r = 0; r < kVectors; ++r)
+        rank += (r < p.groups && (all[r] > score[j] || (all[r] == score[j] && r < q))) ? 1 : 0;
+      const bool kept = q < p.groups && rank < p.topk_groups;
+      keep |= ((__ballot_sync(kFull, kept) >> (lanes.slot * G)) & low) << (j * G);
+    }
+    __syncwarp();  // the scratch is rewritten next (candidates) and by the next row
+    return keep;
+  }
+  const int log_g = __ffs(G) - 1;
   for (int q = lanes.lane_g; q < p.groups; q += G) {
     float g1 = -INFINITY, g2 = -INFINITY;
     const int c0 = q * nv;
@@ -263,7 +304,9 @@ __global__ void __launch_bounds__(kThreads, 3) biased_rows_kernel(RouterForwardA
     // others' elements never become candidates (their values stay as they are: no select per
     // element) and their top twos are -inf.
     uint32_t taking = in_row;
-    if (grouped) {
+    if (grouped && nv == G) {
+      taking &= keep;  // vector i is group i
+    } else if (grouped) {
       const int shift = __ffs(nv) - 1;
 #pragma unroll
       for (int i = 0; i < V; ++i) {
