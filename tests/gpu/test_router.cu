@@ -887,6 +887,23 @@ TEST(Router, BiasedTopKKernelMatchesGeneralKernel) {
     };
     run_against_general(sat);
   }
+  // Selection values closer to each other than the approximate scores' error (coarse logits moved
+  // by a few 1e-6, biases 1e-7 apart): group scores and candidates that only exact scores order,
+  // which the kernel decides by scoring the warp's rows exactly; E = 128 and 512 too (other lanes per
+  // row), with and without a group limit.
+  for (int E : {128, 256, 512}) {
+    for (bool bf16 : {false, true}) {
+      Case near = make("near ties", E, E == 256 ? 8 : 2, 2001, grouped_bias(E == 512 ? 1 : 8, E == 512 ? 1 : 4), bf16);
+      near.name = "E" + std::to_string(E) + (bf16 ? " bf16" : " fp32") + ": values closer than the approximate error";
+      near.seed = 5 + E + bf16;
+      near.edit_logits = [E](std::vector<double>& z) {
+        for (size_t i = 0; i < z.size(); ++i) z[i] = std::round(z[i] * 2.0) / 2.0 + 1e-6 * double(i % E % 5);
+      };
+      run_against_general(near, [](std::vector<double>& b) {
+        for (size_t e = 0; e < b.size(); ++e) b[e] = 0.01 + 1e-7 * double(e % 11);
+      });
+    }
+  }
   Case inf_bias = make("E256 k8 G8/4: a non-finite bias (every row unrouted)", 256, 8, 300, grouped_bias(8, 4), true);
   run_against_general(inf_bias, [](std::vector<double>& b) { b[77] = std::numeric_limits<double>::infinity(); });
 }
