@@ -887,10 +887,9 @@ TEST(Router, BiasedTopKKernelMatchesGeneralKernel) {
     };
     run_against_general(sat);
   }
-  // Selection values closer to each other than the approximate scores' error (coarse logits moved
-  // by a few 1e-6, biases 1e-7 apart): group scores and candidates that only exact scores order,
-  // which the kernel decides by scoring the warp's rows exactly; E = 128 and 512 too (other lanes per
-  // row), with and without a group limit.
+  // Selection values a few units of the last place apart (coarse logits moved by a few 1e-6, biases
+  // 1e-7 apart): group scores and candidates that only the exact fp32 scores order; E = 128 and 512
+  // too (other lanes per row), with and without a group limit.
   for (int E : {128, 256, 512}) {
     for (bool bf16 : {false, true}) {
       Case near = make("near ties", E, E == 256 ? 8 : 2, 2001, grouped_bias(E == 512 ? 1 : 8, E == 512 ? 1 : 4), bf16);
