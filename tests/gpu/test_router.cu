@@ -893,7 +893,7 @@ TEST(Router, BiasedTopKKernelMatchesGeneralKernel) {
   for (int E : {128, 256, 512}) {
     for (bool bf16 : {false, true}) {
       Case near = make("near ties", E, E == 256 ? 8 : 2, 2001, grouped_bias(E == 512 ? 1 : 8, E == 512 ? 1 : 4), bf16);
-      near.name = "E" + std::to_string(E) + (bf16 ? " bf16" : " fp32") + ": values closer than the approximate error";
+      near.name = "E" + std::to_string(E) + (bf16 ? " bf16" : " fp32") + ": values a few units of the last place apart";
       near.seed = 5 + E + bf16;
       near.edit_logits = [E](std::vector<double>& z) {
         for (size_t i = 0; i < z.size(); ++i) z[i] = std::round(z[i] * 2.0) / 2.0 + 1e-6 * double(i % E % 5);
