@@ -97,13 +97,6 @@ __device__ __forceinline__ float reciprocal_in_range(float x) {
   return __fmaf_rn(r, -__fmaf_rn(x, r, -1.0f), r);
 }
 
-// The two largest of a multiset merged with another's (t1 >= t2 each): the general kernel's merge.
-__device__ __forceinline__ void merge_top2(float& t1, float& t2, float o1, float o2) {
-  const float hi = fmaxf(t1, o1), lo = fmaxf(fminf(t1, o1), fmaxf(t2, o2));
-  t1 = hi;
-  t2 = lo;
-}
-
 // The two largest of a vector's four values (t1 >= t2; the second largest as a multiset).
 __device__ __forceinline__ void vector_top2(const float (&x)[4], float& t1, float& t2) {
   const float a = fmaxf(x[0], x[1]), b = fminf(x[0], x[1]);

@@ -154,10 +154,7 @@ __device__ __forceinline__ uint32_t kept_groups(const RouterRowParams& p, const 
       }
     }
     for (int o = 1; o < group_lanes; o *= 2) {  // top-2 of the union (as multisets)
-      const float o1 = __shfl_xor_sync(kFull, t1, o), o2 = __shfl_xor_sync(kFull, t2, o);
-      const float hi = fmaxf(t1, o1), lo = fmaxf(fminf(t1, o1), fmaxf(t2, o2));
-      t1 = hi;
-      t2 = lo;
+      merge_top2(t1, t2, __shfl_xor_sync(kFull, t1, o), __shfl_xor_sync(kFull, t2, o));
     }
     uint32_t gkey = base < E ? float_key(t1 + t2) : 0u;  // gs >= NJ > 1: two values per group
     for (int i = 0; i < p.topk_groups; ++i) {

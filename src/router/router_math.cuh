@@ -188,6 +188,14 @@ __device__ __forceinline__ void prefetch_l2(const void* ptr) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
 }
 
+// The two largest of a multiset merged with another's (t1 >= t2 each):
+// the other's second is below its first, so the new second is the smaller first or the larger second.
+__device__ __forceinline__ void merge_top2(float& t1, float& t2, float o1, float o2) {
+  const float hi = fmaxf(t1, o1), lo = fmaxf(fminf(t1, o1), fmaxf(t2, o2));
+  t1 = hi;
+  t2 = lo;
+}
+
 // ---- the row ring ----
 // A warp works on one row (tile) at a time and needs the next ones in flight while it does: each
 // thread copies its part of the next kRingRows rows of its warp into its own stretch of shared

@@ -80,7 +80,8 @@ __device__ __forceinline__ int keys_above(const K* list, int n, K key) {
 
 // The k-th largest of the G lanes' values v (every lane of the group gets it): a bitonic sort across
 // the group, descending by lane, then lane k - 1's value; for k = G (the minimum) and k = 1 (the
-// maximum) a butterfly, a fifth of the sort's instructions.
+// maximum) a butterfly, a fifth of the sort's instructions, and for k = 2 a butterfly that merges the
+// lanes' two largest.
 template <int G>
 __device__ __forceinline__ float group_kth_largest(float v, int k, int lane_g) {
   if (k == G || k == 1) {  // k is the kernel's argument: the whole warp takes the same branch
@@ -90,6 +91,16 @@ __device__ __forceinline__ float group_kth_largest(float v, int k, int lane_g) {
       v = k == 1 ? fmaxf(v, u) : fminf(v, u);
     }
     return v;
+  }
+  if (k == 2) {  // (a, b): the two largest of the lanes merged so far
+    const float u = __shfl_xor_sync(kFull, v, 1);
+    float a = fmaxf(v, u), b = fminf(v, u);
+#pragma unroll
+    for (int o = 2; o < G; o *= 2) {
+      const float oa = __shfl_xor_sync(kFull, a, o), ob = __shfl_xor_sync(kFull, b, o);
+      merge_top2(a, b, oa, ob);
+    }
+    return b;
   }
 #pragma unroll
   for (int size = 2; size <= G; size *= 2)
