@@ -30,7 +30,7 @@
 //     (NaN-propagating max and min), and for k > 2 a second value: the smaller of the low halves'
 //     and the high halves' maxima, two of its logits, so at most its second largest;
 //   - the threshold is the k-th largest of the G lane maxima (a bitonic sort across the group, a
-//     butterfly for k = G), for k > 2 raised to the ceil(k / 2)-th largest of the lanes' second
+//     butterfly for k = G and for k = 2), for k > 2 raised to the ceil(k / 2)-th largest of the lanes' second
 //     values if that is higher (so many lanes hold two logits at or above it: at E = 256, k = 8,
 //     about 16 candidates per row instead of 21; the exact second largest leaves 12 but costs two
 //     more operations a word);
