@@ -200,6 +200,14 @@ template <class In, int G, int L, bool kFilter>
 constexpr bool kOneWave = (kFilter && L == 2 && G <= 8) || (std::is_same_v<In, __nv_bfloat16> && G >= 4 && G <= 8);
 // The bf16 filtered tiles at E <= 256 load each tile's logits a tile ahead (16 registers, 64 in all;
 // fp32 would hold 32 more).
+// Warps per block: 16 for bf16 rows of eight lanes (128 < E <= 256; two blocks per SM), 8 elsewhere.
+// Half the blocks at E = 256 is half the returning count atomics on each expert's entry at the
+// kernel's end (publish_counts_by_arrival), which the warps wait for: with the histogram cleared
+// behind the first loads (below), 0.4 us less at k = 2 and 1.0 at k = 8 (H100,
+// docs/measurements/router.md); at E <= 128 it was no faster, and 32 warps (one block per SM) no
+// faster than 16.
+template <class In, int G>
+constexpr int kBlockWarps = std::is_same_v<In, __nv_bfloat16> && G == 8 ? 16 : kRouterWarps;
 template <class In, int G, bool kFilter>
 constexpr bool kTileAhead = std::is_same_v<In, __nv_bfloat16> && kFilter && G <= 8;
 
@@ -207,7 +215,9 @@ constexpr bool kTileAhead = std::is_same_v<In, __nv_bfloat16> && kFilter && G <=
 // i G + lane_g of the row: a warp's load i covers G consecutive vectors of each of its 32 / G rows),
 // lists of L keys; kFilter: the candidate filter (k <= G), else every vector sorted.
 template <class In, int G, int V, int L, bool kFilter>
-__global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArgs a) {
+__global__ void __launch_bounds__(kBlockWarps<In, G> * 32, 32 / kBlockWarps<In, G>)
+    topk_rows_kernel(RouterForwardArgs a) {
+  constexpr int kW = kBlockWarps<In, G>, kT = kW * 32;  // warps and threads per block
   using Key = typename Logits<In>::Key;
   using K = typename Logits<In>::K;
   constexpr bool kBF16 = std::is_same_v<In, __nv_bfloat16>;
@@ -220,8 +230,8 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
   static_assert(!kFilter || (G >= 2 && V * P == 32), "the filter's masks hold a lane's 32 logits");
   __shared__ int32_t hist[kMaxExperts];
   // The filter reads a candidate's logit back from here: this thread's vector i at
-  // staged[i * kThreads + threadIdx.x] (conflict-free 16-byte stores).
-  __shared__ uint4 staged[kFilter ? V * kThreads : 1];
+  // staged[i * kT + threadIdx.x] (conflict-free 16-byte stores).
+  __shared__ uint4 staged[kFilter ? V * kT : 1];
   // fp32 lists of L >= 4 with the filter: a row's candidates are ranked rather than merged (a
   // merge step of 64-bit keys costs twice a 32-bit one's; measured at E = 256, k = 8: 1.18x for
   // fp32, 0.89x for bf16, docs/router.md). Each row's candidates (row_keys, in lane order) and its
@@ -234,12 +244,10 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
   constexpr bool kRank = kFilter && L >= 4 && !kBF16 && !kSortRow;
   constexpr int kSlotsPerLane = kMaxRowCandidates / G;
   static_assert(!kSortRow || (kSlotsPerLane >= 2 && L % kSlotsPerLane == 0), "whole vectors of a row's slots");
-  __shared__ __align__(16) K row_keys[kRank || kSortRow ? kRouterWarps * RPW * kMaxRowCandidates : 1];
-  __shared__ K row_top[kRank ? kRouterWarps * RPW * L : 1];
+  __shared__ __align__(16) K row_keys[kRank || kSortRow ? kW * RPW * kMaxRowCandidates : 1];
+  __shared__ K row_top[kRank ? kW * RPW * L : 1];
   const RouterRowParams& p = a.p;
   const int E = p.E, k = p.k, vecs = E / P;
-  for (int e = threadIdx.x; e < E; e += kThreads) hist[e] = 0;
-  __syncthreads();
   const Lanes<G> lanes = lanes_of<G>();
   const int lane_g = lanes.lane_g;
   const bool soft = p.score == ScoreFunction::kSoftmax;
@@ -268,7 +276,7 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
   // Expert of candidate bit b: bf16 (word w = b & 15 = 4 i + m, half h = b >> 4): (i G + lane_g) 8 +
   // 2 m + h; fp32 (i = b >> 2, m = b & 3): (i G + lane_g) 4 + m.
   const uint32_t lane_id0 = Key::id_of(lane_g * P);
-  const int64_t tile_stride = int64_t{gridDim.x} * kRouterWarps;
+  const int64_t tile_stride = int64_t{gridDim.x} * kW;
   const uint32_t fill = kFilter || !kBF16 ? Logits<In>::kFill : 0u;
   // The lane's vectors of a tile's row (fill past E and past T).
   auto load_tile = [&](int64_t tile, uint4 (&dst)[V]) {
@@ -280,10 +288,14 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
       dst[i] = (valid >> i) & 1u ? __ldg(row + i * G + lane_g) : make_uint4(fill, fill, fill, fill);
   };
   uint4 next[kPrefetch ? V : 1];
-  const int64_t first_tile = int64_t{blockIdx.x} * kRouterWarps + warp;
+  const int64_t first_tile = int64_t{blockIdx.x} * kW + warp;
   if constexpr (kPrefetch) {
     if (first_tile < tiles) load_tile(first_tile, next);
   }
+  // Cleared with the first tile's loads in flight (measured 0.1-0.2 us sooner at E = 256 than before
+  // them: the barrier no longer delays the loads).
+  for (int e = threadIdx.x; e < E; e += kT) hist[e] = 0;
+  __syncthreads();
   for (int64_t tile = first_tile; tile < tiles; tile += tile_stride) {
     const int64_t t = tile * RPW + lanes.slot;
     const bool live = t < p.T;
@@ -348,20 +360,20 @@ __global__ void __launch_bounds__(kThreads, 4) topk_rows_kernel(RouterForwardArg
         }
       } else {
 #pragma unroll
-        for (int i = 0; i < V; ++i) staged[i * kThreads + threadIdx.x] = raw[i];
+        for (int i = 0; i < V; ++i) staged[i * kT + threadIdx.x] = raw[i];
         // Candidate bit b's key, its logit read back from the lane's staged vectors.
         auto candidate_key = [&](int b) {
           if constexpr (kBF16) {
             const unsigned short* mine = reinterpret_cast<const unsigned short*>(staged) + 8 * threadIdx.x;
             const int w = b & 15, h = b >> 4;
             // Word w of the lane is 32-bit word w & 3 of its vector w >> 2.
-            const uint32_t v = mine[(w >> 2) * (8 * kThreads) + 2 * (w & 3) + h];
+            const uint32_t v = mine[(w >> 2) * (8 * kT) + 2 * (w & 3) + h];
             const uint32_t id = lane_id0 - (w >> 2) * (8 * G) - 2 * (w & 3) - h;
             return static_cast<K>(Key32::make_id(__uint_as_float(v << 16), id));
           } else {
             const float* mine = reinterpret_cast<const float*>(staged) + 4 * threadIdx.x;
             const int i = b >> 2, m = b & 3;
-            return static_cast<K>(Key64::make_id(mine[i * (4 * kThreads) + m], lane_id0 - i * (4 * G) - m));
+            return static_cast<K>(Key64::make_id(mine[i * (4 * kT) + m], lane_id0 - i * (4 * G) - m));
           }
         };
         // The lane's candidates to list[place ...] in bit order (the row's list in lane order).
@@ -575,11 +587,11 @@ void launch_kernel(const RouterForwardArgs& a, int64_t tiles, cudaStream_t strea
   static_assert(!kTileAhead<In, G, kFilter> || kOneWave<In, G, L, kFilter>,
                 "the tile ahead needs several tiles per warp");
   const auto kernel = topk_rows_kernel<In, G, V, L, kFilter>;
-  const unsigned blocks =
-      kOneWave<In, G, L, kFilter>
-          ? one_wave_grid_x(reinterpret_cast<const void*>(kernel), kThreads, tiles, kRouterWarps)
-          : static_cast<unsigned>(std::clamp<int64_t>((tiles + kRouterWarps - 1) / kRouterWarps, 1, kRouterMaxBlocks));
-  kernel<<<blocks, kThreads, 0, stream>>>(a);
+  constexpr int kW = kBlockWarps<In, G>;
+  const unsigned blocks = kOneWave<In, G, L, kFilter>
+                              ? one_wave_grid_x(reinterpret_cast<const void*>(kernel), kW * 32, tiles, kW)
+                              : static_cast<unsigned>(std::clamp<int64_t>((tiles + kW - 1) / kW, 1, kRouterMaxBlocks));
+  kernel<<<blocks, kW * 32, 0, stream>>>(a);
   MOE_CUDA_CHECK_LAUNCH();
 }
 
