@@ -198,8 +198,6 @@ __device__ __forceinline__ uint32_t candidate_mask(const uint4 (&raw)[V], float 
 // k <= 2 at E <= 256, and every bf16 tile at 64 < E <= 256 (four or eight lanes a row).
 template <class In, int G, int L, bool kFilter>
 constexpr bool kOneWave = (kFilter && L == 2 && G <= 8) || (std::is_same_v<In, __nv_bfloat16> && G >= 4 && G <= 8);
-// The bf16 filtered tiles at E <= 256 load each tile's logits a tile ahead (16 registers, 64 in all;
-// fp32 would hold 32 more).
 // Warps per block: 16 for bf16 rows of eight lanes (128 < E <= 256; two blocks per SM), 8 elsewhere.
 // Half the blocks at E = 256 is half the returning count atomics on each expert's entry at the
 // kernel's end (publish_counts_by_arrival), which the warps wait for: with the histogram cleared
@@ -208,6 +206,8 @@ constexpr bool kOneWave = (kFilter && L == 2 && G <= 8) || (std::is_same_v<In, _
 // faster than 16.
 template <class In, int G>
 constexpr int kBlockWarps = std::is_same_v<In, __nv_bfloat16> && G == 8 ? 16 : kRouterWarps;
+// The bf16 filtered tiles at E <= 256 load each tile's logits a tile ahead (16 registers, 64 in all;
+// fp32 would hold 32 more).
 template <class In, int G, bool kFilter>
 constexpr bool kTileAhead = std::is_same_v<In, __nv_bfloat16> && kFilter && G <= 8;
 
@@ -292,8 +292,8 @@ __global__ void __launch_bounds__(kBlockWarps<In, G> * 32, 32 / kBlockWarps<In, 
   if constexpr (kPrefetch) {
     if (first_tile < tiles) load_tile(first_tile, next);
   }
-  // Cleared with the first tile's loads in flight (measured 0.1-0.2 us sooner at E = 256 than before
-  // them: the barrier no longer delays the loads).
+  // Cleared with the first tile's loads in flight: the barrier no longer holds the loads back (0.1-0.2
+  // us less a call at E = 256, docs/measurements/router.md).
   for (int e = threadIdx.x; e < E; e += kT) hist[e] = 0;
   __syncthreads();
   for (int64_t tile = first_tile; tile < tiles; tile += tile_stride) {
