@@ -503,9 +503,11 @@ __device__ __forceinline__ double block_sum(double v, double* red) {
 // the entry (no other block touches it again in this launch). So no block waits for a fence and a
 // grid-wide ticket, and the counts take one round trip to L2 instead of four: 0.5-1.7 us a call on
 // the H100 (docs/router.md). A count is at most T < 2^31, so it never carries into the arrivals.
-// Every block calls it once, from all threads, after a barrier that follows its last hist update.
+// Every block (of kBlockThreads threads) calls it once, from all threads, after a barrier that
+// follows its last hist update.
+template <int kBlockThreads = kThreads>
 __device__ __forceinline__ void publish_counts_by_arrival(const int32_t* hist, int E, const RouterForwardArgs& a) {
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+  for (int e = threadIdx.x; e < E; e += kBlockThreads) {
     unsigned long long* const entry = a.count_arrivals + int64_t{e} * kRouterArrivalStride;
     const unsigned long long old = atomicAdd(entry, (1ull << 32) | static_cast<uint32_t>(hist[e]));
     if ((old >> 32) == gridDim.x - 1) {

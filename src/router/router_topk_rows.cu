@@ -248,6 +248,15 @@ __global__ void __launch_bounds__(kBlockWarps<In, G> * 32, 32 / kBlockWarps<In, 
   __shared__ K row_top[kRank ? kW * RPW * L : 1];
   const RouterRowParams& p = a.p;
   const int E = p.E, k = p.k, vecs = E / P;
+  // With the tile ahead the histogram is cleared once the first tile's loads are issued (below), so
+  // the barrier does not hold them back (0.1-0.2 us less a call at E = 256, H100); the other kernels
+  // clear it first: cleared later, ptxas kept more registers live across the barrier (more spills
+  // for the fp32 lists of 8) and nothing measured faster (docs/measurements/router.md).
+  auto clear_histogram = [&] {
+    for (int e = threadIdx.x; e < E; e += kT) hist[e] = 0;
+    __syncthreads();
+  };
+  if constexpr (!kPrefetch) clear_histogram();
   const Lanes<G> lanes = lanes_of<G>();
   const int lane_g = lanes.lane_g;
   const bool soft = p.score == ScoreFunction::kSoftmax;
@@ -291,11 +300,8 @@ __global__ void __launch_bounds__(kBlockWarps<In, G> * 32, 32 / kBlockWarps<In, 
   const int64_t first_tile = int64_t{blockIdx.x} * kW + warp;
   if constexpr (kPrefetch) {
     if (first_tile < tiles) load_tile(first_tile, next);
+    clear_histogram();
   }
-  // Cleared with the first tile's loads in flight: the barrier no longer holds the loads back (0.1-0.2
-  // us less a call at E = 256, docs/measurements/router.md).
-  for (int e = threadIdx.x; e < E; e += kT) hist[e] = 0;
-  __syncthreads();
   for (int64_t tile = first_tile; tile < tiles; tile += tile_stride) {
     const int64_t t = tile * RPW + lanes.slot;
     const bool live = t < p.T;
@@ -571,7 +577,7 @@ __global__ void __launch_bounds__(kBlockWarps<In, G> * 32, 32 / kBlockWarps<In, 
   bits = __reduce_or_sync(kFull, bits);
   if ((threadIdx.x & 31) == 0 && bits) atomicOr(a.error_word, bits);
   __syncthreads();
-  publish_counts_by_arrival(hist, E, a);
+  publish_counts_by_arrival<kT>(hist, E, a);
 }
 
 // The grid. With the candidate filter at k <= 2 and E <= 256 (the cheapest tiles) and for bf16 at
