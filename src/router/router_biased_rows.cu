@@ -99,10 +99,9 @@ __device__ __forceinline__ float reciprocal_in_range(float x) {
 
 // The two largest of a vector's four values (t1 >= t2; the second largest as a multiset).
 __device__ __forceinline__ void vector_top2(const float (&x)[4], float& t1, float& t2) {
-  const float a = fmaxf(x[0], x[1]), b = fminf(x[0], x[1]);
-  const float c = fmaxf(x[2], x[3]), d = fminf(x[2], x[3]);
-  t1 = fmaxf(a, c);
-  t2 = fmaxf(fminf(a, c), fmaxf(b, d));
+  t1 = fmaxf(x[0], x[1]);
+  t2 = fminf(x[0], x[1]);
+  merge_top2(t1, t2, fmaxf(x[2], x[3]), fminf(x[2], x[3]));
 }
 
 // Group limit: the bit mask of the row's kept groups (the same on every lane of the row). t1, t2:
