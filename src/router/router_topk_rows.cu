@@ -230,10 +230,9 @@ __global__ void __launch_bounds__(kBlockWarps<In, G> * 32, 32 / kBlockWarps<In, 
   static_assert(!kFilter || (G >= 2 && V * P == 32), "the filter's masks hold a lane's 32 logits");
   __shared__ int32_t hist[kMaxExperts];
   // The filter reads a candidate's logit back from here, each thread from its own vectors: bf16
-  // vector i at staged[V * threadIdx.x + (i ^ swizzle)] (below; a candidate's address and expert id
-  // then take about three fewer instructions than with the fp32 layout, 1% at E = 256, k = 8 on the
-  // H100, docs/router.md), fp32 vector i at staged[i * kT + threadIdx.x]; both conflict-free 16-byte
-  // stores.
+  // vector i at staged[V * threadIdx.x + (i ^ swizzle)], side by side (a candidate's address and
+  // expert id then take about three fewer instructions than with the fp32 layout: 1% at E = 256,
+  // k = 8 on the H100, docs/router.md), fp32 vector i at staged[i * kT + threadIdx.x].
   __shared__ uint4 staged[kFilter ? V * kT : 1];
   // fp32 lists of L >= 4 with the filter: a row's candidates are ranked rather than merged (a
   // merge step of 64-bit keys costs twice a 32-bit one's; measured at E = 256, k = 8: 1.18x for
@@ -288,8 +287,8 @@ __global__ void __launch_bounds__(kBlockWarps<In, G> * 32, 32 / kBlockWarps<In, 
   // Expert of candidate bit b: bf16 (word w = b & 15 = 4 i + m, half h = b >> 4): (i G + lane_g) 8 +
   // 2 m + h; fp32 (i = b >> 2, m = b & 3): (i G + lane_g) 4 + m.
   const uint32_t lane_id0 = Key::id_of(lane_g * P);
-  // bf16 staging: thread t's V vectors lie side by side, vector i at (i ^ swizzle); the XOR keeps
-  // a warp's 16-byte stores of one vector i conflict-free (eight threads a phase, four of each parity).
+  // The bf16 staging's XOR (above) keeps a warp's 16-byte stores of one vector i conflict-free
+  // (eight threads a phase, four of each parity).
   const int swizzle = (threadIdx.x >> 1) & (V - 1);
   const int64_t tile_stride = int64_t{gridDim.x} * kW;
   const uint32_t fill = kFilter || !kBF16 ? Logits<In>::kFill : 0u;
@@ -374,7 +373,7 @@ __global__ void __launch_bounds__(kBlockWarps<In, G> * 32, 32 / kBlockWarps<In, 
 #pragma unroll
         for (int i = 0; i < V; ++i) {
           if constexpr (kBF16)
-            staged[V * threadIdx.x + (i ^ swizzle)] = raw[i];  // the thread's V vectors side by side
+            staged[V * threadIdx.x + (i ^ swizzle)] = raw[i];
           else
             staged[i * kT + threadIdx.x] = raw[i];
         }
