@@ -520,6 +520,40 @@ __device__ __forceinline__ void publish_counts_by_arrival(const int32_t* hist, i
   }
 }
 
+// publish_counts_by_arrival with two experts per 64-bit atomic: half the returning atomics on the
+// entries at the kernel's end (0.1-0.4 us a call at E = 256 on the H100, docs/router.md). Each
+// 32-bit half holds an expert's count in bits 0-21 and the block's arrival in bit 22 up, so a half
+// never carries into the other while T < 2^22 and the grid has fewer than 1024 blocks
+// (count_pairs_fit; 10 bits of arrivals, since a one-wave grid of blocks of 8 warps has 528 on an
+// H100). Entry e / 2 holds experts e and e + 1 (e even).
+constexpr int kPairCountBits = 22;
+__host__ __device__ constexpr bool count_pairs_fit(int64_t T, unsigned blocks) {
+  return T < (int64_t{1} << kPairCountBits) && blocks < (1u << (32 - kPairCountBits));
+}
+template <int kBlockThreads>
+__device__ __forceinline__ void publish_count_pairs_by_arrival(const int32_t* hist, int E, const RouterForwardArgs& a) {
+  constexpr uint32_t kArrival = 1u << kPairCountBits, kCountMask = kArrival - 1;
+  for (int e = 2 * threadIdx.x; e < E; e += 2 * kBlockThreads) {
+    const bool second = e + 1 < E;
+    uint32_t c0 = static_cast<uint32_t>(hist[e]), c1 = second ? static_cast<uint32_t>(hist[e + 1]) : 0u;
+    unsigned long long* const entry = a.count_arrivals + int64_t{e / 2} * kRouterArrivalStride;
+    const unsigned long long old =
+        atomicAdd(entry, (static_cast<unsigned long long>(kArrival | c1) << 32) | (kArrival | c0));
+    if ((static_cast<uint32_t>(old) >> kPairCountBits) != gridDim.x - 1) continue;
+    *entry = 0;
+    c0 += static_cast<uint32_t>(old) & kCountMask;
+    c1 += static_cast<uint32_t>(old >> 32) & kCountMask;
+    a.selection_counts[e] = static_cast<int32_t>(c0);
+    a.counts32[e] = static_cast<int32_t>(c0);
+    if (a.counts64) a.counts64[e] = c0;
+    if (second) {
+      a.selection_counts[e + 1] = static_cast<int32_t>(c1);
+      a.counts32[e + 1] = static_cast<int32_t>(c1);
+      if (a.counts64) a.counts64[e + 1] = c1;
+    }
+  }
+}
+
 // The last block of the grid to finish gets true (every block calls it once, from all threads,
 // after its last global write). The ticket counter is cleared by the caller once the last block is
 // done, so it is zero again for the next (stream-ordered) launch.

@@ -53,7 +53,8 @@
 // even and the odd elements' maxima (SecondValue).
 // Keys are the general kernel's Key32 / Key64, so the selection is the same bit for bit. Selection
 // counts go to a shared histogram, then out by last arrival (publish_counts_by_arrival), as the
-// general kernel's do when it computes no loss and no select pass.
+// general kernel's do when it computes no loss and no select pass; here two experts an atomic
+// (publish_count_pairs_by_arrival) where T and the grid leave room for it.
 #include <algorithm>
 #include <cfloat>
 #include <type_traits>
@@ -588,7 +589,10 @@ __global__ void __launch_bounds__(kBlockWarps<In, G> * 32, 32 / kBlockWarps<In, 
   bits = __reduce_or_sync(kFull, bits);
   if ((threadIdx.x & 31) == 0 && bits) atomicOr(a.error_word, bits);
   __syncthreads();
-  publish_counts_by_arrival<kT>(hist, E, a);
+  if (count_pairs_fit(p.T, gridDim.x))  // the one-wave grids; capped grids of 1024 blocks do not fit
+    publish_count_pairs_by_arrival<kT>(hist, E, a);
+  else
+    publish_counts_by_arrival<kT>(hist, E, a);
 }
 
 // The grid. With the candidate filter at k <= 2 and E <= 256 (the cheapest tiles) and for bf16 at

@@ -673,6 +673,10 @@ TEST(Router, PlainTopKKernelLayouts) {
   run_case(make("E512 k5 sigmoid norm scaled T 5003 (G16 L8: the row's candidates sorted across its lanes)",
                 512, 5, 5003, sigmoid_norm_scaled, true));
   run_case(make("E512 k3 norm T 3001 (G16 L4)", 512, 3, 3001, norm, true));
+  // The counts' two paths: two experts a 64-bit arrival atomic (a grid of fewer than 1024 blocks;
+  // 528 at E = 128 on a 132-SM H100, more arrivals than 9 bits hold) and one (1024 blocks).
+  run_case(make("E128 k2 norm T 65536 (a one-wave grid: counts two experts an atomic)", 128, 2, 65536, norm, true));
+  run_case(make("E8 k2 plain T 300000 (1024 blocks: counts one expert an atomic)", 8, 2, 300000, nullptr, true));
   Case ties = make("E256 k8 norm: ties, signed zeros, non-finite rows", 256, 8, 2001, norm, true);
   ties.edit_logits = ties_signed_zeros_non_finite(256);
   run_case(ties);
