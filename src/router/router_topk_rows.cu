@@ -589,7 +589,7 @@ __global__ void __launch_bounds__(kBlockWarps<In, G> * 32, 32 / kBlockWarps<In, 
   bits = __reduce_or_sync(kFull, bits);
   if ((threadIdx.x & 31) == 0 && bits) atomicOr(a.error_word, bits);
   __syncthreads();
-  if (count_pairs_fit(p.T, gridDim.x))  // the one-wave grids; capped grids of 1024 blocks do not fit
+  if (count_pairs_fit(p.T, gridDim.x))  // every one-wave grid; not a grid capped at 1024 blocks
     publish_count_pairs_by_arrival<kT>(hist, E, a);
   else
     publish_counts_by_arrival<kT>(hist, E, a);
