@@ -496,6 +496,13 @@ __device__ __forceinline__ double block_sum(double v, double* red) {
   return r;
 }
 
+// Expert e's total count (0 <= c <= T) to the three count outputs, by its entry's last arrival.
+__device__ __forceinline__ void write_expert_count(const RouterForwardArgs& a, int e, int64_t c) {
+  a.selection_counts[e] = static_cast<int32_t>(c);
+  a.counts32[e] = static_cast<int32_t>(c);
+  if (a.counts64) a.counts64[e] = c;
+}
+
 // Publishes the per-expert selection counts of a launch when they are all its last block would
 // publish (no loss, no select pass): every block adds its count of each expert (hist, shared) and
 // one arrival to the expert's scratch entry in one 64-bit atomic, and the block arriving last on an
@@ -513,9 +520,7 @@ __device__ __forceinline__ void publish_counts_by_arrival(const int32_t* hist, i
     if ((old >> 32) == gridDim.x - 1) {
       const int32_t c = static_cast<int32_t>(static_cast<uint32_t>(old)) + hist[e];
       *entry = 0;
-      a.selection_counts[e] = c;
-      a.counts32[e] = c;
-      if (a.counts64) a.counts64[e] = c;
+      write_expert_count(a, e, c);
     }
   }
 }
@@ -543,14 +548,8 @@ __device__ __forceinline__ void publish_count_pairs_by_arrival(const int32_t* hi
     *entry = 0;
     c0 += static_cast<uint32_t>(old) & kCountMask;
     c1 += static_cast<uint32_t>(old >> 32) & kCountMask;
-    a.selection_counts[e] = static_cast<int32_t>(c0);
-    a.counts32[e] = static_cast<int32_t>(c0);
-    if (a.counts64) a.counts64[e] = c0;
-    if (second) {
-      a.selection_counts[e + 1] = static_cast<int32_t>(c1);
-      a.counts32[e + 1] = static_cast<int32_t>(c1);
-      if (a.counts64) a.counts64[e + 1] = c1;
-    }
+    write_expert_count(a, e, c0);
+    if (second) write_expert_count(a, e + 1, c1);
   }
 }
 
